@@ -1,0 +1,392 @@
+//! The [`LockBackend`] contract every lock store meets, and its request/outcome types.
+//!
+//! A backend stores lock state and nothing else: who holds which key, in which
+//! [`LockMode`], with how many holds, until when. Everything on the client side — waiting
+//! with a deadline, the watchdog, guards, owners, the middleware — is written once
+//! against this trait, so it holds for every backend alike.
+//!
+//! The trait speaks in store-neutral terms: a lease is a [`Duration`], a busy lock
+//! reports how long its holder's lease still runs, and "waiting for a release" is a
+//! [`Subscription`] whose mechanism is the backend's own (Redis pub/sub, an in-process
+//! notify, PostgreSQL `LISTEN`/`NOTIFY`, ...). No scripts, channels or `PTTL` appear here.
+//!
+//! The methods return boxed futures so that the trait is object-safe: a
+//! [`LockClient`](crate::LockClient) holds an `Arc<dyn LockBackend>`, and composite
+//! backends (RedLock over several stores) hold several. One allocation per call is
+//! nothing next to a network round trip.
+//!
+//! # Implementing a backend
+//!
+//! Every state change must be atomic in the store (one script, one transaction, one
+//! critical section). The conformance suite in `tests/` runs the same cases against every
+//! backend; a new backend should pass it unchanged.
+//!
+//! # Example
+//!
+//! Driving a backend directly (the [`Lock`](crate::Lock) API does this for you):
+//!
+//! ```
+//! use std::time::Duration;
+//! use tower_lock::backend::{Acquire, LockBackend, LockMode, LockRequest, Release};
+//! use tower_lock::{LockKey, MemoryBackend, Owner};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), tower_lock::Error> {
+//! let backend = MemoryBackend::new();
+//! let req = LockRequest::new(
+//!     LockKey::new("k")?,
+//!     Owner::from_raw("me:1")?,
+//!     LockMode::Exclusive,
+//!     Duration::from_secs(10),
+//! );
+//! let Acquire::Acquired(grant) = backend.acquire(&req).await? else { unreachable!() };
+//! assert_eq!(grant.holds(), 1);
+//!
+//! let other = LockRequest::new(req.key.clone(), Owner::from_raw("you:1")?, LockMode::Exclusive, req.lease);
+//! assert!(matches!(backend.acquire(&other).await?, Acquire::Busy { ttl: Some(_) }));
+//! assert_eq!(backend.release(&other).await?, Release::NotHeld);
+//! assert_eq!(backend.release(&req).await?, Release::Released);
+//! # Ok(())
+//! # }
+//! ```
+
+use std::fmt;
+use std::future::Future;
+use std::num::NonZeroU32;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::error::Result;
+use crate::key::LockKey;
+use crate::owner::Owner;
+
+pub mod memory;
+
+/// A boxed, `Send` future: what every [`LockBackend`] method returns.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// How a lock is held. Backends return
+/// [`Error::Unsupported`](crate::Error::Unsupported) for modes they do not implement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LockMode {
+    /// One owner at a time, reentrant, no ordering among waiters (Redisson `RLock`).
+    Exclusive,
+    /// One owner at a time, reentrant, waiters served in arrival order (Redisson
+    /// `RFairLock`).
+    Fair,
+    /// Shared with other readers, excluded by a writer (Redisson `RReadWriteLock`'s
+    /// read lock).
+    Read,
+    /// Exclusive against readers and writers (Redisson `RReadWriteLock`'s write lock).
+    Write,
+    /// One of at most `max` leased permits (a semaphore, like Redisson's
+    /// `RPermitExpirableSemaphore`).
+    Permits {
+        /// Most owners that may hold the key at once.
+        max: NonZeroU32,
+    },
+}
+
+impl fmt::Display for LockMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LockMode::Exclusive => f.write_str("exclusive"),
+            LockMode::Fair => f.write_str("fair"),
+            LockMode::Read => f.write_str("read"),
+            LockMode::Write => f.write_str("write"),
+            LockMode::Permits { max } => write!(f, "permits({max})"),
+        }
+    }
+}
+
+/// A fencing token: strictly increasing per key across successive holders.
+///
+/// Pass it to the storage your critical section writes to and have the storage reject
+/// writes carrying a token lower than the highest it has seen; that turns "a paused
+/// holder outlived its lease" from silent corruption into a rejected write. A reentrant
+/// acquisition returns the token of the hold it re-enters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct FencingToken(u64);
+
+impl FencingToken {
+    /// Wraps a raw token value.
+    pub const fn new(value: u64) -> Self {
+        FencingToken(value)
+    }
+
+    /// The raw value.
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for FencingToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+/// One lock operation: which key, on behalf of whom, in which mode, with which lease.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LockRequest {
+    /// The lock.
+    pub key: LockKey,
+    /// Who acquires, renews or releases.
+    pub owner: Owner,
+    /// How the lock is held.
+    pub mode: LockMode,
+    /// The lease to set: on acquire, on renew, and on a release that leaves holds in
+    /// place. Always at least 1 ms.
+    pub lease: Duration,
+}
+
+impl LockRequest {
+    /// A request for `owner` on `key`.
+    pub fn new(key: LockKey, owner: Owner, mode: LockMode, lease: Duration) -> Self {
+        LockRequest {
+            key,
+            owner,
+            mode,
+            lease,
+        }
+    }
+}
+
+/// A successful acquisition.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Grant {
+    holds: u32,
+    token: FencingToken,
+    valid_for: Option<Duration>,
+}
+
+impl Grant {
+    /// The owner now holds the lock `holds` times (1 for a fresh acquisition), under
+    /// fencing token `token`.
+    pub fn new(holds: u32, token: FencingToken) -> Self {
+        Grant {
+            holds,
+            token,
+            valid_for: None,
+        }
+    }
+
+    /// Says the grant is valid for `valid_for` from the moment the acquire call
+    /// returned, rather than the full lease from the moment it was sent. Quorum
+    /// backends use it to pass on lease − elapsed − clock drift.
+    pub fn with_valid_for(mut self, valid_for: Duration) -> Self {
+        self.valid_for = Some(valid_for);
+        self
+    }
+
+    /// How many times the owner now holds the lock.
+    pub fn holds(&self) -> u32 {
+        self.holds
+    }
+
+    /// The fencing token of this hold.
+    pub fn token(&self) -> FencingToken {
+        self.token
+    }
+
+    /// See [`Grant::with_valid_for`].
+    pub fn valid_for(&self) -> Option<Duration> {
+        self.valid_for
+    }
+}
+
+/// The outcome of [`LockBackend::acquire`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Acquire {
+    /// The owner holds the lock.
+    Acquired(Grant),
+    /// Another owner holds it.
+    Busy {
+        /// How long the holder's lease still runs; `None` when it has no expiry or the
+        /// backend cannot tell. Waiters sleep at most this long before trying again.
+        ttl: Option<Duration>,
+    },
+}
+
+/// The outcome of [`LockBackend::release`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Release {
+    /// The last hold was released; the lock is free (for this owner's mode) and waiters
+    /// were notified.
+    Released,
+    /// One hold was released; the owner still holds the lock this many times, and the
+    /// lease was reset.
+    Decremented {
+        /// Holds left.
+        holds: u32,
+    },
+    /// The owner did not hold the lock (never did, or its lease ran out, or it was
+    /// force-released). Nothing was changed.
+    NotHeld,
+}
+
+/// Why [`Subscription::wait`] returned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wake {
+    /// A release (or a reconnect, or a stored notification) says trying again may work.
+    Notified,
+    /// The deadline passed without a notification.
+    Deadline,
+}
+
+/// A registered interest in releases of one key, from [`LockBackend::subscribe`].
+///
+/// Dropping it unregisters; a backend must not keep anything per waiter after that.
+pub trait Subscription: Send {
+    /// Waits until a release of the key is signalled or `deadline` passes, whichever
+    /// comes first. A release signalled after [`LockBackend::subscribe`] returned and
+    /// before this call must not be lost: it makes this call return at once.
+    ///
+    /// It does not fail: when the backend cannot deliver notifications (a dropped
+    /// pub/sub connection) it returns `Notified` so the caller retries, or sleeps to the
+    /// deadline; the caller bounds the deadline by the holder's lease.
+    fn wait(&mut self, deadline: Instant) -> BoxFuture<'_, Wake>;
+
+    /// The caller was woken by a notification but will not use it (it is giving up or
+    /// being cancelled): hand the wake-up to another waiter of the same key, so that a
+    /// release is never absorbed by a waiter that went away.
+    fn pass_on(&mut self);
+}
+
+/// The contract of a lock store.
+///
+/// Every method is owner-checked where it changes state: nobody renews or releases a
+/// lock another owner holds. Every method that changes state is atomic in the store.
+/// Implementations must be cheap to call concurrently from many tasks.
+pub trait LockBackend: Send + Sync + 'static {
+    /// A short name for messages and traces (`"memory"`, `"redis"`).
+    fn name(&self) -> &'static str;
+
+    /// Tries once to take `req.key` for `req.owner` in `req.mode`.
+    ///
+    /// - The key is free (or compatible with the mode, for shared modes): the owner now
+    ///   holds it once, with a lease of `req.lease`, under a fencing token greater than
+    ///   every token issued for this key before → [`Acquire::Acquired`] with `holds: 1`.
+    /// - The owner already holds it in this mode: the hold count goes up by one, the
+    ///   lease is reset to `req.lease`, and the token is the one issued when the hold
+    ///   began → `Acquired` with the new count (reentrancy).
+    /// - Another owner holds it: nothing changes → [`Acquire::Busy`] with the holder's
+    ///   remaining lease.
+    ///
+    /// An expired lease counts as free.
+    fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>>;
+
+    /// Resets the lease of `req.owner`'s hold to `req.lease` if the owner still holds
+    /// the key in `req.mode`; returns whether it does. Never changes the hold count.
+    fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>>;
+
+    /// [`renew`](LockBackend::renew) for many holds at once, results in the same order.
+    /// The watchdog calls this once per period with every lock it keeps alive;
+    /// backends batch it into as few round trips as they can (one pipeline or script per
+    /// connection). The default renews one by one.
+    fn renew_many<'a>(&'a self, reqs: &'a [LockRequest]) -> BoxFuture<'a, Vec<Result<bool>>> {
+        Box::pin(async move {
+            let mut out = Vec::with_capacity(reqs.len());
+            for req in reqs {
+                out.push(self.renew(req).await);
+            }
+            out
+        })
+    }
+
+    /// Releases one hold of `req.owner` on `req.key` in `req.mode`.
+    ///
+    /// Not held by this owner → [`Release::NotHeld`], nothing changes. More holds left →
+    /// [`Release::Decremented`], lease reset to `req.lease`. Last hold →
+    /// [`Release::Released`], and waiters are notified: in exclusive modes one waiter per
+    /// client process is enough (no thundering herd); where a release may let several
+    /// waiters in at once (a write unlock, readers), all are woken.
+    fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>>;
+
+    /// Registers interest in releases of `req.key` as seen by `req.owner` in
+    /// `req.mode`, before the caller's next attempt, so no release between that attempt
+    /// and [`Subscription::wait`] is missed. Subscriptions to the same key are shared
+    /// where the store allows (one channel subscription per key per process) and torn
+    /// down with the last one.
+    fn subscribe<'a>(
+        &'a self,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, Result<Box<dyn Subscription>>>;
+
+    /// Whether [`acquire`](LockBackend::acquire) records a busy owner in the store as a
+    /// waiter (a fair queue) in `mode`, so that callers must call
+    /// [`cancel_wait`](LockBackend::cancel_wait) when they give up. The default is
+    /// `false`.
+    fn queues_waiters(&self, mode: LockMode) -> bool {
+        let _ = mode;
+        false
+    }
+
+    /// The caller stopped waiting for `req` (deadline passed, or it was cancelled).
+    /// Backends that keep waiters in the store (a fair queue) remove the owner's place
+    /// here; the default does nothing. Only called when
+    /// [`queues_waiters`](LockBackend::queues_waiters) says so.
+    fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
+        let _ = req;
+        Box::pin(async { Ok(()) })
+    }
+
+    /// Removes every hold on `key` in `mode` whoever the owner, and wakes waiters; returns
+    /// whether anything was held. An administrative escape hatch (Redisson's
+    /// `forceUnlock`): the owners are not told until their next renewal or release.
+    fn force_release<'a>(&'a self, key: &'a LockKey, mode: LockMode)
+    -> BoxFuture<'a, Result<bool>>;
+
+    /// The watchdog lease this backend was configured with, if any; a
+    /// [`LockClient`](crate::LockClient) built on this backend uses it unless told
+    /// otherwise.
+    fn watchdog_lease(&self) -> Option<Duration> {
+        None
+    }
+}
+
+macro_rules! forward_backend {
+    ($($ptr:ty),*) => {$(
+        impl<T: LockBackend + ?Sized> LockBackend for $ptr {
+            fn name(&self) -> &'static str {
+                (**self).name()
+            }
+            fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
+                (**self).acquire(req)
+            }
+            fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>> {
+                (**self).renew(req)
+            }
+            fn renew_many<'a>(&'a self, reqs: &'a [LockRequest]) -> BoxFuture<'a, Vec<Result<bool>>> {
+                (**self).renew_many(reqs)
+            }
+            fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>> {
+                (**self).release(req)
+            }
+            fn subscribe<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Box<dyn Subscription>>> {
+                (**self).subscribe(req)
+            }
+            fn queues_waiters(&self, mode: LockMode) -> bool {
+                (**self).queues_waiters(mode)
+            }
+            fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
+                (**self).cancel_wait(req)
+            }
+            fn force_release<'a>(&'a self, key: &'a LockKey, mode: LockMode) -> BoxFuture<'a, Result<bool>> {
+                (**self).force_release(key, mode)
+            }
+            fn watchdog_lease(&self) -> Option<Duration> {
+                (**self).watchdog_lease()
+            }
+        }
+    )*};
+}
+
+forward_backend!(Arc<T>, Box<T>);

@@ -1,0 +1,340 @@
+//! Validated lock keys.
+//!
+//! A [`LockKey`] is the name of one lock. It is validated once, when it is made, so a
+//! backend never sees an empty key, a key longer than [`MAX_KEY_LEN`] bytes, control
+//! characters, or braces that would put a lock's companion keys (fencing counter, fair
+//! queue, release channel) in a different Redis Cluster slot than the lock itself.
+//!
+//! Keys derived from user input should be built with [`LockKey::namespaced`], which puts
+//! the user part inside a hash tag (`lock:order:{42}`) and escapes whatever could break
+//! out of it, so a crafted header can neither reach another namespace nor split a lock
+//! across cluster slots.
+//!
+//! # Example
+//!
+//! ```
+//! use tower_lock::LockKey;
+//!
+//! let key = LockKey::new("anyLock")?;
+//! assert_eq!(key.as_str(), "anyLock");
+//!
+//! // User-controlled text is escaped inside a hash tag:
+//! let key = LockKey::namespaced("lock:order", "42")?;
+//! assert_eq!(key.as_str(), "lock:order:{42}");
+//! let key = LockKey::namespaced("lock:order", "x}:evil{")?;
+//! assert_eq!(key.as_str(), "lock:order:{x%7D:evil%7B}");
+//! assert_eq!(key.hash_tag(), Some("x%7D:evil%7B"));
+//!
+//! assert!(LockKey::new("").is_err());
+//! assert!(LockKey::new("a{b}c{d}").is_err());
+//! # Ok::<(), tower_lock::Error>(())
+//! ```
+//!
+//! # Errors
+//!
+//! Every constructor returns [`Error::InvalidKey`](crate::Error::InvalidKey) with the
+//! reason; nothing here panics on any input.
+
+use std::borrow::Borrow;
+use std::fmt;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+
+/// The longest key accepted, in bytes (1 KiB). Redis allows far longer keys, but every
+/// lock operation sends the key, and a key this long is almost always a bug (a whole
+/// request body used as a key).
+pub const MAX_KEY_LEN: usize = 1024;
+
+/// The name of one lock: non-empty, at most [`MAX_KEY_LEN`] bytes, no control
+/// characters, and either no braces or exactly one non-empty hash tag `{...}`.
+///
+/// Cheap to clone (an `Arc<str>` inside).
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LockKey(Arc<str>);
+
+impl LockKey {
+    /// Validates `key` as a lock name.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidKey`] when the key is empty, longer than [`MAX_KEY_LEN`] bytes,
+    /// contains a control character, or has braces other than one non-empty `{tag}`.
+    pub fn new(key: impl AsRef<str>) -> Result<Self> {
+        let key = key.as_ref();
+        validate(key)?;
+        Ok(LockKey(Arc::from(key)))
+    }
+
+    /// Builds `<namespace>:{<part>}` from a fixed namespace and a value that may come
+    /// from a user (a header, a path segment, a user id).
+    ///
+    /// `part` is wrapped in a hash tag, so every companion key of the lock lands in the
+    /// same Redis Cluster slot, and `%`, `{`, `}` and control characters in it are
+    /// percent-escaped, so it can neither close the tag nor inject another one. The
+    /// escaping is one-to-one: different parts give different keys.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidKey`] when `namespace` contains braces or control characters,
+    /// `part` is empty, or the result is longer than [`MAX_KEY_LEN`] bytes.
+    pub fn namespaced(namespace: &str, part: &str) -> Result<Self> {
+        if namespace.contains(['{', '}']) {
+            return Err(Error::invalid_key("namespace must not contain `{` or `}`"));
+        }
+        if namespace.chars().any(char::is_control) {
+            return Err(Error::invalid_key(
+                "namespace must not contain control characters",
+            ));
+        }
+        if part.is_empty() {
+            return Err(Error::invalid_key("key part is empty"));
+        }
+        let mut key = String::with_capacity(namespace.len() + part.len() + 3);
+        if !namespace.is_empty() {
+            key.push_str(namespace);
+            key.push(':');
+        }
+        key.push('{');
+        escape_into(part, &mut key);
+        key.push('}');
+        validate(&key)?;
+        Ok(LockKey(Arc::from(key)))
+    }
+
+    /// The key as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The hash tag's content when the key has one (`lock:{42}` → `42`).
+    pub fn hash_tag(&self) -> Option<&str> {
+        let open = self.0.find('{')?;
+        let close = self.0[open..].find('}')? + open;
+        Some(&self.0[open + 1..close])
+    }
+}
+
+fn validate(key: &str) -> Result<()> {
+    if key.is_empty() {
+        return Err(Error::invalid_key("key is empty"));
+    }
+    if key.len() > MAX_KEY_LEN {
+        return Err(Error::invalid_key(format!(
+            "key is {} bytes long, the limit is {MAX_KEY_LEN}",
+            key.len()
+        )));
+    }
+    if let Some(c) = key.chars().find(|c| c.is_control()) {
+        return Err(Error::invalid_key(format!(
+            "key contains the control character {c:?}"
+        )));
+    }
+    let opens = key.matches('{').count();
+    let closes = key.matches('}').count();
+    match (opens, closes) {
+        (0, 0) => Ok(()),
+        (1, 1) => {
+            let open = key.find('{').unwrap_or(0);
+            let close = key.find('}').unwrap_or(0);
+            if close < open {
+                Err(Error::invalid_key("`}` comes before `{`"))
+            } else if close == open + 1 {
+                Err(Error::invalid_key("hash tag `{}` is empty"))
+            } else {
+                Ok(())
+            }
+        }
+        _ => Err(Error::invalid_key(
+            "a key may hold at most one hash tag `{...}`; escape user input with LockKey::namespaced",
+        )),
+    }
+}
+
+fn escape_into(part: &str, out: &mut String) {
+    for c in part.chars() {
+        if c == '%' || c == '{' || c == '}' || c.is_control() {
+            let mut buf = [0u8; 4];
+            for b in c.encode_utf8(&mut buf).bytes() {
+                out.push('%');
+                out.push(char::from(HEX[usize::from(b >> 4)]));
+                out.push(char::from(HEX[usize::from(b & 0xf)]));
+            }
+        } else {
+            out.push(c);
+        }
+    }
+}
+
+const HEX: &[u8; 16] = b"0123456789ABCDEF";
+
+impl fmt::Debug for LockKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Display for LockKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl AsRef<str> for LockKey {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Borrow<str> for LockKey {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
+impl TryFrom<&str> for LockKey {
+    type Error = Error;
+    fn try_from(value: &str) -> Result<Self> {
+        LockKey::new(value)
+    }
+}
+
+impl TryFrom<String> for LockKey {
+    type Error = Error;
+    fn try_from(value: String) -> Result<Self> {
+        LockKey::new(value)
+    }
+}
+
+impl std::str::FromStr for LockKey {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        LockKey::new(s)
+    }
+}
+
+/// Anything that can become a [`LockKey`]: text (validated) or a key.
+pub trait IntoLockKey {
+    /// Converts, validating text.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidKey`] for text that is not a valid key.
+    fn into_lock_key(self) -> Result<LockKey>;
+}
+
+impl IntoLockKey for LockKey {
+    fn into_lock_key(self) -> Result<LockKey> {
+        Ok(self)
+    }
+}
+
+impl IntoLockKey for &LockKey {
+    fn into_lock_key(self) -> Result<LockKey> {
+        Ok(self.clone())
+    }
+}
+
+impl IntoLockKey for &str {
+    fn into_lock_key(self) -> Result<LockKey> {
+        LockKey::new(self)
+    }
+}
+
+impl IntoLockKey for String {
+    fn into_lock_key(self) -> Result<LockKey> {
+        LockKey::new(self)
+    }
+}
+
+impl IntoLockKey for &String {
+    fn into_lock_key(self) -> Result<LockKey> {
+        LockKey::new(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_plain_and_tagged_keys() {
+        for ok in [
+            "a",
+            "anyLock",
+            "lock:order:42",
+            "lock:{42}:order",
+            "{x}",
+            "é✓",
+        ] {
+            assert_eq!(LockKey::new(ok).unwrap().as_str(), ok);
+        }
+        assert_eq!(
+            LockKey::new("x".repeat(MAX_KEY_LEN))
+                .unwrap()
+                .as_str()
+                .len(),
+            MAX_KEY_LEN
+        );
+    }
+
+    #[test]
+    fn rejects_bad_keys_with_reasons() {
+        let cases = [
+            ("", "empty"),
+            ("a\nb", "control"),
+            ("a\u{7f}", "control"),
+            ("{}", "empty"),
+            ("}a{", "before"),
+            ("{a}{b}", "at most one"),
+            ("a{b", "at most one"),
+            ("a}b", "at most one"),
+        ];
+        for (key, why) in cases {
+            match LockKey::new(key) {
+                Err(Error::InvalidKey { reason }) => {
+                    assert!(reason.contains(why), "{key:?}: {reason}")
+                }
+                other => panic!("{key:?}: {other:?}"),
+            }
+        }
+        assert!(matches!(
+            LockKey::new("x".repeat(MAX_KEY_LEN + 1)),
+            Err(Error::InvalidKey { .. })
+        ));
+    }
+
+    #[test]
+    fn namespaced_escapes_user_text() {
+        let key = LockKey::namespaced("lock:order", "42").unwrap();
+        assert_eq!(key.as_str(), "lock:order:{42}");
+        assert_eq!(key.hash_tag(), Some("42"));
+
+        let key = LockKey::namespaced("ns", "a}b{c%d\n").unwrap();
+        assert_eq!(key.as_str(), "ns:{a%7Db%7Bc%25d%0A}");
+        assert_eq!(LockKey::namespaced("", "u").unwrap().as_str(), "{u}");
+
+        // One-to-one: the escape character itself is escaped.
+        assert_ne!(
+            LockKey::namespaced("ns", "%7D").unwrap(),
+            LockKey::namespaced("ns", "}").unwrap()
+        );
+    }
+
+    #[test]
+    fn namespaced_rejects_bad_parts() {
+        assert!(LockKey::namespaced("ns", "").is_err());
+        assert!(LockKey::namespaced("n{s", "a").is_err());
+        assert!(LockKey::namespaced("n\ts", "a").is_err());
+        assert!(LockKey::namespaced("ns", &"}".repeat(400)).is_err());
+    }
+
+    #[test]
+    fn into_lock_key_variants() {
+        let key = LockKey::new("k").unwrap();
+        assert_eq!("k".into_lock_key().unwrap(), key);
+        assert_eq!(String::from("k").into_lock_key().unwrap(), key);
+        assert_eq!((&key).into_lock_key().unwrap(), key);
+        assert!("".into_lock_key().is_err());
+    }
+}

@@ -1,0 +1,83 @@
+//! Redisson-grade distributed locks for tower and axum.
+//!
+//! Web services run as many replicas, and some requests must not run at the same time:
+//! two flash-sale orders of one user, two edits of one document, two transfers from one
+//! account. `tower-lock` serializes them across every replica with leased, reentrant,
+//! fenced locks, on Redis (wire-compatible with Redisson) or in memory.
+//!
+//! # Quick start
+//!
+//! ```
+//! use std::time::Duration;
+//! use tower_lock::{LockClient, MemoryBackend};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), tower_lock::Error> {
+//! let client = LockClient::new(MemoryBackend::new());
+//! let lock = client.get_lock("lock:order:{42}")?;
+//!
+//! // Wait up to one second; the watchdog keeps the lock while the guard lives.
+//! let guard = lock.try_lock_for(Duration::from_secs(1), tower_lock::Lease::Watchdog).await?;
+//! let token = guard.fencing_token(); // pass it to storage to reject stale writers
+//! # let _ = token;
+//! guard.unlock().await?; // reports Error::Lost if the lock was lost meanwhile
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Concepts
+//!
+//! - A [`LockBackend`](backend::LockBackend) stores lock state: [`MemoryBackend`] in one
+//!   process; Redis across processes.
+//! - A [`LockClient`] wraps a backend with an identity and a watchdog, and hands out
+//!   [`Lock`]s by [`LockKey`].
+//! - Locks are held by an [`Owner`]; the same owner re-enters. [`Owner::scope`] makes an
+//!   owner current for a future, which is how the middleware gives each request its own.
+//! - A [`LockGuard`] is a held lock: its [fencing token](LockGuard::fencing_token), its
+//!   [lost signal](LockGuard::lost), and [`unlock`](LockGuard::unlock).
+//!
+//! # Safety of distributed locks
+//!
+//! A Redis lock is a *lease*. The store frees it when the lease ends, whatever the holder
+//! is doing; that is what makes a crashed holder harmless, and it is also why a holder
+//! that stalls (a long GC or VM pause, a SIGSTOP, a blocked thread) can wake up after its
+//! lease ended and another owner took the lock. No lock service can prevent that on its
+//! own. What this crate gives you to cope:
+//!
+//! - **Fencing tokens**: every acquisition gets a token strictly greater than every
+//!   earlier holder's. Have the storage you protect remember the highest token it has
+//!   seen and reject writes with lower ones; then a stale holder's writes fail instead of
+//!   corrupting data.
+//! - **The lost signal** fires as soon as the watchdog learns the lock is gone (or could
+//!   not renew it before the lease ended): stop work that is no longer protected.
+//! - **`unlock` reports loss** ([`Error::Lost`]) instead of silently succeeding.
+//!
+//! Redis replication is asynchronous: a primary that fails over before replicating a lock
+//! can let a second owner in. RedLock (a majority of independent nodes) narrows that
+//! window but still assumes bounded clock drift and pauses shorter than the lease; it
+//! gives no fencing guarantee across nodes. Use fencing tokens where correctness matters.
+
+#![warn(missing_docs, rust_2018_idioms)]
+#![deny(unreachable_pub, unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub mod backend;
+mod error;
+mod key;
+mod lock;
+mod owner;
+
+pub use backend::memory::MemoryBackend;
+pub use backend::{FencingToken, LockMode};
+pub use error::{BoxError, Error, Result};
+pub use key::{IntoLockKey, LockKey, MAX_KEY_LEN};
+pub use lock::{
+    DEFAULT_WATCHDOG_LEASE, Lease, Lock, LockClient, LockClientBuilder, LockGuard, LostSignal,
+    MAX_LEASE, MIN_LEASE, MIN_WATCHDOG_LEASE,
+};
+pub use owner::{MAX_OWNER_LEN, Owner};
+
+/// The README's examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -1,0 +1,220 @@
+//! The acquire loop shared by every lock kind and every backend.
+//!
+//! Redisson's `tryLock(wait, lease)`: try once; if busy and time is left, subscribe to
+//! releases *first*, then try again, then sleep until a release is signalled or the
+//! holder's lease would end, whichever is sooner, bounded by the deadline; repeat. A
+//! notification that is lost or late costs at most the holder's remaining lease.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use super::guard::{LockGuard, LostSignal};
+use super::{Lease, Lock, LockClient};
+use crate::backend::{Acquire, Grant, LockRequest, Subscription, Wake};
+use crate::error::{Error, Result};
+
+/// How long a waiter sleeps between attempts when the holder's lock has no expiry (or
+/// the backend cannot tell its TTL) and no release is signalled: a safety net against a
+/// lost notification, not a polling interval.
+const NO_TTL_RECHECK: Duration = Duration::from_secs(1);
+
+/// The shortest sleep between attempts, so a TTL of zero (a lease ending right now)
+/// cannot spin.
+const MIN_RECHECK: Duration = Duration::from_millis(1);
+
+pub(crate) async fn acquire(
+    lock: &Lock,
+    wait: Option<Duration>,
+    lease: Lease,
+) -> Result<LockGuard> {
+    let client = &lock.client;
+    let (lease_len, watched) = match lease {
+        Lease::Watchdog => (client.watchdog_lease(), true),
+        Lease::Fixed(lease) => (super::validate_lease("lease", lease)?, false),
+    };
+    let (owner, fresh_owner) = match &lock.owner {
+        Some(owner) => (owner.clone(), false),
+        None => match crate::Owner::current() {
+            Some(owner) => (owner, false),
+            None => (client.new_owner(), true),
+        },
+    };
+    let req = LockRequest::new(lock.key.clone(), owner, lock.mode, lease_len);
+    let started = Instant::now();
+    // A wait too long to represent as an instant means "forever".
+    let deadline = wait.and_then(|w| started.checked_add(w));
+
+    let span = tracing::debug_span!(
+        "tower_lock.acquire",
+        key = %req.key,
+        mode = %req.mode,
+        owner = %req.owner,
+        outcome = tracing::field::Empty,
+        wait_us = tracing::field::Empty,
+    );
+    let result = run(client, &req, deadline, fresh_owner)
+        .instrument(span.clone())
+        .await;
+    span.record("wait_us", started.elapsed().as_micros() as u64);
+    let (grant, sent_at) = match result {
+        Ok(acquired) => {
+            span.record("outcome", "acquired");
+            acquired
+        }
+        Err(error) => {
+            span.record("outcome", if error.is_busy() { "busy" } else { "error" });
+            return Err(error);
+        }
+    };
+
+    let expires_at = match grant.valid_for() {
+        Some(valid_for) => Instant::now() + valid_for,
+        None => sent_at + lease_len,
+    };
+    let (lost, generation) = if watched {
+        let reg = client.watchdog().register(&req, expires_at);
+        (LostSignal::new(reg.lost, None), Some(reg.generation))
+    } else {
+        (
+            LostSignal::new(tokio_util::sync::CancellationToken::new(), Some(expires_at)),
+            None,
+        )
+    };
+    Ok(LockGuard::new(
+        client.clone(),
+        req,
+        grant.token(),
+        grant.holds(),
+        lost,
+        generation,
+    ))
+}
+
+async fn run(
+    client: &LockClient,
+    req: &LockRequest,
+    deadline: Option<Instant>,
+    fresh_owner: bool,
+) -> Result<(Grant, Instant)> {
+    let expired = |now: Instant| deadline.is_some_and(|d| now >= d);
+
+    let mut ttl = match attempt(client, req, fresh_owner).await? {
+        (Acquire::Acquired(grant), sent_at) => return Ok((grant, sent_at)),
+        (Acquire::Busy { ttl }, _) => ttl,
+    };
+    if expired(Instant::now()) {
+        return Err(Error::Busy { holder_ttl: ttl });
+    }
+
+    let backend = client.backend();
+    let mut waiting = Waiting {
+        sub: backend.subscribe(req).await?,
+        woken: false,
+        queued: backend.queues_waiters(req.mode),
+        client,
+        req,
+    };
+    loop {
+        let outcome = attempt(client, req, fresh_owner).await?;
+        // The wake-up, if any, has been used by this attempt.
+        waiting.woken = false;
+        match outcome {
+            (Acquire::Acquired(grant), sent_at) => {
+                waiting.queued = false;
+                return Ok((grant, sent_at));
+            }
+            (Acquire::Busy { ttl: holder_ttl }, _) => ttl = holder_ttl,
+        }
+        let now = Instant::now();
+        if expired(now) {
+            waiting.give_up().await;
+            return Err(Error::Busy { holder_ttl: ttl });
+        }
+        let recheck = ttl.unwrap_or(NO_TTL_RECHECK).max(MIN_RECHECK);
+        let until = match (now.checked_add(recheck), deadline) {
+            (Some(at), Some(deadline)) => at.min(deadline),
+            (Some(at), None) => at,
+            (None, Some(deadline)) => deadline,
+            (None, None) => now + NO_TTL_RECHECK,
+        };
+        if waiting.sub.wait(until).await == Wake::Notified {
+            waiting.woken = true;
+            tracing::trace!("woken by a release; retrying");
+        }
+    }
+}
+
+/// One acquire call. With a fresh owner (one nobody else can be using), a call that is
+/// cancelled or fails in flight may still have taken the lock in the store; a release is
+/// then spawned for it, so the key is not held until the lease runs out.
+async fn attempt(
+    client: &LockClient,
+    req: &LockRequest,
+    fresh_owner: bool,
+) -> Result<(Acquire, Instant)> {
+    struct InFlight<'a> {
+        client: &'a LockClient,
+        req: &'a LockRequest,
+        armed: bool,
+    }
+    impl Drop for InFlight<'_> {
+        fn drop(&mut self) {
+            if self.armed {
+                let backend = self.client.backend().clone();
+                let req = self.req.clone();
+                tokio::spawn(async move {
+                    let _ = backend.release(&req).await;
+                });
+            }
+        }
+    }
+
+    let sent_at = Instant::now();
+    let mut in_flight = InFlight {
+        client,
+        req,
+        armed: fresh_owner,
+    };
+    let outcome = client.backend().acquire(req).await;
+    in_flight.armed = fresh_owner && outcome.is_err();
+    Ok((outcome?, sent_at))
+}
+
+/// A waiter between attempts. Dropped without success (cancelled, failed), it hands an
+/// unused wake-up on to another waiter and leaves the store's wait queue, if any.
+struct Waiting<'a> {
+    sub: Box<dyn Subscription>,
+    /// Woken by a release whose follow-up attempt has not completed yet.
+    woken: bool,
+    /// The backend keeps this waiter in the store (a fair queue) until told otherwise.
+    queued: bool,
+    client: &'a LockClient,
+    req: &'a LockRequest,
+}
+
+impl Waiting<'_> {
+    async fn give_up(&mut self) {
+        if std::mem::take(&mut self.queued)
+            && let Err(error) = self.client.backend().cancel_wait(self.req).await
+        {
+            tracing::debug!(%error, "could not leave the wait queue; the store will evict this waiter");
+        }
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if self.woken {
+            self.sub.pass_on();
+        }
+        if self.queued {
+            let backend = self.client.backend().clone();
+            let req = self.req.clone();
+            tokio::spawn(async move {
+                let _ = backend.cancel_wait(&req).await;
+            });
+        }
+    }
+}

@@ -1,0 +1,387 @@
+//! The client side: [`LockClient`], [`Lock`], [`LockGuard`] and the watchdog.
+//!
+//! A [`LockClient`] wraps one backend with an identity (a UUID that prefixes every owner
+//! it makes) and one watchdog. It hands out [`Lock`] handles, one per key; a handle
+//! acquires with Redisson's three calls:
+//!
+//! | call | waits | lease |
+//! |---|---|---|
+//! | [`Lock::lock`] | until acquired | watchdog: renewed every lease/3 while held |
+//! | [`Lock::try_lock`] | not at all (one attempt) | watchdog |
+//! | [`Lock::try_lock_for(wait, lease)`](Lock::try_lock_for) | up to `wait` | [`Lease::Watchdog`] or a fixed lease, never renewed |
+//!
+//! Waiting never polls blindly: a waiter sleeps until the backend signals a release or
+//! the holder's lease would end, whichever comes first.
+//!
+//! # Example
+//!
+//! ```
+//! use std::time::Duration;
+//! use tower_lock::{Lease, LockClient, MemoryBackend};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), tower_lock::Error> {
+//! let client = LockClient::new(MemoryBackend::new());
+//! let lock = client.get_lock("account:17")?;
+//!
+//! // Wait up to 2 s; hold with a 10 s lease and no watchdog.
+//! let guard = lock.try_lock_for(Duration::from_secs(2), Duration::from_secs(10)).await?;
+//! println!("fencing token {}", guard.fencing_token());
+//! guard.unlock().await?;
+//!
+//! // Wait up to 2 s; keep it as long as needed (watchdog).
+//! let guard = lock.try_lock_for(Duration::from_secs(2), Lease::Watchdog).await?;
+//! assert!(guard.is_watched());
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Errors
+//!
+//! Acquisition fails with [`Error::Busy`] when the wait runs out (with the holder's
+//! remaining lease, for a `Retry-After`), [`Error::InvalidConfig`] for a zero or absurd
+//! lease, and backend errors as they come. [`LockGuard::unlock`] fails with
+//! [`Error::Lost`] when the lock was no longer held.
+//!
+//! # Cancel safety
+//!
+//! Dropping an acquire future at any point leaves nothing behind: a waiter's subscription
+//! is removed (and a release signal it had consumed is passed to another waiter), a
+//! queued waiter leaves the store's queue, and an attempt cancelled in flight with a
+//! fresh owner is followed by a spawned release. Dropping a [`LockGuard`] stops its
+//! renewal and spawns its release.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::backend::{LockBackend, LockMode};
+use crate::error::{Error, Result};
+use crate::key::{IntoLockKey, LockKey};
+use crate::owner::Owner;
+
+mod acquire;
+mod guard;
+mod watchdog;
+
+pub use guard::{LockGuard, LostSignal};
+use watchdog::Watchdog;
+
+/// The watchdog lease when none is configured: 30 s, as Redisson's
+/// `lockWatchdogTimeout`. Held locks are renewed every 10 s; a crashed holder's lock is
+/// free again at most 30 s later.
+pub const DEFAULT_WATCHDOG_LEASE: Duration = Duration::from_secs(30);
+
+/// The shortest watchdog lease accepted: 30 ms (a renewal every 10 ms). Shorter leases
+/// leave less time for a renewal round trip than a loaded machine needs.
+pub const MIN_WATCHDOG_LEASE: Duration = Duration::from_millis(30);
+
+/// The shortest explicit lease accepted: 1 ms, the resolution of Redis `PEXPIRE`.
+pub const MIN_LEASE: Duration = Duration::from_millis(1);
+
+/// The longest lease accepted: 365 days. Anything longer is a mistake (a unit mix-up or
+/// `Duration::MAX`); a lock that must be held indefinitely should use the watchdog.
+pub const MAX_LEASE: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+
+/// How a lock's lease is kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lease {
+    /// The client's watchdog lease, renewed every third of it while the guard lives.
+    Watchdog,
+    /// A fixed lease: the lock is freed when it ends, whether or not the guard lives
+    /// (Redisson's `leaseTime`). Between [`MIN_LEASE`] and [`MAX_LEASE`].
+    Fixed(Duration),
+}
+
+impl From<Duration> for Lease {
+    fn from(lease: Duration) -> Self {
+        Lease::Fixed(lease)
+    }
+}
+
+pub(crate) fn validate_lease(name: &'static str, lease: Duration) -> Result<Duration> {
+    if lease < MIN_LEASE {
+        return Err(Error::invalid_config(
+            name,
+            format!("must be at least 1 ms (got {lease:?})"),
+        ));
+    }
+    if lease > MAX_LEASE {
+        return Err(Error::invalid_config(
+            name,
+            format!(
+                "must be at most 365 days (got {lease:?}); use the watchdog to hold a lock indefinitely"
+            ),
+        ));
+    }
+    Ok(lease)
+}
+
+fn validate_watchdog_lease(lease: Duration) -> Result<Duration> {
+    if lease < MIN_WATCHDOG_LEASE {
+        return Err(Error::invalid_config(
+            "watchdog_lease",
+            format!("must be at least 30 ms (got {lease:?})"),
+        ));
+    }
+    validate_lease("watchdog_lease", lease)
+}
+
+/// A backend plus an identity and a watchdog: where [`Lock`]s come from.
+///
+/// Cheap to clone: clones share the backend, the identity and the watchdog. Make one per
+/// backend and share it; two clients on one store are two distinct sets of owners, as two
+/// Redisson clients are.
+#[derive(Clone)]
+pub struct LockClient {
+    inner: Arc<ClientInner>,
+}
+
+struct ClientInner {
+    backend: Arc<dyn LockBackend>,
+    id: String,
+    next_owner: AtomicU64,
+    watchdog: Watchdog,
+    watchdog_lease: Duration,
+}
+
+impl LockClient {
+    /// A client on `backend`, with the backend's configured watchdog lease or
+    /// [`DEFAULT_WATCHDOG_LEASE`].
+    pub fn new(backend: impl LockBackend) -> Self {
+        let backend: Arc<dyn LockBackend> = Arc::new(backend);
+        let lease = match backend.watchdog_lease().map(validate_watchdog_lease) {
+            Some(Ok(lease)) => lease,
+            Some(Err(error)) => {
+                tracing::warn!(%error, backend = backend.name(), "ignoring the backend's watchdog lease");
+                DEFAULT_WATCHDOG_LEASE
+            }
+            None => DEFAULT_WATCHDOG_LEASE,
+        };
+        Self::with_parts(backend, lease)
+    }
+
+    /// Configures a client: see [`LockClientBuilder`].
+    pub fn builder(backend: impl LockBackend) -> LockClientBuilder {
+        LockClientBuilder {
+            backend: Arc::new(backend),
+            watchdog_lease: None,
+        }
+    }
+
+    fn with_parts(backend: Arc<dyn LockBackend>, watchdog_lease: Duration) -> Self {
+        LockClient {
+            inner: Arc::new(ClientInner {
+                watchdog: Watchdog::new(Arc::clone(&backend), watchdog_lease),
+                backend,
+                id: uuid::Uuid::new_v4().to_string(),
+                next_owner: AtomicU64::new(1),
+                watchdog_lease,
+            }),
+        }
+    }
+
+    /// The exclusive, reentrant lock named `key` (Redisson `getLock`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidKey`] when `key` is not a valid [`LockKey`].
+    pub fn get_lock(&self, key: impl IntoLockKey) -> Result<Lock> {
+        self.lock_in_mode(key, LockMode::Exclusive)
+    }
+
+    /// The lock named `key` in any [`LockMode`]; the typed getters are usually clearer.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidKey`] when `key` is not a valid [`LockKey`].
+    pub fn lock_in_mode(&self, key: impl IntoLockKey, mode: LockMode) -> Result<Lock> {
+        Ok(Lock {
+            client: self.clone(),
+            key: key.into_lock_key()?,
+            mode,
+            owner: None,
+        })
+    }
+
+    /// A fresh owner, `<client id>:<n>`, distinct from every other owner of this client.
+    pub fn new_owner(&self) -> Owner {
+        let n = self.inner.next_owner.fetch_add(1, Ordering::Relaxed);
+        Owner::new(&self.inner.id, n)
+    }
+
+    /// The client's identity, the UUID part of its owners.
+    pub fn id(&self) -> &str {
+        &self.inner.id
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<dyn LockBackend> {
+        &self.inner.backend
+    }
+
+    /// The lease of watched locks; they are renewed every third of it.
+    pub fn watchdog_lease(&self) -> Duration {
+        self.inner.watchdog_lease
+    }
+
+    /// How many holds the watchdog is currently renewing.
+    pub fn watched_locks(&self) -> usize {
+        self.inner.watchdog.len()
+    }
+
+    pub(crate) fn watchdog(&self) -> &Watchdog {
+        &self.inner.watchdog
+    }
+}
+
+impl std::fmt::Debug for LockClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LockClient")
+            .field("id", &self.inner.id)
+            .field("backend", &self.inner.backend.name())
+            .field("watchdog_lease", &self.inner.watchdog_lease)
+            .finish()
+    }
+}
+
+/// Configures a [`LockClient`].
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_lock::{LockClient, MemoryBackend};
+///
+/// let client = LockClient::builder(MemoryBackend::new())
+///     .watchdog_lease(Duration::from_secs(10))
+///     .build()?;
+/// assert_eq!(client.watchdog_lease(), Duration::from_secs(10));
+///
+/// let err = LockClient::builder(MemoryBackend::new())
+///     .watchdog_lease(Duration::from_millis(5))
+///     .build()
+///     .unwrap_err();
+/// assert!(err.to_string().contains("watchdog_lease"));
+/// # Ok::<(), tower_lock::Error>(())
+/// ```
+#[must_use]
+pub struct LockClientBuilder {
+    backend: Arc<dyn LockBackend>,
+    watchdog_lease: Option<Duration>,
+}
+
+impl LockClientBuilder {
+    /// The lease of locks held without an explicit one; renewed every third of it.
+    /// Default: the backend's, else [`DEFAULT_WATCHDOG_LEASE`]. At least
+    /// [`MIN_WATCHDOG_LEASE`].
+    pub fn watchdog_lease(mut self, lease: Duration) -> Self {
+        self.watchdog_lease = Some(lease);
+        self
+    }
+
+    /// Builds the client.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming `watchdog_lease` when it is out of range.
+    pub fn build(self) -> Result<LockClient> {
+        let lease = self
+            .watchdog_lease
+            .or_else(|| self.backend.watchdog_lease())
+            .unwrap_or(DEFAULT_WATCHDOG_LEASE);
+        let lease = validate_watchdog_lease(lease)?;
+        Ok(LockClient::with_parts(self.backend, lease))
+    }
+}
+
+/// A handle on one lock: a key, a mode and a client. Acquiring returns a [`LockGuard`].
+///
+/// The handle holds nothing by itself; make as many as you like. It acquires as the
+/// owner set with [`Lock::with_owner`], else the current [`Owner::scope`], else a fresh
+/// owner per acquisition (so, outside a scope, a second acquisition of a held key waits
+/// instead of re-entering).
+#[derive(Clone)]
+pub struct Lock {
+    client: LockClient,
+    key: LockKey,
+    mode: LockMode,
+    owner: Option<Owner>,
+}
+
+impl Lock {
+    /// Acquires as `owner` rather than the current or a fresh one.
+    #[must_use]
+    pub fn with_owner(mut self, owner: Owner) -> Self {
+        self.owner = Some(owner);
+        self
+    }
+
+    /// The key.
+    pub fn key(&self) -> &LockKey {
+        &self.key
+    }
+
+    /// The mode.
+    pub fn mode(&self) -> LockMode {
+        self.mode
+    }
+
+    /// The client.
+    pub fn client(&self) -> &LockClient {
+        &self.client
+    }
+
+    /// Waits as long as it takes, then holds the lock with the watchdog (Redisson
+    /// `lock()`).
+    ///
+    /// # Errors
+    ///
+    /// Backend errors; never [`Error::Busy`].
+    pub async fn lock(&self) -> Result<LockGuard> {
+        acquire::acquire(self, None, Lease::Watchdog).await
+    }
+
+    /// One attempt, no waiting; holds with the watchdog (Redisson `tryLock()`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Busy`] with the holder's remaining lease when another owner holds it.
+    pub async fn try_lock(&self) -> Result<LockGuard> {
+        acquire::acquire(self, Some(Duration::ZERO), Lease::Watchdog).await
+    }
+
+    /// Waits up to `wait` (zero: one attempt; too large to represent: forever), then
+    /// holds with `lease` — a fixed [`Duration`] (no watchdog) or [`Lease::Watchdog`]
+    /// (Redisson `tryLock(waitTime, leaseTime)`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Busy`] when the wait runs out, [`Error::InvalidConfig`] for a lease
+    /// outside [`MIN_LEASE`]..=[`MAX_LEASE`].
+    pub async fn try_lock_for(&self, wait: Duration, lease: impl Into<Lease>) -> Result<LockGuard> {
+        acquire::acquire(self, Some(wait), lease.into()).await
+    }
+
+    /// Removes the lock whoever holds it (Redisson `forceUnlock`); returns whether it
+    /// was held. The holders find out at their next renewal (their lost signal fires) or
+    /// unlock.
+    ///
+    /// # Errors
+    ///
+    /// Backend errors.
+    pub async fn force_unlock(&self) -> Result<bool> {
+        self.client
+            .backend()
+            .force_release(&self.key, self.mode)
+            .await
+    }
+}
+
+impl std::fmt::Debug for Lock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lock")
+            .field("key", &self.key)
+            .field("mode", &self.mode)
+            .field("owner", &self.owner)
+            .finish()
+    }
+}

@@ -1,0 +1,155 @@
+//! Lock owners and the per-request current owner.
+//!
+//! A lock is held by an [`Owner`], written `<client uuid>:<n>` like Redisson's
+//! `<client uuid>:<thread id>`. Ownership decides reentrancy: the same owner locking the
+//! same key again increments a hold count instead of waiting for itself.
+//!
+//! Ownership is per *request*, never per task or thread: HTTP/2 runs many requests on
+//! one task, and a tokio task hops between threads. [`Owner::scope`] makes an owner
+//! current for one future (a tokio task-local); every acquisition inside that future
+//! that names no owner of its own acts as the current owner, and so re-enters. The
+//! middleware scopes a fresh owner around each request this way. Outside any scope, each
+//! acquisition gets a fresh owner of its own.
+//!
+//! # Example
+//!
+//! ```
+//! use tower_lock::{LockClient, MemoryBackend, Owner};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), tower_lock::Error> {
+//! let client = LockClient::new(MemoryBackend::new());
+//! let owner = client.new_owner();
+//! owner
+//!     .clone()
+//!     .scope(async {
+//!         let lock = client.get_lock("doc:7")?;
+//!         let outer = lock.lock().await?;
+//!         let inner = lock.try_lock().await?; // re-enters: same owner
+//!         assert_eq!(inner.owner(), &owner);
+//!         inner.unlock().await?;
+//!         outer.unlock().await
+//!     })
+//!     .await
+//! # }
+//! ```
+//!
+//! # Cancel safety
+//!
+//! [`Owner::scope`] only sets a task-local while the inner future is polled; dropping it
+//! drops the inner future and nothing else.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+
+/// The longest raw owner accepted by [`Owner::from_raw`], in bytes.
+pub const MAX_OWNER_LEN: usize = 256;
+
+tokio::task_local! {
+    static CURRENT: Owner;
+}
+
+/// Who holds a lock: `<client uuid>:<n>`. Cheap to clone.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Owner(Arc<str>);
+
+impl Owner {
+    pub(crate) fn new(client_id: &str, n: u64) -> Self {
+        Owner(Arc::from(format!("{client_id}:{n}")))
+    }
+
+    /// Uses `raw` as an owner identity, for interoperating with other clients (for
+    /// example a Redisson owner `<uuid>:<thread id>`) or for tests.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] when `raw` is empty, longer than [`MAX_OWNER_LEN`]
+    /// bytes or contains control characters.
+    pub fn from_raw(raw: impl AsRef<str>) -> Result<Self> {
+        let raw = raw.as_ref();
+        if raw.is_empty() || raw.len() > MAX_OWNER_LEN || raw.chars().any(char::is_control) {
+            return Err(Error::invalid_config(
+                "owner",
+                format!(
+                    "must be 1 to {MAX_OWNER_LEN} bytes without control characters (got {} bytes)",
+                    raw.len()
+                ),
+            ));
+        }
+        Ok(Owner(Arc::from(raw)))
+    }
+
+    /// The owner as text, exactly as stored in the backend.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The owner made current by the innermost enclosing [`Owner::scope`], if any.
+    pub fn current() -> Option<Owner> {
+        CURRENT.try_with(Owner::clone).ok()
+    }
+
+    /// Runs `fut` with `self` as the current owner: acquisitions inside it that name no
+    /// owner act as `self`, so locking a key `self` already holds re-enters.
+    pub fn scope<F: Future>(self, fut: F) -> impl Future<Output = F::Output> {
+        CURRENT.scope(self, fut)
+    }
+
+    /// Runs the synchronous `f` with `self` as the current owner.
+    pub fn sync_scope<R>(self, f: impl FnOnce() -> R) -> R {
+        CURRENT.sync_scope(self, f)
+    }
+}
+
+impl fmt::Debug for Owner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Display for Owner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl AsRef<str> for Owner {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn format_and_validation() {
+        assert_eq!(Owner::new("abc", 7).as_str(), "abc:7");
+        assert!(Owner::from_raw("uuid:1").is_ok());
+        assert!(Owner::from_raw("").is_err());
+        assert!(Owner::from_raw("a\0").is_err());
+        assert!(Owner::from_raw("x".repeat(MAX_OWNER_LEN + 1)).is_err());
+    }
+
+    #[tokio::test]
+    async fn scope_sets_and_nests() {
+        assert_eq!(Owner::current(), None);
+        let a = Owner::new("c", 1);
+        let b = Owner::new("c", 2);
+        a.clone()
+            .scope(async {
+                assert_eq!(Owner::current(), Some(a.clone()));
+                b.clone()
+                    .scope(async { assert_eq!(Owner::current(), Some(b.clone())) })
+                    .await;
+                assert_eq!(Owner::current(), Some(a.clone()));
+            })
+            .await;
+        assert_eq!(Owner::current(), None);
+        assert_eq!(b.clone().sync_scope(Owner::current), Some(b));
+    }
+}

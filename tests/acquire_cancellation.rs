@@ -1,0 +1,182 @@
+//! Cancellation inside the acquire loop, made deterministic with a backend wrapper that
+//! can stall an acquire call (as a slow network would) before or after it takes effect.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::wait_until;
+use tokio::time::Instant;
+use tower_lock::backend::{
+    Acquire, BoxFuture, LockBackend, LockMode, LockRequest, Release, Subscription,
+};
+use tower_lock::{Lease, LockClient, LockKey, MemoryBackend, Owner, Result};
+
+#[derive(Clone, Default)]
+struct Stalls {
+    /// Acquire calls by this owner never reach the store.
+    before: Option<Owner>,
+    /// Acquire calls take effect in the store, but the reply never arrives.
+    after: bool,
+}
+
+#[derive(Clone, Default)]
+struct Gated {
+    inner: MemoryBackend,
+    stalls: Arc<Mutex<Stalls>>,
+}
+
+impl Gated {
+    fn stall(&self, f: impl FnOnce(&mut Stalls)) {
+        f(&mut self.stalls.lock().unwrap());
+    }
+}
+
+impl LockBackend for Gated {
+    fn name(&self) -> &'static str {
+        "gated"
+    }
+
+    fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
+        Box::pin(async move {
+            let stalls = self.stalls.lock().unwrap().clone();
+            if stalls.before.as_ref() == Some(&req.owner) {
+                std::future::pending::<()>().await;
+            }
+            let outcome = self.inner.acquire(req).await;
+            if stalls.after {
+                std::future::pending::<()>().await;
+            }
+            outcome
+        })
+    }
+
+    fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>> {
+        self.inner.renew(req)
+    }
+
+    fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>> {
+        self.inner.release(req)
+    }
+
+    fn subscribe<'a>(
+        &'a self,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, Result<Box<dyn Subscription>>> {
+        self.inner.subscribe(req)
+    }
+
+    fn force_release<'a>(
+        &'a self,
+        key: &'a LockKey,
+        mode: LockMode,
+    ) -> BoxFuture<'a, Result<bool>> {
+        self.inner.force_release(key, mode)
+    }
+}
+
+/// W1 is woken by a release and cancelled while its retry is in flight. The wake-up
+/// must pass to W2, which otherwise would sleep out the holder's 30 s lease.
+#[tokio::test]
+async fn cancelled_woken_waiter_passes_the_wakeup_on() {
+    let backend = Gated::default();
+    let client = LockClient::new(backend.clone());
+    let key = LockKey::new("pass-on").unwrap();
+    let holder = client.get_lock(&key).unwrap().lock().await.unwrap();
+
+    let w1_owner = client.new_owner();
+    let w1_lock = client.get_lock(&key).unwrap().with_owner(w1_owner.clone());
+    let w1 = tokio::spawn(async move { w1_lock.lock().await.map(|_| ()) });
+    wait_until(Duration::from_secs(5), "W1 waits", || async {
+        backend.inner.waiters(&key) == 1
+    })
+    .await;
+    let w2_lock = client.get_lock(&key).unwrap();
+    let w2 = tokio::spawn(async move {
+        let guard = w2_lock
+            .try_lock_for(Duration::from_secs(20), Lease::Watchdog)
+            .await?;
+        let at = Instant::now();
+        guard.unlock().await?;
+        Ok::<_, tower_lock::Error>(at)
+    });
+    wait_until(Duration::from_secs(5), "W2 waits", || async {
+        backend.inner.waiters(&key) == 2
+    })
+    .await;
+
+    // W1 (first in line) gets the release, and its retry hangs in flight.
+    backend.stall(|s| s.before = Some(w1_owner));
+    let released_at = Instant::now();
+    holder.unlock().await.unwrap();
+    tokio::task::yield_now().await;
+    w1.abort();
+    assert!(w1.await.unwrap_err().is_cancelled());
+
+    let acquired_at = w2.await.unwrap().unwrap();
+    let handoff = acquired_at.duration_since(released_at);
+    assert!(
+        handoff < Duration::from_secs(2),
+        "W2 slept through the release: {handoff:?}"
+    );
+    wait_until(Duration::from_secs(5), "no entries left", || async {
+        backend.inner.is_empty()
+    })
+    .await;
+}
+
+/// An attempt that took the lock in the store but whose reply never came is cancelled:
+/// the lock must be released at once, not held until its 30 s lease ends.
+#[tokio::test]
+async fn attempt_cancelled_in_flight_is_released() {
+    let backend = Gated::default();
+    let client = LockClient::new(backend.clone());
+    let key = LockKey::new("in-flight").unwrap();
+    let lock = client.get_lock(&key).unwrap();
+
+    backend.stall(|s| s.after = true);
+    let stuck = tokio::time::timeout(Duration::from_millis(50), lock.try_lock()).await;
+    assert!(stuck.is_err(), "the reply was stalled");
+    backend.stall(|s| s.after = false);
+
+    let started = Instant::now();
+    let guard = lock
+        .try_lock_for(Duration::from_secs(10), Lease::Watchdog)
+        .await
+        .expect("the stalled acquisition was released");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    guard.unlock().await.unwrap();
+    assert!(backend.inner.is_empty());
+}
+
+/// A scoped owner's in-flight attempt is not compensated (it may re-enter a hold the
+/// owner has), so the lock stays with the scope's outer guard.
+#[tokio::test]
+async fn scoped_owner_in_flight_keeps_outer_hold() {
+    let backend = Gated::default();
+    let client = LockClient::new(backend.clone());
+    let key = LockKey::new("scoped").unwrap();
+    let lock = client.get_lock(&key).unwrap();
+    let owner = client.new_owner();
+    owner
+        .scope(async {
+            let outer = lock.lock().await.unwrap();
+            backend.stall(|s| s.before = Some(Owner::current().unwrap()));
+            let stuck = tokio::time::timeout(Duration::from_millis(50), lock.try_lock()).await;
+            assert!(stuck.is_err());
+            backend.stall(|s| *s = Stalls::default());
+            // Let any spawned release run (current-thread runtime: they run when we yield).
+            for _ in 0..10 {
+                tokio::task::yield_now().await;
+            }
+            assert!(!outer.is_lost());
+            outer.unlock().await.unwrap();
+        })
+        .await;
+    assert!(backend.inner.is_empty());
+}

@@ -1,0 +1,388 @@
+//! The backend conformance suite: the same cases, each asserting an outcome, run against
+//! every backend through a [`Fixture`]. A backend file instantiates them all with
+//! [`conformance_tests!`](crate::conformance_tests).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tower_lock::backend::{LockMode, LockRequest, Release};
+use tower_lock::{Error, Lease, LockClient, LockKey, Owner};
+
+use super::wait_until;
+use std::future::Future;
+
+/// One backend under test.
+pub trait Fixture: Send + Sync {
+    /// A new client (a new identity) on the shared store, with this watchdog lease.
+    fn client(&self, watchdog_lease: Duration) -> LockClient;
+
+    /// Removes the lock at `key` behind its holder's back, the way an operator or an
+    /// expired-then-retaken lease would, without going through the client API.
+    fn sabotage(&self, key: &LockKey) -> impl Future<Output = ()> + Send;
+
+    /// Waiters (subscriptions) this process has registered for `key`.
+    fn waiters(&self, key: &LockKey) -> impl Future<Output = usize> + Send;
+
+    /// Whether the store still keeps any state for `key` (apart from durable fencing
+    /// counters, which must outlive holders).
+    fn residue(&self, key: &LockKey) -> impl Future<Output = bool> + Send;
+}
+
+const LONG: Duration = Duration::from_secs(30);
+
+fn key(name: &str) -> LockKey {
+    LockKey::new(format!("conformance:{name}")).unwrap()
+}
+
+/// 16 tasks × 500 iterations of a read-yield-write on a shared counter: the total is
+/// exact only if the lock excludes.
+pub async fn mutual_exclusion(f: &impl Fixture) {
+    const TASKS: u64 = 16;
+    const ITERS: u64 = 500;
+    let k = key("mutex");
+    let counter = Arc::new(AtomicU64::new(0));
+    let inside = Arc::new(AtomicUsize::new(0));
+    let overlaps = Arc::new(AtomicUsize::new(0));
+    // Two clients, as two replicas would be.
+    let clients = [f.client(LONG), f.client(LONG)];
+    let mut tasks = Vec::new();
+    for t in 0..TASKS {
+        let lock = clients[(t % 2) as usize].get_lock(&k).unwrap();
+        let (counter, inside, overlaps) = (counter.clone(), inside.clone(), overlaps.clone());
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..ITERS {
+                let guard = lock.lock().await.unwrap();
+                if inside.fetch_add(1, Ordering::SeqCst) != 0 {
+                    overlaps.fetch_add(1, Ordering::SeqCst);
+                }
+                let v = counter.load(Ordering::SeqCst);
+                tokio::task::yield_now().await;
+                counter.store(v + 1, Ordering::SeqCst);
+                inside.fetch_sub(1, Ordering::SeqCst);
+                guard.unlock().await.unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(overlaps.load(Ordering::SeqCst), 0, "two holders at once");
+    assert_eq!(
+        counter.load(Ordering::SeqCst),
+        TASKS * ITERS,
+        "lost updates"
+    );
+    assert!(!f.residue(&k).await, "a free lock left state behind");
+}
+
+/// Lock twice as one owner, unlock once: still ours; unlock again: free.
+pub async fn reentrancy(f: &impl Fixture) {
+    let k = key("reentrant");
+    let client = f.client(LONG);
+    let other = client.get_lock(&k).unwrap();
+    let owner = client.new_owner();
+    let lock = client.get_lock(&k).unwrap();
+    owner
+        .clone()
+        .scope(async {
+            let outer = lock.lock().await.unwrap();
+            let inner = lock.try_lock().await.expect("the same owner re-enters");
+            assert_eq!(outer.hold_count(), 1);
+            assert_eq!(inner.hold_count(), 2);
+            assert_eq!(inner.fencing_token(), outer.fencing_token());
+            assert_eq!(inner.owner(), &owner);
+
+            inner.unlock().await.unwrap();
+            // Outside the scope: a fresh owner, who must find it still held.
+            let busy = tokio::spawn({
+                let other = other.clone();
+                async move { other.try_lock().await.map(|_| ()) }
+            });
+            assert!(matches!(busy.await.unwrap(), Err(Error::Busy { .. })));
+
+            outer.unlock().await.unwrap();
+            let free = tokio::spawn(async move { other.try_lock().await.map(|g| g.hold_count()) });
+            assert_eq!(free.await.unwrap().unwrap(), 1);
+        })
+        .await;
+}
+
+/// Another owner can neither release nor renew a held lock, and the holder's unlock
+/// still succeeds.
+pub async fn foreign_owner_cannot_release_or_renew(f: &impl Fixture) {
+    let k = key("foreign");
+    let client = f.client(LONG);
+    let guard = client.get_lock(&k).unwrap().lock().await.unwrap();
+    let intruder = LockRequest::new(
+        k.clone(),
+        Owner::from_raw("intruder:1").unwrap(),
+        LockMode::Exclusive,
+        Duration::from_secs(60),
+    );
+    let backend = client.backend();
+    assert_eq!(backend.release(&intruder).await.unwrap(), Release::NotHeld);
+    assert!(!backend.renew(&intruder).await.unwrap());
+    let still = client.get_lock(&k).unwrap().try_lock().await;
+    assert!(matches!(still, Err(Error::Busy { .. })), "{still:?}");
+    guard.unlock().await.unwrap();
+    assert!(!f.residue(&k).await);
+}
+
+/// A guard leaked with `mem::forget` under a 200 ms lease: the lease frees the lock.
+pub async fn lease_expiry_frees_leaked_guard(f: &impl Fixture) {
+    let k = key("leaked");
+    let client = f.client(LONG);
+    let lock = client.get_lock(&k).unwrap();
+    let lease = Duration::from_millis(200);
+    let leaked = lock.try_lock_for(Duration::ZERO, lease).await.unwrap();
+    let leaked_at = Instant::now();
+    std::mem::forget(leaked);
+
+    assert!(lock.try_lock().await.unwrap_err().is_busy());
+    let guard = lock
+        .try_lock_for(Duration::from_secs(5), Duration::from_secs(5))
+        .await
+        .expect("the lease frees the leaked lock");
+    let freed_after = leaked_at.elapsed();
+    assert!(
+        freed_after >= lease - Duration::from_millis(20),
+        "freed early: {freed_after:?}"
+    );
+    assert!(
+        freed_after < lease + Duration::from_secs(1),
+        "freed late: {freed_after:?}"
+    );
+    guard.unlock().await.unwrap();
+    assert!(!f.residue(&k).await);
+}
+
+/// The watchdog keeps a 300 ms-lease lock for 2 s, and the lease is not lost.
+pub async fn watchdog_keeps_lock(f: &impl Fixture) {
+    let k = key("watchdog");
+    let client = f.client(Duration::from_millis(300));
+    let guard = client.get_lock(&k).unwrap().lock().await.unwrap();
+    assert!(guard.is_watched());
+    let other = f.client(LONG).get_lock(&k).unwrap();
+    let until = Instant::now() + Duration::from_secs(2);
+    let mut checks = 0;
+    while Instant::now() < until {
+        assert!(
+            other.try_lock().await.unwrap_err().is_busy(),
+            "lost after {checks} checks"
+        );
+        checks += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!guard.is_lost());
+    assert_eq!(client.watched_locks(), 1);
+    guard.unlock().await.unwrap();
+    assert_eq!(client.watched_locks(), 0, "unlock stops the renewal");
+    assert!(!f.residue(&k).await);
+}
+
+/// The lock vanishes behind the holder's back: the lost signal fires within about one
+/// renewal period, and unlock reports the loss.
+pub async fn lost_signal_fires(f: &impl Fixture) {
+    let k = key("lost");
+    let client = f.client(Duration::from_millis(300));
+    let guard = client.get_lock(&k).unwrap().lock().await.unwrap();
+    let lost = guard.lost();
+    assert!(!lost.is_lost());
+    f.sabotage(&k).await;
+    let removed_at = Instant::now();
+    tokio::time::timeout(Duration::from_secs(2), lost.wait())
+        .await
+        .expect("lost signal fired");
+    // One period is 100 ms; allow scheduling slack.
+    assert!(
+        removed_at.elapsed() < Duration::from_millis(600),
+        "{:?}",
+        removed_at.elapsed()
+    );
+    assert!(guard.is_lost());
+    assert!(matches!(guard.unlock().await, Err(Error::Lost)));
+    assert_eq!(client.watched_locks(), 0);
+}
+
+/// `try_lock_for` gives up within its wait plus a small margin, reporting the holder's
+/// remaining lease.
+pub async fn try_lock_for_gives_up_on_time(f: &impl Fixture) {
+    let k = key("timeout");
+    let client = f.client(LONG);
+    let guard = client.get_lock(&k).unwrap().lock().await.unwrap();
+    let lock = client.get_lock(&k).unwrap();
+    let wait = Duration::from_millis(300);
+    let started = Instant::now();
+    let err = lock.try_lock_for(wait, Lease::Watchdog).await.unwrap_err();
+    let took = started.elapsed();
+    match err {
+        Error::Busy {
+            holder_ttl: Some(ttl),
+        } => assert!(ttl <= LONG && ttl > Duration::from_secs(20), "{ttl:?}"),
+        other => panic!("expected busy with a ttl, got {other:?}"),
+    }
+    assert!(took >= wait, "gave up early: {took:?}");
+    assert!(
+        took < wait + Duration::from_millis(100),
+        "gave up late: {took:?}"
+    );
+
+    let started = Instant::now();
+    assert!(lock.try_lock().await.unwrap_err().is_busy());
+    assert!(
+        started.elapsed() < Duration::from_millis(100),
+        "try_lock waited"
+    );
+    guard.unlock().await.unwrap();
+}
+
+/// Tokens strictly increase across successive holders (two clients taking turns), and a
+/// reentrant hold shares its token.
+pub async fn fencing_tokens_increase(f: &impl Fixture) {
+    let k = key("fencing");
+    let clients = [f.client(LONG), f.client(LONG)];
+    let mut last = None;
+    for i in 0..20 {
+        let guard = clients[i % 2].get_lock(&k).unwrap().lock().await.unwrap();
+        let token = guard.fencing_token();
+        if let Some(last) = last {
+            assert!(token > last, "token {token} after {last}");
+        }
+        last = Some(token);
+        guard.unlock().await.unwrap();
+    }
+}
+
+/// A release wakes a waiter at once: the waiter does not sleep out the holder's 30 s
+/// lease.
+pub async fn release_wakes_waiter(f: &impl Fixture) {
+    let k = key("wake");
+    let client = f.client(LONG);
+    let guard = client.get_lock(&k).unwrap().lock().await.unwrap();
+    let lock = client.get_lock(&k).unwrap();
+    let waiter = tokio::spawn(async move {
+        let g = lock
+            .try_lock_for(Duration::from_secs(10), Lease::Watchdog)
+            .await?;
+        let acquired_at = Instant::now();
+        g.unlock().await?;
+        Ok::<_, Error>(acquired_at)
+    });
+    wait_until(Duration::from_secs(5), "the waiter subscribed", || async {
+        f.waiters(&k).await == 1
+    })
+    .await;
+    let released_at = Instant::now();
+    guard.unlock().await.unwrap();
+    let acquired_at = waiter.await.unwrap().unwrap();
+    let handoff = acquired_at.duration_since(released_at);
+    assert!(
+        handoff < Duration::from_secs(2),
+        "waiter slept through the release: {handoff:?}"
+    );
+}
+
+/// A waiter cancelled while waiting leaves no subscription and no state behind.
+pub async fn dropped_waiter_leaves_nothing(f: &impl Fixture) {
+    let k = key("dropped-waiter");
+    let client = f.client(LONG);
+    let guard = client.get_lock(&k).unwrap().lock().await.unwrap();
+    let lock = client.get_lock(&k).unwrap();
+    let waiter = tokio::spawn(async move { lock.lock().await.map(|_| ()) });
+    wait_until(Duration::from_secs(5), "the waiter subscribed", || async {
+        f.waiters(&k).await == 1
+    })
+    .await;
+    waiter.abort();
+    assert!(waiter.await.unwrap_err().is_cancelled());
+    wait_until(
+        Duration::from_secs(5),
+        "the subscription went away",
+        || async { f.waiters(&k).await == 0 },
+    )
+    .await;
+    guard.unlock().await.unwrap();
+    assert!(!f.residue(&k).await, "state left behind");
+}
+
+/// Dropping a guard releases the lock (in a spawned task) and stops its renewal.
+pub async fn dropped_guard_releases(f: &impl Fixture) {
+    let k = key("dropped-guard");
+    let client = f.client(LONG);
+    let lock = client.get_lock(&k).unwrap();
+    let guard = lock.lock().await.unwrap();
+    assert_eq!(client.watched_locks(), 1);
+    drop(guard);
+    assert_eq!(client.watched_locks(), 0);
+    let started = Instant::now();
+    let again = lock
+        .try_lock_for(Duration::from_secs(5), Lease::Watchdog)
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "released only by the lease"
+    );
+    again.unlock().await.unwrap();
+    assert!(!f.residue(&k).await);
+}
+
+/// Bad input gets typed errors, never a panic.
+pub async fn bad_input_is_rejected(f: &impl Fixture) {
+    let client = f.client(LONG);
+    assert!(matches!(client.get_lock(""), Err(Error::InvalidKey { .. })));
+    assert!(matches!(
+        client.get_lock("a\u{0}b"),
+        Err(Error::InvalidKey { .. })
+    ));
+    assert!(matches!(
+        client.get_lock("x".repeat(2000)),
+        Err(Error::InvalidKey { .. })
+    ));
+    let lock = client.get_lock(key("bad-input")).unwrap();
+    for lease in [Duration::ZERO, Duration::from_micros(999), Duration::MAX] {
+        match lock.try_lock_for(Duration::ZERO, lease).await {
+            Err(Error::InvalidConfig { name: "lease", .. }) => {}
+            other => panic!("lease {lease:?}: {other:?}"),
+        }
+    }
+    // A wait too long to represent means "forever"; the lock is free, so it returns.
+    let guard = lock
+        .try_lock_for(Duration::MAX, Lease::Watchdog)
+        .await
+        .unwrap();
+    guard.unlock().await.unwrap();
+}
+
+/// Instantiates every conformance case as a test, given an async expression that builds
+/// the fixture.
+#[macro_export]
+macro_rules! conformance_tests {
+    ($fixture:expr) => {
+        $crate::conformance_tests!(@cases $fixture;
+            mutual_exclusion,
+            reentrancy,
+            foreign_owner_cannot_release_or_renew,
+            lease_expiry_frees_leaked_guard,
+            watchdog_keeps_lock,
+            lost_signal_fires,
+            try_lock_for_gives_up_on_time,
+            fencing_tokens_increase,
+            release_wakes_waiter,
+            dropped_waiter_leaves_nothing,
+            dropped_guard_releases,
+            bad_input_is_rejected,
+        );
+    };
+    (@cases $fixture:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $case() {
+                let fixture = $fixture.await;
+                common::conformance::$case(&fixture).await;
+            }
+        )*
+    };
+}

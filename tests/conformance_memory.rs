@@ -1,0 +1,40 @@
+//! The conformance suite against the in-memory backend.
+
+mod common;
+
+use std::time::Duration;
+
+use common::conformance::Fixture;
+use tower_lock::backend::{LockBackend, LockMode};
+use tower_lock::{LockClient, LockKey, MemoryBackend};
+
+struct Memory(MemoryBackend);
+
+impl Fixture for Memory {
+    fn client(&self, watchdog_lease: Duration) -> LockClient {
+        LockClient::builder(self.0.clone())
+            .watchdog_lease(watchdog_lease)
+            .build()
+            .unwrap()
+    }
+
+    async fn sabotage(&self, key: &LockKey) {
+        assert!(
+            self.0
+                .force_release(key, LockMode::Exclusive)
+                .await
+                .unwrap()
+        );
+    }
+
+    async fn waiters(&self, key: &LockKey) -> usize {
+        self.0.waiters(key)
+    }
+
+    async fn residue(&self, _key: &LockKey) -> bool {
+        // Stronger than asked: no entry for any key at all.
+        !self.0.is_empty()
+    }
+}
+
+conformance_tests!(async { Memory(MemoryBackend::new()) });
