@@ -64,6 +64,7 @@
 pub mod backend;
 mod error;
 mod key;
+pub mod kinds;
 mod lock;
 mod owner;
 

@@ -145,6 +145,15 @@ impl MemoryBackend {
         self.len() == 0
     }
 
+    /// Whether `key` has an entry: it is held or waited on (expired, unwatched entries
+    /// are swept first).
+    pub fn contains_key(&self, key: &LockKey) -> bool {
+        let now = Instant::now();
+        let mut table = self.table();
+        table.remove_if_unused(key, now);
+        table.map.contains_key(key)
+    }
+
     /// How many subscriptions (waiters) are registered for `key`.
     pub fn waiters(&self, key: &LockKey) -> usize {
         self.table().map.get(key).map_or(0, |e| e.subscribers)

@@ -14,6 +14,7 @@ use super::guard::{LockGuard, LostSignal};
 use super::{Lease, Lock, LockClient};
 use crate::backend::{Acquire, Grant, LockRequest, Subscription, Wake};
 use crate::error::{Error, Result};
+use crate::owner::Owner;
 
 /// How long a waiter sleeps between attempts when the holder's lock has no expiry (or
 /// the backend cannot tell its TTL) and no release is signalled: a safety net against a
@@ -24,9 +25,56 @@ const NO_TTL_RECHECK: Duration = Duration::from_secs(1);
 /// cannot spin.
 const MIN_RECHECK: Duration = Duration::from_millis(1);
 
+/// Who an acquisition acts for.
+#[derive(Clone)]
+pub(crate) struct Acting {
+    pub(crate) owner: Owner,
+    /// A fresh owner nobody else uses, so an attempt cancelled in flight can safely be
+    /// compensated with a release.
+    pub(crate) fresh: bool,
+}
+
+impl Acting {
+    /// `explicit`, else the current scope's owner, else a fresh owner of `client`.
+    pub(crate) fn resolve(explicit: Option<&Owner>, client: &LockClient) -> Self {
+        match explicit.cloned().or_else(Owner::current) {
+            Some(owner) => Acting {
+                owner,
+                fresh: false,
+            },
+            None => Acting {
+                owner: client.new_owner(),
+                fresh: true,
+            },
+        }
+    }
+}
+
+/// The instant a wait of `wait` from now ends; `None` (forever) when `wait` is `None` or
+/// too long to represent.
+pub(crate) fn deadline_after(wait: Option<Duration>) -> Option<Instant> {
+    wait.and_then(|w| Instant::now().checked_add(w))
+}
+
 pub(crate) async fn acquire(
     lock: &Lock,
     wait: Option<Duration>,
+    lease: Lease,
+) -> Result<LockGuard> {
+    let deadline = deadline_after(wait);
+    acquire_as(
+        lock,
+        Acting::resolve(lock.owner.as_ref(), &lock.client),
+        deadline,
+        lease,
+    )
+    .await
+}
+
+pub(crate) async fn acquire_as(
+    lock: &Lock,
+    acting: Acting,
+    deadline: Option<Instant>,
     lease: Lease,
 ) -> Result<LockGuard> {
     let client = &lock.client;
@@ -34,17 +82,12 @@ pub(crate) async fn acquire(
         Lease::Watchdog => (client.watchdog_lease(), true),
         Lease::Fixed(lease) => (super::validate_lease("lease", lease)?, false),
     };
-    let (owner, fresh_owner) = match &lock.owner {
-        Some(owner) => (owner.clone(), false),
-        None => match crate::Owner::current() {
-            Some(owner) => (owner, false),
-            None => (client.new_owner(), true),
-        },
-    };
+    let Acting {
+        owner,
+        fresh: fresh_owner,
+    } = acting;
     let req = LockRequest::new(lock.key.clone(), owner, lock.mode, lease_len);
     let started = Instant::now();
-    // A wait too long to represent as an instant means "forever".
-    let deadline = wait.and_then(|w| started.checked_add(w));
 
     let span = tracing::debug_span!(
         "tower_lock.acquire",

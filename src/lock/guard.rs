@@ -2,6 +2,9 @@
 
 use std::fmt;
 use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use tokio::runtime::Handle;
@@ -49,41 +52,89 @@ use crate::owner::Owner;
 /// ```
 #[derive(Clone)]
 pub struct LostSignal {
-    token: CancellationToken,
-    /// End of an explicit lease; `None` for watched locks.
-    deadline: Option<Instant>,
+    repr: Repr,
+}
+
+#[derive(Clone)]
+enum Repr {
+    One {
+        token: CancellationToken,
+        /// End of an explicit lease; `None` for watched locks.
+        deadline: Option<Instant>,
+    },
+    /// Fires when any of several holds is lost (a MultiLock, a request's locks).
+    Any(Arc<[LostSignal]>),
 }
 
 impl LostSignal {
     pub(crate) fn new(token: CancellationToken, deadline: Option<Instant>) -> Self {
-        LostSignal { token, deadline }
+        LostSignal {
+            repr: Repr::One { token, deadline },
+        }
+    }
+
+    /// A signal that fires as soon as any of `signals` fires. With no signals, it never
+    /// fires.
+    pub fn any(signals: impl IntoIterator<Item = LostSignal>) -> Self {
+        let mut signals: Vec<LostSignal> = signals.into_iter().collect();
+        if signals.len() == 1
+            && let Some(only) = signals.pop()
+        {
+            return only;
+        }
+        LostSignal {
+            repr: Repr::Any(signals.into()),
+        }
     }
 
     /// Whether the lock has been lost.
     pub fn is_lost(&self) -> bool {
-        self.token.is_cancelled() || self.deadline.is_some_and(|d| Instant::now() >= d)
+        match &self.repr {
+            Repr::One { token, deadline } => {
+                token.is_cancelled() || deadline.is_some_and(|d| Instant::now() >= d)
+            }
+            Repr::Any(signals) => signals.iter().any(LostSignal::is_lost),
+        }
     }
 
     /// Completes when the lock is lost; never, if it is released first. Owns what it
     /// needs, so it can be moved into a spawned task or a `select!`.
     pub fn wait(&self) -> impl Future<Output = ()> + Send + 'static {
-        let token = self.token.clone();
-        let deadline = self.deadline;
-        async move {
-            match deadline {
-                Some(deadline) => {
-                    tokio::select! {
-                        _ = token.cancelled() => {}
-                        _ = tokio::time::sleep_until(deadline) => {}
+        let this = self.clone();
+        async move { this.wait_owned().await }
+    }
+
+    fn wait_owned(self) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+        match self.repr {
+            Repr::One { token, deadline } => Box::pin(async move {
+                match deadline {
+                    Some(deadline) => {
+                        tokio::select! {
+                            _ = token.cancelled() => {}
+                            _ = tokio::time::sleep_until(deadline) => {}
+                        }
                     }
+                    None => token.cancelled().await,
                 }
-                None => token.cancelled().await,
+            }),
+            Repr::Any(signals) => {
+                let mut waits: Vec<_> = signals.iter().map(|s| s.clone().wait_owned()).collect();
+                Box::pin(std::future::poll_fn(move |cx| {
+                    if waits.iter_mut().any(|w| w.as_mut().poll(cx).is_ready()) {
+                        Poll::Ready(())
+                    } else {
+                        Poll::Pending
+                    }
+                }))
             }
         }
     }
 
     pub(crate) fn fire(&self) {
-        self.token.cancel();
+        match &self.repr {
+            Repr::One { token, .. } => token.cancel(),
+            Repr::Any(signals) => signals.iter().for_each(LostSignal::fire),
+        }
     }
 }
 

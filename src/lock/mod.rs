@@ -51,6 +51,7 @@
 //! fresh owner is followed by a spawned release. Dropping a [`LockGuard`] stops its
 //! renewal and spawns its release.
 
+use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -58,9 +59,10 @@ use std::time::Duration;
 use crate::backend::{LockBackend, LockMode};
 use crate::error::{Error, Result};
 use crate::key::{IntoLockKey, LockKey};
+use crate::kinds::ReadWriteLock;
 use crate::owner::Owner;
 
-mod acquire;
+pub(crate) mod acquire;
 mod guard;
 mod watchdog;
 
@@ -190,18 +192,54 @@ impl LockClient {
         self.lock_in_mode(key, LockMode::Exclusive)
     }
 
+    /// The fair lock named `key` (Redisson `getFairLock`): like [`get_lock`](Self::get_lock),
+    /// but waiters acquire in the order they arrived.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidKey`] when `key` is not a valid [`LockKey`].
+    pub fn get_fair_lock(&self, key: impl IntoLockKey) -> Result<Lock> {
+        self.lock_in_mode(key, LockMode::Fair)
+    }
+
+    /// The read-write lock named `key` (Redisson `getReadWriteLock`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidKey`] when `key` is not a valid [`LockKey`].
+    pub fn get_read_write_lock(&self, key: impl IntoLockKey) -> Result<ReadWriteLock> {
+        Ok(ReadWriteLock::new(self.clone(), key.into_lock_key()?))
+    }
+
+    /// At most `max` holders of `key` at once, each with its own leased permit (like
+    /// Redisson's `RPermitExpirableSemaphore`): a crashed holder's permit returns when
+    /// its lease ends. An owner that already holds a permit re-enters it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidKey`] for a bad key, [`Error::InvalidConfig`] for `max == 0`.
+    pub fn get_permits(&self, key: impl IntoLockKey, max: u32) -> Result<Lock> {
+        let max = NonZeroU32::new(max)
+            .ok_or_else(|| Error::invalid_config("permits", "must be at least 1 (got 0)"))?;
+        self.lock_in_mode(key, LockMode::Permits { max })
+    }
+
     /// The lock named `key` in any [`LockMode`]; the typed getters are usually clearer.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidKey`] when `key` is not a valid [`LockKey`].
     pub fn lock_in_mode(&self, key: impl IntoLockKey, mode: LockMode) -> Result<Lock> {
-        Ok(Lock {
+        Ok(self.lock_on(key.into_lock_key()?, mode))
+    }
+
+    pub(crate) fn lock_on(&self, key: LockKey, mode: LockMode) -> Lock {
+        Lock {
             client: self.clone(),
-            key: key.into_lock_key()?,
+            key,
             mode,
             owner: None,
-        })
+        }
     }
 
     /// A fresh owner, `<client id>:<n>`, distinct from every other owner of this client.

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use tower_lock::backend::{LockMode, LockRequest, Release};
+use tower_lock::kinds::MultiLock;
 use tower_lock::{Error, Lease, LockClient, LockKey, Owner};
 
 use super::wait_until;
@@ -356,6 +357,81 @@ pub async fn bad_input_is_rejected(f: &impl Fixture) {
     guard.unlock().await.unwrap();
 }
 
+/// MultiLock: with one key held elsewhere the attempt fails and nothing it took stays
+/// locked; once free, all are taken under one owner and released together.
+pub async fn multi_lock_all_or_nothing(f: &impl Fixture) {
+    let client = f.client(LONG);
+    let keys = [key("multi-a"), key("multi-b"), key("multi-c")];
+    let blocker = client.get_lock(&keys[1]).unwrap().lock().await.unwrap();
+    let multi = MultiLock::new(keys.iter().map(|k| client.get_lock(k).unwrap()));
+    let started = Instant::now();
+    let err = multi
+        .try_lock_for(Duration::from_millis(200), Lease::Watchdog)
+        .await
+        .unwrap_err();
+    assert!(err.is_busy(), "{err:?}");
+    assert!(
+        started.elapsed() < Duration::from_millis(400),
+        "one shared deadline"
+    );
+    for k in [&keys[0], &keys[2]] {
+        let probe = client.get_lock(k).unwrap().try_lock().await;
+        assert!(
+            probe.is_ok(),
+            "{k} stayed locked after the failed attempt: {probe:?}"
+        );
+        probe.unwrap().unlock().await.unwrap();
+        assert!(!f.residue(k).await);
+    }
+    blocker.unlock().await.unwrap();
+
+    let all = multi.try_lock().await.unwrap();
+    let owners: Vec<_> = all.guards().iter().map(|g| g.owner().clone()).collect();
+    assert!(owners.windows(2).all(|w| w[0] == w[1]), "one owner for all");
+    assert_eq!(all.guards().len(), 3);
+    assert!(!all.is_lost());
+    all.unlock().await.unwrap();
+    for k in &keys {
+        assert!(!f.residue(k).await);
+    }
+}
+
+/// Two MultiLocks over {a, b} and {b, a} taking turns many times: no deadlock, exact
+/// counts.
+pub async fn multi_lock_orders_keys(f: &impl Fixture) {
+    const ITERS: usize = 100;
+    let clients = [f.client(LONG), f.client(LONG)];
+    let (a, b) = (key("order-a"), key("order-b"));
+    let counter = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for (i, pair) in [[&a, &b], [&b, &a], [&a, &b], [&b, &a]]
+        .into_iter()
+        .enumerate()
+    {
+        let client = &clients[i % 2];
+        let multi = MultiLock::new(pair.iter().map(|k| client.get_lock(*k).unwrap()));
+        let counter = counter.clone();
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..ITERS {
+                let both = multi.lock().await.unwrap();
+                let v = counter.load(Ordering::SeqCst);
+                tokio::task::yield_now().await;
+                counter.store(v + 1, Ordering::SeqCst);
+                both.unlock().await.unwrap();
+            }
+        }));
+    }
+    let all = async {
+        for t in tasks {
+            t.await.unwrap();
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), all)
+        .await
+        .expect("MultiLocks over the same keys in opposite orders deadlocked");
+    assert_eq!(counter.load(Ordering::SeqCst), 4 * ITERS);
+}
+
 /// Instantiates every conformance case as a test, given an async expression that builds
 /// the fixture.
 #[macro_export]
@@ -374,6 +450,8 @@ macro_rules! conformance_tests {
             dropped_waiter_leaves_nothing,
             dropped_guard_releases,
             bad_input_is_rejected,
+            multi_lock_all_or_nothing,
+            multi_lock_orders_keys,
         );
     };
     (@cases $fixture:expr; $($case:ident),* $(,)?) => {

@@ -1,0 +1,21 @@
+//! Lock kinds beyond the plain reentrant lock.
+//!
+//! Most kinds are a [`Lock`](crate::Lock) in another [`LockMode`](crate::LockMode) and share
+//! its whole API — waiting, watchdog, guard, lost signal, fencing:
+//!
+//! | kind | how to get it | what it solves |
+//! |---|---|---|
+//! | reentrant lock | [`LockClient::get_lock`](crate::LockClient::get_lock) | one owner at a time |
+//! | fair lock | [`LockClient::get_fair_lock`](crate::LockClient::get_fair_lock) | waiters served in arrival order: no starvation |
+//! | read-write lock | [`LockClient::get_read_write_lock`](crate::LockClient::get_read_write_lock) | many readers or one writer |
+//! | permits | [`LockClient::get_permits`](crate::LockClient::get_permits) | at most N holders at once (a leased semaphore) |
+//! | MultiLock | [`MultiLock`] | several locks, all or none |
+//!
+//! Backends implement the modes; one that does not answers
+//! [`Error::Unsupported`](crate::Error::Unsupported).
+
+mod multi;
+mod rwlock;
+
+pub use multi::{MultiGuard, MultiLock};
+pub use rwlock::ReadWriteLock;

@@ -1,0 +1,204 @@
+//! MultiLock: several locks, all or none.
+
+use std::cmp::Ordering;
+use std::fmt;
+use std::time::Duration;
+
+use crate::backend::{FencingToken, LockMode};
+use crate::error::Result;
+use crate::lock::acquire::{Acting, acquire_as, deadline_after};
+use crate::lock::{Lease, Lock, LockGuard, LostSignal};
+use crate::owner::Owner;
+
+/// Several locks taken as one (Redisson `RedissonMultiLock`): all of them or none.
+///
+/// - The locks may live on different clients and backends.
+/// - They are taken in one deterministic order (by key, then client, then mode), so two
+///   MultiLocks over `{a, b}` and `{b, a}` cannot deadlock each other. Duplicates are
+///   taken once.
+/// - One owner acts for all of them: the MultiLock's own ([`MultiLock::with_owner`]), else
+///   the current [`Owner::scope`], else a fresh one.
+/// - One deadline bounds the whole acquisition and one lease applies to every lock.
+/// - If any lock cannot be taken before the deadline, those already taken are released
+///   before the error is returned.
+///
+/// # Example
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_lock::{Lease, LockClient, MemoryBackend};
+/// use tower_lock::kinds::MultiLock;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), tower_lock::Error> {
+/// let client = LockClient::new(MemoryBackend::new());
+/// let transfer = MultiLock::new([client.get_lock("account:2")?, client.get_lock("account:1")?]);
+/// let both = transfer.try_lock_for(Duration::from_secs(1), Lease::Watchdog).await?;
+/// assert_eq!(both.guards()[0].key().as_str(), "account:1"); // sorted
+/// both.unlock().await?;
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Cancel safety
+///
+/// Dropping the acquire future drops the guards taken so far, which release in spawned
+/// tasks; the lock being waited on is left as [`Lock`] leaves it.
+#[derive(Clone)]
+pub struct MultiLock {
+    locks: Vec<Lock>,
+    owner: Option<Owner>,
+}
+
+fn mode_rank(mode: LockMode) -> (u8, u32) {
+    match mode {
+        LockMode::Exclusive => (0, 0),
+        LockMode::Fair => (1, 0),
+        LockMode::Read => (2, 0),
+        LockMode::Write => (3, 0),
+        LockMode::Permits { max } => (4, max.get()),
+    }
+}
+
+fn order(a: &Lock, b: &Lock) -> Ordering {
+    a.key()
+        .cmp(b.key())
+        .then_with(|| a.client().id().cmp(b.client().id()))
+        .then_with(|| mode_rank(a.mode()).cmp(&mode_rank(b.mode())))
+}
+
+impl MultiLock {
+    /// All of `locks`, in their canonical order. Each lock's own owner, if it has one,
+    /// is ignored: the MultiLock acts as one owner.
+    pub fn new(locks: impl IntoIterator<Item = Lock>) -> Self {
+        let mut locks: Vec<Lock> = locks.into_iter().collect();
+        locks.sort_by(order);
+        locks.dedup_by(|a, b| order(a, b) == Ordering::Equal);
+        MultiLock { locks, owner: None }
+    }
+
+    /// Acquires as `owner`.
+    #[must_use]
+    pub fn with_owner(mut self, owner: Owner) -> Self {
+        self.owner = Some(owner);
+        self
+    }
+
+    /// The locks, in acquisition order.
+    pub fn locks(&self) -> &[Lock] {
+        &self.locks
+    }
+
+    /// Waits as long as it takes for all; holds them with the watchdog.
+    ///
+    /// # Errors
+    ///
+    /// Backend errors (after releasing what was taken).
+    pub async fn lock(&self) -> Result<MultiGuard> {
+        self.acquire(None, Lease::Watchdog).await
+    }
+
+    /// One attempt at each lock, no waiting.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Busy`](crate::Error::Busy) when any lock is held elsewhere (after
+    /// releasing what was taken).
+    pub async fn try_lock(&self) -> Result<MultiGuard> {
+        self.acquire(Some(Duration::ZERO), Lease::Watchdog).await
+    }
+
+    /// Waits up to `wait` in all, then holds every lock with `lease`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Busy`](crate::Error::Busy) when the wait runs out, with the remaining
+    /// lease of the holder that blocked; nothing stays locked.
+    pub async fn try_lock_for(
+        &self,
+        wait: Duration,
+        lease: impl Into<Lease>,
+    ) -> Result<MultiGuard> {
+        self.acquire(Some(wait), lease.into()).await
+    }
+
+    async fn acquire(&self, wait: Option<Duration>, lease: Lease) -> Result<MultiGuard> {
+        let deadline = deadline_after(wait);
+        let Some(first) = self.locks.first() else {
+            return Ok(MultiGuard { guards: Vec::new() });
+        };
+        let acting = Acting::resolve(self.owner.as_ref(), first.client());
+        let mut guards = Vec::with_capacity(self.locks.len());
+        for lock in &self.locks {
+            match acquire_as(lock, acting.clone(), deadline, lease).await {
+                Ok(guard) => guards.push(guard),
+                Err(error) => {
+                    for guard in guards.into_iter().rev() {
+                        if let Err(e) = guard.unlock().await {
+                            tracing::debug!(error = %e, "rolling back a partial MultiLock");
+                        }
+                    }
+                    return Err(error);
+                }
+            }
+        }
+        Ok(MultiGuard { guards })
+    }
+}
+
+impl fmt::Debug for MultiLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list()
+            .entries(self.locks.iter().map(Lock::key))
+            .finish()
+    }
+}
+
+/// Every lock of a [`MultiLock`], held.
+#[must_use = "the locks are released as soon as the guard is dropped"]
+#[derive(Debug)]
+pub struct MultiGuard {
+    guards: Vec<LockGuard>,
+}
+
+impl MultiGuard {
+    /// The held locks, in acquisition order.
+    pub fn guards(&self) -> &[LockGuard] {
+        &self.guards
+    }
+
+    /// Each lock's fencing token, in acquisition order.
+    pub fn fencing_tokens(&self) -> Vec<FencingToken> {
+        self.guards.iter().map(LockGuard::fencing_token).collect()
+    }
+
+    /// Fires as soon as any of the locks is lost.
+    pub fn lost(&self) -> LostSignal {
+        LostSignal::any(self.guards.iter().map(LockGuard::lost))
+    }
+
+    /// Whether any of the locks has been lost.
+    pub fn is_lost(&self) -> bool {
+        self.guards.iter().any(LockGuard::is_lost)
+    }
+
+    /// The guards, to release separately.
+    pub fn into_guards(self) -> Vec<LockGuard> {
+        self.guards
+    }
+
+    /// Releases every lock, in reverse order, even when some fail.
+    ///
+    /// # Errors
+    ///
+    /// The first error met ([`Error::Lost`](crate::Error::Lost) if a lock was lost).
+    pub async fn unlock(self) -> Result<()> {
+        let mut first_error = None;
+        for guard in self.guards.into_iter().rev() {
+            if let Err(e) = guard.unlock().await {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+}

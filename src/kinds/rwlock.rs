@@ -1,0 +1,50 @@
+//! The read-write lock handle.
+
+use crate::backend::LockMode;
+use crate::key::LockKey;
+use crate::lock::{Lock, LockClient};
+
+/// A read-write lock on one key (Redisson `RReadWriteLock`): many owners may hold the
+/// [read lock](ReadWriteLock::read_lock) at once, or one owner the
+/// [write lock](ReadWriteLock::write_lock).
+///
+/// Get it with [`LockClient::get_read_write_lock`].
+///
+/// # Example
+///
+/// ```no_run
+/// # async fn demo(client: tower_lock::LockClient) -> Result<(), tower_lock::Error> {
+/// let rw = client.get_read_write_lock("doc:7")?;
+/// let reading = rw.read_lock().lock().await?;
+/// reading.unlock().await?;
+/// let writing = rw.write_lock().lock().await?;
+/// writing.unlock().await?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct ReadWriteLock {
+    client: LockClient,
+    key: LockKey,
+}
+
+impl ReadWriteLock {
+    pub(crate) fn new(client: LockClient, key: LockKey) -> Self {
+        ReadWriteLock { client, key }
+    }
+
+    /// The key.
+    pub fn key(&self) -> &LockKey {
+        &self.key
+    }
+
+    /// The shared side.
+    pub fn read_lock(&self) -> Lock {
+        self.client.lock_on(self.key.clone(), LockMode::Read)
+    }
+
+    /// The exclusive side.
+    pub fn write_lock(&self) -> Lock {
+        self.client.lock_on(self.key.clone(), LockMode::Write)
+    }
+}
