@@ -69,6 +69,9 @@ mod lock;
 mod owner;
 
 pub use backend::memory::MemoryBackend;
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use backend::redis::RedisBackend;
 pub use backend::{FencingToken, LockMode};
 pub use error::{BoxError, Error, Result};
 pub use key::{IntoLockKey, LockKey, MAX_KEY_LEN};

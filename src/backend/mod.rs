@@ -64,6 +64,9 @@ use crate::key::LockKey;
 use crate::owner::Owner;
 
 pub mod memory;
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub mod redis;
 
 /// A boxed, `Send` future: what every [`LockBackend`] method returns.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

@@ -1,0 +1,26 @@
+-- Acquire (or re-enter) a Redisson-compatible reentrant lock and issue a fencing token.
+--
+-- The lock is a hash at KEYS[1] (Redisson RLock layout): field <client uuid>:<owner id>
+-- -> hold count, lease by PEXPIRE in milliseconds. The fencing counter is a separate
+-- string key in the same hash slot; it never expires, so tokens never go backwards.
+--
+-- KEYS[1]  lock name (hash)
+-- KEYS[2]  fencing counter (string, INCR)
+-- ARGV[1]  lease in milliseconds
+-- ARGV[2]  owner field
+--
+-- Returns
+--   {1, holds, token}  acquired: holds is 1 for a fresh hold, more when re-entered;
+--                      token is the counter value issued when the hold began
+--   {0, pttl}          busy: the holder's remaining lease in ms (-1: no expiry)
+if redis.call('exists', KEYS[1]) == 0 then
+    redis.call('hincrby', KEYS[1], ARGV[2], 1)
+    redis.call('pexpire', KEYS[1], ARGV[1])
+    return {1, 1, redis.call('incr', KEYS[2])}
+end
+if redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
+    local holds = redis.call('hincrby', KEYS[1], ARGV[2], 1)
+    redis.call('pexpire', KEYS[1], ARGV[1])
+    return {1, holds, tonumber(redis.call('get', KEYS[2]) or '0')}
+end
+return {0, redis.call('pttl', KEYS[1])}

@@ -1,0 +1,581 @@
+//! The Redis backend: Redisson-compatible reentrant locks across processes.
+//!
+//! [`RedisBackend`] keeps each lock exactly where and how Redisson's `RLock` keeps it, so
+//! a Java service calling `redisson.getLock(NAME)` and a Rust service locking `NAME`
+//! exclude each other:
+//!
+//! | what | where | shape |
+//! |---|---|---|
+//! | the lock | `NAME` (after the optional key prefix) | hash: `<client uuid>:<owner id>` → hold count, lease by `PEXPIRE` (ms) |
+//! | release channel | `redisson_lock__channel:{NAME}` (no extra braces when `NAME` has a `{`) | message `0`: wake one waiter; `1`: wake all |
+//! | fencing counter | `tower_lock_fence:{NAME}` (same rule) | string counter, `INCR`ed on every fresh acquisition, never expires |
+//!
+//! All three share `NAME`'s Redis Cluster hash slot. Every state change is one Lua script
+//! from the crate's `lua/` directory, run through [`redis::Script`] (`EVALSHA`, with
+//! `EVAL` fallback when the server does not have it cached).
+//!
+//! Commands go over one multiplexed connection that reconnects by itself
+//! ([`redis::aio::ConnectionManager`]); all waiters of a backend share one dedicated pub/sub
+//! connection (see the registry in `pubsub.rs`): one `SUBSCRIBE` per channel however many
+//! waiters, dropped with the last one, restored after a reconnect.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use tower_lock::{LockClient, RedisBackend};
+//!
+//! # async fn demo() -> Result<(), tower_lock::Error> {
+//! let backend = RedisBackend::connect("redis://127.0.0.1:6379").await?;
+//! let client = LockClient::new(backend);
+//! let guard = client.get_lock("lock:order:{42}")?.lock().await?;
+//! guard.unlock().await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! TLS (`rediss://`, feature `tls`) and passwords in the URL
+//! (`redis://:secret@host:6379/0`) work as they do in redis-rs.
+//!
+//! # Errors
+//!
+//! Connection and command failures surface as [`Error::Redis`]; a key that holds another
+//! type (a string at `NAME`) as [`Error::WrongType`]; a reply this crate does not
+//! understand as [`Error::UnexpectedReply`].
+//!
+//! # Cancel safety
+//!
+//! A command future dropped after it was written may still run on the server; the client
+//! side compensates (see [`Lock`](crate::Lock)). Dropping a subscription unregisters the
+//! waiter at once; the `UNSUBSCRIBE` follows from the connection task.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{Client, FromRedisValue, IntoConnectionInfo, RedisError, RedisResult, Script};
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+use super::{
+    Acquire, BoxFuture, FencingToken, Grant, LockBackend, LockMode, LockRequest, Release,
+    Subscription,
+};
+use crate::error::{Error, Result};
+use crate::key::LockKey;
+
+mod pubsub;
+
+/// Per-command response timeout when none is configured: 1 s. Lock scripts take
+/// microseconds; a reply that takes a second means the server is stalled or gone, and
+/// callers are better told than kept waiting.
+pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Connection timeout when none is configured: 1 s.
+pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Reconnection attempts per failed command when none is configured: 2 (about 150 ms of
+/// backoff), so an outage surfaces as an error quickly instead of stalling callers
+/// behind a long retry chain; the next command tries again.
+pub const DEFAULT_RECONNECT_RETRIES: usize = 2;
+
+/// Renewals per script call in a watchdog batch: a bound on how long one call keeps
+/// Redis busy (about a millisecond), not on the batch size; a larger batch is several
+/// calls in one pipelined burst.
+const RENEW_CHUNK: usize = 1000;
+
+/// The message Redisson publishes on unlock: wake one waiter.
+const UNLOCK_MESSAGE: &str = "0";
+
+struct Scripts {
+    acquire: Script,
+    release: Script,
+    renew: Script,
+    renew_many: Script,
+    force_release: Script,
+}
+
+static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
+    acquire: Script::new(include_str!("../../../lua/lock_acquire.lua")),
+    release: Script::new(include_str!("../../../lua/lock_release.lua")),
+    renew: Script::new(include_str!("../../../lua/lock_renew.lua")),
+    renew_many: Script::new(include_str!("../../../lua/lock_renew_many.lua")),
+    force_release: Script::new(include_str!("../../../lua/lock_force_release.lua")),
+});
+
+/// A lock store on Redis. See the [module docs](self).
+///
+/// Cheap to clone: clones share the connection, the pub/sub registry and its task. The
+/// task ends when the last clone is dropped.
+#[derive(Clone)]
+pub struct RedisBackend {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    conn: ConnectionManager,
+    prefix: String,
+    hub: pubsub::Hub,
+    watchdog_lease: Option<Duration>,
+    _stop_hub: DropGuard,
+}
+
+/// Configures a [`RedisBackend`]; from [`RedisBackend::builder`].
+#[must_use]
+pub struct RedisBackendBuilder {
+    client: RedisResult<Client>,
+    key_prefix: String,
+    watchdog_lease: Option<Duration>,
+    response_timeout: Duration,
+    connection_timeout: Duration,
+    reconnect_retries: usize,
+}
+
+impl RedisBackend {
+    /// Connects to the Redis server at `url` with the default settings.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Redis`] when the URL is invalid or the server cannot be reached.
+    pub async fn connect(url: impl IntoConnectionInfo) -> Result<Self> {
+        Self::builder(url).build().await
+    }
+
+    /// Configures a backend for the server at `url` (`redis://`, `rediss://`,
+    /// `redis+unix://`; user, password and database as redis-rs accepts them).
+    pub fn builder(url: impl IntoConnectionInfo) -> RedisBackendBuilder {
+        Self::builder_with(Client::open(url))
+    }
+
+    /// Configures a backend using an existing redis-rs client.
+    pub fn from_client(client: Client) -> RedisBackendBuilder {
+        Self::builder_with(Ok(client))
+    }
+
+    fn builder_with(client: RedisResult<Client>) -> RedisBackendBuilder {
+        RedisBackendBuilder {
+            client,
+            key_prefix: String::new(),
+            watchdog_lease: None,
+            response_timeout: DEFAULT_RESPONSE_TIMEOUT,
+            connection_timeout: DEFAULT_CONNECTION_TIMEOUT,
+            reconnect_retries: DEFAULT_RECONNECT_RETRIES,
+        }
+    }
+
+    /// The Redis key of the lock named `key` (the prefix followed by the key).
+    pub fn lock_name(&self, key: &LockKey) -> String {
+        format!("{}{}", self.inner.prefix, key)
+    }
+
+    /// The channel releases of `key` are published on.
+    pub fn channel_name(&self, key: &LockKey) -> String {
+        Names::of(&self.inner.prefix, key).channel
+    }
+
+    /// The key of `key`'s fencing counter.
+    pub fn fence_name(&self, key: &LockKey) -> String {
+        Names::of(&self.inner.prefix, key).fence
+    }
+
+    /// Waiters registered for `key` in this process (a diagnostic).
+    pub fn local_waiters(&self, key: &LockKey) -> usize {
+        self.inner.hub.waiters(&self.channel_name(key))
+    }
+
+    /// A handle on the command connection, for callers that want to reuse it (it is a
+    /// cheap clone).
+    pub fn connection(&self) -> ConnectionManager {
+        self.inner.conn.clone()
+    }
+
+    fn check_mode(mode: LockMode) -> Result<()> {
+        match mode {
+            LockMode::Exclusive => Ok(()),
+            mode => Err(Error::Unsupported {
+                backend: "redis",
+                mode,
+            }),
+        }
+    }
+
+    async fn invoke<T: FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<T> {
+        let mut conn = self.inner.conn.clone();
+        invocation.invoke_async(&mut conn).await.map_err(map_error)
+    }
+
+    async fn acquire_exclusive(&self, req: &LockRequest) -> Result<Acquire> {
+        let names = Names::of(&self.inner.prefix, &req.key);
+        let reply: Vec<i64> = self
+            .invoke(
+                SCRIPTS
+                    .acquire
+                    .key(&names.lock)
+                    .key(&names.fence)
+                    .arg(lease_ms(req.lease))
+                    .arg(req.owner.as_str()),
+            )
+            .await?;
+        match reply.as_slice() {
+            [1, holds, token] => Ok(Acquire::Acquired(Grant::new(
+                u32::try_from(*holds).unwrap_or(u32::MAX),
+                FencingToken::new(u64::try_from(*token).unwrap_or(0)),
+            ))),
+            [0, pttl] => Ok(Acquire::Busy { ttl: ttl_of(*pttl) }),
+            other => Err(unexpected("acquire", other)),
+        }
+    }
+
+    async fn release_exclusive(&self, req: &LockRequest) -> Result<Release> {
+        let names = Names::of(&self.inner.prefix, &req.key);
+        let reply: i64 = self
+            .invoke(
+                SCRIPTS
+                    .release
+                    .key(&names.lock)
+                    .key(&names.channel)
+                    .arg(UNLOCK_MESSAGE)
+                    .arg(lease_ms(req.lease))
+                    .arg(req.owner.as_str()),
+            )
+            .await?;
+        Ok(match reply {
+            -1 => Release::NotHeld,
+            0 => Release::Released,
+            holds => Release::Decremented {
+                holds: u32::try_from(holds).unwrap_or(u32::MAX),
+            },
+        })
+    }
+
+    async fn renew_batch(&self, reqs: &[LockRequest]) -> Vec<Result<bool>> {
+        let mut out = Vec::with_capacity(reqs.len());
+        // Chunks are sent concurrently; the multiplexed connection pipelines them.
+        let calls = reqs.chunks(RENEW_CHUNK).map(|chunk| async move {
+            let mut invocation = SCRIPTS.renew_many.prepare_invoke();
+            for req in chunk {
+                invocation.key(self.lock_name(&req.key));
+            }
+            for req in chunk {
+                invocation.arg(lease_ms(req.lease)).arg(req.owner.as_str());
+            }
+            let reply: Result<Vec<i64>> = self.invoke(&invocation).await;
+            (chunk.len(), reply)
+        });
+        for (len, reply) in futures_util::future::join_all(calls).await {
+            match reply {
+                Ok(flags) if flags.len() == len => {
+                    out.extend(flags.into_iter().map(|f| Ok(f == 1)))
+                }
+                Ok(flags) => out.extend((0..len).map(|_| Err(unexpected("renew_many", &flags)))),
+                Err(error) => {
+                    let shared = SharedError::from(error);
+                    out.extend((0..len).map(|_| Err(shared.to_error())));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// One batch error, repeated for every hold of the batch.
+enum SharedError {
+    Redis(RedisError),
+    Other(String),
+}
+
+impl From<Error> for SharedError {
+    fn from(error: Error) -> Self {
+        match error {
+            Error::Redis(e) => SharedError::Redis(e),
+            other => SharedError::Other(other.to_string()),
+        }
+    }
+}
+
+impl SharedError {
+    fn to_error(&self) -> Error {
+        match self {
+            SharedError::Redis(e) => Error::Redis(e.clone()),
+            SharedError::Other(s) => Error::UnexpectedReply(s.clone()),
+        }
+    }
+}
+
+fn lease_ms(lease: Duration) -> u64 {
+    u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+/// `PTTL` → remaining lease: -1 (no expiry) → `None`; -2 (gone) → zero.
+fn ttl_of(pttl: i64) -> Option<Duration> {
+    match pttl {
+        -1 => None,
+        ms => Some(Duration::from_millis(u64::try_from(ms).unwrap_or(0))),
+    }
+}
+
+fn unexpected(op: &str, reply: &[i64]) -> Error {
+    Error::UnexpectedReply(format!("{op} script answered {reply:?}"))
+}
+
+fn map_error(error: RedisError) -> Error {
+    let wrong_type = error.code() == Some("WRONGTYPE")
+        || error.detail().is_some_and(|d| d.contains("WRONGTYPE"))
+        || error.to_string().contains("WRONGTYPE");
+    if wrong_type {
+        Error::WrongType
+    } else {
+        Error::Redis(error)
+    }
+}
+
+/// The Redis names of one lock.
+struct Names {
+    lock: String,
+    channel: String,
+    fence: String,
+}
+
+impl Names {
+    fn of(prefix: &str, key: &LockKey) -> Self {
+        let lock = format!("{prefix}{key}");
+        // Redisson's naming: wrap the name in a hash tag unless it has one, so companion
+        // keys and the channel share the lock's cluster slot.
+        let (open, close) = if lock.contains('{') {
+            ("", "")
+        } else {
+            ("{", "}")
+        };
+        Names {
+            channel: format!("redisson_lock__channel:{open}{lock}{close}"),
+            fence: format!("tower_lock_fence:{open}{lock}{close}"),
+            lock,
+        }
+    }
+}
+
+impl RedisBackendBuilder {
+    /// Prepended to every lock key (default: none, so names match Redisson's exactly).
+    /// Must not contain braces or control characters.
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.key_prefix = prefix.into();
+        self
+    }
+
+    /// The watchdog lease clients of this backend use by default (else
+    /// [`DEFAULT_WATCHDOG_LEASE`](crate::DEFAULT_WATCHDOG_LEASE), like Redisson's
+    /// `lockWatchdogTimeout`).
+    pub fn watchdog_lease(mut self, lease: Duration) -> Self {
+        self.watchdog_lease = Some(lease);
+        self
+    }
+
+    /// Per-command response timeout (default [`DEFAULT_RESPONSE_TIMEOUT`]).
+    pub fn response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = timeout;
+        self
+    }
+
+    /// Connection timeout (default [`DEFAULT_CONNECTION_TIMEOUT`]).
+    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
+        self.connection_timeout = timeout;
+        self
+    }
+
+    /// Reconnection attempts per failed command (default [`DEFAULT_RECONNECT_RETRIES`]).
+    pub fn reconnect_retries(mut self, retries: usize) -> Self {
+        self.reconnect_retries = retries;
+        self
+    }
+
+    /// Validates the settings, connects, and starts the pub/sub task.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming the bad setting; [`Error::Redis`] when the URL is
+    /// invalid or the server cannot be reached.
+    pub async fn build(self) -> Result<RedisBackend> {
+        let client = self.client?;
+        if self.key_prefix.contains(['{', '}']) || self.key_prefix.chars().any(char::is_control) {
+            return Err(Error::invalid_config(
+                "key_prefix",
+                format!(
+                    "must not contain braces or control characters (got {:?})",
+                    self.key_prefix
+                ),
+            ));
+        }
+        if self.key_prefix.len() > 256 {
+            return Err(Error::invalid_config(
+                "key_prefix",
+                format!("must be at most 256 bytes (got {})", self.key_prefix.len()),
+            ));
+        }
+        for (name, value) in [
+            ("response_timeout", self.response_timeout),
+            ("connection_timeout", self.connection_timeout),
+        ] {
+            if value.is_zero() {
+                return Err(Error::invalid_config(
+                    name,
+                    "must be greater than zero (got 0)",
+                ));
+            }
+        }
+        if let Some(lease) = self.watchdog_lease
+            && lease < crate::MIN_WATCHDOG_LEASE
+        {
+            return Err(Error::invalid_config(
+                "watchdog_lease",
+                format!("must be at least 30 ms (got {lease:?})"),
+            ));
+        }
+        let config = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(self.response_timeout))
+            .set_connection_timeout(Some(self.connection_timeout))
+            .set_number_of_retries(self.reconnect_retries)
+            .set_min_delay(Duration::from_millis(50));
+        let conn = ConnectionManager::new_with_config(client.clone(), config).await?;
+        let shutdown = CancellationToken::new();
+        let hub = pubsub::Hub::start(client, shutdown.clone());
+        Ok(RedisBackend {
+            inner: Arc::new(Inner {
+                conn,
+                prefix: self.key_prefix,
+                hub,
+                watchdog_lease: self.watchdog_lease,
+                _stop_hub: shutdown.drop_guard(),
+            }),
+        })
+    }
+}
+
+impl LockBackend for RedisBackend {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
+    fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
+        Box::pin(async move {
+            Self::check_mode(req.mode)?;
+            self.acquire_exclusive(req).await
+        })
+    }
+
+    fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            Self::check_mode(req.mode)?;
+            let renewed: i64 = self
+                .invoke(
+                    SCRIPTS
+                        .renew
+                        .key(self.lock_name(&req.key))
+                        .arg(lease_ms(req.lease))
+                        .arg(req.owner.as_str()),
+                )
+                .await?;
+            Ok(renewed == 1)
+        })
+    }
+
+    fn renew_many<'a>(&'a self, reqs: &'a [LockRequest]) -> BoxFuture<'a, Vec<Result<bool>>> {
+        Box::pin(async move {
+            if reqs.iter().all(|r| Self::check_mode(r.mode).is_ok()) {
+                return self.renew_batch(reqs).await;
+            }
+            let mut out = Vec::with_capacity(reqs.len());
+            for req in reqs {
+                out.push(self.renew(req).await);
+            }
+            out
+        })
+    }
+
+    fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>> {
+        Box::pin(async move {
+            Self::check_mode(req.mode)?;
+            self.release_exclusive(req).await
+        })
+    }
+
+    fn subscribe<'a>(
+        &'a self,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, Result<Box<dyn Subscription>>> {
+        Box::pin(async move {
+            Self::check_mode(req.mode)?;
+            Ok(self.inner.hub.subscribe(self.channel_name(&req.key)).await)
+        })
+    }
+
+    fn force_release<'a>(
+        &'a self,
+        key: &'a LockKey,
+        mode: LockMode,
+    ) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            Self::check_mode(mode)?;
+            let names = Names::of(&self.inner.prefix, key);
+            let removed: i64 = self
+                .invoke(
+                    SCRIPTS
+                        .force_release
+                        .key(&names.lock)
+                        .key(&names.channel)
+                        .arg(UNLOCK_MESSAGE),
+                )
+                .await?;
+            Ok(removed == 1)
+        })
+    }
+
+    fn watchdog_lease(&self) -> Option<Duration> {
+        self.inner.watchdog_lease
+    }
+}
+
+impl fmt::Debug for RedisBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisBackend")
+            .field("prefix", &self.inner.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_redisson() {
+        let key = LockKey::new("anyLock").unwrap();
+        let n = Names::of("", &key);
+        assert_eq!(n.lock, "anyLock");
+        assert_eq!(n.channel, "redisson_lock__channel:{anyLock}");
+        assert_eq!(n.fence, "tower_lock_fence:{anyLock}");
+
+        let key = LockKey::namespaced("lock:order", "42").unwrap();
+        let n = Names::of("app:", &key);
+        assert_eq!(n.lock, "app:lock:order:{42}");
+        assert_eq!(n.channel, "redisson_lock__channel:app:lock:order:{42}");
+        assert_eq!(n.fence, "tower_lock_fence:app:lock:order:{42}");
+    }
+
+    #[test]
+    fn ttl_and_lease_conversions() {
+        assert_eq!(ttl_of(-1), None);
+        assert_eq!(ttl_of(-2), Some(Duration::ZERO));
+        assert_eq!(ttl_of(1500), Some(Duration::from_millis(1500)));
+        assert_eq!(lease_ms(Duration::from_micros(10)), 1);
+        assert_eq!(lease_ms(Duration::from_secs(30)), 30_000);
+    }
+
+    #[test]
+    fn scripts_are_the_lua_files() {
+        assert!(SCRIPTS.acquire.get_hash().len() == 40);
+        assert_ne!(SCRIPTS.acquire.get_hash(), SCRIPTS.release.get_hash());
+    }
+}

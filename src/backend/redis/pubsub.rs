@@ -1,0 +1,309 @@
+//! One shared pub/sub connection per backend, with a per-channel registry.
+//!
+//! Every waiter of a [`RedisBackend`](super::RedisBackend) registers in one registry. The
+//! first waiter of a channel causes a `SUBSCRIBE`, the last one leaving an
+//! `UNSUBSCRIBE`; waiters in between share the subscription. One background task owns the
+//! connection and reconciles the server's subscriptions with the registry, so a waiter
+//! that leaves and one that arrives at the same moment can never end with the channel
+//! unsubscribed while someone waits on it.
+//!
+//! A message on a channel wakes waiters of that channel in this process: `0` (an unlock)
+//! wakes one, `1` (a read unlock) wakes all. A wake-up that finds nobody parked is kept
+//! for the next waiter to park, so a release between a waiter's attempt and its sleep is
+//! not lost. After a reconnect every channel is subscribed again and every waiter is
+//! woken to retry, since messages may have been missed meanwhile.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use redis::Client;
+use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::{BoxFuture, Subscription, Wake};
+
+/// How long a new waiter waits for its `SUBSCRIBE` to be confirmed before it goes on
+/// anyway (and relies on the holder's TTL and reconnect wake-ups, should a message be
+/// missed).
+const CONFIRM_WAIT: Duration = Duration::from_secs(1);
+const MIN_BACKOFF: Duration = Duration::from_millis(50);
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+#[derive(Clone)]
+pub(super) struct Hub {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    /// Tells the task that channels were added or dropped.
+    changed: Notify,
+}
+
+#[derive(Default)]
+struct State {
+    channels: HashMap<String, Channel>,
+    /// Channels whose subscription may need to change.
+    dirty: HashSet<String>,
+}
+
+struct Channel {
+    notify: Arc<Notify>,
+    waiters: usize,
+    /// Whether the server has confirmed the subscription for this entry.
+    confirmed: watch::Sender<bool>,
+}
+
+impl Shared {
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Hub {
+    /// Starts the connection task; it ends when `shutdown` is cancelled.
+    pub(super) fn start(client: Client, shutdown: CancellationToken) -> Self {
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State::default()),
+            changed: Notify::new(),
+        });
+        tokio::spawn(run(Arc::clone(&shared), client, shutdown));
+        Hub { shared }
+    }
+
+    /// Registers a waiter on `channel` and waits (briefly) until the channel is
+    /// subscribed.
+    pub(super) async fn subscribe(&self, channel: String) -> Box<dyn Subscription> {
+        let (notify, mut confirmed, created) = {
+            let mut state = self.shared.state();
+            let mut created = false;
+            let entry = state.channels.entry(channel.clone()).or_insert_with(|| {
+                created = true;
+                Channel {
+                    notify: Arc::new(Notify::new()),
+                    waiters: 0,
+                    confirmed: watch::Sender::new(false),
+                }
+            });
+            entry.waiters += 1;
+            let handles = (
+                Arc::clone(&entry.notify),
+                entry.confirmed.subscribe(),
+                created,
+            );
+            if created {
+                state.dirty.insert(channel.clone());
+            }
+            handles
+        };
+        if created {
+            self.shared.changed.notify_one();
+        }
+        // Registered before waiting, so a cancelled subscribe unregisters on drop.
+        let sub = Box::new(RedisSubscription {
+            shared: Arc::clone(&self.shared),
+            channel,
+            notify,
+        });
+        if tokio::time::timeout(CONFIRM_WAIT, confirmed.wait_for(|c| *c))
+            .await
+            .is_err()
+        {
+            tracing::debug!(channel = %sub.channel, "subscription not confirmed in time; relying on lease TTLs");
+        }
+        sub
+    }
+
+    /// Waiters registered on `channel` in this process.
+    pub(super) fn waiters(&self, channel: &str) -> usize {
+        self.shared
+            .state()
+            .channels
+            .get(channel)
+            .map_or(0, |c| c.waiters)
+    }
+}
+
+struct RedisSubscription {
+    shared: Arc<Shared>,
+    channel: String,
+    notify: Arc<Notify>,
+}
+
+impl Subscription for RedisSubscription {
+    fn wait(&mut self, deadline: Instant) -> BoxFuture<'_, Wake> {
+        Box::pin(async move {
+            match tokio::time::timeout_at(deadline, self.notify.notified()).await {
+                Ok(()) => Wake::Notified,
+                Err(_) => Wake::Deadline,
+            }
+        })
+    }
+
+    fn pass_on(&mut self) {
+        self.notify.notify_one();
+    }
+}
+
+impl Drop for RedisSubscription {
+    fn drop(&mut self) {
+        let mut state = self.shared.state();
+        let last = match state.channels.get_mut(&self.channel) {
+            Some(entry) => {
+                entry.waiters = entry.waiters.saturating_sub(1);
+                entry.waiters == 0
+            }
+            None => false,
+        };
+        if last {
+            state.channels.remove(&self.channel);
+            state.dirty.insert(std::mem::take(&mut self.channel));
+            drop(state);
+            self.shared.changed.notify_one();
+        }
+    }
+}
+
+async fn run(shared: Arc<Shared>, client: Client, shutdown: CancellationToken) {
+    let mut backoff = MIN_BACKOFF;
+    let mut connected_before = false;
+    loop {
+        let connecting = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            connecting = client.get_async_pubsub() => connecting,
+        };
+        let pubsub = match connecting {
+            Ok(pubsub) => pubsub,
+            Err(error) => {
+                tracing::warn!(%error, retry_in_ms = backoff.as_millis() as u64, "pub/sub connection failed");
+                if sleep_or_shutdown(backoff, &shutdown).await {
+                    return;
+                }
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+                continue;
+            }
+        };
+        backoff = MIN_BACKOFF;
+        if connected_before {
+            tracing::info!("pub/sub connection re-established; resubscribing");
+        }
+        let (mut sink, mut stream) = pubsub.split();
+        let mut subscribed = HashSet::new();
+        {
+            let mut state = shared.state();
+            let all: Vec<String> = state.channels.keys().cloned().collect();
+            state.dirty.extend(all);
+        }
+        let mut wake_all_pending = connected_before;
+        connected_before = true;
+        loop {
+            if let Err(error) = reconcile(&shared, &mut sink, &mut subscribed).await {
+                tracing::warn!(%error, "pub/sub (un)subscribe failed; reconnecting");
+                break;
+            }
+            if std::mem::take(&mut wake_all_pending) {
+                wake_everyone(&shared);
+            }
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return,
+                msg = stream.next() => match msg {
+                    Some(msg) => dispatch(&shared, msg.get_channel_name(), msg.get_payload_bytes()),
+                    None => {
+                        tracing::warn!("pub/sub connection lost; reconnecting");
+                        break;
+                    }
+                },
+                _ = shared.changed.notified() => {}
+            }
+        }
+        {
+            let state = shared.state();
+            for channel in state.channels.values() {
+                channel.confirmed.send_replace(false);
+            }
+        }
+        // Waiters must not sleep out a holder's lease on a channel nobody listens to.
+        wake_everyone(&shared);
+        if sleep_or_shutdown(MIN_BACKOFF, &shutdown).await {
+            return;
+        }
+    }
+}
+
+/// Brings the server's subscriptions in line with the registry for every dirty channel.
+async fn reconcile(
+    shared: &Shared,
+    sink: &mut redis::aio::PubSubSink,
+    subscribed: &mut HashSet<String>,
+) -> redis::RedisResult<()> {
+    let (to_subscribe, to_unsubscribe) = {
+        let mut state = shared.state();
+        let dirty = std::mem::take(&mut state.dirty);
+        let mut to_subscribe = Vec::new();
+        let mut to_unsubscribe = Vec::new();
+        for channel in dirty {
+            match (state.channels.get(&channel), subscribed.contains(&channel)) {
+                (Some(_), false) => to_subscribe.push(channel),
+                (Some(entry), true) => {
+                    entry.confirmed.send_replace(true);
+                }
+                (None, true) => to_unsubscribe.push(channel),
+                (None, false) => {}
+            }
+        }
+        (to_subscribe, to_unsubscribe)
+    };
+    if !to_subscribe.is_empty() {
+        if let Err(error) = sink.subscribe(&to_subscribe).await {
+            // Whatever was asked stays dirty for the next connection.
+            shared.state().dirty.extend(to_subscribe);
+            return Err(error);
+        }
+        let state = shared.state();
+        for channel in to_subscribe {
+            if let Some(entry) = state.channels.get(&channel) {
+                entry.confirmed.send_replace(true);
+            }
+            subscribed.insert(channel);
+        }
+    }
+    if !to_unsubscribe.is_empty() {
+        for channel in &to_unsubscribe {
+            subscribed.remove(channel);
+        }
+        sink.unsubscribe(&to_unsubscribe).await?;
+    }
+    Ok(())
+}
+
+fn dispatch(shared: &Shared, channel: &str, payload: &[u8]) {
+    let state = shared.state();
+    let Some(entry) = state.channels.get(channel) else {
+        return;
+    };
+    if payload == b"1" {
+        entry.notify.notify_waiters();
+    }
+    // Wakes one parked waiter, or is kept for the next to park.
+    entry.notify.notify_one();
+}
+
+fn wake_everyone(shared: &Shared) {
+    let state = shared.state();
+    for entry in state.channels.values() {
+        entry.notify.notify_waiters();
+        entry.notify.notify_one();
+    }
+}
+
+/// Sleeps for `duration`; returns `true` if shutdown came first.
+async fn sleep_or_shutdown(duration: Duration, shutdown: &CancellationToken) -> bool {
+    tokio::select! {
+        _ = shutdown.cancelled() => true,
+        _ = tokio::time::sleep(duration) => false,
+    }
+}

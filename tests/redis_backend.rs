@@ -1,0 +1,487 @@
+//! The Redis backend beyond the conformance suite: Redisson wire compatibility, wake-one
+//! notifications, shared subscriptions, the batched watchdog, typed errors. Every test
+//! runs against its own real redis-server.
+#![cfg(feature = "redis")]
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::redis_server::RedisServer;
+use common::wait_until;
+use futures_util::StreamExt;
+use redis::aio::MultiplexedConnection;
+use tokio::time::Instant;
+use tower_lock::{Error, Lease, LockClient, LockKey, RedisBackend};
+
+/// Redisson 3.x `RedissonLock.tryLockInnerAsync`, verbatim in behaviour: nil when
+/// acquired, else the holder's PTTL.
+const REDISSON_TRY_LOCK: &str = r"
+if (redis.call('exists', KEYS[1]) == 0) then
+    redis.call('hincrby', KEYS[1], ARGV[2], 1);
+    redis.call('pexpire', KEYS[1], ARGV[1]);
+    return nil;
+end;
+if (redis.call('hexists', KEYS[1], ARGV[2]) == 1) then
+    redis.call('hincrby', KEYS[1], ARGV[2], 1);
+    redis.call('pexpire', KEYS[1], ARGV[1]);
+    return nil;
+end;
+return redis.call('pttl', KEYS[1]);";
+
+/// Redisson 3.x `RedissonLock.unlockInnerAsync`: nil when not held, 0 when holds remain,
+/// 1 when released (and `0` published on the channel).
+const REDISSON_UNLOCK: &str = r"
+if (redis.call('hexists', KEYS[1], ARGV[3]) == 0) then
+    return nil;
+end;
+local counter = redis.call('hincrby', KEYS[1], ARGV[3], -1);
+if (counter > 0) then
+    redis.call('pexpire', KEYS[1], ARGV[2]);
+    return 0;
+else
+    redis.call('del', KEYS[1]);
+    redis.call('publish', KEYS[2], ARGV[1]);
+    return 1;
+end;
+return nil;";
+
+/// A Redisson client, played with raw commands following RLock's protocol.
+struct Redisson {
+    conn: MultiplexedConnection,
+    id: &'static str,
+}
+
+impl Redisson {
+    fn field(&self, thread: u64) -> String {
+        format!("{}:{thread}", self.id)
+    }
+
+    async fn try_lock(&mut self, name: &str, thread: u64, lease_ms: u64) -> Option<i64> {
+        redis::Script::new(REDISSON_TRY_LOCK)
+            .key(name)
+            .arg(lease_ms)
+            .arg(self.field(thread))
+            .invoke_async(&mut self.conn)
+            .await
+            .unwrap()
+    }
+
+    async fn unlock(&mut self, name: &str, thread: u64) -> Option<i64> {
+        let channel = format!("redisson_lock__channel:{{{name}}}");
+        redis::Script::new(REDISSON_UNLOCK)
+            .key(name)
+            .key(channel)
+            .arg(0)
+            .arg(30_000)
+            .arg(self.field(thread))
+            .invoke_async(&mut self.conn)
+            .await
+            .unwrap()
+    }
+}
+
+async fn hgetall(conn: &mut MultiplexedConnection, key: &str) -> HashMap<String, String> {
+    redis::cmd("HGETALL")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .unwrap()
+}
+
+async fn pttl(conn: &mut MultiplexedConnection, key: &str) -> i64 {
+    redis::cmd("PTTL").arg(key).query_async(conn).await.unwrap()
+}
+
+async fn numsub(conn: &mut MultiplexedConnection, channel: &str) -> i64 {
+    let reply: (String, i64) = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(channel)
+        .query_async(conn)
+        .await
+        .unwrap();
+    reply.1
+}
+
+/// Successful script calls (EVALSHA + EVAL) the server has executed so far; a NOSCRIPT
+/// miss before redis-rs loads a script counts as a failed call and is left out.
+async fn script_calls(conn: &mut MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .unwrap();
+    let stat = |line: &str, name: &str| -> u64 {
+        line.split(',')
+            .find_map(|kv| kv.rsplit_once(&format!("{name}=")).map(|(_, v)| v))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    info.lines()
+        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .map(|l| stat(l, "calls") - stat(l, "failed_calls"))
+        .sum()
+}
+
+async fn client(server: &RedisServer) -> (RedisBackend, LockClient) {
+    let backend = RedisBackend::connect(server.url()).await.unwrap();
+    (backend.clone(), LockClient::new(backend))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redisson_and_tower_lock_exclude_each_other() {
+    let server = RedisServer::start().await;
+    let mut raw = server.conn().await;
+    let mut redisson = Redisson {
+        conn: server.conn().await,
+        id: "5f0e7c8a-redisson-client",
+    };
+    let (backend, client) = client(&server).await;
+    let name = "anyLock";
+    let lock = client.get_lock(name).unwrap();
+
+    // Redisson holds: the layout is RLock's, and tower-lock is excluded.
+    assert_eq!(redisson.try_lock(name, 1, 30_000).await, None);
+    assert_eq!(
+        hgetall(&mut raw, name).await,
+        HashMap::from([(redisson.field(1), "1".to_owned())])
+    );
+    match lock.try_lock().await {
+        Err(Error::Busy {
+            holder_ttl: Some(ttl),
+        }) => {
+            assert!(
+                ttl > Duration::from_secs(25) && ttl <= Duration::from_secs(30),
+                "{ttl:?}"
+            );
+        }
+        other => panic!("expected busy, got {other:?}"),
+    }
+
+    // A tower-lock waiter is woken by Redisson's unlock message, not by the 30 s TTL.
+    let waiter = tokio::spawn({
+        let lock = lock.clone();
+        async move {
+            let guard = lock
+                .try_lock_for(Duration::from_secs(20), Lease::Watchdog)
+                .await?;
+            Ok::<_, Error>((Instant::now(), guard))
+        }
+    });
+    let key = LockKey::new(name).unwrap();
+    wait_until(Duration::from_secs(5), "the waiter subscribed", || async {
+        backend.local_waiters(&key) == 1
+    })
+    .await;
+    let channel = "redisson_lock__channel:{anyLock}";
+    assert_eq!(numsub(&mut raw, channel).await, 1);
+    let released_at = Instant::now();
+    assert_eq!(redisson.unlock(name, 1).await, Some(1));
+    let (acquired_at, guard) = waiter.await.unwrap().unwrap();
+    assert!(acquired_at.duration_since(released_at) < Duration::from_secs(2));
+
+    // tower-lock holds: RLock's layout, and Redisson is excluded.
+    let fields = hgetall(&mut raw, name).await;
+    assert_eq!(
+        fields,
+        HashMap::from([(guard.owner().to_string(), "1".to_owned())])
+    );
+    assert!(guard.owner().as_str().starts_with(client.id()));
+    let ttl = pttl(&mut raw, name).await;
+    assert!(
+        ttl > 25_000 && ttl <= 30_000,
+        "lease is the 30 s watchdog lease: {ttl}"
+    );
+    let busy = redisson.try_lock(name, 2, 30_000).await;
+    assert!(busy.is_some_and(|pttl| pttl > 0), "{busy:?}");
+    // Redisson cannot unlock it either.
+    assert_eq!(redisson.unlock(name, 2).await, None);
+
+    // A Redisson waiter hears tower-lock's unlock: `0` on Redisson's channel.
+    let mut pubsub = redis::Client::open(server.url())
+        .unwrap()
+        .get_async_pubsub()
+        .await
+        .unwrap();
+    pubsub.subscribe(channel).await.unwrap();
+    let token = guard.fencing_token();
+    guard.unlock().await.unwrap();
+    let msg = tokio::time::timeout(Duration::from_secs(5), pubsub.on_message().next())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(msg.get_channel_name(), channel);
+    assert_eq!(msg.get_payload_bytes(), b"0");
+    let exists: i64 = redis::cmd("EXISTS")
+        .arg(name)
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(exists, 0);
+
+    // The fencing counter lives beside the lock, in the same slot, and holds the token.
+    let fence: u64 = redis::cmd("GET")
+        .arg("tower_lock_fence:{anyLock}")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(fence, token.get());
+
+    // Reentrancy is RLock's hold count.
+    let owner = client.new_owner();
+    owner
+        .clone()
+        .scope(async {
+            let a = lock.lock().await.unwrap();
+            let b = lock.lock().await.unwrap();
+            assert_eq!(
+                hgetall(&mut raw, name).await,
+                HashMap::from([(owner.to_string(), "2".to_owned())])
+            );
+            b.unlock().await.unwrap();
+            assert_eq!(
+                hgetall(&mut raw, name).await,
+                HashMap::from([(owner.to_string(), "1".to_owned())])
+            );
+            a.unlock().await.unwrap();
+        })
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_release_wakes_one_waiter_per_process() {
+    let server = RedisServer::start().await;
+    let mut raw = server.conn().await;
+    let (backend, client) = client(&server).await;
+    let key = LockKey::new("herd").unwrap();
+    let holder = client.get_lock(&key).unwrap().lock().await.unwrap();
+    let mut waiters = Vec::new();
+    for _ in 0..5 {
+        let lock = client.get_lock(&key).unwrap();
+        waiters.push(tokio::spawn(async move {
+            lock.try_lock_for(Duration::from_secs(20), Lease::Watchdog)
+                .await
+        }));
+    }
+    wait_until(Duration::from_secs(5), "5 waiters subscribed", || async {
+        backend.local_waiters(&key) == 5
+    })
+    .await;
+    // One shared subscription for the five.
+    assert_eq!(numsub(&mut raw, &backend.channel_name(&key)).await, 1);
+    // The holder's acquire, then each waiter's first attempt and its retry after
+    // subscribing: after that, everyone sleeps.
+    wait_until(Duration::from_secs(5), "every waiter parked", || {
+        let mut raw = raw.clone();
+        async move { script_calls(&mut raw).await == 1 + 5 + 5 }
+    })
+    .await;
+
+    let before = script_calls(&mut raw).await;
+    holder.unlock().await.unwrap();
+    wait_until(Duration::from_secs(5), "one waiter acquired", || async {
+        backend.local_waiters(&key) == 4
+    })
+    .await;
+    // Give any wrongly woken waiter ample time to show up in the stats.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let calls = script_calls(&mut raw).await - before;
+    // The release, and one acquire by the one woken waiter: not five acquires.
+    assert_eq!(calls, 2, "a release woke more than one waiter");
+    assert_eq!(backend.local_waiters(&key), 4);
+
+    // Pass the lock down the line: each release lets exactly one more in.
+    let mut done = 0;
+    while done < 5 {
+        let finished: Vec<_> = waiters.extract_if(.., |w| w.is_finished()).collect();
+        for w in finished {
+            w.await.unwrap().unwrap().unlock().await.unwrap();
+            done += 1;
+        }
+        tokio::task::yield_now().await;
+    }
+    let channel = backend.channel_name(&key);
+    wait_until(
+        Duration::from_secs(5),
+        "the subscription is dropped with the last waiter",
+        || {
+            let (mut raw, channel) = (raw.clone(), channel.clone());
+            async move { numsub(&mut raw, &channel).await == 0 }
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watchdog_renews_all_locks_in_one_call_per_period() {
+    let server = RedisServer::start().await;
+    let mut raw = server.conn().await;
+    let backend = RedisBackend::connect(server.url()).await.unwrap();
+    let lease = Duration::from_millis(600);
+    let client = LockClient::builder(backend)
+        .watchdog_lease(lease)
+        .build()
+        .unwrap();
+    let mut guards = Vec::new();
+    for i in 0..200 {
+        guards.push(
+            client
+                .get_lock(format!("batch:{i}"))
+                .unwrap()
+                .lock()
+                .await
+                .unwrap(),
+        );
+    }
+    let before = script_calls(&mut raw).await;
+    let started = Instant::now();
+    tokio::time::sleep(Duration::from_millis(1100)).await; // about five periods of 200 ms
+    let calls = script_calls(&mut raw).await - before;
+    let periods = started.elapsed().as_millis() as u64 / 200;
+    assert!(calls >= 3, "the watchdog renewed: {calls} calls");
+    assert!(
+        calls <= periods + 1,
+        "{calls} renewal calls in {periods} periods for 200 locks"
+    );
+    for (i, g) in guards.iter().enumerate() {
+        assert!(!g.is_lost(), "lock {i} lost");
+        let ttl = pttl(&mut raw, &format!("batch:{i}")).await;
+        assert!(ttl > 0 && ttl <= 600, "lock {i}: {ttl}");
+    }
+    for g in guards {
+        g.unlock().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missed_release_costs_at_most_the_holders_ttl() {
+    let server = RedisServer::start().await;
+    let mut raw = server.conn().await;
+    let (backend, client) = client(&server).await;
+    let key = LockKey::new("silent").unwrap();
+    let lease = Duration::from_millis(1500);
+    let holder = client
+        .get_lock(&key)
+        .unwrap()
+        .try_lock_for(Duration::ZERO, lease)
+        .await
+        .unwrap();
+    let lock = client.get_lock(&key).unwrap();
+    let waiter = tokio::spawn(async move {
+        let guard = lock
+            .try_lock_for(Duration::from_secs(20), Lease::Watchdog)
+            .await?;
+        Ok::<_, Error>((Instant::now(), guard))
+    });
+    wait_until(Duration::from_secs(5), "the waiter subscribed", || async {
+        backend.local_waiters(&key) == 1
+    })
+    .await;
+    // The lock vanishes without a message (as if the release message were lost).
+    let deleted_at = Instant::now();
+    let _: i64 = redis::cmd("DEL")
+        .arg("silent")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let (acquired_at, guard) = waiter.await.unwrap().unwrap();
+    let waited = acquired_at.duration_since(deleted_at);
+    assert!(
+        waited < lease + Duration::from_millis(500),
+        "waited {waited:?} for a {lease:?} TTL"
+    );
+    guard.unlock().await.unwrap();
+    assert!(matches!(holder.unlock().await, Err(Error::Lost)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_type_and_script_errors_are_typed() {
+    let server = RedisServer::start().await;
+    let mut raw = server.conn().await;
+    let (_backend, client) = client(&server).await;
+    let _: () = redis::cmd("SET")
+        .arg("stringly")
+        .arg("x")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let lock = client.get_lock("stringly").unwrap();
+    match lock.try_lock().await {
+        Err(Error::WrongType) => {}
+        other => panic!("expected WrongType, got {other:?}"),
+    }
+    assert!(!Error::WrongType.is_retryable());
+    // The string is untouched.
+    let value: String = redis::cmd("GET")
+        .arg("stringly")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(value, "x");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_refused_is_a_typed_error() {
+    let server = RedisServer::start().await;
+    let url = server.url();
+    drop(server);
+    let started = Instant::now();
+    match RedisBackend::connect(url.as_str()).await {
+        Err(Error::Redis(e)) => assert!(e.is_connection_refusal() || e.is_io_error(), "{e}"),
+        Err(other) => panic!("expected a redis error, got {other}"),
+        Ok(_) => panic!("connected to a stopped server"),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(matches!(
+        RedisBackend::connect("not a url").await,
+        Err(Error::Redis(_))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn password_in_url_and_prefix() {
+    let server = RedisServer::start_with(&["--requirepass", "s3cret"]).await;
+    let url = format!("redis://:s3cret@127.0.0.1:{}", server.port());
+    let backend = RedisBackend::builder(url.as_str())
+        .key_prefix("app:")
+        .build()
+        .await
+        .unwrap();
+    let client = LockClient::new(backend.clone());
+    let guard = client.get_lock("k").unwrap().lock().await.unwrap();
+    let mut raw = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let exists: i64 = redis::cmd("EXISTS")
+        .arg("app:k")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(exists, 1, "the prefix is part of the lock's name");
+    guard.unlock().await.unwrap();
+
+    let wrong = format!("redis://:nope@127.0.0.1:{}", server.port());
+    assert!(matches!(
+        RedisBackend::connect(wrong.as_str()).await,
+        Err(Error::Redis(_))
+    ));
+    for bad in ["a{b", "x}", "tab\t"] {
+        match RedisBackend::builder(url.as_str())
+            .key_prefix(bad)
+            .build()
+            .await
+        {
+            Err(Error::InvalidConfig {
+                name: "key_prefix", ..
+            }) => {}
+            other => panic!("prefix {bad:?}: {other:?}"),
+        }
+    }
+}
