@@ -1,4 +1,5 @@
 //! The conformance suite against the Redis backend, on a real redis-server per test.
+#![cfg(feature = "redis")]
 
 mod common;
 

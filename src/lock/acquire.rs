@@ -4,6 +4,12 @@
 //! releases *first*, then try again, then sleep until a release is signalled or the
 //! holder's lease would end, whichever is sooner, bounded by the deadline; repeat. A
 //! notification that is lost or late costs at most the holder's remaining lease.
+//!
+//! The first attempt's errors are returned at once (a caller learns immediately that
+//! the store is down). Once waiting, transient errors (`Error::is_retryable`: a lost
+//! connection, a timeout) are retried with backoff until the deadline — or, without one,
+//! until the store has failed for a whole watchdog lease — so a waiter rides out a
+//! restart or failover instead of failing with most of its wait left.
 
 use std::time::Duration;
 
@@ -20,6 +26,11 @@ use crate::owner::Owner;
 /// the backend cannot tell its TTL) and no release is signalled: a safety net against a
 /// lost notification, not a polling interval.
 const NO_TTL_RECHECK: Duration = Duration::from_secs(1);
+
+/// The first and the longest pause before retrying after a transient store failure
+/// (connection lost, timeout) while waiting.
+const MIN_ERROR_BACKOFF: Duration = Duration::from_millis(20);
+const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(1);
 
 /// The shortest sleep between attempts, so a TTL of zero (a lease ending right now)
 /// cannot spin.
@@ -143,7 +154,7 @@ async fn run(
 ) -> Result<(Grant, Instant)> {
     let expired = |now: Instant| deadline.is_some_and(|d| now >= d);
 
-    let mut ttl = match attempt(client, req, fresh_owner).await? {
+    let ttl = match attempt(client, req, fresh_owner).await? {
         (Acquire::Acquired(grant), sent_at) => return Ok((grant, sent_at)),
         (Acquire::Busy { ttl }, _) => ttl,
     };
@@ -159,17 +170,44 @@ async fn run(
         client,
         req,
     };
+    // Transient backend failures while waiting: when the current run of them began, and
+    // the next backoff.
+    let mut failing_since: Option<Instant> = None;
+    let mut backoff = MIN_ERROR_BACKOFF;
     loop {
-        let outcome = attempt(client, req, fresh_owner).await?;
+        let outcome = match attempt(client, req, fresh_owner).await {
+            Ok(outcome) => {
+                failing_since = None;
+                backoff = MIN_ERROR_BACKOFF;
+                outcome
+            }
+            Err(error) if error.is_retryable() => {
+                let now = Instant::now();
+                let since = *failing_since.get_or_insert(now);
+                // Without a deadline, give up once the store has failed for a whole lease:
+                // by then no lock it held for anyone is still valid either.
+                let out_of_patience = deadline.is_none() && now - since >= client.watchdog_lease();
+                if expired(now) || out_of_patience {
+                    return Err(error);
+                }
+                tracing::warn!(%error, retry_in_ms = backoff.as_millis() as u64, "lock store failed while waiting; retrying");
+                let until = deadline.map_or(now + backoff, |d| d.min(now + backoff));
+                backoff = (backoff * 2).min(MAX_ERROR_BACKOFF);
+                // A reconnect notification cuts the backoff short.
+                waiting.woken = waiting.sub.wait(until).await == Wake::Notified;
+                continue;
+            }
+            Err(error) => return Err(error),
+        };
         // The wake-up, if any, has been used by this attempt.
         waiting.woken = false;
-        match outcome {
+        let ttl = match outcome {
             (Acquire::Acquired(grant), sent_at) => {
                 waiting.queued = false;
                 return Ok((grant, sent_at));
             }
-            (Acquire::Busy { ttl: holder_ttl }, _) => ttl = holder_ttl,
-        }
+            (Acquire::Busy { ttl }, _) => ttl,
+        };
         let now = Instant::now();
         if expired(now) {
             waiting.give_up().await;

@@ -1,0 +1,148 @@
+//! Server faults: redis-server restarted empty under held locks and waiting waiters, and
+//! a frozen server. Each test owns its server.
+#![cfg(feature = "redis")]
+
+mod common;
+
+use std::time::Duration;
+
+use common::redis_server::RedisServer;
+use common::wait_until;
+use tokio::time::Instant;
+use tower_lock::{Error, Lease, LockClient, LockKey, RedisBackend};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_under_held_locks_and_waiters() {
+    let mut server = RedisServer::start().await;
+    let holder_backend = RedisBackend::connect(server.url()).await.unwrap();
+    let waiter_backend = RedisBackend::connect(server.url()).await.unwrap();
+    let lease = Duration::from_millis(900);
+    let holder_client = LockClient::builder(holder_backend)
+        .watchdog_lease(lease)
+        .build()
+        .unwrap();
+    let waiter_client = LockClient::new(waiter_backend.clone());
+    let key = LockKey::new("restart").unwrap();
+    let held = holder_client.get_lock(&key).unwrap().lock().await.unwrap();
+
+    let wait = Duration::from_secs(3);
+    let started = Instant::now();
+    let mut waiters = Vec::new();
+    for _ in 0..3 {
+        let lock = waiter_client.get_lock(&key).unwrap();
+        waiters.push(tokio::spawn(async move {
+            let outcome = lock.try_lock_for(wait, Lease::Watchdog).await;
+            (Instant::now(), outcome.map(drop))
+        }));
+    }
+    wait_until(Duration::from_secs(5), "three waiters", || async {
+        waiter_backend.local_waiters(&key) == 3
+    })
+    .await;
+
+    server.restart().await;
+    let restarted_at = Instant::now();
+
+    // No waiter hangs past its deadline, and none fails with most of its wait left: each
+    // rides out the restart and gets the lock, which came back free (each drops it at
+    // once for the next).
+    for w in waiters {
+        let (done_at, outcome) = w.await.unwrap();
+        assert!(
+            done_at.duration_since(started) < wait + Duration::from_secs(1),
+            "a waiter hung: {:?} ({outcome:?})",
+            done_at.duration_since(started)
+        );
+        assert!(
+            outcome.is_ok(),
+            "a waiter failed on the restart: {outcome:?}"
+        );
+    }
+
+    // The holder learns its lock is gone (the server came back empty).
+    tokio::time::timeout(lease + Duration::from_secs(2), held.lost().wait())
+        .await
+        .expect("the holder's lost signal fired after the restart");
+    assert!(restarted_at.elapsed() < lease + Duration::from_secs(2));
+    assert!(held.unlock().await.is_err());
+
+    // Clients reconnect by themselves and new locks work.
+    let fresh = waiter_client.get_lock("after-restart").unwrap();
+    wait_until(
+        Duration::from_secs(5),
+        "a new lock after the restart",
+        || async {
+            match fresh.try_lock().await {
+                Ok(g) => g.unlock().await.is_ok(),
+                Err(_) => false,
+            }
+        },
+    )
+    .await;
+
+    // Wake-ups work again: the pub/sub connection resubscribed.
+    let guard = holder_client
+        .get_lock("wake-after")
+        .unwrap()
+        .lock()
+        .await
+        .unwrap();
+    let lock = waiter_client.get_lock("wake-after").unwrap();
+    let waiter = tokio::spawn(async move {
+        let g = lock
+            .try_lock_for(Duration::from_secs(20), Lease::Watchdog)
+            .await?;
+        Ok::<_, Error>((Instant::now(), g))
+    });
+    let after = LockKey::new("wake-after").unwrap();
+    wait_until(Duration::from_secs(5), "the waiter subscribed", || async {
+        waiter_backend.local_waiters(&after) == 1
+    })
+    .await;
+    let released_at = Instant::now();
+    guard.unlock().await.unwrap();
+    let (acquired_at, g) = waiter.await.unwrap().unwrap();
+    assert!(
+        acquired_at.duration_since(released_at) < Duration::from_secs(2),
+        "a release after the restart did not wake the waiter"
+    );
+    g.unlock().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_server_times_out_with_a_retryable_error_then_recovers() {
+    let server = RedisServer::start().await;
+    let backend = RedisBackend::builder(server.url())
+        .response_timeout(Duration::from_millis(300))
+        .build()
+        .await
+        .unwrap();
+    let client = LockClient::new(backend);
+    let lock = client.get_lock("frozen").unwrap();
+    lock.try_lock().await.unwrap().unlock().await.unwrap();
+
+    server.pause();
+    let started = Instant::now();
+    let err = lock.try_lock().await.unwrap_err();
+    let took = started.elapsed();
+    server.resume();
+    assert!(matches!(err, Error::Redis(_)), "{err:?}");
+    assert!(err.is_retryable(), "{err:?}");
+    assert!(err.is_backend());
+    assert!(
+        took < Duration::from_secs(3),
+        "a frozen server stalled the caller {took:?}"
+    );
+
+    wait_until(
+        Duration::from_secs(5),
+        "the lock works after the server thaws",
+        || async {
+            match lock.try_lock().await {
+                Ok(g) => g.unlock().await.is_ok(),
+                Err(_) => false,
+            }
+        },
+    )
+    .await;
+}
