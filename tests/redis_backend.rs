@@ -485,3 +485,42 @@ async fn password_in_url_and_prefix() {
         }
     }
 }
+
+/// `rediss://` with a private CA: the backend takes a redis-rs client built with the CA,
+/// and both its command and pub/sub connections speak TLS.
+#[cfg(feature = "tls")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_with_a_private_ca() {
+    let server = RedisServer::start_tls().await;
+    assert!(server.url().starts_with("rediss://"));
+    let backend = RedisBackend::from_client(server.client())
+        .build()
+        .await
+        .unwrap();
+    let client = LockClient::new(backend.clone());
+    let key = LockKey::new("tls").unwrap();
+    let guard = client.get_lock(&key).unwrap().lock().await.unwrap();
+    let lock = client.get_lock(&key).unwrap();
+    let waiter = tokio::spawn(async move {
+        let g = lock
+            .try_lock_for(Duration::from_secs(20), Lease::Watchdog)
+            .await?;
+        Ok::<_, Error>((Instant::now(), g))
+    });
+    wait_until(Duration::from_secs(5), "the waiter subscribed", || async {
+        backend.local_waiters(&key) == 1
+    })
+    .await;
+    let released_at = Instant::now();
+    guard.unlock().await.unwrap();
+    let (acquired_at, g) = waiter.await.unwrap().unwrap();
+    assert!(
+        acquired_at.duration_since(released_at) < Duration::from_secs(2),
+        "pub/sub over TLS"
+    );
+    g.unlock().await.unwrap();
+
+    // Without the CA, the server's certificate is refused.
+    let untrusted = RedisBackend::connect(server.url().as_str()).await;
+    assert!(matches!(untrusted, Err(Error::Redis(_))), "{untrusted:?}");
+}

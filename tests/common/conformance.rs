@@ -432,12 +432,12 @@ pub async fn multi_lock_orders_keys(f: &impl Fixture) {
     assert_eq!(counter.load(Ordering::SeqCst), 4 * ITERS);
 }
 
-/// Instantiates every conformance case as a test, given an async expression that builds
-/// the fixture.
+/// Calls `$callback!($($args)*; case, case, ...)` with every conformance case: the one
+/// list of cases.
 #[macro_export]
-macro_rules! conformance_tests {
-    ($fixture:expr) => {
-        $crate::conformance_tests!(@cases $fixture;
+macro_rules! with_conformance_cases {
+    ($callback:ident! ($($args:tt)*)) => {
+        $crate::$callback!($($args)*;
             mutual_exclusion,
             reentrancy,
             foreign_owner_cannot_release_or_renew,
@@ -454,7 +454,16 @@ macro_rules! conformance_tests {
             multi_lock_orders_keys,
         );
     };
-    (@cases $fixture:expr; $($case:ident),* $(,)?) => {
+}
+
+/// Instantiates every conformance case as a test, given an async expression that builds
+/// the fixture (a fresh one per test).
+#[macro_export]
+macro_rules! conformance_tests {
+    ($fixture:expr) => {
+        $crate::with_conformance_cases!(conformance_tests!(@each $fixture));
+    };
+    (@each $fixture:expr; $($case:ident),* $(,)?) => {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $case() {
@@ -463,4 +472,20 @@ macro_rules! conformance_tests {
             }
         )*
     };
+}
+
+/// Runs every conformance case in turn against one fixture (for fixtures too costly to
+/// build per case, such as a cluster). Cases use distinct keys, so they do not interfere.
+#[macro_export]
+macro_rules! run_conformance_cases {
+    ($fixture:expr) => {
+        $crate::with_conformance_cases!(run_conformance_cases!(@all $fixture))
+    };
+    (@all $fixture:expr; $($case:ident),* $(,)?) => {{
+        let fixture = $fixture;
+        $(
+            eprintln!("conformance case {}", stringify!($case));
+            common::conformance::$case(fixture).await;
+        )*
+    }};
 }

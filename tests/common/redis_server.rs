@@ -23,6 +23,8 @@ pub struct RedisServer {
     port: u16,
     dir: PathBuf,
     extra: Vec<String>,
+    /// PEM of the CA that signed the server's certificate, when it speaks only TLS.
+    tls_ca: Option<Vec<u8>>,
 }
 
 impl RedisServer {
@@ -44,15 +46,77 @@ impl RedisServer {
             port: 0,
             dir,
             extra: extra.iter().map(|s| s.to_string()).collect(),
+            tls_ca: None,
         };
+        server.start_on_free_port().await;
+        server
+    }
+
+    /// A fresh server that speaks only TLS, with a certificate for 127.0.0.1 signed by a
+    /// throwaway CA (made with `openssl`); see [`RedisServer::client`].
+    pub async fn start_tls() -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "tower-lock-redis-{}-{}",
+            std::process::id(),
+            NEXT_DIR.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).expect("create the server's directory");
+        let sh = |script: &str| {
+            let status = Command::new("sh")
+                .arg("-c")
+                .arg(script)
+                .current_dir(&dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .expect("sh");
+            assert!(status.success(), "openssl failed: {script}");
+        };
+        sh(
+            "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt -days 1 -subj /CN=tower-lock-test-ca",
+        );
+        sh(
+            "openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj /CN=127.0.0.1",
+        );
+        sh(
+            "printf 'subjectAltName=IP:127.0.0.1' > san.ext && openssl x509 -req -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out server.crt -days 1 -extfile san.ext",
+        );
+        let file = |name: &str| dir.join(name).to_string_lossy().into_owned();
+        let extra = vec![
+            "--tls-cert-file".to_owned(),
+            file("server.crt"),
+            "--tls-key-file".to_owned(),
+            file("server.key"),
+            "--tls-ca-cert-file".to_owned(),
+            file("ca.crt"),
+            "--tls-auth-clients".to_owned(),
+            "no".to_owned(),
+        ];
+        let mut server = RedisServer {
+            child: None,
+            port: 0,
+            tls_ca: Some(std::fs::read(dir.join("ca.crt")).expect("the CA certificate")),
+            dir,
+            extra,
+        };
+        server.start_on_free_port().await;
+        server
+    }
+
+    async fn start_on_free_port(&mut self) {
+        let server = self;
         for _attempt in 0..10 {
             // A port can be taken between our probe and the server's bind: then try another.
             server.port = free_port();
             if server.spawn_and_wait().await {
-                return server;
+                return;
             }
         }
-        panic!("could not start redis-server (is it installed? .ci/run installs it)");
+        let log = std::fs::read_to_string(server.dir.join("redis.log")).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(5).collect();
+        panic!(
+            "could not start redis-server (is it installed? .ci/run installs it); its log ends: {tail:#?}"
+        );
     }
 
     pub fn port(&self) -> u16 {
@@ -60,10 +124,20 @@ impl RedisServer {
     }
 
     pub fn url(&self) -> String {
+        let scheme = if self.tls_ca.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
         match self.password() {
-            Some(password) => format!("redis://:{password}@127.0.0.1:{}", self.port),
-            None => format!("redis://127.0.0.1:{}", self.port),
+            Some(password) => format!("{scheme}://:{password}@127.0.0.1:{}", self.port),
+            None => format!("{scheme}://127.0.0.1:{}", self.port),
         }
+    }
+
+    /// A redis-rs client for this server (trusting its CA when it speaks TLS).
+    pub fn client(&self) -> redis::Client {
+        client_for(&self.url(), self.tls_ca.as_deref())
     }
 
     fn password(&self) -> Option<&str> {
@@ -77,8 +151,7 @@ impl RedisServer {
 
     /// A raw connection for test assertions (plays other clients, reads keys).
     pub async fn conn(&self) -> MultiplexedConnection {
-        redis::Client::open(self.url())
-            .unwrap()
+        self.client()
             .get_multiplexed_async_connection()
             .await
             .expect("connect to the test server")
@@ -118,24 +191,20 @@ impl RedisServer {
     /// Spawns on `self.port`; true once it answers PING, false if it exited (port taken).
     async fn spawn_and_wait(&mut self) -> bool {
         let port = self.port.to_string();
+        let (plain_port, tls_port) = match self.tls_ca {
+            Some(_) => ("0", port.as_str()),
+            None => (port.as_str(), "0"),
+        };
         let dir = self.dir.to_string_lossy().into_owned();
         let log = self.dir.join("redis.log").to_string_lossy().into_owned();
         let mut cmd = Command::new("redis-server");
-        cmd.args([
-            "--port",
-            &port,
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
-        .args(["--dir", &dir, "--logfile", &log, "--daemonize", "no"])
-        .args(&self.extra)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
+        cmd.args(["--port", plain_port, "--tls-port", tls_port])
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(["--dir", &dir, "--logfile", &log, "--daemonize", "no"])
+            .args(&self.extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
         // If this test process dies without unwinding, take the server with it.
         unsafe {
             cmd.pre_exec(|| {
@@ -146,7 +215,7 @@ impl RedisServer {
         let child = cmd.spawn().expect("redis-server on PATH");
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
-        let url = self.url();
+        let client = self.client();
         loop {
             if let Some(_exited) = self
                 .child
@@ -156,7 +225,7 @@ impl RedisServer {
                 self.child = None;
                 return false;
             }
-            if ping(&url).await {
+            if ping(&client).await {
                 return true;
             }
             if Instant::now() >= deadline {
@@ -175,10 +244,26 @@ impl Drop for RedisServer {
     }
 }
 
-async fn ping(url: &str) -> bool {
-    let Ok(client) = redis::Client::open(url) else {
-        return false;
-    };
+fn client_for(url: &str, tls_ca: Option<&[u8]>) -> redis::Client {
+    match tls_ca {
+        #[cfg(feature = "tls")]
+        Some(ca) => redis::Client::build_with_tls(
+            url,
+            redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(ca.to_vec()),
+            },
+        )
+        .expect("a TLS client"),
+        #[cfg(not(feature = "tls"))]
+        Some(_) => panic!("TLS servers need the `tls` feature"),
+        None => redis::Client::open(url).expect("a client"),
+    }
+}
+
+/// Whether the server answers; a password-protected one answers PING with NOAUTH, which
+/// counts.
+async fn ping(client: &redis::Client) -> bool {
     let connecting = tokio::time::timeout(
         Duration::from_millis(500),
         client.get_multiplexed_async_connection(),
@@ -187,7 +272,10 @@ async fn ping(url: &str) -> bool {
         return false;
     };
     let pong: redis::RedisResult<String> = redis::cmd("PING").query_async(&mut conn).await;
-    pong.is_ok()
+    match pong {
+        Ok(_) => true,
+        Err(e) => e.code() == Some("NOAUTH"),
+    }
 }
 
 fn free_port() -> u16 {
@@ -203,4 +291,72 @@ fn signal(pid: u32, sig: &str) {
         .status()
         .expect("run kill");
     assert!(status.success(), "kill {sig} {pid} failed");
+}
+
+/// A local Redis Cluster of `masters` fresh servers, made with `redis-cli --cluster
+/// create`, ready when every node reports `cluster_state:ok`.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    pub async fn start(masters: usize) -> Self {
+        let mut nodes = Vec::new();
+        for _ in 0..masters {
+            nodes.push(
+                RedisServer::start_with(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "5000",
+                ])
+                .await,
+            );
+        }
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port()))
+            .collect();
+        let output = tokio::process::Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .await
+            .expect("redis-cli on PATH");
+        assert!(
+            output.status.success(),
+            "redis-cli --cluster create failed: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let cluster = RedisCluster { nodes };
+        for node in &cluster.nodes {
+            let mut conn = node.conn().await;
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                let info: String = redis::cmd("CLUSTER")
+                    .arg("INFO")
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+                if info.contains("cluster_state:ok") {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "cluster never became ready: {info}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        cluster
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
 }

@@ -34,7 +34,11 @@
 //! ```
 //!
 //! TLS (`rediss://`, feature `tls`) and passwords in the URL
-//! (`redis://:secret@host:6379/0`) work as they do in redis-rs.
+//! (`redis://:secret@host:6379/0`) work as they do in redis-rs. For a private CA, build
+//! the client with [`redis::Client::build_with_tls`] and pass it to
+//! [`RedisBackend::from_client`]. The `tls` feature selects rustls's `ring` crypto
+//! provider; an application that enables another provider as well must install one with
+//! `rustls::crypto::CryptoProvider::install_default` before connecting.
 //!
 //! # Errors
 //!
@@ -112,8 +116,37 @@ pub struct RedisBackend {
     inner: Arc<Inner>,
 }
 
+/// The command connection: one server, or a cluster (feature `cluster`).
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    #[cfg(feature = "cluster")]
+    Cluster(Box<redis::cluster_async::ClusterConnection>),
+}
+
+impl Conn {
+    async fn invoke<T: FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> RedisResult<T> {
+        match self {
+            Conn::Single(conn) => invocation.invoke_async(&mut conn.clone()).await,
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(conn) => invocation.invoke_async(&mut (**conn).clone()).await,
+        }
+    }
+}
+
+/// Where the builder connects. Built once per backend, so its size does not matter.
+#[allow(clippy::large_enum_variant)]
+enum Target {
+    Single(RedisResult<Client>),
+    #[cfg(feature = "cluster")]
+    Cluster(RedisResult<Vec<redis::ConnectionInfo>>),
+}
+
 struct Inner {
-    conn: ConnectionManager,
+    conn: Conn,
     prefix: String,
     hub: pubsub::Hub,
     watchdog_lease: Option<Duration>,
@@ -123,7 +156,7 @@ struct Inner {
 /// Configures a [`RedisBackend`]; from [`RedisBackend::builder`].
 #[must_use]
 pub struct RedisBackendBuilder {
-    client: RedisResult<Client>,
+    target: Target,
     key_prefix: String,
     watchdog_lease: Option<Duration>,
     response_timeout: Duration,
@@ -144,17 +177,33 @@ impl RedisBackend {
     /// Configures a backend for the server at `url` (`redis://`, `rediss://`,
     /// `redis+unix://`; user, password and database as redis-rs accepts them).
     pub fn builder(url: impl IntoConnectionInfo) -> RedisBackendBuilder {
-        Self::builder_with(Client::open(url))
+        Self::builder_with(Target::Single(Client::open(url)))
     }
 
     /// Configures a backend using an existing redis-rs client.
     pub fn from_client(client: Client) -> RedisBackendBuilder {
-        Self::builder_with(Ok(client))
+        Self::builder_with(Target::Single(Ok(client)))
     }
 
-    fn builder_with(client: RedisResult<Client>) -> RedisBackendBuilder {
+    /// Configures a backend for a Redis Cluster reached through `nodes` (any subset of
+    /// its nodes; the topology is discovered). Releases are published with classic
+    /// `PUBLISH`, which the cluster forwards to every node, so the pub/sub connection
+    /// listens on the first reachable node of `nodes`.
+    #[cfg(feature = "cluster")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cluster")))]
+    pub fn cluster<T: IntoConnectionInfo>(
+        nodes: impl IntoIterator<Item = T>,
+    ) -> RedisBackendBuilder {
+        let nodes = nodes
+            .into_iter()
+            .map(IntoConnectionInfo::into_connection_info)
+            .collect::<RedisResult<Vec<_>>>();
+        Self::builder_with(Target::Cluster(nodes))
+    }
+
+    fn builder_with(target: Target) -> RedisBackendBuilder {
         RedisBackendBuilder {
-            client,
+            target,
             key_prefix: String::new(),
             watchdog_lease: None,
             response_timeout: DEFAULT_RESPONSE_TIMEOUT,
@@ -183,12 +232,6 @@ impl RedisBackend {
         self.inner.hub.waiters(&self.channel_name(key))
     }
 
-    /// A handle on the command connection, for callers that want to reuse it (it is a
-    /// cheap clone).
-    pub fn connection(&self) -> ConnectionManager {
-        self.inner.conn.clone()
-    }
-
     fn check_mode(mode: LockMode) -> Result<()> {
         match mode {
             LockMode::Exclusive => Ok(()),
@@ -203,8 +246,7 @@ impl RedisBackend {
         &self,
         invocation: &redis::ScriptInvocation<'_>,
     ) -> Result<T> {
-        let mut conn = self.inner.conn.clone();
-        invocation.invoke_async(&mut conn).await.map_err(map_error)
+        self.inner.conn.invoke(invocation).await.map_err(map_error)
     }
 
     async fn acquire_exclusive(&self, req: &LockRequest) -> Result<Acquire> {
@@ -251,33 +293,70 @@ impl RedisBackend {
         })
     }
 
-    async fn renew_batch(&self, reqs: &[LockRequest]) -> Vec<Result<bool>> {
-        let mut out = Vec::with_capacity(reqs.len());
-        // Chunks are sent concurrently; the multiplexed connection pipelines them.
-        let calls = reqs.chunks(RENEW_CHUNK).map(|chunk| async move {
-            let mut invocation = SCRIPTS.renew_many.prepare_invoke();
-            for req in chunk {
-                invocation.key(self.lock_name(&req.key));
+    /// Indices of `reqs` that one renewal script may cover together: all of them on a
+    /// single server; those of one hash slot on a cluster (a script's keys must share a
+    /// slot there).
+    fn renewal_groups(&self, reqs: &[LockRequest]) -> Vec<Vec<usize>> {
+        match &self.inner.conn {
+            Conn::Single(_) => vec![(0..reqs.len()).collect()],
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(_) => {
+                let mut groups: std::collections::HashMap<_, Vec<usize>> = Default::default();
+                for (i, req) in reqs.iter().enumerate() {
+                    let slot = redis::cluster_routing::Slot::for_key(self.lock_name(&req.key));
+                    groups.entry(slot).or_default().push(i);
+                }
+                groups.into_values().collect()
             }
-            for req in chunk {
-                invocation.arg(lease_ms(req.lease)).arg(req.owner.as_str());
+        }
+    }
+
+    async fn renew_batch(&self, reqs: &[LockRequest]) -> Vec<Result<bool>> {
+        let groups = self.renewal_groups(reqs);
+        let batches: Vec<&[usize]> = groups
+            .iter()
+            .flat_map(|group| group.chunks(RENEW_CHUNK))
+            .collect();
+        // All batches are sent at once; the multiplexed connection pipelines them, so a
+        // period costs one round trip per connection.
+        let calls = batches.iter().map(|batch| async move {
+            let mut invocation = SCRIPTS.renew_many.prepare_invoke();
+            for &i in *batch {
+                invocation.key(self.lock_name(&reqs[i].key));
+            }
+            for &i in *batch {
+                invocation
+                    .arg(lease_ms(reqs[i].lease))
+                    .arg(reqs[i].owner.as_str());
             }
             let reply: Result<Vec<i64>> = self.invoke(&invocation).await;
-            (chunk.len(), reply)
+            reply
         });
-        for (len, reply) in futures_util::future::join_all(calls).await {
+        let replies = futures_util::future::join_all(calls).await;
+        let mut out: Vec<Option<Result<bool>>> = (0..reqs.len()).map(|_| None).collect();
+        for (batch, reply) in batches.iter().zip(replies) {
             match reply {
-                Ok(flags) if flags.len() == len => {
-                    out.extend(flags.into_iter().map(|f| Ok(f == 1)))
+                Ok(flags) if flags.len() == batch.len() => {
+                    for (&i, flag) in batch.iter().zip(flags) {
+                        out[i] = Some(Ok(flag == 1));
+                    }
                 }
-                Ok(flags) => out.extend((0..len).map(|_| Err(unexpected("renew_many", &flags)))),
+                Ok(flags) => {
+                    for &i in *batch {
+                        out[i] = Some(Err(unexpected("renew_many", &flags)));
+                    }
+                }
                 Err(error) => {
                     let shared = SharedError::from(error);
-                    out.extend((0..len).map(|_| Err(shared.to_error())));
+                    for &i in *batch {
+                        out[i] = Some(Err(shared.to_error()));
+                    }
                 }
             }
         }
-        out
+        out.into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(Error::UnexpectedReply("renewal not sent".into()))))
+            .collect()
     }
 }
 
@@ -398,7 +477,6 @@ impl RedisBackendBuilder {
     /// [`Error::InvalidConfig`] naming the bad setting; [`Error::Redis`] when the URL is
     /// invalid or the server cannot be reached.
     pub async fn build(self) -> Result<RedisBackend> {
-        let client = self.client?;
         if self.key_prefix.contains(['{', '}']) || self.key_prefix.chars().any(char::is_control) {
             return Err(Error::invalid_config(
                 "key_prefix",
@@ -433,14 +511,37 @@ impl RedisBackendBuilder {
                 format!("must be at least 30 ms (got {lease:?})"),
             ));
         }
-        let config = ConnectionManagerConfig::new()
-            .set_response_timeout(Some(self.response_timeout))
-            .set_connection_timeout(Some(self.connection_timeout))
-            .set_number_of_retries(self.reconnect_retries)
-            .set_min_delay(Duration::from_millis(50));
-        let conn = ConnectionManager::new_with_config(client.clone(), config).await?;
+        let (conn, pubsub_client) = match self.target {
+            Target::Single(client) => {
+                let client = client?;
+                let config = ConnectionManagerConfig::new()
+                    .set_response_timeout(Some(self.response_timeout))
+                    .set_connection_timeout(Some(self.connection_timeout))
+                    .set_number_of_retries(self.reconnect_retries)
+                    .set_min_delay(Duration::from_millis(50));
+                let conn = ConnectionManager::new_with_config(client.clone(), config).await?;
+                (Conn::Single(conn), client)
+            }
+            #[cfg(feature = "cluster")]
+            Target::Cluster(nodes) => {
+                let nodes = nodes?;
+                let Some(first) = nodes.first().cloned() else {
+                    return Err(Error::invalid_config(
+                        "cluster nodes",
+                        "must name at least one node (got none)",
+                    ));
+                };
+                let client = redis::cluster::ClusterClient::builder(nodes)
+                    .response_timeout(self.response_timeout)
+                    .connection_timeout(self.connection_timeout)
+                    .retries(u32::try_from(self.reconnect_retries).unwrap_or(u32::MAX))
+                    .build()?;
+                let conn = client.get_async_connection().await?;
+                (Conn::Cluster(Box::new(conn)), Client::open(first)?)
+            }
+        };
         let shutdown = CancellationToken::new();
-        let hub = pubsub::Hub::start(client, shutdown.clone());
+        let hub = pubsub::Hub::start(pubsub_client, shutdown.clone());
         Ok(RedisBackend {
             inner: Arc::new(Inner {
                 conn,
@@ -562,6 +663,20 @@ mod tests {
         assert_eq!(n.lock, "app:lock:order:{42}");
         assert_eq!(n.channel, "redisson_lock__channel:app:lock:order:{42}");
         assert_eq!(n.fence, "tower_lock_fence:app:lock:order:{42}");
+    }
+
+    #[cfg(feature = "cluster")]
+    #[test]
+    fn companion_keys_share_the_lock_slot() {
+        use redis::cluster_routing::Slot;
+        for key in ["anyLock", "lock:order:{42}", "a{b}c", "x", "é:{ü}"] {
+            for prefix in ["", "app:"] {
+                let n = Names::of(prefix, &LockKey::new(key).unwrap());
+                let slot = Slot::for_key(&n.lock);
+                assert_eq!(Slot::for_key(&n.channel), slot, "{key} channel");
+                assert_eq!(Slot::for_key(&n.fence), slot, "{key} fence");
+            }
+        }
     }
 
     #[test]
