@@ -73,8 +73,8 @@ pub use backend::{FencingToken, LockMode};
 pub use error::{BoxError, Error, Result};
 pub use key::{IntoLockKey, LockKey, MAX_KEY_LEN};
 pub use lock::{
-    DEFAULT_WATCHDOG_LEASE, Lease, Lock, LockClient, LockClientBuilder, LockGuard, LostSignal,
-    MAX_LEASE, MIN_LEASE, MIN_WATCHDOG_LEASE,
+    DEFAULT_WATCHDOG_LEASE, Lease, Lock, LockClient, LockClientBuilder, LockEvent, LockGuard,
+    LockObserver, LostSignal, MAX_LEASE, MIN_LEASE, MIN_WATCHDOG_LEASE,
 };
 pub use owner::{MAX_OWNER_LEN, Owner};
 
