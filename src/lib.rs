@@ -63,8 +63,10 @@
 
 pub mod backend;
 mod error;
+pub mod extract;
 mod key;
 pub mod kinds;
+pub mod layer;
 mod lock;
 mod owner;
 
@@ -72,6 +74,7 @@ pub use backend::memory::MemoryBackend;
 pub use backend::{FencingToken, LockMode};
 pub use error::{BoxError, Error, Result};
 pub use key::{IntoLockKey, LockKey, MAX_KEY_LEN};
+pub use layer::LockLayer;
 pub use lock::{
     DEFAULT_WATCHDOG_LEASE, Lease, Lock, LockClient, LockClientBuilder, LockEvent, LockGuard,
     LockObserver, LostSignal, MAX_LEASE, MIN_LEASE, MIN_WATCHDOG_LEASE,
