@@ -355,10 +355,12 @@ where
 /// Keys a request by an axum path parameter (`/vouchers/{id}` → `id`):
 /// `<namespace>:{<value>}`, percent-decoded as axum decodes it.
 ///
-/// **Add the layer with `Router::route_layer`**, not `Router::layer`: axum matches the
-/// route, and so knows the path parameters, only after `layer`'d middleware has run.
-/// Outside `route_layer` the parameter is not there yet and every request is a 500
-/// saying so. A request whose route lacks the parameter is a 500 too (a wiring bug).
+/// **Add the layer with `Router::route_layer`.** The parameters exist only once axum
+/// has matched a route. `Router::layer` also wraps the fallback, which has no
+/// parameters, so a request for an unknown path would get this extractor's 500 instead
+/// of axum's 404; and a layer wrapped around the whole router from outside runs before
+/// routing and never sees a parameter (every request is a 500 saying to use
+/// `route_layer`). A route without the named parameter is a 500 too (a wiring bug).
 ///
 /// Paths are set by the client: see the warning on [`KeyExtractor`].
 ///
@@ -394,6 +396,13 @@ impl PathParamKey {
         self.namespace = namespace.into();
         self
     }
+
+    fn no_params(&self) -> KeyError {
+        KeyError::server(format!(
+            "no path parameters on this request (an unmatched path, or a layer outside routing); add `LockLayer` with `Router::route_layer` to key by path parameter `{}`",
+            self.name
+        ))
+    }
 }
 
 #[cfg(feature = "axum")]
@@ -420,14 +429,12 @@ impl<B> KeyExtractor<B> for PathParamKey {
                     self.name
                 )));
             }
-            Poll::Ready(Err(_)) | Poll::Pending => {
-                return Err(KeyError::server(format!(
-                    "no path parameters on this request; add `LockLayer` with `Router::route_layer` to key by path parameter `{}`",
-                    self.name
-                )));
-            }
+            Poll::Ready(Err(_)) | Poll::Pending => return Err(self.no_params()),
         };
         let Some((_, value)) = params.iter().find(|(name, _)| *name == self.name) else {
+            if params.iter().next().is_none() {
+                return Err(self.no_params());
+            }
             return Err(KeyError::server(format!(
                 "this route has no path parameter `{}`",
                 self.name
