@@ -35,6 +35,11 @@
 //!   owner current for a future, which is how the middleware gives each request its own.
 //! - A [`LockGuard`] is a held lock: its [fencing token](LockGuard::fencing_token), its
 //!   [lost signal](LockGuard::lost), and [`unlock`](LockGuard::unlock).
+//! - [`LockLayer`] is the tower middleware: it locks each request on the key(s) its
+//!   key function derives, as the request's own owner; the [`extract`] module gives
+//!   handlers their lock ([`HeldLock`](extract::HeldLock)) and more
+//!   ([`Locks`](extract::Locks)).
+//! - A [`LockObserver`] on the client feeds your metrics.
 //!
 //! # Safety of distributed locks
 //!
