@@ -59,17 +59,15 @@ impl Release {
 
     /// Starts releasing, if holding.
     pub(crate) fn start(&mut self) {
-        let State::Holding { .. } = self.state else {
-            return;
-        };
-        let State::Holding { guard, client } = std::mem::replace(&mut self.state, State::Empty)
-        else {
-            return;
-        };
-        // Outside a runtime (never, when polled by hyper or axum) dropping the guard
-        // still releases, on the runtime the lock was taken on.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            self.state = State::Releasing(runtime.spawn(unlock(guard, client)));
+        match std::mem::replace(&mut self.state, State::Empty) {
+            // Outside a runtime (never, when polled by hyper or axum) the guard is
+            // dropped instead, which still releases on the runtime the lock was taken on.
+            State::Holding { guard, client } => {
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    self.state = State::Releasing(runtime.spawn(unlock(guard, client)));
+                }
+            }
+            other => self.state = other,
         }
     }
 
