@@ -35,6 +35,11 @@
 //!   owner current for a future, which is how the middleware gives each request its own.
 //! - A [`LockGuard`] is a held lock: its [fencing token](LockGuard::fencing_token), its
 //!   [lost signal](LockGuard::lost), and [`unlock`](LockGuard::unlock).
+//! - [`LockLayer`] is the tower middleware: it locks each request on the key(s) its
+//!   key function derives, as the request's own owner; the [`extract`] module gives
+//!   handlers their lock ([`HeldLock`](extract::HeldLock)) and more
+//!   ([`Locks`](extract::Locks)).
+//! - A [`LockObserver`] on the client feeds your metrics.
 //!
 //! # Safety of distributed locks
 //!
@@ -63,8 +68,10 @@
 
 pub mod backend;
 mod error;
+pub mod extract;
 mod key;
 pub mod kinds;
+pub mod layer;
 mod lock;
 mod owner;
 
@@ -75,9 +82,10 @@ pub use backend::redis::RedisBackend;
 pub use backend::{FencingToken, LockMode};
 pub use error::{BoxError, Error, Result};
 pub use key::{IntoLockKey, LockKey, MAX_KEY_LEN};
+pub use layer::LockLayer;
 pub use lock::{
-    DEFAULT_WATCHDOG_LEASE, Lease, Lock, LockClient, LockClientBuilder, LockGuard, LostSignal,
-    MAX_LEASE, MIN_LEASE, MIN_WATCHDOG_LEASE,
+    DEFAULT_WATCHDOG_LEASE, Lease, Lock, LockClient, LockClientBuilder, LockEvent, LockGuard,
+    LockObserver, LostSignal, MAX_LEASE, MIN_LEASE, MIN_WATCHDOG_LEASE,
 };
 pub use owner::{MAX_OWNER_LEN, Owner};
 

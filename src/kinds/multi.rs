@@ -123,11 +123,23 @@ impl MultiLock {
     }
 
     async fn acquire(&self, wait: Option<Duration>, lease: Lease) -> Result<MultiGuard> {
-        let deadline = deadline_after(wait);
         let Some(first) = self.locks.first() else {
             return Ok(MultiGuard { guards: Vec::new() });
         };
         let acting = Acting::resolve(self.owner.as_ref(), first.client());
+        self.acquire_acting(acting, wait, lease).await
+    }
+
+    /// Acquires all as `acting`. The middleware calls this with the request's owner
+    /// marked fresh when the request made it, so an attempt cancelled in flight (the
+    /// client hung up) is compensated with a release, as for an owner the lock made.
+    pub(crate) async fn acquire_acting(
+        &self,
+        acting: Acting,
+        wait: Option<Duration>,
+        lease: Lease,
+    ) -> Result<MultiGuard> {
+        let deadline = deadline_after(wait);
         let mut guards = Vec::with_capacity(self.locks.len());
         for lock in &self.locks {
             match acquire_as(lock, acting.clone(), deadline, lease).await {

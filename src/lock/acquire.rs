@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::guard::{LockGuard, LostSignal};
-use super::{Lease, Lock, LockClient};
+use super::{Lease, Lock, LockClient, LockEvent};
 use crate::backend::{Acquire, Grant, LockRequest, Subscription, Wake};
 use crate::error::{Error, Result};
 use crate::owner::Owner;
@@ -100,9 +100,10 @@ pub(crate) async fn acquire_as(
     let req = LockRequest::new(lock.key.clone(), owner, lock.mode, lease_len);
     let started = Instant::now();
 
+    let hooks = client.hooks();
     let span = tracing::debug_span!(
         "tower_lock.acquire",
-        key = %req.key,
+        key = %hooks.key(&req.key),
         mode = %req.mode,
         owner = %req.owner,
         outcome = tracing::field::Empty,
@@ -111,14 +112,30 @@ pub(crate) async fn acquire_as(
     let result = run(client, &req, deadline, fresh_owner)
         .instrument(span.clone())
         .await;
-    span.record("wait_us", started.elapsed().as_micros() as u64);
+    let waited = started.elapsed();
+    span.record("wait_us", waited.as_micros() as u64);
+    let event = LockEvent {
+        key: &req.key,
+        mode: req.mode,
+        owner: &req.owner,
+    };
     let (grant, sent_at) = match result {
         Ok(acquired) => {
             span.record("outcome", "acquired");
+            if let Some(observer) = hooks.observer() {
+                observer.acquired(event, waited);
+            }
             acquired
         }
         Err(error) => {
             span.record("outcome", if error.is_busy() { "busy" } else { "error" });
+            if let Some(observer) = hooks.observer() {
+                if error.is_busy() {
+                    observer.busy(event, waited);
+                } else {
+                    observer.acquire_failed(event, &error);
+                }
+            }
             return Err(error);
         }
     };
@@ -213,6 +230,10 @@ async fn run(
             waiting.give_up().await;
             return Err(Error::Busy { holder_ttl: ttl });
         }
+        tracing::trace!(
+            holder_ttl_ms = ttl.map(|t| t.as_millis() as u64),
+            "lock busy; waiting for a release"
+        );
         let recheck = ttl.unwrap_or(NO_TTL_RECHECK).max(MIN_RECHECK);
         let until = match (now.checked_add(recheck), deadline) {
             (Some(at), Some(deadline)) => at.min(deadline),

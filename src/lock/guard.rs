@@ -168,6 +168,7 @@ struct Held {
     /// The watchdog registration's generation; `None` for an explicit lease.
     watched: Option<u64>,
     runtime: Handle,
+    acquired_at: Instant,
 }
 
 impl LockGuard {
@@ -188,6 +189,7 @@ impl LockGuard {
                 lost,
                 watched,
                 runtime: Handle::current(),
+                acquired_at: Instant::now(),
             }),
         }
     }
@@ -261,8 +263,9 @@ impl LockGuard {
         };
         held.stop_watching();
         let was_lost = held.lost.is_lost();
-        let outcome = held.client.backend().release(&held.req).await?;
-        match outcome {
+        let outcome = held.client.backend().release(&held.req).await;
+        held.observe(&outcome, was_lost);
+        match outcome? {
             Release::NotHeld => {
                 held.lost.fire();
                 Err(Error::Lost)
@@ -279,6 +282,27 @@ impl Held {
             self.client.watchdog().unregister(&self.req, generation);
         }
     }
+
+    /// Tells the observer how a release went. A loss the watchdog already reported
+    /// (a watched hold whose signal had fired) is not reported again.
+    fn observe(&self, outcome: &Result<Release>, was_lost: bool) {
+        let Some(observer) = self.client.hooks().observer() else {
+            return;
+        };
+        let event = crate::lock::LockEvent {
+            key: &self.req.key,
+            mode: self.req.mode,
+            owner: &self.req.owner,
+        };
+        let reported_by_watchdog = was_lost && self.watched.is_some();
+        match outcome {
+            Ok(Release::NotHeld) if !reported_by_watchdog => observer.lost(event),
+            Ok(Release::NotHeld) => {}
+            Ok(_) if was_lost && !reported_by_watchdog => observer.lost(event),
+            Ok(_) => observer.released(event, self.acquired_at.elapsed()),
+            Err(_) => {}
+        }
+    }
 }
 
 impl Drop for LockGuard {
@@ -287,20 +311,19 @@ impl Drop for LockGuard {
             return;
         };
         held.stop_watching();
-        let Held {
-            client,
-            req,
-            runtime,
-            ..
-        } = held;
+        let was_lost = held.lost.is_lost();
+        let runtime = held.runtime.clone();
         runtime.spawn(async move {
-            match client.backend().release(&req).await {
+            let outcome = held.client.backend().release(&held.req).await;
+            held.observe(&outcome, was_lost);
+            let key = held.client.hooks().key(&held.req.key);
+            match outcome {
                 Ok(Release::NotHeld) => {
-                    tracing::debug!(key = %req.key, "dropped guard's lock was no longer held");
+                    tracing::debug!(%key, "dropped guard's lock was no longer held");
                 }
                 Ok(_) => {}
                 Err(error) => {
-                    tracing::warn!(key = %req.key, %error, "release of a dropped guard failed; the lease will end the hold");
+                    tracing::warn!(%key, %error, "release of a dropped guard failed; the lease will end the hold");
                 }
             }
         });

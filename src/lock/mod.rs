@@ -64,9 +64,12 @@ use crate::owner::Owner;
 
 pub(crate) mod acquire;
 mod guard;
+mod observer;
 mod watchdog;
 
 pub use guard::{LockGuard, LostSignal};
+pub(crate) use observer::Hooks;
+pub use observer::{LockEvent, LockObserver};
 use watchdog::Watchdog;
 
 /// The watchdog lease when none is configured: 30 s, as Redisson's
@@ -145,6 +148,7 @@ struct ClientInner {
     next_owner: AtomicU64,
     watchdog: Watchdog,
     watchdog_lease: Duration,
+    hooks: Hooks,
 }
 
 impl LockClient {
@@ -160,7 +164,7 @@ impl LockClient {
             }
             None => DEFAULT_WATCHDOG_LEASE,
         };
-        Self::with_parts(backend, lease)
+        Self::with_parts(backend, lease, Hooks::default())
     }
 
     /// Configures a client: see [`LockClientBuilder`].
@@ -168,17 +172,20 @@ impl LockClient {
         LockClientBuilder {
             backend: Arc::new(backend),
             watchdog_lease: None,
+            observer: None,
+            redact_keys: false,
         }
     }
 
-    fn with_parts(backend: Arc<dyn LockBackend>, watchdog_lease: Duration) -> Self {
+    fn with_parts(backend: Arc<dyn LockBackend>, watchdog_lease: Duration, hooks: Hooks) -> Self {
         LockClient {
             inner: Arc::new(ClientInner {
-                watchdog: Watchdog::new(Arc::clone(&backend), watchdog_lease),
+                watchdog: Watchdog::new(Arc::clone(&backend), watchdog_lease, hooks.clone()),
                 backend,
                 id: uuid::Uuid::new_v4().to_string(),
                 next_owner: AtomicU64::new(1),
                 watchdog_lease,
+                hooks,
             }),
         }
     }
@@ -271,6 +278,31 @@ impl LockClient {
     pub(crate) fn watchdog(&self) -> &Watchdog {
         &self.inner.watchdog
     }
+
+    pub(crate) fn hooks(&self) -> &Hooks {
+        &self.inner.hooks
+    }
+
+    /// Whether this client shows keys in its traces as short hashes
+    /// ([`LockClientBuilder::redact_keys`]).
+    pub fn redacts_keys(&self) -> bool {
+        self.inner.hooks.redacts_keys()
+    }
+
+    /// `key` as this client's traces show it: the key itself, or `#` and a 16-digit hash
+    /// when keys are redacted. For logging about a key in code built on this client (the
+    /// middleware does).
+    pub fn display_key<'a>(&self, key: &'a LockKey) -> impl std::fmt::Display + 'a {
+        self.inner.hooks.key(key)
+    }
+}
+
+impl<B: LockBackend> From<B> for LockClient {
+    /// `LockClient::new(backend)`, so APIs can take a backend or a client
+    /// (`impl Into<LockClient>`).
+    fn from(backend: B) -> Self {
+        LockClient::new(backend)
+    }
 }
 
 impl std::fmt::Debug for LockClient {
@@ -305,6 +337,8 @@ impl std::fmt::Debug for LockClient {
 pub struct LockClientBuilder {
     backend: Arc<dyn LockBackend>,
     watchdog_lease: Option<Duration>,
+    observer: Option<Arc<dyn LockObserver>>,
+    redact_keys: bool,
 }
 
 impl LockClientBuilder {
@@ -313,6 +347,21 @@ impl LockClientBuilder {
     /// [`MIN_WATCHDOG_LEASE`].
     pub fn watchdog_lease(mut self, lease: Duration) -> Self {
         self.watchdog_lease = Some(lease);
+        self
+    }
+
+    /// Reports acquisitions, waits, releases and losses of this client's locks to
+    /// `observer`, for metrics. See [`LockObserver`].
+    pub fn observer(mut self, observer: impl LockObserver) -> Self {
+        self.observer = Some(Arc::new(observer));
+        self
+    }
+
+    /// Shows keys in this client's spans and events as `#` and a 16-digit hash instead
+    /// of the key, for keys that carry personal data. Default: `false` (keys shown).
+    /// Observers still get the real key.
+    pub fn redact_keys(mut self, redact: bool) -> Self {
+        self.redact_keys = redact;
         self
     }
 
@@ -327,7 +376,11 @@ impl LockClientBuilder {
             .or_else(|| self.backend.watchdog_lease())
             .unwrap_or(DEFAULT_WATCHDOG_LEASE);
         let lease = validate_watchdog_lease(lease)?;
-        Ok(LockClient::with_parts(self.backend, lease))
+        Ok(LockClient::with_parts(
+            self.backend,
+            lease,
+            Hooks::new(self.observer, self.redact_keys),
+        ))
     }
 }
 

@@ -19,6 +19,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::{Hooks, LockEvent};
 use crate::backend::{LockBackend, LockMode, LockRequest};
 use crate::key::LockKey;
 use crate::owner::Owner;
@@ -32,6 +33,7 @@ struct Inner {
     backend: Arc<dyn LockBackend>,
     lease: Duration,
     state: Mutex<State>,
+    hooks: Hooks,
 }
 
 #[derive(Default)]
@@ -76,12 +78,13 @@ struct Entry {
 }
 
 impl Watchdog {
-    pub(crate) fn new(backend: Arc<dyn LockBackend>, lease: Duration) -> Self {
+    pub(crate) fn new(backend: Arc<dyn LockBackend>, lease: Duration, hooks: Hooks) -> Self {
         Watchdog {
             inner: Arc::new(Inner {
                 backend,
                 lease,
                 state: Mutex::new(State::default()),
+                hooks,
             }),
         }
     }
@@ -181,27 +184,31 @@ async fn run(inner: Arc<Inner>) {
             .unwrap_or_default();
         let now = Instant::now();
         let mut state = inner.state();
+        // Observer calls wait until the registry is unlocked: (index, lost?) per event.
+        let mut events: Vec<(usize, bool)> = Vec::new();
         let mut failures = 0usize;
-        for (i, (key, generation)) in keys.into_iter().enumerate() {
-            let Some(entry) = state.entries.get_mut(&key) else {
+        for (i, (key, generation)) in keys.iter().enumerate() {
+            let Some(entry) = state.entries.get_mut(key) else {
                 continue;
             };
-            if entry.generation != generation {
+            if entry.generation != *generation {
                 continue;
             }
+            let shown = inner.hooks.key(&key.key);
             let lost = match results.get(i) {
                 Some(Ok(true)) => {
                     entry.expires_at = sent_at + inner.lease;
                     false
                 }
                 Some(Ok(false)) => {
-                    tracing::error!(key = %key.key, owner = %key.owner, "lock lost: renewal found it no longer held");
+                    tracing::error!(key = %shown, owner = %key.owner, "lock lost: renewal found it no longer held");
                     true
                 }
                 Some(Err(_)) | None => {
                     failures += 1;
+                    events.push((i, false));
                     if now >= entry.expires_at {
-                        tracing::error!(key = %key.key, owner = %key.owner, "lock lost: renewals failed until the lease ran out");
+                        tracing::error!(key = %shown, owner = %key.owner, "lock lost: renewals failed until the lease ran out");
                         true
                     } else {
                         false
@@ -210,7 +217,24 @@ async fn run(inner: Arc<Inner>) {
             };
             if lost {
                 entry.lost.cancel();
-                state.entries.remove(&key);
+                state.entries.remove(key);
+                events.push((i, true));
+            }
+        }
+        drop(state);
+        if let Some(observer) = inner.hooks.observer() {
+            for (i, lost) in events {
+                let key = &keys[i].0;
+                let event = LockEvent {
+                    key: &key.key,
+                    mode: key.mode,
+                    owner: &key.owner,
+                };
+                if lost {
+                    observer.lost(event);
+                } else {
+                    observer.renewal_failed(event, results.get(i).and_then(|r| r.as_ref().err()));
+                }
             }
         }
         if failures > 0 {

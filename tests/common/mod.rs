@@ -29,3 +29,52 @@ where
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+/// A backend whose store is unreachable: every call fails with a backend error. For
+/// fail-open/fail-closed policies and error paths.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DownBackend;
+
+fn down() -> tower_lock::Error {
+    tower_lock::Error::Backend("connection refused (test backend is down)".into())
+}
+
+impl tower_lock::backend::LockBackend for DownBackend {
+    fn name(&self) -> &'static str {
+        "down"
+    }
+    fn acquire<'a>(
+        &'a self,
+        _: &'a tower_lock::backend::LockRequest,
+    ) -> tower_lock::backend::BoxFuture<'a, tower_lock::Result<tower_lock::backend::Acquire>> {
+        Box::pin(async { Err(down()) })
+    }
+    fn renew<'a>(
+        &'a self,
+        _: &'a tower_lock::backend::LockRequest,
+    ) -> tower_lock::backend::BoxFuture<'a, tower_lock::Result<bool>> {
+        Box::pin(async { Err(down()) })
+    }
+    fn release<'a>(
+        &'a self,
+        _: &'a tower_lock::backend::LockRequest,
+    ) -> tower_lock::backend::BoxFuture<'a, tower_lock::Result<tower_lock::backend::Release>> {
+        Box::pin(async { Err(down()) })
+    }
+    fn subscribe<'a>(
+        &'a self,
+        _: &'a tower_lock::backend::LockRequest,
+    ) -> tower_lock::backend::BoxFuture<
+        'a,
+        tower_lock::Result<Box<dyn tower_lock::backend::Subscription>>,
+    > {
+        Box::pin(async { Err(down()) })
+    }
+    fn force_release<'a>(
+        &'a self,
+        _: &'a tower_lock::LockKey,
+        _: tower_lock::LockMode,
+    ) -> tower_lock::backend::BoxFuture<'a, tower_lock::Result<bool>> {
+        Box::pin(async { Err(down()) })
+    }
+}

@@ -1,0 +1,37 @@
+//! The smallest per-user serialization: each user's requests run one at a time,
+//! different users' in parallel.
+//!
+//! ```sh
+//! cargo run --example per_user
+//! # in another shell: the second request waits for the first (about 1 s each)
+//! curl -H 'x-user-id: 7' localhost:3001/slow & curl -H 'x-user-id: 7' localhost:3001/slow
+//! ```
+
+use std::time::Duration;
+
+use axum::{Router, routing::get};
+use http::HeaderName;
+use tower_lock::MemoryBackend;
+use tower_lock::extract::HeldLock;
+use tower_lock::layer::{HeaderKey, LockLayer};
+
+async fn slow(held: HeldLock) -> String {
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    format!(
+        "done under {} (fencing token {})\n",
+        held.key(),
+        held.fencing_token()
+    )
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let by_user = HeaderKey::new(HeaderName::from_static("x-user-id")).namespace("user");
+    let app = Router::new()
+        .route("/slow", get(slow))
+        .layer(LockLayer::new(MemoryBackend::new(), by_user));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:3001").await?;
+    println!("listening on http://{}", listener.local_addr()?);
+    axum::serve(listener, app).await?;
+    Ok(())
+}

@@ -1,0 +1,519 @@
+//! The flash-sale ("seckill") app: routes, handlers, the store, and the demo burst.
+//!
+//! Kept apart from `main` so the tests drive exactly this app (`tests/seckill.rs`
+//! includes this file with `#[path]`).
+#![allow(dead_code)] // each includer uses a different part
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue, Request, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde::Serialize;
+use tower_lock::extract::HeldLock;
+use tower_lock::layer::{KeyError, LockLayer, Rejection};
+use tower_lock::{LockClient, LockKey};
+
+/// The header that names the user. A real service would take the user from its
+/// authentication (see `ExtensionKey`); a header keeps the demo curl-able.
+pub const USER_HEADER: &str = "x-user-id";
+
+pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A store failure, answered with 503.
+#[derive(Debug)]
+pub struct StoreError(pub String);
+
+/// One order.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct Order {
+    pub order_id: u64,
+    pub voucher_id: u64,
+    pub user_id: u64,
+    /// The fencing token of the lock the order was placed under.
+    pub fencing_token: u64,
+}
+
+/// A voucher's state.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct VoucherView {
+    pub id: u64,
+    pub stock: i64,
+    pub orders: u64,
+}
+
+/// Where vouchers and orders live. Each method is one step as a database would offer
+/// it; only `take_stock` is atomic on its own (`UPDATE ... SET stock = stock - 1 WHERE
+/// stock > 0`, or a Lua script in Redis). "Has this user ordered?" followed by "insert
+/// the order" is a check-then-act race between a user's concurrent requests: the
+/// per-user lock is what makes it safe.
+pub trait Store: Send + Sync + 'static {
+    /// The voucher, or `None` when there is no such voucher.
+    fn voucher(&self, id: u64) -> BoxFut<'_, Result<Option<VoucherView>, StoreError>>;
+    /// Whether `user` already has an order for `voucher`.
+    fn has_order(&self, voucher: u64, user: u64) -> BoxFut<'_, Result<bool, StoreError>>;
+    /// Takes one unit of stock if any is left; returns whether it did.
+    fn take_stock(&self, voucher: u64) -> BoxFut<'_, Result<bool, StoreError>>;
+    /// Records an order.
+    fn insert_order(
+        &self,
+        voucher: u64,
+        user: u64,
+        fencing_token: u64,
+    ) -> BoxFut<'_, Result<Order, StoreError>>;
+    /// Every order of `voucher` (for checking the invariants).
+    fn orders(&self, voucher: u64) -> BoxFut<'_, Result<Vec<Order>, StoreError>>;
+}
+
+/// The in-memory store: one process.
+#[derive(Default)]
+pub struct MemoryStore {
+    vouchers: Mutex<HashMap<u64, i64>>,
+    orders: Mutex<Vec<Order>>,
+    next_order: AtomicU64,
+}
+
+impl MemoryStore {
+    /// A store with one voucher.
+    pub fn with_voucher(id: u64, stock: i64) -> Self {
+        let store = MemoryStore::default();
+        lock(&store.vouchers).insert(id, stock);
+        store
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Store for MemoryStore {
+    fn voucher(&self, id: u64) -> BoxFut<'_, Result<Option<VoucherView>, StoreError>> {
+        Box::pin(async move {
+            let Some(stock) = lock(&self.vouchers).get(&id).copied() else {
+                return Ok(None);
+            };
+            let orders = lock(&self.orders)
+                .iter()
+                .filter(|o| o.voucher_id == id)
+                .count() as u64;
+            Ok(Some(VoucherView { id, stock, orders }))
+        })
+    }
+
+    fn has_order(&self, voucher: u64, user: u64) -> BoxFut<'_, Result<bool, StoreError>> {
+        Box::pin(async move {
+            Ok(lock(&self.orders)
+                .iter()
+                .any(|o| o.voucher_id == voucher && o.user_id == user))
+        })
+    }
+
+    fn take_stock(&self, voucher: u64) -> BoxFut<'_, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let mut vouchers = lock(&self.vouchers);
+            match vouchers.get_mut(&voucher) {
+                Some(stock) if *stock > 0 => {
+                    *stock -= 1;
+                    Ok(true)
+                }
+                _ => Ok(false),
+            }
+        })
+    }
+
+    fn insert_order(
+        &self,
+        voucher: u64,
+        user: u64,
+        fencing_token: u64,
+    ) -> BoxFut<'_, Result<Order, StoreError>> {
+        Box::pin(async move {
+            let order = Order {
+                order_id: self.next_order.fetch_add(1, Ordering::Relaxed) + 1,
+                voucher_id: voucher,
+                user_id: user,
+                fencing_token,
+            };
+            lock(&self.orders).push(order.clone());
+            Ok(order)
+        })
+    }
+
+    fn orders(&self, voucher: u64) -> BoxFut<'_, Result<Vec<Order>, StoreError>> {
+        Box::pin(async move {
+            Ok(lock(&self.orders)
+                .iter()
+                .filter(|o| o.voucher_id == voucher)
+                .cloned()
+                .collect())
+        })
+    }
+}
+
+/// How the app is configured.
+#[derive(Clone, Copy, Debug)]
+pub struct Settings {
+    /// How long an order request waits for its user's lock.
+    pub wait: Duration,
+    /// Simulated work between "has this user ordered?" and "insert the order" (a
+    /// payment call, a slow database): it widens the race the lock closes.
+    pub work: Duration,
+    /// Serve orders without the lock, to see the race.
+    pub no_lock: bool,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            wait: Duration::from_millis(50),
+            work: Duration::from_millis(20),
+            no_lock: false,
+        }
+    }
+}
+
+#[derive(Clone)]
+struct AppState {
+    store: Arc<dyn Store>,
+    work: Duration,
+}
+
+/// An error answer: `{"error": code, "message": text}`.
+pub fn json_error(status: StatusCode, code: &str, message: &str) -> Response {
+    let body = serde_json::json!({ "error": code, "message": message });
+    (status, axum::Json(body)).into_response()
+}
+
+fn parse_user(value: Option<&HeaderValue>) -> Result<u64, &'static str> {
+    let value = value.ok_or("missing header `x-user-id`")?;
+    value
+        .to_str()
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .ok_or("header `x-user-id` must be a number")
+}
+
+/// The order lock's key: `lock:order:{<user id>}`, one lock per user.
+fn order_key(req: &Request<Body>) -> Result<LockKey, KeyError> {
+    let user = parse_user(req.headers().get(USER_HEADER)).map_err(KeyError::new)?;
+    Ok(LockKey::namespaced("lock:order", &user.to_string())?)
+}
+
+/// The layer's rejections in the app's JSON shape, keeping status and `Retry-After`.
+fn json_rejection(rejection: &Rejection) -> http::Response<Bytes> {
+    let code = match rejection {
+        Rejection::Busy { .. } => "busy",
+        Rejection::BadKey(_) => "bad_request",
+        Rejection::Unavailable { .. } => "lock_unavailable",
+        Rejection::Lost { .. } => "lock_lost",
+        _ => "lock_error",
+    };
+    let mut response = rejection.to_response();
+    let body = serde_json::json!({ "error": code, "message": rejection.message() });
+    *response.body_mut() = Bytes::from(body.to_string());
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+/// The app: `POST /vouchers/{id}/orders` (locked per user) and `GET /vouchers/{id}`.
+///
+/// # Errors
+///
+/// An invalid lock configuration (a wait out of range).
+pub fn app(
+    client: LockClient,
+    store: Arc<dyn Store>,
+    settings: Settings,
+) -> Result<Router, tower_lock::Error> {
+    let state = AppState {
+        store,
+        work: settings.work,
+    };
+    let mut order = post(create_order);
+    if !settings.no_lock {
+        let layer = LockLayer::builder(client, order_key)
+            .with_wait(settings.wait)
+            .on_rejection(json_rejection)
+            .build()?;
+        order = order.route_layer(layer);
+    }
+    Ok(Router::new()
+        .route("/vouchers/{id}/orders", order)
+        .route("/vouchers/{id}", get(show_voucher))
+        .with_state(state))
+}
+
+async fn show_voucher(State(state): State<AppState>, Path(id): Path<u64>) -> Response {
+    match state.store.voucher(id).await {
+        Ok(Some(voucher)) => axum::Json(voucher).into_response(),
+        Ok(None) => json_error(StatusCode::NOT_FOUND, "not_found", "no such voucher"),
+        Err(StoreError(e)) => json_error(StatusCode::SERVICE_UNAVAILABLE, "store", &e),
+    }
+}
+
+async fn create_order(
+    State(state): State<AppState>,
+    Path(id): Path<u64>,
+    held: Option<HeldLock>,
+    headers: HeaderMap,
+) -> Response {
+    // The layer has checked the header already; without the layer (--no-lock) this
+    // is where a bad one is caught.
+    let user = match parse_user(headers.get(USER_HEADER)) {
+        Ok(user) => user,
+        Err(message) => return json_error(StatusCode::BAD_REQUEST, "bad_request", message),
+    };
+    match place(
+        &state,
+        id,
+        user,
+        held.map_or(0, |h| h.fencing_token().get()),
+    )
+    .await
+    {
+        Ok(response) => response,
+        Err(StoreError(e)) => json_error(StatusCode::SERVICE_UNAVAILABLE, "store", &e),
+    }
+}
+
+async fn place(
+    state: &AppState,
+    voucher: u64,
+    user: u64,
+    fencing_token: u64,
+) -> Result<Response, StoreError> {
+    let store = &state.store;
+    if store.voucher(voucher).await?.is_none() {
+        return Ok(json_error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "no such voucher",
+        ));
+    }
+    if store.has_order(voucher, user).await? {
+        return Ok(json_error(
+            StatusCode::CONFLICT,
+            "duplicate_order",
+            "this user already ordered this voucher",
+        ));
+    }
+    if !state.work.is_zero() {
+        tokio::time::sleep(state.work).await;
+    }
+    if !store.take_stock(voucher).await? {
+        return Ok(json_error(StatusCode::CONFLICT, "sold_out", "sold out"));
+    }
+    let order = store.insert_order(voucher, user, fencing_token).await?;
+    Ok((StatusCode::CREATED, axum::Json(order)).into_response())
+}
+
+/// What the demo burst saw.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Tally {
+    pub requests: u64,
+    pub created: u64,
+    pub duplicates: u64,
+    pub busy: u64,
+    pub sold_out: u64,
+    /// Anything else (transport errors, unexpected statuses).
+    pub other: u64,
+    pub stock_left: i64,
+    pub orders: u64,
+}
+
+/// The invariants after a burst, each with whether it held.
+#[derive(Debug)]
+pub struct Verdict {
+    pub checks: Vec<(String, bool)>,
+}
+
+impl Verdict {
+    pub fn held(&self) -> bool {
+        self.checks.iter().all(|(_, ok)| *ok)
+    }
+}
+
+/// Fires `users` × `per_user` concurrent identical order requests at the server on
+/// `addr` (each user's requests at once; at most `in_flight` requests overall, to stay
+/// within file-descriptor limits), then reads the voucher back.
+///
+/// # Errors
+///
+/// When the voucher cannot be read back.
+pub async fn burst(
+    addr: SocketAddr,
+    voucher: u64,
+    users: u64,
+    per_user: u64,
+    in_flight: usize,
+) -> Result<Tally, String> {
+    let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let gate = Arc::new(tokio::sync::Semaphore::new(
+        in_flight.max(per_user as usize),
+    ));
+    let mut tasks = tokio::task::JoinSet::new();
+    for user in 1..=users {
+        let permits = gate
+            .clone()
+            .acquire_many_owned(per_user as u32)
+            .await
+            .map_err(|e| e.to_string())?;
+        let client = client.clone();
+        tasks.spawn(async move {
+            let mut one_user = tokio::task::JoinSet::new();
+            for _ in 0..per_user {
+                let client = client.clone();
+                one_user.spawn(async move { order(&client, addr, voucher, user).await });
+            }
+            let outcomes = one_user.join_all().await;
+            drop(permits);
+            outcomes
+        });
+    }
+    let mut tally = Tally::default();
+    for outcome in tasks.join_all().await.into_iter().flatten() {
+        tally.requests += 1;
+        match outcome {
+            Outcome::Created => tally.created += 1,
+            Outcome::Duplicate => tally.duplicates += 1,
+            Outcome::Busy => tally.busy += 1,
+            Outcome::SoldOut => tally.sold_out += 1,
+            Outcome::Other(_) => tally.other += 1,
+        }
+    }
+    let uri = format!("http://{addr}/vouchers/{voucher}");
+    let res = client
+        .get(uri.parse().map_err(|e| format!("{e}"))?)
+        .await
+        .map_err(|e| format!("reading the voucher: {e}"))?;
+    let body = res
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    let view: serde_json::Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+    tally.stock_left = view["stock"].as_i64().ok_or("no stock in the voucher")?;
+    tally.orders = view["orders"].as_u64().ok_or("no orders in the voucher")?;
+    Ok(tally)
+}
+
+#[derive(Debug)]
+enum Outcome {
+    Created,
+    Duplicate,
+    Busy,
+    SoldOut,
+    Other(String),
+}
+
+async fn order(
+    client: &Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>>,
+    addr: SocketAddr,
+    voucher: u64,
+    user: u64,
+) -> Outcome {
+    let req = Request::post(format!("http://{addr}/vouchers/{voucher}/orders"))
+        .header(USER_HEADER, user)
+        .body(Empty::new());
+    let req = match req {
+        Ok(req) => req,
+        Err(e) => return Outcome::Other(e.to_string()),
+    };
+    let res = match client.request(req).await {
+        Ok(res) => res,
+        Err(e) => return Outcome::Other(e.to_string()),
+    };
+    let status = res.status();
+    let body = match res.into_body().collect().await {
+        Ok(body) => body.to_bytes(),
+        Err(e) => return Outcome::Other(e.to_string()),
+    };
+    let error = serde_json::from_slice::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| v["error"].as_str().map(str::to_owned));
+    match (status, error.as_deref()) {
+        (StatusCode::CREATED, _) => Outcome::Created,
+        (StatusCode::CONFLICT, Some("duplicate_order")) => Outcome::Duplicate,
+        (StatusCode::CONFLICT, Some("sold_out")) => Outcome::SoldOut,
+        (StatusCode::TOO_MANY_REQUESTS, _) => Outcome::Busy,
+        (status, _) => Outcome::Other(format!("{status}: {}", String::from_utf8_lossy(&body))),
+    }
+}
+
+/// Checks the invariants against the store and the tally.
+///
+/// # Errors
+///
+/// When the store cannot be read.
+pub async fn verdict(
+    store: &dyn Store,
+    voucher: u64,
+    initial_stock: i64,
+    tally: &Tally,
+) -> Result<Verdict, StoreError> {
+    let orders = store.orders(voucher).await?;
+    let mut per_user: BTreeMap<u64, u32> = BTreeMap::new();
+    for o in &orders {
+        *per_user.entry(o.user_id).or_default() += 1;
+    }
+    let worst = per_user.values().copied().max().unwrap_or(0);
+    let count = orders.len() as i64;
+    Ok(Verdict {
+        checks: vec![
+            (
+                format!("at most one order per user (most for one user: {worst})"),
+                worst <= 1,
+            ),
+            (
+                format!(
+                    "orders + stock = initial stock ({count} + {} = {initial_stock})",
+                    tally.stock_left
+                ),
+                count + tally.stock_left == initial_stock,
+            ),
+            (
+                format!("stock >= 0 ({})", tally.stock_left),
+                tally.stock_left >= 0,
+            ),
+            (
+                format!("201 answers = orders stored ({} = {count})", tally.created),
+                tally.created as i64 == count,
+            ),
+        ],
+    })
+}
+
+/// The demo's table.
+pub fn table(tally: &Tally) -> String {
+    let rows = [
+        ("requests", tally.requests as i64),
+        ("created (201)", tally.created as i64),
+        ("duplicates (409)", tally.duplicates as i64),
+        ("busy (429)", tally.busy as i64),
+        ("sold out (409)", tally.sold_out as i64),
+        ("other", tally.other as i64),
+        ("stock left", tally.stock_left),
+    ];
+    let mut out = String::from("| outcome          |  count |\n|------------------|-------:|\n");
+    for (name, n) in rows {
+        out.push_str(&format!("| {name:<16} | {n:>6} |\n"));
+    }
+    out
+}

@@ -1,0 +1,309 @@
+//! What a handler behind [`LockLayer`](crate::layer::LockLayer) can see of its locks:
+//! [`HeldLock`] (the locks the layer took for this request) and [`Locks`] (take more as
+//! the request's owner).
+//!
+//! The layer puts both in the request extensions, so any tower service can read them
+//! with `req.extensions().get::<HeldLock>()`. With the `axum` feature they are also
+//! axum extractors, and `Option<HeldLock>` works for routes where locking is optional.
+//!
+//! # Example
+//!
+//! ```
+//! use axum::{Router, routing::post};
+//! use http::HeaderName;
+//! use tower_lock::extract::{HeldLock, Locks};
+//! use tower_lock::layer::{HeaderKey, LockLayer};
+//! use tower_lock::MemoryBackend;
+//!
+//! async fn transfer(held: HeldLock, locks: Locks) -> Result<String, String> {
+//!     // Re-entering the request's own lock does not wait for itself.
+//!     let again = locks.try_lock(held.key()).await.map_err(|e| e.to_string())?;
+//!     assert_eq!(again.hold_count(), 2);
+//!     Ok(format!("writing with fencing token {}", held.fencing_token()))
+//! }
+//!
+//! let app: Router = Router::new().route("/transfer", post(transfer)).layer(LockLayer::new(
+//!     MemoryBackend::new(),
+//!     HeaderKey::new(HeaderName::from_static("x-account")).namespace("account"),
+//! ));
+//! ```
+//!
+//! # Errors
+//!
+//! Without the layer (or for a request the layer did not lock) the extractors reject
+//! with [`MissingLockLayer`]: `500 Internal Server Error` and a message asking whether
+//! `LockLayer` is installed on the route. `Option<HeldLock>` and `Option<Locks>` never
+//! reject.
+//!
+//! # Cancel safety
+//!
+//! The extractors only clone from the request extensions. Locks taken through
+//! [`Locks`] are ordinary [`LockGuard`]s: dropping one releases it in a spawned task.
+//! The layer's own locks are released by the layer, however the handler ends.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::backend::{FencingToken, LockMode};
+use crate::error::Result;
+use crate::key::{IntoLockKey, LockKey};
+use crate::kinds::MultiGuard;
+use crate::lock::{Lease, Lock, LockClient, LockGuard, LostSignal};
+use crate::owner::Owner;
+
+/// The lock(s) the layer holds for this request.
+///
+/// With several keys the locks are listed in acquisition (sorted) order. Cheap to
+/// clone. With nested `LockLayer`s, this describes the innermost layer's locks (all
+/// held by the same owner).
+#[derive(Clone)]
+pub struct HeldLock {
+    inner: Arc<HeldInner>,
+}
+
+struct HeldInner {
+    keys: Vec<LockKey>,
+    tokens: Vec<FencingToken>,
+    mode: LockMode,
+    owner: Owner,
+    lost: LostSignal,
+}
+
+impl HeldLock {
+    /// Describes `guard` (non-empty) for handlers. `None` for an empty guard.
+    pub(crate) fn new(guard: &MultiGuard) -> Option<Self> {
+        let first = guard.guards().first()?;
+        Some(HeldLock {
+            inner: Arc::new(HeldInner {
+                keys: guard.guards().iter().map(|g| g.key().clone()).collect(),
+                tokens: guard.fencing_tokens(),
+                mode: first.mode(),
+                owner: first.owner().clone(),
+                lost: guard.lost(),
+            }),
+        })
+    }
+
+    /// The key — the first one, in sorted order, when the request holds several.
+    pub fn key(&self) -> &LockKey {
+        // `new` refuses empty guards.
+        &self.inner.keys[0]
+    }
+
+    /// Every key held, in acquisition order.
+    pub fn keys(&self) -> &[LockKey] {
+        &self.inner.keys
+    }
+
+    /// The fencing token of [`key`](HeldLock::key): pass it to the storage the
+    /// handler writes to, so a write from a request whose lock was lost is refused.
+    pub fn fencing_token(&self) -> FencingToken {
+        self.inner.tokens[0]
+    }
+
+    /// Every key's fencing token, in the order of [`keys`](HeldLock::keys).
+    pub fn fencing_tokens(&self) -> &[FencingToken] {
+        &self.inner.tokens
+    }
+
+    /// How the locks are held (exclusive, read, write, ...).
+    pub fn mode(&self) -> LockMode {
+        self.inner.mode
+    }
+
+    /// The request's owner: the same one [`Locks`] acquires as.
+    pub fn owner(&self) -> &Owner {
+        &self.inner.owner
+    }
+
+    /// Fires when any of the request's locks is lost.
+    pub fn lost(&self) -> LostSignal {
+        self.inner.lost.clone()
+    }
+
+    /// Whether any of the request's locks has been lost.
+    pub fn is_lost(&self) -> bool {
+        self.inner.lost.is_lost()
+    }
+}
+
+impl fmt::Debug for HeldLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HeldLock")
+            .field("keys", &self.inner.keys)
+            .field("fencing_tokens", &self.inner.tokens)
+            .field("mode", &self.inner.mode)
+            .field("owner", &self.inner.owner)
+            .field("lost", &self.is_lost())
+            .finish()
+    }
+}
+
+/// Takes further locks as the request's owner: a lock the request already holds is
+/// re-entered (its hold count goes up) instead of waited for.
+///
+/// Inside the handler the request's owner is also [current](Owner::current), so plain
+/// [`Lock`]s act as it too; `Locks` carries the owner explicitly, which keeps working in
+/// tasks the handler spawns.
+#[derive(Clone)]
+pub struct Locks {
+    client: LockClient,
+    owner: Owner,
+}
+
+impl Locks {
+    pub(crate) fn new(client: LockClient, owner: Owner) -> Self {
+        Locks { client, owner }
+    }
+
+    /// The request's owner.
+    pub fn owner(&self) -> &Owner {
+        &self.owner
+    }
+
+    /// The layer's client.
+    pub fn client(&self) -> &LockClient {
+        &self.client
+    }
+
+    /// The exclusive lock `key`, acting as the request's owner.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidKey`](crate::Error::InvalidKey) for a bad key.
+    pub fn get_lock(&self, key: impl IntoLockKey) -> Result<Lock> {
+        Ok(self.client.get_lock(key)?.with_owner(self.owner.clone()))
+    }
+
+    /// The lock `key` in `mode`, acting as the request's owner.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidKey`](crate::Error::InvalidKey) for a bad key.
+    pub fn get_lock_in_mode(&self, key: impl IntoLockKey, mode: LockMode) -> Result<Lock> {
+        Ok(self
+            .client
+            .lock_in_mode(key, mode)?
+            .with_owner(self.owner.clone()))
+    }
+
+    /// [`Lock::lock`] on `key`: waits as long as it takes.
+    ///
+    /// # Errors
+    ///
+    /// As [`Lock::lock`], and a bad key.
+    pub async fn lock(&self, key: impl IntoLockKey) -> Result<LockGuard> {
+        self.get_lock(key)?.lock().await
+    }
+
+    /// [`Lock::try_lock`] on `key`: one attempt.
+    ///
+    /// # Errors
+    ///
+    /// As [`Lock::try_lock`], and a bad key.
+    pub async fn try_lock(&self, key: impl IntoLockKey) -> Result<LockGuard> {
+        self.get_lock(key)?.try_lock().await
+    }
+
+    /// [`Lock::try_lock_for`] on `key`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Lock::try_lock_for`], and a bad key.
+    pub async fn try_lock_for(
+        &self,
+        key: impl IntoLockKey,
+        wait: Duration,
+        lease: impl Into<Lease>,
+    ) -> Result<LockGuard> {
+        self.get_lock(key)?.try_lock_for(wait, lease).await
+    }
+}
+
+impl fmt::Debug for Locks {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Locks")
+            .field("client", &self.client)
+            .field("owner", &self.owner)
+            .finish()
+    }
+}
+
+/// The rejection of [`HeldLock`] and [`Locks`] when the request carries none: `500`
+/// with a plain-text message naming the extractor.
+#[derive(Clone, Copy, Debug)]
+pub struct MissingLockLayer {
+    what: &'static str,
+}
+
+impl fmt::Display for MissingLockLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.what == "HeldLock" {
+            f.write_str(
+                "this request holds no lock (`HeldLock` is missing): is `LockLayer` installed on this route, and does its key function give this request a key? Use `Option<HeldLock>` where locking is optional",
+            )
+        } else {
+            write!(
+                f,
+                "`{}` is missing: is `LockLayer` installed on this route?",
+                self.what
+            )
+        }
+    }
+}
+
+impl std::error::Error for MissingLockLayer {}
+
+#[cfg(feature = "axum")]
+mod axum_impls {
+    use std::convert::Infallible;
+
+    use axum::extract::{FromRequestParts, OptionalFromRequestParts};
+    use axum::response::{IntoResponse, Response};
+    use http::StatusCode;
+    use http::request::Parts;
+
+    use super::{HeldLock, Locks, MissingLockLayer};
+
+    impl IntoResponse for MissingLockLayer {
+        fn into_response(self) -> Response {
+            (StatusCode::INTERNAL_SERVER_ERROR, self.to_string()).into_response()
+        }
+    }
+
+    macro_rules! extension_extractor {
+        ($ty:ident) => {
+            impl<S: Send + Sync> FromRequestParts<S> for $ty {
+                type Rejection = MissingLockLayer;
+
+                async fn from_request_parts(
+                    parts: &mut Parts,
+                    _state: &S,
+                ) -> Result<Self, Self::Rejection> {
+                    parts
+                        .extensions
+                        .get::<$ty>()
+                        .cloned()
+                        .ok_or(MissingLockLayer {
+                            what: stringify!($ty),
+                        })
+                }
+            }
+
+            impl<S: Send + Sync> OptionalFromRequestParts<S> for $ty {
+                type Rejection = Infallible;
+
+                async fn from_request_parts(
+                    parts: &mut Parts,
+                    _state: &S,
+                ) -> Result<Option<Self>, Self::Rejection> {
+                    Ok(parts.extensions.get::<$ty>().cloned())
+                }
+            }
+        };
+    }
+
+    extension_extractor!(HeldLock);
+    extension_extractor!(Locks);
+}

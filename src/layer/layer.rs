@@ -1,0 +1,282 @@
+//! [`LockLayer`] and its builder.
+
+use std::fmt;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Response, StatusCode};
+use tower::Layer;
+
+use super::keys::KeyError;
+use super::policy::{ModeSelect, OnLost, OnRejection, Policy, Rejection, ReleaseOn};
+use super::service::LockService;
+use crate::backend::LockMode;
+use crate::error::{Error, Result};
+use crate::key::LockKey;
+use crate::lock::{Lease, LockClient};
+
+/// What every clone of a layer, its services and their futures share.
+pub(crate) struct Core {
+    pub(crate) client: LockClient,
+    pub(crate) policy: Policy,
+}
+
+impl Core {
+    pub(crate) fn reject(&self, rejection: &Rejection) -> Response<Bytes> {
+        self.policy.on_rejection.on_rejection(rejection)
+    }
+
+    /// Puts the configured prefix in front of every key.
+    pub(crate) fn prefixed(&self, keys: Vec<LockKey>) -> Result<Vec<LockKey>, KeyError> {
+        match &self.policy.key_prefix {
+            None => Ok(keys),
+            Some(prefix) => keys
+                .into_iter()
+                .map(|k| LockKey::new(format!("{prefix}:{k}")).map_err(KeyError::from))
+                .collect(),
+        }
+    }
+}
+
+pub(crate) struct Shared<K> {
+    pub(crate) core: Arc<Core>,
+    pub(crate) keys: K,
+}
+
+/// Locks each request on the key(s) its key function derives, for the time the inner
+/// service handles it. See the [module docs](crate::layer).
+///
+/// Cheap to clone: the client, the configuration and the key function sit behind one
+/// `Arc`; clones never make another backend, connection or watchdog.
+pub struct LockLayer<K> {
+    shared: Arc<Shared<K>>,
+}
+
+impl<K> LockLayer<K> {
+    /// Locks every request on `keys(&request)` with the defaults: wait up to
+    /// [`DEFAULT_WAIT`](super::DEFAULT_WAIT), hold with the watchdog, release when the
+    /// response is ready, answer a busy lock with
+    /// [`DEFAULT_BUSY_STATUS`](super::DEFAULT_BUSY_STATUS), fail closed.
+    ///
+    /// `client` is a [`LockClient`] or a backend (a client is made for it).
+    pub fn new(client: impl Into<LockClient>, keys: K) -> Self {
+        LockLayer::from_parts(client.into(), keys, Policy::default())
+    }
+
+    /// Configures a layer; see [`LockLayerBuilder`].
+    pub fn builder(client: impl Into<LockClient>, keys: K) -> LockLayerBuilder<K> {
+        LockLayerBuilder {
+            client: client.into(),
+            keys,
+            policy: Policy::default(),
+            mode: Ok(ModeSelect::Fixed(LockMode::Exclusive)),
+        }
+    }
+
+    fn from_parts(client: LockClient, keys: K, policy: Policy) -> Self {
+        LockLayer {
+            shared: Arc::new(Shared {
+                core: Arc::new(Core { client, policy }),
+                keys,
+            }),
+        }
+    }
+
+    /// The client the layer locks with.
+    pub fn client(&self) -> &LockClient {
+        &self.shared.core.client
+    }
+}
+
+impl<K> Clone for LockLayer<K> {
+    fn clone(&self) -> Self {
+        LockLayer {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<S, K> Layer<S> for LockLayer<K> {
+    type Service = LockService<S, K>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        LockService::new(inner, Arc::clone(&self.shared))
+    }
+}
+
+impl<K> fmt::Debug for LockLayer<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockLayer")
+            .field("client", &self.shared.core.client)
+            .field("policy", &self.shared.core.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configures a [`LockLayer`]. Setters consume and return the builder;
+/// [`build`](LockLayerBuilder::build) checks every value and names the first bad one.
+///
+/// ```
+/// use std::time::Duration;
+/// use http::{HeaderName, Method};
+/// use tower_lock::layer::{HeaderKey, LockLayer};
+/// use tower_lock::MemoryBackend;
+///
+/// let layer = LockLayer::builder(
+///     MemoryBackend::new(),
+///     HeaderKey::new(HeaderName::from_static("x-user-id")),
+/// )
+/// .with_key_prefix("lock:order")
+/// .with_wait(Duration::from_millis(500))
+/// .with_methods([Method::POST])
+/// .build()?;
+/// # let _ = layer;
+///
+/// let err = LockLayer::builder(MemoryBackend::new(), HeaderKey::new(HeaderName::from_static("x")))
+///     .with_lease(Duration::ZERO)
+///     .build()
+///     .unwrap_err();
+/// assert!(err.to_string().contains("`lease`"));
+/// # Ok::<(), tower_lock::Error>(())
+/// ```
+#[must_use]
+pub struct LockLayerBuilder<K> {
+    client: LockClient,
+    keys: K,
+    policy: Policy,
+    mode: Result<ModeSelect>,
+}
+
+impl<K> LockLayerBuilder<K> {
+    /// How long a request waits for a busy lock before it is rejected as busy. Zero:
+    /// one attempt. Default [`DEFAULT_WAIT`](super::DEFAULT_WAIT); at most
+    /// [`MAX_WAIT`](super::MAX_WAIT).
+    pub fn with_wait(mut self, wait: Duration) -> Self {
+        self.policy.wait = wait;
+        self
+    }
+
+    /// How the lock is held: [`Lease::Watchdog`] (the default: renewed while the
+    /// request runs) or a fixed lease (a `Duration`): the lock is freed when it ends,
+    /// and the request is then treated as having lost it (see
+    /// [`on_lost`](Self::on_lost)).
+    pub fn with_lease(mut self, lease: impl Into<Lease>) -> Self {
+        self.policy.lease = lease.into();
+        self
+    }
+
+    /// The status for a lock still busy after the wait. Default
+    /// [`DEFAULT_BUSY_STATUS`](super::DEFAULT_BUSY_STATUS) (429, and why); 409 and 423
+    /// are the usual alternatives. Must be 4xx or 5xx. `Retry-After` is sent whatever
+    /// the status.
+    pub fn with_busy_status(mut self, status: StatusCode) -> Self {
+        self.policy.busy_status = status;
+        self
+    }
+
+    /// Replaces the default rejection responses (plain text, see
+    /// [`Rejection::to_response`]).
+    pub fn on_rejection(mut self, handler: impl OnRejection) -> Self {
+        self.policy.on_rejection = Arc::new(handler);
+        self
+    }
+
+    /// When the lock store fails, serve requests without their lock (logged as a
+    /// warning) instead of answering 503. Default `false` (fail closed): availability
+    /// over exclusion is a choice to make per route, knowingly.
+    pub fn fail_open(mut self, fail_open: bool) -> Self {
+        self.policy.fail_open = fail_open;
+        self
+    }
+
+    /// `Retry-After` for 503 answers (store unavailable, lock lost). Default
+    /// [`DEFAULT_UNAVAILABLE_RETRY_AFTER`](super::DEFAULT_UNAVAILABLE_RETRY_AFTER);
+    /// rounded up to whole seconds.
+    pub fn with_unavailable_retry_after(mut self, retry_after: Duration) -> Self {
+        self.policy.unavailable_retry_after = retry_after;
+        self
+    }
+
+    /// Hold the lock until the response body has been sent to the end (for streaming
+    /// responses), instead of releasing it when the response head is ready.
+    pub fn hold_until_body_end(mut self, hold: bool) -> Self {
+        self.policy.release_on = if hold {
+            ReleaseOn::BodyEnd
+        } else {
+            ReleaseOn::Response
+        };
+        self
+    }
+
+    /// What to do when the lock is lost while the inner service runs. Default
+    /// [`OnLost::Cancel`].
+    pub fn on_lost(mut self, on_lost: OnLost) -> Self {
+        self.policy.on_lost = on_lost;
+        self
+    }
+
+    /// Lock only requests with these methods; others pass through unlocked (they still
+    /// get an owner, so [`Locks`](crate::extract::Locks) works). Default: all methods.
+    pub fn with_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.policy.methods = Some(methods.into_iter().collect());
+        self
+    }
+
+    /// Puts `prefix:` in front of every key (`lock:order` + `{42}` →
+    /// `lock:order:{42}`). No braces or control characters.
+    pub fn with_key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.policy.key_prefix = Some(prefix.into());
+        self
+    }
+
+    /// Fair locks: waiting requests get the lock in arrival order. Needs a backend
+    /// that implements [`LockMode::Fair`].
+    pub fn fair(mut self) -> Self {
+        self.mode = Ok(ModeSelect::Fixed(LockMode::Fair));
+        self
+    }
+
+    /// A read-write lock per key: `GET`, `HEAD` and `OPTIONS` take the read side
+    /// (they run together), other methods the write side (alone). Needs a backend that
+    /// implements [`LockMode::Read`] and [`LockMode::Write`].
+    pub fn read_write_by_method(mut self) -> Self {
+        self.mode = Ok(ModeSelect::ReadWriteByMethod);
+        self
+    }
+
+    /// At most `max` requests per key at once (a leased semaphore). Needs a backend
+    /// that implements [`LockMode::Permits`]. `max` must be at least 1.
+    pub fn permits(mut self, max: u32) -> Self {
+        self.mode = NonZeroU32::new(max)
+            .map(|max| ModeSelect::Fixed(LockMode::Permits { max }))
+            .ok_or_else(|| Error::invalid_config("permits", "must be at least 1 (got 0)"));
+        self
+    }
+
+    /// Checks the configuration and builds the layer.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming the first bad setting: `wait` over
+    /// [`MAX_WAIT`](super::MAX_WAIT), `lease` outside
+    /// [`MIN_LEASE`](crate::MIN_LEASE)..=[`MAX_LEASE`](crate::MAX_LEASE), `busy_status`
+    /// not 4xx/5xx, `unavailable_retry_after` zero, `methods` empty, `key_prefix` empty
+    /// or with braces or control characters, `permits` zero.
+    pub fn build(self) -> Result<LockLayer<K>> {
+        let mut policy = self.policy;
+        policy.mode = self.mode?;
+        policy.validate()?;
+        Ok(LockLayer::from_parts(self.client, self.keys, policy))
+    }
+}
+
+impl<K> fmt::Debug for LockLayerBuilder<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockLayerBuilder")
+            .field("client", &self.client)
+            .field("policy", &self.policy)
+            .finish_non_exhaustive()
+    }
+}
