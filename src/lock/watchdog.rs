@@ -13,6 +13,7 @@
 //! way its [`LostSignal`](crate::LostSignal) fires and it leaves the registry.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry as MapEntry;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -94,9 +95,12 @@ impl Watchdog {
     /// registration and one lost token. Must be called inside a tokio runtime.
     pub(crate) fn register(&self, req: &LockRequest, expires_at: Instant) -> Registration {
         let mut state = self.state();
-        let key = WatchKey::of(req);
-        let registration = match state.entries.get_mut(&key) {
-            Some(entry) => {
+        let state = &mut *state;
+        // One hash per call: lock keys come from requests, so the map keeps std's keyed
+        // SipHash (hash-flooding resistance) and this path hashes as little as it can.
+        let registration = match state.entries.entry(WatchKey::of(req)) {
+            MapEntry::Occupied(mut occupied) => {
+                let entry = occupied.get_mut();
                 entry.refs += 1;
                 entry.expires_at = entry.expires_at.max(expires_at);
                 Registration {
@@ -104,20 +108,17 @@ impl Watchdog {
                     lost: entry.lost.clone(),
                 }
             }
-            None => {
+            MapEntry::Vacant(vacant) => {
                 let generation = state.next_generation;
                 state.next_generation += 1;
                 let lost = CancellationToken::new();
-                state.entries.insert(
-                    key,
-                    Entry {
-                        refs: 1,
-                        generation,
-                        req: req.clone(),
-                        expires_at,
-                        lost: lost.clone(),
-                    },
-                );
+                vacant.insert(Entry {
+                    refs: 1,
+                    generation,
+                    req: req.clone(),
+                    expires_at,
+                    lost: lost.clone(),
+                });
                 Registration { generation, lost }
             }
         };
@@ -133,14 +134,14 @@ impl Watchdog {
     /// has registered the key again since.
     pub(crate) fn unregister(&self, req: &LockRequest, generation: u64) {
         let mut state = self.state();
-        let key = WatchKey::of(req);
-        if let Some(entry) = state.entries.get_mut(&key) {
+        if let MapEntry::Occupied(mut occupied) = state.entries.entry(WatchKey::of(req)) {
+            let entry = occupied.get_mut();
             if entry.generation != generation {
                 return;
             }
             entry.refs -= 1;
             if entry.refs == 0 {
-                state.entries.remove(&key);
+                occupied.remove();
             }
         }
     }

@@ -52,6 +52,7 @@
 //! side compensates (see [`Lock`](crate::Lock)). Dropping a subscription unregisters the
 //! waiter at once; the `UNSUBSCRIBE` follows from the connection task.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 use std::sync::LazyLock;
@@ -214,17 +215,17 @@ impl RedisBackend {
 
     /// The Redis key of the lock named `key` (the prefix followed by the key).
     pub fn lock_name(&self, key: &LockKey) -> String {
-        format!("{}{}", self.inner.prefix, key)
+        Names::lock(&self.inner.prefix, key).into_owned()
     }
 
     /// The channel releases of `key` are published on.
     pub fn channel_name(&self, key: &LockKey) -> String {
-        Names::of(&self.inner.prefix, key).channel
+        Names::channel(&self.inner.prefix, key)
     }
 
     /// The key of `key`'s fencing counter.
     pub fn fence_name(&self, key: &LockKey) -> String {
-        Names::of(&self.inner.prefix, key).fence
+        Names::fence(&self.inner.prefix, key)
     }
 
     /// Waiters registered for `key` in this process (a diagnostic).
@@ -250,13 +251,13 @@ impl RedisBackend {
     }
 
     async fn acquire_exclusive(&self, req: &LockRequest) -> Result<Acquire> {
-        let names = Names::of(&self.inner.prefix, &req.key);
+        let prefix = &self.inner.prefix;
         let reply: Vec<i64> = self
             .invoke(
                 SCRIPTS
                     .acquire
-                    .key(&names.lock)
-                    .key(&names.fence)
+                    .key(Names::lock(prefix, &req.key).as_ref())
+                    .key(Names::fence(prefix, &req.key))
                     .arg(lease_ms(req.lease))
                     .arg(req.owner.as_str()),
             )
@@ -272,13 +273,13 @@ impl RedisBackend {
     }
 
     async fn release_exclusive(&self, req: &LockRequest) -> Result<Release> {
-        let names = Names::of(&self.inner.prefix, &req.key);
+        let prefix = &self.inner.prefix;
         let reply: i64 = self
             .invoke(
                 SCRIPTS
                     .release
-                    .key(&names.lock)
-                    .key(&names.channel)
+                    .key(Names::lock(prefix, &req.key).as_ref())
+                    .key(Names::channel(prefix, &req.key))
                     .arg(UNLOCK_MESSAGE)
                     .arg(lease_ms(req.lease))
                     .arg(req.owner.as_str()),
@@ -303,7 +304,9 @@ impl RedisBackend {
             Conn::Cluster(_) => {
                 let mut groups: std::collections::HashMap<_, Vec<usize>> = Default::default();
                 for (i, req) in reqs.iter().enumerate() {
-                    let slot = redis::cluster_routing::Slot::for_key(self.lock_name(&req.key));
+                    let slot = redis::cluster_routing::Slot::for_key(
+                        Names::lock(&self.inner.prefix, &req.key).as_bytes(),
+                    );
                     groups.entry(slot).or_default().push(i);
                 }
                 groups.into_values().collect()
@@ -322,7 +325,7 @@ impl RedisBackend {
         let calls = batches.iter().map(|batch| async move {
             let mut invocation = SCRIPTS.renew_many.prepare_invoke();
             for &i in *batch {
-                invocation.key(self.lock_name(&reqs[i].key));
+                invocation.key(Names::lock(&self.inner.prefix, &reqs[i].key).as_ref());
             }
             for &i in *batch {
                 invocation
@@ -411,28 +414,45 @@ fn map_error(error: RedisError) -> Error {
     }
 }
 
-/// The Redis names of one lock.
-struct Names {
-    lock: String,
-    channel: String,
-    fence: String,
-}
+/// The Redis names of one lock. Built without `format!`: this is on every operation's
+/// path, and with no key prefix the lock's own name is the key itself (no allocation).
+struct Names;
 
 impl Names {
-    fn of(prefix: &str, key: &LockKey) -> Self {
-        let lock = format!("{prefix}{key}");
-        // Redisson's naming: wrap the name in a hash tag unless it has one, so companion
-        // keys and the channel share the lock's cluster slot.
-        let (open, close) = if lock.contains('{') {
-            ("", "")
+    /// The lock hash: the prefix followed by the key.
+    fn lock<'a>(prefix: &str, key: &'a LockKey) -> Cow<'a, str> {
+        if prefix.is_empty() {
+            Cow::Borrowed(key.as_str())
         } else {
-            ("{", "}")
-        };
-        Names {
-            channel: format!("redisson_lock__channel:{open}{lock}{close}"),
-            fence: format!("tower_lock_fence:{open}{lock}{close}"),
-            lock,
+            Cow::Owned([prefix, key.as_str()].concat())
         }
+    }
+
+    /// A companion of the lock (its channel, its fencing counter): `<kind>:{NAME}`, or
+    /// `<kind>:NAME` when NAME already has a hash tag — Redisson's naming, which keeps
+    /// companions in the lock's cluster slot.
+    fn companion(kind: &str, prefix: &str, key: &LockKey) -> String {
+        let tagged = prefix.contains('{') || key.as_str().contains('{');
+        let mut name = String::with_capacity(kind.len() + prefix.len() + key.as_str().len() + 3);
+        name.push_str(kind);
+        name.push(':');
+        if !tagged {
+            name.push('{');
+        }
+        name.push_str(prefix);
+        name.push_str(key.as_str());
+        if !tagged {
+            name.push('}');
+        }
+        name
+    }
+
+    fn channel(prefix: &str, key: &LockKey) -> String {
+        Self::companion("redisson_lock__channel", prefix, key)
+    }
+
+    fn fence(prefix: &str, key: &LockKey) -> String {
+        Self::companion("tower_lock_fence", prefix, key)
     }
 }
 
@@ -573,7 +593,7 @@ impl LockBackend for RedisBackend {
                 .invoke(
                     SCRIPTS
                         .renew
-                        .key(self.lock_name(&req.key))
+                        .key(Names::lock(&self.inner.prefix, &req.key).as_ref())
                         .arg(lease_ms(req.lease))
                         .arg(req.owner.as_str()),
                 )
@@ -619,13 +639,13 @@ impl LockBackend for RedisBackend {
     ) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             Self::check_mode(mode)?;
-            let names = Names::of(&self.inner.prefix, key);
+            let prefix = &self.inner.prefix;
             let removed: i64 = self
                 .invoke(
                     SCRIPTS
                         .force_release
-                        .key(&names.lock)
-                        .key(&names.channel)
+                        .key(Names::lock(prefix, key).as_ref())
+                        .key(Names::channel(prefix, key))
                         .arg(UNLOCK_MESSAGE),
                 )
                 .await?;
@@ -653,16 +673,20 @@ mod tests {
     #[test]
     fn names_follow_redisson() {
         let key = LockKey::new("anyLock").unwrap();
-        let n = Names::of("", &key);
-        assert_eq!(n.lock, "anyLock");
-        assert_eq!(n.channel, "redisson_lock__channel:{anyLock}");
-        assert_eq!(n.fence, "tower_lock_fence:{anyLock}");
+        assert_eq!(Names::lock("", &key), "anyLock");
+        assert_eq!(Names::channel("", &key), "redisson_lock__channel:{anyLock}");
+        assert_eq!(Names::fence("", &key), "tower_lock_fence:{anyLock}");
 
         let key = LockKey::namespaced("lock:order", "42").unwrap();
-        let n = Names::of("app:", &key);
-        assert_eq!(n.lock, "app:lock:order:{42}");
-        assert_eq!(n.channel, "redisson_lock__channel:app:lock:order:{42}");
-        assert_eq!(n.fence, "tower_lock_fence:app:lock:order:{42}");
+        assert_eq!(Names::lock("app:", &key), "app:lock:order:{42}");
+        assert_eq!(
+            Names::channel("app:", &key),
+            "redisson_lock__channel:app:lock:order:{42}"
+        );
+        assert_eq!(
+            Names::fence("app:", &key),
+            "tower_lock_fence:app:lock:order:{42}"
+        );
     }
 
     #[cfg(feature = "cluster")]
@@ -671,10 +695,18 @@ mod tests {
         use redis::cluster_routing::Slot;
         for key in ["anyLock", "lock:order:{42}", "a{b}c", "x", "é:{ü}"] {
             for prefix in ["", "app:"] {
-                let n = Names::of(prefix, &LockKey::new(key).unwrap());
-                let slot = Slot::for_key(&n.lock);
-                assert_eq!(Slot::for_key(&n.channel), slot, "{key} channel");
-                assert_eq!(Slot::for_key(&n.fence), slot, "{key} fence");
+                let key = LockKey::new(key).unwrap();
+                let slot = Slot::for_key(Names::lock(prefix, &key).as_bytes());
+                assert_eq!(
+                    Slot::for_key(Names::channel(prefix, &key)),
+                    slot,
+                    "{key} channel"
+                );
+                assert_eq!(
+                    Slot::for_key(Names::fence(prefix, &key)),
+                    slot,
+                    "{key} fence"
+                );
             }
         }
     }

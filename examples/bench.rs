@@ -1,0 +1,916 @@
+//! The benchmark: prints one JSON line per run, in the format the peer libraries' own
+//! benchmarks print, so tower-lock's numbers sit next to theirs.
+//!
+//! ```sh
+//! cargo run --release --example bench -- --url redis://127.0.0.1:6379 \
+//!     --workers 32 --seconds 10 --workload w1 [--handoff] [--backend redis|memory] \
+//!     [--kind lock|fair] [--impl tower-lock|baseline] [--lease-ms L]
+//! ```
+//!
+//! Workloads:
+//!
+//! - `w1`: each worker locks its own key; lock + unlock in a loop (throughput, latency).
+//!   `--impl baseline` runs the hand-rolled reference instead: `SET key owner NX PX` and
+//!   a Lua compare-and-delete on a multiplexed connection.
+//! - `w2`: all workers on one key; each iteration acquires, does a non-atomic
+//!   `GET counter` + `SET counter+1` on a second connection, and releases. `--handoff`:
+//!   after releasing, a worker sits out until another worker has acquired, so every
+//!   transition is a real handoff. Reports waits, handoff latency, fairness, and the
+//!   safety counters `lost_updates` and `overlaps` (both must be 0).
+//! - `w3`: `--waiters` (default 200) tasks on one key until `--handoffs` (default 1,000)
+//!   handoffs: Redis commands per handoff (from `INFO commandstats` deltas) and client CPU.
+//! - `w4`: `--locks` (default 10,000) held locks with the watchdog for 3 renewal periods
+//!   (`--watchdog-ms`, default 3,000): Redis commands and client round trips per period.
+//! - `w5`: an axum hello-world with 64 keep-alive connections, each request with its own
+//!   key, with `--backend none` (no layer), `memory` or `redis`: requests/s and latency.
+//!
+//! Benchmarks are not tests: nothing here asserts a timing.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use redis::AsyncCommands;
+use redis::aio::MultiplexedConnection;
+use serde_json::{Value, json};
+use tower_lock::backend::{
+    Acquire, BoxFuture, LockBackend, LockMode, LockRequest, Release, Subscription,
+};
+use tower_lock::{Lease, LockClient, LockKey, MemoryBackend, RedisBackend};
+
+const USAGE: &str = "usage: bench --url URL --workers W --seconds S --workload w1|w2|w3|w4|w5 \
+[--handoff] [--backend redis|memory|none] [--kind lock|fair] [--impl tower-lock|baseline] \
+[--lease-ms L] [--waiters N] [--handoffs N] [--locks N] [--watchdog-ms L] [--connections N]";
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum BackendKind {
+    Redis,
+    Memory,
+    None,
+}
+
+#[derive(Clone)]
+struct Args {
+    url: String,
+    workers: usize,
+    seconds: f64,
+    workload: String,
+    handoff: bool,
+    backend: BackendKind,
+    fair: bool,
+    baseline: bool,
+    lease: Option<Duration>,
+    waiters: usize,
+    handoffs: u64,
+    locks: usize,
+    watchdog: Duration,
+    connections: usize,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        url: "redis://127.0.0.1:6379".into(),
+        workers: 8,
+        seconds: 5.0,
+        workload: "w1".into(),
+        handoff: false,
+        backend: BackendKind::Redis,
+        fair: false,
+        baseline: false,
+        lease: None,
+        waiters: 200,
+        handoffs: 1000,
+        locks: 10_000,
+        watchdog: Duration::from_secs(3),
+        connections: 64,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
+        fn num<T: std::str::FromStr>(flag: &str, v: String) -> Result<T, String> {
+            v.parse()
+                .map_err(|_| format!("{flag}: not a number: {v:?}"))
+        }
+        match flag.as_str() {
+            "--url" => a.url = value()?,
+            "--workers" => a.workers = num(&flag, value()?)?,
+            "--seconds" => a.seconds = num(&flag, value()?)?,
+            "--workload" => a.workload = value()?,
+            "--handoff" => a.handoff = true,
+            "--backend" => {
+                a.backend = match value()?.as_str() {
+                    "redis" => BackendKind::Redis,
+                    "memory" => BackendKind::Memory,
+                    "none" => BackendKind::None,
+                    other => return Err(format!("--backend: unknown {other:?}")),
+                }
+            }
+            "--kind" => {
+                a.fair = match value()?.as_str() {
+                    "lock" => false,
+                    "fair" => true,
+                    other => return Err(format!("--kind: unknown {other:?}")),
+                }
+            }
+            "--impl" => {
+                a.baseline = match value()?.as_str() {
+                    "tower-lock" => false,
+                    "baseline" => true,
+                    other => return Err(format!("--impl: unknown {other:?}")),
+                }
+            }
+            "--lease-ms" => a.lease = Some(Duration::from_millis(num(&flag, value()?)?)),
+            "--waiters" => a.waiters = num(&flag, value()?)?,
+            "--handoffs" => a.handoffs = num(&flag, value()?)?,
+            "--locks" => a.locks = num(&flag, value()?)?,
+            "--watchdog-ms" => a.watchdog = Duration::from_millis(num(&flag, value()?)?),
+            "--connections" => a.connections = num(&flag, value()?)?,
+            "-h" | "--help" => return Err(USAGE.into()),
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    if a.workers == 0 || a.seconds <= 0.0 || a.waiters == 0 || a.locks == 0 || a.connections == 0 {
+        return Err(
+            "--workers, --seconds, --waiters, --locks and --connections must be positive".into(),
+        );
+    }
+    if a.baseline && a.workload != "w1" {
+        return Err("--impl baseline exists for w1 only".into());
+    }
+    Ok(a)
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(message) => {
+            eprintln!("{message}\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    let result = match args.workload.as_str() {
+        "w1" if args.baseline => w1_baseline(&args).await,
+        "w1" => w1(&args).await,
+        "w2" => w2(&args).await,
+        "w3" => w3(&args).await,
+        "w4" => w4(&args).await,
+        "w5" => w5(&args).await,
+        other => Err(format!("unknown workload {other:?}")),
+    };
+    match result {
+        Ok(line) => {
+            println!("{line}");
+            ExitCode::SUCCESS
+        }
+        Err(message) => {
+            eprintln!("bench: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// A JSON object with its fields in the order given.
+fn object(fields: Vec<(&str, Value)>) -> String {
+    let parts: Vec<String> = fields
+        .into_iter()
+        .map(|(k, v)| format!("{}:{}", Value::from(k), v))
+        .collect();
+    format!("{{{}}}", parts.join(","))
+}
+
+fn peer(args: &Args) -> String {
+    match (args.baseline, args.fair) {
+        (true, _) => "redis-setnx-baseline".into(),
+        (false, true) => "tower-lock-fair".into(),
+        (false, false) => "tower-lock".into(),
+    }
+}
+
+fn pct(sorted: &[u64], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn micros(d: Duration) -> u64 {
+    d.as_micros() as u64
+}
+
+async fn redis_conn(url: &str) -> Result<MultiplexedConnection, String> {
+    redis::Client::open(url)
+        .map_err(|e| e.to_string())?
+        .get_multiplexed_async_connection()
+        .await
+        .map_err(|e| format!("connecting to {url}: {e}"))
+}
+
+async fn client(args: &Args) -> Result<LockClient, String> {
+    let backend: Arc<dyn LockBackend> = match args.backend {
+        BackendKind::Redis => Arc::new(
+            RedisBackend::connect(args.url.as_str())
+                .await
+                .map_err(|e| format!("connecting to {}: {e}", args.url))?,
+        ),
+        BackendKind::Memory | BackendKind::None => Arc::new(MemoryBackend::new()),
+    };
+    Ok(LockClient::new(backend))
+}
+
+fn lock_for(client: &LockClient, args: &Args, key: String) -> Result<tower_lock::Lock, String> {
+    let lock = if args.fair {
+        client.get_fair_lock(key)
+    } else {
+        client.get_lock(key)
+    };
+    lock.map_err(|e| e.to_string())
+}
+
+fn lease(args: &Args) -> Lease {
+    args.lease.map_or(Lease::Watchdog, Lease::Fixed)
+}
+
+async fn w1(args: &Args) -> Result<String, String> {
+    let client = client(args).await?;
+    let deadline = Instant::now() + Duration::from_secs_f64(args.seconds);
+    let failures = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..args.workers {
+        let lock = lock_for(&client, args, format!("bench:w1:{w}"))?;
+        let lease = lease(args);
+        let failures = failures.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut samples = Vec::with_capacity(1 << 16);
+            while Instant::now() < deadline {
+                let t0 = Instant::now();
+                let guard = match lock.try_lock_for(Duration::MAX, lease).await {
+                    Ok(g) => g,
+                    Err(_) => {
+                        failures.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                };
+                if guard.unlock().await.is_err() {
+                    failures.fetch_add(1, Ordering::Relaxed);
+                }
+                samples.push(micros(t0.elapsed()));
+            }
+            samples
+        }));
+    }
+    let mut samples = Vec::new();
+    for t in tasks {
+        samples.extend(t.await.map_err(|e| e.to_string())?);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    w1_line(args, elapsed, samples, failures.load(Ordering::Relaxed))
+}
+
+fn w1_line(
+    args: &Args,
+    elapsed: f64,
+    mut samples: Vec<u64>,
+    failures: u64,
+) -> Result<String, String> {
+    samples.sort_unstable();
+    let cycles = samples.len() as u64;
+    Ok(object(vec![
+        ("peer", json!(peer(args))),
+        ("lang", json!("rust")),
+        ("workload", json!("w1")),
+        ("workers", json!(args.workers)),
+        ("elapsed_s", json!((elapsed * 1000.0).round() / 1000.0)),
+        ("cycles", json!(cycles)),
+        ("cycles_per_s", json!((cycles as f64 / elapsed).round())),
+        ("cycle_p50_us", json!(pct(&samples, 50.0))),
+        ("cycle_p99_us", json!(pct(&samples, 99.0))),
+        ("release_failures", json!(failures)),
+        (
+            "backend",
+            json!(format!("{:?}", args.backend).to_lowercase()),
+        ),
+        (
+            "lease",
+            json!(
+                args.lease
+                    .map_or("watchdog".to_owned(), |l| format!("{}ms", l.as_millis()))
+            ),
+        ),
+    ]))
+}
+
+const BASELINE_UNLOCK: &str = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end";
+
+/// The hand-rolled reference: SET NX PX + Lua compare-and-delete on one multiplexed
+/// connection (what most Redis lock libraries do, minus their retry loops).
+async fn w1_baseline(args: &Args) -> Result<String, String> {
+    let conn = redis_conn(&args.url).await?;
+    let unlock = Arc::new(redis::Script::new(BASELINE_UNLOCK));
+    let ttl_ms = args.lease.map_or(30_000, |l| l.as_millis() as u64);
+    let deadline = Instant::now() + Duration::from_secs_f64(args.seconds);
+    let failures = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..args.workers {
+        let mut conn = conn.clone();
+        let unlock = unlock.clone();
+        let failures = failures.clone();
+        tasks.push(tokio::spawn(async move {
+            let key = format!("bench:base:{w}");
+            let owner = format!("baseline-{w}");
+            let mut samples = Vec::with_capacity(1 << 16);
+            while Instant::now() < deadline {
+                let t0 = Instant::now();
+                let set: redis::RedisResult<Option<String>> = redis::cmd("SET")
+                    .arg(&key)
+                    .arg(&owner)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(ttl_ms)
+                    .query_async(&mut conn)
+                    .await;
+                if !matches!(set, Ok(Some(_))) {
+                    failures.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                let deleted: redis::RedisResult<i64> =
+                    unlock.key(&key).arg(&owner).invoke_async(&mut conn).await;
+                if !matches!(deleted, Ok(1)) {
+                    failures.fetch_add(1, Ordering::Relaxed);
+                }
+                samples.push(micros(t0.elapsed()));
+            }
+            samples
+        }));
+    }
+    let mut samples = Vec::new();
+    for t in tasks {
+        samples.extend(t.await.map_err(|e| e.to_string())?);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    w1_line(args, elapsed, samples, failures.load(Ordering::Relaxed))
+}
+
+/// One hold of the w2 lock: who, and when it was acquired and released.
+struct Hold {
+    worker: usize,
+    requested: Instant,
+    acquired: Instant,
+    release_start: Instant,
+    release_end: Instant,
+}
+
+async fn w2(args: &Args) -> Result<String, String> {
+    let client = client(args).await?;
+    let counter_conn = redis_conn(&args.url).await?;
+    let counter_key = "bench:w2:counter";
+    let mut reset = counter_conn.clone();
+    let _: () = reset.del(counter_key).await.map_err(|e| e.to_string())?;
+    let lock = lock_for(&client, args, "bench:w2".into())?;
+    let deadline = Instant::now() + Duration::from_secs_f64(args.seconds);
+    let inside = Arc::new(AtomicUsize::new(0));
+    let overlaps = Arc::new(AtomicU64::new(0));
+    let failures = Arc::new(AtomicU64::new(0));
+    // (acquisition sequence number, worker): for --handoff.
+    let (last_tx, last_rx) = tokio::sync::watch::channel((0u64, usize::MAX));
+    let last_tx = Arc::new(last_tx);
+    let done = Arc::new(AtomicBool::new(false));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..args.workers {
+        let lock = lock.clone();
+        let lease = lease(args);
+        let (inside, overlaps, failures) = (inside.clone(), overlaps.clone(), failures.clone());
+        let (last_tx, mut last_rx, done) = (last_tx.clone(), last_rx.clone(), done.clone());
+        let mut conn = counter_conn.clone();
+        let handoff = args.handoff;
+        tasks.push(tokio::spawn(async move {
+            let mut holds = Vec::with_capacity(1 << 14);
+            while Instant::now() < deadline && !done.load(Ordering::Relaxed) {
+                let requested = Instant::now();
+                let guard = match lock.try_lock_for(Duration::from_secs(30), lease).await {
+                    Ok(g) => g,
+                    Err(_) => {
+                        failures.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                };
+                let acquired = Instant::now();
+                let mut seq = 0;
+                last_tx.send_modify(|(s, who)| {
+                    *s += 1;
+                    *who = w;
+                    seq = *s;
+                });
+                if inside.fetch_add(1, Ordering::SeqCst) != 0 {
+                    overlaps.fetch_add(1, Ordering::Relaxed);
+                }
+                let value: Option<u64> = conn.get(counter_key).await.unwrap_or(None);
+                let _: redis::RedisResult<()> = conn.set(counter_key, value.unwrap_or(0) + 1).await;
+                inside.fetch_sub(1, Ordering::SeqCst);
+                let release_start = Instant::now();
+                if guard.unlock().await.is_err() {
+                    failures.fetch_add(1, Ordering::Relaxed);
+                }
+                let release_end = Instant::now();
+                holds.push(Hold {
+                    worker: w,
+                    requested,
+                    acquired,
+                    release_start,
+                    release_end,
+                });
+                if handoff {
+                    // Sit out until someone else has acquired after us.
+                    let wait = last_rx.wait_for(|(s, who)| *s > seq && *who != w);
+                    if tokio::time::timeout_at(deadline.into(), wait)
+                        .await
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
+            }
+            done.store(true, Ordering::Relaxed);
+            holds
+        }));
+    }
+    let mut per_worker = Vec::new();
+    let mut holds = Vec::new();
+    for t in tasks {
+        let h = t.await.map_err(|e| e.to_string())?;
+        per_worker.push(h.len() as u64);
+        holds.extend(h);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    holds.sort_by_key(|h| h.acquired);
+    let mut waits: Vec<u64> = holds
+        .iter()
+        .map(|h| micros(h.acquired - h.requested))
+        .collect();
+    waits.sort_unstable();
+    let mut handoffs = Vec::new();
+    let mut from_start = Vec::new();
+    let mut same = 0u64;
+    for pair in holds.windows(2) {
+        let (prev, next) = (&pair[0], &pair[1]);
+        if prev.worker == next.worker {
+            same += 1;
+            continue;
+        }
+        handoffs.push(micros(
+            next.acquired.saturating_duration_since(prev.release_end),
+        ));
+        from_start.push(micros(
+            next.acquired.saturating_duration_since(prev.release_start),
+        ));
+    }
+    let mean = if handoffs.is_empty() {
+        0.0
+    } else {
+        handoffs.iter().sum::<u64>() as f64 / handoffs.len() as f64
+    };
+    handoffs.sort_unstable();
+    from_start.sort_unstable();
+    let mut conn = counter_conn.clone();
+    let counter: Option<u64> = conn.get(counter_key).await.map_err(|e| e.to_string())?;
+    let counter = counter.unwrap_or(0);
+    let cycles = holds.len() as u64;
+    let transitions = holds.len().saturating_sub(1) as f64;
+    Ok(object(vec![
+        ("peer", json!(peer(args))),
+        ("lang", json!("rust")),
+        ("workload", json!(if args.handoff { "w2h" } else { "w2" })),
+        ("workers", json!(args.workers)),
+        ("elapsed_s", json!((elapsed * 1000.0).round() / 1000.0)),
+        ("cycles", json!(cycles)),
+        ("cycles_per_s", json!((cycles as f64 / elapsed).round())),
+        ("acq_wait_p50_us", json!(pct(&waits, 50.0))),
+        ("acq_wait_p99_us", json!(pct(&waits, 99.0))),
+        ("acq_wait_max_us", json!(waits.last().copied().unwrap_or(0))),
+        ("handoffs", json!(handoffs.len())),
+        ("handoff_p50_us", json!(pct(&handoffs, 50.0))),
+        ("handoff_p99_us", json!(pct(&handoffs, 99.0))),
+        ("handoff_mean_us", json!(mean.round())),
+        ("handoff_from_start_p50_us", json!(pct(&from_start, 50.0))),
+        ("handoff_from_start_p99_us", json!(pct(&from_start, 99.0))),
+        (
+            "same_holder_pct",
+            json!(if transitions > 0.0 {
+                (1000.0 * same as f64 / transitions).round() / 10.0
+            } else {
+                0.0
+            }),
+        ),
+        (
+            "per_worker_min",
+            json!(per_worker.iter().min().copied().unwrap_or(0)),
+        ),
+        (
+            "per_worker_max",
+            json!(per_worker.iter().max().copied().unwrap_or(0)),
+        ),
+        ("redis_counter", json!(counter)),
+        ("lost_updates", json!(cycles as i64 - counter as i64)),
+        ("overlaps", json!(overlaps.load(Ordering::Relaxed))),
+        ("release_failures", json!(failures.load(Ordering::Relaxed))),
+        (
+            "backend",
+            json!(format!("{:?}", args.backend).to_lowercase()),
+        ),
+    ]))
+}
+
+/// Commands as `INFO commandstats` counts them: `(client-issued, all)`. Commands our
+/// scripts call internally are counted by Redis too; "client-issued" leaves them out.
+async fn command_counts(conn: &mut MultiplexedConnection) -> Result<(u64, u64), String> {
+    const INSIDE_SCRIPTS: &[&str] = &[
+        "exists",
+        "hexists",
+        "hincrby",
+        "hget",
+        "hset",
+        "hdel",
+        "hlen",
+        "pexpire",
+        "pttl",
+        "del",
+        "publish",
+        "incr",
+        "get",
+        "zadd",
+        "zrem",
+        "zrange",
+        "zscore",
+        "lpush",
+        "rpush",
+        "lpop",
+        "lrange",
+        "lindex",
+        "lrem",
+        "llen",
+        "zcard",
+        "zremrangebyscore",
+        "time",
+        "set",
+        "expire",
+    ];
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut client = 0;
+    let mut all = 0;
+    for line in info.lines() {
+        let Some((name, rest)) = line
+            .strip_prefix("cmdstat_")
+            .and_then(|l| l.split_once(':'))
+        else {
+            continue;
+        };
+        let calls: u64 = rest
+            .split(',')
+            .find_map(|kv| kv.strip_prefix("calls="))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        all += calls;
+        if !INSIDE_SCRIPTS.contains(&name) {
+            client += calls;
+        }
+    }
+    Ok((client, all))
+}
+
+fn cpu_time() -> Duration {
+    // SAFETY: getrusage only writes into the struct we pass.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+    let tv = |t: libc::timeval| {
+        Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64)
+    };
+    tv(usage.ru_utime) + tv(usage.ru_stime)
+}
+
+async fn w3(args: &Args) -> Result<String, String> {
+    if args.backend != BackendKind::Redis {
+        return Err("w3 counts Redis commands: use --backend redis".into());
+    }
+    let backend = RedisBackend::connect(args.url.as_str())
+        .await
+        .map_err(|e| e.to_string())?;
+    let client = LockClient::new(backend.clone());
+    let mut stats = redis_conn(&args.url).await?;
+    let lock = lock_for(&client, args, "bench:w3".into())?;
+    // Warm up: load the scripts, so the counts below are steady state.
+    lock.try_lock()
+        .await
+        .map_err(|e| e.to_string())?
+        .unlock()
+        .await
+        .map_err(|e| e.to_string())?;
+    let holder = lock.lock().await.map_err(|e| e.to_string())?;
+    let acquisitions = Arc::new(AtomicU64::new(0));
+    let target = args.handoffs;
+    let mut tasks = Vec::new();
+    for _ in 0..args.waiters {
+        let lock = lock.clone();
+        let acquisitions = acquisitions.clone();
+        tasks.push(tokio::spawn(async move {
+            loop {
+                if acquisitions.load(Ordering::SeqCst) >= target {
+                    return;
+                }
+                let Ok(guard) = lock
+                    .try_lock_for(Duration::from_secs(60), Lease::Watchdog)
+                    .await
+                else {
+                    return;
+                };
+                acquisitions.fetch_add(1, Ordering::SeqCst);
+                let _ = guard.unlock().await;
+            }
+        }));
+    }
+    // Count from the moment every waiter has subscribed and gone to sleep: all are
+    // registered, and the server has stopped seeing new attempts.
+    let key = LockKey::new("bench:w3").map_err(|e| e.to_string())?;
+    let settle = Instant::now() + Duration::from_secs(30);
+    while backend.local_waiters(&key) < args.waiters {
+        if Instant::now() > settle {
+            return Err("the waiters never all subscribed".into());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut last = command_counts(&mut stats).await?;
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = command_counts(&mut stats).await?;
+        // Our own INFO call is one client command.
+        if now.0 == last.0 + 1 || Instant::now() > settle {
+            last = now;
+            break;
+        }
+        last = now;
+    }
+    let (client_before, all_before) = last;
+    let cpu_before = cpu_time();
+    let started = Instant::now();
+    holder.unlock().await.map_err(|e| e.to_string())?;
+    for t in tasks {
+        t.await.map_err(|e| e.to_string())?;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let cpu = cpu_time() - cpu_before;
+    let (client_after, all_after) = command_counts(&mut stats).await?;
+    let handoffs = acquisitions.load(Ordering::SeqCst);
+    // Our own INFO call is one client command.
+    let client_cmds = client_after - client_before - 1;
+    let all_cmds = all_after - all_before - 1;
+    Ok(object(vec![
+        ("peer", json!(peer(args))),
+        ("lang", json!("rust")),
+        ("workload", json!("w3")),
+        ("waiters", json!(args.waiters)),
+        ("handoffs", json!(handoffs)),
+        ("elapsed_s", json!((elapsed * 1000.0).round() / 1000.0)),
+        ("handoffs_per_s", json!((handoffs as f64 / elapsed).round())),
+        ("client_commands", json!(client_cmds)),
+        (
+            "client_commands_per_handoff",
+            json!((100.0 * client_cmds as f64 / handoffs as f64).round() / 100.0),
+        ),
+        (
+            "all_commands_per_handoff",
+            json!((100.0 * all_cmds as f64 / handoffs as f64).round() / 100.0),
+        ),
+        (
+            "client_cpu_us_per_handoff",
+            json!((micros(cpu) as f64 / handoffs as f64).round()),
+        ),
+    ]))
+}
+
+/// Counts watchdog batches on their way to the real backend.
+struct Counting {
+    inner: Arc<dyn LockBackend>,
+    batches: AtomicU64,
+    renewed: AtomicU64,
+}
+
+impl LockBackend for Counting {
+    fn name(&self) -> &'static str {
+        "counting"
+    }
+    fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, tower_lock::Result<Acquire>> {
+        self.inner.acquire(req)
+    }
+    fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, tower_lock::Result<bool>> {
+        self.inner.renew(req)
+    }
+    fn renew_many<'a>(
+        &'a self,
+        reqs: &'a [LockRequest],
+    ) -> BoxFuture<'a, Vec<tower_lock::Result<bool>>> {
+        self.batches.fetch_add(1, Ordering::Relaxed);
+        self.renewed.fetch_add(reqs.len() as u64, Ordering::Relaxed);
+        self.inner.renew_many(reqs)
+    }
+    fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, tower_lock::Result<Release>> {
+        self.inner.release(req)
+    }
+    fn subscribe<'a>(
+        &'a self,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, tower_lock::Result<Box<dyn Subscription>>> {
+        self.inner.subscribe(req)
+    }
+    fn force_release<'a>(
+        &'a self,
+        key: &'a LockKey,
+        mode: LockMode,
+    ) -> BoxFuture<'a, tower_lock::Result<bool>> {
+        self.inner.force_release(key, mode)
+    }
+}
+
+async fn w4(args: &Args) -> Result<String, String> {
+    if args.backend != BackendKind::Redis {
+        return Err("w4 counts Redis commands: use --backend redis".into());
+    }
+    let redis = RedisBackend::connect(args.url.as_str())
+        .await
+        .map_err(|e| e.to_string())?;
+    let counting = Arc::new(Counting {
+        inner: Arc::new(redis),
+        batches: AtomicU64::new(0),
+        renewed: AtomicU64::new(0),
+    });
+    let client = LockClient::builder(counting.clone())
+        .watchdog_lease(args.watchdog)
+        .build()
+        .map_err(|e| e.to_string())?;
+    let mut stats = redis_conn(&args.url).await?;
+    let mut guards = Vec::with_capacity(args.locks);
+    let acquiring = Instant::now();
+    let chunks: Vec<Vec<usize>> = (0..args.locks)
+        .collect::<Vec<_>>()
+        .chunks(64)
+        .map(<[usize]>::to_vec)
+        .collect();
+    for chunk in chunks {
+        let mut batch = Vec::new();
+        for i in chunk {
+            let lock = client
+                .get_lock(format!("bench:w4:{i}"))
+                .map_err(|e| e.to_string())?;
+            batch.push(tokio::spawn(async move { lock.lock().await }));
+        }
+        for t in batch {
+            guards.push(
+                t.await
+                    .map_err(|e| e.to_string())?
+                    .map_err(|e| e.to_string())?,
+            );
+        }
+    }
+    let acquire_s = acquiring.elapsed().as_secs_f64();
+    let period = args.watchdog / 3;
+    let batches_before = counting.batches.load(Ordering::Relaxed);
+    let renewed_before = counting.renewed.load(Ordering::Relaxed);
+    let (client_before, all_before) = command_counts(&mut stats).await?;
+    let cpu_before = cpu_time();
+    tokio::time::sleep(period * 3).await;
+    let cpu = cpu_time() - cpu_before;
+    let (client_after, all_after) = command_counts(&mut stats).await?;
+    let batches = counting.batches.load(Ordering::Relaxed) - batches_before;
+    let renewed = counting.renewed.load(Ordering::Relaxed) - renewed_before;
+    let lost = guards.iter().filter(|g| g.is_lost()).count();
+    for g in guards {
+        let _ = g.unlock().await;
+    }
+    let periods = 3.0;
+    Ok(object(vec![
+        ("peer", json!(peer(args))),
+        ("lang", json!("rust")),
+        ("workload", json!("w4")),
+        ("locks", json!(args.locks)),
+        ("watchdog_lease_ms", json!(args.watchdog.as_millis() as u64)),
+        ("acquire_s", json!((acquire_s * 1000.0).round() / 1000.0)),
+        ("periods", json!(periods)),
+        ("renew_batches_per_period", json!(batches as f64 / periods)),
+        ("locks_renewed_per_period", json!(renewed as f64 / periods)),
+        (
+            "client_commands_per_period",
+            json!(((client_after - client_before - 1) as f64 / periods).round()),
+        ),
+        (
+            "all_commands_per_period",
+            json!(((all_after - all_before - 1) as f64 / periods).round()),
+        ),
+        ("connections", json!(1)),
+        (
+            "client_cpu_ms_per_period",
+            json!((micros(cpu) as f64 / periods / 1000.0 * 10.0).round() / 10.0),
+        ),
+        ("lost", json!(lost)),
+    ]))
+}
+
+async fn w5(args: &Args) -> Result<String, String> {
+    use axum::Router;
+    use axum::routing::get;
+    use tower_lock::layer::LockLayer;
+
+    let mut app = Router::new().route("/hello/{id}", get(|| async { "hello" }));
+    let layered = args.backend != BackendKind::None;
+    if layered {
+        let client = client(args).await?;
+        let layer = LockLayer::builder(client, |req: &http::Request<axum::body::Body>| {
+            // Every request has its own key: the cost of the layer, not of contention.
+            LockKey::namespaced("bench:w5", req.uri().path())
+        })
+        .build()
+        .map_err(|e| e.to_string())?;
+        app = app.layer(layer);
+    }
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let deadline = Instant::now() + Duration::from_secs_f64(args.seconds);
+    let next_id = Arc::new(AtomicU64::new(0));
+    let errors = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..args.connections {
+        let (next_id, errors) = (next_id.clone(), errors.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut samples = Vec::with_capacity(1 << 14);
+            let Ok(stream) = tokio::net::TcpStream::connect(addr).await else {
+                errors.fetch_add(1, Ordering::Relaxed);
+                return samples;
+            };
+            let _ = stream.set_nodelay(true);
+            let io = hyper_util::rt::TokioIo::new(stream);
+            let Ok((mut sender, conn)) = hyper::client::conn::http1::handshake(io).await else {
+                errors.fetch_add(1, Ordering::Relaxed);
+                return samples;
+            };
+            tokio::spawn(conn);
+            while Instant::now() < deadline {
+                let id = next_id.fetch_add(1, Ordering::Relaxed);
+                let req = http::Request::get(format!("/hello/{id}"))
+                    .header(http::header::HOST, "bench")
+                    .body(http_body_util::Empty::<bytes::Bytes>::new());
+                let Ok(req) = req else { break };
+                let t0 = Instant::now();
+                match sender.send_request(req).await {
+                    Ok(resp) if resp.status().is_success() => {
+                        use http_body_util::BodyExt;
+                        let _ = resp.into_body().collect().await;
+                        samples.push(micros(t0.elapsed()));
+                    }
+                    _ => {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            samples
+        }));
+    }
+    let mut samples = Vec::new();
+    for t in tasks {
+        samples.extend(t.await.map_err(|e| e.to_string())?);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    server.abort();
+    samples.sort_unstable();
+    let requests = samples.len() as u64;
+    Ok(object(vec![
+        ("peer", json!(peer(args))),
+        ("lang", json!("rust")),
+        ("workload", json!("w5")),
+        (
+            "layer",
+            json!(if layered {
+                format!("{:?}", args.backend).to_lowercase()
+            } else {
+                "none".into()
+            }),
+        ),
+        ("connections", json!(args.connections)),
+        ("elapsed_s", json!((elapsed * 1000.0).round() / 1000.0)),
+        ("requests", json!(requests)),
+        ("req_per_s", json!((requests as f64 / elapsed).round())),
+        ("p50_us", json!(pct(&samples, 50.0))),
+        ("p99_us", json!(pct(&samples, 99.0))),
+        ("errors", json!(errors.load(Ordering::Relaxed))),
+    ]))
+}
