@@ -12,7 +12,9 @@
 //! | MultiLock | [`MultiLock`] | several locks, all or none |
 //!
 //! Backends implement the modes; one that does not answers
-//! [`Error::Unsupported`](crate::Error::Unsupported).
+//! [`Error::Unsupported`](crate::Error::Unsupported). The modes' exact semantics — queue
+//! order, the read-write starvation policy, permits' leases — are described with the
+//! [memory backend](crate::backend::memory), which the Redis backend matches.
 
 mod multi;
 mod rwlock;
