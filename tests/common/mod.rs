@@ -4,6 +4,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod conformance;
+pub mod kinds;
 
 use std::future::Future;
 use std::time::Duration;
