@@ -592,17 +592,14 @@ impl Queue {
         }
     }
 
-    /// Evicts waiters at the head that stopped polling; returns whether any were.
-    fn evict_stale_head(&mut self, now: Instant) -> bool {
-        let mut evicted = false;
+    /// Evicts waiters at the head that stopped polling.
+    fn evict_stale_head(&mut self, now: Instant) {
         while let Some((&seq, waiter)) = self.order.first_key_value() {
             if waiter.evict_at > now {
                 break;
             }
             self.remove_seq(seq);
-            evicted = true;
         }
-        evicted
     }
 
     /// The live waiter that keeps a waiter at `seq` (`None`: a newcomer, behind

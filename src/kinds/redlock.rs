@@ -30,7 +30,10 @@
 //!     deadline.
 //!
 //!   Permits need a larger quorum than a majority to keep their bound across nodes; see
-//!   [`RedLock::quorum_for`].
+//!   [`RedLock::quorum_for`]. Undoing releases one hold per node for the owner, so a
+//!   failed *re-entry* (the owner already held the lock) may take the outer hold off a
+//!   node where the re-entry never arrived; the outer hold lives on in the other nodes,
+//!   and the watchdog reports it lost if fewer than a quorum are left.
 //! - **Renew** (the watchdog): on every node; renewed when a quorum confirms, lost when
 //!   so many nodes deny holding it that no quorum can confirm, an error (retried on the
 //!   next period until the lease ends) otherwise.
