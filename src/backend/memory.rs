@@ -5,15 +5,55 @@
 //! Redis backend, so code tested against it behaves the same in production:
 //!
 //! - leases really expire (tokio time, so `tokio::time::pause` works in tests);
-//! - reentrant holds are counted;
+//! - reentrant holds are counted, per owner and mode;
 //! - fencing tokens come from one counter for the whole backend, so they are strictly
 //!   increasing per key across holders (and across keys);
-//! - a release wakes one waiter (a [`tokio::sync::Notify`] per key), not all of them;
+//! - a release wakes the waiters that can now acquire — one for exclusive locks and
+//!   permits, the head of the queue for fair locks, every admitted reader for a write
+//!   unlock — not all of them;
 //! - a key that nobody holds or waits on has no entry: the map does not grow with the
 //!   number of distinct keys ever locked. Entries whose lease expired with nobody
 //!   waiting are swept on later operations.
 //!
 //! Clones share the same state.
+//!
+//! # Modes
+//!
+//! Every [`LockMode`] is implemented. A key is meant to be used in one family of modes —
+//! exclusive/fair, read/write, or permits; holds of another family simply make the key
+//! busy (as a Redisson `RLock` finds a read-write lock's hash busy).
+//!
+//! - [`LockMode::Exclusive`]: one owner; waiters race for a release (one is woken).
+//! - [`LockMode::Fair`]: one owner; waiters acquire in arrival order. A busy attempt
+//!   puts the owner at the tail of the key's queue; only the head may take a free lock.
+//!   A queued owner must poll again within the
+//!   [waiter timeout](MemoryBackendBuilder::waiter_timeout) (Redisson's
+//!   `threadWaitTime`, [`DEFAULT_WAITER_TIMEOUT`]) or it is evicted, so a waiter that
+//!   vanished without [`cancel_wait`](LockBackend::cancel_wait) cannot block the queue
+//!   for longer than that. To keep live waiters polling, a queued owner's
+//!   [`Acquire::Busy`] ttl is never more than a third of the waiter timeout. A release
+//!   wakes the head waiter only.
+//! - [`LockMode::Read`] / [`LockMode::Write`] on one key: many readers or one writer.
+//!   The writer's owner may also take read holds (downgrade: take read, release write).
+//!   A reader that asks to write waits like any writer — until every read hold,
+//!   including its own, is released; a caller that holds a read lock and waits for the
+//!   write lock of the same key without releasing deadlocks on itself until its wait
+//!   runs out, as in Redisson.
+//!
+//!   Blocked readers and writers queue in arrival order (the same queue and eviction
+//!   as fair locks), and the queue decides who goes next: a writer goes when it is at
+//!   the head and no read hold is left; a reader goes when no writer holds the lock and
+//!   no writer waits ahead of it. So once a writer waits, new readers queue behind it
+//!   (readers that already hold a read lock, and the writer's own owner, re-enter
+//!   without queueing). **Bound**: a waiting writer acquires as soon as the read holds
+//!   present when it arrived are released (or their leases end) and the waiters ahead
+//!   of it have had their turn; a stream of new readers cannot delay it. Readers are
+//!   not starved by writers either: readers queued before the next writer are admitted
+//!   together when a write lock is released.
+//! - [`LockMode::Permits`]: at most `max` distinct owners hold the key at once, each
+//!   with its own lease (a crashed holder's permit returns when its lease ends); an
+//!   owner that already holds a permit re-enters it. `max` is taken from each request;
+//!   callers of one key should agree on it. A release wakes one waiter.
 //!
 //! # Example
 //!
@@ -28,16 +68,29 @@
 //! assert_eq!(backend.len(), 1);
 //! guard.unlock().await?;
 //! assert_eq!(backend.len(), 0);
+//!
+//! // Two readers at once; a writer would wait.
+//! let rw = client.get_read_write_lock("doc")?;
+//! let r1 = rw.read_lock().lock().await?;
+//! let r2 = rw.read_lock().lock().await?;
+//! assert!(rw.write_lock().try_lock().await.unwrap_err().is_busy());
+//! r1.unlock().await?;
+//! r2.unlock().await?;
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! # Errors
+//!
+//! Operations do not fail; [`MemoryBackendBuilder::build`] rejects an out-of-range
+//! waiter timeout with [`Error::InvalidConfig`].
 //!
 //! # Cancel safety
 //!
 //! Every operation completes within its first poll; dropping the returned future before
 //! that changes nothing. Dropping a [`Subscription`] unregisters the waiter at once.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -53,17 +106,102 @@ use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
 
+/// How long a queued waiter (fair, read, write) may go without polling before it loses
+/// its place: 5 s, Redisson's default `threadWaitTime`. Live waiters poll at least every
+/// third of it.
+pub const DEFAULT_WAITER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The shortest waiter timeout accepted: 3 ms, so that waiters poll at least every
+/// millisecond.
+pub const MIN_WAITER_TIMEOUT: Duration = Duration::from_millis(3);
+
 /// An in-process lock store. See the [module docs](self).
 #[derive(Clone, Default)]
 pub struct MemoryBackend {
     shared: Arc<Shared>,
 }
 
-#[derive(Default)]
 struct Shared {
     table: Mutex<Table>,
     fence: AtomicU64,
     watchdog_lease: Option<Duration>,
+    waiter_timeout: Duration,
+}
+
+impl Default for Shared {
+    fn default() -> Self {
+        Shared {
+            table: Mutex::default(),
+            fence: AtomicU64::new(0),
+            watchdog_lease: None,
+            waiter_timeout: DEFAULT_WAITER_TIMEOUT,
+        }
+    }
+}
+
+/// Configures a [`MemoryBackend`].
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_lock::MemoryBackend;
+///
+/// let backend = MemoryBackend::builder()
+///     .waiter_timeout(Duration::from_millis(500))
+///     .watchdog_lease(Duration::from_secs(3))
+///     .build()?;
+/// # let _ = backend;
+/// assert!(MemoryBackend::builder().waiter_timeout(Duration::ZERO).build().is_err());
+/// # Ok::<(), tower_lock::Error>(())
+/// ```
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct MemoryBackendBuilder {
+    watchdog_lease: Option<Duration>,
+    waiter_timeout: Duration,
+}
+
+impl MemoryBackendBuilder {
+    /// The watchdog lease clients of this backend use unless told otherwise. Default:
+    /// none, i.e. [`DEFAULT_WATCHDOG_LEASE`](crate::DEFAULT_WATCHDOG_LEASE).
+    pub fn watchdog_lease(mut self, lease: Duration) -> Self {
+        self.watchdog_lease = Some(lease);
+        self
+    }
+
+    /// How long a queued waiter of a fair or read-write lock may go without polling
+    /// before it is evicted from the queue (Redisson's `threadWaitTime`). Default
+    /// [`DEFAULT_WAITER_TIMEOUT`]; at least [`MIN_WAITER_TIMEOUT`]. Waiters are told to
+    /// poll every third of it, so a shorter timeout skips vanished waiters sooner at
+    /// the cost of more polls from live ones.
+    pub fn waiter_timeout(mut self, timeout: Duration) -> Self {
+        self.waiter_timeout = timeout;
+        self
+    }
+
+    /// Builds the backend.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming `waiter_timeout` when it is shorter than
+    /// [`MIN_WAITER_TIMEOUT`] or longer than [`MAX_LEASE`](crate::MAX_LEASE).
+    pub fn build(self) -> Result<MemoryBackend> {
+        if self.waiter_timeout < MIN_WAITER_TIMEOUT || self.waiter_timeout > crate::MAX_LEASE {
+            return Err(Error::invalid_config(
+                "waiter_timeout",
+                format!(
+                    "must be between 3 ms and 365 days (got {:?})",
+                    self.waiter_timeout
+                ),
+            ));
+        }
+        Ok(MemoryBackend {
+            shared: Arc::new(Shared {
+                watchdog_lease: self.watchdog_lease,
+                waiter_timeout: self.waiter_timeout,
+                ..Shared::default()
+            }),
+        })
+    }
 }
 
 #[derive(Default)]
@@ -74,13 +212,44 @@ struct Table {
 }
 
 struct Entry {
-    holder: Option<Hold>,
+    holds: Holds,
+    queue: Queue,
+    /// Wakes waiters of unqueued modes (exclusive, permits), one per release.
     notify: Arc<Notify>,
+    /// Subscriptions sharing `notify`.
+    shared_subs: usize,
+    /// One wake-up per waiting owner of a queued mode (fair, read, write), so that a
+    /// release wakes exactly the waiters the queue admits.
+    owner_subs: HashMap<Owner, OwnerSub>,
+    /// All subscriptions of the key.
     subscribers: usize,
+}
+
+struct OwnerSub {
+    notify: Arc<Notify>,
+    count: usize,
+}
+
+/// Who holds a key. Each variant is one family of modes.
+#[derive(Default)]
+enum Holds {
+    #[default]
+    Free,
+    /// Exclusive or fair: one owner.
+    Sole(Hold),
+    /// Read-write: at most one writer and any number of readers; readers besides the
+    /// writer's own owner only when there is no writer.
+    Shared {
+        writer: Option<Hold>,
+        readers: HashMap<Owner, Hold>,
+    },
+    /// Permits: at most `max` owners, each with its own lease.
+    Permits(HashMap<Owner, Hold>),
 }
 
 struct Hold {
     owner: Owner,
+    mode: LockMode,
     holds: u32,
     token: FencingToken,
     /// `None`: the lease is too long to represent, i.e. no expiry.
@@ -91,34 +260,441 @@ impl Hold {
     fn live(&self, now: Instant) -> bool {
         self.expires_at.is_none_or(|at| at > now)
     }
+
+    fn ttl(&self, now: Instant) -> Option<Duration> {
+        self.expires_at.map(|at| at.saturating_duration_since(now))
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Family {
+    Sole,
+    Shared,
+    Permits,
+}
+
+fn family(mode: LockMode) -> Family {
+    match mode {
+        LockMode::Exclusive | LockMode::Fair => Family::Sole,
+        LockMode::Read | LockMode::Write => Family::Shared,
+        LockMode::Permits { .. } => Family::Permits,
+    }
+}
+
+/// Modes whose busy waiters queue in the store.
+fn is_queued(mode: LockMode) -> bool {
+    matches!(mode, LockMode::Fair | LockMode::Read | LockMode::Write)
+}
+
+/// The longest of several remaining leases; `None` (no expiry) wins.
+fn longest(ttls: impl IntoIterator<Item = Option<Duration>>) -> Option<Duration> {
+    let mut max = Some(Duration::ZERO);
+    for ttl in ttls {
+        max = match (max, ttl) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            _ => None,
+        };
+    }
+    max
+}
+
+/// The shortest of several remaining leases; `None` (no expiry) loses.
+fn shortest(ttls: impl IntoIterator<Item = Option<Duration>>) -> Option<Duration> {
+    ttls.into_iter().flatten().min()
+}
+
+impl Holds {
+    fn family(&self) -> Option<Family> {
+        match self {
+            Holds::Free => None,
+            Holds::Sole(_) => Some(Family::Sole),
+            Holds::Shared { .. } => Some(Family::Shared),
+            Holds::Permits(_) => Some(Family::Permits),
+        }
+    }
+
+    /// Drops expired holds that are cheap to find: the sole holder and the writer.
+    /// Expired readers and permits are dropped where their count matters.
+    fn prune_cheap(&mut self, now: Instant) {
+        match self {
+            Holds::Free => {}
+            Holds::Sole(hold) => {
+                if !hold.live(now) {
+                    *self = Holds::Free;
+                }
+            }
+            Holds::Shared { writer, readers } => {
+                if writer.as_ref().is_some_and(|w| !w.live(now)) {
+                    *writer = None;
+                }
+                if writer.is_none() && readers.is_empty() {
+                    *self = Holds::Free;
+                }
+            }
+            Holds::Permits(holders) => {
+                if holders.is_empty() {
+                    *self = Holds::Free;
+                }
+            }
+        }
+    }
+
+    /// Drops every expired hold.
+    fn prune(&mut self, now: Instant) {
+        match self {
+            Holds::Shared { readers, .. } => readers.retain(|_, r| r.live(now)),
+            Holds::Permits(holders) => holders.retain(|_, h| h.live(now)),
+            Holds::Free | Holds::Sole(_) => {}
+        }
+        self.prune_cheap(now);
+    }
+
+    fn any_live(&self, now: Instant) -> bool {
+        match self {
+            Holds::Free => false,
+            Holds::Sole(hold) => hold.live(now),
+            Holds::Shared { writer, readers } => {
+                writer.as_ref().is_some_and(|w| w.live(now))
+                    || readers.values().any(|r| r.live(now))
+            }
+            Holds::Permits(holders) => holders.values().any(|h| h.live(now)),
+        }
+    }
+
+    /// The longest remaining lease of all holds (after [`prune`](Holds::prune)).
+    fn longest_ttl(&self, now: Instant) -> Option<Duration> {
+        match self {
+            Holds::Free => Some(Duration::ZERO),
+            Holds::Sole(hold) => hold.ttl(now),
+            Holds::Shared { writer, readers } => {
+                longest(writer.iter().chain(readers.values()).map(|h| h.ttl(now)))
+            }
+            Holds::Permits(holders) => longest(holders.values().map(|h| h.ttl(now))),
+        }
+    }
+
+    /// `owner`'s live hold in exactly `mode`.
+    fn own_mut(&mut self, owner: &Owner, mode: LockMode, now: Instant) -> Option<&mut Hold> {
+        let hold = match (self, mode) {
+            (Holds::Sole(hold), _) if hold.owner == *owner && hold.mode == mode => Some(hold),
+            (Holds::Shared { writer, .. }, LockMode::Write) => {
+                writer.as_mut().filter(|w| w.owner == *owner)
+            }
+            (Holds::Shared { readers, .. }, LockMode::Read) => readers.get_mut(owner),
+            (Holds::Permits(holders), LockMode::Permits { .. }) => holders.get_mut(owner),
+            _ => None,
+        };
+        hold.filter(|h| h.live(now))
+    }
+
+    fn holds_write(&self, owner: &Owner, now: Instant) -> bool {
+        matches!(self, Holds::Shared { writer: Some(w), .. } if w.owner == *owner && w.live(now))
+    }
+
+    /// Whether the holds let `owner` take a new hold in `mode`: `None` if they do, else
+    /// `Some(ttl)`, how long until they might. Own holds in the same mode are
+    /// re-entries, handled before this is asked.
+    fn conflict(
+        &mut self,
+        owner: &Owner,
+        mode: LockMode,
+        now: Instant,
+    ) -> Option<Option<Duration>> {
+        self.prune_cheap(now);
+        match self.family() {
+            None => return None,
+            Some(f) if f != family(mode) => {
+                self.prune(now);
+                return self.family().map(|_| self.longest_ttl(now));
+            }
+            Some(_) => {}
+        }
+        match (&mut *self, mode) {
+            (Holds::Sole(hold), _) => Some(hold.ttl(now)),
+            (Holds::Shared { writer, .. }, LockMode::Read) => match writer {
+                Some(w) if w.owner != *owner => Some(w.ttl(now)),
+                _ => None,
+            },
+            (Holds::Shared { .. }, _) => {
+                // A writer needs every hold gone, its own read holds included.
+                self.prune(now);
+                match self {
+                    Holds::Free => None,
+                    holds => Some(holds.longest_ttl(now)),
+                }
+            }
+            (Holds::Permits(holders), LockMode::Permits { max }) => {
+                let max = max.get() as usize;
+                if holders.len() < max {
+                    return None;
+                }
+                holders.retain(|_, h| h.live(now));
+                if holders.len() < max {
+                    None
+                } else {
+                    Some(shortest(holders.values().map(|h| h.ttl(now))))
+                }
+            }
+            _ => Some(self.longest_ttl(now)),
+        }
+    }
+
+    /// Records a new hold (the caller checked [`conflict`](Holds::conflict)).
+    fn grant(&mut self, hold: Hold) {
+        match (&mut *self, hold.mode) {
+            (Holds::Shared { writer, .. }, LockMode::Write) => *writer = Some(hold),
+            (Holds::Shared { readers, .. }, LockMode::Read) => {
+                readers.insert(hold.owner.clone(), hold);
+            }
+            (Holds::Permits(holders), LockMode::Permits { .. }) => {
+                holders.insert(hold.owner.clone(), hold);
+            }
+            (_, LockMode::Read) => {
+                *self = Holds::Shared {
+                    writer: None,
+                    readers: HashMap::from([(hold.owner.clone(), hold)]),
+                }
+            }
+            (_, LockMode::Write) => {
+                *self = Holds::Shared {
+                    writer: Some(hold),
+                    readers: HashMap::new(),
+                }
+            }
+            (_, LockMode::Permits { .. }) => {
+                *self = Holds::Permits(HashMap::from([(hold.owner.clone(), hold)]))
+            }
+            (_, LockMode::Exclusive | LockMode::Fair) => *self = Holds::Sole(hold),
+        }
+    }
+
+    /// Removes `owner`'s hold in `mode`.
+    fn remove(&mut self, owner: &Owner, mode: LockMode) {
+        match (&mut *self, mode) {
+            (Holds::Sole(_), _) => *self = Holds::Free,
+            (Holds::Shared { writer, .. }, LockMode::Write) => *writer = None,
+            (Holds::Shared { readers, .. }, LockMode::Read)
+            | (Holds::Permits(readers), LockMode::Permits { .. }) => {
+                readers.remove(owner);
+            }
+            _ => {}
+        }
+        match self {
+            Holds::Shared { writer, readers } if writer.is_none() && readers.is_empty() => {
+                *self = Holds::Free
+            }
+            Holds::Permits(holders) if holders.is_empty() => *self = Holds::Free,
+            _ => {}
+        }
+    }
+
+    /// Removes the holds `mode` may force-release (Redisson's `forceUnlock`): any sole
+    /// hold; all readers when no writer holds; the writer and its own reads; all
+    /// permits. Returns how many live holds went away.
+    fn force_remove(&mut self, mode: LockMode, now: Instant) -> usize {
+        self.prune(now);
+        let removed = match (&*self, family(mode), mode) {
+            (Holds::Sole(_), Family::Sole, _) => 1,
+            (
+                Holds::Shared {
+                    writer: None,
+                    readers,
+                },
+                _,
+                LockMode::Read,
+            ) => readers.len(),
+            (
+                Holds::Shared {
+                    writer: Some(_),
+                    readers,
+                },
+                _,
+                LockMode::Write,
+            ) => 1 + readers.len(),
+            (Holds::Permits(holders), Family::Permits, _) => holders.len(),
+            _ => 0,
+        };
+        if removed > 0 {
+            *self = Holds::Free;
+        }
+        removed
+    }
+}
+
+/// Queued waiters of one key, in arrival order.
+#[derive(Default)]
+struct Queue {
+    order: BTreeMap<u64, Waiter>,
+    index: HashMap<(Owner, LockMode), u64>,
+    /// The waiters that exclude everyone behind them (fair, write).
+    exclusive: BTreeSet<u64>,
+    next: u64,
+}
+
+struct Waiter {
+    owner: Owner,
+    mode: LockMode,
+    /// Evicted when it has not polled by then.
+    evict_at: Instant,
+}
+
+impl Queue {
+    fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
+    fn len(&self) -> usize {
+        self.order.len()
+    }
+
+    fn seq_of(&self, owner: &Owner, mode: LockMode) -> Option<u64> {
+        self.index.get(&(owner.clone(), mode)).copied()
+    }
+
+    /// Puts the owner at the tail, or refreshes its place.
+    fn touch(&mut self, owner: &Owner, mode: LockMode, evict_at: Instant) {
+        if let Some(seq) = self.seq_of(owner, mode) {
+            if let Some(waiter) = self.order.get_mut(&seq) {
+                waiter.evict_at = evict_at;
+            }
+            return;
+        }
+        let seq = self.next;
+        self.next += 1;
+        self.order.insert(
+            seq,
+            Waiter {
+                owner: owner.clone(),
+                mode,
+                evict_at,
+            },
+        );
+        self.index.insert((owner.clone(), mode), seq);
+        if mode != LockMode::Read {
+            self.exclusive.insert(seq);
+        }
+    }
+
+    fn remove_seq(&mut self, seq: u64) {
+        if let Some(waiter) = self.order.remove(&seq) {
+            self.index.remove(&(waiter.owner, waiter.mode));
+            self.exclusive.remove(&seq);
+        }
+    }
+
+    fn remove(&mut self, owner: &Owner, mode: LockMode) -> bool {
+        match self.seq_of(owner, mode) {
+            Some(seq) => {
+                self.remove_seq(seq);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Evicts waiters at the head that stopped polling.
+    fn evict_stale_head(&mut self, now: Instant) {
+        while let Some((&seq, waiter)) = self.order.first_key_value() {
+            if waiter.evict_at > now {
+                break;
+            }
+            self.remove_seq(seq);
+        }
+    }
+
+    /// The live waiter that keeps a waiter at `seq` (`None`: a newcomer, behind
+    /// everyone) in `mode` from going, if any. Stale blockers are evicted on the way.
+    fn blocker(&mut self, seq: Option<u64>, mode: LockMode, now: Instant) -> Option<&Waiter> {
+        let ahead = |s: u64| seq.is_none_or(|mine| s < mine);
+        loop {
+            let first = if mode == LockMode::Read {
+                self.exclusive.first().copied()
+            } else {
+                self.order.first_key_value().map(|(&s, _)| s)
+            };
+            let first = first.filter(|&s| ahead(s))?;
+            if self.order.get(&first).is_some_and(|w| w.evict_at > now) {
+                return self.order.get(&first);
+            }
+            self.remove_seq(first);
+        }
+    }
+
+    fn has_live(&self, now: Instant) -> bool {
+        self.order.values().any(|w| w.evict_at > now)
+    }
 }
 
 impl Entry {
     fn new() -> Self {
         Entry {
-            holder: None,
+            holds: Holds::Free,
+            queue: Queue::default(),
             notify: Arc::new(Notify::new()),
+            shared_subs: 0,
+            owner_subs: HashMap::new(),
             subscribers: 0,
         }
     }
 
-    /// Drops an expired holder; returns the live one.
-    fn live_holder(&mut self, now: Instant) -> Option<&mut Hold> {
-        if self.holder.as_ref().is_some_and(|h| !h.live(now)) {
-            self.holder = None;
-        }
-        self.holder.as_mut()
+    fn is_unused(&self, now: Instant) -> bool {
+        self.subscribers == 0 && !self.holds.any_live(now) && !self.queue.has_live(now)
     }
 
-    fn is_unused(&self, now: Instant) -> bool {
-        self.subscribers == 0 && self.holder.as_ref().is_none_or(|h| !h.live(now))
+    /// Wakes the queued waiters that may acquire now: the head if it is a fair waiter
+    /// or a writer and the lock is free; else every reader ahead of the first queued
+    /// writer, if no writer holds the lock.
+    fn wake_queued(&mut self, now: Instant) {
+        self.queue.evict_stale_head(now);
+        let mut woken = Vec::new();
+        for (i, waiter) in self.queue.order.values().enumerate() {
+            let reader = waiter.mode == LockMode::Read;
+            if !reader && i > 0 {
+                break;
+            }
+            if self
+                .holds
+                .conflict(&waiter.owner, waiter.mode, now)
+                .is_some()
+            {
+                break;
+            }
+            woken.push(waiter.owner.clone());
+            if !reader {
+                break;
+            }
+        }
+        for owner in woken {
+            if let Some(sub) = self.owner_subs.get(&owner) {
+                sub.notify.notify_one();
+            }
+        }
+    }
+
+    /// After holds went away: one waiter of the unqueued modes, and whoever the queue
+    /// admits now.
+    fn wake_after_release(&mut self, now: Instant) {
+        if self.shared_subs > 0 {
+            self.notify.notify_one();
+        }
+        if !self.queue.is_empty() {
+            self.wake_queued(now);
+        }
     }
 }
 
 impl MemoryBackend {
-    /// A new, empty store.
+    /// A new, empty store with the default settings.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Configures a store: see [`MemoryBackendBuilder`].
+    pub fn builder() -> MemoryBackendBuilder {
+        MemoryBackendBuilder {
+            watchdog_lease: None,
+            waiter_timeout: DEFAULT_WAITER_TIMEOUT,
+        }
     }
 
     /// A new store whose clients default to `lease` for the watchdog (instead of
@@ -130,6 +706,11 @@ impl MemoryBackend {
                 ..Shared::default()
             }),
         }
+    }
+
+    /// The configured waiter timeout; see [`MemoryBackendBuilder::waiter_timeout`].
+    pub fn waiter_timeout(&self) -> Duration {
+        self.shared.waiter_timeout
     }
 
     /// How many keys have an entry: held, or waited on. Expired, unwatched entries are
@@ -159,6 +740,12 @@ impl MemoryBackend {
         self.table().map.get(key).map_or(0, |e| e.subscribers)
     }
 
+    /// How many owners wait in `key`'s queue (fair, read and write waiters), including
+    /// any that stopped polling and are not evicted yet.
+    pub fn queue_len(&self, key: &LockKey) -> usize {
+        self.table().map.get(key).map_or(0, |e| e.queue.len())
+    }
+
     fn table(&self) -> MutexGuard<'_, Table> {
         // Critical sections never panic, but a poisoned map is still consistent: every
         // change to an entry is completed before anything that could panic.
@@ -168,91 +755,130 @@ impl MemoryBackend {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn check_mode(&self, mode: LockMode) -> Result<()> {
-        match mode {
-            LockMode::Exclusive => Ok(()),
-            mode => Err(Error::Unsupported {
-                backend: "memory",
-                mode,
-            }),
-        }
-    }
-
     fn next_token(&self) -> FencingToken {
         FencingToken::new(self.shared.fence.fetch_add(1, Ordering::Relaxed) + 1)
     }
 
-    fn acquire_now(&self, req: &LockRequest) -> Result<Acquire> {
-        self.check_mode(req.mode)?;
+    /// How often queued waiters must poll: a third of the waiter timeout.
+    fn poll_interval(&self) -> Duration {
+        (self.shared.waiter_timeout / 3).max(Duration::from_millis(1))
+    }
+
+    fn acquire_now(&self, req: &LockRequest) -> Acquire {
         let now = Instant::now();
         let expires_at = now.checked_add(req.lease);
         let mut table = self.table();
         table.maybe_sweep(now);
         let entry = table.map.entry(req.key.clone()).or_insert_with(Entry::new);
-        let outcome = match entry.live_holder(now) {
-            Some(hold) if hold.owner == req.owner => {
-                hold.holds = hold.holds.saturating_add(1);
-                hold.expires_at = expires_at;
-                Acquire::Acquired(Grant::new(hold.holds, hold.token))
+        let queued = is_queued(req.mode);
+
+        if let Some(hold) = entry.holds.own_mut(&req.owner, req.mode, now) {
+            hold.holds = hold.holds.saturating_add(1);
+            hold.expires_at = expires_at;
+            let grant = Grant::new(hold.holds, hold.token);
+            if queued {
+                entry.queue.remove(&req.owner, req.mode);
             }
-            Some(hold) => Acquire::Busy {
-                ttl: hold.expires_at.map(|at| at.saturating_duration_since(now)),
-            },
+            return Acquire::Acquired(grant);
+        }
+
+        let busy = match entry.holds.conflict(&req.owner, req.mode, now) {
+            Some(holder_ttl) => Some(holder_ttl),
+            None if queued => {
+                // The writer's own owner reads without queueing (downgrade); anyone
+                // else waits for the waiters ahead of it that it cannot share with.
+                let bypass = req.mode == LockMode::Read && entry.holds.holds_write(&req.owner, now);
+                let seq = entry.queue.seq_of(&req.owner, req.mode);
+                match entry.queue.blocker(seq, req.mode, now) {
+                    Some(_) if bypass => None,
+                    // Ask again when the blocker would be evicted, if not woken before.
+                    Some(blocker) => Some(Some(blocker.evict_at.saturating_duration_since(now))),
+                    None => None,
+                }
+            }
+            None => None,
+        };
+
+        match busy {
             None => {
                 let token = self.next_token();
-                entry.holder = Some(Hold {
+                entry.holds.grant(Hold {
                     owner: req.owner.clone(),
+                    mode: req.mode,
                     holds: 1,
                     token,
                     expires_at,
                 });
+                if queued {
+                    entry.queue.remove(&req.owner, req.mode);
+                    // A reader admitted may be followed by readers queued behind it.
+                    entry.wake_queued(now);
+                }
                 Acquire::Acquired(Grant::new(1, token))
             }
-        };
-        Ok(outcome)
+            Some(ttl) if queued => {
+                let timeout = self.shared.waiter_timeout;
+                entry.queue.touch(&req.owner, req.mode, now + timeout);
+                // Someone stale may have been evicted above and the lock be free for
+                // the next in line.
+                entry.wake_queued(now);
+                let poll = self.poll_interval();
+                Acquire::Busy {
+                    ttl: Some(ttl.map_or(poll, |ttl| ttl.min(poll))),
+                }
+            }
+            Some(ttl) => Acquire::Busy { ttl },
+        }
     }
 
     fn renew_now(table: &mut Table, req: &LockRequest, now: Instant) -> bool {
         let Some(entry) = table.map.get_mut(&req.key) else {
             return false;
         };
-        match entry.live_holder(now) {
-            Some(hold) if hold.owner == req.owner => {
+        match entry.holds.own_mut(&req.owner, req.mode, now) {
+            Some(hold) => {
                 hold.expires_at = now.checked_add(req.lease);
                 true
             }
-            _ => {
+            None => {
                 table.remove_if_unused(&req.key, now);
                 false
             }
         }
     }
 
-    fn release_now(&self, req: &LockRequest) -> Result<Release> {
-        self.check_mode(req.mode)?;
+    fn release_now(&self, req: &LockRequest) -> Release {
         let now = Instant::now();
         let mut table = self.table();
         let Some(entry) = table.map.get_mut(&req.key) else {
-            return Ok(Release::NotHeld);
+            return Release::NotHeld;
         };
-        let outcome = match entry.live_holder(now) {
-            Some(hold) if hold.owner == req.owner => {
-                if hold.holds > 1 {
-                    hold.holds -= 1;
-                    hold.expires_at = now.checked_add(req.lease);
-                    Release::Decremented { holds: hold.holds }
-                } else {
-                    entry.holder = None;
-                    if entry.subscribers > 0 {
-                        entry.notify.notify_one();
-                    }
-                    Release::Released
-                }
+        let outcome = match entry.holds.own_mut(&req.owner, req.mode, now) {
+            Some(hold) if hold.holds > 1 => {
+                hold.holds -= 1;
+                hold.expires_at = now.checked_add(req.lease);
+                Release::Decremented { holds: hold.holds }
             }
-            _ => Release::NotHeld,
+            Some(_) => {
+                entry.holds.remove(&req.owner, req.mode);
+                entry.wake_after_release(now);
+                Release::Released
+            }
+            None => Release::NotHeld,
         };
         table.remove_if_unused(&req.key, now);
-        Ok(outcome)
+        outcome
+    }
+
+    fn cancel_wait_now(&self, req: &LockRequest) {
+        let now = Instant::now();
+        let mut table = self.table();
+        if let Some(entry) = table.map.get_mut(&req.key)
+            && entry.queue.remove(&req.owner, req.mode)
+        {
+            entry.wake_queued(now);
+        }
+        table.remove_if_unused(&req.key, now);
     }
 }
 
@@ -283,14 +909,11 @@ impl LockBackend for MemoryBackend {
     }
 
     fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
-        Box::pin(async move { self.acquire_now(req) })
+        Box::pin(async move { Ok(self.acquire_now(req)) })
     }
 
     fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>> {
-        Box::pin(async move {
-            self.check_mode(req.mode)?;
-            Ok(Self::renew_now(&mut self.table(), req, Instant::now()))
-        })
+        Box::pin(async move { Ok(Self::renew_now(&mut self.table(), req, Instant::now())) })
     }
 
     fn renew_many<'a>(&'a self, reqs: &'a [LockRequest]) -> BoxFuture<'a, Vec<Result<bool>>> {
@@ -298,16 +921,13 @@ impl LockBackend for MemoryBackend {
             let now = Instant::now();
             let mut table = self.table();
             reqs.iter()
-                .map(|req| {
-                    self.check_mode(req.mode)?;
-                    Ok(Self::renew_now(&mut table, req, now))
-                })
+                .map(|req| Ok(Self::renew_now(&mut table, req, now)))
                 .collect()
         })
     }
 
     fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>> {
-        Box::pin(async move { self.release_now(req) })
+        Box::pin(async move { Ok(self.release_now(req)) })
     }
 
     fn subscribe<'a>(
@@ -315,16 +935,42 @@ impl LockBackend for MemoryBackend {
         req: &'a LockRequest,
     ) -> BoxFuture<'a, Result<Box<dyn Subscription>>> {
         Box::pin(async move {
-            self.check_mode(req.mode)?;
             let mut table = self.table();
             let entry = table.map.entry(req.key.clone()).or_insert_with(Entry::new);
             entry.subscribers += 1;
+            let (owner, notify) = if is_queued(req.mode) {
+                let sub = entry
+                    .owner_subs
+                    .entry(req.owner.clone())
+                    .or_insert_with(|| OwnerSub {
+                        notify: Arc::new(Notify::new()),
+                        count: 0,
+                    });
+                sub.count += 1;
+                (Some(req.owner.clone()), Arc::clone(&sub.notify))
+            } else {
+                entry.shared_subs += 1;
+                (None, Arc::clone(&entry.notify))
+            };
             let sub: Box<dyn Subscription> = Box::new(MemorySubscription {
                 backend: self.clone(),
                 key: req.key.clone(),
-                notify: Arc::clone(&entry.notify),
+                mode: req.mode,
+                owner,
+                notify,
             });
             Ok(sub)
+        })
+    }
+
+    fn queues_waiters(&self, mode: LockMode) -> bool {
+        is_queued(mode)
+    }
+
+    fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            self.cancel_wait_now(req);
+            Ok(())
         })
     }
 
@@ -334,19 +980,21 @@ impl LockBackend for MemoryBackend {
         mode: LockMode,
     ) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
-            self.check_mode(mode)?;
             let now = Instant::now();
             let mut table = self.table();
             let Some(entry) = table.map.get_mut(key) else {
                 return Ok(false);
             };
-            let held = entry.live_holder(now).is_some();
-            entry.holder = None;
-            if held && entry.subscribers > 0 {
-                entry.notify.notify_one();
+            let removed = entry.holds.force_remove(mode, now);
+            if removed > 1 && entry.shared_subs > 0 {
+                // Several permits came back at once: let every waiter try.
+                entry.notify.notify_waiters();
+            }
+            if removed > 0 {
+                entry.wake_after_release(now);
             }
             table.remove_if_unused(key, now);
-            Ok(held)
+            Ok(removed > 0)
         })
     }
 
@@ -358,6 +1006,9 @@ impl LockBackend for MemoryBackend {
 struct MemorySubscription {
     backend: MemoryBackend,
     key: LockKey,
+    mode: LockMode,
+    /// Set for queued modes, whose waiters are woken one owner at a time.
+    owner: Option<Owner>,
     notify: Arc<Notify>,
 }
 
@@ -372,7 +1023,20 @@ impl Subscription for MemorySubscription {
     }
 
     fn pass_on(&mut self) {
-        self.notify.notify_one();
+        match &self.owner {
+            None => self.notify.notify_one(),
+            Some(owner) => {
+                // The wake-up was for this owner's turn in the queue. It is leaving:
+                // give up the place so the next in line is woken now, not after the
+                // waiter timeout.
+                let now = Instant::now();
+                let mut table = self.backend.table();
+                if let Some(entry) = table.map.get_mut(&self.key) {
+                    entry.queue.remove(owner, self.mode);
+                    entry.wake_queued(now);
+                }
+            }
+        }
     }
 }
 
@@ -382,6 +1046,17 @@ impl Drop for MemorySubscription {
         let mut table = self.backend.table();
         if let Some(entry) = table.map.get_mut(&self.key) {
             entry.subscribers = entry.subscribers.saturating_sub(1);
+            match &self.owner {
+                None => entry.shared_subs = entry.shared_subs.saturating_sub(1),
+                Some(owner) => {
+                    if let Some(sub) = entry.owner_subs.get_mut(owner) {
+                        sub.count -= 1;
+                        if sub.count == 0 {
+                            entry.owner_subs.remove(owner);
+                        }
+                    }
+                }
+            }
         }
         table.remove_if_unused(&self.key, now);
     }
@@ -391,129 +1066,10 @@ impl std::fmt::Debug for MemoryBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MemoryBackend")
             .field("keys", &self.table().map.len())
+            .field("waiter_timeout", &self.shared.waiter_timeout)
             .finish()
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn req(key: &str, owner: &str, lease_ms: u64) -> LockRequest {
-        LockRequest::new(
-            LockKey::new(key).unwrap(),
-            Owner::from_raw(owner).unwrap(),
-            LockMode::Exclusive,
-            Duration::from_millis(lease_ms),
-        )
-    }
-
-    fn grant(a: Acquire) -> Grant {
-        match a {
-            Acquire::Acquired(g) => g,
-            busy => panic!("expected a grant, got {busy:?}"),
-        }
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn leases_expire_in_tokio_time() {
-        let b = MemoryBackend::new();
-        let a = req("k", "a:1", 1000);
-        let other = req("k", "b:1", 1000);
-        grant(b.acquire(&a).await.unwrap());
-        tokio::time::advance(Duration::from_millis(400)).await;
-        assert_eq!(
-            b.acquire(&other).await.unwrap(),
-            Acquire::Busy {
-                ttl: Some(Duration::from_millis(600))
-            }
-        );
-        tokio::time::advance(Duration::from_millis(600)).await;
-        assert!(
-            !b.renew(&a).await.unwrap(),
-            "expired holds cannot be renewed"
-        );
-        assert_eq!(b.len(), 0, "an expired, unwatched entry is swept");
-        grant(b.acquire(&other).await.unwrap());
-    }
-
-    #[tokio::test]
-    async fn reentrant_holds_keep_their_token() {
-        let b = MemoryBackend::new();
-        let a = req("k", "a:1", 10_000);
-        let first = grant(b.acquire(&a).await.unwrap());
-        let second = grant(b.acquire(&a).await.unwrap());
-        assert_eq!((first.holds(), second.holds()), (1, 2));
-        assert_eq!(first.token(), second.token());
-        assert_eq!(
-            b.release(&a).await.unwrap(),
-            Release::Decremented { holds: 1 }
-        );
-        assert_eq!(b.release(&a).await.unwrap(), Release::Released);
-        assert_eq!(b.release(&a).await.unwrap(), Release::NotHeld);
-        let third = grant(b.acquire(&a).await.unwrap());
-        assert!(third.token() > first.token());
-    }
-
-    #[tokio::test]
-    async fn unsupported_modes_are_typed_errors() {
-        let b = MemoryBackend::new();
-        let mut r = req("k", "a:1", 1000);
-        r.mode = LockMode::Write;
-        assert!(matches!(
-            b.acquire(&r).await,
-            Err(Error::Unsupported {
-                backend: "memory",
-                mode: LockMode::Write
-            })
-        ));
-    }
-
-    #[tokio::test]
-    async fn huge_lease_means_no_expiry() {
-        let b = MemoryBackend::new();
-        let mut a = req("k", "a:1", 0);
-        a.lease = Duration::MAX;
-        grant(b.acquire(&a).await.unwrap());
-        assert_eq!(
-            b.acquire(&req("k", "b:1", 10)).await.unwrap(),
-            Acquire::Busy { ttl: None }
-        );
-    }
-
-    #[tokio::test]
-    async fn release_wakes_one_waiter_and_entries_go_away() {
-        let b = MemoryBackend::new();
-        let a = req("k", "a:1", 10_000);
-        grant(b.acquire(&a).await.unwrap());
-        let mut s1 = b.subscribe(&req("k", "w:1", 10)).await.unwrap();
-        let mut s2 = b.subscribe(&req("k", "w:2", 10)).await.unwrap();
-        assert_eq!(b.waiters(&a.key), 2);
-        b.release(&a).await.unwrap();
-        let soon = Instant::now() + Duration::from_millis(50);
-        // The release left one stored wake-up: exactly one of the two waiters gets it.
-        let w1 = s1.wait(soon).await;
-        let w2 = s2.wait(soon).await;
-        assert_eq!((w1, w2), (Wake::Notified, Wake::Deadline));
-        drop((s1, s2));
-        assert_eq!(b.len(), 0);
-    }
-
-    #[tokio::test]
-    async fn sweep_bounds_the_map() {
-        let b = MemoryBackend::new();
-        for i in 0..5000 {
-            // 1 ms leases that nobody releases.
-            grant(b.acquire(&req(&format!("k{i}"), "a:1", 1)).await.unwrap());
-            if i % 1000 == 0 {
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-        assert!(
-            b.table().map.len() < 5000,
-            "acquire sweeps as the map grows"
-        );
-        assert_eq!(b.len(), 0);
-    }
-}
+mod tests;

@@ -213,6 +213,13 @@ pub enum Acquire {
     Busy {
         /// How long the holder's lease still runs; `None` when it has no expiry or the
         /// backend cannot tell. Waiters sleep at most this long before trying again.
+        ///
+        /// A backend may answer less than the holder's lease when it needs the caller
+        /// to come back sooner: a queueing backend evicts waiters that stop polling, so
+        /// it caps the ttl of a queued owner below its eviction time; a quorum backend
+        /// answers a jittered back-off after a split vote. So callers treat it as "try
+        /// again after at most this long", and a caller that gives up reports it as the
+        /// holder's remaining lease only approximately.
         ttl: Option<Duration>,
     },
 }
@@ -324,9 +331,12 @@ pub trait LockBackend: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Box<dyn Subscription>>>;
 
     /// Whether [`acquire`](LockBackend::acquire) records a busy owner in the store as a
-    /// waiter (a fair queue) in `mode`, so that callers must call
-    /// [`cancel_wait`](LockBackend::cancel_wait) when they give up. The default is
-    /// `false`.
+    /// waiter (a fair or read-write queue) in `mode`, so that callers must call
+    /// [`cancel_wait`](LockBackend::cancel_wait) when they give up — also when they give
+    /// up after a single busy attempt, as `try_lock` does. Such a backend should evict
+    /// waiters that stop polling (a caller that vanished without `cancel_wait`) and
+    /// keep the [`Acquire::Busy`] ttl of a queued owner below that eviction time. The
+    /// default is `false`.
     fn queues_waiters(&self, mode: LockMode) -> bool {
         let _ = mode;
         false
@@ -334,7 +344,7 @@ pub trait LockBackend: Send + Sync + 'static {
 
     /// The caller stopped waiting for `req` (deadline passed, or it was cancelled).
     /// Backends that keep waiters in the store (a fair queue) remove the owner's place
-    /// here; the default does nothing. Only called when
+    /// here, and wake whoever that lets go next; the default does nothing. Only called when
     /// [`queues_waiters`](LockBackend::queues_waiters) says so.
     fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
         let _ = req;

@@ -10,12 +10,17 @@
 //! | read-write lock | [`LockClient::get_read_write_lock`](crate::LockClient::get_read_write_lock) | many readers or one writer |
 //! | permits | [`LockClient::get_permits`](crate::LockClient::get_permits) | at most N holders at once (a leased semaphore) |
 //! | MultiLock | [`MultiLock`] | several locks, all or none |
+//! | RedLock | a [`LockClient`](crate::LockClient) over a [`RedLock`] backend | a lock that survives losing a minority of independent stores |
 //!
 //! Backends implement the modes; one that does not answers
-//! [`Error::Unsupported`](crate::Error::Unsupported).
+//! [`Error::Unsupported`](crate::Error::Unsupported). The modes' exact semantics — queue
+//! order, the read-write starvation policy, permits' leases — are described with the
+//! [memory backend](crate::backend::memory); every backend implements the same rules.
 
 mod multi;
+pub mod redlock;
 mod rwlock;
 
 pub use multi::{MultiGuard, MultiLock};
+pub use redlock::{Quorum, RedLock, RedLockBuilder};
 pub use rwlock::ReadWriteLock;

@@ -10,6 +10,18 @@ use crate::lock::{Lock, LockClient};
 ///
 /// Get it with [`LockClient::get_read_write_lock`].
 ///
+/// - Readers share the key; a writer excludes readers and other writers.
+/// - The writer's owner may take the read lock too, and keep it after releasing the
+///   write lock (downgrade).
+/// - A reader that asks for the write lock waits like any writer, until every read
+///   hold — its own included — is gone: holding the read lock while waiting for the
+///   write lock of the same key deadlocks on itself until the wait runs out (as in
+///   Redisson). Release the read lock first.
+/// - No starvation: blocked readers and writers queue in arrival order. Once a writer
+///   waits, new readers queue behind it, so it gets in as soon as the readers it found
+///   are done; the readers queued behind it are admitted together when it releases.
+///   The [memory backend](crate::backend::memory) docs give the exact rules.
+///
 /// # Example
 ///
 /// ```no_run

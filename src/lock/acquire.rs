@@ -175,17 +175,23 @@ async fn run(
         (Acquire::Acquired(grant), sent_at) => return Ok((grant, sent_at)),
         (Acquire::Busy { ttl }, _) => ttl,
     };
-    if expired(Instant::now()) {
-        return Err(Error::Busy { holder_ttl: ttl });
-    }
-
     let backend = client.backend();
-    let mut waiting = Waiting {
-        sub: backend.subscribe(req).await?,
-        woken: false,
+    // From the first busy answer on, a queueing backend keeps this owner in line; every
+    // way out below (giving up at once, a failed subscribe, cancellation) leaves it.
+    let mut in_line = InLine {
         queued: backend.queues_waiters(req.mode),
         client,
         req,
+    };
+    if expired(Instant::now()) {
+        in_line.give_up().await;
+        return Err(Error::Busy { holder_ttl: ttl });
+    }
+
+    let mut waiting = Waiting {
+        sub: backend.subscribe(req).await?,
+        woken: false,
+        in_line,
     };
     // Transient backend failures while waiting: when the current run of them began, and
     // the next backoff.
@@ -220,14 +226,14 @@ async fn run(
         waiting.woken = false;
         let ttl = match outcome {
             (Acquire::Acquired(grant), sent_at) => {
-                waiting.queued = false;
+                waiting.in_line.queued = false;
                 return Ok((grant, sent_at));
             }
             (Acquire::Busy { ttl }, _) => ttl,
         };
         let now = Instant::now();
         if expired(now) {
-            waiting.give_up().await;
+            waiting.in_line.give_up().await;
             return Err(Error::Busy { holder_ttl: ttl });
         }
         tracing::trace!(
@@ -284,19 +290,17 @@ async fn attempt(
     Ok((outcome?, sent_at))
 }
 
-/// A waiter between attempts. Dropped without success (cancelled, failed), it hands an
-/// unused wake-up on to another waiter and leaves the store's wait queue, if any.
-struct Waiting<'a> {
-    sub: Box<dyn Subscription>,
-    /// Woken by a release whose follow-up attempt has not completed yet.
-    woken: bool,
-    /// The backend keeps this waiter in the store (a fair queue) until told otherwise.
+/// A waiter's place in the store's wait queue (a fair or read-write queue), when the
+/// backend keeps one. Dropped while still queued (cancelled, failed), it leaves the queue
+/// in a spawned task; the store evicts it anyway if that fails.
+struct InLine<'a> {
+    /// The backend keeps this waiter in the store until told otherwise.
     queued: bool,
     client: &'a LockClient,
     req: &'a LockRequest,
 }
 
-impl Waiting<'_> {
+impl InLine<'_> {
     async fn give_up(&mut self) {
         if std::mem::take(&mut self.queued)
             && let Err(error) = self.client.backend().cancel_wait(self.req).await
@@ -306,17 +310,32 @@ impl Waiting<'_> {
     }
 }
 
-impl Drop for Waiting<'_> {
+impl Drop for InLine<'_> {
     fn drop(&mut self) {
-        if self.woken {
-            self.sub.pass_on();
-        }
         if self.queued {
             let backend = self.client.backend().clone();
             let req = self.req.clone();
             tokio::spawn(async move {
                 let _ = backend.cancel_wait(&req).await;
             });
+        }
+    }
+}
+
+/// A subscribed waiter between attempts. Dropped without success (cancelled, failed), it
+/// hands an unused wake-up on to another waiter, then unsubscribes, then leaves the
+/// queue (fields drop in order).
+struct Waiting<'a> {
+    sub: Box<dyn Subscription>,
+    /// Woken by a release whose follow-up attempt has not completed yet.
+    woken: bool,
+    in_line: InLine<'a>,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if self.woken {
+            self.sub.pass_on();
         }
     }
 }

@@ -200,7 +200,12 @@ impl LockClient {
     }
 
     /// The fair lock named `key` (Redisson `getFairLock`): like [`get_lock`](Self::get_lock),
-    /// but waiters acquire in the order they arrived.
+    /// but waiters acquire in the order they arrived, and a newcomer never takes the
+    /// lock while others wait. A waiter that vanishes without leaving the queue is
+    /// skipped after the backend's waiter timeout (Redisson's `threadWaitTime`); live
+    /// waiters keep their place by polling well within it, so a fair waiter that gives
+    /// up reports [`Error::Busy`] with a `holder_ttl` no longer than that polling
+    /// interval.
     ///
     /// # Errors
     ///

@@ -1,0 +1,466 @@
+use std::num::NonZeroU32;
+
+use super::*;
+
+fn req_in(mode: LockMode, key: &str, owner: &str, lease_ms: u64) -> LockRequest {
+    LockRequest::new(
+        LockKey::new(key).unwrap(),
+        Owner::from_raw(owner).unwrap(),
+        mode,
+        Duration::from_millis(lease_ms),
+    )
+}
+
+fn req(key: &str, owner: &str, lease_ms: u64) -> LockRequest {
+    req_in(LockMode::Exclusive, key, owner, lease_ms)
+}
+
+fn permits(max: u32) -> LockMode {
+    LockMode::Permits {
+        max: NonZeroU32::new(max).unwrap(),
+    }
+}
+
+fn grant(a: Acquire) -> Grant {
+    match a {
+        Acquire::Acquired(g) => g,
+        busy => panic!("expected a grant, got {busy:?}"),
+    }
+}
+
+fn busy_ttl(a: Acquire) -> Option<Duration> {
+    match a {
+        Acquire::Busy { ttl } => ttl,
+        granted => panic!("expected busy, got {granted:?}"),
+    }
+}
+
+/// Whether `sub` has a stored or immediate wake-up.
+async fn woken(sub: &mut Box<dyn Subscription>) -> bool {
+    sub.wait(Instant::now() + Duration::from_millis(20)).await == Wake::Notified
+}
+
+#[tokio::test(start_paused = true)]
+async fn leases_expire_in_tokio_time() {
+    let b = MemoryBackend::new();
+    let a = req("k", "a:1", 1000);
+    let other = req("k", "b:1", 1000);
+    grant(b.acquire(&a).await.unwrap());
+    tokio::time::advance(Duration::from_millis(400)).await;
+    assert_eq!(
+        b.acquire(&other).await.unwrap(),
+        Acquire::Busy {
+            ttl: Some(Duration::from_millis(600))
+        }
+    );
+    tokio::time::advance(Duration::from_millis(600)).await;
+    assert!(
+        !b.renew(&a).await.unwrap(),
+        "expired holds cannot be renewed"
+    );
+    assert_eq!(b.len(), 0, "an expired, unwatched entry is swept");
+    grant(b.acquire(&other).await.unwrap());
+}
+
+#[tokio::test]
+async fn reentrant_holds_keep_their_token() {
+    let b = MemoryBackend::new();
+    let a = req("k", "a:1", 10_000);
+    let first = grant(b.acquire(&a).await.unwrap());
+    let second = grant(b.acquire(&a).await.unwrap());
+    assert_eq!((first.holds(), second.holds()), (1, 2));
+    assert_eq!(first.token(), second.token());
+    assert_eq!(
+        b.release(&a).await.unwrap(),
+        Release::Decremented { holds: 1 }
+    );
+    assert_eq!(b.release(&a).await.unwrap(), Release::Released);
+    assert_eq!(b.release(&a).await.unwrap(), Release::NotHeld);
+    let third = grant(b.acquire(&a).await.unwrap());
+    assert!(third.token() > first.token());
+}
+
+#[tokio::test]
+async fn every_mode_is_supported_and_families_exclude_each_other() {
+    let b = MemoryBackend::new();
+    for mode in [
+        LockMode::Exclusive,
+        LockMode::Fair,
+        LockMode::Read,
+        LockMode::Write,
+        permits(2),
+    ] {
+        let r = req_in(mode, "k", "a:1", 1000);
+        grant(b.acquire(&r).await.unwrap());
+        // Another family on the same key is busy, with the holder's lease.
+        let other_family = if matches!(mode, LockMode::Exclusive | LockMode::Fair) {
+            LockMode::Read
+        } else {
+            LockMode::Exclusive
+        };
+        let ttl = busy_ttl(
+            b.acquire(&req_in(other_family, "k", "b:1", 1000))
+                .await
+                .unwrap(),
+        );
+        assert!(
+            ttl.is_some_and(|t| t <= Duration::from_millis(1000)),
+            "{mode}: {ttl:?}"
+        );
+        b.cancel_wait(&req_in(other_family, "k", "b:1", 1000))
+            .await
+            .unwrap();
+        assert_eq!(b.release(&r).await.unwrap(), Release::Released, "{mode}");
+        assert!(b.is_empty(), "{mode} left an entry");
+    }
+}
+
+#[tokio::test]
+async fn huge_lease_means_no_expiry() {
+    let b = MemoryBackend::new();
+    let mut a = req("k", "a:1", 0);
+    a.lease = Duration::MAX;
+    grant(b.acquire(&a).await.unwrap());
+    assert_eq!(
+        b.acquire(&req("k", "b:1", 10)).await.unwrap(),
+        Acquire::Busy { ttl: None }
+    );
+}
+
+#[tokio::test]
+async fn release_wakes_one_waiter_and_entries_go_away() {
+    let b = MemoryBackend::new();
+    let a = req("k", "a:1", 10_000);
+    grant(b.acquire(&a).await.unwrap());
+    let mut s1 = b.subscribe(&req("k", "w:1", 10)).await.unwrap();
+    let mut s2 = b.subscribe(&req("k", "w:2", 10)).await.unwrap();
+    assert_eq!(b.waiters(&a.key), 2);
+    b.release(&a).await.unwrap();
+    let soon = Instant::now() + Duration::from_millis(50);
+    // The release left one stored wake-up: exactly one of the two waiters gets it.
+    let w1 = s1.wait(soon).await;
+    let w2 = s2.wait(soon).await;
+    assert_eq!((w1, w2), (Wake::Notified, Wake::Deadline));
+    drop((s1, s2));
+    assert_eq!(b.len(), 0);
+}
+
+#[tokio::test]
+async fn sweep_bounds_the_map() {
+    let b = MemoryBackend::new();
+    for i in 0..5000 {
+        // 1 ms leases that nobody releases.
+        grant(b.acquire(&req(&format!("k{i}"), "a:1", 1)).await.unwrap());
+        if i % 1000 == 0 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    assert!(
+        b.table().map.len() < 5000,
+        "acquire sweeps as the map grows"
+    );
+    assert_eq!(b.len(), 0);
+}
+
+#[test]
+fn builder_validates_the_waiter_timeout() {
+    for bad in [Duration::ZERO, Duration::from_millis(2), Duration::MAX] {
+        match MemoryBackend::builder().waiter_timeout(bad).build() {
+            Err(Error::InvalidConfig {
+                name: "waiter_timeout",
+                ..
+            }) => {}
+            other => panic!("{bad:?}: {other:?}"),
+        }
+    }
+    let b = MemoryBackend::builder()
+        .waiter_timeout(Duration::from_millis(300))
+        .watchdog_lease(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    assert_eq!(b.waiter_timeout(), Duration::from_millis(300));
+    assert_eq!(b.watchdog_lease(), Some(Duration::from_secs(1)));
+}
+
+// ---- fair ----
+
+#[tokio::test(start_paused = true)]
+async fn fair_waiters_queue_and_only_the_head_takes_a_free_lock() {
+    let b = MemoryBackend::new();
+    let fair = |owner: &str| req_in(LockMode::Fair, "f", owner, 10_000);
+    let (holder, w1, w2) = (fair("h:1"), fair("w:1"), fair("w:2"));
+    grant(b.acquire(&holder).await.unwrap());
+    let ttl = busy_ttl(b.acquire(&w1).await.unwrap()).unwrap();
+    busy_ttl(b.acquire(&w2).await.unwrap());
+    assert_eq!(b.queue_len(&holder.key), 2);
+    // Queued waiters are told to poll well within the waiter timeout.
+    assert!(ttl <= DEFAULT_WAITER_TIMEOUT / 3, "{ttl:?}");
+
+    let mut sub1 = b.subscribe(&w1).await.unwrap();
+    let mut sub2 = b.subscribe(&w2).await.unwrap();
+    assert_eq!(b.release(&holder).await.unwrap(), Release::Released);
+    // Only the head is woken, and the lock is free but not for w2.
+    assert!(woken(&mut sub1).await);
+    assert!(!woken(&mut sub2).await);
+    busy_ttl(b.acquire(&w2).await.unwrap());
+    // A newcomer does not jump the queue either.
+    busy_ttl(b.acquire(&fair("late:1")).await.unwrap());
+    b.cancel_wait(&fair("late:1")).await.unwrap();
+
+    grant(b.acquire(&w1).await.unwrap());
+    assert_eq!(b.queue_len(&holder.key), 1);
+    assert_eq!(b.release(&w1).await.unwrap(), Release::Released);
+    assert!(woken(&mut sub2).await);
+    grant(b.acquire(&w2).await.unwrap());
+    b.release(&w2).await.unwrap();
+    drop((sub1, sub2));
+    assert!(b.is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn fair_cancel_wait_hands_the_turn_on() {
+    let b = MemoryBackend::new();
+    let fair = |owner: &str| req_in(LockMode::Fair, "f", owner, 10_000);
+    let (holder, w1, w2) = (fair("h:1"), fair("w:1"), fair("w:2"));
+    grant(b.acquire(&holder).await.unwrap());
+    busy_ttl(b.acquire(&w1).await.unwrap());
+    busy_ttl(b.acquire(&w2).await.unwrap());
+    let mut sub2 = b.subscribe(&w2).await.unwrap();
+    b.release(&holder).await.unwrap();
+    // The head gives up: the next in line is woken and may go.
+    b.cancel_wait(&w1).await.unwrap();
+    assert!(woken(&mut sub2).await);
+    grant(b.acquire(&w2).await.unwrap());
+    b.release(&w2).await.unwrap();
+    drop(sub2);
+    assert!(b.is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn fair_waiter_that_stops_polling_is_evicted() {
+    let b = MemoryBackend::builder()
+        .waiter_timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let fair = |owner: &str| req_in(LockMode::Fair, "f", owner, 10_000);
+    let (holder, gone, next) = (fair("h:1"), fair("gone:1"), fair("next:1"));
+    grant(b.acquire(&holder).await.unwrap());
+    busy_ttl(b.acquire(&gone).await.unwrap());
+    let ttl = busy_ttl(b.acquire(&next).await.unwrap()).unwrap();
+    assert_eq!(
+        ttl,
+        Duration::from_millis(100),
+        "a third of the waiter timeout"
+    );
+    b.release(&holder).await.unwrap();
+
+    // Until `gone` would have had to poll, the queue waits for it...
+    tokio::time::advance(Duration::from_millis(200)).await;
+    let ttl = busy_ttl(b.acquire(&next).await.unwrap()).unwrap();
+    assert_eq!(
+        ttl,
+        Duration::from_millis(100),
+        "told to come back at the eviction"
+    );
+    // ...then skips it.
+    tokio::time::advance(Duration::from_millis(100)).await;
+    grant(b.acquire(&next).await.unwrap());
+    assert_eq!(b.queue_len(&holder.key), 0);
+    b.release(&next).await.unwrap();
+    assert!(b.is_empty(), "an evicted waiter leaves nothing");
+}
+
+#[tokio::test(start_paused = true)]
+async fn fair_polling_keeps_the_place() {
+    let b = MemoryBackend::builder()
+        .waiter_timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let fair = |owner: &str| req_in(LockMode::Fair, "f", owner, 10_000);
+    let (holder, first, second) = (fair("h:1"), fair("a:1"), fair("b:1"));
+    grant(b.acquire(&holder).await.unwrap());
+    busy_ttl(b.acquire(&first).await.unwrap());
+    busy_ttl(b.acquire(&second).await.unwrap());
+    for _ in 0..10 {
+        tokio::time::advance(Duration::from_millis(100)).await;
+        busy_ttl(b.acquire(&second).await.unwrap());
+        busy_ttl(b.acquire(&first).await.unwrap());
+    }
+    b.release(&holder).await.unwrap();
+    busy_ttl(b.acquire(&second).await.unwrap());
+    grant(b.acquire(&first).await.unwrap());
+}
+
+#[tokio::test]
+async fn queued_waiter_passing_on_leaves_the_queue() {
+    let b = MemoryBackend::new();
+    let fair = |owner: &str| req_in(LockMode::Fair, "f", owner, 10_000);
+    let (holder, w1, w2) = (fair("h:1"), fair("w:1"), fair("w:2"));
+    grant(b.acquire(&holder).await.unwrap());
+    busy_ttl(b.acquire(&w1).await.unwrap());
+    busy_ttl(b.acquire(&w2).await.unwrap());
+    let mut sub1 = b.subscribe(&w1).await.unwrap();
+    let mut sub2 = b.subscribe(&w2).await.unwrap();
+    b.release(&holder).await.unwrap();
+    assert!(woken(&mut sub1).await);
+    // w1 was woken but is cancelled before it could use the turn.
+    sub1.pass_on();
+    assert!(woken(&mut sub2).await);
+    grant(b.acquire(&w2).await.unwrap());
+}
+
+// ---- read-write ----
+
+#[tokio::test]
+async fn readers_share_and_writers_exclude() {
+    let b = MemoryBackend::new();
+    let read = |owner: &str| req_in(LockMode::Read, "rw", owner, 10_000);
+    let write = |owner: &str| req_in(LockMode::Write, "rw", owner, 10_000);
+    let r1 = grant(b.acquire(&read("r:1")).await.unwrap());
+    let r2 = grant(b.acquire(&read("r:2")).await.unwrap());
+    assert!(r2.token() > r1.token(), "every reader gets its own token");
+    busy_ttl(b.acquire(&write("w:1")).await.unwrap());
+    b.cancel_wait(&write("w:1")).await.unwrap();
+    b.release(&read("r:1")).await.unwrap();
+    b.release(&read("r:2")).await.unwrap();
+    let w = grant(b.acquire(&write("w:1")).await.unwrap());
+    assert!(w.token() > r2.token());
+    busy_ttl(b.acquire(&read("r:3")).await.unwrap());
+    busy_ttl(b.acquire(&write("w:2")).await.unwrap());
+    for r in [read("r:3"), write("w:2")] {
+        b.cancel_wait(&r).await.unwrap();
+    }
+    b.release(&write("w:1")).await.unwrap();
+    assert!(b.is_empty());
+}
+
+#[tokio::test]
+async fn writer_may_read_and_downgrade_but_a_reader_waits_to_write() {
+    let b = MemoryBackend::new();
+    let read = |owner: &str| req_in(LockMode::Read, "rw", owner, 10_000);
+    let write = |owner: &str| req_in(LockMode::Write, "rw", owner, 10_000);
+    let w = grant(b.acquire(&write("a:1")).await.unwrap());
+    // A writer waits in the queue; the holder still reads (no self-deadlock).
+    busy_ttl(b.acquire(&write("w:2")).await.unwrap());
+    let r = grant(b.acquire(&read("a:1")).await.unwrap());
+    assert!(r.token() > w.token());
+    busy_ttl(b.acquire(&read("other:1")).await.unwrap());
+    // Downgrade: release write, keep read.
+    assert_eq!(b.release(&write("a:1")).await.unwrap(), Release::Released);
+    assert!(b.renew(&read("a:1")).await.unwrap());
+    assert!(!b.renew(&write("a:1")).await.unwrap());
+    // a:1 now only reads: it cannot write while its own read hold lives.
+    busy_ttl(b.acquire(&write("a:1")).await.unwrap());
+    for r in [write("a:1"), write("w:2"), read("other:1")] {
+        b.cancel_wait(&r).await.unwrap();
+    }
+    b.release(&read("a:1")).await.unwrap();
+    assert!(b.is_empty());
+}
+
+#[tokio::test]
+async fn new_readers_queue_behind_a_waiting_writer() {
+    let b = MemoryBackend::new();
+    let read = |owner: &str| req_in(LockMode::Read, "rw", owner, 10_000);
+    let write = |owner: &str| req_in(LockMode::Write, "rw", owner, 10_000);
+    grant(b.acquire(&read("r:1")).await.unwrap());
+    busy_ttl(b.acquire(&write("w:1")).await.unwrap());
+    let mut wsub = b.subscribe(&write("w:1")).await.unwrap();
+    // A new reader may not overtake the waiting writer...
+    busy_ttl(b.acquire(&read("r:2")).await.unwrap());
+    let mut rsub = b.subscribe(&read("r:2")).await.unwrap();
+    // ...but the current reader re-enters.
+    assert_eq!(grant(b.acquire(&read("r:1")).await.unwrap()).holds(), 2);
+    b.release(&read("r:1")).await.unwrap();
+    assert!(!woken(&mut wsub).await, "a read hold is left");
+    assert_eq!(b.release(&read("r:1")).await.unwrap(), Release::Released);
+    // The last read unlock wakes the writer, not the reader queued behind it.
+    assert!(woken(&mut wsub).await);
+    assert!(!woken(&mut rsub).await);
+    grant(b.acquire(&write("w:1")).await.unwrap());
+    busy_ttl(b.acquire(&read("r:2")).await.unwrap());
+    // The write unlock admits the readers queued behind it.
+    b.release(&write("w:1")).await.unwrap();
+    assert!(woken(&mut rsub).await);
+    grant(b.acquire(&read("r:2")).await.unwrap());
+    b.release(&read("r:2")).await.unwrap();
+    drop((wsub, rsub));
+    assert!(b.is_empty());
+}
+
+#[tokio::test]
+async fn write_unlock_wakes_every_admitted_reader() {
+    let b = MemoryBackend::new();
+    let read = |owner: &str| req_in(LockMode::Read, "rw", owner, 10_000);
+    let write = |owner: &str| req_in(LockMode::Write, "rw", owner, 10_000);
+    grant(b.acquire(&write("w:1")).await.unwrap());
+    let mut subs = Vec::new();
+    for i in 0..3 {
+        let r = read(&format!("r:{i}"));
+        busy_ttl(b.acquire(&r).await.unwrap());
+        subs.push(b.subscribe(&r).await.unwrap());
+    }
+    // A writer queued after the readers goes after them.
+    busy_ttl(b.acquire(&write("w:2")).await.unwrap());
+    let mut w2sub = b.subscribe(&write("w:2")).await.unwrap();
+    b.release(&write("w:1")).await.unwrap();
+    for sub in &mut subs {
+        assert!(woken(sub).await);
+    }
+    assert!(!woken(&mut w2sub).await);
+    for i in 0..3 {
+        grant(b.acquire(&read(&format!("r:{i}"))).await.unwrap());
+    }
+}
+
+#[tokio::test]
+async fn force_release_follows_redisson() {
+    let b = MemoryBackend::new();
+    let read = |owner: &str| req_in(LockMode::Read, "rw", owner, 10_000);
+    let write = |owner: &str| req_in(LockMode::Write, "rw", owner, 10_000);
+    let key = LockKey::new("rw").unwrap();
+    grant(b.acquire(&write("w:1")).await.unwrap());
+    grant(b.acquire(&read("w:1")).await.unwrap());
+    assert!(
+        !b.force_release(&key, LockMode::Read).await.unwrap(),
+        "a writer holds it"
+    );
+    assert!(b.force_release(&key, LockMode::Write).await.unwrap());
+    assert!(b.is_empty(), "the writer's own read went with it");
+    grant(b.acquire(&read("r:1")).await.unwrap());
+    grant(b.acquire(&read("r:2")).await.unwrap());
+    assert!(!b.force_release(&key, LockMode::Write).await.unwrap());
+    assert!(b.force_release(&key, LockMode::Read).await.unwrap());
+    assert_eq!(b.release(&read("r:1")).await.unwrap(), Release::NotHeld);
+    assert!(b.is_empty());
+}
+
+// ---- permits ----
+
+#[tokio::test(start_paused = true)]
+async fn permits_admit_max_owners_each_with_its_lease() {
+    let b = MemoryBackend::new();
+    let p = |owner: &str, lease_ms| req_in(permits(2), "p", owner, lease_ms);
+    let first = grant(b.acquire(&p("a:1", 100)).await.unwrap());
+    grant(b.acquire(&p("b:1", 300)).await.unwrap());
+    assert_eq!(
+        grant(b.acquire(&p("a:1", 100)).await.unwrap()).holds(),
+        2,
+        "re-entry"
+    );
+    // Full: the wait is until the first lease ends.
+    assert_eq!(
+        busy_ttl(b.acquire(&p("c:1", 100)).await.unwrap()),
+        Some(Duration::from_millis(100))
+    );
+    let mut sub = b.subscribe(&p("c:1", 100)).await.unwrap();
+    tokio::time::advance(Duration::from_millis(100)).await;
+    // a:1 never released: its lease ended and its permit came back.
+    let c = grant(b.acquire(&p("c:1", 100)).await.unwrap());
+    assert!(c.token() > first.token());
+    busy_ttl(b.acquire(&p("d:1", 100)).await.unwrap());
+    assert_eq!(b.release(&p("b:1", 100)).await.unwrap(), Release::Released);
+    assert!(woken(&mut sub).await, "a release wakes a waiter");
+    grant(b.acquire(&p("d:1", 100)).await.unwrap());
+}

@@ -1,0 +1,1007 @@
+//! RedLock: one lock over N independent backends, held by a majority of them (or, as
+//! an all-of-N lock, by every one).
+//!
+//! [`RedLock`] is itself a [`LockBackend`], so it goes wherever a backend goes: a
+//! [`LockClient`](crate::LockClient) over it hands out locks of every kind with the whole
+//! API — waiting, watchdog, guards, lost signal, tokens — and the middleware can use it
+//! like any other store. The nodes are independent stores (separate Redis servers, not
+//! replicas of one another), each holding an ordinary lock under the same key and owner.
+//!
+//! # The algorithm
+//!
+//! - **Acquire**: ask every node at once, each bounded by the
+//!   [node timeout](RedLockBuilder::node_timeout), and measure the time it took. The
+//!   lock is held when at least the quorum (N/2+1, or N for
+//!   [`Quorum::All`]) granted it **and** some validity is left: validity = lease −
+//!   elapsed − drift, with drift = 1% of the lease + 2 ms for clock drift between the
+//!   nodes. The guard counts its lease from the end of the acquisition, for that
+//!   validity only ([`Grant::with_valid_for`]). Otherwise the attempt is undone on
+//!   *every* node — those that failed or timed out too, since they may have taken it
+//!   without answering — and:
+//!   - fewer than a quorum of nodes answered at all → [`Error::NoQuorum`] at once
+//!     (nodes down is not "busy"; the caller does not sleep out its wait);
+//!   - a quorum of nodes is held by someone else → [`Acquire::Busy`] with the time
+//!     until enough of them could be free;
+//!   - a split vote (nobody won), or an acquisition too slow to leave validity →
+//!     `Busy` with a jittered back-off: the attempt's duration plus up to
+//!     [`retry_jitter`](RedLockBuilder::retry_jitter). Release notifications arriving
+//!     during the back-off do not cut it short, so contenders that split do not retry
+//!     in lockstep. The retries happen in the caller's ordinary wait loop, within its
+//!     deadline.
+//!
+//!   Permits need a larger quorum than a majority to keep their bound across nodes; see
+//!   [`RedLock::quorum_for`]. Undoing releases one hold per node for the owner, so a
+//!   failed *re-entry* (the owner already held the lock) may take the outer hold off a
+//!   node where the re-entry never arrived; the outer hold lives on in the other nodes,
+//!   and the watchdog reports it lost if fewer than a quorum are left.
+//! - **Renew** (the watchdog): on every node; renewed when a quorum confirms, lost when
+//!   so many nodes deny holding it that no quorum can confirm, an error (retried on the
+//!   next period until the lease ends) otherwise.
+//! - **Release**: on every node. [`Release::Released`] when a quorum still held it,
+//!   [`Release::NotHeld`] (the guard reports [`Error::Lost`]) when no quorum can have.
+//! - **Waiting**: one subscription per reachable node; the first notification wakes the
+//!   waiter.
+//!
+//! # Fencing tokens
+//!
+//! Every node issues its own tokens. The token of a RedLock grant is the **highest**
+//! token among the nodes that granted it. What you can rely on:
+//!
+//! - it is the token of a real grant by one node of the quorum, and a reentrant hold
+//!   keeps it as on a single store (a node that lost state may make it change);
+//! - while every node keeps its state and every acquisition reaches the same nodes,
+//!   tokens increase across holders as on a single store.
+//!
+//! What you **cannot** rely on: that it increases across holders in general. The nodes'
+//! counters drift apart — a node that was down, slow, or outvoted misses increments, a
+//! split vote increments a minority, and a store restarted empty starts again — so a
+//! later holder granted by other nodes can get a lower token. Do not use RedLock tokens
+//! to fence storage; if you need fencing, take tokens from one store that never loses
+//! them (a database sequence, a single primary's fenced lock).
+//!
+//! # Caveats
+//!
+//! - Redisson deprecated its `RedissonRedLock` (and pointed users to a plain lock on a
+//!   replicated deployment); RedLock is here for compatibility and for the case where a
+//!   lock must survive the loss of a whole Redis server.
+//! - Its safety rests on timing: a holder paused (GC, SIGSTOP, VM migration) past its
+//!   validity, or clocks running at different rates beyond the drift allowance, lets a
+//!   second owner in. The [lost signal](crate::LostSignal) tells a holder after the
+//!   fact; fencing needs a single store.
+//! - A node restarted **empty** forgets the locks it held. With a majority of nodes
+//!   still holding a lock that costs nothing, but if enough nodes restart empty while a
+//!   lock is held, a second owner gets a quorum. Keep restarted nodes out of service for
+//!   longer than the longest lease (Redis' "delayed restarts"), or give them
+//!   persistence.
+//! - An all-of-N lock ([`Quorum::All`]) is unavailable while any node is down.
+//!
+//! # Example
+//!
+//! ```
+//! use std::time::Duration;
+//! use tower_lock::kinds::RedLock;
+//! use tower_lock::{Lease, LockClient, MemoryBackend};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), tower_lock::Error> {
+//! // In production: five RedisBackends on five independent servers.
+//! let nodes: Vec<MemoryBackend> = (0..5).map(|_| MemoryBackend::new()).collect();
+//! let client = LockClient::new(RedLock::new(nodes)?);
+//!
+//! let guard = client
+//!     .get_lock("payout:{7}")?
+//!     .try_lock_for(Duration::from_secs(1), Lease::Watchdog)
+//!     .await?;
+//! assert!(!guard.is_lost());
+//! guard.unlock().await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Errors
+//!
+//! [`RedLock::new`] and [`RedLockBuilder::build`] reject an empty node list and zero
+//! timeouts with [`Error::InvalidConfig`]. Acquiring fails with [`Error::NoQuorum`]
+//! when too few nodes answer, and with [`Error::InvalidConfig`] for a lease no longer
+//! than the drift allowance (it could never leave validity). Renewal and release fail
+//! with [`Error::NoQuorum`] when too few nodes answer to tell.
+//!
+//! # Cancel safety
+//!
+//! An acquisition dropped while the nodes answer leaves what they granted to the
+//! caller's usual compensation ([`Lock`](crate::Lock) releases a fresh owner's
+//! in-flight attempt). The undo of a failed attempt runs in a spawned task, so dropping
+//! the acquisition during it does not leave partial grants behind. Dropping the
+//! subscription drops every node's subscription.
+
+use std::cmp::Ordering as CmpOrdering;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::Poll;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::backend::{
+    Acquire, BoxFuture, Grant, LockBackend, LockMode, LockRequest, Release, Subscription, Wake,
+};
+use crate::error::{Error, Result};
+use crate::key::LockKey;
+use crate::owner::Owner;
+
+/// How long one node may take to answer one call before it counts as failed: 250 ms.
+/// Far below usual leases, so a dead node costs little validity, and far above a
+/// healthy round trip.
+pub const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(250);
+
+/// The most random delay added to a back-off after a split vote: 25 ms.
+pub const DEFAULT_RETRY_JITTER: Duration = Duration::from_millis(25);
+
+/// Clock drift allowed for, as a fraction of the lease: 1% (as in the RedLock
+/// algorithm); [`CLOCK_DRIFT_MIN`] is added to it.
+pub const CLOCK_DRIFT_FACTOR: f64 = 0.01;
+
+/// Clock drift allowed for on top of [`CLOCK_DRIFT_FACTOR`]: 2 ms, for timer
+/// resolution.
+pub const CLOCK_DRIFT_MIN: Duration = Duration::from_millis(2);
+
+/// How many nodes must agree.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Quorum {
+    /// N/2+1 nodes: RedLock; survives the loss of a minority of nodes.
+    Majority,
+    /// All N nodes: Redisson's `MultiLock` over independent nodes; any node down makes
+    /// the lock unavailable.
+    All,
+}
+
+/// One lock held by a quorum of independent backends. See the [module docs](self).
+///
+/// Cheap to clone; clones share the nodes.
+#[derive(Clone)]
+pub struct RedLock {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    nodes: Vec<Arc<dyn LockBackend>>,
+    quorum: usize,
+    name: &'static str,
+    node_timeout: Duration,
+    retry_jitter: Duration,
+    watchdog_lease: Option<Duration>,
+    backoffs: Mutex<Backoffs>,
+    rng: AtomicU64,
+}
+
+/// Owners in back-off after a split vote, until when.
+#[derive(Default)]
+struct Backoffs {
+    until: HashMap<WaitKey, Instant>,
+    swept_len: usize,
+}
+
+type WaitKey = (LockKey, Owner, LockMode);
+
+fn wait_key(req: &LockRequest) -> WaitKey {
+    (req.key.clone(), req.owner.clone(), req.mode)
+}
+
+/// Configures a [`RedLock`].
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_lock::kinds::{Quorum, RedLock};
+/// use tower_lock::MemoryBackend;
+///
+/// let all_of_three = RedLock::builder()
+///     .nodes((0..3).map(|_| MemoryBackend::new()))
+///     .quorum(Quorum::All)
+///     .node_timeout(Duration::from_millis(100))
+///     .build()?;
+/// assert_eq!(all_of_three.quorum(), 3);
+///
+/// let err = RedLock::builder().build().unwrap_err();
+/// assert!(err.to_string().contains("nodes"));
+/// # Ok::<(), tower_lock::Error>(())
+/// ```
+#[must_use]
+pub struct RedLockBuilder {
+    nodes: Vec<Arc<dyn LockBackend>>,
+    quorum: Quorum,
+    node_timeout: Duration,
+    retry_jitter: Duration,
+    watchdog_lease: Option<Duration>,
+}
+
+impl RedLockBuilder {
+    /// Adds one node.
+    pub fn node(mut self, node: impl LockBackend) -> Self {
+        self.nodes.push(Arc::new(node));
+        self
+    }
+
+    /// Adds several nodes.
+    pub fn nodes<B: LockBackend>(mut self, nodes: impl IntoIterator<Item = B>) -> Self {
+        self.nodes.extend(
+            nodes
+                .into_iter()
+                .map(|n| Arc::new(n) as Arc<dyn LockBackend>),
+        );
+        self
+    }
+
+    /// How many nodes must agree. Default [`Quorum::Majority`].
+    pub fn quorum(mut self, quorum: Quorum) -> Self {
+        self.quorum = quorum;
+        self
+    }
+
+    /// How long one node may take to answer one call. Default
+    /// [`DEFAULT_NODE_TIMEOUT`]. Keep it well below the lease: a node that times out
+    /// costs that much validity.
+    pub fn node_timeout(mut self, timeout: Duration) -> Self {
+        self.node_timeout = timeout;
+        self
+    }
+
+    /// The most random delay added to the back-off after a split vote. Default
+    /// [`DEFAULT_RETRY_JITTER`]; zero disables the jitter (the back-off is then the
+    /// attempt's duration).
+    pub fn retry_jitter(mut self, jitter: Duration) -> Self {
+        self.retry_jitter = jitter;
+        self
+    }
+
+    /// The watchdog lease clients of this backend use unless told otherwise. Default:
+    /// none, i.e. [`DEFAULT_WATCHDOG_LEASE`](crate::DEFAULT_WATCHDOG_LEASE).
+    pub fn watchdog_lease(mut self, lease: Duration) -> Self {
+        self.watchdog_lease = Some(lease);
+        self
+    }
+
+    /// Builds the backend.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming `nodes` when there are none, `node_timeout` when
+    /// it is zero.
+    pub fn build(self) -> Result<RedLock> {
+        let total = self.nodes.len();
+        if total == 0 {
+            return Err(Error::invalid_config(
+                "nodes",
+                "must name at least one backend (got none)",
+            ));
+        }
+        if self.node_timeout.is_zero() {
+            return Err(Error::invalid_config(
+                "node_timeout",
+                "must be greater than zero (got 0 ns)",
+            ));
+        }
+        let (quorum, name) = match self.quorum {
+            Quorum::Majority => (total / 2 + 1, "redlock"),
+            Quorum::All => (total, "all-of"),
+        };
+        let seed = uuid::Uuid::new_v4().as_u64_pair().0;
+        Ok(RedLock {
+            inner: Arc::new(Inner {
+                nodes: self.nodes,
+                quorum,
+                name,
+                node_timeout: self.node_timeout,
+                retry_jitter: self.retry_jitter,
+                watchdog_lease: self.watchdog_lease,
+                backoffs: Mutex::default(),
+                rng: AtomicU64::new(seed),
+            }),
+        })
+    }
+}
+
+impl RedLock {
+    /// A RedLock over `nodes` with quorum N/2+1 and default settings.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] when `nodes` is empty.
+    pub fn new<B: LockBackend>(nodes: impl IntoIterator<Item = B>) -> Result<Self> {
+        Self::builder().nodes(nodes).build()
+    }
+
+    /// A lock held on **all** of `nodes` or none (Redisson's `MultiLock` over
+    /// independent nodes), with default settings.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] when `nodes` is empty.
+    pub fn all_of<B: LockBackend>(nodes: impl IntoIterator<Item = B>) -> Result<Self> {
+        Self::builder().nodes(nodes).quorum(Quorum::All).build()
+    }
+
+    /// Configures a RedLock: see [`RedLockBuilder`].
+    pub fn builder() -> RedLockBuilder {
+        RedLockBuilder {
+            nodes: Vec::new(),
+            quorum: Quorum::Majority,
+            node_timeout: DEFAULT_NODE_TIMEOUT,
+            retry_jitter: DEFAULT_RETRY_JITTER,
+            watchdog_lease: None,
+        }
+    }
+
+    /// How many nodes must agree on an exclusive, fair, read or write hold: N/2+1, or N
+    /// for [`Quorum::All`].
+    pub fn quorum(&self) -> usize {
+        self.inner.quorum
+    }
+
+    /// How many nodes must agree on a hold in `mode`.
+    ///
+    /// For exclusive, fair, read and write holds it is [`quorum`](Self::quorum): any
+    /// two majorities share a node, and on that node the two holds conflict. For
+    /// [`LockMode::Permits`] with `max = k` that is not enough — k+1 majorities need not
+    /// share a node (four owners can each win 3 of 5 nodes that admit 3 each) — so the
+    /// quorum grows to ⌊N·k/(k+1)⌋+1: then k+1 holders would need more grants than the
+    /// nodes can give out. With 5 nodes: 3 for one permit, 4 for 2 or 3 permits, 5 for
+    /// more. The price is availability: fewer nodes may be down.
+    pub fn quorum_for(&self, mode: LockMode) -> usize {
+        self.inner.quorum_for(mode)
+    }
+
+    /// The nodes.
+    pub fn nodes(&self) -> &[Arc<dyn LockBackend>] {
+        &self.inner.nodes
+    }
+}
+
+/// The clock drift allowed for over `lease`.
+fn drift(lease: Duration) -> Duration {
+    lease.mul_f64(CLOCK_DRIFT_FACTOR) + CLOCK_DRIFT_MIN
+}
+
+/// One node's answer.
+enum Vote<T> {
+    Answer(T),
+    /// An error or no answer within the node timeout.
+    Failed,
+}
+
+/// Polls all `futures` concurrently; their outputs in order.
+async fn join_all<T>(futures: Vec<BoxFuture<'_, T>>) -> Vec<T> {
+    let mut futures: Vec<Option<BoxFuture<'_, T>>> = futures.into_iter().map(Some).collect();
+    let mut outputs: Vec<Option<T>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (slot, out) in futures.iter_mut().zip(outputs.iter_mut()) {
+            if let Some(fut) = slot {
+                match fut.as_mut().poll(cx) {
+                    Poll::Ready(value) => {
+                        *out = Some(value);
+                        *slot = None;
+                    }
+                    Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    })
+    .await;
+    outputs.into_iter().flatten().collect()
+}
+
+impl Inner {
+    /// Calls `op` on every node at once, each bounded by the node timeout.
+    async fn on_all<'a, T: Send + 'a>(
+        &'a self,
+        what: &'static str,
+        op: impl Fn(&'a dyn LockBackend) -> BoxFuture<'a, Result<T>>,
+    ) -> Vec<Vote<T>> {
+        let timeout = self.node_timeout;
+        let calls = self
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, node)| {
+                let call = op(node.as_ref());
+                let fut: BoxFuture<'a, Vote<T>> = Box::pin(async move {
+                    match tokio::time::timeout(timeout, call).await {
+                        Ok(Ok(answer)) => Vote::Answer(answer),
+                        Ok(Err(error)) => {
+                            tracing::debug!(node = i, %error, "redlock node failed to {what}");
+                            Vote::Failed
+                        }
+                        Err(_) => {
+                            tracing::debug!(
+                                node = i,
+                                ?timeout,
+                                "redlock node did not {what} in time"
+                            );
+                            Vote::Failed
+                        }
+                    }
+                });
+                fut
+            })
+            .collect();
+        join_all(calls).await
+    }
+
+    /// How many nodes must agree on a hold in `mode`. See [`RedLock::quorum_for`].
+    fn quorum_for(&self, mode: LockMode) -> usize {
+        let total = self.nodes.len();
+        match mode {
+            LockMode::Permits { max } => {
+                // k+1 holders would need (k+1)·q grants; more than the N·k the nodes
+                // can give out, so some node would have admitted k+1.
+                let k = max.get() as usize;
+                let bound = total.saturating_mul(k) / k.saturating_add(1) + 1;
+                self.quorum.max(bound).min(total)
+            }
+            _ => self.quorum,
+        }
+    }
+
+    fn no_quorum(&self, acquired: usize, needed: usize) -> Error {
+        Error::NoQuorum {
+            acquired,
+            needed,
+            total: self.nodes.len(),
+        }
+    }
+
+    /// Whether `trues` answers confirm a hold in `mode`, given `falses` denials.
+    fn confirmed(&self, mode: LockMode, trues: usize, falses: usize) -> Result<bool> {
+        let quorum = self.quorum_for(mode);
+        if trues >= quorum {
+            Ok(true)
+        } else if falses > self.nodes.len() - quorum {
+            // Even if every silent node agreed, no quorum could confirm.
+            Ok(false)
+        } else {
+            Err(self.no_quorum(trues, quorum))
+        }
+    }
+
+    fn jitter(&self) -> Duration {
+        let max = u64::try_from(self.retry_jitter.as_nanos()).unwrap_or(u64::MAX);
+        if max == 0 {
+            return Duration::ZERO;
+        }
+        // splitmix64 over a shared counter: cheap, and different per call and process.
+        let mut z = self
+            .rng
+            .fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed)
+            .wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        Duration::from_nanos(z % max.saturating_add(1))
+    }
+
+    fn backoffs(&self) -> MutexGuard<'_, Backoffs> {
+        self.backoffs.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn backoff_until(&self, key: &WaitKey) -> Option<Instant> {
+        self.backoffs().until.get(key).copied()
+    }
+
+    fn set_backoff(&self, key: WaitKey, until: Instant) {
+        let mut backoffs = self.backoffs();
+        backoffs.until.insert(key, until);
+        // Entries of owners that never came back (a `try_lock` that split) are swept
+        // once the map has doubled: amortized O(1), bounded by the live back-offs.
+        if backoffs.until.len() >= 2 * backoffs.swept_len.max(64) {
+            let now = Instant::now();
+            backoffs.until.retain(|_, until| *until > now);
+            backoffs.swept_len = backoffs.until.len();
+        }
+    }
+
+    fn clear_backoff(&self, key: &WaitKey) {
+        let mut backoffs = self.backoffs();
+        if !backoffs.until.is_empty() {
+            backoffs.until.remove(key);
+        }
+    }
+
+    /// Undoes an attempt on every node, in a task of its own so that dropping the
+    /// caller does not leave partial grants behind.
+    async fn undo(self: &Arc<Self>, req: &LockRequest) {
+        let inner = Arc::clone(self);
+        let req = req.clone();
+        let undo = tokio::spawn(async move {
+            inner.on_all("release", |node| node.release(&req)).await;
+        });
+        if let Err(error) = undo.await {
+            tracing::debug!(%error, "undoing a failed redlock attempt was interrupted");
+        }
+    }
+
+    /// After a win, the nodes that did not grant may still keep the owner in their
+    /// wait queue (fair, read-write), where it would block others until evicted: leave
+    /// them. Nodes that answered busy are reachable and are waited for; nodes that
+    /// failed are left in the background, so a stalled node does not delay the grant.
+    async fn leave_queues(self: &Arc<Self>, req: &LockRequest, busy: &[usize], failed: &[usize]) {
+        let queued = |nodes: &[usize]| -> Vec<Arc<dyn LockBackend>> {
+            nodes
+                .iter()
+                .filter_map(|&i| self.nodes.get(i))
+                .filter(|node| node.queues_waiters(req.mode))
+                .cloned()
+                .collect()
+        };
+        let timeout = self.node_timeout;
+        let leave = |nodes: Vec<Arc<dyn LockBackend>>, req: LockRequest| async move {
+            let calls = nodes
+                .iter()
+                .map(|node| {
+                    let fut: BoxFuture<'_, ()> = Box::pin(async {
+                        let _ = tokio::time::timeout(timeout, node.cancel_wait(&req)).await;
+                    });
+                    fut
+                })
+                .collect();
+            join_all(calls).await;
+        };
+        let failed = queued(failed);
+        if !failed.is_empty() {
+            tokio::spawn(leave(failed, req.clone()));
+        }
+        let busy = queued(busy);
+        if !busy.is_empty() {
+            leave(busy, req.clone()).await;
+        }
+    }
+
+    async fn acquire(self: &Arc<Self>, req: &LockRequest) -> Result<Acquire> {
+        let drift = drift(req.lease);
+        if req.lease <= drift {
+            return Err(Error::invalid_config(
+                "lease",
+                format!(
+                    "must be longer than the RedLock clock-drift allowance of {drift:?} (got {:?})",
+                    req.lease
+                ),
+            ));
+        }
+        let key = wait_key(req);
+        if let Some(until) = self.backoff_until(&key) {
+            let now = Instant::now();
+            if until > now {
+                return Ok(Acquire::Busy {
+                    ttl: Some(until - now),
+                });
+            }
+        }
+
+        let started = Instant::now();
+        let votes = self.on_all("acquire", |node| node.acquire(req)).await;
+
+        let mut granted: Vec<Grant> = Vec::new();
+        let mut busy: Vec<Option<Duration>> = Vec::new();
+        let (mut busy_nodes, mut failed_nodes) = (Vec::new(), Vec::new());
+        for (i, vote) in votes.into_iter().enumerate() {
+            match vote {
+                Vote::Answer(Acquire::Acquired(grant)) => granted.push(grant),
+                Vote::Answer(Acquire::Busy { ttl }) => {
+                    busy.push(ttl);
+                    busy_nodes.push(i);
+                }
+                Vote::Failed => failed_nodes.push(i),
+            }
+        }
+        let total = self.nodes.len();
+        let quorum = self.quorum_for(req.mode);
+        let won = granted.len() >= quorum;
+        if won {
+            self.leave_queues(req, &busy_nodes, &failed_nodes).await;
+        }
+        // Validity counts from the start of the attempt to now, when the grant is
+        // handed over.
+        let elapsed = started.elapsed();
+        if won
+            && let Some(valid_for) = req
+                .lease
+                .checked_sub(elapsed + drift)
+                .filter(|v| !v.is_zero())
+        {
+            self.clear_backoff(&key);
+            let holds = granted.iter().map(Grant::holds).max().unwrap_or(1);
+            let token = granted
+                .iter()
+                .map(Grant::token)
+                .max()
+                .unwrap_or(crate::FencingToken::new(0));
+            return Ok(Acquire::Acquired(
+                Grant::new(holds, token).with_valid_for(valid_for),
+            ));
+        }
+
+        self.undo(req).await;
+        if granted.len() + busy.len() < quorum {
+            self.clear_backoff(&key);
+            tracing::debug!(
+                granted = granted.len(),
+                busy = busy.len(),
+                total,
+                "redlock: too few nodes answered"
+            );
+            return Err(self.no_quorum(granted.len(), quorum));
+        }
+        if busy.len() >= quorum {
+            self.clear_backoff(&key);
+            // Held elsewhere: come back when enough busy nodes could be free for a
+            // quorum (if every other node granted).
+            busy.sort_by(|a, b| match (a, b) {
+                (Some(a), Some(b)) => a.cmp(b),
+                (None, None) => CmpOrdering::Equal,
+                (None, Some(_)) => CmpOrdering::Greater,
+                (Some(_), None) => CmpOrdering::Less,
+            });
+            let need = quorum.saturating_sub(total - busy.len()).max(1);
+            let ttl = busy.get(need - 1).copied().flatten();
+            return Ok(Acquire::Busy { ttl });
+        }
+        // A split vote (or too slow to leave validity): back off for a random while so
+        // contenders do not retry in lockstep.
+        let backoff = elapsed + self.jitter();
+        self.set_backoff(key, Instant::now() + backoff);
+        tracing::debug!(
+            granted = granted.len(),
+            busy = busy.len(),
+            ?backoff,
+            "redlock: no winner; backing off"
+        );
+        Ok(Acquire::Busy {
+            ttl: Some(backoff.max(Duration::from_millis(1))),
+        })
+    }
+
+    async fn release(&self, req: &LockRequest) -> Result<Release> {
+        let votes = self.on_all("release", |node| node.release(req)).await;
+        let (mut held, mut not_held, mut released) = (0, 0, 0);
+        let mut left = 0u32;
+        for vote in votes {
+            match vote {
+                Vote::Answer(Release::Released) => {
+                    held += 1;
+                    released += 1;
+                }
+                Vote::Answer(Release::Decremented { holds }) => {
+                    held += 1;
+                    left = left.max(holds);
+                }
+                Vote::Answer(Release::NotHeld) => not_held += 1,
+                Vote::Failed => {}
+            }
+        }
+        match self.confirmed(req.mode, held, not_held)? {
+            // Some node still counts holds (the nodes' counts diverged): report the
+            // lock as still held rather than free.
+            true if released < held => Ok(Release::Decremented { holds: left.max(1) }),
+            true => Ok(Release::Released),
+            false => Ok(Release::NotHeld),
+        }
+    }
+}
+
+impl LockBackend for RedLock {
+    fn name(&self) -> &'static str {
+        self.inner.name
+    }
+
+    fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
+        Box::pin(self.inner.acquire(req))
+    }
+
+    fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let votes = self.inner.on_all("renew", |node| node.renew(req)).await;
+            let trues = votes
+                .iter()
+                .filter(|v| matches!(v, Vote::Answer(true)))
+                .count();
+            let falses = votes
+                .iter()
+                .filter(|v| matches!(v, Vote::Answer(false)))
+                .count();
+            self.inner.confirmed(req.mode, trues, falses)
+        })
+    }
+
+    fn renew_many<'a>(&'a self, reqs: &'a [LockRequest]) -> BoxFuture<'a, Vec<Result<bool>>> {
+        Box::pin(async move {
+            let inner = &self.inner;
+            let timeout = inner.node_timeout;
+            let calls = inner
+                .nodes
+                .iter()
+                .map(|node| {
+                    let fut: BoxFuture<'_, Option<Vec<Result<bool>>>> = Box::pin(async move {
+                        tokio::time::timeout(timeout, node.renew_many(reqs))
+                            .await
+                            .ok()
+                    });
+                    fut
+                })
+                .collect();
+            let per_node = join_all(calls).await;
+            (0..reqs.len())
+                .map(|i| {
+                    let answers = per_node
+                        .iter()
+                        .filter_map(|answers| answers.as_ref()?.get(i)?.as_ref().ok());
+                    let (trues, falses) =
+                        answers.fold(
+                            (0, 0),
+                            |(t, f), held| {
+                                if *held { (t + 1, f) } else { (t, f + 1) }
+                            },
+                        );
+                    inner.confirmed(reqs[i].mode, trues, falses)
+                })
+                .collect()
+        })
+    }
+
+    fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>> {
+        Box::pin(self.inner.release(req))
+    }
+
+    fn subscribe<'a>(
+        &'a self,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, Result<Box<dyn Subscription>>> {
+        Box::pin(async move {
+            let votes = self
+                .inner
+                .on_all("subscribe", |node| node.subscribe(req))
+                .await;
+            let subs: Vec<Box<dyn Subscription>> = votes
+                .into_iter()
+                .filter_map(|vote| match vote {
+                    Vote::Answer(sub) => Some(sub),
+                    Vote::Failed => None,
+                })
+                .collect();
+            let sub: Box<dyn Subscription> = Box::new(QuorumSubscription {
+                subs,
+                fired: Vec::new(),
+                inner: Arc::clone(&self.inner),
+                key: wait_key(req),
+            });
+            Ok(sub)
+        })
+    }
+
+    fn queues_waiters(&self, mode: LockMode) -> bool {
+        self.inner
+            .nodes
+            .iter()
+            .any(|node| node.queues_waiters(mode))
+    }
+
+    fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            self.inner
+                .on_all("leave the queue", |node| node.cancel_wait(req))
+                .await;
+            Ok(())
+        })
+    }
+
+    fn force_release<'a>(
+        &'a self,
+        key: &'a LockKey,
+        mode: LockMode,
+    ) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let votes = self
+                .inner
+                .on_all("force-release", |node| node.force_release(key, mode))
+                .await;
+            let answered = votes
+                .iter()
+                .filter(|v| matches!(v, Vote::Answer(_)))
+                .count();
+            if answered == 0 {
+                return Err(self.inner.no_quorum(0, self.inner.quorum_for(mode)));
+            }
+            Ok(votes.iter().any(|v| matches!(v, Vote::Answer(true))))
+        })
+    }
+
+    fn watchdog_lease(&self) -> Option<Duration> {
+        self.inner.watchdog_lease
+    }
+}
+
+impl std::fmt::Debug for RedLock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedLock")
+            .field(
+                "nodes",
+                &self
+                    .inner
+                    .nodes
+                    .iter()
+                    .map(|n| n.name())
+                    .collect::<Vec<_>>(),
+            )
+            .field("quorum", &self.inner.quorum)
+            .field("node_timeout", &self.inner.node_timeout)
+            .finish()
+    }
+}
+
+/// Every reachable node's subscription; the first notification wins.
+struct QuorumSubscription {
+    subs: Vec<Box<dyn Subscription>>,
+    /// The node subscriptions whose notification ended the last wait.
+    fired: Vec<usize>,
+    inner: Arc<Inner>,
+    key: WaitKey,
+}
+
+impl Subscription for QuorumSubscription {
+    fn wait(&mut self, deadline: Instant) -> BoxFuture<'_, Wake> {
+        Box::pin(async move {
+            self.fired.clear();
+            let wake = if self.subs.is_empty() {
+                // No node can notify: the caller's re-check interval bounds the sleep.
+                tokio::time::sleep_until(deadline).await;
+                Wake::Deadline
+            } else {
+                let mut waits: Vec<Option<BoxFuture<'_, Wake>>> = self
+                    .subs
+                    .iter_mut()
+                    .map(|sub| Some(sub.wait(deadline)))
+                    .collect();
+                let fired = std::future::poll_fn(|cx| {
+                    let mut pending = false;
+                    for (i, slot) in waits.iter_mut().enumerate() {
+                        if let Some(wait) = slot {
+                            match wait.as_mut().poll(cx) {
+                                Poll::Ready(Wake::Notified) => return Poll::Ready(Some(i)),
+                                Poll::Ready(Wake::Deadline) => *slot = None,
+                                Poll::Pending => pending = true,
+                            }
+                        }
+                    }
+                    if pending {
+                        Poll::Pending
+                    } else {
+                        Poll::Ready(None)
+                    }
+                })
+                .await;
+                drop(waits);
+                match fired {
+                    Some(i) => {
+                        self.fired.push(i);
+                        Wake::Notified
+                    }
+                    None => Wake::Deadline,
+                }
+            };
+            if wake == Wake::Notified
+                && let Some(until) = self.inner.backoff_until(&self.key)
+            {
+                // After a split vote, a release (often the other contender undoing its
+                // own attempt) does not cut the back-off short.
+                tokio::time::sleep_until(until.min(deadline)).await;
+            }
+            wake
+        })
+    }
+
+    fn pass_on(&mut self) {
+        for &i in &self.fired {
+            if let Some(sub) = self.subs.get_mut(i) {
+                sub.pass_on();
+            }
+        }
+    }
+}
+
+impl Drop for QuorumSubscription {
+    fn drop(&mut self) {
+        self.inner.clear_backoff(&self.key);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quorum_and_validation() {
+        let nodes = |n| (0..n).map(|_| crate::MemoryBackend::new());
+        assert_eq!(RedLock::new(nodes(1)).unwrap().quorum(), 1);
+        assert_eq!(RedLock::new(nodes(2)).unwrap().quorum(), 2);
+        assert_eq!(RedLock::new(nodes(5)).unwrap().quorum(), 3);
+        assert_eq!(RedLock::new(nodes(6)).unwrap().quorum(), 4);
+        assert_eq!(RedLock::all_of(nodes(5)).unwrap().quorum(), 5);
+        assert!(matches!(
+            RedLock::new(nodes(0)),
+            Err(Error::InvalidConfig { name: "nodes", .. })
+        ));
+        assert!(matches!(
+            RedLock::builder()
+                .nodes(nodes(3))
+                .node_timeout(Duration::ZERO)
+                .build(),
+            Err(Error::InvalidConfig {
+                name: "node_timeout",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn permits_need_a_larger_quorum() {
+        let permits = |max| LockMode::Permits {
+            max: std::num::NonZeroU32::new(max).unwrap(),
+        };
+        let five = RedLock::new((0..5).map(|_| crate::MemoryBackend::new())).unwrap();
+        assert_eq!(five.quorum_for(LockMode::Write), 3);
+        assert_eq!(five.quorum_for(permits(1)), 3);
+        assert_eq!(five.quorum_for(permits(2)), 4);
+        assert_eq!(five.quorum_for(permits(3)), 4);
+        assert_eq!(five.quorum_for(permits(4)), 5);
+        assert_eq!(five.quorum_for(permits(5)), 5);
+        assert_eq!(five.quorum_for(permits(u32::MAX)), 5);
+        // The bound: k+1 holders need more grants than N nodes of k slots give out.
+        for n in 1..=9usize {
+            let lock = RedLock::new((0..n).map(|_| crate::MemoryBackend::new())).unwrap();
+            for k in 1..=12u32 {
+                let q = lock.quorum_for(permits(k));
+                assert!((k as usize + 1) * q > n * k as usize, "n={n} k={k} q={q}");
+                assert!(q <= n);
+            }
+        }
+    }
+
+    #[test]
+    fn drift_is_one_percent_plus_two_ms() {
+        assert_eq!(drift(Duration::from_secs(10)), Duration::from_millis(102));
+        assert_eq!(drift(Duration::from_millis(100)), Duration::from_millis(3));
+    }
+
+    #[test]
+    fn jitter_stays_in_range_and_varies() {
+        let lock = RedLock::builder()
+            .node(crate::MemoryBackend::new())
+            .retry_jitter(Duration::from_millis(10))
+            .build()
+            .unwrap();
+        let samples: Vec<Duration> = (0..200).map(|_| lock.inner.jitter()).collect();
+        assert!(samples.iter().all(|d| *d <= Duration::from_millis(10)));
+        let distinct: std::collections::HashSet<_> = samples.iter().collect();
+        assert!(distinct.len() > 100, "{} distinct of 200", distinct.len());
+    }
+
+    #[tokio::test]
+    async fn lease_within_the_drift_is_rejected() {
+        let lock = RedLock::new([crate::MemoryBackend::new()]).unwrap();
+        let req = LockRequest::new(
+            LockKey::new("k").unwrap(),
+            Owner::from_raw("a:1").unwrap(),
+            LockMode::Exclusive,
+            Duration::from_millis(2),
+        );
+        assert!(matches!(
+            lock.acquire(&req).await,
+            Err(Error::InvalidConfig { name: "lease", .. })
+        ));
+    }
+}
