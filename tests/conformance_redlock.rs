@@ -63,6 +63,10 @@ impl Fixture for Red {
         self.client_with(watchdog_lease)
     }
 
+    fn local_order_is_strict(&self) -> bool {
+        false
+    }
+
     async fn sabotage(&self, key: &LockKey) {
         self.force(key, LockMode::Exclusive).await;
     }

@@ -96,6 +96,10 @@ impl LockBackend for Node {
         self.store().queues_waiters(mode)
     }
 
+    fn has_local_waiters(&self, req: &LockRequest) -> bool {
+        self.store().has_local_waiters(req)
+    }
+
     fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move { self.reach().await?.cancel_wait(req).await })
     }

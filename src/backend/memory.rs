@@ -930,6 +930,15 @@ impl LockBackend for MemoryBackend {
         Box::pin(async move { Ok(self.release_now(req)) })
     }
 
+    fn has_local_waiters(&self, req: &LockRequest) -> bool {
+        !is_queued(req.mode)
+            && self
+                .table()
+                .map
+                .get(&req.key)
+                .is_some_and(|e| e.shared_subs > 0)
+    }
+
     fn subscribe<'a>(
         &'a self,
         req: &'a LockRequest,

@@ -264,9 +264,11 @@ pub trait Subscription: Send {
     /// deadline; the caller bounds the deadline by the holder's lease.
     fn wait(&mut self, deadline: Instant) -> BoxFuture<'_, Wake>;
 
-    /// The caller was woken by a notification but will not use it (it is giving up or
-    /// being cancelled): hand the wake-up to another waiter of the same key, so that a
-    /// release is never absorbed by a waiter that went away.
+    /// The caller leaves without the lock (it gives up, is cancelled, or fails): hand a
+    /// wake-up to another waiter of the same key in this process — the one it received
+    /// and will not use, or else its turn, so that a waiter lined up behind it retries
+    /// now. A release is then never absorbed by a waiter that went away. A spurious
+    /// wake-up costs the other waiter one attempt; none that is needed may be lost.
     fn pass_on(&mut self);
 }
 
@@ -330,6 +332,17 @@ pub trait LockBackend: Send + Sync + 'static {
         req: &'a LockRequest,
     ) -> BoxFuture<'a, Result<Box<dyn Subscription>>>;
 
+    /// Whether waiters for `req.key` in `req.mode`, registered through this backend
+    /// instance in this process, are waiting right now. The acquire loop then lines a
+    /// new acquirer up behind them instead of letting it barge in on every release (no
+    /// starvation among one process's waiters; across processes a plain lock still
+    /// barges — use a fair lock for strict order). Must be cheap when nobody waits. The
+    /// default is `false`.
+    fn has_local_waiters(&self, req: &LockRequest) -> bool {
+        let _ = req;
+        false
+    }
+
     /// Whether [`acquire`](LockBackend::acquire) records a busy owner in the store as a
     /// waiter (a fair or read-write queue) in `mode`, so that callers must call
     /// [`cancel_wait`](LockBackend::cancel_wait) when they give up — also when they give
@@ -388,6 +401,9 @@ macro_rules! forward_backend {
             }
             fn queues_waiters(&self, mode: LockMode) -> bool {
                 (**self).queues_waiters(mode)
+            }
+            fn has_local_waiters(&self, req: &LockRequest) -> bool {
+                (**self).has_local_waiters(req)
             }
             fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
                 (**self).cancel_wait(req)

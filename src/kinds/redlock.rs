@@ -790,6 +790,14 @@ impl LockBackend for RedLock {
             .any(|node| node.queues_waiters(mode))
     }
 
+    fn has_local_waiters(&self, req: &LockRequest) -> bool {
+        // A RedLock waiter subscribes on every reachable node, so any node sees it.
+        self.inner
+            .nodes
+            .iter()
+            .any(|node| node.has_local_waiters(req))
+    }
+
     fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             self.inner
@@ -905,6 +913,13 @@ impl Subscription for QuorumSubscription {
     }
 
     fn pass_on(&mut self) {
+        if self.fired.is_empty() {
+            // Leaving a place in line: one node's wake-up reaches every other local
+            // waiter, since each listens on every reachable node.
+            if let Some(sub) = self.subs.first_mut() {
+                sub.pass_on();
+            }
+        }
         for &i in &self.fired {
             if let Some(sub) = self.subs.get_mut(i) {
                 sub.pass_on();

@@ -27,6 +27,10 @@ use crate::owner::Owner;
 /// lost notification, not a polling interval.
 const NO_TTL_RECHECK: Duration = Duration::from_secs(1);
 
+/// The longest a new acquirer lined up behind local waiters waits for its turn before it
+/// tries anyway (a safety net for a lease that lapsed without a release message).
+const LINE_UP_MAX: Duration = Duration::from_secs(1);
+
 /// The first and the longest pause before retrying after a transient store failure
 /// (connection lost, timeout) while waiting.
 const MIN_ERROR_BACKOFF: Duration = Duration::from_millis(20);
@@ -170,16 +174,26 @@ async fn run(
     fresh_owner: bool,
 ) -> Result<(Grant, Instant)> {
     let expired = |now: Instant| deadline.is_some_and(|d| now >= d);
-
-    let ttl = match attempt(client, req, fresh_owner).await? {
-        (Acquire::Acquired(grant), sent_at) => return Ok((grant, sent_at)),
-        (Acquire::Busy { ttl }, _) => ttl,
-    };
     let backend = client.backend();
+    let queued_mode = backend.queues_waiters(req.mode);
+
+    // No barging within a process: when others here already wait for this key, a new
+    // acquirer lines up behind them (they are woken first to last) instead of snatching
+    // the lock in the instant after each release. Only fresh owners line up: they hold
+    // nothing, so they cannot be waiting behind waiters who wait for them.
+    let line_up =
+        fresh_owner && !queued_mode && !expired(Instant::now()) && backend.has_local_waiters(req);
+    let mut ttl = None;
+    if !line_up {
+        match attempt(client, req, fresh_owner).await? {
+            (Acquire::Acquired(grant), sent_at) => return Ok((grant, sent_at)),
+            (Acquire::Busy { ttl: holder_ttl }, _) => ttl = holder_ttl,
+        }
+    }
     // From the first busy answer on, a queueing backend keeps this owner in line; every
     // way out below (giving up at once, a failed subscribe, cancellation) leaves it.
     let mut in_line = InLine {
-        queued: backend.queues_waiters(req.mode),
+        queued: queued_mode,
         client,
         req,
     };
@@ -191,8 +205,17 @@ async fn run(
     let mut waiting = Waiting {
         sub: backend.subscribe(req).await?,
         woken: false,
+        settled: false,
+        pass_turn_on_leave: !queued_mode,
         in_line,
     };
+    if line_up {
+        // Wait for our turn; a release, or a waiter ahead giving up, wakes us. Should
+        // neither come (a holder's lease lapsed silently), try anyway after a while.
+        let now = Instant::now();
+        let until = deadline.map_or(now + LINE_UP_MAX, |d| d.min(now + LINE_UP_MAX));
+        waiting.woken = waiting.sub.wait(until).await == Wake::Notified;
+    }
     // Transient backend failures while waiting: when the current run of them began, and
     // the next backoff.
     let mut failing_since: Option<Instant> = None;
@@ -227,6 +250,7 @@ async fn run(
         let ttl = match outcome {
             (Acquire::Acquired(grant), sent_at) => {
                 waiting.in_line.queued = false;
+                waiting.settled = true;
                 return Ok((grant, sent_at));
             }
             (Acquire::Busy { ttl }, _) => ttl,
@@ -322,19 +346,25 @@ impl Drop for InLine<'_> {
     }
 }
 
-/// A subscribed waiter between attempts. Dropped without success (cancelled, failed), it
-/// hands an unused wake-up on to another waiter, then unsubscribes, then leaves the
-/// queue (fields drop in order).
+/// A subscribed waiter between attempts. Dropped without success (cancelled, failed, out
+/// of time), it hands its turn on to the next local waiter — a wake-up it had not used,
+/// or, where local waiters line up, its place — then unsubscribes, then leaves the
+/// store's queue (fields drop in order).
 struct Waiting<'a> {
     sub: Box<dyn Subscription>,
     /// Woken by a release whose follow-up attempt has not completed yet.
     woken: bool,
+    /// Acquired: nothing to hand on.
+    settled: bool,
+    /// Leaving without the lock wakes the next local waiter, so one lined up behind
+    /// this waiter is not left sleeping (modes without a store-side queue).
+    pass_turn_on_leave: bool,
     in_line: InLine<'a>,
 }
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        if self.woken {
+        if self.woken || (!self.settled && self.pass_turn_on_leave) {
             self.sub.pass_on();
         }
     }

@@ -29,6 +29,14 @@ pub trait Fixture: Send + Sync {
     /// Whether the store still keeps any state for `key` (apart from durable fencing
     /// counters, which must outlive holders).
     fn residue(&self, key: &LockKey) -> impl Future<Output = bool> + Send;
+
+    /// Whether a waiter in this process is always served before a new local acquirer.
+    /// True for single stores. A quorum of stores can't promise it: a waiter woken by the
+    /// first node's release may meet a split vote and back off while the others are
+    /// still being released.
+    fn local_order_is_strict(&self) -> bool {
+        true
+    }
 }
 
 const LONG: Duration = Duration::from_secs(30);
@@ -432,6 +440,95 @@ pub async fn multi_lock_orders_keys(f: &impl Fixture) {
     assert_eq!(counter.load(Ordering::SeqCst), 4 * ITERS);
 }
 
+/// No barging within a process: a holder that releases and at once asks again lines up
+/// behind the waiter that was already waiting, instead of snatching the lock back in the
+/// instant before the woken waiter's attempt arrives.
+pub async fn no_barging_past_local_waiters(f: &impl Fixture) {
+    let k = key("no-barging");
+    let client = f.client(LONG);
+    let lock = client.get_lock(&k).unwrap();
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let held = lock.lock().await.unwrap();
+    let waiter = tokio::spawn({
+        let (lock, order) = (lock.clone(), order.clone());
+        async move {
+            let g = lock
+                .try_lock_for(Duration::from_secs(10), Lease::Watchdog)
+                .await
+                .unwrap();
+            order.lock().unwrap().push("waiter");
+            g.unlock().await.unwrap();
+        }
+    });
+    wait_until(Duration::from_secs(5), "the waiter waits", || async {
+        f.waiters(&k).await == 1
+    })
+    .await;
+    held.unlock().await.unwrap();
+    let again = lock
+        .try_lock_for(Duration::from_secs(10), Lease::Watchdog)
+        .await
+        .unwrap();
+    order.lock().unwrap().push("releaser");
+    again.unlock().await.unwrap();
+    waiter.await.unwrap();
+    let order = order.lock().unwrap().clone();
+    if f.local_order_is_strict() {
+        assert_eq!(order, ["waiter", "releaser"], "the releaser barged back in");
+    } else {
+        assert_eq!(order.len(), 2, "both got the lock: {order:?}");
+    }
+    assert!(!f.residue(&k).await);
+}
+
+/// A waiter that gives up hands its turn to the one lined up behind it, which then
+/// finds the holder's lease and takes the lock when it lapses — instead of sleeping out
+/// its whole line-up wait.
+pub async fn leaving_waiter_passes_its_turn(f: &impl Fixture) {
+    let k = key("pass-turn");
+    let client = f.client(LONG);
+    let lock = client.get_lock(&k).unwrap();
+    let lease = Duration::from_millis(600);
+    let held = lock.try_lock_for(Duration::ZERO, lease).await.unwrap();
+    let held_at = Instant::now();
+    let first = tokio::spawn({
+        let lock = lock.clone();
+        async move {
+            lock.try_lock_for(Duration::from_millis(150), Lease::Watchdog)
+                .await
+                .map(drop)
+        }
+    });
+    wait_until(Duration::from_secs(5), "the first waiter waits", || async {
+        f.waiters(&k).await == 1
+    })
+    .await;
+    let second = tokio::spawn({
+        let lock = lock.clone();
+        async move {
+            let g = lock
+                .try_lock_for(Duration::from_secs(5), Lease::Watchdog)
+                .await?;
+            Ok::<_, Error>((Instant::now(), g))
+        }
+    });
+    assert!(first.await.unwrap().unwrap_err().is_busy());
+    let (acquired_at, g) = second.await.unwrap().unwrap();
+    let after = acquired_at.duration_since(held_at);
+    // The lease lapses at 600 ms; without the handed-on turn the second waiter would sleep
+    // its whole line-up wait (1 s) first.
+    assert!(
+        after >= lease - Duration::from_millis(20),
+        "acquired while held: {after:?}"
+    );
+    assert!(
+        after < lease + Duration::from_millis(300),
+        "the turn was not passed on: {after:?}"
+    );
+    g.unlock().await.unwrap();
+    assert!(matches!(held.unlock().await, Err(Error::Lost)));
+}
+
 /// Calls `$callback!($($args)*; case, case, ...)` with every conformance case: the one
 /// list of cases.
 #[macro_export]
@@ -452,6 +549,8 @@ macro_rules! with_conformance_cases {
             bad_input_is_rejected,
             multi_lock_all_or_nothing,
             multi_lock_orders_keys,
+            no_barging_past_local_waiters,
+            leaving_waiter_passes_its_turn,
         );
     };
 }

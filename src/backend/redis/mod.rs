@@ -622,6 +622,12 @@ impl LockBackend for RedisBackend {
         })
     }
 
+    fn has_local_waiters(&self, req: &LockRequest) -> bool {
+        Self::check_mode(req.mode).is_ok()
+            && self.inner.hub.anyone_waits()
+            && self.local_waiters(&req.key) > 0
+    }
+
     fn subscribe<'a>(
         &'a self,
         req: &'a LockRequest,

@@ -14,6 +14,7 @@
 //! woken to retry, since messages may have been missed meanwhile.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -41,6 +42,9 @@ struct Shared {
     state: Mutex<State>,
     /// Tells the task that channels were added or dropped.
     changed: Notify,
+    /// Waiters registered on any channel: lets `has_waiters` answer the common "nobody
+    /// waits" case without building a channel name or taking the lock.
+    total_waiters: AtomicUsize,
 }
 
 #[derive(Default)]
@@ -69,6 +73,7 @@ impl Hub {
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             changed: Notify::new(),
+            total_waiters: AtomicUsize::new(0),
         });
         tokio::spawn(run(Arc::clone(&shared), client, shutdown));
         Hub { shared }
@@ -89,6 +94,7 @@ impl Hub {
                 }
             });
             entry.waiters += 1;
+            self.shared.total_waiters.fetch_add(1, Ordering::Relaxed);
             let handles = (
                 Arc::clone(&entry.notify),
                 entry.confirmed.subscribe(),
@@ -115,6 +121,11 @@ impl Hub {
             tracing::debug!(channel = %sub.channel, "subscription not confirmed in time; relying on lease TTLs");
         }
         sub
+    }
+
+    /// Whether anyone in this process waits on any channel (one atomic load).
+    pub(super) fn anyone_waits(&self) -> bool {
+        self.shared.total_waiters.load(Ordering::Relaxed) > 0
     }
 
     /// Waiters registered on `channel` in this process.
@@ -150,6 +161,7 @@ impl Subscription for RedisSubscription {
 
 impl Drop for RedisSubscription {
     fn drop(&mut self) {
+        self.shared.total_waiters.fetch_sub(1, Ordering::Relaxed);
         let mut state = self.shared.state();
         let last = match state.channels.get_mut(&self.channel) {
             Some(entry) => {
