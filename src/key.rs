@@ -98,7 +98,18 @@ impl LockKey {
         key.push('{');
         escape_into(part, &mut key);
         key.push('}');
-        validate(&key)?;
+        // Valid by construction (one non-empty tag, no control characters: the namespace
+        // was checked and the part escaped); only the length is left to check.
+        if key.len() > MAX_KEY_LEN {
+            return Err(Error::invalid_key(format!(
+                "key is {} bytes long, the limit is {MAX_KEY_LEN}",
+                key.len()
+            )));
+        }
+        debug_assert!(
+            validate(&key).is_ok(),
+            "namespaced built an invalid key: {key:?}"
+        );
         Ok(LockKey(Arc::from(key)))
     }
 

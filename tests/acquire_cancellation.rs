@@ -19,6 +19,8 @@ struct Stalls {
     before: Option<Owner>,
     /// Acquire calls take effect in the store, but the reply never arrives.
     after: bool,
+    /// Subscribing never completes (a pub/sub connection that never confirms).
+    subscribe: bool,
 }
 
 #[derive(Clone, Default)]
@@ -64,7 +66,13 @@ impl LockBackend for Gated {
         &'a self,
         req: &'a LockRequest,
     ) -> BoxFuture<'a, Result<Box<dyn Subscription>>> {
-        self.inner.subscribe(req)
+        Box::pin(async move {
+            let stall = self.stalls.lock().unwrap().subscribe;
+            if stall {
+                std::future::pending::<()>().await;
+            }
+            self.inner.subscribe(req).await
+        })
     }
 
     fn force_release<'a>(
@@ -179,4 +187,29 @@ async fn scoped_owner_in_flight_keeps_outer_hold() {
         })
         .await;
     assert!(backend.inner.is_empty());
+}
+
+/// A subscription that never completes must not hold a waiter past its deadline.
+#[tokio::test]
+async fn a_stalled_subscribe_does_not_outlast_the_wait() {
+    let backend = Gated::default();
+    let client = LockClient::new(backend.clone());
+    let key = LockKey::new("slow-subscribe").unwrap();
+    let held = client.get_lock(&key).unwrap().lock().await.unwrap();
+    backend.stall(|s| s.subscribe = true);
+    let wait = Duration::from_millis(100);
+    let started = Instant::now();
+    let err = client
+        .get_lock(&key)
+        .unwrap()
+        .try_lock_for(wait, Lease::Watchdog)
+        .await
+        .unwrap_err();
+    let took = started.elapsed();
+    assert!(err.is_busy(), "{err:?}");
+    assert!(
+        took >= wait && took < wait + Duration::from_millis(100),
+        "{took:?}"
+    );
+    held.unlock().await.unwrap();
 }

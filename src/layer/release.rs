@@ -13,10 +13,11 @@ use crate::lock::LockClient;
 
 /// A request's locks on their way out.
 ///
-/// The release runs in a spawned task that the response future (or body) then awaits,
-/// so the response is only delivered once the locks are free — the client's next
-/// request finds them free — and a response future dropped mid-release does not cut
-/// the release short.
+/// The response future (or body) drives the release and hands the response on only once
+/// the locks are free, so the client's next request finds them free. The release is
+/// polled in place first: a store that answers at once (the memory backend) costs no
+/// task. One still pending moves into a spawned task that is then awaited, so a
+/// response future dropped mid-release does not cut the release short.
 pub(crate) struct Release {
     state: State,
 }
@@ -28,6 +29,8 @@ enum State {
         guard: MultiGuard,
         client: LockClient,
     },
+    /// Started, not polled yet: dropped now, its guards release on drop.
+    Starting(Pin<Box<dyn Future<Output = ()> + Send>>),
     Releasing(JoinHandle<()>),
 }
 
@@ -49,7 +52,7 @@ impl Release {
     }
 
     pub(crate) fn is_releasing(&self) -> bool {
-        matches!(self.state, State::Releasing(_))
+        matches!(self.state, State::Starting(_) | State::Releasing(_))
     }
 
     /// Holding or releasing: not done yet.
@@ -57,15 +60,11 @@ impl Release {
         !matches!(self.state, State::Empty)
     }
 
-    /// Starts releasing, if holding.
+    /// Starts releasing, if holding; [`poll_released`](Self::poll_released) drives it.
     pub(crate) fn start(&mut self) {
         match std::mem::replace(&mut self.state, State::Empty) {
-            // Outside a runtime (never, when polled by hyper or axum) the guard is
-            // dropped instead, which still releases on the runtime the lock was taken on.
             State::Holding { guard, client } => {
-                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                    self.state = State::Releasing(runtime.spawn(unlock(guard, client)));
-                }
+                self.state = State::Starting(Box::pin(unlock(guard, client)));
             }
             other => self.state = other,
         }
@@ -80,6 +79,22 @@ impl Release {
 
     /// Ready once the release has finished (at once when nothing is being released).
     pub(crate) fn poll_released(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if let State::Starting(release) = &mut self.state {
+            if release.as_mut().poll(cx).is_ready() {
+                self.state = State::Empty;
+                return Poll::Ready(());
+            }
+            // Still under way: let it finish in its own task, whatever becomes of us.
+            // Outside a runtime (never, when polled by hyper or axum) it is dropped
+            // instead, and the lease ends the hold.
+            let State::Starting(release) = std::mem::replace(&mut self.state, State::Empty) else {
+                return Poll::Ready(());
+            };
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => self.state = State::Releasing(runtime.spawn(release)),
+                Err(_) => return Poll::Ready(()),
+            }
+        }
         if let State::Releasing(task) = &mut self.state {
             if let Poll::Ready(result) = Pin::new(task).poll(cx) {
                 if let Err(error) = result {

@@ -190,6 +190,25 @@ async fn run(
             (Acquire::Busy { ttl: holder_ttl }, _) => ttl = holder_ttl,
         }
     }
+    // The waiting state lives in its own allocation, made only when there is something
+    // to wait for: the uncontended path's future stays small (it is built, boxed and
+    // moved on every acquisition).
+    Box::pin(wait(client, req, deadline, fresh_owner, line_up, ttl)).await
+}
+
+/// The contended path of [`run`]: line up or subscribe, then attempt and sleep until
+/// acquired, out of time, or failed.
+async fn wait(
+    client: &LockClient,
+    req: &LockRequest,
+    deadline: Option<Instant>,
+    fresh_owner: bool,
+    line_up: bool,
+    ttl: Option<Duration>,
+) -> Result<(Grant, Instant)> {
+    let expired = |now: Instant| deadline.is_some_and(|d| now >= d);
+    let backend = client.backend();
+    let queued_mode = backend.queues_waiters(req.mode);
     // From the first busy answer on, a queueing backend keeps this owner in line; every
     // way out below (giving up at once, a failed subscribe, cancellation) leaves it.
     let mut in_line = InLine {
@@ -202,8 +221,19 @@ async fn run(
         return Err(Error::Busy { holder_ttl: ttl });
     }
 
+    // Subscribing may wait for the store to confirm; never past the caller's deadline.
+    let sub = match deadline {
+        Some(at) => match tokio::time::timeout_at(at, backend.subscribe(req)).await {
+            Ok(sub) => sub?,
+            Err(_) => {
+                in_line.give_up().await;
+                return Err(Error::Busy { holder_ttl: ttl });
+            }
+        },
+        None => backend.subscribe(req).await?,
+    };
     let mut waiting = Waiting {
-        sub: backend.subscribe(req).await?,
+        sub,
         woken: false,
         settled: false,
         pass_turn_on_leave: !queued_mode,

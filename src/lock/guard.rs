@@ -76,14 +76,19 @@ impl LostSignal {
     /// A signal that fires as soon as any of `signals` fires. With no signals, it never
     /// fires.
     pub fn any(signals: impl IntoIterator<Item = LostSignal>) -> Self {
-        let mut signals: Vec<LostSignal> = signals.into_iter().collect();
-        if signals.len() == 1
-            && let Some(only) = signals.pop()
-        {
-            return only;
-        }
+        let mut signals = signals.into_iter();
+        let Some(first) = signals.next() else {
+            return LostSignal {
+                repr: Repr::Any(Arc::from([])),
+            };
+        };
+        // One lock (the common case): its own signal, no allocation.
+        let Some(second) = signals.next() else {
+            return first;
+        };
+        let all: Vec<LostSignal> = [first, second].into_iter().chain(signals).collect();
         LostSignal {
-            repr: Repr::Any(signals.into()),
+            repr: Repr::Any(all.into()),
         }
     }
 
