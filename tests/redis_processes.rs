@@ -362,25 +362,55 @@ mod imp {
         assert_eq!(exists, 0, "the lock was left behind");
     }
 
-    /// The path of an example binary of this package, built by `cargo test --all-targets`
-    /// next to this test; built on demand when this test runs alone.
+    /// The path of an example binary of this package, built (or found up to date) with
+    /// this test's profile and features. `cargo test --all-targets` compiles examples
+    /// only as test harnesses, so the plain binary it leaves may be stale: cargo decides.
     fn example_binary(name: &str) -> std::path::PathBuf {
         let exe = std::env::current_exe().expect("this test binary");
         let profile_dir = exe
             .parent()
             .and_then(|deps| deps.parent())
             .expect("target/<profile>/deps/<test>");
-        let path = profile_dir.join("examples").join(name);
-        if !path.exists() {
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let mut build = Command::new(cargo);
-            build.args(["build", "--example", name]);
-            if profile_dir.ends_with("release") {
-                build.arg("--release");
-            }
-            let status = build.status().expect("run cargo build");
-            assert!(status.success(), "building example {name}");
+        let features: Vec<&str> = [
+            ("redis", cfg!(feature = "redis")),
+            ("cluster", cfg!(feature = "cluster")),
+            ("tls", cfg!(feature = "tls")),
+            ("axum", cfg!(feature = "axum")),
+        ]
+        .into_iter()
+        .filter_map(|(feature, on)| on.then_some(feature))
+        .collect();
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut build = Command::new(cargo);
+        build
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args(["build", "--quiet", "--example", name])
+            .args(["--no-default-features", "--features", &features.join(",")]);
+        if profile_dir.ends_with("release") {
+            build.arg("--release");
         }
+        // Without the variables cargo set for this test run: build scripts that watch
+        // them (ring watches CARGO_MANIFEST_DIR) would otherwise rebuild every time.
+        for (key, _) in std::env::vars_os() {
+            let key = key.to_string_lossy();
+            let set_for_tests = key.starts_with("CARGO_PKG_")
+                || [
+                    "CARGO_MANIFEST_DIR",
+                    "CARGO_MANIFEST_PATH",
+                    "CARGO_CRATE_NAME",
+                    "CARGO_PRIMARY_PACKAGE",
+                    "CARGO_TARGET_TMPDIR",
+                    "CARGO_BIN_NAME",
+                ]
+                .contains(&key.as_ref());
+            if set_for_tests {
+                build.env_remove(key.as_ref());
+            }
+        }
+        let status = build.status().expect("run cargo build");
+        assert!(status.success(), "building example {name}");
+        let path = profile_dir.join("examples").join(name);
+        assert!(path.exists(), "no example binary at {}", path.display());
         path
     }
 }
