@@ -20,7 +20,12 @@ use hyper::client::conn::http2;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tower_lock::layer::{HeaderKey, LockLayer};
-use tower_lock::{LockClient, MemoryBackend};
+use tower_lock::{LockClient, LockKey, MemoryBackend};
+
+#[cfg(feature = "redis")]
+use common::redis_server::RedisServer;
+#[cfg(feature = "redis")]
+use tower_lock::RedisBackend;
 
 /// What the handler saw.
 #[derive(Default)]
@@ -50,7 +55,7 @@ impl Drop for Inside {
 
 struct Server {
     addr: SocketAddr,
-    backend: MemoryBackend,
+    backend: Backend,
     client: LockClient,
     stats: Arc<Stats>,
     task: tokio::task::JoinHandle<()>,
@@ -62,10 +67,93 @@ impl Drop for Server {
     }
 }
 
+/// The lock store behind a test server.
+enum Backend {
+    Memory(MemoryBackend),
+    /// A real redis-server of this test's own (dropped, and killed, with the server).
+    #[cfg(feature = "redis")]
+    Redis(RedisBackend, RedisServer),
+}
+
+impl Backend {
+    fn memory() -> Self {
+        Backend::Memory(MemoryBackend::new())
+    }
+
+    #[cfg(feature = "redis")]
+    async fn redis() -> Self {
+        let server = RedisServer::start().await;
+        let backend = RedisBackend::connect(server.url()).await.unwrap();
+        Backend::Redis(backend, server)
+    }
+
+    fn client(&self) -> LockClient {
+        match self {
+            Backend::Memory(backend) => LockClient::new(backend.clone()),
+            #[cfg(feature = "redis")]
+            Backend::Redis(backend, _) => LockClient::new(backend.clone()),
+        }
+    }
+
+    /// Waits (with a deadline) until the store keeps nothing for `keys` — no lock, no
+    /// waiter, no subscription — and, where the store can tell, nothing for any key.
+    async fn assert_nothing_left(&self, keys: &[&str]) {
+        let keys: Vec<LockKey> = keys
+            .iter()
+            .map(|k| LockKey::namespaced("", k).unwrap())
+            .collect();
+        match self {
+            Backend::Memory(backend) => {
+                wait_until(
+                    Duration::from_secs(10),
+                    "no lock entry and no waiter left",
+                    || async { backend.is_empty() },
+                )
+                .await;
+                for key in &keys {
+                    assert!(!backend.contains_key(key));
+                    assert_eq!(backend.waiters(key), 0);
+                }
+            }
+            #[cfg(feature = "redis")]
+            Backend::Redis(backend, server) => {
+                // Fencing counters (`tower_lock_fence:*`) stay by design; nothing else may.
+                wait_until(Duration::from_secs(10), "no lock key left", || async {
+                    server
+                        .keys("*")
+                        .await
+                        .iter()
+                        .all(|k| k.starts_with("tower_lock_fence:"))
+                })
+                .await;
+                let mut raw = server.conn().await;
+                for key in &keys {
+                    let exists: i64 = redis::cmd("EXISTS")
+                        .arg(backend.lock_name(key))
+                        .query_async(&mut raw)
+                        .await
+                        .unwrap();
+                    assert_eq!(exists, 0, "lock {key} left in Redis");
+                    assert_eq!(backend.local_waiters(key), 0, "waiters of {key} left");
+                }
+                let channels: Vec<String> = keys.iter().map(|k| backend.channel_name(k)).collect();
+                wait_until(
+                    Duration::from_secs(10),
+                    "every channel unsubscribed",
+                    || async {
+                        server.subscribers(&channels).await.iter().all(|n| *n == 0)
+                            && server.active_channels().await.is_empty()
+                    },
+                )
+                .await;
+            }
+        }
+    }
+}
+
 /// A server whose `POST /work` is locked by header `x-key` and works for `work`.
-async fn server(work: Duration) -> Server {
-    let backend = MemoryBackend::new();
-    let client = LockClient::new(backend.clone());
+async fn server(backend: Backend, work: Duration) -> Server {
+    let client = backend.client();
     let stats = Arc::new(Stats::default());
     let s = stats.clone();
     let handler = move |headers: HeaderMap| {
@@ -145,9 +233,8 @@ async fn status_of(res: hyper::Response<hyper::body::Incoming>) -> StatusCode {
 /// Two requests with the same key on ONE HTTP/2 connection — one tokio task on the
 /// server — are two owners and run one after the other; with different keys they run
 /// side by side.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn same_key_on_one_http2_connection_serializes() {
-    let server = server(Duration::from_millis(150)).await;
+async fn same_key_on_one_http2_connection_serializes(backend: Backend) {
+    let server = server(backend, Duration::from_millis(150)).await;
     let sender = h2_connection(server.addr).await;
 
     let a = sender
@@ -188,16 +275,28 @@ async fn same_key_on_one_http2_connection_serializes() {
     .await;
     assert_eq!(status_of(x.await.unwrap().unwrap()).await, StatusCode::OK);
     assert_eq!(status_of(y.await.unwrap().unwrap()).await, StatusCode::OK);
-    wait_until(Duration::from_secs(5), "no lock left", || async {
-        server.backend.is_empty()
-    })
-    .await;
+    server
+        .backend
+        .assert_nothing_left(&["same", "x", "y"])
+        .await;
+    assert_eq!(server.client.watched_locks(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_key_on_one_http2_connection_serializes_on_memory() {
+    same_key_on_one_http2_connection_serializes(Backend::memory()).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_key_on_one_http2_connection_serializes_on_redis() {
+    same_key_on_one_http2_connection_serializes(Backend::redis().await).await;
 }
 
 /// Concurrent HTTP/1 requests on separate connections: per key, one at a time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_http1_requests_serialize_per_key() {
-    let server = server(Duration::from_millis(10)).await;
+    let server = server(Backend::memory(), Duration::from_millis(10)).await;
     let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
     let mut tasks = Vec::new();
     for id in 0..40u64 {
@@ -209,21 +308,20 @@ async fn concurrent_http1_requests_serialize_per_key() {
     }
     assert_eq!(server.stats.overlaps.load(Ordering::SeqCst), 0);
     assert_eq!(server.stats.completed.load(Ordering::SeqCst), 40);
-    wait_until(Duration::from_secs(5), "no lock left", || async {
-        server.backend.is_empty()
-    })
-    .await;
+    server
+        .backend
+        .assert_nothing_left(&["k0", "k1", "k2", "k3"])
+        .await;
 }
 
 /// 1,000 requests over HTTP/2 (50 connections) on 20 keys; half the clients hang up — some while their
 /// request waits for its lock, some while it is inside the handler. Afterwards no lock
 /// and no waiter is left, no two requests of one key overlapped, and every request
 /// that stayed got its answer.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn disconnect_storm_leaves_nothing_behind() {
+async fn disconnect_storm_leaves_nothing_behind(backend: Backend) {
     const REQUESTS: u64 = 1000;
     const KEYS: u64 = 20;
-    let server = server(Duration::from_millis(4)).await;
+    let server = server(backend, Duration::from_millis(4)).await;
     // Many connections, few hang-ups each: h2 servers answer a burst of stream resets
     // on one connection with GOAWAY (rapid-reset protection), which is not under test.
     const CONNECTIONS: u64 = 50;
@@ -297,21 +395,24 @@ async fn disconnect_storm_leaves_nothing_behind() {
         "some were cancelled before they got the lock"
     );
 
-    wait_until(
-        Duration::from_secs(10),
-        "no lock entry and no waiter left",
-        || async { server.backend.is_empty() },
-    )
-    .await;
-    for k in 0..KEYS {
-        let key = tower_lock::LockKey::namespaced("", &format!("k{k}")).unwrap();
-        assert!(!server.backend.contains_key(&key));
-        assert_eq!(server.backend.waiters(&key), 0);
-    }
+    let keys: Vec<String> = (0..KEYS).map(|k| format!("k{k}")).collect();
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    server.backend.assert_nothing_left(&keys).await;
     assert_eq!(server.client.watched_locks(), 0);
     assert_eq!(server.stats.overlaps.load(Ordering::SeqCst), 0);
     eprintln!(
         "storm: {answered} answered, {cancelled} cancelled ({} inside the handler)",
         entered - completed
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disconnect_storm_leaves_nothing_behind_on_memory() {
+    disconnect_storm_leaves_nothing_behind(Backend::memory()).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disconnect_storm_leaves_nothing_behind_on_redis() {
+    disconnect_storm_leaves_nothing_behind(Backend::redis().await).await;
 }

@@ -1,5 +1,6 @@
-//! Fault tests that need separate processes: a lock holder that is SIGKILLed or
-//! SIGSTOPped, and three `hammer` processes contending on one counter.
+//! Tests that need separate processes: a lock holder that is SIGKILLed or SIGSTOPped,
+//! three `hammer` processes contending on one counter, and two `seckill` servers sharing
+//! one Redis.
 //!
 //! This test target has no libtest harness (`harness = false`): its `main` runs the
 //! scenarios, and the same binary started with `--holder` is the lock-holding child, so
@@ -8,6 +9,13 @@
 
 #[cfg(feature = "redis")]
 mod common;
+
+#[cfg(feature = "redis")]
+#[path = "../examples/seckill/app.rs"]
+mod app;
+#[cfg(feature = "redis")]
+#[path = "../examples/seckill/redis_store.rs"]
+mod redis_store;
 
 #[cfg(feature = "redis")]
 fn main() -> std::process::ExitCode {
@@ -37,7 +45,7 @@ mod imp {
         if args.first().map(String::as_str) == Some("--holder") {
             return holder_main(&args[1..]);
         }
-        let scenarios: [(&str, Scenario); 3] = [
+        let scenarios: [(&str, Scenario); 4] = [
             ("holder_sigkill_frees_lock_within_lease", || {
                 Box::pin(holder_sigkill_frees_lock_within_lease())
             }),
@@ -46,6 +54,9 @@ mod imp {
             }),
             ("three_hammer_processes_keep_the_counter_exact", || {
                 Box::pin(three_hammer_processes_keep_the_counter_exact())
+            }),
+            ("two_seckill_servers_share_one_redis", || {
+                Box::pin(two_seckill_servers_share_one_redis())
             }),
         ];
         if args.iter().any(|a| a == "--list") {
@@ -362,25 +373,153 @@ mod imp {
         assert_eq!(exists, 0, "the lock was left behind");
     }
 
-    /// The path of an example binary of this package, built by `cargo test --all-targets`
-    /// next to this test; built on demand when this test runs alone.
+    /// A `seckill` example server process on a free port, using Redis at `url`; killed
+    /// on drop.
+    struct Seckill {
+        child: Child,
+        addr: std::net::SocketAddr,
+        /// What it printed before it started serving.
+        said: Vec<String>,
+        /// Kept so its stdout stays drained: a closed pipe would fail its next print.
+        output: Option<tokio::sync::mpsc::UnboundedReceiver<String>>,
+    }
+
+    impl Seckill {
+        async fn start(url: &str, args: &[&str]) -> Self {
+            let mut child = Command::new(example_binary("seckill"))
+                .env("REDIS_URL", url)
+                .args(["--addr", "127.0.0.1:0"])
+                .args(args)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("spawn the seckill example");
+            let stdout = child.stdout.take().expect("piped stdout");
+            // Owned (and so killed on drop) before anything below can panic.
+            let mut process = Seckill {
+                child,
+                addr: std::net::SocketAddr::from(([0, 0, 0, 0], 0)),
+                said: Vec::new(),
+                output: Some(forward_lines(stdout)),
+            };
+            let mut lines = process.output.take().expect("just set");
+            loop {
+                let said = &process.said;
+                let line = tokio::time::timeout(Duration::from_secs(20), lines.recv())
+                    .await
+                    .unwrap_or_else(|_| panic!("seckill did not start serving: {said:?}"))
+                    .unwrap_or_else(|| panic!("seckill exited before serving: {said:?}"));
+                if let Some((_, addr)) = line.split_once(" on http://") {
+                    process.addr = addr.parse().expect("the address seckill serves on");
+                    process.output = Some(lines);
+                    return process;
+                }
+                process.said.push(line);
+            }
+        }
+    }
+
+    impl Drop for Seckill {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
+    /// Two `seckill` server processes on one Redis: the second joins the first one's
+    /// sale instead of restocking it, and the demo burst split between them — each
+    /// user's five concurrent clicks reaching both processes — keeps every invariant:
+    /// the per-user lock and the stock hold across processes.
+    async fn two_seckill_servers_share_one_redis() {
+        let server = RedisServer::start().await;
+        let first = Seckill::start(&server.url(), &["--stock", "100"]).await;
+        let second = Seckill::start(&server.url(), &["--stock", "7"]).await;
+        for process in [&first, &second] {
+            assert!(
+                process.said.iter().any(|l| l.starts_with("backend: redis")),
+                "{:?}",
+                process.said
+            );
+        }
+        assert!(
+            second.said.iter().any(|l| l.contains("already in Redis")),
+            "the second server must join the sale: {:?}",
+            second.said
+        );
+
+        let tally = super::app::burst(&[first.addr, second.addr], 1, 300, 5, 250)
+            .await
+            .unwrap();
+        let store = super::redis_store::RedisStore::connect(&server.url())
+            .await
+            .unwrap();
+        let verdict = super::app::verdict(&store, 1, 100, &tally).await.unwrap();
+        assert!(verdict.held(), "{verdict:?}\n{}", super::app::table(&tally));
+        assert_eq!(tally.requests, 1500);
+        assert_eq!(tally.other, 0, "{tally:?}");
+        assert_eq!(
+            (tally.created, tally.stock_left, tally.orders),
+            (100, 0, 100)
+        );
+        wait_until(Duration::from_secs(10), "no lock key left", || async {
+            server.keys("seckill:lock:*").await.is_empty()
+        })
+        .await;
+        wait_until(Duration::from_secs(10), "no subscription left", || async {
+            server.active_channels().await.is_empty()
+        })
+        .await;
+    }
+
+    /// The path of an example binary of this package, built (or found up to date) with
+    /// this test's profile and features. `cargo test --all-targets` compiles examples
+    /// only as test harnesses, so the plain binary it leaves may be stale: cargo decides.
     fn example_binary(name: &str) -> std::path::PathBuf {
         let exe = std::env::current_exe().expect("this test binary");
         let profile_dir = exe
             .parent()
             .and_then(|deps| deps.parent())
             .expect("target/<profile>/deps/<test>");
-        let path = profile_dir.join("examples").join(name);
-        if !path.exists() {
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let mut build = Command::new(cargo);
-            build.args(["build", "--example", name]);
-            if profile_dir.ends_with("release") {
-                build.arg("--release");
-            }
-            let status = build.status().expect("run cargo build");
-            assert!(status.success(), "building example {name}");
+        let features: Vec<&str> = [
+            ("redis", cfg!(feature = "redis")),
+            ("cluster", cfg!(feature = "cluster")),
+            ("tls", cfg!(feature = "tls")),
+            ("axum", cfg!(feature = "axum")),
+        ]
+        .into_iter()
+        .filter_map(|(feature, on)| on.then_some(feature))
+        .collect();
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut build = Command::new(cargo);
+        build
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args(["build", "--quiet", "--example", name])
+            .args(["--no-default-features", "--features", &features.join(",")]);
+        if profile_dir.ends_with("release") {
+            build.arg("--release");
         }
+        // Without the variables cargo set for this test run: build scripts that watch
+        // them (ring watches CARGO_MANIFEST_DIR) would otherwise rebuild every time.
+        for (key, _) in std::env::vars_os() {
+            let key = key.to_string_lossy();
+            let set_for_tests = key.starts_with("CARGO_PKG_")
+                || [
+                    "CARGO_MANIFEST_DIR",
+                    "CARGO_MANIFEST_PATH",
+                    "CARGO_CRATE_NAME",
+                    "CARGO_PRIMARY_PACKAGE",
+                    "CARGO_TARGET_TMPDIR",
+                    "CARGO_BIN_NAME",
+                ]
+                .contains(&key.as_ref());
+            if set_for_tests {
+                build.env_remove(key.as_ref());
+            }
+        }
+        let status = build.status().expect("run cargo build");
+        assert!(status.success(), "building example {name}");
+        let path = profile_dir.join("examples").join(name);
+        assert!(path.exists(), "no example binary at {}", path.display());
         path
     }
 }

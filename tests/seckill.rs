@@ -1,27 +1,101 @@
-//! The seckill example's app: its endpoints, and its invariants under the demo burst.
+//! The seckill example's app: its endpoints, and its invariants under the demo burst, on
+//! the memory backend with the memory store and on `RedisBackend` with the Redis store
+//! (a real redis-server per test).
+
+mod common;
 
 #[path = "../examples/seckill/app.rs"]
 mod app;
+#[cfg(feature = "redis")]
+#[path = "../examples/seckill/redis_store.rs"]
+mod redis_store;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use app::{MemoryStore, Settings, Store};
 use axum::body::Body;
+use common::wait_until;
 use http::{Method, Request, StatusCode, header};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
 use tower_lock::{LockClient, MemoryBackend};
 
-fn memory_app(stock: i64) -> (axum::Router, Arc<dyn Store>, MemoryBackend) {
+/// The app on one backend and store, and what is needed to look behind it.
+struct Fixture {
+    app: axum::Router,
+    store: Arc<dyn Store>,
+    client: LockClient,
+    locks: Locks,
+}
+
+enum Locks {
+    Memory(MemoryBackend),
+    #[cfg(feature = "redis")]
+    Redis(common::redis_server::RedisServer),
+}
+
+fn memory(stock: i64, settings: Settings) -> Fixture {
     let backend = MemoryBackend::new();
+    let client = LockClient::new(backend.clone());
     let store: Arc<dyn Store> = Arc::new(MemoryStore::with_voucher(1, stock));
-    let app = app::app(
-        LockClient::new(backend.clone()),
-        store.clone(),
-        Settings::default(),
-    )
-    .unwrap();
-    (app, store, backend)
+    let app = app::app(client.clone(), store.clone(), settings).unwrap();
+    Fixture {
+        app,
+        store,
+        client,
+        locks: Locks::Memory(backend),
+    }
+}
+
+/// As the example builds it with `REDIS_URL` set: locks under `seckill:`, the store in
+/// the same Redis, voucher 1 seeded.
+#[cfg(feature = "redis")]
+async fn redis(stock: i64, settings: Settings) -> Fixture {
+    use redis_store::{NAMESPACE, RedisStore, Seeded};
+    let server = common::redis_server::RedisServer::start().await;
+    let backend = tower_lock::RedisBackend::builder(server.url())
+        .key_prefix(NAMESPACE)
+        .build()
+        .await
+        .unwrap();
+    let client = LockClient::new(backend);
+    let redis_store = RedisStore::connect(&server.url()).await.unwrap();
+    assert_eq!(redis_store.seed(1, stock).await.unwrap(), Seeded::Fresh);
+    let store: Arc<dyn Store> = Arc::new(redis_store);
+    let app = app::app(client.clone(), store.clone(), settings).unwrap();
+    Fixture {
+        app,
+        store,
+        client,
+        locks: Locks::Redis(server),
+    }
+}
+
+impl Fixture {
+    /// Waits (with a deadline) until no lock, no waiter and no subscription is left.
+    async fn assert_nothing_left(&self) {
+        match &self.locks {
+            Locks::Memory(backend) => {
+                wait_until(Duration::from_secs(5), "no lock entry left", || async {
+                    backend.is_empty()
+                })
+                .await;
+            }
+            #[cfg(feature = "redis")]
+            Locks::Redis(server) => {
+                wait_until(Duration::from_secs(5), "no lock key left", || async {
+                    server.keys("seckill:lock:*").await.is_empty()
+                })
+                .await;
+                wait_until(Duration::from_secs(5), "no subscription left", || async {
+                    server.active_channels().await.is_empty()
+                })
+                .await;
+            }
+        }
+        assert_eq!(self.client.watched_locks(), 0);
+    }
 }
 
 async fn send(
@@ -47,11 +121,10 @@ async fn send(
     (status, serde_json::from_slice(&body).unwrap_or_default())
 }
 
-#[tokio::test]
-async fn endpoints_answer_as_documented() {
-    let (app, _, backend) = memory_app(1);
+async fn endpoints_answer_as_documented(fx: Fixture) {
+    let app = &fx.app;
     let post = Method::POST;
-    let (s, order) = send(&app, post.clone(), "/vouchers/1/orders", Some("42")).await;
+    let (s, order) = send(app, post.clone(), "/vouchers/1/orders", Some("42")).await;
     assert_eq!(s, StatusCode::CREATED);
     assert_eq!(
         (order["user_id"].as_u64(), order["voucher_id"].as_u64()),
@@ -59,54 +132,59 @@ async fn endpoints_answer_as_documented() {
     );
     assert!(order["fencing_token"].as_u64().unwrap() > 0);
 
-    let (s, e) = send(&app, post.clone(), "/vouchers/1/orders", Some("42")).await;
+    let (s, e) = send(app, post.clone(), "/vouchers/1/orders", Some("42")).await;
     assert_eq!(
         (s, e["error"].as_str()),
         (StatusCode::CONFLICT, Some("duplicate_order"))
     );
-    let (s, e) = send(&app, post.clone(), "/vouchers/1/orders", Some("43")).await;
+    let (s, e) = send(app, post.clone(), "/vouchers/1/orders", Some("43")).await;
     assert_eq!(
         (s, e["error"].as_str()),
         (StatusCode::CONFLICT, Some("sold_out"))
     );
-    let (s, e) = send(&app, post.clone(), "/vouchers/1/orders", None).await;
+    let (s, e) = send(app, post.clone(), "/vouchers/1/orders", None).await;
     assert_eq!(
         (s, e["error"].as_str()),
         (StatusCode::BAD_REQUEST, Some("bad_request"))
     );
-    let (s, _) = send(&app, post.clone(), "/vouchers/1/orders", Some("4x")).await;
+    let (s, _) = send(app, post.clone(), "/vouchers/1/orders", Some("4x")).await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
-    let (s, _) = send(&app, post.clone(), "/vouchers/1/orders", Some("-1")).await;
+    let (s, _) = send(app, post.clone(), "/vouchers/1/orders", Some("-1")).await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
-    let (s, e) = send(&app, post, "/vouchers/9/orders", Some("44")).await;
+    let (s, e) = send(app, post, "/vouchers/9/orders", Some("44")).await;
     assert_eq!(
         (s, e["error"].as_str()),
         (StatusCode::NOT_FOUND, Some("not_found"))
     );
 
-    let (s, v) = send(&app, Method::GET, "/vouchers/1", None).await;
+    let (s, v) = send(app, Method::GET, "/vouchers/1", None).await;
     assert_eq!(s, StatusCode::OK);
     assert_eq!(
         (v["stock"].as_i64(), v["orders"].as_u64()),
         (Some(0), Some(1))
     );
-    let (s, _) = send(&app, Method::GET, "/vouchers/2", None).await;
+    let (s, _) = send(app, Method::GET, "/vouchers/2", None).await;
     assert_eq!(s, StatusCode::NOT_FOUND);
-    assert!(backend.is_empty(), "every lock released");
+    let orders = fx.store.orders(1).await.unwrap();
+    assert_eq!(orders.len(), 1);
+    assert_eq!(orders[0].user_id, 42);
+    assert_eq!(serde_json::to_value(&orders[0]).unwrap(), order);
+    fx.assert_nothing_left().await;
 }
 
 /// The demo's burst — 300 users × 5 concurrent identical requests over real HTTP/1
 /// connections against 100 in stock — keeps every invariant.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_demo_burst_keeps_the_invariants() {
-    let (app, store, backend) = memory_app(100);
+async fn the_demo_burst_keeps_the_invariants(fx: Fixture) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
+    let app = fx.app.clone();
     let server = tokio::spawn(async move { axum::serve(listener, app).await });
 
-    let tally = app::burst(addr, 1, 300, 5, 250).await.unwrap();
+    let tally = app::burst(&[addr], 1, 300, 5, 250).await.unwrap();
     server.abort();
-    let verdict = app::verdict(store.as_ref(), 1, 100, &tally).await.unwrap();
+    let verdict = app::verdict(fx.store.as_ref(), 1, 100, &tally)
+        .await
+        .unwrap();
     assert!(verdict.held(), "{verdict:?}\n{}", app::table(&tally));
     assert_eq!(tally.requests, 1500);
     assert_eq!(tally.other, 0, "{tally:?}");
@@ -119,5 +197,118 @@ async fn the_demo_burst_keeps_the_invariants() {
         (tally.created, tally.stock_left, tally.orders),
         (100, 0, 100)
     );
-    assert!(backend.is_empty(), "no lock left behind");
+    fx.assert_nothing_left().await;
+}
+
+#[tokio::test]
+async fn endpoints_answer_as_documented_on_memory() {
+    endpoints_answer_as_documented(memory(1, Settings::default())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_burst_keeps_the_invariants_on_memory() {
+    the_demo_burst_keeps_the_invariants(memory(100, Settings::default())).await;
+}
+
+#[cfg(feature = "redis")]
+mod on_redis {
+    use super::*;
+    use crate::redis_store::{RedisStore, Seeded, voucher_key};
+    use common::redis_server::RedisServer;
+
+    #[tokio::test]
+    async fn endpoints_answer_as_documented() {
+        super::endpoints_answer_as_documented(redis(1, Settings::default()).await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_demo_burst_keeps_the_invariants() {
+        super::the_demo_burst_keeps_the_invariants(redis(100, Settings::default()).await).await;
+    }
+
+    /// `--no-lock` on Redis: a user's concurrent requests all pass "has this user
+    /// ordered?" and several of them order. The stock stays consistent all the same,
+    /// because the decrement is one script: only the per-user invariant needs the lock.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn without_the_lock_a_user_orders_more_than_once() {
+        let settings = Settings {
+            no_lock: true,
+            work: Duration::from_millis(50),
+            ..Settings::default()
+        };
+        let fx = redis(100, settings).await;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = fx.app.clone();
+        let server = tokio::spawn(async move { axum::serve(listener, app).await });
+        let tally = app::burst(&[addr], 1, 100, 5, 250).await.unwrap();
+        server.abort();
+        let verdict = app::verdict(fx.store.as_ref(), 1, 100, &tally)
+            .await
+            .unwrap();
+        let held: Vec<bool> = verdict.checks.iter().map(|(_, ok)| *ok).collect();
+        assert_eq!(
+            held,
+            [false, true, true, true],
+            "one order per user broken, stock consistent: {verdict:?}\n{}",
+            app::table(&tally)
+        );
+        assert_eq!((tally.stock_left, tally.orders), (0, 100));
+    }
+
+    /// The decrement script never sells a unit twice, however many connections race
+    /// for the last ones.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn take_stock_is_atomic_across_connections() {
+        let server = RedisServer::start().await;
+        let mut stores = Vec::new();
+        for _ in 0..4 {
+            stores.push(RedisStore::connect(&server.url()).await.unwrap());
+        }
+        assert_eq!(stores[0].seed(7, 50).await.unwrap(), Seeded::Fresh);
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..200 {
+            let store = stores[i % stores.len()].clone();
+            tasks.spawn(async move { store.take_stock(7).await.unwrap() });
+        }
+        let taken = tasks.join_all().await.into_iter().filter(|t| *t).count();
+        assert_eq!(taken, 50);
+        let view = stores[1].voucher(7).await.unwrap().unwrap();
+        assert_eq!((view.stock, view.orders), (0, 0));
+        assert!(!stores[2].take_stock(8).await.unwrap(), "no such voucher");
+    }
+
+    /// A second server process seeds nothing: it joins the sale the first one started
+    /// (`SET NX`); `reset` (the demo, `--reset`) starts afresh.
+    #[tokio::test]
+    async fn a_second_process_joins_the_sale_instead_of_restocking_it() {
+        let server = RedisServer::start().await;
+        let first = RedisStore::connect(&server.url()).await.unwrap();
+        let second = RedisStore::connect(&server.url()).await.unwrap();
+        assert_eq!(first.seed(1, 100).await.unwrap(), Seeded::Fresh);
+        assert!(first.take_stock(1).await.unwrap());
+        first.insert_order(1, 42, 1).await.unwrap();
+
+        let joined = second.seed(1, 500).await.unwrap();
+        assert_eq!(
+            joined,
+            Seeded::Existing(app::VoucherView {
+                id: 1,
+                stock: 99,
+                orders: 1
+            })
+        );
+        assert!(second.has_order(1, 42).await.unwrap());
+
+        second.reset(1, 5).await.unwrap();
+        let view = first.voucher(1).await.unwrap().unwrap();
+        assert_eq!((view.stock, view.orders), (5, 0));
+        assert!(!first.has_order(1, 42).await.unwrap());
+        let keys = server.keys("*").await;
+        assert_eq!(
+            keys,
+            ["seckill:order_id".to_owned(), voucher_key(1, "stock")],
+            "every key under seckill:"
+        );
+    }
 }

@@ -1,7 +1,7 @@
 //! The flash-sale ("seckill") app: routes, handlers, the store, and the demo burst.
 //!
-//! Kept apart from `main` so the tests drive exactly this app (`tests/seckill.rs`
-//! includes this file with `#[path]`).
+//! Kept apart from `main` so the tests drive exactly this app (`tests/seckill.rs` and
+//! `tests/redis_processes.rs` include this file with `#[path]`).
 #![allow(dead_code)] // each includer uses a different part
 
 use std::collections::{BTreeMap, HashMap};
@@ -22,7 +22,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tower_lock::extract::HeldLock;
 use tower_lock::layer::{KeyError, LockLayer, Rejection};
 use tower_lock::{LockClient, LockKey};
@@ -38,7 +38,7 @@ pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 pub struct StoreError(pub String);
 
 /// One order.
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Order {
     pub order_id: u64,
     pub voucher_id: u64,
@@ -333,6 +333,8 @@ pub struct Tally {
     pub sold_out: u64,
     /// Anything else (transport errors, unexpected statuses).
     pub other: u64,
+    /// The first of those, to tell what went wrong.
+    pub first_other: Option<String>,
     pub stock_left: i64,
     pub orders: u64,
 }
@@ -349,20 +351,24 @@ impl Verdict {
     }
 }
 
-/// Fires `users` × `per_user` concurrent identical order requests at the server on
-/// `addr` (each user's requests at once; at most `in_flight` requests overall, to stay
-/// within file-descriptor limits), then reads the voucher back.
+/// Fires `users` × `per_user` concurrent identical order requests at the servers on
+/// `addrs` (each user's requests at once, spread over the servers in turn so that one
+/// user's requests reach several of them; at most `in_flight` requests overall, to stay
+/// within file-descriptor limits), then reads the voucher back from the first server.
 ///
 /// # Errors
 ///
-/// When the voucher cannot be read back.
+/// When `addrs` is empty or the voucher cannot be read back.
 pub async fn burst(
-    addr: SocketAddr,
+    addrs: &[SocketAddr],
     voucher: u64,
     users: u64,
     per_user: u64,
     in_flight: usize,
 ) -> Result<Tally, String> {
+    let Some(&first) = addrs.first() else {
+        return Err("no server to send the burst to".into());
+    };
     let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
     let gate = Arc::new(tokio::sync::Semaphore::new(
         in_flight.max(per_user as usize),
@@ -375,10 +381,12 @@ pub async fn burst(
             .await
             .map_err(|e| e.to_string())?;
         let client = client.clone();
+        let addrs = addrs.to_vec();
         tasks.spawn(async move {
             let mut one_user = tokio::task::JoinSet::new();
-            for _ in 0..per_user {
+            for i in 0..per_user {
                 let client = client.clone();
+                let addr = addrs[((user + i) % addrs.len() as u64) as usize];
                 one_user.spawn(async move { order(&client, addr, voucher, user).await });
             }
             let outcomes = one_user.join_all().await;
@@ -394,10 +402,13 @@ pub async fn burst(
             Outcome::Duplicate => tally.duplicates += 1,
             Outcome::Busy => tally.busy += 1,
             Outcome::SoldOut => tally.sold_out += 1,
-            Outcome::Other(_) => tally.other += 1,
+            Outcome::Other(what) => {
+                tally.other += 1;
+                tally.first_other.get_or_insert(what);
+            }
         }
     }
-    let uri = format!("http://{addr}/vouchers/{voucher}");
+    let uri = format!("http://{first}/vouchers/{voucher}");
     let res = client
         .get(uri.parse().map_err(|e| format!("{e}"))?)
         .await

@@ -157,6 +157,63 @@ impl RedisServer {
             .expect("connect to the test server")
     }
 
+    /// Every key matching `pattern` (`SCAN MATCH`), sorted.
+    pub async fn keys(&self, pattern: &str) -> Vec<String> {
+        let mut conn = self.conn().await;
+        let mut keys = Vec::new();
+        let mut cursor = 0u64;
+        loop {
+            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(pattern)
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut conn)
+                .await
+                .expect("SCAN");
+            keys.extend(batch);
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+        keys.sort();
+        keys.dedup();
+        keys
+    }
+
+    /// The channels any client is subscribed to (`PUBSUB CHANNELS`), sorted.
+    pub async fn active_channels(&self) -> Vec<String> {
+        let mut conn = self.conn().await;
+        let mut channels: Vec<String> = redis::cmd("PUBSUB")
+            .arg("CHANNELS")
+            .query_async(&mut conn)
+            .await
+            .expect("PUBSUB CHANNELS");
+        channels.sort();
+        channels
+    }
+
+    /// Subscribers of each of `channels` (`PUBSUB NUMSUB`), in order.
+    pub async fn subscribers(&self, channels: &[String]) -> Vec<u64> {
+        let mut conn = self.conn().await;
+        let counts: std::collections::HashMap<String, u64> = redis::cmd("PUBSUB")
+            .arg("NUMSUB")
+            .arg(channels)
+            .query_async(&mut conn)
+            .await
+            .expect("PUBSUB NUMSUB");
+        channels
+            .iter()
+            .map(|c| {
+                *counts
+                    .get(c)
+                    .expect("NUMSUB answers for every channel asked")
+            })
+            .collect()
+    }
+
     /// Kills the server (SIGKILL) and waits for it to exit.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
