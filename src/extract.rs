@@ -9,6 +9,8 @@
 //! # Example
 //!
 //! ```
+//! # #[cfg(feature = "axum")]
+//! # mod example {
 //! use axum::{Router, routing::post};
 //! use http::HeaderName;
 //! use tower_lock::extract::{HeldLock, Locks};
@@ -22,10 +24,18 @@
 //!     Ok(format!("writing with fencing token {}", held.fencing_token()))
 //! }
 //!
+//! # pub fn app() -> Router {
 //! let app: Router = Router::new().route("/transfer", post(transfer)).layer(LockLayer::new(
 //!     MemoryBackend::new(),
 //!     HeaderKey::new(HeaderName::from_static("x-account")).namespace("account"),
 //! ));
+//! # app
+//! # }
+//! # }
+//! # fn main() {
+//! #     #[cfg(feature = "axum")]
+//! #     let _ = example::app();
+//! # }
 //! ```
 //!
 //! # Errors

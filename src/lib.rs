@@ -90,6 +90,6 @@ pub use lock::{
 pub use owner::{MAX_OWNER_LEN, Owner};
 
 /// The README's examples, compiled and run as doc tests.
-#[cfg(doctest)]
+#[cfg(all(doctest, feature = "redis", feature = "axum"))]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;

@@ -1,5 +1,6 @@
 //! The axum extractors `HeldLock` and `Locks`, and the ready-made key extractors on a
 //! real axum router.
+#![cfg(feature = "axum")]
 
 use std::time::Duration;
 

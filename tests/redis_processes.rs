@@ -7,25 +7,25 @@
 //! no test-only binary ships with the crate. Arguments other than `--holder ...` filter
 //! scenarios by name, as libtest's do.
 
-#[cfg(feature = "redis")]
+#[cfg(all(feature = "redis", feature = "axum"))]
 mod common;
 
-#[cfg(feature = "redis")]
+#[cfg(all(feature = "redis", feature = "axum"))]
 #[path = "../examples/seckill/app.rs"]
 mod app;
-#[cfg(feature = "redis")]
+#[cfg(all(feature = "redis", feature = "axum"))]
 #[path = "../examples/seckill/redis_store.rs"]
 mod redis_store;
 
-#[cfg(feature = "redis")]
+#[cfg(all(feature = "redis", feature = "axum"))]
 fn main() -> std::process::ExitCode {
     imp::main()
 }
 
-#[cfg(not(feature = "redis"))]
+#[cfg(not(all(feature = "redis", feature = "axum")))]
 fn main() {}
 
-#[cfg(feature = "redis")]
+#[cfg(all(feature = "redis", feature = "axum"))]
 mod imp {
     use std::future::Future;
     use std::io::{BufRead, BufReader};

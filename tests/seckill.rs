@@ -1,6 +1,7 @@
 //! The seckill example's app: its endpoints, and its invariants under the demo burst, on
 //! the memory backend with the memory store and on `RedisBackend` with the Redis store
 //! (a real redis-server per test).
+#![cfg(feature = "axum")]
 
 mod common;
 
