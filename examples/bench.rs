@@ -24,6 +24,13 @@
 //! - `w5`: an axum hello-world with 64 keep-alive connections, each request with its own
 //!   key, with `--backend none` (no layer), `memory` or `redis`: requests/s and latency.
 //!
+//! - `all`: the whole suite in one run, one JSON line per measurement: redis-benchmark's
+//!   ceilings for tower-lock's own acquire and release scripts (`-c 1 -P 1` and
+//!   `-c 32 -P 16`, when `redis-benchmark` is on `PATH`), w1 with 1 and 32 workers for
+//!   tower-lock and the baseline, w2 for the plain and the fair lock, w2h, w3 at 20 and
+//!   200 waiters, w4, and w5 for each layer at 64 connections and at 1. `--chart F.svg`
+//!   draws the handoff-latency distributions of w2 and w2h.
+//!
 //! Benchmarks are not tests: nothing here asserts a timing.
 
 use std::process::ExitCode;
@@ -39,9 +46,10 @@ use tower_lock::backend::{
 };
 use tower_lock::{Lease, LockClient, LockKey, MemoryBackend, RedisBackend};
 
-const USAGE: &str = "usage: bench --url URL --workers W --seconds S --workload w1|w2|w3|w4|w5 \
+const USAGE: &str = "usage: bench --url URL --workers W --seconds S --workload w1|w2|w3|w4|w5|all \
 [--handoff] [--backend redis|memory|none] [--kind lock|fair] [--impl tower-lock|baseline] \
-[--lease-ms L] [--waiters N] [--handoffs N] [--locks N] [--watchdog-ms L] [--connections N]";
+[--lease-ms L] [--waiters N] [--handoffs N] [--locks N] [--watchdog-ms L] [--connections N] \
+[--chart FILE.svg (with --workload all)]";
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum BackendKind {
@@ -66,6 +74,7 @@ struct Args {
     locks: usize,
     watchdog: Duration,
     connections: usize,
+    chart: Option<String>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -84,6 +93,7 @@ fn parse_args() -> Result<Args, String> {
         locks: 10_000,
         watchdog: Duration::from_secs(3),
         connections: 64,
+        chart: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -126,6 +136,7 @@ fn parse_args() -> Result<Args, String> {
             "--locks" => a.locks = num(&flag, value()?)?,
             "--watchdog-ms" => a.watchdog = Duration::from_millis(num(&flag, value()?)?),
             "--connections" => a.connections = num(&flag, value()?)?,
+            "--chart" => a.chart = Some(value()?),
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}")),
         }
@@ -134,6 +145,9 @@ fn parse_args() -> Result<Args, String> {
         return Err(
             "--workers, --seconds, --waiters, --locks and --connections must be positive".into(),
         );
+    }
+    if a.chart.is_some() && a.workload != "all" {
+        return Err("--chart goes with --workload all".into());
     }
     if a.baseline && a.workload != "w1" {
         return Err("--impl baseline exists for w1 only".into());
@@ -157,11 +171,14 @@ async fn main() -> ExitCode {
         "w3" => w3(&args).await,
         "w4" => w4(&args).await,
         "w5" => w5(&args).await,
+        "all" => all(&args).await,
         other => Err(format!("unknown workload {other:?}")),
     };
     match result {
         Ok(line) => {
-            println!("{line}");
+            if !line.is_empty() {
+                println!("{line}");
+            }
             ExitCode::SUCCESS
         }
         Err(message) => {
@@ -365,6 +382,10 @@ struct Hold {
 }
 
 async fn w2(args: &Args) -> Result<String, String> {
+    w2_with_samples(args).await.map(|(line, _)| line)
+}
+
+async fn w2_with_samples(args: &Args) -> Result<(String, Vec<u64>), String> {
     let client = client(args).await?;
     let counter_conn = redis_conn(&args.url).await?;
     let counter_key = "bench:w2:counter";
@@ -481,7 +502,7 @@ async fn w2(args: &Args) -> Result<String, String> {
     let counter = counter.unwrap_or(0);
     let cycles = holds.len() as u64;
     let transitions = holds.len().saturating_sub(1) as f64;
-    Ok(object(vec![
+    let line = object(vec![
         ("peer", json!(peer(args))),
         ("lang", json!("rust")),
         ("workload", json!(if args.handoff { "w2h" } else { "w2" })),
@@ -522,7 +543,8 @@ async fn w2(args: &Args) -> Result<String, String> {
             "backend",
             json!(format!("{:?}", args.backend).to_lowercase()),
         ),
-    ]))
+    ]);
+    Ok((line, handoffs))
 }
 
 /// Commands as `INFO commandstats` counts them: `(client-issued, all)`. Commands our
@@ -913,4 +935,285 @@ async fn w5(args: &Args) -> Result<String, String> {
         ("p99_us", json!(pct(&samples, 99.0))),
         ("errors", json!(errors.load(Ordering::Relaxed))),
     ]))
+}
+
+/// Requests per second that `redis-benchmark` reaches for one command line.
+fn redis_benchmark(
+    host: &str,
+    port: &str,
+    clients: u32,
+    pipeline: u32,
+    command: &[&str],
+) -> Result<f64, String> {
+    let requests = (20_000 * pipeline.max(1) * clients.min(8)).to_string();
+    let out = std::process::Command::new("redis-benchmark")
+        .args([
+            "-h",
+            host,
+            "-p",
+            port,
+            "-c",
+            &clients.to_string(),
+            "-P",
+            &pipeline.to_string(),
+        ])
+        .args(["-n", &requests, "-r", "100000", "-q"])
+        .args(command)
+        .output()
+        .map_err(|e| format!("redis-benchmark: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split_whitespace()
+        .zip(text.split_whitespace().skip(1))
+        .filter(|(_, next)| *next == "requests")
+        .filter_map(|(n, _)| n.parse::<f64>().ok())
+        .last()
+        .ok_or_else(|| format!("redis-benchmark printed no rate: {text}"))
+}
+
+/// redis-benchmark's ceiling for tower-lock's own two scripts: the cycles per second a
+/// client could reach if the server were the only limit.
+async fn ceilings(args: &Args) -> Result<Vec<String>, String> {
+    let rest = args.url.trim_start_matches("redis://");
+    let hostport = rest.split('/').next().unwrap_or(rest);
+    let (host, port) = hostport.rsplit_once(':').unwrap_or((hostport, "6379"));
+    let mut conn = redis_conn(&args.url).await?;
+    let load = |code: &str| {
+        let code = code.to_owned();
+        let mut conn = conn.clone();
+        async move {
+            redis::Script::new(&code)
+                .load_async(&mut conn)
+                .await
+                .map_err(|e| e.to_string())
+        }
+    };
+    let acquire = load(include_str!("../lua/lock_acquire.lua")).await?;
+    let release = load(include_str!("../lua/lock_release.lua")).await?;
+    let mut lines = Vec::new();
+    for (clients, pipeline) in [(1, 1), (32, 16)] {
+        let acq = redis_benchmark(
+            host,
+            port,
+            clients,
+            pipeline,
+            &[
+                "EVALSHA",
+                &acquire,
+                "2",
+                "ceil:__rand_int__",
+                "ceilf:__rand_int__",
+                "30000",
+                "bench-owner",
+            ],
+        )?;
+        let rel = redis_benchmark(
+            host,
+            port,
+            clients,
+            pipeline,
+            &[
+                "EVALSHA",
+                &release,
+                "2",
+                "ceil:__rand_int__",
+                "ceilc:__rand_int__",
+                "0",
+                "30000",
+                "bench-owner",
+            ],
+        )?;
+        let setnx = redis_benchmark(
+            host,
+            port,
+            clients,
+            pipeline,
+            &[
+                "SET",
+                "ceils:__rand_int__",
+                "bench-owner",
+                "NX",
+                "PX",
+                "30000",
+            ],
+        )?;
+        lines.push(object(vec![
+            ("peer", json!("redis-benchmark")),
+            ("lang", json!("c")),
+            ("workload", json!("ceiling")),
+            ("clients", json!(clients)),
+            ("pipeline", json!(pipeline)),
+            ("acquire_script_per_s", json!(acq.round())),
+            ("release_script_per_s", json!(rel.round())),
+            (
+                "cycles_per_s",
+                json!((1.0 / (1.0 / acq + 1.0 / rel)).round()),
+            ),
+            ("set_nx_per_s", json!(setnx.round())),
+        ]));
+    }
+    let _: () = redis::cmd("FLUSHDB")
+        .query_async(&mut conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(lines)
+}
+
+async fn all(args: &Args) -> Result<String, String> {
+    let mut lines = Vec::new();
+    let mut say = |line: String| {
+        println!("{line}");
+        lines.push(line);
+    };
+    match ceilings(args).await {
+        Ok(ceilings) => ceilings.into_iter().for_each(&mut say),
+        Err(e) => eprintln!("bench: skipping the redis-benchmark ceilings: {e}"),
+    }
+    let with = |f: &dyn Fn(&mut Args)| {
+        let mut a = args.clone();
+        a.chart = None;
+        f(&mut a);
+        a
+    };
+    for workers in [1, 32] {
+        say(w1(&with(&|a| {
+            a.workers = workers;
+            a.workload = "w1".into();
+        }))
+        .await?);
+        say(w1_baseline(&with(&|a| {
+            a.workers = workers;
+            a.workload = "w1".into();
+            a.baseline = true;
+        }))
+        .await?);
+    }
+    let (w2_line, w2_samples) = w2_with_samples(&with(&|a| {
+        a.workers = 8;
+        a.workload = "w2".into();
+    }))
+    .await?;
+    say(w2_line);
+    match w2_with_samples(&with(&|a| {
+        a.workers = 8;
+        a.workload = "w2".into();
+        a.fair = true;
+    }))
+    .await
+    {
+        Ok((line, _)) => say(line),
+        Err(e) => eprintln!("bench: the fair lock's w2 failed: {e}"),
+    }
+    let (w2h_line, w2h_samples) = w2_with_samples(&with(&|a| {
+        a.workers = 8;
+        a.workload = "w2".into();
+        a.handoff = true;
+    }))
+    .await?;
+    say(w2h_line);
+    for waiters in [20, 200] {
+        say(w3(&with(&|a| {
+            a.waiters = waiters;
+            a.workload = "w3".into();
+        }))
+        .await?);
+    }
+    say(w4(&with(&|a| a.workload = "w4".into())).await?);
+    for connections in [64, 1] {
+        for backend in [BackendKind::None, BackendKind::Memory, BackendKind::Redis] {
+            say(w5(&with(&|a| {
+                a.connections = connections;
+                a.backend = backend;
+                a.workload = "w5".into();
+            }))
+            .await?);
+        }
+    }
+    if let Some(path) = &args.chart {
+        chart(
+            path,
+            &[
+                ("w2 (free-for-all)", &w2_samples),
+                ("w2h (strict handoff)", &w2h_samples),
+            ],
+        )?;
+        eprintln!("bench: wrote {path}");
+    }
+    // Every line was printed as it came; the last is returned for main to print again
+    // only if nothing was printed, which cannot happen here.
+    Ok(String::new())
+}
+
+/// Handoff latency distributions (share of handoffs at or below each latency), log scale.
+fn chart(path: &str, series: &[(&str, &Vec<u64>)]) -> Result<(), String> {
+    use plotters::prelude::*;
+    let root = SVGBackend::new(path, (760, 420)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    let max = series
+        .iter()
+        .flat_map(|(_, s)| s.last().copied())
+        .max()
+        .unwrap_or(1000)
+        .max(1000) as f64;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "tower-lock handoff latency, 8 workers, Redis on loopback",
+            ("sans-serif", 18),
+        )
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d((10f64..max * 1.2).log_scale(), 0f64..1f64)
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .x_desc("handoff latency (µs): next holder's acquire returned − previous release returned")
+        .y_desc("share of handoffs ≤ x")
+        .draw()
+        .map_err(|e| e.to_string())?;
+    let colors = [BLUE, RED, GREEN];
+    for ((name, samples), color) in series.iter().zip(colors) {
+        if samples.is_empty() {
+            continue;
+        }
+        let n = samples.len() as f64;
+        let step = (samples.len() / 400).max(1);
+        let points: Vec<(f64, f64)> = samples
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| i % step == 0 || *i + 1 == samples.len())
+            .map(|(i, &us)| ((us.max(10)) as f64, (i + 1) as f64 / n))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(points, color.stroke_width(2)))
+            .map_err(|e| e.to_string())?
+            .label(format!(
+                "{name}: p50 {} µs, p99 {} µs",
+                pct(samples, 50.0),
+                pct(samples, 99.0)
+            ))
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
+    }
+    // The peers' published medians for the same strict-handoff workload.
+    for (name, us) in [
+        ("python-redis-lock p50 68 µs", 68.0),
+        ("rslock p50 10.9 ms", 10_900.0),
+    ] {
+        if us < max * 1.2 {
+            chart
+                .draw_series(std::iter::once(Circle::new((us, 0.5), 5, BLACK.filled())))
+                .map_err(|e| e.to_string())?
+                .label(name)
+                .legend(|(x, y)| Circle::new((x + 10, y), 4, BLACK.filled()));
+        }
+    }
+    chart
+        .configure_series_labels()
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.9))
+        .position(SeriesLabelPosition::LowerRight)
+        .draw()
+        .map_err(|e| e.to_string())?;
+    root.present().map_err(|e| e.to_string())
 }

@@ -591,3 +591,68 @@ async fn dropped_futures_leave_no_lock_and_no_waiter() {
     .await;
     assert_eq!(client.watched_locks(), 0);
 }
+
+/// Holds every release until the gate opens, as a slow store would.
+#[derive(Clone, Default)]
+struct SlowRelease {
+    inner: MemoryBackend,
+    gate: Arc<tokio::sync::Notify>,
+    open: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl LockBackend for SlowRelease {
+    fn name(&self) -> &'static str {
+        "slow-release"
+    }
+    fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
+        self.inner.acquire(req)
+    }
+    fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>> {
+        self.inner.renew(req)
+    }
+    fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>> {
+        Box::pin(async move {
+            while !self.open.load(Ordering::SeqCst) {
+                self.gate.notified().await;
+            }
+            self.inner.release(req).await
+        })
+    }
+    fn subscribe<'a>(
+        &'a self,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, Result<Box<dyn Subscription>>> {
+        self.inner.subscribe(req)
+    }
+    fn force_release<'a>(
+        &'a self,
+        key: &'a LockKey,
+        mode: LockMode,
+    ) -> BoxFuture<'a, Result<bool>> {
+        self.inner.force_release(key, mode)
+    }
+}
+
+/// The client hangs up while the layer is releasing: the release still completes.
+#[tokio::test]
+async fn a_response_dropped_mid_release_still_releases() {
+    let backend = SlowRelease::default();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let svc = LockLayer::new(backend.clone(), by_user()).layer(handler(calls.clone()));
+    let pending = tokio::time::timeout(Duration::from_millis(100), svc.oneshot(user("7"))).await;
+    assert!(pending.is_err(), "the response waits for the release");
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran");
+    let key = LockKey::namespaced("user", "7").unwrap();
+    assert!(
+        backend.inner.contains_key(&key),
+        "still held: the release is stalled"
+    );
+    backend.open.store(true, Ordering::SeqCst);
+    backend.gate.notify_waiters();
+    wait_until(
+        Duration::from_secs(2),
+        "the dropped response's release completed",
+        || async { !backend.inner.contains_key(&key) },
+    )
+    .await;
+}

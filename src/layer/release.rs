@@ -5,19 +5,16 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use tokio::task::JoinHandle;
-
 use crate::error::Error;
 use crate::kinds::MultiGuard;
 use crate::lock::LockClient;
 
 /// A request's locks on their way out.
 ///
-/// The response future (or body) drives the release and hands the response on only once
-/// the locks are free, so the client's next request finds them free. The release is
-/// polled in place first: a store that answers at once (the memory backend) costs no
-/// task. One still pending moves into a spawned task that is then awaited, so a
-/// response future dropped mid-release does not cut the release short.
+/// The response future (or body) drives the release in place and hands the response on
+/// only once the locks are free, so the client's next request finds them free — with no
+/// task and no cross-task wake-up on the way. Dropped mid-release (the client went
+/// away), it moves the release under way into a spawned task, so it is never cut short.
 pub(crate) struct Release {
     state: State,
 }
@@ -29,9 +26,8 @@ enum State {
         guard: MultiGuard,
         client: LockClient,
     },
-    /// Started, not polled yet: dropped now, its guards release on drop.
-    Starting(Pin<Box<dyn Future<Output = ()> + Send>>),
-    Releasing(JoinHandle<()>),
+    /// Under way, driven by `poll_released`; finished in a task if dropped.
+    Releasing(Pin<Box<dyn Future<Output = ()> + Send>>),
 }
 
 impl Release {
@@ -52,7 +48,7 @@ impl Release {
     }
 
     pub(crate) fn is_releasing(&self) -> bool {
-        matches!(self.state, State::Starting(_) | State::Releasing(_))
+        matches!(self.state, State::Releasing(_))
     }
 
     /// Holding or releasing: not done yet.
@@ -64,7 +60,7 @@ impl Release {
     pub(crate) fn start(&mut self) {
         match std::mem::replace(&mut self.state, State::Empty) {
             State::Holding { guard, client } => {
-                self.state = State::Starting(Box::pin(unlock(guard, client)));
+                self.state = State::Releasing(Box::pin(unlock(guard, client)));
             }
             other => self.state = other,
         }
@@ -79,33 +75,25 @@ impl Release {
 
     /// Ready once the release has finished (at once when nothing is being released).
     pub(crate) fn poll_released(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        if let State::Starting(release) = &mut self.state {
-            if release.as_mut().poll(cx).is_ready() {
-                self.state = State::Empty;
-                return Poll::Ready(());
-            }
-            // Still under way: let it finish in its own task, whatever becomes of us.
-            // Outside a runtime (never, when polled by hyper or axum) it is dropped
-            // instead, and the lease ends the hold.
-            let State::Starting(release) = std::mem::replace(&mut self.state, State::Empty) else {
-                return Poll::Ready(());
-            };
-            match tokio::runtime::Handle::try_current() {
-                Ok(runtime) => self.state = State::Releasing(runtime.spawn(release)),
-                Err(_) => return Poll::Ready(()),
-            }
-        }
-        if let State::Releasing(task) = &mut self.state {
-            if let Poll::Ready(result) = Pin::new(task).poll(cx) {
-                if let Err(error) = result {
-                    tracing::warn!(%error, "the lock release task failed; the lease will end the hold");
-                }
-                self.state = State::Empty;
-            } else {
+        if let State::Releasing(release) = &mut self.state {
+            if release.as_mut().poll(cx).is_pending() {
                 return Poll::Pending;
             }
+            self.state = State::Empty;
         }
         Poll::Ready(())
+    }
+}
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        if let State::Releasing(release) = std::mem::replace(&mut self.state, State::Empty) {
+            // Outside a runtime (never, when polled by hyper or axum) it is dropped, and
+            // the lease ends whatever hold it had not released yet.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(release);
+            }
+        }
     }
 }
 
