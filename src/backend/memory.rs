@@ -185,6 +185,9 @@ impl MemoryBackendBuilder {
     /// [`Error::InvalidConfig`] naming `waiter_timeout` when it is shorter than
     /// [`MIN_WAITER_TIMEOUT`] or longer than [`MAX_LEASE`](crate::MAX_LEASE).
     pub fn build(self) -> Result<MemoryBackend> {
+        if let Some(lease) = self.watchdog_lease {
+            crate::lock::validate_watchdog_lease(lease)?;
+        }
         if self.waiter_timeout < MIN_WAITER_TIMEOUT || self.waiter_timeout > crate::MAX_LEASE {
             return Err(Error::invalid_config(
                 "waiter_timeout",
@@ -1023,12 +1026,7 @@ struct MemorySubscription {
 
 impl Subscription for MemorySubscription {
     fn wait(&mut self, deadline: Instant) -> BoxFuture<'_, Wake> {
-        Box::pin(async move {
-            match tokio::time::timeout_at(deadline, self.notify.notified()).await {
-                Ok(()) => Wake::Notified,
-                Err(_) => Wake::Deadline,
-            }
-        })
+        super::wait_notified(&self.notify, deadline)
     }
 
     fn pass_on(&mut self) {

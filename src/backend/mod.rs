@@ -251,6 +251,20 @@ pub enum Wake {
     Deadline,
 }
 
+/// Waits on an in-process `Notify` until notified or `deadline`: the wait of every
+/// subscription built on one (the memory backend's, the Redis pub/sub registry's).
+pub(crate) fn wait_notified(
+    notify: &tokio::sync::Notify,
+    deadline: Instant,
+) -> BoxFuture<'_, Wake> {
+    Box::pin(async move {
+        match tokio::time::timeout_at(deadline, notify.notified()).await {
+            Ok(()) => Wake::Notified,
+            Err(_) => Wake::Deadline,
+        }
+    })
+}
+
 /// A registered interest in releases of one key, from [`LockBackend::subscribe`].
 ///
 /// Dropping it unregisters; a backend must not keep anything per waiter after that.

@@ -269,6 +269,9 @@ impl RedLockBuilder {
     /// [`Error::InvalidConfig`] naming `nodes` when there are none, `node_timeout` when
     /// it is zero.
     pub fn build(self) -> Result<RedLock> {
+        if let Some(lease) = self.watchdog_lease {
+            crate::lock::validate_watchdog_lease(lease)?;
+        }
         let total = self.nodes.len();
         if total == 0 {
             return Err(Error::invalid_config(

@@ -122,7 +122,7 @@ pub(crate) fn validate_lease(name: &'static str, lease: Duration) -> Result<Dura
     Ok(lease)
 }
 
-fn validate_watchdog_lease(lease: Duration) -> Result<Duration> {
+pub(crate) fn validate_watchdog_lease(lease: Duration) -> Result<Duration> {
     if lease < MIN_WATCHDOG_LEASE {
         return Err(Error::invalid_config(
             "watchdog_lease",

@@ -523,13 +523,8 @@ impl RedisBackendBuilder {
                 ));
             }
         }
-        if let Some(lease) = self.watchdog_lease
-            && lease < crate::MIN_WATCHDOG_LEASE
-        {
-            return Err(Error::invalid_config(
-                "watchdog_lease",
-                format!("must be at least 30 ms (got {lease:?})"),
-            ));
+        if let Some(lease) = self.watchdog_lease {
+            crate::lock::validate_watchdog_lease(lease)?;
         }
         let (conn, pubsub_client) = match self.target {
             Target::Single(client) => {

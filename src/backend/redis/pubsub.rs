@@ -146,12 +146,7 @@ struct RedisSubscription {
 
 impl Subscription for RedisSubscription {
     fn wait(&mut self, deadline: Instant) -> BoxFuture<'_, Wake> {
-        Box::pin(async move {
-            match tokio::time::timeout_at(deadline, self.notify.notified()).await {
-                Ok(()) => Wake::Notified,
-                Err(_) => Wake::Deadline,
-            }
-        })
+        crate::backend::wait_notified(&self.notify, deadline)
     }
 
     fn pass_on(&mut self) {
