@@ -21,6 +21,12 @@ struct Stalls {
     after: bool,
     /// Subscribing never completes (a pub/sub connection that never confirms).
     subscribe: bool,
+    /// Renewals never answer (a store that hangs).
+    renew: bool,
+    /// Releases wait until this is cleared (a slow store).
+    release: bool,
+    /// The next acquire takes effect in the store, but its reply is lost (an error).
+    lose_next_reply: bool,
 }
 
 #[derive(Clone, Default)]
@@ -50,16 +56,29 @@ impl LockBackend for Gated {
             if stalls.after {
                 std::future::pending::<()>().await;
             }
+            if std::mem::take(&mut self.stalls.lock().unwrap().lose_next_reply) {
+                return Err(tower_lock::Error::Backend("reply lost in flight".into()));
+            }
             outcome
         })
     }
 
     fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>> {
-        self.inner.renew(req)
+        Box::pin(async move {
+            if self.stalls.lock().unwrap().renew {
+                std::future::pending::<()>().await;
+            }
+            self.inner.renew(req).await
+        })
     }
 
     fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>> {
-        self.inner.release(req)
+        Box::pin(async move {
+            while self.stalls.lock().unwrap().release {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            self.inner.release(req).await
+        })
     }
 
     fn subscribe<'a>(
@@ -212,4 +231,106 @@ async fn a_stalled_subscribe_does_not_outlast_the_wait() {
         "{took:?}"
     );
     held.unlock().await.unwrap();
+}
+
+/// Renewals hang: the lost signal still fires when the lease ends, not a renewal period
+/// or two later when the watchdog notices.
+#[tokio::test]
+async fn lost_fires_when_the_lease_ends_though_renewals_hang() {
+    let backend = Gated::default();
+    let lease = Duration::from_millis(300);
+    let client = LockClient::builder(backend.clone())
+        .watchdog_lease(lease)
+        .build()
+        .unwrap();
+    let key = LockKey::new("hang").unwrap();
+    backend.stall(|s| s.renew = true);
+    let acquired_at = Instant::now();
+    let guard = client.get_lock(&key).unwrap().lock().await.unwrap();
+    tokio::time::sleep_until(acquired_at + lease - Duration::from_millis(50)).await;
+    assert!(!guard.is_lost(), "lost before the lease ended");
+    // Known the moment the lease ends, not at the watchdog's next look.
+    tokio::time::sleep_until(acquired_at + lease + Duration::from_millis(10)).await;
+    assert!(
+        guard.is_lost(),
+        "the lease ended, but the guard does not know"
+    );
+    tokio::time::timeout(Duration::from_secs(2), guard.lost().wait())
+        .await
+        .unwrap();
+    let after = acquired_at.elapsed();
+    assert!(
+        after < lease + Duration::from_millis(60),
+        "lost {after:?} after acquiring, lease {lease:?}"
+    );
+    assert!(guard.is_lost());
+    backend.stall(|s| s.renew = false);
+}
+
+/// `unlock` dropped before the store answers: the release still happens.
+#[tokio::test]
+async fn an_unlock_dropped_mid_flight_still_releases() {
+    let backend = Gated::default();
+    let client = LockClient::new(backend.clone());
+    let key = LockKey::new("unlock-dropped").unwrap();
+    let guard = client.get_lock(&key).unwrap().lock().await.unwrap();
+    backend.stall(|s| s.release = true);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(20), guard.unlock())
+            .await
+            .is_err()
+    );
+    assert!(
+        backend.inner.contains_key(&key),
+        "the stalled release has not happened yet"
+    );
+    backend.stall(|s| s.release = false);
+    wait_until(
+        Duration::from_secs(2),
+        "the dropped unlock's release completed",
+        || async { !backend.inner.contains_key(&key) },
+    )
+    .await;
+}
+
+/// A waiter's attempt takes effect but its reply is lost; the retry re-enters the hold it
+/// did not know it had. Its one unlock must still free the key, not leave a phantom hold
+/// locking everyone out until the lease ends.
+#[tokio::test]
+async fn a_lost_reply_leaves_no_phantom_hold() {
+    let backend = Gated::default();
+    let client = LockClient::new(backend.clone());
+    let key = LockKey::new("phantom").unwrap();
+    let holder = client.get_lock(&key).unwrap().lock().await.unwrap();
+    let waiter_lock = client
+        .get_lock(&key)
+        .unwrap()
+        .with_owner(client.new_owner());
+    let waiter = tokio::spawn(async move {
+        waiter_lock
+            .try_lock_for(Duration::from_secs(5), Lease::Watchdog)
+            .await
+    });
+    wait_until(Duration::from_secs(5), "the waiter waits", || async {
+        backend.inner.waiters(&key) == 1
+    })
+    .await;
+    backend.stall(|s| s.lose_next_reply = true);
+    holder.unlock().await.unwrap();
+    let guard = waiter
+        .await
+        .unwrap()
+        .expect("the waiter retried after the lost reply");
+    assert_eq!(
+        guard.hold_count(),
+        2,
+        "the retry re-entered the unanswered hold"
+    );
+    guard.unlock().await.unwrap();
+    assert!(
+        !backend.inner.contains_key(&key),
+        "a phantom hold kept the key locked"
+    );
+    let next = client.get_lock(&key).unwrap().try_lock().await;
+    assert!(next.is_ok(), "{next:?}");
 }

@@ -700,17 +700,6 @@ impl MemoryBackend {
         }
     }
 
-    /// A new store whose clients default to `lease` for the watchdog (instead of
-    /// [`DEFAULT_WATCHDOG_LEASE`](crate::DEFAULT_WATCHDOG_LEASE)).
-    pub fn with_watchdog_lease(lease: Duration) -> Self {
-        MemoryBackend {
-            shared: Arc::new(Shared {
-                watchdog_lease: Some(lease),
-                ..Shared::default()
-            }),
-        }
-    }
-
     /// The configured waiter timeout; see [`MemoryBackendBuilder::waiter_timeout`].
     pub fn waiter_timeout(&self) -> Duration {
         self.shared.waiter_timeout

@@ -4,6 +4,8 @@ use std::cmp::Ordering;
 use std::fmt;
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use crate::backend::{FencingToken, LockMode};
 use crate::error::Result;
 use crate::lock::acquire::{Acting, acquire_as, deadline_after};
@@ -18,7 +20,10 @@ use crate::owner::Owner;
 ///   taken once.
 /// - One owner acts for all of them: the MultiLock's own ([`MultiLock::with_owner`]), else
 ///   the current [`Owner::scope`], else a fresh one.
-/// - One deadline bounds the whole acquisition and one lease applies to every lock.
+/// - One deadline bounds the whole acquisition and one lease applies to every lock. With
+///   a fixed lease, each lock is first taken with the lease plus the wait left, so none
+///   runs out while later ones are waited for, then all are set to exactly the lease
+///   once every lock is held (Redisson does the same).
 /// - If any lock cannot be taken before the deadline, those already taken are released
 ///   before the error is returned.
 ///
@@ -140,21 +145,68 @@ impl MultiLock {
         lease: Lease,
     ) -> Result<MultiGuard> {
         let deadline = deadline_after(wait);
-        let mut guards = Vec::with_capacity(self.locks.len());
-        for lock in &self.locks {
-            match acquire_as(lock, acting.clone(), deadline, lease).await {
-                Ok(guard) => guards.push(guard),
-                Err(error) => {
-                    for guard in guards.into_iter().rev() {
-                        if let Err(e) = guard.unlock().await {
-                            tracing::debug!(error = %e, "rolling back a partial MultiLock");
-                        }
+        // With a fixed lease, a lock taken early must not run out while the later ones
+        // are waited for: each is taken with the lease plus the wait left (Redisson's
+        // approach), and all are pinned to exactly the lease once held.
+        let pinned = match lease {
+            Lease::Fixed(exact) if self.locks.len() > 1 => Some(exact),
+            _ => None,
+        };
+        loop {
+            let per_lock = match (pinned, deadline) {
+                (Some(exact), Some(deadline)) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    Lease::Fixed(exact.saturating_add(left).min(crate::MAX_LEASE))
+                }
+                _ => lease,
+            };
+            let mut guards = Vec::with_capacity(self.locks.len());
+            for lock in &self.locks {
+                match acquire_as(lock, acting.clone(), deadline, per_lock).await {
+                    Ok(guard) => guards.push(guard),
+                    Err(error) => {
+                        rollback(guards).await;
+                        return Err(error);
                     }
-                    return Err(error);
                 }
             }
+            let Some(exact) = pinned else {
+                return Ok(MultiGuard { guards });
+            };
+            let mut all_held = true;
+            for guard in &mut guards {
+                // A re-entered hold keeps the (longer) lease of the hold it re-entered.
+                if guard.hold_count() > 1 {
+                    continue;
+                }
+                match guard.pin_lease(exact).await {
+                    Ok(true) => {}
+                    Ok(false) => all_held = false,
+                    Err(error) => {
+                        rollback(guards).await;
+                        return Err(error);
+                    }
+                }
+            }
+            if all_held {
+                return Ok(MultiGuard { guards });
+            }
+            // A lock ran out while the others were waited for (only possible without a
+            // deadline, whose leases cannot be stretched to cover it): start over.
+            rollback(guards).await;
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(crate::Error::Busy { holder_ttl: None });
+            }
         }
-        Ok(MultiGuard { guards })
+    }
+}
+
+/// Releases a partial acquisition, last taken first.
+async fn rollback(guards: Vec<LockGuard>) {
+    for guard in guards.into_iter().rev() {
+        if let Err(e) = guard.unlock().await {
+            tracing::debug!(error = %e, "rolling back a partial MultiLock");
+        }
     }
 }
 

@@ -16,7 +16,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use super::guard::{LockGuard, LostSignal};
+use super::guard::LockGuard;
 use super::{Lease, Lock, LockClient, LockEvent};
 use crate::backend::{Acquire, Grant, LockRequest, Subscription, Wake};
 use crate::error::{Error, Result};
@@ -148,22 +148,14 @@ pub(crate) async fn acquire_as(
         Some(valid_for) => Instant::now() + valid_for,
         None => sent_at + lease_len,
     };
-    let (lost, generation) = if watched {
-        let reg = client.watchdog().register(&req, expires_at);
-        (LostSignal::new(reg.lost, None), Some(reg.generation))
-    } else {
-        (
-            LostSignal::new(tokio_util::sync::CancellationToken::new(), Some(expires_at)),
-            None,
-        )
-    };
+    let registration = client.watchdog().register(&req, Some(expires_at), watched);
     Ok(LockGuard::new(
         client.clone(),
         req,
         grant.token(),
         grant.holds(),
-        lost,
-        generation,
+        registration,
+        watched,
     ))
 }
 
@@ -310,7 +302,9 @@ async fn wait(
 
 /// One acquire call. With a fresh owner (one nobody else can be using), a call that is
 /// cancelled or fails in flight may still have taken the lock in the store; a release is
-/// then spawned for it, so the key is not held until the lease runs out.
+/// then spawned for it, so the key is not held until the lease runs out. (For any owner,
+/// a hold applied but never answered is also repaired when the client's last guard of
+/// that hold is released.)
 async fn attempt(
     client: &LockClient,
     req: &LockRequest,
@@ -323,10 +317,12 @@ async fn attempt(
     }
     impl Drop for InFlight<'_> {
         fn drop(&mut self) {
-            if self.armed {
+            if self.armed
+                && let Ok(runtime) = tokio::runtime::Handle::try_current()
+            {
                 let backend = self.client.backend().clone();
                 let req = self.req.clone();
-                tokio::spawn(async move {
+                runtime.spawn(async move {
                     let _ = backend.release(&req).await;
                 });
             }
@@ -366,10 +362,12 @@ impl InLine<'_> {
 
 impl Drop for InLine<'_> {
     fn drop(&mut self) {
-        if self.queued {
+        if self.queued
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
             let backend = self.client.backend().clone();
             let req = self.req.clone();
-            tokio::spawn(async move {
+            runtime.spawn(async move {
                 let _ = backend.cancel_wait(&req).await;
             });
         }

@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::LockClient;
+use super::watchdog::{Expiry, Registration};
 use crate::backend::{FencingToken, LockMode, LockRequest, Release};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
@@ -58,18 +59,20 @@ pub struct LostSignal {
 #[derive(Clone)]
 enum Repr {
     One {
+        /// Fired when the hold is found gone (a renewal said "not held", unlock found it
+        /// released by someone else).
         token: CancellationToken,
-        /// End of an explicit lease; `None` for watched locks.
-        deadline: Option<Instant>,
+        /// The end of the hold's last confirmed lease, kept up to date by the watchdog.
+        expiry: Arc<Expiry>,
     },
     /// Fires when any of several holds is lost (a MultiLock, a request's locks).
     Any(Arc<[LostSignal]>),
 }
 
 impl LostSignal {
-    pub(crate) fn new(token: CancellationToken, deadline: Option<Instant>) -> Self {
+    pub(crate) fn new(token: CancellationToken, expiry: Arc<Expiry>) -> Self {
         LostSignal {
-            repr: Repr::One { token, deadline },
+            repr: Repr::One { token, expiry },
         }
     }
 
@@ -95,9 +98,7 @@ impl LostSignal {
     /// Whether the lock has been lost.
     pub fn is_lost(&self) -> bool {
         match &self.repr {
-            Repr::One { token, deadline } => {
-                token.is_cancelled() || deadline.is_some_and(|d| Instant::now() >= d)
-            }
+            Repr::One { token, expiry } => token.is_cancelled() || expiry.passed(Instant::now()),
             Repr::Any(signals) => signals.iter().any(LostSignal::is_lost),
         }
     }
@@ -111,16 +112,19 @@ impl LostSignal {
 
     fn wait_owned(self) -> Pin<Box<dyn Future<Output = ()> + Send>> {
         match self.repr {
-            Repr::One { token, deadline } => Box::pin(async move {
-                match deadline {
-                    Some(deadline) => {
-                        tokio::select! {
-                            _ = token.cancelled() => {}
-                            _ = tokio::time::sleep_until(deadline) => {}
+            Repr::One { token, expiry } => Box::pin(async move {
+                // The lease may be extended while we sleep: re-read it when it seems due.
+                while let Some(at) = expiry.get() {
+                    tokio::select! {
+                        _ = token.cancelled() => return,
+                        _ = tokio::time::sleep_until(at) => {
+                            if expiry.passed(Instant::now()) {
+                                return;
+                            }
                         }
                     }
-                    None => token.cancelled().await,
                 }
+                token.cancelled().await;
             }),
             Repr::Any(signals) => {
                 let mut waits: Vec<_> = signals.iter().map(|s| s.clone().wait_owned()).collect();
@@ -132,6 +136,15 @@ impl LostSignal {
                     }
                 }))
             }
+        }
+    }
+
+    /// Whether the token was fired (a loss found and reported), as opposed to a lease
+    /// that merely ran out.
+    pub(crate) fn fired(&self) -> bool {
+        match &self.repr {
+            Repr::One { token, .. } => token.is_cancelled(),
+            Repr::Any(signals) => signals.iter().any(LostSignal::fired),
         }
     }
 
@@ -170,8 +183,12 @@ struct Held {
     token: FencingToken,
     holds: u32,
     lost: LostSignal,
-    /// The watchdog registration's generation; `None` for an explicit lease.
-    watched: Option<u64>,
+    /// The end of the hold's last confirmed lease (shared with `lost`).
+    expiry: Arc<Expiry>,
+    /// The registration's generation in the client's registry of holds.
+    generation: u64,
+    /// Renewed by the watchdog (no explicit lease).
+    watched: bool,
     runtime: Handle,
     acquired_at: Instant,
 }
@@ -182,21 +199,46 @@ impl LockGuard {
         req: LockRequest,
         token: FencingToken,
         holds: u32,
-        lost: LostSignal,
-        watched: Option<u64>,
+        registration: Registration,
+        watched: bool,
     ) -> Self {
+        let Registration {
+            generation,
+            lost,
+            expiry,
+        } = registration;
         LockGuard {
             inner: Some(Held {
                 client,
                 req,
                 token,
                 holds,
-                lost,
+                lost: LostSignal::new(lost, Arc::clone(&expiry)),
+                expiry,
+                generation,
                 watched,
                 runtime: Handle::current(),
                 acquired_at: Instant::now(),
             }),
         }
+    }
+
+    /// Sets the lease of this hold to exactly `lease` from now (owner-checked); returns
+    /// whether the hold was still there. MultiLock uses it to give every lock the same
+    /// lease once all are held.
+    pub(crate) async fn pin_lease(&mut self, lease: Duration) -> Result<bool> {
+        let Some(held) = self.inner.as_mut() else {
+            return Ok(false);
+        };
+        let mut req = held.req.clone();
+        req.lease = lease;
+        let sent_at = Instant::now();
+        let renewed = held.client.backend().renew(&req).await?;
+        if renewed {
+            held.expiry.set(sent_at.checked_add(lease));
+            held.req.lease = lease;
+        }
+        Ok(renewed)
     }
 
     fn held(&self) -> &Held {
@@ -240,7 +282,7 @@ impl LockGuard {
 
     /// Whether the watchdog renews this lock.
     pub fn is_watched(&self) -> bool {
-        self.held().watched.is_some()
+        self.held().watched
     }
 
     /// The signal that fires if the lock is lost. See [`LostSignal`].
@@ -266,9 +308,15 @@ impl LockGuard {
         let Some(held) = self.inner.take() else {
             return Ok(());
         };
-        held.stop_watching();
+        let last_local = held.unregister() == Some(0);
         let was_lost = held.lost.is_lost();
-        let outcome = held.client.backend().release(&held.req).await;
+        // Cancel-safe: dropped before the store answers, the release goes on in a task.
+        let release = release_fully(
+            Arc::clone(held.client.backend()),
+            held.req.clone(),
+            last_local,
+        );
+        let outcome = FinishOnDrop::new(held.runtime.clone(), release).await;
         held.observe(&outcome, was_lost);
         match outcome? {
             Release::NotHeld => {
@@ -281,15 +329,83 @@ impl LockGuard {
     }
 }
 
-impl Held {
-    fn stop_watching(&self) {
-        if let Some(generation) = self.watched {
-            self.client.watchdog().unregister(&self.req, generation);
+/// The most extra releases spent repairing holds no guard stands for.
+const MAX_REPAIRS: u32 = 1024;
+
+/// Releases one hold of `req`. When this client has no other guard of the hold
+/// (`last_local`) yet the store still counts holds of the owner, those holds stand for
+/// nobody — an acquisition the store applied but whose reply was lost — so they are
+/// released too; otherwise the key would stay locked until the lease ran out.
+async fn release_fully(
+    backend: Arc<dyn crate::backend::LockBackend>,
+    req: LockRequest,
+    last_local: bool,
+) -> Result<Release> {
+    let first = backend.release(&req).await?;
+    let Release::Decremented { holds } = first else {
+        return Ok(first);
+    };
+    if !last_local {
+        return Ok(first);
+    }
+    tracing::warn!(holds, key = %req.key, owner = %req.owner, "releasing holds no guard stands for (a reply lost in flight)");
+    for _ in 0..holds.min(MAX_REPAIRS) {
+        match backend.release(&req).await? {
+            Release::Decremented { .. } => {}
+            _ => return Ok(Release::Released),
         }
     }
+    Ok(first)
+}
 
-    /// Tells the observer how a release went. A loss the watchdog already reported
-    /// (a watched hold whose signal had fired) is not reported again.
+/// Drives a boxed future; dropped before it completes, hands it to a task on `runtime`
+/// so it still runs to the end.
+struct FinishOnDrop<T: Send + 'static> {
+    future: Option<Pin<Box<dyn Future<Output = T> + Send>>>,
+    runtime: Handle,
+}
+
+impl<T: Send + 'static> FinishOnDrop<T> {
+    fn new(runtime: Handle, future: impl Future<Output = T> + Send + 'static) -> Self {
+        FinishOnDrop {
+            future: Some(Box::pin(future)),
+            runtime,
+        }
+    }
+}
+
+impl<T: Send + 'static> Future for FinishOnDrop<T> {
+    type Output = T;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<T> {
+        let Some(future) = self.future.as_mut() else {
+            return Poll::Pending;
+        };
+        let output = std::task::ready!(future.as_mut().poll(cx));
+        self.future = None;
+        Poll::Ready(output)
+    }
+}
+
+impl<T: Send + 'static> Drop for FinishOnDrop<T> {
+    fn drop(&mut self) {
+        if let Some(future) = self.future.take() {
+            self.runtime.spawn(async move {
+                let _ = future.await;
+            });
+        }
+    }
+}
+
+impl Held {
+    /// This guard is gone from the client's registry of holds: how many guards of the
+    /// hold the client still has (`None`: the hold had already ended as lost).
+    fn unregister(&self) -> Option<usize> {
+        self.client
+            .watchdog()
+            .unregister(&self.req, self.generation, self.watched)
+    }
+
     fn observe(&self, outcome: &Result<Release>, was_lost: bool) {
         let Some(observer) = self.client.hooks().observer() else {
             return;
@@ -299,7 +415,9 @@ impl Held {
             mode: self.req.mode,
             owner: &self.req.owner,
         };
-        let reported_by_watchdog = was_lost && self.watched.is_some();
+        // The watchdog reports the losses it finds (and fires the token); an expiry it
+        // had not caught yet is reported here.
+        let reported_by_watchdog = was_lost && self.watched && self.lost.fired();
         match outcome {
             Ok(Release::NotHeld) if !reported_by_watchdog => observer.lost(event),
             Ok(Release::NotHeld) => {}
@@ -315,11 +433,16 @@ impl Drop for LockGuard {
         let Some(held) = self.inner.take() else {
             return;
         };
-        held.stop_watching();
+        let last_local = held.unregister() == Some(0);
         let was_lost = held.lost.is_lost();
         let runtime = held.runtime.clone();
         runtime.spawn(async move {
-            let outcome = held.client.backend().release(&held.req).await;
+            let outcome = release_fully(
+                Arc::clone(held.client.backend()),
+                held.req.clone(),
+                last_local,
+            )
+            .await;
             held.observe(&outcome, was_lost);
             let key = held.client.hooks().key(&held.req.key);
             match outcome {

@@ -119,7 +119,11 @@ pub(crate) fn validate_lease(name: &'static str, lease: Duration) -> Result<Dura
             ),
         ));
     }
-    Ok(lease)
+    // The stores count in whole milliseconds (Redis `PEXPIRE`): so does the client, or
+    // it would believe in a lease up to a millisecond longer than the store's.
+    Ok(Duration::from_millis(
+        u64::try_from(lease.as_millis()).unwrap_or(u64::MAX),
+    ))
 }
 
 pub(crate) fn validate_watchdog_lease(lease: Duration) -> Result<Duration> {
@@ -364,7 +368,10 @@ impl LockClientBuilder {
 
     /// Shows keys in this client's spans and events as `#` and a 16-digit hash instead
     /// of the key, for keys that carry personal data. Default: `false` (keys shown).
-    /// Observers still get the real key.
+    /// Observers still get the real key. The hash is keyed with a secret drawn when the
+    /// client is built: stable for the client's life (one key's events can be followed),
+    /// different in every process, so nobody holding the logs can recover a user id by
+    /// hashing candidates — it is pseudonymization, not encryption.
     pub fn redact_keys(mut self, redact: bool) -> Self {
         self.redact_keys = redact;
         self

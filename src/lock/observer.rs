@@ -133,14 +133,17 @@ impl<T: LockObserver + ?Sized> LockObserver for Arc<T> {
 #[derive(Clone, Default)]
 pub(crate) struct Hooks {
     observer: Option<Arc<dyn LockObserver>>,
-    redact_keys: bool,
+    /// The secret redacted keys are hashed with; `None`: keys are shown.
+    redaction: Option<[u8; 16]>,
 }
 
 impl Hooks {
     pub(crate) fn new(observer: Option<Arc<dyn LockObserver>>, redact_keys: bool) -> Self {
         Hooks {
             observer,
-            redact_keys,
+            // A random secret per client: without it, anyone with the logs could hash
+            // every user id and match.
+            redaction: redact_keys.then(|| *uuid::Uuid::new_v4().as_bytes()),
         }
     }
 
@@ -153,31 +156,33 @@ impl Hooks {
     pub(crate) fn key<'a>(&self, key: &'a LockKey) -> ShownKey<'a> {
         ShownKey {
             key,
-            redact: self.redact_keys,
+            redaction: self.redaction,
         }
     }
 
     pub(crate) fn redacts_keys(&self) -> bool {
-        self.redact_keys
+        self.redaction.is_some()
     }
 }
 
-/// A key for traces: `#` and 16 hex digits of a hash when redacted. The hash is stable
-/// for the life of the build, so one key's events can still be followed.
+/// A key for traces: `#` and 16 hex digits of a keyed hash when redacted. The hash is
+/// stable for the life of the client, so one key's events can still be followed, but it
+/// differs between clients (processes), so it cannot be reversed by hashing guesses.
 pub(crate) struct ShownKey<'a> {
     key: &'a LockKey,
-    redact: bool,
+    redaction: Option<[u8; 16]>,
 }
 
 impl fmt::Display for ShownKey<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.redact {
-            // `DefaultHasher::new()` has fixed keys: deterministic, unlike `RandomState`.
-            let mut h = std::hash::DefaultHasher::new();
-            self.key.as_str().hash(&mut h);
-            write!(f, "#{:016x}", h.finish())
-        } else {
-            f.write_str(self.key.as_str())
+        match self.redaction {
+            Some(secret) => {
+                let mut h = std::hash::DefaultHasher::new();
+                secret.hash(&mut h);
+                self.key.as_str().hash(&mut h);
+                write!(f, "#{:016x}", h.finish())
+            }
+            None => f.write_str(self.key.as_str()),
         }
     }
 }

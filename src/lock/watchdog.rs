@@ -1,22 +1,30 @@
-//! The watchdog: one task per client that renews every lock held without an explicit
-//! lease, all in one batch per period.
+//! The client's registry of the holds it has, and the watchdog that renews the watched
+//! ones: one task per client, one batch per period.
 //!
 //! Redisson schedules one timer per lock; at ten thousand held locks that is ten
-//! thousand timers and round trips every ten seconds. Here every watched hold of a
-//! [`LockClient`](crate::LockClient) sits in one registry, and one task renews the whole
-//! registry with a single [`LockBackend::renew_many`] call every `lease / 3`, which a
-//! backend turns into one pipeline or script per connection. The task exists only while
-//! something is watched.
+//! thousand timers and round trips every ten seconds. Here every hold of a
+//! [`LockClient`](crate::LockClient) sits in one registry, and one task renews all those
+//! taken without an explicit lease with a single [`LockBackend::renew_many`] call every
+//! `lease / 3`, which a backend turns into one pipeline or script per connection. The
+//! task exists only while something is watched, and is started again if it died (its
+//! runtime shut down, a panic).
 //!
-//! A hold whose renewal says "not held" is lost at once. A hold whose renewals keep
-//! failing (store unreachable) is lost once its last confirmed lease has run out. Either
-//! way its [`LostSignal`](crate::LostSignal) fires and it leaves the registry.
+//! Every hold carries an [`Expiry`]: the end of its last confirmed lease, shared with its
+//! guards, so a guard knows it is lost the moment the lease ends — whether or not the
+//! watchdog has run since. A renewal that says "not held" ends the hold at once.
+//!
+//! Knowing how many guards it has per hold also lets the client repair holds the store
+//! counts but no guard stands for (an acquisition applied whose reply was lost): see
+//! [`Watchdog::unregister`].
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry as MapEntry;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -24,6 +32,56 @@ use super::{Hooks, LockEvent};
 use crate::backend::{LockBackend, LockMode, LockRequest};
 use crate::key::LockKey;
 use crate::owner::Owner;
+
+/// The shortest pause before retrying a failed renewal.
+const MIN_RETRY: Duration = Duration::from_millis(5);
+
+/// When a hold's last confirmed lease ends. Shared by the registry (which extends it on
+/// every successful renewal) and the hold's guards (which compare against it).
+pub(crate) struct Expiry {
+    base: Instant,
+    /// Nanoseconds after `base`; `u64::MAX`: never.
+    at: AtomicU64,
+}
+
+impl Expiry {
+    fn new(at: Option<Instant>) -> Self {
+        let expiry = Expiry {
+            base: Instant::now(),
+            at: AtomicU64::new(u64::MAX),
+        };
+        expiry.set(at);
+        expiry
+    }
+
+    fn encode(&self, at: Option<Instant>) -> u64 {
+        at.map_or(u64::MAX, |at| {
+            u64::try_from(at.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX)
+        })
+    }
+
+    /// The end of the lease, `None` for never.
+    pub(crate) fn get(&self) -> Option<Instant> {
+        match self.at.load(Ordering::Acquire) {
+            u64::MAX => None,
+            nanos => self.base.checked_add(Duration::from_nanos(nanos)),
+        }
+    }
+
+    /// Moves the end later (never earlier).
+    pub(crate) fn extend_to(&self, at: Option<Instant>) {
+        self.at.fetch_max(self.encode(at), Ordering::AcqRel);
+    }
+
+    /// Sets the end, earlier or later (a lease pinned to an exact length).
+    pub(crate) fn set(&self, at: Option<Instant>) {
+        self.at.store(self.encode(at), Ordering::Release);
+    }
+
+    pub(crate) fn passed(&self, now: Instant) -> bool {
+        self.get().is_some_and(|at| now >= at)
+    }
+}
 
 #[derive(Clone)]
 pub(crate) struct Watchdog {
@@ -39,21 +97,22 @@ struct Inner {
 
 #[derive(Default)]
 struct State {
-    entries: HashMap<WatchKey, Entry>,
-    running: bool,
+    entries: HashMap<HoldKey, Entry>,
+    /// The renewal task, while one runs.
+    task: Option<JoinHandle<()>>,
     next_generation: u64,
 }
 
 #[derive(Clone, PartialEq, Eq, Hash)]
-struct WatchKey {
+struct HoldKey {
     key: LockKey,
     owner: Owner,
     mode: LockMode,
 }
 
-impl WatchKey {
+impl HoldKey {
     fn of(req: &LockRequest) -> Self {
-        WatchKey {
+        HoldKey {
             key: req.key.clone(),
             owner: req.owner.clone(),
             mode: req.mode,
@@ -61,20 +120,23 @@ impl WatchKey {
     }
 }
 
-/// What a guard keeps of its watchdog registration.
+/// What a guard keeps of its registration.
 pub(crate) struct Registration {
     pub(crate) generation: u64,
     pub(crate) lost: CancellationToken,
+    pub(crate) expiry: Arc<Expiry>,
 }
 
 struct Entry {
-    /// Guards sharing this hold (reentrant acquisitions by one owner).
+    /// Guards of this hold (reentrant acquisitions by one owner).
     refs: usize,
-    /// Tells a renewal result for an earlier registration of the same hold apart.
+    /// Of which taken without an explicit lease: renewed while any is alive.
+    watched: usize,
+    /// Tells registrations of the same hold apart over time.
     generation: u64,
-    req: LockRequest,
-    /// When the last confirmed lease runs out.
-    expires_at: Instant,
+    /// The renewal request (with the watchdog lease).
+    renewal: LockRequest,
+    expiry: Arc<Expiry>,
     lost: CancellationToken,
 }
 
@@ -90,65 +152,95 @@ impl Watchdog {
         }
     }
 
-    /// Starts watching a hold acquired with `req` (whose lease is the watchdog lease)
-    /// and valid until `expires_at`. Guards of the same owner on the same key share one
-    /// registration and one lost token. Must be called inside a tokio runtime.
-    pub(crate) fn register(&self, req: &LockRequest, expires_at: Instant) -> Registration {
+    /// Records a guard of the hold acquired with `req`, valid until `expires_at`; the
+    /// watchdog renews it if `watched`. Guards of one owner on one key share the
+    /// registration: its lost token and its expiry. Must be called inside a tokio
+    /// runtime.
+    pub(crate) fn register(
+        &self,
+        req: &LockRequest,
+        expires_at: Option<Instant>,
+        watched: bool,
+    ) -> Registration {
         let mut state = self.state();
         let state = &mut *state;
         // One hash per call: lock keys come from requests, so the map keeps std's keyed
         // SipHash (hash-flooding resistance) and this path hashes as little as it can.
-        let registration = match state.entries.entry(WatchKey::of(req)) {
+        let registration = match state.entries.entry(HoldKey::of(req)) {
             MapEntry::Occupied(mut occupied) => {
                 let entry = occupied.get_mut();
                 entry.refs += 1;
-                entry.expires_at = entry.expires_at.max(expires_at);
+                entry.watched += usize::from(watched);
+                entry.expiry.extend_to(expires_at);
                 Registration {
                     generation: entry.generation,
                     lost: entry.lost.clone(),
+                    expiry: Arc::clone(&entry.expiry),
                 }
             }
             MapEntry::Vacant(vacant) => {
                 let generation = state.next_generation;
                 state.next_generation += 1;
                 let lost = CancellationToken::new();
+                let expiry = Arc::new(Expiry::new(expires_at));
+                let mut renewal = req.clone();
+                renewal.lease = self.inner.lease;
                 vacant.insert(Entry {
                     refs: 1,
+                    watched: usize::from(watched),
                     generation,
-                    req: req.clone(),
-                    expires_at,
+                    renewal,
+                    expiry: Arc::clone(&expiry),
                     lost: lost.clone(),
                 });
-                Registration { generation, lost }
+                Registration {
+                    generation,
+                    lost,
+                    expiry,
+                }
             }
         };
-        if !state.running {
-            state.running = true;
-            tokio::spawn(run(Arc::clone(&self.inner)));
+        if watched && state.task.as_ref().is_none_or(JoinHandle::is_finished) {
+            // Not running, or died with its runtime or by a panic: (re)start it here.
+            state.task = Some(tokio::spawn(run(Arc::clone(&self.inner))));
         }
         registration
     }
 
-    /// One guard of the hold is gone; the hold stops being renewed with the last. A
-    /// registration that was already dropped as lost is ignored, even if the same owner
-    /// has registered the key again since.
-    pub(crate) fn unregister(&self, req: &LockRequest, generation: u64) {
+    /// One guard of the hold is gone; renewal stops with the last watched one. Returns
+    /// how many guards of the hold this client still has — `Some(0)` means none, so the
+    /// store should not count any hold of this owner any more — or `None` when the
+    /// registration had already ended as lost.
+    pub(crate) fn unregister(
+        &self,
+        req: &LockRequest,
+        generation: u64,
+        watched: bool,
+    ) -> Option<usize> {
         let mut state = self.state();
-        if let MapEntry::Occupied(mut occupied) = state.entries.entry(WatchKey::of(req)) {
-            let entry = occupied.get_mut();
-            if entry.generation != generation {
-                return;
-            }
-            entry.refs -= 1;
-            if entry.refs == 0 {
-                occupied.remove();
-            }
+        let MapEntry::Occupied(mut occupied) = state.entries.entry(HoldKey::of(req)) else {
+            return None;
+        };
+        let entry = occupied.get_mut();
+        if entry.generation != generation {
+            return None;
         }
+        entry.refs -= 1;
+        entry.watched -= usize::from(watched);
+        let left = entry.refs;
+        if left == 0 {
+            occupied.remove();
+        }
+        Some(left)
     }
 
     /// How many holds are being renewed.
     pub(crate) fn len(&self) -> usize {
-        self.state().entries.len()
+        self.state()
+            .entries
+            .values()
+            .filter(|e| e.watched > 0)
+            .count()
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -164,28 +256,34 @@ impl Inner {
 
 async fn run(inner: Arc<Inner>) {
     let period = inner.lease / 3;
+    let retry = (period / 4).max(MIN_RETRY);
+    // Ticks are scheduled from when the last renewal was sent, so time spent after it
+    // (a slow or panicking observer, a busy runtime) shortens the pause instead of
+    // pushing renewals past the lease.
+    let mut next = Instant::now() + period;
     loop {
-        tokio::time::sleep(period).await;
-        let (keys, reqs): (Vec<(WatchKey, u64)>, Vec<LockRequest>) = {
+        tokio::time::sleep_until(next).await;
+        let (keys, reqs): (Vec<(HoldKey, u64)>, Vec<LockRequest>) = {
             let mut state = inner.state();
-            if state.entries.is_empty() {
-                state.running = false;
-                return;
-            }
-            state
+            let watched: (Vec<_>, Vec<_>) = state
                 .entries
                 .iter()
-                .map(|(k, e)| ((k.clone(), e.generation), e.req.clone()))
-                .unzip()
+                .filter(|(_, e)| e.watched > 0)
+                .map(|(k, e)| ((k.clone(), e.generation), e.renewal.clone()))
+                .unzip();
+            if watched.0.is_empty() {
+                state.task = None;
+                return;
+            }
+            watched
         };
         let sent_at = Instant::now();
-        // A renewal slower than a period counts as failed; the next tick tries again.
+        // A renewal slower than a period counts as failed.
         let results = tokio::time::timeout(period, inner.backend.renew_many(&reqs))
             .await
             .unwrap_or_default();
         let now = Instant::now();
         let mut state = inner.state();
-        // Observer calls wait until the registry is unlocked: (index, lost?) per event.
         let mut events: Vec<(usize, bool)> = Vec::new();
         let mut failures = 0usize;
         for (i, (key, generation)) in keys.iter().enumerate() {
@@ -198,7 +296,7 @@ async fn run(inner: Arc<Inner>) {
             let shown = inner.hooks.key(&key.key);
             let lost = match results.get(i) {
                 Some(Ok(true)) => {
-                    entry.expires_at = sent_at + inner.lease;
+                    entry.expiry.extend_to(Some(sent_at + inner.lease));
                     false
                 }
                 Some(Ok(false)) => {
@@ -208,7 +306,7 @@ async fn run(inner: Arc<Inner>) {
                 Some(Err(_)) | None => {
                     failures += 1;
                     events.push((i, false));
-                    if now >= entry.expires_at {
+                    if entry.expiry.passed(now) {
                         tracing::error!(key = %shown, owner = %key.owner, "lock lost: renewals failed until the lease ran out");
                         true
                     } else {
@@ -231,10 +329,17 @@ async fn run(inner: Arc<Inner>) {
                     mode: key.mode,
                     owner: &key.owner,
                 };
-                if lost {
-                    observer.lost(event);
-                } else {
-                    observer.renewal_failed(event, results.get(i).and_then(|r| r.as_ref().err()));
+                // The observer is user code; a panic there must not stop renewals.
+                let reported = catch_unwind(AssertUnwindSafe(|| {
+                    if lost {
+                        observer.lost(event);
+                    } else {
+                        observer
+                            .renewal_failed(event, results.get(i).and_then(|r| r.as_ref().err()));
+                    }
+                }));
+                if reported.is_err() {
+                    tracing::error!("a LockObserver panicked; the watchdog carries on");
                 }
             }
         }
@@ -243,10 +348,13 @@ async fn run(inner: Arc<Inner>) {
             tracing::warn!(
                 failures,
                 error = first_error.map(tracing::field::display),
-                "lock renewal failed; retrying next period"
+                retry_in_ms = retry.as_millis() as u64,
+                "lock renewal failed; retrying"
             );
+            next = sent_at + retry;
         } else {
             tracing::trace!(renewed = reqs.len(), "watchdog renewed locks");
+            next = sent_at + period;
         }
     }
 }

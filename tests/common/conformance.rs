@@ -529,6 +529,52 @@ pub async fn leaving_waiter_passes_its_turn(f: &impl Fixture) {
     assert!(matches!(held.unlock().await, Err(Error::Lost)));
 }
 
+/// MultiLock with a fixed lease shorter than its wait: the lock taken first must not run
+/// out while a later one is waited for, and once all are held each has the lease given.
+pub async fn multi_lock_fixed_lease_outlasts_the_wait(f: &impl Fixture) {
+    let client = f.client(LONG);
+    let other = f.client(LONG);
+    let (a, b) = (key("multi-lease-a"), key("multi-lease-b"));
+    let blocker = other
+        .get_lock(&b)
+        .unwrap()
+        .try_lock_for(Duration::ZERO, Duration::from_millis(400))
+        .await
+        .unwrap();
+    let multi = MultiLock::new([client.get_lock(&a).unwrap(), client.get_lock(&b).unwrap()]);
+    let lease = Duration::from_millis(200);
+    let both = multi
+        .try_lock_for(Duration::from_secs(3), lease)
+        .await
+        .unwrap();
+    let held_at = Instant::now();
+    assert!(
+        !both.is_lost(),
+        "a lock ran out while the other was waited for"
+    );
+    // `a` was taken ~400 ms ago with a 200 ms lease: it must still be ours.
+    let intruder = other.get_lock(&a).unwrap().try_lock().await;
+    assert!(
+        intruder.unwrap_err().is_busy(),
+        "the first lock expired during the wait"
+    );
+    // And the lease is the one given, from now: both are free again soon after it.
+    let again = other
+        .get_lock(&a)
+        .unwrap()
+        .try_lock_for(Duration::from_secs(3), Lease::Watchdog)
+        .await
+        .unwrap();
+    let freed_after = held_at.elapsed();
+    assert!(
+        freed_after < lease + Duration::from_millis(300),
+        "lease not pinned: {freed_after:?}"
+    );
+    again.unlock().await.unwrap();
+    assert!(matches!(both.unlock().await, Err(Error::Lost)));
+    drop(blocker);
+}
+
 /// Calls `$callback!($($args)*; case, case, ...)` with every conformance case: the one
 /// list of cases.
 #[macro_export]
@@ -551,6 +597,7 @@ macro_rules! with_conformance_cases {
             multi_lock_orders_keys,
             no_barging_past_local_waiters,
             leaving_waiter_passes_its_turn,
+            multi_lock_fixed_lease_outlasts_the_wait,
         );
     };
 }
