@@ -117,13 +117,15 @@ impl Hub {
         sub
     }
 
-    /// Waiters registered on `channel` in this process.
-    pub(super) fn waiters(&self, channel: &str) -> usize {
+    /// Waiters registered in this process on the channels `matches` accepts.
+    pub(super) fn waiters_where(&self, mut matches: impl FnMut(&str) -> bool) -> usize {
         self.shared
             .state()
             .channels
-            .get(channel)
-            .map_or(0, |c| c.waiters)
+            .iter()
+            .filter(|(name, _)| matches(name))
+            .map(|(_, c)| c.waiters)
+            .sum()
     }
 }
 
