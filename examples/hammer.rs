@@ -1,103 +1,246 @@
-//! Cross-process exclusion check: run several of these against one Redis and the counter
-//! must come out exact.
+//! Cross-process exclusion check: run several of these against one Redis (or one set of
+//! RedLock nodes) and the counter must come out exact.
 //!
 //! ```sh
 //! cargo run --release --example hammer -- --url redis://127.0.0.1:6379 \
-//!     --name hammer --iters 1000 --counter-key hammer:counter [--lease-ms 5000]
+//!     --name hammer --iters 1000 --counter-key hammer:counter [--lease-ms 5000] \
+//!     [--kind lock|fair|write|redlock|permits] [--permits N] [--tasks T] \
+//!     [--counter-url URL] [--wait-ms W]
 //! ```
 //!
-//! Each iteration locks NAME (waiting as long as needed; watchdog unless `--lease-ms`),
-//! reads the counter with `GET`, sleeps about 200 µs, writes it back plus one with `SET`,
-//! and unlocks. Without mutual exclusion, concurrent processes lose increments. Exits 0
-//! when done, 1 with a message on any lock error (including a lost lock).
+//! Each iteration locks NAME (waiting as long as needed, or at most `--wait-ms`; watchdog
+//! unless `--lease-ms`), reads the counter with `GET`, sleeps about 200 µs, writes it
+//! back plus one with `SET`, and unlocks. Without mutual exclusion, concurrent processes
+//! lose increments.
+//!
+//! - `--kind` picks the lock: `lock` (the reentrant lock, the default), `fair`, `write`
+//!   (the write lock of a read-write lock), `redlock` (a reentrant lock held by a
+//!   majority of the nodes given as a comma-separated `--url` list), or `permits` (one
+//!   of `--permits N` permits). Permits admit N holders, so instead of the read-modify-
+//!   write each iteration records how many holders are inside at once: it `INCR`s
+//!   `K:inside`, raises `K:max` to that value, sleeps, `DECR`s `K:inside`, and `INCR`s K.
+//! - `--counter-url` is where the counter lives (default: the first `--url`).
+//! - `--tasks T` runs T concurrent workers of `--iters` iterations each (default 1).
+//!
+//! Exits 0 when done, 1 with a message on stderr on any lock error (a lost lock, a wait
+//! that ran out, no RedLock quorum), 2 on bad arguments.
 
 use std::process::ExitCode;
 use std::time::Duration;
 
 use redis::AsyncCommands;
-use tower_lock::{Lease, LockClient, RedisBackend};
+use tower_lock::kinds::RedLock;
+use tower_lock::{Lease, Lock, LockClient, RedisBackend};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Lock,
+    Fair,
+    Write,
+    RedLock,
+    Permits,
+}
 
 struct Args {
-    url: String,
+    urls: Vec<String>,
+    counter_url: Option<String>,
     name: String,
     iters: u64,
     counter_key: String,
     lease: Option<Duration>,
+    kind: Kind,
+    permits: u32,
+    wait: Option<Duration>,
+    tasks: u64,
 }
 
-const USAGE: &str = "usage: hammer --url URL --name NAME --iters N --counter-key K [--lease-ms L]";
+const USAGE: &str = "usage: hammer --url URL[,URL...] --name NAME --iters N --counter-key K \
+[--lease-ms L] [--kind lock|fair|write|redlock|permits] [--permits N] [--tasks T] \
+[--counter-url URL] [--wait-ms W]";
+
+fn number<T: std::str::FromStr>(flag: &str, value: &str) -> Result<T, String>
+where
+    T::Err: std::fmt::Display,
+{
+    value.parse::<T>().map_err(|e| format!("{flag}: {e}"))
+}
 
 fn parse_args() -> Result<Args, String> {
-    let mut url = None;
+    let mut urls = None;
+    let mut counter_url = None;
     let mut name = None;
     let mut iters = None;
     let mut counter_key = None;
     let mut lease = None;
+    let mut kind = Kind::Lock;
+    let mut permits = None;
+    let mut wait = None;
+    let mut tasks = 1;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
         match flag.as_str() {
-            "--url" => url = Some(value()?),
-            "--name" => name = Some(value()?),
-            "--iters" => {
-                iters = Some(
-                    value()?
-                        .parse::<u64>()
-                        .map_err(|e| format!("--iters: {e}"))?,
-                );
+            "--url" => {
+                let list: Vec<String> = value()?
+                    .split(',')
+                    .filter(|u| !u.is_empty())
+                    .map(str::to_owned)
+                    .collect();
+                urls = Some(list);
             }
+            "--counter-url" => counter_url = Some(value()?),
+            "--name" => name = Some(value()?),
+            "--iters" => iters = Some(number::<u64>("--iters", &value()?)?),
             "--counter-key" => counter_key = Some(value()?),
             "--lease-ms" => {
-                let ms = value()?
-                    .parse::<u64>()
-                    .map_err(|e| format!("--lease-ms: {e}"))?;
-                lease = Some(Duration::from_millis(ms));
+                lease = Some(Duration::from_millis(number("--lease-ms", &value()?)?));
+            }
+            "--wait-ms" => wait = Some(Duration::from_millis(number("--wait-ms", &value()?)?)),
+            "--permits" => permits = Some(number::<u32>("--permits", &value()?)?),
+            "--tasks" => tasks = number::<u64>("--tasks", &value()?)?.max(1),
+            "--kind" => {
+                kind = match value()?.as_str() {
+                    "lock" => Kind::Lock,
+                    "fair" => Kind::Fair,
+                    "write" => Kind::Write,
+                    "redlock" => Kind::RedLock,
+                    "permits" => Kind::Permits,
+                    other => return Err(format!("--kind: unknown kind {other:?}")),
+                }
             }
             "-h" | "--help" => return Err(USAGE.to_owned()),
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
+    let urls = urls.ok_or("--url is required")?;
+    if urls.is_empty() {
+        return Err("--url needs at least one URL".to_owned());
+    }
+    if kind != Kind::RedLock && urls.len() > 1 {
+        return Err("several --url values are RedLock nodes: use --kind redlock".to_owned());
+    }
+    let permits = match (kind, permits) {
+        (Kind::Permits, Some(n)) if n > 0 => n,
+        (Kind::Permits, _) => return Err("--kind permits needs --permits N (N > 0)".to_owned()),
+        (_, Some(_)) => return Err("--permits goes with --kind permits".to_owned()),
+        (_, None) => 1,
+    };
     Ok(Args {
-        url: url.ok_or("--url is required")?,
+        urls,
+        counter_url,
         name: name.ok_or("--name is required")?,
         iters: iters.ok_or("--iters is required")?,
         counter_key: counter_key.ok_or("--counter-key is required")?,
         lease,
+        kind,
+        permits,
+        wait,
+        tasks,
     })
 }
 
-async fn run(args: Args) -> Result<(), String> {
-    let backend = RedisBackend::connect(args.url.as_str())
+async fn connect(url: &str) -> Result<RedisBackend, String> {
+    RedisBackend::connect(url)
         .await
-        .map_err(|e| format!("connecting to {}: {e}", args.url))?;
-    let mut counter = redis::Client::open(args.url.as_str())
-        .map_err(|e| format!("counter connection: {e}"))?
-        .get_multiplexed_async_connection()
-        .await
-        .map_err(|e| format!("counter connection: {e}"))?;
-    let client = LockClient::new(backend);
-    let lock = client
-        .get_lock(args.name.as_str())
-        .map_err(|e| format!("lock name: {e}"))?;
+        .map_err(|e| format!("connecting to {url}: {e}"))
+}
+
+async fn client(args: &Args) -> Result<LockClient, String> {
+    if args.kind == Kind::RedLock {
+        let mut nodes = Vec::new();
+        for url in &args.urls {
+            // A node that is down should cost one refused connection per call, not a
+            // chain of reconnection attempts: the other nodes carry the quorum.
+            let node = RedisBackend::builder(url.as_str())
+                .reconnect_retries(0)
+                .build()
+                .await
+                .map_err(|e| format!("connecting to {url}: {e}"))?;
+            nodes.push(node);
+        }
+        let redlock = RedLock::new(nodes).map_err(|e| format!("redlock: {e}"))?;
+        return Ok(LockClient::new(redlock));
+    }
+    Ok(LockClient::new(connect(&args.urls[0]).await?))
+}
+
+fn lock_of(client: &LockClient, args: &Args) -> Result<Lock, tower_lock::Error> {
+    let name = args.name.as_str();
+    match args.kind {
+        Kind::Lock | Kind::RedLock => client.get_lock(name),
+        Kind::Fair => client.get_fair_lock(name),
+        Kind::Write => Ok(client.get_read_write_lock(name)?.write_lock()),
+        Kind::Permits => client.get_permits(name, args.permits),
+    }
+}
+
+/// Raises `KEYS[2]` to the value of `KEYS[1]` after incrementing it; returns that value.
+const ENTER: &str = "local n = redis.call('incr', KEYS[1]) \
+    if n > tonumber(redis.call('get', KEYS[2]) or '0') then redis.call('set', KEYS[2], n) end \
+    return n";
+
+async fn work(
+    lock: Lock,
+    mut counter: redis::aio::MultiplexedConnection,
+    args: &Args,
+) -> Result<(), String> {
     let lease = args.lease.map_or(Lease::Watchdog, Lease::Fixed);
+    let wait = args.wait.unwrap_or(Duration::MAX);
+    let key = args.counter_key.as_str();
+    let (inside, most) = (format!("{key}:inside"), format!("{key}:max"));
+    let enter = redis::Script::new(ENTER);
     for i in 0..args.iters {
         let guard = lock
-            .try_lock_for(Duration::MAX, lease)
+            .try_lock_for(wait, lease)
             .await
             .map_err(|e| format!("iteration {i}: lock: {e}"))?;
-        let value: Option<u64> = counter
-            .get(&args.counter_key)
-            .await
-            .map_err(|e| format!("iteration {i}: GET: {e}"))?;
-        tokio::time::sleep(Duration::from_micros(200)).await;
-        let () = counter
-            .set(&args.counter_key, value.unwrap_or(0) + 1)
-            .await
-            .map_err(|e| format!("iteration {i}: SET: {e}"))?;
+        if args.kind == Kind::Permits {
+            let _: i64 = enter
+                .key(&inside)
+                .key(&most)
+                .invoke_async(&mut counter)
+                .await
+                .map_err(|e| format!("iteration {i}: enter: {e}"))?;
+            tokio::time::sleep(Duration::from_micros(500)).await;
+            let () = redis::pipe()
+                .decr(&inside, 1)
+                .ignore()
+                .incr(key, 1)
+                .ignore()
+                .query_async(&mut counter)
+                .await
+                .map_err(|e| format!("iteration {i}: leave: {e}"))?;
+        } else {
+            let value: Option<u64> = counter
+                .get(key)
+                .await
+                .map_err(|e| format!("iteration {i}: GET: {e}"))?;
+            tokio::time::sleep(Duration::from_micros(200)).await;
+            let () = counter
+                .set(key, value.unwrap_or(0) + 1)
+                .await
+                .map_err(|e| format!("iteration {i}: SET: {e}"))?;
+        }
         guard
             .unlock()
             .await
             .map_err(|e| format!("iteration {i}: unlock: {e}"))?;
+    }
+    Ok(())
+}
+
+async fn run(args: Args) -> Result<(), String> {
+    let client = client(&args).await?;
+    let counter_url = args.counter_url.as_deref().unwrap_or(&args.urls[0]);
+    let counter = redis::Client::open(counter_url)
+        .map_err(|e| format!("counter connection: {e}"))?
+        .get_multiplexed_async_connection()
+        .await
+        .map_err(|e| format!("counter connection to {counter_url}: {e}"))?;
+    let lock = lock_of(&client, &args).map_err(|e| format!("lock name: {e}"))?;
+    let workers = (0..args.tasks).map(|_| work(lock.clone(), counter.clone(), &args));
+    for outcome in futures_util::future::join_all(workers).await {
+        outcome?;
     }
     Ok(())
 }

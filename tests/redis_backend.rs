@@ -355,6 +355,68 @@ async fn watchdog_renews_all_locks_in_one_call_per_period() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watchdog_renews_locks_of_every_kind_in_one_call_per_period() {
+    let server = RedisServer::start().await;
+    let mut raw = server.conn().await;
+    let backend = RedisBackend::connect(server.url()).await.unwrap();
+    let lease = Duration::from_millis(600);
+    let client = LockClient::builder(backend.clone())
+        .watchdog_lease(lease)
+        .build()
+        .unwrap();
+    let mut guards = Vec::new();
+    for i in 0..200 {
+        let name = format!("mixed:{i}");
+        let lock = match i % 5 {
+            0 => client.get_lock(&name),
+            1 => client.get_fair_lock(&name),
+            2 => client.get_read_write_lock(&name).map(|rw| rw.read_lock()),
+            3 => client.get_read_write_lock(&name).map(|rw| rw.write_lock()),
+            _ => client.get_permits(&name, 2),
+        };
+        guards.push(lock.unwrap().lock().await.unwrap());
+    }
+    let before = script_calls(&mut raw).await;
+    let started = Instant::now();
+    tokio::time::sleep(Duration::from_millis(1100)).await; // about five periods of 200 ms
+    let calls = script_calls(&mut raw).await - before;
+    let periods = started.elapsed().as_millis() as u64 / 200;
+    assert!(calls >= 3, "the watchdog renewed: {calls} calls");
+    assert!(
+        calls <= periods + 1,
+        "{calls} renewal calls in {periods} periods for 200 locks of five kinds"
+    );
+    for (i, g) in guards.iter().enumerate() {
+        assert!(!g.is_lost(), "lock {i} ({}) lost", g.mode());
+        // Each kind's lease lives where its layout keeps it; all were renewed.
+        let name = format!("mixed:{i}");
+        let ttl = match i % 5 {
+            2 => {
+                pttl(
+                    &mut raw,
+                    &format!("{{{name}}}:{}:rwlock_timeout:1", g.owner()),
+                )
+                .await
+            }
+            _ => pttl(&mut raw, &name).await,
+        };
+        assert!(ttl > 0 && ttl <= 600, "lock {i} ({}): {ttl}", g.mode());
+    }
+    for g in guards {
+        g.unlock().await.unwrap();
+    }
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*mixed*")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert!(
+        keys.iter().all(|k| k.starts_with("tower_lock_fence:")),
+        "left behind: {keys:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missed_release_costs_at_most_the_holders_ttl() {
     let server = RedisServer::start().await;
     let mut raw = server.conn().await;

@@ -1,6 +1,8 @@
-//! Tests that need separate processes: a lock holder that is SIGKILLed or SIGSTOPped,
-//! three `hammer` processes contending on one counter, and two `seckill` servers sharing
-//! one Redis.
+//! Fault tests that need separate processes: a lock (or permit) holder that is SIGKILLed
+//! or SIGSTOPped; three `hammer` processes contending on one counter — on one server,
+//! on a RedLock of five servers two of which are killed mid-run, and for permits
+//! (recording how many holders are inside at once); a `hammer` whose RedLock loses its
+//! quorum; and two `seckill` servers sharing one Redis.
 //!
 //! This test target has no libtest harness (`harness = false`): its `main` runs the
 //! scenarios, and the same binary started with `--holder` is the lock-holding child, so
@@ -45,7 +47,7 @@ mod imp {
         if args.first().map(String::as_str) == Some("--holder") {
             return holder_main(&args[1..]);
         }
-        let scenarios: [(&str, Scenario); 4] = [
+        let scenarios: [(&str, Scenario); 10] = [
             ("holder_sigkill_frees_lock_within_lease", || {
                 Box::pin(holder_sigkill_frees_lock_within_lease())
             }),
@@ -58,6 +60,32 @@ mod imp {
             ("two_seckill_servers_share_one_redis", || {
                 Box::pin(two_seckill_servers_share_one_redis())
             }),
+            ("fair_and_write_hammers_keep_the_counter_exact", || {
+                Box::pin(fair_and_write_hammers_keep_the_counter_exact())
+            }),
+            ("hammer_gives_up_after_wait_ms_and_leaves_the_queue", || {
+                Box::pin(hammer_gives_up_after_wait_ms_and_leaves_the_queue())
+            }),
+            (
+                "redlock_two_nodes_killed_mid_run_three_hammers_stay_exact",
+                || Box::pin(redlock_two_nodes_killed_mid_run_three_hammers_stay_exact()),
+            ),
+            (
+                "redlock_three_nodes_killed_hammer_fails_with_no_quorum_within_its_wait",
+                || {
+                    Box::pin(
+                        redlock_three_nodes_killed_hammer_fails_with_no_quorum_within_its_wait(),
+                    )
+                },
+            ),
+            (
+                "permits_never_exceed_n_holders_across_three_processes",
+                || Box::pin(permits_never_exceed_n_holders_across_three_processes()),
+            ),
+            (
+                "sigkilled_permit_holder_returns_its_permit_after_its_lease",
+                || Box::pin(sigkilled_permit_holder_returns_its_permit_after_its_lease()),
+            ),
         ];
         if args.iter().any(|a| a == "--list") {
             for (name, _) in &scenarios {
@@ -101,12 +129,25 @@ mod imp {
         }
     }
 
-    /// The child: takes the lock (watchdog with the given lease), reports `LOCKED <token>`,
-    /// waits until the lost signal fires, reports `LOST`, unlocks and reports the result.
+    /// The child: takes the lock (watchdog with the given lease; `permits:N`: one of N
+    /// permits), reports `LOCKED <token> <owner>`, waits until the lost signal fires,
+    /// reports `LOST`, unlocks and reports the result.
     fn holder_main(args: &[String]) -> ExitCode {
-        let [url, name, watchdog_ms] = args else {
-            eprintln!("usage: --holder URL NAME WATCHDOG_MS");
-            return ExitCode::from(2);
+        let (url, name, watchdog_ms, kind) = match args {
+            [url, name, watchdog_ms] => (url, name, watchdog_ms, "lock"),
+            [url, name, watchdog_ms, kind] => (url, name, watchdog_ms, kind.as_str()),
+            _ => {
+                eprintln!("usage: --holder URL NAME WATCHDOG_MS [lock|permits:N]");
+                return ExitCode::from(2);
+            }
+        };
+        let permits = match kind.strip_prefix("permits:").map(str::parse::<u32>) {
+            None if kind == "lock" => None,
+            Some(Ok(n)) => Some(n),
+            _ => {
+                eprintln!("KIND must be lock or permits:N");
+                return ExitCode::from(2);
+            }
         };
         let Ok(watchdog_ms) = watchdog_ms.parse::<u64>() else {
             eprintln!("WATCHDOG_MS must be a number");
@@ -122,13 +163,12 @@ mod imp {
                 .watchdog_lease(Duration::from_millis(watchdog_ms))
                 .build()
                 .expect("client");
-            let guard = client
-                .get_lock(name.as_str())
-                .unwrap()
-                .lock()
-                .await
-                .expect("lock");
-            println!("LOCKED {}", guard.fencing_token());
+            let lock = match permits {
+                Some(n) => client.get_permits(name.as_str(), n),
+                None => client.get_lock(name.as_str()),
+            };
+            let guard = lock.unwrap().lock().await.expect("lock");
+            println!("LOCKED {} {}", guard.fencing_token(), guard.owner());
             guard.lost().wait().await;
             println!("LOST");
             match guard.unlock().await {
@@ -147,9 +187,13 @@ mod imp {
 
     impl Holder {
         fn spawn(url: &str, name: &str, watchdog_ms: u64) -> Self {
+            Self::spawn_kind(url, name, watchdog_ms, "lock")
+        }
+
+        fn spawn_kind(url: &str, name: &str, watchdog_ms: u64, kind: &str) -> Self {
             let exe = std::env::current_exe().expect("this test binary");
             let mut child = Command::new(exe)
-                .args(["--holder", url, name, &watchdog_ms.to_string()])
+                .args(["--holder", url, name, &watchdog_ms.to_string(), kind])
                 .stdout(Stdio::piped())
                 .stderr(Stdio::inherit())
                 .spawn()
@@ -267,8 +311,9 @@ mod imp {
         let first: u64 = holder
             .expect_line("LOCKED", Duration::from_secs(10))
             .await
-            .trim_start_matches("LOCKED ")
-            .parse()
+            .split(' ')
+            .nth(1)
+            .and_then(|t| t.parse().ok())
             .unwrap();
 
         holder.signal("-STOP");
@@ -323,6 +368,7 @@ mod imp {
         let hammer = example_binary("hammer");
         let mut children = Vec::new();
         for _ in 0..3 {
+            // The interface from before `--kind` (no new flags): the reentrant lock.
             children.push(
                 Command::new(&hammer)
                     .args([
@@ -474,51 +520,517 @@ mod imp {
     /// The path of an example binary of this package, built (or found up to date) with
     /// this test's profile and features. `cargo test --all-targets` compiles examples
     /// only as test harnesses, so the plain binary it leaves may be stale: cargo decides.
+    fn spawn_hammer(args: &[&str]) -> Child {
+        Command::new(example_binary("hammer"))
+            .args(args)
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn hammer")
+    }
+
+    /// Waits for the processes to exit, for at most `within` (then kills them and fails:
+    /// a hammer that does not finish is an outcome too, not a hang of the suite).
+    async fn outputs(mut children: Vec<Child>, within: Duration) -> Vec<std::process::Output> {
+        let deadline = Instant::now() + within;
+        loop {
+            let mut running = 0;
+            for c in &mut children {
+                if c.try_wait().expect("poll the hammer").is_none() {
+                    running += 1;
+                }
+            }
+            if running == 0 {
+                break;
+            }
+            if Instant::now() >= deadline {
+                for c in &mut children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                panic!("{running} hammer(s) still running after {within:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        children
+            .into_iter()
+            .map(|c| c.wait_with_output().expect("hammer ran"))
+            .collect()
+    }
+
+    async fn get_u64(raw: &mut redis::aio::MultiplexedConnection, key: &str) -> u64 {
+        let value: Option<u64> = redis::cmd("GET").arg(key).query_async(raw).await.unwrap();
+        value.unwrap_or(0)
+    }
+
+    async fn five_servers() -> Vec<RedisServer> {
+        let mut nodes = Vec::new();
+        for _ in 0..5 {
+            nodes.push(RedisServer::start().await);
+        }
+        nodes
+    }
+
+    fn urls(nodes: &[RedisServer]) -> String {
+        nodes
+            .iter()
+            .map(RedisServer::url)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    async fn fair_and_write_hammers_keep_the_counter_exact() {
+        const ITERS: u64 = 100;
+        let server = RedisServer::start().await;
+        let mut raw = server.conn().await;
+        for kind in ["fair", "write"] {
+            let counter_key = format!("{kind}:counter");
+            let mut children = Vec::new();
+            for _ in 0..3 {
+                children.push(spawn_hammer(&[
+                    "--kind",
+                    kind,
+                    "--url",
+                    &server.url(),
+                    "--name",
+                    kind,
+                    "--iters",
+                    &ITERS.to_string(),
+                    "--counter-key",
+                    &counter_key,
+                ]));
+            }
+            for out in outputs(children, Duration::from_secs(120)).await {
+                assert!(
+                    out.status.success(),
+                    "{kind} hammer failed: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            assert_eq!(
+                get_u64(&mut raw, &counter_key).await,
+                3 * ITERS,
+                "{kind}: lost updates: the processes did not exclude each other"
+            );
+        }
+        let left: Vec<String> = redis::cmd("KEYS")
+            .arg("*")
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+        let left: Vec<&String> = left
+            .iter()
+            .filter(|k| !k.ends_with(":counter") && !k.starts_with("tower_lock_fence:"))
+            .collect();
+        assert!(left.is_empty(), "lock state left behind: {left:?}");
+    }
+
+    async fn hammer_gives_up_after_wait_ms_and_leaves_the_queue() {
+        let server = RedisServer::start().await;
+        let mut raw = server.conn().await;
+        let backend = RedisBackend::connect(server.url()).await.unwrap();
+        let held = LockClient::new(backend.clone())
+            .get_fair_lock("held")
+            .unwrap()
+            .lock()
+            .await
+            .unwrap();
+        let wait = Duration::from_millis(400);
+        let started = Instant::now();
+        let child = spawn_hammer(&[
+            "--kind",
+            "fair",
+            "--url",
+            &server.url(),
+            "--name",
+            "held",
+            "--iters",
+            "1",
+            "--counter-key",
+            "held:counter",
+            "--wait-ms",
+            &wait.as_millis().to_string(),
+        ]);
+        let out = outputs(vec![child], Duration::from_secs(30))
+            .await
+            .remove(0);
+        let took = started.elapsed();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "stderr: {stderr}");
+        assert!(stderr.contains("lock is busy"), "stderr: {stderr}");
+        assert!(took >= wait, "gave up after {took:?}, before its wait");
+        assert!(
+            took < wait + Duration::from_secs(5),
+            "gave up only after {took:?}"
+        );
+        let queued: i64 = redis::cmd("LLEN")
+            .arg(backend.queue_name(&LockKey::new("held").unwrap()))
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+        assert_eq!(queued, 0, "the hammer that gave up is still queued");
+        held.unlock().await.unwrap();
+    }
+
+    async fn redlock_two_nodes_killed_mid_run_three_hammers_stay_exact() {
+        const ITERS: u64 = 60;
+        let mut nodes = five_servers().await;
+        let counter = RedisServer::start().await;
+        let mut raw = counter.conn().await;
+        let urls = urls(&nodes);
+        let iters = ITERS.to_string();
+        let mut children = Vec::new();
+        for _ in 0..3 {
+            children.push(spawn_hammer(&[
+                "--kind",
+                "redlock",
+                "--url",
+                &urls,
+                "--counter-url",
+                &counter.url(),
+                "--name",
+                "redlock",
+                "--iters",
+                &iters,
+                "--counter-key",
+                "redlock:counter",
+                "--wait-ms",
+                "30000",
+            ]));
+        }
+        wait_until(Duration::from_secs(30), "the hammers are running", || {
+            let mut raw = raw.clone();
+            async move { get_u64(&mut raw, "redlock:counter").await >= ITERS / 2 }
+        })
+        .await;
+
+        // Kill two of the five nodes while the three processes contend — at a moment
+        // this process holds the lock, so that no hammer loses a node of its own hold
+        // (its unlock could then not confirm a quorum, and it would stop with that
+        // error): the hammers wait, and the two nodes killed are ones whose loss leaves
+        // this hold on three live nodes.
+        let mut backends = Vec::new();
+        for node in &nodes {
+            backends.push(
+                RedisBackend::builder(node.url())
+                    .reconnect_retries(0)
+                    .build()
+                    .await
+                    .unwrap(),
+            );
+        }
+        let redlock = tower_lock::kinds::RedLock::new(backends).unwrap();
+        let guard = LockClient::new(redlock)
+            .get_lock("redlock")
+            .unwrap()
+            .try_lock_for(Duration::from_secs(20), Lease::Watchdog)
+            .await
+            .expect("this process takes its turn");
+        let mut holding = Vec::new();
+        for (i, node) in nodes.iter().enumerate() {
+            let held: i64 = redis::cmd("HEXISTS")
+                .arg("redlock")
+                .arg(guard.owner().as_str())
+                .query_async(&mut node.conn().await)
+                .await
+                .unwrap();
+            holding.push((held == 1, i));
+        }
+        // Nodes without this hold first, then any: two to kill.
+        holding.sort();
+        let killed: Vec<usize> = holding.iter().take(2).map(|&(_, i)| i).collect();
+        let done_before_kill = get_u64(&mut raw, "redlock:counter").await;
+        for &i in &killed {
+            nodes[i].kill();
+        }
+        guard
+            .unlock()
+            .await
+            .expect("three live nodes still held this process's lock");
+
+        for out in outputs(children, Duration::from_secs(120)).await {
+            assert!(
+                out.status.success(),
+                "hammer failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        assert!(
+            done_before_kill < 3 * ITERS,
+            "the nodes died only after the run ({done_before_kill} of {} done)",
+            3 * ITERS
+        );
+        assert_eq!(
+            get_u64(&mut raw, "redlock:counter").await,
+            3 * ITERS,
+            "lost updates: the processes did not exclude each other"
+        );
+        for node in nodes.iter().filter(|n| n.is_running()) {
+            let exists: i64 = redis::cmd("EXISTS")
+                .arg("redlock")
+                .query_async(&mut node.conn().await)
+                .await
+                .unwrap();
+            assert_eq!(exists, 0, "the lock was left behind on a node");
+        }
+    }
+
+    async fn redlock_three_nodes_killed_hammer_fails_with_no_quorum_within_its_wait() {
+        let mut nodes = five_servers().await;
+        let counter = RedisServer::start().await;
+        let raw = counter.conn().await;
+        let wait = Duration::from_millis(1500);
+        let child = spawn_hammer(&[
+            "--kind",
+            "redlock",
+            "--url",
+            &urls(&nodes),
+            "--counter-url",
+            &counter.url(),
+            "--name",
+            "quorum",
+            "--iters",
+            "1000000",
+            "--counter-key",
+            "quorum:counter",
+            "--wait-ms",
+            &wait.as_millis().to_string(),
+        ]);
+        wait_until(Duration::from_secs(30), "the hammer is running", || {
+            let mut raw = raw.clone();
+            async move { get_u64(&mut raw, "quorum:counter").await >= 10 }
+        })
+        .await;
+        for node in &mut nodes[..3] {
+            node.kill();
+        }
+        let killed_at = Instant::now();
+        let out = outputs(vec![child], wait + Duration::from_secs(10))
+            .await
+            .remove(0);
+        let took = killed_at.elapsed();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "stderr: {stderr}");
+        assert!(
+            stderr.contains("no quorum") && stderr.contains("5 nodes"),
+            "not a quorum error: {stderr}"
+        );
+        assert!(
+            took < wait + Duration::from_secs(2),
+            "the hammer gave up {took:?} after the kill (wait {wait:?})"
+        );
+    }
+
+    async fn permits_never_exceed_n_holders_across_three_processes() {
+        const PERMITS: u64 = 3;
+        const TASKS: u64 = 3;
+        const ITERS: u64 = 40;
+        let server = RedisServer::start().await;
+        let mut raw = server.conn().await;
+        let (tasks, iters, permits) = (TASKS.to_string(), ITERS.to_string(), PERMITS.to_string());
+        let mut children = Vec::new();
+        for _ in 0..3 {
+            children.push(spawn_hammer(&[
+                "--kind",
+                "permits",
+                "--permits",
+                &permits,
+                "--tasks",
+                &tasks,
+                "--url",
+                &server.url(),
+                "--name",
+                "permits",
+                "--iters",
+                &iters,
+                "--counter-key",
+                "permits:counter",
+            ]));
+        }
+        for out in outputs(children, Duration::from_secs(120)).await {
+            assert!(
+                out.status.success(),
+                "hammer failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        assert_eq!(
+            get_u64(&mut raw, "permits:counter").await,
+            3 * TASKS * ITERS
+        );
+        assert_eq!(get_u64(&mut raw, "permits:counter:inside").await, 0);
+        let most = get_u64(&mut raw, "permits:counter:max").await;
+        assert!(
+            most <= PERMITS,
+            "{most} holders at once across the processes, {PERMITS} permits"
+        );
+        assert!(
+            most >= 2,
+            "permits never overlapped: at most {most} at once"
+        );
+        let left: Vec<String> = redis::cmd("KEYS")
+            .arg("*permits")
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+        assert!(left.is_empty(), "permit state left behind: {left:?}");
+    }
+
+    async fn sigkilled_permit_holder_returns_its_permit_after_its_lease() {
+        let server = RedisServer::start().await;
+        let mut raw = server.conn().await;
+        let lease = Duration::from_millis(1000);
+        let mut holder =
+            Holder::spawn_kind(&server.url(), "pool", lease.as_millis() as u64, "permits:2");
+        let line = holder.expect_line("LOCKED", Duration::from_secs(10)).await;
+        let owner = line
+            .split(' ')
+            .nth(2)
+            .expect("LOCKED <token> <owner>")
+            .to_owned();
+
+        // This process holds the other permit; a third owner waits for one.
+        let backend = RedisBackend::connect(server.url()).await.unwrap();
+        let client = LockClient::new(backend.clone());
+        let mine = client.get_permits("pool", 2).unwrap().lock().await.unwrap();
+        let lock = client.get_permits("pool", 2).unwrap();
+        assert!(lock.try_lock().await.unwrap_err().is_busy());
+        let waiter = tokio::spawn(async move {
+            let guard = lock
+                .try_lock_for(Duration::from_secs(20), Lease::Watchdog)
+                .await?;
+            Ok::<_, Error>((Instant::now(), guard))
+        });
+        let key = LockKey::new("pool").unwrap();
+        wait_until(Duration::from_secs(5), "the waiter subscribed", || async {
+            backend.local_waiters(&key) == 1
+        })
+        .await;
+
+        // Kill right after the holder's watchdog renewed its permit, so its whole lease
+        // must run out: the permit's end of lease moved forward.
+        let holders = backend.permits_name(&key);
+        let score = |mut raw: redis::aio::MultiplexedConnection| {
+            let (holders, owner) = (holders.clone(), owner.clone());
+            async move {
+                let at: Option<f64> = redis::cmd("ZSCORE")
+                    .arg(&holders)
+                    .arg(&owner)
+                    .query_async(&mut raw)
+                    .await
+                    .unwrap();
+                at.expect("the holder's permit is there")
+            }
+        };
+        let mut previous = score(raw.clone()).await;
+        let mut polled_at = Instant::now();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let renewed_after = loop {
+            let before = Instant::now();
+            let at = score(raw.clone()).await;
+            if at > previous {
+                // The renewal happened after the previous poll.
+                break polled_at;
+            }
+            previous = at;
+            polled_at = before;
+            assert!(
+                Instant::now() < deadline,
+                "the holder's watchdog never renewed"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        holder.signal("-KILL");
+        let killed_at = Instant::now();
+        let (acquired_at, guard) = waiter.await.unwrap().unwrap();
+        assert!(
+            acquired_at >= renewed_after + lease,
+            "the permit came back {:?} after the renewal, before its lease ({lease:?}) ended",
+            acquired_at.duration_since(renewed_after)
+        );
+        assert!(
+            acquired_at <= killed_at + lease + Duration::from_millis(200),
+            "the permit came back {:?} after SIGKILL (lease {lease:?})",
+            acquired_at.duration_since(killed_at)
+        );
+        // The other permit was never touched.
+        let req = tower_lock::backend::LockRequest::new(
+            key.clone(),
+            mine.owner().clone(),
+            mine.mode(),
+            mine.lease(),
+        );
+        assert!(
+            tower_lock::backend::LockBackend::renew(&backend, &req)
+                .await
+                .unwrap()
+        );
+        guard.unlock().await.unwrap();
+        mine.unlock().await.unwrap();
+        let _ = &mut raw;
+    }
+
+    /// The path of an example binary of this package, built (once per run of this
+    /// binary) with this test's features, so it is never a stale build and shares the
+    /// library already compiled for the tests.
     fn example_binary(name: &str) -> std::path::PathBuf {
+        static BUILT: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
         let exe = std::env::current_exe().expect("this test binary");
         let profile_dir = exe
             .parent()
             .and_then(|deps| deps.parent())
             .expect("target/<profile>/deps/<test>");
-        let features: Vec<&str> = [
-            ("redis", cfg!(feature = "redis")),
-            ("cluster", cfg!(feature = "cluster")),
-            ("tls", cfg!(feature = "tls")),
-            ("axum", cfg!(feature = "axum")),
-        ]
-        .into_iter()
-        .filter_map(|(feature, on)| on.then_some(feature))
-        .collect();
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut build = Command::new(cargo);
-        build
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .args(["build", "--quiet", "--example", name])
-            .args(["--no-default-features", "--features", &features.join(",")]);
-        if profile_dir.ends_with("release") {
-            build.arg("--release");
-        }
-        // Without the variables cargo set for this test run: build scripts that watch
-        // them (ring watches CARGO_MANIFEST_DIR) would otherwise rebuild every time.
-        for (key, _) in std::env::vars_os() {
-            let key = key.to_string_lossy();
-            let set_for_tests = key.starts_with("CARGO_PKG_")
-                || [
-                    "CARGO_MANIFEST_DIR",
-                    "CARGO_MANIFEST_PATH",
-                    "CARGO_CRATE_NAME",
-                    "CARGO_PRIMARY_PACKAGE",
-                    "CARGO_TARGET_TMPDIR",
-                    "CARGO_BIN_NAME",
-                ]
-                .contains(&key.as_ref());
-            if set_for_tests {
-                build.env_remove(key.as_ref());
-            }
-        }
-        let status = build.status().expect("run cargo build");
-        assert!(status.success(), "building example {name}");
         let path = profile_dir.join("examples").join(name);
+        let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+        if !built.iter().any(|b| b == name) {
+            let features = [
+                ("redis", cfg!(feature = "redis")),
+                ("cluster", cfg!(feature = "cluster")),
+                ("tls", cfg!(feature = "tls")),
+                ("axum", cfg!(feature = "axum")),
+            ];
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let mut build = Command::new(cargo);
+            build.current_dir(env!("CARGO_MANIFEST_DIR")).args([
+                "build",
+                "--quiet",
+                "--example",
+                name,
+            ]);
+            // Cargo set these for this test; passed on, they change how dependencies'
+            // build scripts are fingerprinted and rebuild them.
+            for (var, _) in std::env::vars() {
+                let per_package = [
+                    "CARGO_PKG_",
+                    "CARGO_MANIFEST_",
+                    "CARGO_CRATE_",
+                    "CARGO_BIN_",
+                ]
+                .iter()
+                .any(|p| var.starts_with(p));
+                if per_package || var == "CARGO_PRIMARY_PACKAGE" || var == "CARGO_TARGET_TMPDIR" {
+                    build.env_remove(var);
+                }
+            }
+            if features.iter().all(|&(_, on)| on) {
+                // Exactly as `cargo test --all-features` resolved them (an explicit list
+                // resolves dependencies' features differently and rebuilds them).
+                build.arg("--all-features");
+            } else {
+                let on: Vec<&str> = features
+                    .iter()
+                    .filter_map(|&(feature, on)| on.then_some(feature))
+                    .collect();
+                build
+                    .arg("--no-default-features")
+                    .args(["--features", &on.join(",")]);
+            }
+            if profile_dir.ends_with("release") {
+                build.arg("--release");
+            }
+            let status = build.status().expect("run cargo build");
+            assert!(status.success(), "building example {name}");
+            built.push(name.to_owned());
+        }
         assert!(path.exists(), "no example binary at {}", path.display());
         path
     }

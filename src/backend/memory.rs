@@ -107,7 +107,8 @@ use crate::key::LockKey;
 use crate::owner::Owner;
 
 /// How long a queued waiter (fair, read, write) may go without polling before it loses
-/// its place: 5 s, Redisson's default `threadWaitTime`. Live waiters poll at least every
+/// its place: 5 s. (Redisson's `threadWaitTime` plays this part and defaults to 5
+/// minutes; a vanished waiter should not stall a queue that long.) Live waiters poll at least every
 /// third of it.
 pub const DEFAULT_WAITER_TIMEOUT: Duration = Duration::from_secs(5);
 

@@ -12,7 +12,8 @@
 //! | MultiLock | [`MultiLock`] | several locks, all or none |
 //! | RedLock | a [`LockClient`](crate::LockClient) over a [`RedLock`] backend | a lock that survives losing a minority of independent stores |
 //!
-//! Backends implement the modes; one that does not answers
+//! Backends implement the modes — both built-in backends, memory and Redis, implement
+//! every one; a backend that does not answers
 //! [`Error::Unsupported`](crate::Error::Unsupported). The modes' exact semantics — queue
 //! order, the read-write starvation policy, permits' leases — are described with the
 //! [memory backend](crate::backend::memory); every backend implements the same rules.

@@ -719,6 +719,88 @@ pub async fn waiting_writer_is_not_starved(f: &impl KindFixture, _kind: Kind) {
     assert!(!f.residue(&k).await);
 }
 
+/// Readers that never let the read lock go free — each takes its next read hold (as a
+/// fresh owner) before it releases the current one, so some hold is always there, with
+/// no gap a writer could slip through — still cannot keep a waiting writer out: once it
+/// waits, their new holds queue behind it, and it gets in as soon as the holds present
+/// when it arrived are released.
+pub async fn writer_not_starved_by_hand_over_hand_readers(f: &impl KindFixture, _kind: Kind) {
+    const READERS: usize = 3;
+    const HOLD: Duration = Duration::from_millis(20);
+    let k = key(Kind::Write, "hand-over-hand");
+    let client = f.client(LONG);
+    let stop = Arc::new(AtomicBool::new(false));
+    let readers_in = Arc::new(AtomicUsize::new(0));
+    let writer_in = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for _ in 0..READERS {
+        let rw = client.get_read_write_lock(&k).unwrap();
+        let (stop, readers_in, writer_in) = (stop.clone(), readers_in.clone(), writer_in.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut overlapped_writer = false;
+            let mut held = rw.read_lock().lock().await.unwrap();
+            readers_in.fetch_add(1, Ordering::SeqCst);
+            while !stop.load(Ordering::SeqCst) {
+                tokio::time::sleep(HOLD).await;
+                let next = rw
+                    .read_lock()
+                    .try_lock_for(HOLD, Lease::Watchdog)
+                    .await
+                    .ok();
+                if next.is_some() {
+                    readers_in.fetch_add(1, Ordering::SeqCst);
+                    overlapped_writer |= writer_in.load(Ordering::SeqCst);
+                }
+                readers_in.fetch_sub(1, Ordering::SeqCst);
+                held.unlock().await.unwrap();
+                held = match next {
+                    Some(next) => next,
+                    None => {
+                        // A writer goes first; read again after it.
+                        let next = rw.read_lock().lock().await.unwrap();
+                        readers_in.fetch_add(1, Ordering::SeqCst);
+                        overlapped_writer |= writer_in.load(Ordering::SeqCst);
+                        next
+                    }
+                };
+            }
+            readers_in.fetch_sub(1, Ordering::SeqCst);
+            held.unlock().await.unwrap();
+            overlapped_writer
+        }));
+    }
+    wait_until(Duration::from_secs(5), "the reader stream runs", || async {
+        readers_in.load(Ordering::SeqCst) >= READERS
+    })
+    .await;
+    let write = client.get_read_write_lock(&k).unwrap().write_lock();
+    let started = Instant::now();
+    let guard = write
+        .try_lock_for(Duration::from_secs(5), Lease::Watchdog)
+        .await
+        .expect("the writer starved behind the readers");
+    let waited = started.elapsed();
+    writer_in.store(true, Ordering::SeqCst);
+    assert_eq!(
+        readers_in.load(Ordering::SeqCst),
+        0,
+        "readers inside with the writer"
+    );
+    tokio::time::sleep(HOLD).await;
+    writer_in.store(false, Ordering::SeqCst);
+    guard.unlock().await.unwrap();
+    stop.store(true, Ordering::SeqCst);
+    for t in tasks {
+        assert!(!t.await.unwrap(), "a reader held the lock with the writer");
+    }
+    // The bound is two reader holds (40 ms); allow a loaded machine plenty.
+    assert!(
+        waited < Duration::from_secs(2),
+        "the writer waited {waited:?}"
+    );
+    settles_to_no_residue(f, &k).await;
+}
+
 // ---------------------------------------------------------------------------------------
 // Permits.
 
@@ -850,6 +932,7 @@ macro_rules! kind_tests {
             try_lock_for_gives_up_on_time, fencing_tokens_increase, release_wakes_waiter,
             dropped_waiter_leaves_nothing, dropped_guard_releases,
             writers_exclude_everyone, waiting_writer_is_not_starved,
+            writer_not_starved_by_hand_over_hand_readers,
         );
         $crate::kind_tests!(@kind $fixture, permits, $crate::common::kinds::Kind::Permits(3);
             exclusion, reentrancy, foreign_owner_cannot_release_or_renew,

@@ -145,6 +145,11 @@ impl RedisServer {
         self.extra.get(at + 1).map(String::as_str)
     }
 
+    /// Whether the server process is up (not killed).
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.as_ref().expect("server is running").id()
     }

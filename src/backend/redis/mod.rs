@@ -1,18 +1,54 @@
-//! The Redis backend: Redisson-compatible reentrant locks across processes.
+//! The Redis backend: Redisson-compatible locks of every kind across processes.
 //!
-//! [`RedisBackend`] keeps each lock exactly where and how Redisson's `RLock` keeps it, so
-//! a Java service calling `redisson.getLock(NAME)` and a Rust service locking `NAME`
-//! exclude each other:
+//! [`RedisBackend`] keeps each lock exactly where and how Redisson keeps it, so a Java
+//! service calling `redisson.getLock(NAME)` (or `getFairLock`, `getReadWriteLock`) and a
+//! Rust service locking `NAME` in the same kind exclude each other. `{NAME}` below means
+//! `NAME` in braces, or `NAME` as is when it already has a hash tag (Redisson's rule):
 //!
 //! | what | where | shape |
 //! |---|---|---|
-//! | the lock | `NAME` (after the optional key prefix) | hash: `<client uuid>:<owner id>` → hold count, lease by `PEXPIRE` (ms) |
-//! | release channel | `redisson_lock__channel:{NAME}` (no extra braces when `NAME` has a `{`) | message `0`: wake one waiter; `1`: wake all |
-//! | fencing counter | `tower_lock_fence:{NAME}` (same rule) | string counter, `INCR`ed on every fresh acquisition, never expires |
+//! | the lock (exclusive, fair) | `NAME` (after the optional key prefix) | `RLock`'s hash: `<client uuid>:<owner id>` → hold count, lease by `PEXPIRE` (ms) |
+//! | release channel | `redisson_lock__channel:{NAME}` | message `0`: wake one waiter; `1`: wake all |
+//! | fencing counter | `tower_lock_fence:{NAME}` | string counter, `INCR`ed on every fresh hold, never expires |
+//! | fair and read-write wait queue | `redisson_lock_queue:{NAME}`, `redisson_lock_timeout:{NAME}` | `RFairLock`'s list of waiters and sorted set of their eviction times (server clock, ms) |
+//! | fair waiter's wake-up | `redisson_lock__channel:{NAME}:<owner>` | `RFairLock`'s: `0` to the head of the queue |
+//! | read-write lock | `NAME` | `RReadWriteLock`'s hash: `mode` → `read`/`write`, `<owner>` → read holds, `<owner>:write` → write holds |
+//! | read hold leases | `{NAME}:<owner>:rwlock_timeout:<i>` | `RReadWriteLock`'s string per read hold, `PEXPIRE`d; its value is the hold's fencing token |
+//! | read-write channels | `redisson_rwlock:{NAME}` (Redisson's `0` / `1`), `redisson_rwlock:{NAME}:<owner>:read` / `:write` (a queued waiter's wake-up) | |
+//! | permits | `NAME` and `tower_lock_permits:{NAME}` | hash `holds:<owner>` / `token:<owner>`; sorted set owner → end of lease (server clock, ms) |
 //!
-//! All three share `NAME`'s Redis Cluster hash slot. Every state change is one Lua script
-//! from the crate's `lua/` directory, run through [`redis::Script`] (`EVALSHA`, with
-//! `EVAL` fallback when the server does not have it cached).
+//! Every key and channel of a lock shares `NAME`'s Redis Cluster hash slot. Every state
+//! change is one Lua script from the crate's `lua/` directory (the fair, read-write and
+//! permit scripts with `lua/lib.lua`'s helpers in front), run through [`redis::Script`]
+//! (`EVALSHA`, with `EVAL` fallback when the server does not have it cached).
+//!
+//! # Lock kinds
+//!
+//! - **Exclusive** ([`LockMode::Exclusive`]): Redisson's `RLock`; a release wakes one
+//!   waiter per process.
+//! - **Fair**: waiters queue in arrival order and only the head may take a free lock; a
+//!   waiter must poll again within the [waiter
+//!   timeout](RedisBackendBuilder::waiter_timeout) or it loses its place (busy replies
+//!   tell it to come back within a third of it). Unlike Redisson's, a waiter's eviction
+//!   time is "now + waiter timeout", refreshed at every poll, not chained from the
+//!   waiter ahead of it. A release wakes the head only, on its own channel.
+//! - **Read / write**: Redisson's layout, plus the same wait queue (entries
+//!   `<owner>:read` / `<owner>:write`) so that writers are not starved: a reader goes
+//!   when no writer holds the lock and none waits ahead of it; a writer when nothing is
+//!   held and nobody waits ahead of it. The writer's owner reads without waiting
+//!   (downgrade); a reader asking to write waits like any writer, until every read hold
+//!   — its own too — is released. A release wakes exactly the waiters the queue now lets
+//!   go, each on its own channel, and publishes Redisson's `0` (read unlock) or `1`
+//!   (write unlock) on `redisson_rwlock:{NAME}` for Redisson waiters when the lock is free.
+//!   Read holds whose leases all ended (a crashed reader) are dropped by the next writer.
+//! - **Permits**: at most `max` owners at once (`max` from each request), each with its
+//!   own lease; expired holders are dropped inside the scripts, so a crashed holder's
+//!   permit returns with its lease. A release wakes one waiter per process.
+//!
+//! Fencing tokens come from the one counter per name for every kind, so they increase
+//! across the holders of a name whatever its kind. A reentrant hold keeps its token (a
+//! read hold keeps it in its lease keys, a permit in the hash); the writer's own read
+//! holds share the write hold's token.
 //!
 //! Commands go over one multiplexed connection that reconnects by itself
 //! ([`redis::aio::ConnectionManager`]); all waiters of a backend share one dedicated pub/sub
@@ -69,6 +105,7 @@ use super::{
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 
+mod modes;
 mod pubsub;
 
 /// Per-command response timeout when none is configured: 1 s. Lock scripts take
@@ -83,6 +120,8 @@ pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(1);
 /// backoff), so an outage surfaces as an error quickly instead of stalling callers
 /// behind a long retry chain; the next command tries again.
 pub const DEFAULT_RECONNECT_RETRIES: usize = 2;
+
+pub use crate::backend::memory::{DEFAULT_WAITER_TIMEOUT, MIN_WAITER_TIMEOUT};
 
 /// Renewals per script call in a watchdog batch: a bound on how long one call keeps
 /// Redis busy (about a millisecond), not on the batch size; a larger batch is several
@@ -151,6 +190,7 @@ struct Inner {
     prefix: String,
     hub: pubsub::Hub,
     watchdog_lease: Option<Duration>,
+    waiter_timeout: Duration,
     _stop_hub: DropGuard,
 }
 
@@ -160,6 +200,7 @@ pub struct RedisBackendBuilder {
     target: Target,
     key_prefix: String,
     watchdog_lease: Option<Duration>,
+    waiter_timeout: Duration,
     response_timeout: Duration,
     connection_timeout: Duration,
     reconnect_retries: usize,
@@ -207,6 +248,7 @@ impl RedisBackend {
             target,
             key_prefix: String::new(),
             watchdog_lease: None,
+            waiter_timeout: DEFAULT_WAITER_TIMEOUT,
             response_timeout: DEFAULT_RESPONSE_TIMEOUT,
             connection_timeout: DEFAULT_CONNECTION_TIMEOUT,
             reconnect_retries: DEFAULT_RECONNECT_RETRIES,
@@ -228,19 +270,34 @@ impl RedisBackend {
         Names::fence(&self.inner.prefix, key)
     }
 
-    /// Waiters registered for `key` in this process (a diagnostic).
-    pub fn local_waiters(&self, key: &LockKey) -> usize {
-        self.inner.hub.waiters(&self.channel_name(key))
+    /// The wait queue of `key`'s fair or read-write lock (a list of waiters in arrival
+    /// order; their eviction times are in a sorted set beside it).
+    pub fn queue_name(&self, key: &LockKey) -> String {
+        Names::queue(&self.inner.prefix, key)
     }
 
-    fn check_mode(mode: LockMode) -> Result<()> {
-        match mode {
-            LockMode::Exclusive => Ok(()),
-            mode => Err(Error::Unsupported {
-                backend: "redis",
-                mode,
-            }),
-        }
+    /// The sorted set of `key`'s permit holders (owner → end of lease, server time in
+    /// ms).
+    pub fn permits_name(&self, key: &LockKey) -> String {
+        Names::permits(&self.inner.prefix, key)
+    }
+
+    /// The configured waiter timeout; see [`RedisBackendBuilder::waiter_timeout`].
+    pub fn waiter_timeout(&self) -> Duration {
+        self.inner.waiter_timeout
+    }
+
+    /// Waiters registered for `key` in this process, in every mode (a diagnostic).
+    pub fn local_waiters(&self, key: &LockKey) -> usize {
+        let prefix = &self.inner.prefix;
+        let shared = Names::channel(prefix, key);
+        let owned = [
+            [shared.as_str(), ":"].concat(),
+            [Names::rw_channel(prefix, key).as_str(), ":"].concat(),
+        ];
+        self.inner.hub.waiters_where(|channel| {
+            channel == shared || owned.iter().any(|p| channel.starts_with(p.as_str()))
+        })
     }
 
     async fn invoke<T: FromRedisValue>(
@@ -270,6 +327,20 @@ impl RedisBackend {
             [0, pttl] => Ok(Acquire::Busy { ttl: ttl_of(*pttl) }),
             other => Err(unexpected("acquire", other)),
         }
+    }
+
+    async fn force_release_exclusive(&self, key: &LockKey) -> Result<bool> {
+        let prefix = &self.inner.prefix;
+        let removed: i64 = self
+            .invoke(
+                SCRIPTS
+                    .force_release
+                    .key(Names::lock(prefix, key).as_ref())
+                    .key(Names::channel(prefix, key))
+                    .arg(UNLOCK_MESSAGE),
+            )
+            .await?;
+        Ok(removed == 1)
     }
 
     async fn release_exclusive(&self, req: &LockRequest) -> Result<Release> {
@@ -314,7 +385,10 @@ impl RedisBackend {
         }
     }
 
-    async fn renew_batch(&self, reqs: &[LockRequest]) -> Vec<Result<bool>> {
+    /// Renews `reqs` in as few script calls as the slots allow: `mixed` picks the script
+    /// that renews holds of every mode, else all are exclusive or fair holds (the plain
+    /// lock's hash and field), renewed by the lighter one.
+    async fn renew_batch(&self, reqs: &[LockRequest], mixed: bool) -> Vec<Result<bool>> {
         let groups = self.renewal_groups(reqs);
         let batches: Vec<&[usize]> = groups
             .iter()
@@ -323,15 +397,33 @@ impl RedisBackend {
         // All batches are sent at once; the multiplexed connection pipelines them, so a
         // period costs one round trip per connection.
         let calls = batches.iter().map(|batch| async move {
-            let mut invocation = SCRIPTS.renew_many.prepare_invoke();
-            for &i in *batch {
-                invocation.key(Names::lock(&self.inner.prefix, &reqs[i].key).as_ref());
-            }
-            for &i in *batch {
+            let prefix = &self.inner.prefix;
+            let invocation = if mixed {
+                let mut invocation = modes::MODE_SCRIPTS.renew_many_modes.prepare_invoke();
+                for &i in *batch {
+                    invocation
+                        .key(Names::lock(prefix, &reqs[i].key).as_ref())
+                        .key(modes::batch_companion(prefix, &reqs[i]));
+                }
+                for &i in *batch {
+                    invocation.arg(modes::batch_tag(reqs[i].mode));
+                    invocation
+                        .arg(lease_ms(reqs[i].lease))
+                        .arg(reqs[i].owner.as_str());
+                }
                 invocation
-                    .arg(lease_ms(reqs[i].lease))
-                    .arg(reqs[i].owner.as_str());
-            }
+            } else {
+                let mut invocation = SCRIPTS.renew_many.prepare_invoke();
+                for &i in *batch {
+                    invocation.key(Names::lock(prefix, &reqs[i].key).as_ref());
+                }
+                for &i in *batch {
+                    invocation
+                        .arg(lease_ms(reqs[i].lease))
+                        .arg(reqs[i].owner.as_str());
+                }
+                invocation
+            };
             let reply: Result<Vec<i64>> = self.invoke(&invocation).await;
             reply
         });
@@ -454,6 +546,69 @@ impl Names {
     fn fence(prefix: &str, key: &LockKey) -> String {
         Self::companion("tower_lock_fence", prefix, key)
     }
+
+    /// The wait queue of fair and read-write locks (Redisson `RFairLock`'s list).
+    fn queue(prefix: &str, key: &LockKey) -> String {
+        Self::companion("redisson_lock_queue", prefix, key)
+    }
+
+    /// The waiters' eviction times (Redisson `RFairLock`'s sorted set).
+    fn queue_timeouts(prefix: &str, key: &LockKey) -> String {
+        Self::companion("redisson_lock_timeout", prefix, key)
+    }
+
+    /// The read-write lock's channel (Redisson `RReadWriteLock`'s); queued waiters
+    /// listen on `<it>:<queue entry>`.
+    fn rw_channel(prefix: &str, key: &LockKey) -> String {
+        Self::companion("redisson_rwlock", prefix, key)
+    }
+
+    /// The holders of permits (owner → end of lease).
+    fn permits(prefix: &str, key: &LockKey) -> String {
+        Self::companion("tower_lock_permits", prefix, key)
+    }
+
+    /// The prefix of read holds' lease keys, `<it>:<owner>:rwlock_timeout:<i>`: Redisson's
+    /// `suffixName` rule, `{NAME}` or NAME itself when it has a hash tag.
+    fn lease_prefix(prefix: &str, key: &LockKey) -> String {
+        let name = Self::lock(prefix, key);
+        if name.contains('{') {
+            name.into_owned()
+        } else {
+            ["{", name.as_ref(), "}"].concat()
+        }
+    }
+
+    /// A read-write waiter's place in the queue: `<owner>:read` or `<owner>:write`.
+    fn queue_entry(owner: &crate::owner::Owner, mode: LockMode) -> String {
+        let suffix = if mode == LockMode::Read {
+            ":read"
+        } else {
+            ":write"
+        };
+        [owner.as_str(), suffix].concat()
+    }
+
+    /// The channel a waiter of `req` listens on: the lock's channel for exclusive locks
+    /// and permits (a release wakes one waiter), the owner's own channel for queued
+    /// modes (a release wakes exactly the waiters the queue lets go).
+    fn wait_channel(prefix: &str, req: &LockRequest) -> String {
+        match req.mode {
+            LockMode::Fair => [
+                Self::channel(prefix, &req.key).as_str(),
+                ":",
+                req.owner.as_str(),
+            ]
+            .concat(),
+            LockMode::Read | LockMode::Write => [
+                Self::rw_channel(prefix, &req.key).as_str(),
+                ":",
+                Self::queue_entry(&req.owner, req.mode).as_str(),
+            ]
+            .concat(),
+            _ => Self::channel(prefix, &req.key),
+        }
+    }
 }
 
 impl RedisBackendBuilder {
@@ -469,6 +624,17 @@ impl RedisBackendBuilder {
     /// `lockWatchdogTimeout`).
     pub fn watchdog_lease(mut self, lease: Duration) -> Self {
         self.watchdog_lease = Some(lease);
+        self
+    }
+
+    /// How long a queued waiter of a fair or read-write lock may go without polling
+    /// before it loses its place (Redisson's `threadWaitTime`, which defaults to 5
+    /// minutes there). Default [`DEFAULT_WAITER_TIMEOUT`] (5 s); at least
+    /// [`MIN_WAITER_TIMEOUT`]. Live waiters poll every third of it, so a shorter timeout
+    /// skips vanished waiters sooner at the cost of more polls. Backends sharing a
+    /// queue may use different timeouts: each waiter carries its own.
+    pub fn waiter_timeout(mut self, timeout: Duration) -> Self {
+        self.waiter_timeout = timeout;
         self
     }
 
@@ -523,6 +689,15 @@ impl RedisBackendBuilder {
                 ));
             }
         }
+        if self.waiter_timeout < MIN_WAITER_TIMEOUT || self.waiter_timeout > crate::MAX_LEASE {
+            return Err(Error::invalid_config(
+                "waiter_timeout",
+                format!(
+                    "must be between 3 ms and 365 days (got {:?})",
+                    self.waiter_timeout
+                ),
+            ));
+        }
         if let Some(lease) = self.watchdog_lease {
             crate::lock::validate_watchdog_lease(lease)?;
         }
@@ -563,6 +738,7 @@ impl RedisBackendBuilder {
                 prefix: self.key_prefix,
                 hub,
                 watchdog_lease: self.watchdog_lease,
+                waiter_timeout: self.waiter_timeout,
                 _stop_hub: shutdown.drop_guard(),
             }),
         })
@@ -576,14 +752,18 @@ impl LockBackend for RedisBackend {
 
     fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
         Box::pin(async move {
-            Self::check_mode(req.mode)?;
-            self.acquire_exclusive(req).await
+            match req.mode {
+                LockMode::Exclusive => self.acquire_exclusive(req).await,
+                _ => self.acquire_mode(req).await,
+            }
         })
     }
 
     fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
-            Self::check_mode(req.mode)?;
+            if !plain_hash(req.mode) {
+                return self.renew_mode(req).await;
+            }
             let renewed: i64 = self
                 .invoke(
                     SCRIPTS
@@ -599,28 +779,30 @@ impl LockBackend for RedisBackend {
 
     fn renew_many<'a>(&'a self, reqs: &'a [LockRequest]) -> BoxFuture<'a, Vec<Result<bool>>> {
         Box::pin(async move {
-            if reqs.iter().all(|r| Self::check_mode(r.mode).is_ok()) {
-                return self.renew_batch(reqs).await;
-            }
-            let mut out = Vec::with_capacity(reqs.len());
-            for req in reqs {
-                out.push(self.renew(req).await);
-            }
-            out
+            let mixed = !reqs.iter().all(|r| plain_hash(r.mode));
+            self.renew_batch(reqs, mixed).await
         })
     }
 
     fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>> {
         Box::pin(async move {
-            Self::check_mode(req.mode)?;
-            self.release_exclusive(req).await
+            match req.mode {
+                LockMode::Exclusive => self.release_exclusive(req).await,
+                _ => self.release_mode(req).await,
+            }
         })
     }
 
     fn has_local_waiters(&self, req: &LockRequest) -> bool {
-        Self::check_mode(req.mode).is_ok()
+        // Queued modes keep their order in the store; the others wait on the lock's
+        // shared channel. The atomic check keeps the uncontended path free of names.
+        !self.queues_waiters(req.mode)
             && self.inner.hub.anyone_waits()
-            && self.local_waiters(&req.key) > 0
+            && self
+                .inner
+                .hub
+                .waiters(&Names::channel(&self.inner.prefix, &req.key))
+                > 0
     }
 
     fn subscribe<'a>(
@@ -628,9 +810,17 @@ impl LockBackend for RedisBackend {
         req: &'a LockRequest,
     ) -> BoxFuture<'a, Result<Box<dyn Subscription>>> {
         Box::pin(async move {
-            Self::check_mode(req.mode)?;
-            Ok(self.inner.hub.subscribe(self.channel_name(&req.key)).await)
+            let channel = Names::wait_channel(&self.inner.prefix, req);
+            Ok(self.inner.hub.subscribe(channel).await)
         })
+    }
+
+    fn queues_waiters(&self, mode: LockMode) -> bool {
+        matches!(mode, LockMode::Fair | LockMode::Read | LockMode::Write)
+    }
+
+    fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
+        Box::pin(self.cancel_wait_mode(req))
     }
 
     fn force_release<'a>(
@@ -639,24 +829,21 @@ impl LockBackend for RedisBackend {
         mode: LockMode,
     ) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
-            Self::check_mode(mode)?;
-            let prefix = &self.inner.prefix;
-            let removed: i64 = self
-                .invoke(
-                    SCRIPTS
-                        .force_release
-                        .key(Names::lock(prefix, key).as_ref())
-                        .key(Names::channel(prefix, key))
-                        .arg(UNLOCK_MESSAGE),
-                )
-                .await?;
-            Ok(removed == 1)
+            match mode {
+                LockMode::Exclusive => self.force_release_exclusive(key).await,
+                _ => self.force_release_mode(key, mode).await,
+            }
         })
     }
 
     fn watchdog_lease(&self) -> Option<Duration> {
         self.inner.watchdog_lease
     }
+}
+
+/// Modes held as a plain `RLock` hash field (exclusive and fair), renewed alike.
+fn plain_hash(mode: LockMode) -> bool {
+    matches!(mode, LockMode::Exclusive | LockMode::Fair)
 }
 
 impl fmt::Debug for RedisBackend {
@@ -678,8 +865,40 @@ mod tests {
         assert_eq!(Names::channel("", &key), "redisson_lock__channel:{anyLock}");
         assert_eq!(Names::fence("", &key), "tower_lock_fence:{anyLock}");
 
+        assert_eq!(Names::queue("", &key), "redisson_lock_queue:{anyLock}");
+        assert_eq!(
+            Names::queue_timeouts("", &key),
+            "redisson_lock_timeout:{anyLock}"
+        );
+        assert_eq!(Names::rw_channel("", &key), "redisson_rwlock:{anyLock}");
+        assert_eq!(Names::lease_prefix("", &key), "{anyLock}");
+        let owner = crate::owner::Owner::from_raw("uuid:1").unwrap();
+        let wait = |mode| {
+            Names::wait_channel(
+                "",
+                &LockRequest::new(key.clone(), owner.clone(), mode, Duration::from_secs(1)),
+            )
+        };
+        assert_eq!(
+            wait(LockMode::Exclusive),
+            "redisson_lock__channel:{anyLock}"
+        );
+        assert_eq!(
+            wait(LockMode::Fair),
+            "redisson_lock__channel:{anyLock}:uuid:1"
+        );
+        assert_eq!(
+            wait(LockMode::Read),
+            "redisson_rwlock:{anyLock}:uuid:1:read"
+        );
+        assert_eq!(
+            wait(LockMode::Write),
+            "redisson_rwlock:{anyLock}:uuid:1:write"
+        );
+
         let key = LockKey::namespaced("lock:order", "42").unwrap();
         assert_eq!(Names::lock("app:", &key), "app:lock:order:{42}");
+        assert_eq!(Names::lease_prefix("app:", &key), "app:lock:order:{42}");
         assert_eq!(
             Names::channel("app:", &key),
             "redisson_lock__channel:app:lock:order:{42}"
@@ -708,6 +927,34 @@ mod tests {
                     slot,
                     "{key} fence"
                 );
+                let owner = crate::owner::Owner::from_raw("5f0e7c8a-uuid:7").unwrap();
+                let lease_key = [
+                    Names::lease_prefix(prefix, &key).as_str(),
+                    ":",
+                    owner.as_str(),
+                    ":rwlock_timeout:1",
+                ]
+                .concat();
+                let mut companions = vec![
+                    ("queue", Names::queue(prefix, &key)),
+                    ("queue timeouts", Names::queue_timeouts(prefix, &key)),
+                    ("rw channel", Names::rw_channel(prefix, &key)),
+                    ("permits", Names::permits(prefix, &key)),
+                    ("read lease key", lease_key),
+                ];
+                for mode in [
+                    LockMode::Exclusive,
+                    LockMode::Fair,
+                    LockMode::Read,
+                    LockMode::Write,
+                ] {
+                    let req =
+                        LockRequest::new(key.clone(), owner.clone(), mode, Duration::from_secs(1));
+                    companions.push(("wait channel", Names::wait_channel(prefix, &req)));
+                }
+                for (what, name) in companions {
+                    assert_eq!(Slot::for_key(name.as_bytes()), slot, "{key} {what}: {name}");
+                }
             }
         }
     }

@@ -128,13 +128,24 @@ impl Hub {
         self.shared.total_waiters.load(Ordering::Relaxed) > 0
     }
 
-    /// Waiters registered on `channel` in this process.
+    /// Waiters registered on `channel` in this process (a point lookup).
     pub(super) fn waiters(&self, channel: &str) -> usize {
         self.shared
             .state()
             .channels
             .get(channel)
             .map_or(0, |c| c.waiters)
+    }
+
+    /// Waiters registered in this process on the channels `matches` accepts.
+    pub(super) fn waiters_where(&self, mut matches: impl FnMut(&str) -> bool) -> usize {
+        self.shared
+            .state()
+            .channels
+            .iter()
+            .filter(|(name, _)| matches(name))
+            .map(|(_, c)| c.waiters)
+            .sum()
     }
 }
 

@@ -1,0 +1,11 @@
+-- Renew (watchdog) one read or write hold, only if the owner still holds it; with
+-- lib.lua.
+--
+-- KEYS[1]  lock name (hash)
+-- KEYS[2]  lease-key prefix P
+-- ARGV[1]  lease in milliseconds
+-- ARGV[2]  owner
+-- ARGV[3]  'read' or 'write'
+--
+-- Returns 1 when renewed, 0 when the owner no longer holds the lock in that mode.
+return renew_rw(KEYS[1], KEYS[2], tonumber(ARGV[1]), ARGV[2], ARGV[3] == 'read')

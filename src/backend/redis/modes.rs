@@ -1,0 +1,342 @@
+//! The fair, read-write and permit modes of [`RedisBackend`]: their scripts, the keys and
+//! channels each operation passes, and their replies.
+//!
+//! Layouts (every key and channel in `NAME`'s hash slot; see the module docs of
+//! [`redis`](super) and `lua/lib.lua`):
+//!
+//! - **Fair** — Redisson `RFairLock`: the lock is `RLock`'s hash at `NAME`; waiters queue
+//!   in the list `redisson_lock_queue:{NAME}` with their eviction time (server clock, ms)
+//!   in the sorted set `redisson_lock_timeout:{NAME}`; the head is woken on its own
+//!   channel `redisson_lock__channel:{NAME}:<owner>`.
+//! - **Read / write** — Redisson `RReadWriteLock`: one hash at `NAME` with `mode`,
+//!   `<owner>` → read holds and `<owner>:write` → write holds; one lease key per read
+//!   hold, `{NAME}:<owner>:rwlock_timeout:<i>`; Redisson's `0` / `1` on
+//!   `redisson_rwlock:{NAME}` when the lock is free. Blocked readers and writers queue
+//!   in the fair lock's queue as `<owner>:read` / `<owner>:write` and are woken on
+//!   `redisson_rwlock:{NAME}:<entry>`.
+//! - **Permits**: a hash at `NAME` (`holds:<owner>`, `token:<owner>`) and the sorted set
+//!   `tower_lock_permits:{NAME}` (owner → lease end); releases wake one waiter on the
+//!   lock's channel.
+
+use std::sync::LazyLock;
+
+use redis::Script;
+
+use super::{Names, RedisBackend, lease_ms, ttl_of, unexpected};
+use crate::backend::{Acquire, FencingToken, Grant, LockMode, LockRequest, Release};
+use crate::error::Result;
+use crate::key::LockKey;
+
+const LIB: &str = include_str!("../../../lua/lib.lua");
+
+pub(super) struct ModeScripts {
+    pub(super) fair_acquire: Script,
+    pub(super) fair_release: Script,
+    pub(super) fair_force_release: Script,
+    pub(super) queue_cancel: Script,
+    pub(super) rw_acquire: Script,
+    pub(super) rw_release: Script,
+    pub(super) rw_renew: Script,
+    pub(super) rw_force_release: Script,
+    pub(super) permits_acquire: Script,
+    pub(super) permits_release: Script,
+    pub(super) permits_renew: Script,
+    pub(super) permits_force_release: Script,
+    pub(super) renew_many_modes: Script,
+}
+
+/// One script: the shared helpers followed by the operation.
+fn with_lib(body: &str) -> Script {
+    Script::new(&[LIB, body].concat())
+}
+
+pub(super) static MODE_SCRIPTS: LazyLock<ModeScripts> = LazyLock::new(|| ModeScripts {
+    fair_acquire: with_lib(include_str!("../../../lua/fair_acquire.lua")),
+    fair_release: with_lib(include_str!("../../../lua/fair_release.lua")),
+    fair_force_release: with_lib(include_str!("../../../lua/fair_force_release.lua")),
+    queue_cancel: with_lib(include_str!("../../../lua/queue_cancel.lua")),
+    rw_acquire: with_lib(include_str!("../../../lua/rw_acquire.lua")),
+    rw_release: with_lib(include_str!("../../../lua/rw_release.lua")),
+    rw_renew: with_lib(include_str!("../../../lua/rw_renew.lua")),
+    rw_force_release: with_lib(include_str!("../../../lua/rw_force_release.lua")),
+    permits_acquire: with_lib(include_str!("../../../lua/permits_acquire.lua")),
+    permits_release: with_lib(include_str!("../../../lua/permits_release.lua")),
+    permits_renew: with_lib(include_str!("../../../lua/permits_renew.lua")),
+    permits_force_release: with_lib(include_str!("../../../lua/permits_force_release.lua")),
+    renew_many_modes: with_lib(include_str!("../../../lua/renew_many_modes.lua")),
+});
+
+/// `'read'` or `'write'`, as the read-write scripts take it.
+fn rw_arg(mode: LockMode) -> &'static str {
+    if mode == LockMode::Read {
+        "read"
+    } else {
+        "write"
+    }
+}
+
+/// The mode tag of a hold in a mixed renewal batch (`renew_many_modes.lua`).
+pub(super) fn batch_tag(mode: LockMode) -> &'static str {
+    match mode {
+        LockMode::Read => "r",
+        LockMode::Write => "w",
+        LockMode::Permits { .. } => "p",
+        _ => "x",
+    }
+}
+
+/// The second key of a hold in a mixed renewal batch.
+pub(super) fn batch_companion(prefix: &str, req: &LockRequest) -> String {
+    match req.mode {
+        LockMode::Read | LockMode::Write => Names::lease_prefix(prefix, &req.key),
+        LockMode::Permits { .. } => Names::permits(prefix, &req.key),
+        _ => Names::lock(prefix, &req.key).into_owned(),
+    }
+}
+
+/// `{1, holds, token}` or `{0, ttl}` → the outcome.
+fn parse_acquire(op: &str, reply: &[i64]) -> Result<Acquire> {
+    match reply {
+        [1, holds, token] => Ok(Acquire::Acquired(Grant::new(
+            u32::try_from(*holds).unwrap_or(u32::MAX),
+            FencingToken::new(u64::try_from(*token).unwrap_or(0)),
+        ))),
+        [0, ttl] => Ok(Acquire::Busy { ttl: ttl_of(*ttl) }),
+        other => Err(unexpected(op, other)),
+    }
+}
+
+/// `-1` / `0` / holds left → the outcome.
+fn parse_release(reply: i64) -> Release {
+    match reply {
+        -1 => Release::NotHeld,
+        0 => Release::Released,
+        holds => Release::Decremented {
+            holds: u32::try_from(holds).unwrap_or(u32::MAX),
+        },
+    }
+}
+
+impl RedisBackend {
+    fn prefix(&self) -> &str {
+        &self.inner.prefix
+    }
+
+    fn waiter_timeout_ms(&self) -> u64 {
+        lease_ms(self.inner.waiter_timeout)
+    }
+
+    pub(super) async fn acquire_mode(&self, req: &LockRequest) -> Result<Acquire> {
+        let p = self.prefix();
+        let key = &req.key;
+        let lock = Names::lock(p, key);
+        let reply: Vec<i64> = match req.mode {
+            LockMode::Fair => {
+                self.invoke(
+                    MODE_SCRIPTS
+                        .fair_acquire
+                        .key(lock.as_ref())
+                        .key(Names::queue(p, key))
+                        .key(Names::queue_timeouts(p, key))
+                        .key(Names::fence(p, key))
+                        .key(Names::channel(p, key))
+                        .arg(lease_ms(req.lease))
+                        .arg(req.owner.as_str())
+                        .arg(self.waiter_timeout_ms()),
+                )
+                .await?
+            }
+            LockMode::Read | LockMode::Write => {
+                self.invoke(
+                    MODE_SCRIPTS
+                        .rw_acquire
+                        .key(lock.as_ref())
+                        .key(Names::lease_prefix(p, key))
+                        .key(Names::queue(p, key))
+                        .key(Names::queue_timeouts(p, key))
+                        .key(Names::fence(p, key))
+                        .key(Names::rw_channel(p, key))
+                        .arg(lease_ms(req.lease))
+                        .arg(req.owner.as_str())
+                        .arg(rw_arg(req.mode))
+                        .arg(self.waiter_timeout_ms()),
+                )
+                .await?
+            }
+            LockMode::Permits { max } => {
+                self.invoke(
+                    MODE_SCRIPTS
+                        .permits_acquire
+                        .key(lock.as_ref())
+                        .key(Names::permits(p, key))
+                        .key(Names::fence(p, key))
+                        .arg(lease_ms(req.lease))
+                        .arg(req.owner.as_str())
+                        .arg(max.get()),
+                )
+                .await?
+            }
+            _ => return self.acquire_exclusive(req).await,
+        };
+        parse_acquire("acquire", &reply)
+    }
+
+    pub(super) async fn release_mode(&self, req: &LockRequest) -> Result<Release> {
+        let p = self.prefix();
+        let key = &req.key;
+        let lock = Names::lock(p, key);
+        let reply: i64 = match req.mode {
+            LockMode::Fair => {
+                self.invoke(
+                    MODE_SCRIPTS
+                        .fair_release
+                        .key(lock.as_ref())
+                        .key(Names::queue(p, key))
+                        .key(Names::queue_timeouts(p, key))
+                        .key(Names::channel(p, key))
+                        .arg(lease_ms(req.lease))
+                        .arg(req.owner.as_str()),
+                )
+                .await?
+            }
+            LockMode::Read | LockMode::Write => {
+                self.invoke(
+                    MODE_SCRIPTS
+                        .rw_release
+                        .key(lock.as_ref())
+                        .key(Names::lease_prefix(p, key))
+                        .key(Names::queue(p, key))
+                        .key(Names::queue_timeouts(p, key))
+                        .key(Names::rw_channel(p, key))
+                        .arg(lease_ms(req.lease))
+                        .arg(req.owner.as_str())
+                        .arg(rw_arg(req.mode)),
+                )
+                .await?
+            }
+            LockMode::Permits { .. } => {
+                self.invoke(
+                    MODE_SCRIPTS
+                        .permits_release
+                        .key(lock.as_ref())
+                        .key(Names::permits(p, key))
+                        .key(Names::channel(p, key))
+                        .arg(lease_ms(req.lease))
+                        .arg(req.owner.as_str()),
+                )
+                .await?
+            }
+            _ => return self.release_exclusive(req).await,
+        };
+        Ok(parse_release(reply))
+    }
+
+    /// Renews a read, write or permit hold (exclusive and fair holds use the plain
+    /// lock's script).
+    pub(super) async fn renew_mode(&self, req: &LockRequest) -> Result<bool> {
+        let p = self.prefix();
+        let key = &req.key;
+        let lock = Names::lock(p, key);
+        let renewed: i64 = match req.mode {
+            LockMode::Permits { .. } => {
+                self.invoke(
+                    MODE_SCRIPTS
+                        .permits_renew
+                        .key(lock.as_ref())
+                        .key(Names::permits(p, key))
+                        .arg(lease_ms(req.lease))
+                        .arg(req.owner.as_str()),
+                )
+                .await?
+            }
+            _ => {
+                self.invoke(
+                    MODE_SCRIPTS
+                        .rw_renew
+                        .key(lock.as_ref())
+                        .key(Names::lease_prefix(p, key))
+                        .arg(lease_ms(req.lease))
+                        .arg(req.owner.as_str())
+                        .arg(rw_arg(req.mode)),
+                )
+                .await?
+            }
+        };
+        Ok(renewed == 1)
+    }
+
+    /// Leaves the wait queue of a fair or read-write lock.
+    pub(super) async fn cancel_wait_mode(&self, req: &LockRequest) -> Result<()> {
+        let p = self.prefix();
+        let key = &req.key;
+        let (entry, family, channel) = match req.mode {
+            LockMode::Fair => (
+                req.owner.as_str().to_owned(),
+                "fair",
+                Names::channel(p, key),
+            ),
+            LockMode::Read | LockMode::Write => (
+                Names::queue_entry(&req.owner, req.mode),
+                "rw",
+                Names::rw_channel(p, key),
+            ),
+            _ => return Ok(()),
+        };
+        let _removed: i64 = self
+            .invoke(
+                MODE_SCRIPTS
+                    .queue_cancel
+                    .key(Names::lock(p, key).as_ref())
+                    .key(Names::queue(p, key))
+                    .key(Names::queue_timeouts(p, key))
+                    .key(channel)
+                    .arg(entry)
+                    .arg(family),
+            )
+            .await?;
+        Ok(())
+    }
+
+    pub(super) async fn force_release_mode(&self, key: &LockKey, mode: LockMode) -> Result<bool> {
+        let p = self.prefix();
+        let lock = Names::lock(p, key);
+        let removed: i64 = match mode {
+            LockMode::Fair => {
+                self.invoke(
+                    MODE_SCRIPTS
+                        .fair_force_release
+                        .key(lock.as_ref())
+                        .key(Names::queue(p, key))
+                        .key(Names::queue_timeouts(p, key))
+                        .key(Names::channel(p, key)),
+                )
+                .await?
+            }
+            LockMode::Read | LockMode::Write => {
+                self.invoke(
+                    MODE_SCRIPTS
+                        .rw_force_release
+                        .key(lock.as_ref())
+                        .key(Names::lease_prefix(p, key))
+                        .key(Names::queue(p, key))
+                        .key(Names::queue_timeouts(p, key))
+                        .key(Names::rw_channel(p, key))
+                        .arg(rw_arg(mode)),
+                )
+                .await?
+            }
+            LockMode::Permits { .. } => {
+                self.invoke(
+                    MODE_SCRIPTS
+                        .permits_force_release
+                        .key(lock.as_ref())
+                        .key(Names::permits(p, key))
+                        .key(Names::channel(p, key)),
+                )
+                .await?
+            }
+            _ => return self.force_release_exclusive(key).await,
+        };
+        Ok(removed == 1)
+    }
+}
