@@ -44,7 +44,7 @@ if redis.call('exists', H) == 0 then
 else
     if redis.call('hexists', H, owner) == 1 then
         local holds = redis.call('hincrby', H, owner, 1)
-        redis.call('pexpire', H, lease)
+        extend(H, tonumber(lease))
         return {1, holds, tonumber(redis.call('get', FENCE) or '0')}
     end
     ttl = redis.call('pttl', H)

@@ -8,13 +8,13 @@
 -- KEYS[2]  queue (list)
 -- KEYS[3]  waiter timeouts (zset)
 -- KEYS[4]  wake-up channel prefix (redisson_lock__channel:{NAME})
--- ARGV[1]  lease in milliseconds, reset when holds remain
+-- ARGV[1]  lease in milliseconds, extended to when holds remain (never shortened)
 -- ARGV[2]  owner
 --
 -- Returns
 --   -1     not held by this owner; the lock is unchanged
 --    0     released; the next waiter was told
---    n > 0 one hold released, n remain; lease reset
+--    n > 0 one hold released, n remain; lease extended (never shortened)
 local H, Q, Z, CHAN = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local lease, owner = ARGV[1], ARGV[2]
 evict_stale(Q, Z, now_ms())
@@ -25,7 +25,7 @@ if redis.call('hexists', H, owner) == 0 then
 end
 local holds = redis.call('hincrby', H, owner, -1)
 if holds > 0 then
-    redis.call('pexpire', H, lease)
+    extend(H, tonumber(lease))
     return holds
 end
 redis.call('del', H)

@@ -1,4 +1,6 @@
 -- Acquire (or re-enter) a Redisson-compatible reentrant lock and issue a fencing token.
+-- A re-entry extends the lease to ARGV[1] but never shortens it: an outer hold with a
+-- longer lease (or the watchdog's) keeps it.
 --
 -- The lock is a hash at KEYS[1] (Redisson RLock layout): field <client uuid>:<owner id>
 -- -> hold count, lease by PEXPIRE in milliseconds. The fencing counter is a separate
@@ -20,7 +22,10 @@ if redis.call('exists', KEYS[1]) == 0 then
 end
 if redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
     local holds = redis.call('hincrby', KEYS[1], ARGV[2], 1)
-    redis.call('pexpire', KEYS[1], ARGV[1])
+    -- Re-entering never shortens the lease the hold already has.
+    if redis.call('pttl', KEYS[1]) < tonumber(ARGV[1]) then
+        redis.call('pexpire', KEYS[1], ARGV[1])
+    end
     return {1, holds, tonumber(redis.call('get', KEYS[2]) or '0')}
 end
 return {0, redis.call('pttl', KEYS[1])}

@@ -28,9 +28,11 @@ if redis.call('exists', E) == 0 then
 else
     prune_permits(H, E, now)
 end
-if redis.call('zscore', E, owner) then
+local held_until = redis.call('zscore', E, owner)
+if held_until then
     local holds = redis.call('hincrby', H, 'holds:' .. owner, 1)
-    redis.call('zadd', E, now + lease, owner)
+    -- Re-entering never shortens the permit's lease.
+    redis.call('zadd', E, math.max(tonumber(held_until), now + lease), owner)
     fit_permits(H, E, now)
     return {1, holds, tonumber(redis.call('hget', H, 'token:' .. owner) or '0')}
 end

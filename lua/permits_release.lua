@@ -6,14 +6,14 @@
 -- KEYS[1]  lock name (hash)
 -- KEYS[2]  holders (zset, tower_lock_permits:{NAME})
 -- KEYS[3]  release channel (redisson_lock__channel:{NAME})
--- ARGV[1]  lease in milliseconds, reset when holds remain
+-- ARGV[1]  lease in milliseconds, extended to when holds remain (never shortened)
 -- ARGV[2]  owner
 --
 -- Returns
 --   -1     the owner holds no permit (never did, or its lease ended); nothing held
 --          changed
 --    0     the permit is free; a waiter was woken
---    n > 0 one hold released, n remain; lease reset
+--    n > 0 one hold released, n remain; lease extended (never shortened)
 local H, E, CHAN = KEYS[1], KEYS[2], KEYS[3]
 local lease, owner = tonumber(ARGV[1]), ARGV[2]
 if redis.call('exists', E) == 0 then
@@ -27,7 +27,9 @@ if not redis.call('zscore', E, owner) then
 end
 local holds = redis.call('hincrby', H, 'holds:' .. owner, -1)
 if holds > 0 then
-    redis.call('zadd', E, now + lease, owner)
+    -- The holds left keep at least the lease they had.
+    local held_until = tonumber(redis.call('zscore', E, owner) or '0')
+    redis.call('zadd', E, math.max(held_until, now + lease), owner)
     fit_permits(H, E, now)
     return holds
 end

@@ -46,11 +46,13 @@ elseif reading then
     if count > 0 then
         local token = reader_token(P, owner, count)
         if token then
+            -- Re-entering never shortens the lease the hold already has.
+            local keep = math.max(lease, reader_pttl(P, owner, count))
             count = redis.call('hincrby', H, owner, 1)
             for i = 1, count do
-                redis.call('set', lease_key(P, owner, i), token, 'px', lease)
+                redis.call('set', lease_key(P, owner, i), token, 'px', keep)
             end
-            extend(H, lease)
+            extend(H, keep)
             return {1, count, token}
         end
         -- The hold's leases ended: forget it, and ask as a newcomer.
@@ -72,7 +74,7 @@ elseif mode then
         if own then
             ms = math.max(ms, reader_pttl(P, owner, tonumber(own) or 0))
         end
-        redis.call('pexpire', H, ms)
+        extend(H, ms)
         return {1, holds, tonumber(redis.call('get', FENCE) or '0')}
     end
     -- A writer needs every hold gone, its owner's read holds too.

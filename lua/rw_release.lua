@@ -12,7 +12,7 @@
 -- KEYS[3]  queue (list)
 -- KEYS[4]  waiter timeouts (zset)
 -- KEYS[5]  channel (redisson_rwlock:{NAME})
--- ARGV[1]  lease in milliseconds, reset when holds remain
+-- ARGV[1]  lease in milliseconds, extended to when holds remain (never shortened)
 -- ARGV[2]  owner
 -- ARGV[3]  'read' or 'write'
 --
@@ -20,7 +20,7 @@
 --   -1     not held by this owner in this mode (or its lease ended); nothing held
 --          changed
 --    0     released; waiters were told
---    n > 0 one hold released, n remain; lease reset
+--    n > 0 one hold released, n remain; lease extended (never shortened)
 local H, P, Q, Z, CHAN = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lease, owner = tonumber(ARGV[1]), ARGV[2]
 local reading = ARGV[3] == 'read'
@@ -36,19 +36,21 @@ end
 
 if count > 1 then
     redis.call('hincrby', H, field, -1)
+    -- The holds left keep at least the lease they had.
     if reading then
+        local keep = math.max(lease, reader_pttl(P, owner, count))
         redis.call('del', lease_key(P, owner, count))
         for i = 1, count - 1 do
-            redis.call('pexpire', lease_key(P, owner, i), lease)
+            redis.call('pexpire', lease_key(P, owner, i), keep)
         end
-        extend(H, lease)
+        extend(H, keep)
     else
         local own = redis.call('hget', H, owner)
         local ms = lease
         if own then
             ms = math.max(ms, reader_pttl(P, owner, tonumber(own) or 0))
         end
-        redis.call('pexpire', H, ms)
+        extend(H, ms)
     end
     return count - 1
 end

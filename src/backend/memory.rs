@@ -687,6 +687,11 @@ impl Entry {
     }
 }
 
+/// The later of two lease ends; `None` is "never".
+fn later(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    a.zip(b).map(|(a, b)| a.max(b))
+}
+
 impl MemoryBackend {
     /// A new, empty store with the default settings.
     pub fn new() -> Self {
@@ -767,7 +772,8 @@ impl MemoryBackend {
 
         if let Some(hold) = entry.holds.own_mut(&req.owner, req.mode, now) {
             hold.holds = hold.holds.saturating_add(1);
-            hold.expires_at = expires_at;
+            // Re-entering never shortens the lease the hold already has.
+            hold.expires_at = later(hold.expires_at, expires_at);
             let grant = Grant::new(hold.holds, hold.token);
             if queued {
                 entry.queue.remove(&req.owner, req.mode);
@@ -849,7 +855,8 @@ impl MemoryBackend {
         let outcome = match entry.holds.own_mut(&req.owner, req.mode, now) {
             Some(hold) if hold.holds > 1 => {
                 hold.holds -= 1;
-                hold.expires_at = now.checked_add(req.lease);
+                // The holds left keep at least the lease they had.
+                hold.expires_at = later(hold.expires_at, now.checked_add(req.lease));
                 Release::Decremented { holds: hold.holds }
             }
             Some(_) => {

@@ -143,8 +143,9 @@ pub struct LockRequest {
     pub owner: Owner,
     /// How the lock is held.
     pub mode: LockMode,
-    /// The lease to set: on acquire, on renew, and on a release that leaves holds in
-    /// place. Always at least 1 ms.
+    /// The lease: set on a fresh acquisition and on renew; on a re-entry, and on a
+    /// release that leaves holds in place, the hold's lease is extended to it but never
+    /// shortened. Always at least 1 ms, in whole milliseconds.
     pub lease: Duration,
 }
 
@@ -231,8 +232,8 @@ pub enum Release {
     /// The last hold was released; the lock is free (for this owner's mode) and waiters
     /// were notified.
     Released,
-    /// One hold was released; the owner still holds the lock this many times, and the
-    /// lease was reset.
+    /// One hold was released; the owner still holds the lock this many times, with at
+    /// least the lease it had.
     Decremented {
         /// Holds left.
         holds: u32,
@@ -301,7 +302,8 @@ pub trait LockBackend: Send + Sync + 'static {
     ///   holds it once, with a lease of `req.lease`, under a fencing token greater than
     ///   every token issued for this key before → [`Acquire::Acquired`] with `holds: 1`.
     /// - The owner already holds it in this mode: the hold count goes up by one, the
-    ///   lease is reset to `req.lease`, and the token is the one issued when the hold
+    ///   lease is extended to `req.lease` if it had less left (never shortened: an outer
+    ///   hold keeps its longer lease), and the token is the one issued when the hold
     ///   began → `Acquired` with the new count (reentrancy).
     /// - Another owner holds it: nothing changes → [`Acquire::Busy`] with the holder's
     ///   remaining lease.
@@ -330,7 +332,8 @@ pub trait LockBackend: Send + Sync + 'static {
     /// Releases one hold of `req.owner` on `req.key` in `req.mode`.
     ///
     /// Not held by this owner → [`Release::NotHeld`], nothing changes. More holds left →
-    /// [`Release::Decremented`], lease reset to `req.lease`. Last hold →
+    /// [`Release::Decremented`], lease extended to `req.lease` if it had less left (never
+    /// shortened). Last hold →
     /// [`Release::Released`], and waiters are notified: in exclusive modes one waiter per
     /// client process is enough (no thundering herd); where a release may let several
     /// waiters in at once (a write unlock, readers), all are woken.

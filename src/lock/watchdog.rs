@@ -265,11 +265,25 @@ async fn run(inner: Arc<Inner>) {
         tokio::time::sleep_until(next).await;
         let (keys, reqs): (Vec<(HoldKey, u64)>, Vec<LockRequest>) = {
             let mut state = inner.state();
+            let now = Instant::now();
             let watched: (Vec<_>, Vec<_>) = state
                 .entries
                 .iter()
                 .filter(|(_, e)| e.watched > 0)
-                .map(|(k, e)| ((k.clone(), e.generation), e.renewal.clone()))
+                .map(|(k, e)| {
+                    // Never renew a hold to less than the lease it already has (an outer
+                    // guard of the same owner with a longer explicit lease).
+                    let mut renewal = e.renewal.clone();
+                    if let Some(at) = e.expiry.get() {
+                        let left = at.saturating_duration_since(now);
+                        if left > renewal.lease {
+                            renewal.lease = Duration::from_millis(
+                                u64::try_from(left.as_millis()).unwrap_or(u64::MAX),
+                            );
+                        }
+                    }
+                    ((k.clone(), e.generation), renewal)
+                })
                 .unzip();
             if watched.0.is_empty() {
                 state.task = None;
@@ -296,7 +310,7 @@ async fn run(inner: Arc<Inner>) {
             let shown = inner.hooks.key(&key.key);
             let lost = match results.get(i) {
                 Some(Ok(true)) => {
-                    entry.expiry.extend_to(Some(sent_at + inner.lease));
+                    entry.expiry.extend_to(Some(sent_at + reqs[i].lease));
                     false
                 }
                 Some(Ok(false)) => {

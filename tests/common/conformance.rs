@@ -582,6 +582,58 @@ pub async fn multi_lock_fixed_lease_outlasts_the_wait(f: &impl Fixture) {
     drop(blocker);
 }
 
+/// A re-entry with a short lease, released again, must not cut the outer hold's lease:
+/// the layer holds with the watchdog and a handler re-enters with `try_lock_for(.., 1s)`.
+pub async fn reentry_never_shortens_the_lease(f: &impl Fixture) {
+    let k = key("reentry-lease");
+    let client = f.client(LONG);
+    let other = f.client(LONG);
+    let owner = client.new_owner();
+    let lock = client.get_lock(&k).unwrap().with_owner(owner);
+    for outer_lease in [Lease::Watchdog, Lease::Fixed(Duration::from_secs(20))] {
+        let outer = lock
+            .try_lock_for(Duration::ZERO, outer_lease)
+            .await
+            .unwrap();
+        let inner = lock
+            .try_lock_for(Duration::ZERO, Duration::from_millis(50))
+            .await
+            .unwrap();
+        assert_eq!(inner.hold_count(), 2);
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        // Past the inner lease, while it is still held: the outer lease holds the key.
+        match other.get_lock(&k).unwrap().try_lock().await {
+            Err(Error::Busy {
+                holder_ttl: Some(ttl),
+            }) => {
+                assert!(
+                    ttl > Duration::from_secs(15),
+                    "{outer_lease:?}: lease cut to {ttl:?}"
+                )
+            }
+            other => panic!("{outer_lease:?}: the re-entry cut the outer lease: {other:?}"),
+        }
+        // The hold never lapsed (the outer lease covered it): the inner guard was
+        // protected throughout, and says so.
+        assert!(!inner.is_lost());
+        inner.unlock().await.unwrap();
+        match other.get_lock(&k).unwrap().try_lock().await {
+            Err(Error::Busy {
+                holder_ttl: Some(ttl),
+            }) => {
+                assert!(
+                    ttl > Duration::from_secs(15),
+                    "{outer_lease:?}: release cut it to {ttl:?}"
+                )
+            }
+            other => panic!("{outer_lease:?}: the partial release cut the outer lease: {other:?}"),
+        }
+        assert!(!outer.is_lost());
+        outer.unlock().await.unwrap();
+    }
+    assert!(!f.residue(&k).await);
+}
+
 /// Calls `$callback!($($args)*; case, case, ...)` with every conformance case: the one
 /// list of cases.
 #[macro_export]
@@ -605,6 +657,7 @@ macro_rules! with_conformance_cases {
             no_barging_past_local_waiters,
             leaving_waiter_passes_its_turn,
             multi_lock_fixed_lease_outlasts_the_wait,
+            reentry_never_shortens_the_lease,
         );
     };
 }

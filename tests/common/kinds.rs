@@ -214,6 +214,33 @@ pub async fn reentrancy(f: &impl KindFixture, kind: Kind) {
     assert!(!f.residue(&k).await);
 }
 
+/// A re-entry with a short lease, released again, must not cut the outer hold's lease:
+/// past the short lease, the outer hold is still in the store (its unlock finds it).
+pub async fn reentry_never_shortens_the_lease(f: &impl KindFixture, kind: Kind) {
+    let k = key(kind, "reentry-lease");
+    let client = f.client(LONG);
+    let lock = kind.lock(&client, &k).with_owner(client.new_owner());
+    for outer_lease in [Lease::Watchdog, Lease::Fixed(Duration::from_secs(20))] {
+        let outer = lock
+            .try_lock_for(Duration::ZERO, outer_lease)
+            .await
+            .unwrap();
+        let inner = lock
+            .try_lock_for(Duration::ZERO, Duration::from_millis(50))
+            .await
+            .unwrap();
+        assert_eq!(inner.hold_count(), 2);
+        tokio::time::sleep(Duration::from_millis(120)).await;
+        inner.unlock().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(120)).await;
+        assert!(
+            outer.unlock().await.is_ok(),
+            "{outer_lease:?}: the short re-entry cut the outer hold's lease"
+        );
+    }
+    settles_to_no_residue(f, &k).await;
+}
+
 /// Another owner can neither release nor renew a held lock, and the holder's unlock
 /// still succeeds.
 pub async fn foreign_owner_cannot_release_or_renew(f: &impl KindFixture, kind: Kind) {
@@ -913,21 +940,23 @@ pub async fn leaked_permit_returns(f: &impl KindFixture, kind: Kind) {
 macro_rules! kind_tests {
     ($fixture:ident) => {
         $crate::kind_tests!(@kind $fixture, fair, $crate::common::kinds::Kind::Fair;
-            exclusion, reentrancy, foreign_owner_cannot_release_or_renew,
+            exclusion, reentrancy, reentry_never_shortens_the_lease,
+            foreign_owner_cannot_release_or_renew,
             lease_expiry_frees_leaked_guard, watchdog_keeps_lock, lost_signal_fires,
             try_lock_for_gives_up_on_time, fencing_tokens_increase, release_wakes_waiter,
             dropped_waiter_leaves_nothing, dropped_guard_releases,
             fair_order, fair_vanished_waiter_is_skipped,
         );
         $crate::kind_tests!(@kind $fixture, read, $crate::common::kinds::Kind::Read;
-            reentrancy, foreign_owner_cannot_release_or_renew,
+            reentrancy, reentry_never_shortens_the_lease, foreign_owner_cannot_release_or_renew,
             lease_expiry_frees_leaked_guard, watchdog_keeps_lock, lost_signal_fires,
             try_lock_for_gives_up_on_time, fencing_tokens_increase, release_wakes_waiter,
             dropped_waiter_leaves_nothing, dropped_guard_releases,
             readers_overlap,
         );
         $crate::kind_tests!(@kind $fixture, write, $crate::common::kinds::Kind::Write;
-            exclusion, reentrancy, foreign_owner_cannot_release_or_renew,
+            exclusion, reentrancy, reentry_never_shortens_the_lease,
+            foreign_owner_cannot_release_or_renew,
             lease_expiry_frees_leaked_guard, watchdog_keeps_lock, lost_signal_fires,
             try_lock_for_gives_up_on_time, fencing_tokens_increase, release_wakes_waiter,
             dropped_waiter_leaves_nothing, dropped_guard_releases,
@@ -935,7 +964,8 @@ macro_rules! kind_tests {
             writer_not_starved_by_hand_over_hand_readers,
         );
         $crate::kind_tests!(@kind $fixture, permits, $crate::common::kinds::Kind::Permits(3);
-            exclusion, reentrancy, foreign_owner_cannot_release_or_renew,
+            exclusion, reentrancy, reentry_never_shortens_the_lease,
+            foreign_owner_cannot_release_or_renew,
             lease_expiry_frees_leaked_guard, watchdog_keeps_lock, lost_signal_fires,
             try_lock_for_gives_up_on_time, fencing_tokens_increase, release_wakes_waiter,
             dropped_waiter_leaves_nothing, dropped_guard_releases,
