@@ -27,6 +27,8 @@ struct Stalls {
     release: bool,
     /// The next acquire takes effect in the store, but its reply is lost (an error).
     lose_next_reply: bool,
+    /// Every acquire reply takes this long to arrive (a slow network).
+    reply_delay: Option<Duration>,
 }
 
 #[derive(Clone, Default)]
@@ -55,6 +57,9 @@ impl LockBackend for Gated {
             let outcome = self.inner.acquire(req).await;
             if stalls.after {
                 std::future::pending::<()>().await;
+            }
+            if let Some(delay) = stalls.reply_delay {
+                tokio::time::sleep(delay).await;
             }
             if std::mem::take(&mut self.stalls.lock().unwrap().lose_next_reply) {
                 return Err(tower_lock::Error::Backend("reply lost in flight".into()));
@@ -333,4 +338,54 @@ async fn a_lost_reply_leaves_no_phantom_hold() {
     );
     let next = client.get_lock(&key).unwrap().try_lock().await;
     assert!(next.is_ok(), "{next:?}");
+}
+
+/// Two permits come back while both waiters are between their attempt and their sleep
+/// (their replies are slow). Both releases must count: each waiter gets a permit at once,
+/// not one of them at its deadline.
+#[tokio::test]
+async fn two_releases_in_the_window_wake_two_waiters() {
+    let backend = Gated::default();
+    let client = LockClient::new(backend.clone());
+    let key = LockKey::new("permit-window").unwrap();
+    let permits = client.get_permits(&key, 2).unwrap();
+    let h1 = permits.try_lock().await.unwrap();
+    let h2 = permits.try_lock().await.unwrap();
+    backend.stall(|s| s.reply_delay = Some(Duration::from_millis(50)));
+    let started = Instant::now();
+    let waiters: Vec<_> = (0..2)
+        .map(|_| {
+            let permits = permits.clone();
+            tokio::spawn(async move {
+                let g = permits
+                    .try_lock_for(Duration::from_secs(3), Lease::Watchdog)
+                    .await?;
+                Ok::<_, tower_lock::Error>((Instant::now(), g))
+            })
+        })
+        .collect();
+    // Both subscribed: on this one-thread runtime each has also sent its next attempt,
+    // which found no permit, and is waiting for the (slow) reply.
+    wait_until(
+        Duration::from_secs(5),
+        "both waiters subscribed",
+        || async { backend.inner.waiters(&key) == 2 },
+    )
+    .await;
+    h1.unlock().await.unwrap();
+    h2.unlock().await.unwrap();
+    // Both hold a permit before either gives one back: no release of ours helps them.
+    let mut guards = Vec::new();
+    for w in waiters {
+        let (at, g) = w.await.unwrap().unwrap();
+        let took = at.duration_since(started);
+        assert!(
+            took < Duration::from_secs(1),
+            "a release was lost: a waiter got its permit after {took:?}"
+        );
+        guards.push(g);
+    }
+    for g in guards {
+        g.unlock().await.unwrap();
+    }
 }

@@ -95,11 +95,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::{
-    Acquire, BoxFuture, FencingToken, Grant, LockBackend, LockMode, LockRequest, Release,
+    Acquire, BoxFuture, FencingToken, Grant, LockBackend, LockMode, LockRequest, Release, Signal,
     Subscription, Wake,
 };
 use crate::error::{Error, Result};
@@ -219,7 +218,7 @@ struct Entry {
     holds: Holds,
     queue: Queue,
     /// Wakes waiters of unqueued modes (exclusive, permits), one per release.
-    notify: Arc<Notify>,
+    notify: Arc<Signal>,
     /// Subscriptions sharing `notify`.
     shared_subs: usize,
     /// One wake-up per waiting owner of a queued mode (fair, read, write), so that a
@@ -230,7 +229,7 @@ struct Entry {
 }
 
 struct OwnerSub {
-    notify: Arc<Notify>,
+    notify: Arc<Signal>,
     count: usize,
 }
 
@@ -634,7 +633,7 @@ impl Entry {
         Entry {
             holds: Holds::Free,
             queue: Queue::default(),
-            notify: Arc::new(Notify::new()),
+            notify: Arc::new(Signal::new()),
             shared_subs: 0,
             owner_subs: HashMap::new(),
             subscribers: 0,
@@ -952,7 +951,7 @@ impl LockBackend for MemoryBackend {
                     .owner_subs
                     .entry(req.owner.clone())
                     .or_insert_with(|| OwnerSub {
-                        notify: Arc::new(Notify::new()),
+                        notify: Arc::new(Signal::new()),
                         count: 0,
                     });
                 sub.count += 1;
@@ -966,6 +965,7 @@ impl LockBackend for MemoryBackend {
                 key: req.key.clone(),
                 mode: req.mode,
                 owner,
+                seen: notify.seen(),
                 notify,
             });
             Ok(sub)
@@ -997,7 +997,7 @@ impl LockBackend for MemoryBackend {
             let removed = entry.holds.force_remove(mode, now);
             if removed > 1 && entry.shared_subs > 0 {
                 // Several permits came back at once: let every waiter try.
-                entry.notify.notify_waiters();
+                entry.notify.notify_all();
             }
             if removed > 0 {
                 entry.wake_after_release(now);
@@ -1018,12 +1018,14 @@ struct MemorySubscription {
     mode: LockMode,
     /// Set for queued modes, whose waiters are woken one owner at a time.
     owner: Option<Owner>,
-    notify: Arc<Notify>,
+    notify: Arc<Signal>,
+    /// The release count last seen.
+    seen: u64,
 }
 
 impl Subscription for MemorySubscription {
     fn wait(&mut self, deadline: Instant) -> BoxFuture<'_, Wake> {
-        super::wait_notified(&self.notify, deadline)
+        self.notify.wait(&mut self.seen, deadline)
     }
 
     fn pass_on(&mut self) {

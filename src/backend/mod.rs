@@ -252,18 +252,68 @@ pub enum Wake {
     Deadline,
 }
 
-/// Waits on an in-process `Notify` until notified or `deadline`: the wait of every
-/// subscription built on one (the memory backend's, the Redis pub/sub registry's).
-pub(crate) fn wait_notified(
-    notify: &tokio::sync::Notify,
-    deadline: Instant,
-) -> BoxFuture<'_, Wake> {
-    Box::pin(async move {
-        match tokio::time::timeout_at(deadline, notify.notified()).await {
-            Ok(()) => Wake::Notified,
-            Err(_) => Wake::Deadline,
+/// The in-process wake-up behind every [`Subscription`] of the built-in backends: a
+/// `Notify` for waiters that are parked, and a release counter for those that are not.
+///
+/// `Notify` keeps at most one wake-up for a waiter that has not parked yet, so two
+/// releases arriving while two waiters are between their attempt and their sleep would
+/// wake only one — for permits, the other then sleeps with a permit free. Here a waiter
+/// also remembers the count it last saw, and does not park when it has moved: no release
+/// is lost, and parked waiters are still woken one per release.
+pub(crate) struct Signal {
+    notify: tokio::sync::Notify,
+    releases: std::sync::atomic::AtomicU64,
+}
+
+impl Signal {
+    pub(crate) fn new() -> Self {
+        Signal {
+            notify: tokio::sync::Notify::new(),
+            releases: std::sync::atomic::AtomicU64::new(0),
         }
-    })
+    }
+
+    /// The release count now: what a new waiter has seen.
+    pub(crate) fn seen(&self) -> u64 {
+        self.releases.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// One release: wakes one parked waiter; unparked ones find the count moved.
+    pub(crate) fn notify_one(&self) {
+        self.releases
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        self.notify.notify_one();
+    }
+
+    /// A release that may admit several (a write unlock, a reconnect): wakes everyone.
+    pub(crate) fn notify_all(&self) {
+        self.releases
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        self.notify.notify_waiters();
+    }
+
+    /// Waits until a release after `seen` or `deadline`, and updates `seen`.
+    pub(crate) fn wait<'a>(&'a self, seen: &'a mut u64, deadline: Instant) -> BoxFuture<'a, Wake> {
+        Box::pin(async move {
+            let notified = self.notify.notified();
+            tokio::pin!(notified);
+            // Registered before the count is read: a release between the two still wakes
+            // us through the `Notify`.
+            notified.as_mut().enable();
+            let now = self.seen();
+            if now != *seen {
+                *seen = now;
+                return Wake::Notified;
+            }
+            match tokio::time::timeout_at(deadline, notified).await {
+                Ok(()) => {
+                    *seen = self.seen();
+                    Wake::Notified
+                }
+                Err(_) => Wake::Deadline,
+            }
+        })
+    }
 }
 
 /// A registered interest in releases of one key, from [`LockBackend::subscribe`].

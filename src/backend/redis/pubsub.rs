@@ -24,7 +24,7 @@ use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{BoxFuture, Subscription, Wake};
+use crate::backend::{BoxFuture, Signal, Subscription, Wake};
 
 /// How long a new waiter waits for its `SUBSCRIBE` to be confirmed before it goes on
 /// anyway (and relies on the holder's TTL and reconnect wake-ups, should a message be
@@ -55,7 +55,7 @@ struct State {
 }
 
 struct Channel {
-    notify: Arc<Notify>,
+    notify: Arc<Signal>,
     waiters: usize,
     /// Whether the server has confirmed the subscription for this entry.
     confirmed: watch::Sender<bool>,
@@ -88,7 +88,7 @@ impl Hub {
             let entry = state.channels.entry(channel.clone()).or_insert_with(|| {
                 created = true;
                 Channel {
-                    notify: Arc::new(Notify::new()),
+                    notify: Arc::new(Signal::new()),
                     waiters: 0,
                     confirmed: watch::Sender::new(false),
                 }
@@ -112,6 +112,7 @@ impl Hub {
         let sub = Box::new(RedisSubscription {
             shared: Arc::clone(&self.shared),
             channel,
+            seen: notify.seen(),
             notify,
         });
         if tokio::time::timeout(CONFIRM_WAIT, confirmed.wait_for(|c| *c))
@@ -152,12 +153,14 @@ impl Hub {
 struct RedisSubscription {
     shared: Arc<Shared>,
     channel: String,
-    notify: Arc<Notify>,
+    notify: Arc<Signal>,
+    /// The release count last seen.
+    seen: u64,
 }
 
 impl Subscription for RedisSubscription {
     fn wait(&mut self, deadline: Instant) -> BoxFuture<'_, Wake> {
-        crate::backend::wait_notified(&self.notify, deadline)
+        self.notify.wait(&mut self.seen, deadline)
     }
 
     fn pass_on(&mut self) {
@@ -304,17 +307,17 @@ fn dispatch(shared: &Shared, channel: &str, payload: &[u8]) {
         return;
     };
     if payload == b"1" {
-        entry.notify.notify_waiters();
+        entry.notify.notify_all();
+    } else {
+        // One parked waiter wakes; one not parked yet finds the release counted.
+        entry.notify.notify_one();
     }
-    // Wakes one parked waiter, or is kept for the next to park.
-    entry.notify.notify_one();
 }
 
 fn wake_everyone(shared: &Shared) {
     let state = shared.state();
     for entry in state.channels.values() {
-        entry.notify.notify_waiters();
-        entry.notify.notify_one();
+        entry.notify.notify_all();
     }
 }
 
