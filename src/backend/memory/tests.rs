@@ -1,6 +1,7 @@
 use std::num::NonZeroU32;
 
 use super::*;
+use crate::backend::Subscription;
 
 fn req_in(mode: LockMode, key: &str, owner: &str, lease_ms: u64) -> LockRequest {
     LockRequest::new(
@@ -132,17 +133,46 @@ async fn release_wakes_one_waiter_and_entries_go_away() {
     let b = MemoryBackend::new();
     let a = req("k", "a:1", 10_000);
     grant(b.acquire(&a).await.unwrap());
-    let mut s1 = b.subscribe(&req("k", "w:1", 10)).await.unwrap();
-    let mut s2 = b.subscribe(&req("k", "w:2", 10)).await.unwrap();
+    let s1 = b.subscribe(&req("k", "w:1", 10)).await.unwrap();
+    let s2 = b.subscribe(&req("k", "w:2", 10)).await.unwrap();
     assert_eq!(b.waiters(&a.key), 2);
+    // Both park; then one release wakes exactly one of them.
+    let soon = Instant::now() + Duration::from_millis(100);
+    let park = |mut s: Box<dyn Subscription>| {
+        tokio::spawn(async move {
+            let wake = s.wait(soon).await;
+            (wake, s)
+        })
+    };
+    let (p1, p2) = (park(s1), park(s2));
+    tokio::task::yield_now().await;
     b.release(&a).await.unwrap();
-    let soon = Instant::now() + Duration::from_millis(50);
-    // The release left one stored wake-up: exactly one of the two waiters gets it.
-    let w1 = s1.wait(soon).await;
-    let w2 = s2.wait(soon).await;
-    assert_eq!((w1, w2), (Wake::Notified, Wake::Deadline));
+    let ((w1, s1), (w2, s2)) = (p1.await.unwrap(), p2.await.unwrap());
+    let mut wakes = [w1, w2];
+    wakes.sort_by_key(|w| *w == Wake::Deadline);
+    assert_eq!(
+        wakes,
+        [Wake::Notified, Wake::Deadline],
+        "one release, one parked waiter woken"
+    );
     drop((s1, s2));
     assert_eq!(b.len(), 0);
+}
+
+/// A waiter that had not parked yet when a release came does not sleep through it.
+#[tokio::test]
+async fn a_release_before_parking_is_not_lost() {
+    let b = MemoryBackend::new();
+    let a = req("k", "a:1", 10_000);
+    grant(b.acquire(&a).await.unwrap());
+    let mut s1 = b.subscribe(&req("k", "w:1", 10)).await.unwrap();
+    let mut s2 = b.subscribe(&req("k", "w:2", 10)).await.unwrap();
+    b.release(&a).await.unwrap();
+    let soon = Instant::now() + Duration::from_millis(50);
+    assert_eq!(s1.wait(soon).await, Wake::Notified);
+    assert_eq!(s2.wait(soon).await, Wake::Notified);
+    // Counted once each: the next wait sleeps.
+    assert_eq!(s1.wait(soon).await, Wake::Deadline);
 }
 
 #[tokio::test]
