@@ -29,6 +29,8 @@ struct Stalls {
     lose_next_reply: bool,
     /// Every acquire reply takes this long to arrive (a slow network).
     reply_delay: Option<Duration>,
+    /// The next acquire fails without ever reaching the store.
+    fail_next_unsent: bool,
 }
 
 #[derive(Clone, Default)]
@@ -53,6 +55,11 @@ impl LockBackend for Gated {
             let stalls = self.stalls.lock().unwrap().clone();
             if stalls.before.as_ref() == Some(&req.owner) {
                 std::future::pending::<()>().await;
+            }
+            if std::mem::take(&mut self.stalls.lock().unwrap().fail_next_unsent) {
+                return Err(tower_lock::Error::Backend(
+                    "connection reset before sending".into(),
+                ));
             }
             let outcome = self.inner.acquire(req).await;
             if stalls.after {
@@ -388,4 +395,38 @@ async fn two_releases_in_the_window_wake_two_waiters() {
     for g in guards {
         g.unlock().await.unwrap();
     }
+}
+
+/// A fresh waiter's attempt fails without reaching the store, and the release that
+/// compensates for it is slow. The retry must not win the lock only to have that late
+/// release free it behind the new holder's back.
+#[tokio::test]
+async fn a_late_compensation_never_frees_the_retry_s_lock() {
+    let backend = Gated::default();
+    let client = LockClient::new(backend.clone());
+    let key = LockKey::new("compensation-race").unwrap();
+    let holder = client.get_lock(&key).unwrap().lock().await.unwrap();
+    let lock = client.get_lock(&key).unwrap();
+    let waiter = tokio::spawn(async move {
+        lock.try_lock_for(Duration::from_secs(5), Lease::Watchdog)
+            .await
+    });
+    wait_until(Duration::from_secs(5), "the waiter waits", || async {
+        backend.inner.waiters(&key) == 1
+    })
+    .await;
+    backend.stall(|s| s.fail_next_unsent = true);
+    holder.unlock().await.unwrap();
+    // From now on releases are slow: the waiter's compensation among them.
+    backend.stall(|s| s.release = true);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    backend.stall(|s| s.release = false);
+    let guard = waiter.await.unwrap().expect("the waiter retried and won");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let intruder = client.get_lock(&key).unwrap().try_lock().await;
+    assert!(
+        intruder.is_err(),
+        "the late compensation freed the new holder's lock"
+    );
+    guard.unlock().await.unwrap();
 }

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::redis_server::RedisServer;
+use common::redis_server::{FreezableProxy, RedisServer};
 use common::wait_until;
 use tokio::time::Instant;
 use tower_lock::{Error, Lease, LockClient, LockKey, RedisBackend};
@@ -145,4 +145,47 @@ async fn frozen_server_times_out_with_a_retryable_error_then_recovers() {
         },
     )
     .await;
+}
+
+/// The pub/sub connection dies without a word (frozen by a proxy, as a partition or a NAT
+/// would): the keepalive notices, a new connection is made, and a waiter hears the next
+/// release instead of sleeping out the holder's 30 s lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silently_dead_pubsub_connection_is_replaced() {
+    let server = RedisServer::start().await;
+    let proxy = FreezableProxy::start(server.port()).await;
+    let waiter_backend = RedisBackend::builder(proxy.url())
+        .pubsub_keepalive(Duration::from_millis(200))
+        .response_timeout(Duration::from_millis(300))
+        .build()
+        .await
+        .unwrap();
+    let waiter_client = LockClient::new(waiter_backend.clone());
+    let holder_client = LockClient::new(RedisBackend::connect(server.url()).await.unwrap());
+    let key = LockKey::new("silent-death").unwrap();
+    let held = holder_client.get_lock(&key).unwrap().lock().await.unwrap();
+    let lock = waiter_client.get_lock(&key).unwrap();
+    let waiter = tokio::spawn(async move {
+        let g = lock
+            .try_lock_for(Duration::from_secs(20), Lease::Watchdog)
+            .await?;
+        Ok::<_, Error>((Instant::now(), g))
+    });
+    wait_until(Duration::from_secs(5), "the waiter subscribed", || async {
+        waiter_backend.local_waiters(&key) == 1
+    })
+    .await;
+    proxy.freeze_existing();
+    // The release's message goes into the frozen connection and is never seen; only a
+    // new pub/sub connection (made after the keepalive gives up) and its wake-up of every
+    // waiter get the waiter going again.
+    let released_at = Instant::now();
+    held.unlock().await.unwrap();
+    let (acquired_at, g) = waiter.await.unwrap().unwrap();
+    let took = acquired_at.duration_since(released_at);
+    assert!(
+        took < Duration::from_secs(5),
+        "the waiter slept through a dead connection: {took:?}"
+    );
+    g.unlock().await.unwrap();
 }

@@ -177,7 +177,11 @@ async fn run(
         fresh_owner && !queued_mode && !expired(Instant::now()) && backend.has_local_waiters(req);
     let mut ttl = None;
     if !line_up {
-        match attempt(client, req, fresh_owner).await? {
+        let first = attempt(client, req, fresh_owner).await;
+        if first.is_err() && fresh_owner {
+            compensate_later(client, req);
+        }
+        match first? {
             (Acquire::Acquired(grant), sent_at) => return Ok((grant, sent_at)),
             (Acquire::Busy { ttl: holder_ttl }, _) => ttl = holder_ttl,
         }
@@ -256,16 +260,27 @@ async fn wait(
                 // by then no lock it held for anyone is still valid either.
                 let out_of_patience = deadline.is_none() && now - since >= client.watchdog_lease();
                 if expired(now) || out_of_patience {
+                    if fresh_owner {
+                        compensate_later(client, req);
+                    }
                     return Err(error);
                 }
                 tracing::warn!(%error, retry_in_ms = backoff.as_millis() as u64, "lock store failed while waiting; retrying");
+                if fresh_owner {
+                    compensate_now(client, req).await;
+                }
                 let until = deadline.map_or(now + backoff, |d| d.min(now + backoff));
                 backoff = (backoff * 2).min(MAX_ERROR_BACKOFF);
                 // A reconnect notification cuts the backoff short.
                 waiting.woken = waiting.sub.wait(until).await == Wake::Notified;
                 continue;
             }
-            Err(error) => return Err(error),
+            Err(error) => {
+                if fresh_owner {
+                    compensate_later(client, req);
+                }
+                return Err(error);
+            }
         };
         // The wake-up, if any, has been used by this attempt.
         waiting.woken = false;
@@ -300,11 +315,11 @@ async fn wait(
     }
 }
 
-/// One acquire call. With a fresh owner (one nobody else can be using), a call that is
-/// cancelled or fails in flight may still have taken the lock in the store; a release is
-/// then spawned for it, so the key is not held until the lease runs out. (For any owner,
-/// a hold applied but never answered is also repaired when the client's last guard of
-/// that hold is released.)
+/// One acquire call. With a fresh owner (one nobody else can be using), a call cancelled
+/// in flight may still have taken the lock in the store; a release is then spawned for
+/// it, so the key is not held until the lease runs out. A call that fails is left to the
+/// caller (see [`compensate_now`]). For any owner, a hold applied but never answered is
+/// also repaired when the client's last guard of that hold is released.
 async fn attempt(
     client: &LockClient,
     req: &LockRequest,
@@ -336,8 +351,33 @@ async fn attempt(
         armed: fresh_owner,
     };
     let outcome = client.backend().acquire(req).await;
-    in_flight.armed = fresh_owner && outcome.is_err();
+    // Answered (even with an error): the caller decides what to compensate, and when,
+    // since it may try again as the same owner.
+    in_flight.armed = false;
     Ok((outcome?, sent_at))
+}
+
+/// After an attempt of a fresh owner failed without an answer (a timeout, a lost
+/// connection), the store may or may not have applied it. Before trying again as the
+/// same owner, take back whatever it may have taken — awaited, so the release cannot
+/// land after the next attempt's grant and free a lock just won.
+async fn compensate_now(client: &LockClient, req: &LockRequest) {
+    if let Err(error) = client.backend().release(req).await {
+        // A hold it left (if any) is released when this owner's last guard goes, or by
+        // its lease.
+        tracing::debug!(%error, "could not take back an unanswered attempt");
+    }
+}
+
+/// The same when giving up: nothing will follow as this owner, so it can run later.
+fn compensate_later(client: &LockClient, req: &LockRequest) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        let backend = client.backend().clone();
+        let req = req.clone();
+        runtime.spawn(async move {
+            let _ = backend.release(&req).await;
+        });
+    }
 }
 
 /// A waiter's place in the store's wait queue (a fair or read-write queue), when the

@@ -422,3 +422,86 @@ impl RedisCluster {
         self.nodes.iter().map(RedisServer::url).collect()
     }
 }
+
+/// A TCP proxy in front of a server whose current connections can be frozen: bytes stop
+/// flowing both ways but nothing is closed, as when a network partition or a NAT silently
+/// drops a connection. Connections made after a freeze work normally.
+pub struct FreezableProxy {
+    pub port: u16,
+    next_id: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    frozen_below: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl FreezableProxy {
+    pub async fn start(upstream_port: u16) -> Self {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let next_id = Arc::new(AtomicU64::new(0));
+        let frozen_below = Arc::new(AtomicU64::new(0));
+        let (ids, frozen) = (next_id.clone(), frozen_below.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let id = ids.fetch_add(1, Ordering::SeqCst);
+                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream_port)).await
+                else {
+                    continue;
+                };
+                let (client_read, client_write) = client.into_split();
+                let (server_read, server_write) = server.into_split();
+                tokio::spawn(pump(client_read, server_write, id, frozen.clone()));
+                tokio::spawn(pump(server_read, client_write, id, frozen.clone()));
+            }
+        });
+        FreezableProxy {
+            port,
+            next_id,
+            frozen_below,
+            task,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Freezes every connection made so far.
+    pub fn freeze_existing(&self) {
+        use std::sync::atomic::Ordering;
+        self.frozen_below
+            .store(self.next_id.load(Ordering::SeqCst), Ordering::SeqCst);
+    }
+}
+
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    id: u64,
+    frozen_below: std::sync::Arc<std::sync::atomic::AtomicU64>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let Ok(n) = from.read(&mut buf).await else {
+            return;
+        };
+        if n == 0 {
+            return;
+        }
+        if id < frozen_below.load(std::sync::atomic::Ordering::SeqCst) {
+            // Swallow everything from now on, with both sockets kept open.
+            std::future::pending::<()>().await;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+impl Drop for FreezableProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

@@ -116,6 +116,12 @@ pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(1);
 /// Connection timeout when none is configured: 1 s.
 pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// How often the pub/sub connection is checked with a `PING` when nothing else is
+/// configured: 5 s. A connection that died without a word (a partition, a NAT that
+/// dropped it) is then replaced within 7.5 s, instead of leaving waiters to notice
+/// releases only when the holder's lease runs out.
+pub const DEFAULT_PUBSUB_KEEPALIVE: Duration = Duration::from_secs(5);
+
 /// Reconnection attempts per failed command when none is configured: 2 (about 150 ms of
 /// backoff), so an outage surfaces as an error quickly instead of stalling callers
 /// behind a long retry chain; the next command tries again.
@@ -157,9 +163,8 @@ pub struct RedisBackend {
 }
 
 /// The command connection: one server, or a cluster (feature `cluster`).
-#[derive(Clone)]
 enum Conn {
-    Single(ConnectionManager),
+    Single(Box<SingleConn>),
     #[cfg(feature = "cluster")]
     Cluster(Box<redis::cluster_async::ClusterConnection>),
 }
@@ -170,9 +175,68 @@ impl Conn {
         invocation: &redis::ScriptInvocation<'_>,
     ) -> RedisResult<T> {
         match self {
-            Conn::Single(conn) => invocation.invoke_async(&mut conn.clone()).await,
+            Conn::Single(single) => single.invoke(invocation).await,
             #[cfg(feature = "cluster")]
             Conn::Cluster(conn) => invocation.invoke_async(&mut (**conn).clone()).await,
+        }
+    }
+}
+
+/// One server's self-reconnecting connection, replaced when a command times out.
+///
+/// `ConnectionManager` reconnects when a connection breaks, but a reply that never comes
+/// (a connection that died without a word: a partition, a NAT that dropped it) is to it
+/// a timeout to retry on the same connection — every later command would time out too,
+/// until the operating system gives up on the socket, hours later. So a timeout swaps in
+/// a fresh, lazily connecting manager; the generation makes concurrent timeouts on one
+/// dead connection replace it once.
+struct SingleConn {
+    client: Client,
+    config: ConnectionManagerConfig,
+    current: std::sync::RwLock<(u64, ConnectionManager)>,
+}
+
+impl SingleConn {
+    fn new(client: Client, config: ConnectionManagerConfig, conn: ConnectionManager) -> Self {
+        SingleConn {
+            client,
+            config,
+            current: std::sync::RwLock::new((0, conn)),
+        }
+    }
+
+    async fn invoke<T: FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> RedisResult<T> {
+        let (generation, mut conn) = {
+            let current = self
+                .current
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            (current.0, current.1.clone())
+        };
+        let result = invocation.invoke_async(&mut conn).await;
+        if result.as_ref().is_err_and(RedisError::is_timeout) {
+            self.replace(generation);
+        }
+        result
+    }
+
+    fn replace(&self, generation: u64) {
+        let mut current = self
+            .current
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if current.0 != generation {
+            return;
+        }
+        match ConnectionManager::new_lazy_with_config(self.client.clone(), self.config.clone()) {
+            Ok(fresh) => {
+                tracing::warn!("a Redis command timed out; replacing the command connection");
+                *current = (generation + 1, fresh);
+            }
+            Err(error) => tracing::warn!(%error, "could not replace the Redis command connection"),
         }
     }
 }
@@ -204,6 +268,7 @@ pub struct RedisBackendBuilder {
     response_timeout: Duration,
     connection_timeout: Duration,
     reconnect_retries: usize,
+    pubsub_keepalive: Duration,
 }
 
 impl RedisBackend {
@@ -252,6 +317,7 @@ impl RedisBackend {
             response_timeout: DEFAULT_RESPONSE_TIMEOUT,
             connection_timeout: DEFAULT_CONNECTION_TIMEOUT,
             reconnect_retries: DEFAULT_RECONNECT_RETRIES,
+            pubsub_keepalive: DEFAULT_PUBSUB_KEEPALIVE,
         }
     }
 
@@ -650,6 +716,14 @@ impl RedisBackendBuilder {
         self
     }
 
+    /// How often the shared pub/sub connection is checked with a `PING` (default
+    /// [`DEFAULT_PUBSUB_KEEPALIVE`]); one unanswered for half of it is replaced. Between
+    /// 10 ms and 1 hour.
+    pub fn pubsub_keepalive(mut self, every: Duration) -> Self {
+        self.pubsub_keepalive = every;
+        self
+    }
+
     /// Reconnection attempts per failed command (default [`DEFAULT_RECONNECT_RETRIES`]).
     pub fn reconnect_retries(mut self, retries: usize) -> Self {
         self.reconnect_retries = retries;
@@ -698,10 +772,21 @@ impl RedisBackendBuilder {
                 ),
             ));
         }
+        if self.pubsub_keepalive < Duration::from_millis(10)
+            || self.pubsub_keepalive > Duration::from_secs(3600)
+        {
+            return Err(Error::invalid_config(
+                "pubsub_keepalive",
+                format!(
+                    "must be between 10 ms and 1 hour (got {:?})",
+                    self.pubsub_keepalive
+                ),
+            ));
+        }
         if let Some(lease) = self.watchdog_lease {
             crate::lock::validate_watchdog_lease(lease)?;
         }
-        let (conn, pubsub_client) = match self.target {
+        let (conn, pubsub_nodes) = match self.target {
             Target::Single(client) => {
                 let client = client?;
                 let config = ConnectionManagerConfig::new()
@@ -709,29 +794,38 @@ impl RedisBackendBuilder {
                     .set_connection_timeout(Some(self.connection_timeout))
                     .set_number_of_retries(self.reconnect_retries)
                     .set_min_delay(Duration::from_millis(50));
-                let conn = ConnectionManager::new_with_config(client.clone(), config).await?;
-                (Conn::Single(conn), client)
+                let conn =
+                    ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
+                (
+                    Conn::Single(Box::new(SingleConn::new(client.clone(), config, conn))),
+                    vec![client],
+                )
             }
             #[cfg(feature = "cluster")]
             Target::Cluster(nodes) => {
                 let nodes = nodes?;
-                let Some(first) = nodes.first().cloned() else {
+                if nodes.is_empty() {
                     return Err(Error::invalid_config(
                         "cluster nodes",
                         "must name at least one node (got none)",
                     ));
-                };
+                }
+                let pubsub_nodes = nodes
+                    .iter()
+                    .cloned()
+                    .map(Client::open)
+                    .collect::<RedisResult<Vec<_>>>()?;
                 let client = redis::cluster::ClusterClient::builder(nodes)
                     .response_timeout(self.response_timeout)
                     .connection_timeout(self.connection_timeout)
                     .retries(u32::try_from(self.reconnect_retries).unwrap_or(u32::MAX))
                     .build()?;
                 let conn = client.get_async_connection().await?;
-                (Conn::Cluster(Box::new(conn)), Client::open(first)?)
+                (Conn::Cluster(Box::new(conn)), pubsub_nodes)
             }
         };
         let shutdown = CancellationToken::new();
-        let hub = pubsub::Hub::start(pubsub_client, shutdown.clone());
+        let hub = pubsub::Hub::start(pubsub_nodes, self.pubsub_keepalive, shutdown.clone());
         Ok(RedisBackend {
             inner: Arc::new(Inner {
                 conn,

@@ -31,6 +31,11 @@ use crate::backend::{BoxFuture, Signal, Subscription, Wake};
 /// missed).
 const CONFIRM_WAIT: Duration = Duration::from_secs(1);
 const MIN_BACKOFF: Duration = Duration::from_millis(50);
+/// How long a keepalive PING's answer may take, as a share of the keepalive interval,
+/// before the connection is given up for a new one.
+const KEEPALIVE_TIMEOUT_SHARE: u32 = 2;
+/// How long connecting may take before the next node is tried.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
 #[derive(Clone)]
@@ -69,13 +74,20 @@ impl Shared {
 
 impl Hub {
     /// Starts the connection task; it ends when `shutdown` is cancelled.
-    pub(super) fn start(client: Client, shutdown: CancellationToken) -> Self {
+    /// Starts the connection task on `nodes` (one server, or every known node of a
+    /// cluster: a release published on any node reaches subscribers on every node, so
+    /// any one will do, and the task moves to the next when one fails).
+    pub(super) fn start(
+        nodes: Vec<Client>,
+        keepalive: Duration,
+        shutdown: CancellationToken,
+    ) -> Self {
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             changed: Notify::new(),
             total_waiters: AtomicUsize::new(0),
         });
-        tokio::spawn(run(Arc::clone(&shared), client, shutdown));
+        tokio::spawn(run(Arc::clone(&shared), nodes, keepalive, shutdown));
         Hub { shared }
     }
 
@@ -188,18 +200,33 @@ impl Drop for RedisSubscription {
     }
 }
 
-async fn run(shared: Arc<Shared>, client: Client, shutdown: CancellationToken) {
+async fn run(
+    shared: Arc<Shared>,
+    nodes: Vec<Client>,
+    keepalive_every: Duration,
+    shutdown: CancellationToken,
+) {
     let mut backoff = MIN_BACKOFF;
     let mut connected_before = false;
+    let mut node = 0usize;
     loop {
+        let Some(client) = nodes.get(node % nodes.len().max(1)) else {
+            return;
+        };
         let connecting = tokio::select! {
             _ = shutdown.cancelled() => return,
-            connecting = client.get_async_pubsub() => connecting,
+            connecting = tokio::time::timeout(CONNECT_TIMEOUT, client.get_async_pubsub()) => connecting,
         };
         let pubsub = match connecting {
-            Ok(pubsub) => pubsub,
-            Err(error) => {
+            Ok(Ok(pubsub)) => pubsub,
+            failed => {
+                let error = match failed {
+                    Ok(Err(error)) => error.to_string(),
+                    _ => "timed out".to_owned(),
+                };
                 tracing::warn!(%error, retry_in_ms = backoff.as_millis() as u64, "pub/sub connection failed");
+                // A cluster node that is down: the next one serves as well.
+                node = node.wrapping_add(1);
                 if sleep_or_shutdown(backoff, &shutdown).await {
                     return;
                 }
@@ -220,6 +247,11 @@ async fn run(shared: Arc<Shared>, client: Client, shutdown: CancellationToken) {
         }
         let mut wake_all_pending = connected_before;
         connected_before = true;
+        // A connection can die without a word (a partition, a NAT dropping it): a PING
+        // now and then finds out, and the task reconnects instead of waiting forever.
+        let mut keepalive =
+            tokio::time::interval_at(Instant::now() + keepalive_every, keepalive_every);
+        keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             if let Err(error) = reconcile(&shared, &mut sink, &mut subscribed).await {
                 tracing::warn!(%error, "pub/sub (un)subscribe failed; reconnecting");
@@ -239,6 +271,15 @@ async fn run(shared: Arc<Shared>, client: Client, shutdown: CancellationToken) {
                     }
                 },
                 _ = shared.changed.notified() => {}
+                _ = keepalive.tick() => {
+                    let patience = keepalive_every / KEEPALIVE_TIMEOUT_SHARE;
+                    let pong = tokio::time::timeout(patience, sink.ping::<redis::Value>()).await;
+                    if !matches!(pong, Ok(Ok(_))) {
+                        tracing::warn!("pub/sub connection unresponsive; reconnecting");
+                        node = node.wrapping_add(1);
+                        break;
+                    }
+                }
             }
         }
         {
