@@ -45,7 +45,7 @@ else
     if redis.call('hexists', H, owner) == 1 then
         local holds = redis.call('hincrby', H, owner, 1)
         extend(H, tonumber(lease))
-        return {1, holds, tonumber(redis.call('get', FENCE) or '0')}
+        return {1, holds, tonumber(redis.call('get', FENCE) or redis.call('incr', FENCE))}
     end
     ttl = redis.call('pttl', H)
 end

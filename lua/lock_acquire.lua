@@ -13,7 +13,9 @@
 --
 -- Returns
 --   {1, holds, token}  acquired: holds is 1 for a fresh hold, more when re-entered;
---                      token is the counter value issued when the hold began
+--                      token is the counter value issued when the hold began (should the
+--                      counter have vanished meanwhile — evicted, flushed — a re-entry
+--                      gets a new one rather than 0)
 --   {0, pttl}          busy: the holder's remaining lease in ms (-1: no expiry)
 if redis.call('exists', KEYS[1]) == 0 then
     redis.call('hincrby', KEYS[1], ARGV[2], 1)
@@ -26,6 +28,6 @@ if redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
     if redis.call('pttl', KEYS[1]) < tonumber(ARGV[1]) then
         redis.call('pexpire', KEYS[1], ARGV[1])
     end
-    return {1, holds, tonumber(redis.call('get', KEYS[2]) or '0')}
+    return {1, holds, tonumber(redis.call('get', KEYS[2]) or redis.call('incr', KEYS[2]))}
 end
 return {0, redis.call('pttl', KEYS[1])}

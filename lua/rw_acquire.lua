@@ -75,7 +75,7 @@ elseif mode then
             ms = math.max(ms, reader_pttl(P, owner, tonumber(own) or 0))
         end
         extend(H, ms)
-        return {1, holds, tonumber(redis.call('get', FENCE) or '0')}
+        return {1, holds, tonumber(redis.call('get', FENCE) or redis.call('incr', FENCE))}
     end
     -- A writer needs every hold gone, its owner's read holds too.
     prune_rw(H, P)
@@ -114,7 +114,7 @@ if ttl == nil then
         if mode == 'write' then
             -- The writer's own read shares the write hold's token: no other owner can
             -- have been issued one since.
-            token = tonumber(redis.call('get', FENCE) or '0')
+            token = tonumber(redis.call('get', FENCE) or redis.call('incr', FENCE))
         else
             token = redis.call('incr', FENCE)
         end

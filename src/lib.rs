@@ -52,7 +52,8 @@
 //! - **Fencing tokens**: every acquisition gets a token strictly greater than every
 //!   earlier holder's. Have the storage you protect remember the highest token it has
 //!   seen and reject writes with lower ones; then a stale holder's writes fail instead of
-//!   corrupting data.
+//!   corrupting data. On Redis the counter is a key that must survive: see
+//!   [`FencingToken`] for failovers and eviction policies.
 //! - **The lost signal** fires as soon as the watchdog learns the lock is gone (or could
 //!   not renew it before the lease ended): stop work that is no longer protected.
 //! - **`unlock` reports loss** ([`Error::Lost`]) instead of silently succeeding.

@@ -586,3 +586,29 @@ async fn tls_with_a_private_ca() {
     let untrusted = RedisBackend::connect(server.url().as_str()).await;
     assert!(matches!(untrusted, Err(Error::Redis(_))), "{untrusted:?}");
 }
+
+/// The fencing counter vanished under a held lock (evicted, flushed): a re-entry gets a
+/// real token from a new counter, never 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vanished_fence_counter_never_yields_token_zero() {
+    let server = RedisServer::start().await;
+    let mut raw = server.conn().await;
+    let (backend, client) = client(&server).await;
+    let key = LockKey::new("fence-gone").unwrap();
+    let owner = client.new_owner();
+    let lock = client.get_lock(&key).unwrap().with_owner(owner);
+    let outer = lock.lock().await.unwrap();
+    let _: i64 = redis::cmd("DEL")
+        .arg(backend.fence_name(&key))
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let inner = lock.lock().await.unwrap();
+    assert_eq!(inner.hold_count(), 2);
+    assert!(
+        inner.fencing_token().get() > 0,
+        "a re-entry handed out token 0"
+    );
+    inner.unlock().await.unwrap();
+    outer.unlock().await.unwrap();
+}

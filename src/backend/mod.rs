@@ -112,6 +112,20 @@ impl fmt::Display for LockMode {
 /// writes carrying a token lower than the highest it has seen; that turns "a paused
 /// holder outlived its lease" from silent corruption into a rejected write. A reentrant
 /// acquisition returns the token of the hold it re-enters.
+///
+/// # What the built-in backends promise
+///
+/// - Memory: one counter for the whole backend; tokens never repeat.
+/// - Redis: a counter key beside the lock (`tower_lock_fence:{NAME}`), incremented in the
+///   same script that grants the lock, never expiring. Tokens increase strictly for as
+///   long as that key survives. It does not survive a failover to a replica that had not
+///   received the last increment (the next holder may get the same or a lower token — the
+///   failover can also let two owners hold the lock), an eviction policy that evicts keys
+///   without a TTL (`allkeys-*`; use `noeviction` or a `volatile-*` policy), or a
+///   `FLUSHALL`. Where fencing must hold across failovers, have the storage also reject a
+///   token equal to the highest seen from another writer, and run Redis with durable,
+///   acknowledged replication.
+/// - RedLock: per node; see [`RedLock`](crate::kinds::RedLock) — not a fencing token.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct FencingToken(u64);
 
