@@ -251,18 +251,15 @@ impl MultiGuard {
         self.guards
     }
 
-    /// Releases every lock, in reverse order, even when some fail.
+    /// Releases every lock, all at once, even when some fail.
     ///
     /// # Errors
     ///
     /// The first error met ([`Error::Lost`](crate::Error::Lost) if a lock was lost).
     pub async fn unlock(self) -> Result<()> {
-        let mut first_error = None;
-        for guard in self.guards.into_iter().rev() {
-            if let Err(e) = guard.unlock().await {
-                first_error.get_or_insert(e);
-            }
-        }
-        first_error.map_or(Ok(()), Err)
+        // All at once: a slow or unreachable store costs one timeout, not one per lock.
+        let outcomes =
+            futures_util::future::join_all(self.guards.into_iter().map(LockGuard::unlock)).await;
+        outcomes.into_iter().find(Result::is_err).unwrap_or(Ok(()))
     }
 }

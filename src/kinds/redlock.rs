@@ -114,6 +114,7 @@
 //! the acquisition during it does not leave partial grants behind. Dropping the
 //! subscription drops every node's subscription.
 
+use futures_util::future::join_all;
 use std::cmp::Ordering as CmpOrdering;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -373,33 +374,6 @@ enum Vote<T> {
     Failed,
 }
 
-/// Polls all `futures` concurrently; their outputs in order.
-async fn join_all<T>(futures: Vec<BoxFuture<'_, T>>) -> Vec<T> {
-    let mut futures: Vec<Option<BoxFuture<'_, T>>> = futures.into_iter().map(Some).collect();
-    let mut outputs: Vec<Option<T>> = futures.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (slot, out) in futures.iter_mut().zip(outputs.iter_mut()) {
-            if let Some(fut) = slot {
-                match fut.as_mut().poll(cx) {
-                    Poll::Ready(value) => {
-                        *out = Some(value);
-                        *slot = None;
-                    }
-                    Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            Poll::Pending
-        } else {
-            Poll::Ready(())
-        }
-    })
-    .await;
-    outputs.into_iter().flatten().collect()
-}
-
 impl Inner {
     /// Calls `op` on every node at once, each bounded by the node timeout.
     async fn on_all<'a, T: Send + 'a>(
@@ -408,7 +382,7 @@ impl Inner {
         op: impl Fn(&'a dyn LockBackend) -> BoxFuture<'a, Result<T>>,
     ) -> Vec<Vote<T>> {
         let timeout = self.node_timeout;
-        let calls = self
+        let calls: Vec<BoxFuture<'_, Vote<T>>> = self
             .nodes
             .iter()
             .enumerate()
@@ -544,7 +518,7 @@ impl Inner {
         };
         let timeout = self.node_timeout;
         let leave = |nodes: Vec<Arc<dyn LockBackend>>, req: LockRequest| async move {
-            let calls = nodes
+            let calls: Vec<BoxFuture<'_, _>> = nodes
                 .iter()
                 .map(|node| {
                     let fut: BoxFuture<'_, ()> = Box::pin(async {
@@ -725,7 +699,7 @@ impl LockBackend for RedLock {
         Box::pin(async move {
             let inner = &self.inner;
             let timeout = inner.node_timeout;
-            let calls = inner
+            let calls: Vec<BoxFuture<'_, Option<Vec<Result<bool>>>>> = inner
                 .nodes
                 .iter()
                 .map(|node| {

@@ -201,6 +201,11 @@ impl<K> LockLayerBuilder<K> {
 
     /// Hold the lock until the response body has been sent to the end (for streaming
     /// responses), instead of releasing it when the response head is ready.
+    ///
+    /// A lock lost while the body streams is logged (at `error`) and released with the
+    /// body, but the body is not cut: the response has begun and its status is sent.
+    /// Work the body does under the lock should carry the fencing token
+    /// ([`HeldLock`](crate::extract::HeldLock)) to the storage it writes to.
     pub fn hold_until_body_end(mut self, hold: bool) -> Self {
         self.policy.release_on = if hold {
             ReleaseOn::BodyEnd
