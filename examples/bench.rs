@@ -1148,12 +1148,13 @@ fn chart(path: &str, series: &[(&str, &Vec<u64>)]) -> Result<(), String> {
     use plotters::prelude::*;
     let root = SVGBackend::new(path, (760, 420)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| e.to_string())?;
+    // Wide enough for the slowest peer's median (rslock, 10.9 ms).
     let max = series
         .iter()
         .flat_map(|(_, s)| s.last().copied())
         .max()
         .unwrap_or(1000)
-        .max(1000) as f64;
+        .max(25_000) as f64;
     let mut chart = ChartBuilder::on(&root)
         .caption(
             "tower-lock handoff latency, 8 workers, Redis on loopback",
@@ -1166,6 +1167,13 @@ fn chart(path: &str, series: &[(&str, &Vec<u64>)]) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     chart
         .configure_mesh()
+        .x_label_formatter(&|us: &f64| {
+            if *us >= 1000.0 {
+                format!("{} ms", (*us / 1000.0).round())
+            } else {
+                format!("{} µs", us.round())
+            }
+        })
         .x_desc("handoff latency (µs): next holder's acquire returned − previous release returned")
         .y_desc("share of handoffs ≤ x")
         .draw()
