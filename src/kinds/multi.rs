@@ -257,9 +257,17 @@ impl MultiGuard {
     ///
     /// The first error met ([`Error::Lost`](crate::Error::Lost) if a lock was lost).
     pub async fn unlock(self) -> Result<()> {
+        let mut guards = self.guards;
+        if guards.len() <= 1 {
+            // One lock (every single-key request through the layer): no join machinery.
+            return match guards.pop() {
+                Some(guard) => guard.unlock().await,
+                None => Ok(()),
+            };
+        }
         // All at once: a slow or unreachable store costs one timeout, not one per lock.
         let outcomes =
-            futures_util::future::join_all(self.guards.into_iter().map(LockGuard::unlock)).await;
+            futures_util::future::join_all(guards.into_iter().map(LockGuard::unlock)).await;
         outcomes.into_iter().find(Result::is_err).unwrap_or(Ok(()))
     }
 }

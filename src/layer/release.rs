@@ -99,14 +99,17 @@ impl Drop for Release {
 
 async fn unlock(guard: MultiGuard, client: LockClient) {
     let key = guard.guards().first().map(|g| g.key().clone());
+    let Err(error) = guard.unlock().await else {
+        return;
+    };
+    // Formatted only for a failure (redacted if so configured), never on the common path.
     let shown = key.as_ref().map(|k| client.display_key(k).to_string());
-    match guard.unlock().await {
-        Ok(()) => {}
-        Err(Error::Lost) => tracing::error!(
+    match error {
+        Error::Lost => tracing::error!(
             key = shown,
             "the request's lock was lost before the request completed; work after the loss was not protected"
         ),
-        Err(error) => tracing::warn!(
+        error => tracing::warn!(
             key = shown,
             %error,
             "releasing the request's lock failed; its lease will end the hold"
