@@ -411,6 +411,36 @@ pub async fn multi_lock_all_or_nothing(f: &impl Fixture) {
     }
 }
 
+/// `MultiGuard::unlock` reports a lock lost behind its back, for one lock (the layer's
+/// single-key path) and for several, and still releases the locks it does hold.
+pub async fn multi_lock_unlock_reports_loss(f: &impl Fixture) {
+    let client = f.client(LONG);
+    let one = key("multi-loss-one");
+    let guard = MultiLock::new([client.get_lock(&one).unwrap()])
+        .lock()
+        .await
+        .unwrap();
+    f.sabotage(&one).await;
+    assert!(matches!(guard.unlock().await, Err(Error::Lost)));
+    assert!(!f.residue(&one).await);
+
+    let (a, b) = (key("multi-loss-a"), key("multi-loss-b"));
+    let guard = MultiLock::new([client.get_lock(&a).unwrap(), client.get_lock(&b).unwrap()])
+        .lock()
+        .await
+        .unwrap();
+    f.sabotage(&a).await;
+    assert!(matches!(guard.unlock().await, Err(Error::Lost)));
+    for k in [&a, &b] {
+        assert!(!f.residue(k).await, "{k} left behind");
+    }
+    assert_eq!(client.watched_locks(), 0);
+
+    let empty = MultiLock::new(std::iter::empty()).lock().await.unwrap();
+    assert!(empty.guards().is_empty());
+    empty.unlock().await.unwrap();
+}
+
 /// Two MultiLocks over {a, b} and {b, a} taking turns many times: no deadlock, exact
 /// counts.
 pub async fn multi_lock_orders_keys(f: &impl Fixture) {
@@ -654,6 +684,7 @@ macro_rules! with_conformance_cases {
             bad_input_is_rejected,
             multi_lock_all_or_nothing,
             multi_lock_orders_keys,
+            multi_lock_unlock_reports_loss,
             no_barging_past_local_waiters,
             leaving_waiter_passes_its_turn,
             multi_lock_fixed_lease_outlasts_the_wait,
