@@ -160,15 +160,7 @@ async fn redisson_and_tower_lock_exclude_each_other() {
     }
 
     // A tower-lock waiter is woken by Redisson's unlock message, not by the 30 s TTL.
-    let waiter = tokio::spawn({
-        let lock = lock.clone();
-        async move {
-            let guard = lock
-                .try_lock_for(Duration::from_secs(20), Lease::Watchdog)
-                .await?;
-            Ok::<_, Error>((Instant::now(), guard))
-        }
-    });
+    let waiter = common::spawn_acquire(lock.clone(), Duration::from_secs(20));
     let key = LockKey::new(name).unwrap();
     wait_until(Duration::from_secs(5), "the waiter subscribed", || async {
         backend.local_waiters(&key) == 1
@@ -430,12 +422,7 @@ async fn a_missed_release_costs_at_most_the_holders_ttl() {
         .await
         .unwrap();
     let lock = client.get_lock(&key).unwrap();
-    let waiter = tokio::spawn(async move {
-        let guard = lock
-            .try_lock_for(Duration::from_secs(20), Lease::Watchdog)
-            .await?;
-        Ok::<_, Error>((Instant::now(), guard))
-    });
+    let waiter = common::spawn_acquire(lock, Duration::from_secs(20));
     wait_until(Duration::from_secs(5), "the waiter subscribed", || async {
         backend.local_waiters(&key) == 1
     })
@@ -563,12 +550,7 @@ async fn tls_with_a_private_ca() {
     let key = LockKey::new("tls").unwrap();
     let guard = client.get_lock(&key).unwrap().lock().await.unwrap();
     let lock = client.get_lock(&key).unwrap();
-    let waiter = tokio::spawn(async move {
-        let g = lock
-            .try_lock_for(Duration::from_secs(20), Lease::Watchdog)
-            .await?;
-        Ok::<_, Error>((Instant::now(), g))
-    });
+    let waiter = common::spawn_acquire(lock, Duration::from_secs(20));
     wait_until(Duration::from_secs(5), "the waiter subscribed", || async {
         backend.local_waiters(&key) == 1
     })

@@ -88,12 +88,7 @@ async fn restart_under_held_locks_and_waiters() {
         .await
         .unwrap();
     let lock = waiter_client.get_lock("wake-after").unwrap();
-    let waiter = tokio::spawn(async move {
-        let g = lock
-            .try_lock_for(Duration::from_secs(20), Lease::Watchdog)
-            .await?;
-        Ok::<_, Error>((Instant::now(), g))
-    });
+    let waiter = common::spawn_acquire(lock, Duration::from_secs(20));
     let after = LockKey::new("wake-after").unwrap();
     wait_until(Duration::from_secs(5), "the waiter subscribed", || async {
         waiter_backend.local_waiters(&after) == 1
@@ -165,12 +160,7 @@ async fn a_silently_dead_pubsub_connection_is_replaced() {
     let key = LockKey::new("silent-death").unwrap();
     let held = holder_client.get_lock(&key).unwrap().lock().await.unwrap();
     let lock = waiter_client.get_lock(&key).unwrap();
-    let waiter = tokio::spawn(async move {
-        let g = lock
-            .try_lock_for(Duration::from_secs(20), Lease::Watchdog)
-            .await?;
-        Ok::<_, Error>((Instant::now(), g))
-    });
+    let waiter = common::spawn_acquire(lock, Duration::from_secs(20));
     wait_until(Duration::from_secs(5), "the waiter subscribed", || async {
         waiter_backend.local_waiters(&key) == 1
     })

@@ -255,12 +255,7 @@ mod imp {
         let backend = RedisBackend::connect(server.url()).await.unwrap();
         let client = LockClient::new(backend.clone());
         let lock = client.get_lock("killed").unwrap();
-        let waiter = tokio::spawn(async move {
-            let guard = lock
-                .try_lock_for(Duration::from_secs(20), Lease::Watchdog)
-                .await?;
-            Ok::<_, Error>((Instant::now(), guard))
-        });
+        let waiter = super::common::spawn_acquire(lock, Duration::from_secs(20));
         let key = LockKey::new("killed").unwrap();
         wait_until(Duration::from_secs(5), "the waiter subscribed", || async {
             backend.local_waiters(&key) == 1
@@ -894,12 +889,7 @@ mod imp {
         let mine = client.get_permits("pool", 2).unwrap().lock().await.unwrap();
         let lock = client.get_permits("pool", 2).unwrap();
         assert!(lock.try_lock().await.unwrap_err().is_busy());
-        let waiter = tokio::spawn(async move {
-            let guard = lock
-                .try_lock_for(Duration::from_secs(20), Lease::Watchdog)
-                .await?;
-            Ok::<_, Error>((Instant::now(), guard))
-        });
+        let waiter = super::common::spawn_acquire(lock, Duration::from_secs(20));
         let key = LockKey::new("pool").unwrap();
         wait_until(Duration::from_secs(5), "the waiter subscribed", || async {
             backend.local_waiters(&key) == 1

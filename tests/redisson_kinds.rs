@@ -13,7 +13,7 @@ use common::wait_until;
 use futures_util::StreamExt;
 use redis::aio::MultiplexedConnection;
 use tokio::time::Instant;
-use tower_lock::{Error, Lease, LockClient, LockKey, RedisBackend};
+use tower_lock::{LockClient, LockKey, RedisBackend};
 
 /// Redisson's read lock `tryLock`: nil when acquired, else the hash's PTTL. A read hold
 /// is a count in the hash plus one lease key per hold.
@@ -433,15 +433,7 @@ async fn redisson_read_write_lock_and_tower_lock_share_one_lock() {
     // A Redisson writer excludes our readers; they get in soon after its unlock.
     assert_eq!(redisson.write_lock(name, 4).await, None);
     assert!(rw.read_lock().try_lock().await.unwrap_err().is_busy());
-    let reader = tokio::spawn({
-        let read = rw.read_lock();
-        async move {
-            let guard = read
-                .try_lock_for(Duration::from_secs(10), Lease::Watchdog)
-                .await?;
-            Ok::<_, Error>((Instant::now(), guard))
-        }
-    });
+    let reader = common::spawn_acquire(rw.read_lock(), Duration::from_secs(10));
     wait_until(Duration::from_secs(5), "our reader queued", || async {
         llen(&mut raw.clone(), "redisson_lock_queue:{doc}").await == 1
     })
@@ -490,15 +482,7 @@ async fn redisson_fair_lock_and_tower_lock_share_one_queue() {
     let holder = client.get_fair_lock(name).unwrap().lock().await.unwrap();
     let ttl = redisson.fair_lock(name, 1).await;
     assert!(ttl.is_some_and(|t| t > 0), "{ttl:?}");
-    let ours = tokio::spawn({
-        let lock = client.get_fair_lock(name).unwrap();
-        async move {
-            let guard = lock
-                .try_lock_for(Duration::from_secs(20), Lease::Watchdog)
-                .await?;
-            Ok::<_, Error>((Instant::now(), guard))
-        }
-    });
+    let ours = common::spawn_acquire(client.get_fair_lock(name).unwrap(), Duration::from_secs(20));
     wait_until(Duration::from_secs(5), "our waiter queued", || async {
         llen(&mut raw.clone(), queue).await == 2
     })

@@ -540,15 +540,7 @@ pub async fn leaving_waiter_passes_its_turn(f: &impl Fixture) {
         f.waiters(&k).await == 1
     })
     .await;
-    let second = tokio::spawn({
-        let lock = lock.clone();
-        async move {
-            let g = lock
-                .try_lock_for(Duration::from_secs(5), Lease::Watchdog)
-                .await?;
-            Ok::<_, Error>((Instant::now(), g))
-        }
-    });
+    let second = super::spawn_acquire(lock.clone(), Duration::from_secs(5));
     assert!(first.await.unwrap().unwrap_err().is_busy());
     let (acquired_at, g) = second.await.unwrap().unwrap();
     let after = acquired_at.duration_since(held_at);

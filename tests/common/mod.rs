@@ -31,6 +31,18 @@ where
     }
 }
 
+/// Spawns a waiter for `lock`: `try_lock_for(wait, Lease::Watchdog)`, yielding the
+/// moment it acquired and its guard, so a test can bound the wake-up latency.
+pub fn spawn_acquire(
+    lock: tower_lock::Lock,
+    wait: Duration,
+) -> tokio::task::JoinHandle<tower_lock::Result<(Instant, tower_lock::LockGuard)>> {
+    tokio::spawn(async move {
+        let guard = lock.try_lock_for(wait, tower_lock::Lease::Watchdog).await?;
+        Ok((Instant::now(), guard))
+    })
+}
+
 /// A backend whose store is unreachable: every call fails with a backend error. For
 /// fail-open/fail-closed policies and error paths.
 #[derive(Clone, Copy, Debug, Default)]
