@@ -684,6 +684,35 @@ pub async fn writers_exclude_everyone(f: &impl KindFixture, _kind: Kind) {
     assert!(!f.residue(&k).await);
 }
 
+/// A writer takes `k` while a stream of readers runs, alone (no reader counted inside),
+/// holds it for `hold` with `writer_in` raised for the readers to see, and releases it.
+/// Returns how long it waited.
+async fn writer_gets_in(
+    client: &LockClient,
+    k: &LockKey,
+    hold: Duration,
+    readers_in: &AtomicUsize,
+    writer_in: &AtomicBool,
+) -> Duration {
+    let write = client.get_read_write_lock(k).unwrap().write_lock();
+    let started = Instant::now();
+    let guard = write
+        .try_lock_for(Duration::from_secs(5), Lease::Watchdog)
+        .await
+        .expect("the writer starved behind the readers");
+    let waited = started.elapsed();
+    writer_in.store(true, Ordering::SeqCst);
+    assert_eq!(
+        readers_in.load(Ordering::SeqCst),
+        0,
+        "readers inside with the writer"
+    );
+    tokio::time::sleep(hold).await;
+    writer_in.store(false, Ordering::SeqCst);
+    guard.unlock().await.unwrap();
+    waited
+}
+
 /// Under a continuous stream of overlapping readers (the read lock is never free), a
 /// writer gets in within the documented bound: once the readers holding when it
 /// arrived are done (20 ms each here), not never.
@@ -718,22 +747,7 @@ pub async fn waiting_writer_is_not_starved(f: &impl KindFixture, _kind: Kind) {
         readers_in.load(Ordering::SeqCst) >= 2
     })
     .await;
-    let write = client.get_read_write_lock(&k).unwrap().write_lock();
-    let started = Instant::now();
-    let guard = write
-        .try_lock_for(Duration::from_secs(5), Lease::Watchdog)
-        .await
-        .expect("the writer starved behind the readers");
-    let waited = started.elapsed();
-    writer_in.store(true, Ordering::SeqCst);
-    assert_eq!(
-        readers_in.load(Ordering::SeqCst),
-        0,
-        "readers inside with the writer"
-    );
-    tokio::time::sleep(HOLD).await;
-    writer_in.store(false, Ordering::SeqCst);
-    guard.unlock().await.unwrap();
+    let waited = writer_gets_in(&client, &k, HOLD, &readers_in, &writer_in).await;
     stop.store(true, Ordering::SeqCst);
     for t in tasks {
         assert!(!t.await.unwrap(), "a reader held the lock with the writer");
@@ -800,22 +814,7 @@ pub async fn writer_not_starved_by_hand_over_hand_readers(f: &impl KindFixture, 
         readers_in.load(Ordering::SeqCst) >= READERS
     })
     .await;
-    let write = client.get_read_write_lock(&k).unwrap().write_lock();
-    let started = Instant::now();
-    let guard = write
-        .try_lock_for(Duration::from_secs(5), Lease::Watchdog)
-        .await
-        .expect("the writer starved behind the readers");
-    let waited = started.elapsed();
-    writer_in.store(true, Ordering::SeqCst);
-    assert_eq!(
-        readers_in.load(Ordering::SeqCst),
-        0,
-        "readers inside with the writer"
-    );
-    tokio::time::sleep(HOLD).await;
-    writer_in.store(false, Ordering::SeqCst);
-    guard.unlock().await.unwrap();
+    let waited = writer_gets_in(&client, &k, HOLD, &readers_in, &writer_in).await;
     stop.store(true, Ordering::SeqCst);
     for t in tasks {
         assert!(!t.await.unwrap(), "a reader held the lock with the writer");
