@@ -279,12 +279,18 @@ async fn w1(args: &Args) -> Result<String, String> {
             samples
         }));
     }
+    let samples = join_samples(tasks).await?;
+    let elapsed = started.elapsed().as_secs_f64();
+    w1_line(args, elapsed, samples, failures.load(Ordering::Relaxed))
+}
+
+/// Every worker's latency samples, in one vector.
+async fn join_samples(tasks: Vec<tokio::task::JoinHandle<Vec<u64>>>) -> Result<Vec<u64>, String> {
     let mut samples = Vec::new();
     for t in tasks {
         samples.extend(t.await.map_err(|e| e.to_string())?);
     }
-    let elapsed = started.elapsed().as_secs_f64();
-    w1_line(args, elapsed, samples, failures.load(Ordering::Relaxed))
+    Ok(samples)
 }
 
 fn w1_line(
@@ -364,10 +370,7 @@ async fn w1_baseline(args: &Args) -> Result<String, String> {
             samples
         }));
     }
-    let mut samples = Vec::new();
-    for t in tasks {
-        samples.extend(t.await.map_err(|e| e.to_string())?);
-    }
+    let samples = join_samples(tasks).await?;
     let elapsed = started.elapsed().as_secs_f64();
     w1_line(args, elapsed, samples, failures.load(Ordering::Relaxed))
 }
@@ -907,10 +910,7 @@ async fn w5(args: &Args) -> Result<String, String> {
             samples
         }));
     }
-    let mut samples = Vec::new();
-    for t in tasks {
-        samples.extend(t.await.map_err(|e| e.to_string())?);
-    }
+    let mut samples = join_samples(tasks).await?;
     let elapsed = started.elapsed().as_secs_f64();
     server.abort();
     samples.sort_unstable();
