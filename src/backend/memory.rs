@@ -98,8 +98,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
-    Acquire, BoxFuture, FencingToken, Grant, LockBackend, LockMode, LockRequest, Release, Signal,
-    Subscription, Wake,
+    Acquire, BoxFuture, FencingToken, Grant, Holder, LockBackend, LockMode, LockRequest, Release,
+    Signal, Subscription, Wake,
 };
 use crate::error::{Error, Result};
 use crate::key::LockKey;
@@ -741,6 +741,33 @@ impl MemoryBackend {
     /// any that stopped polling and are not evicted yet.
     pub fn queue_len(&self, key: &LockKey) -> usize {
         self.table().map.get(key).map_or(0, |e| e.queue.len())
+    }
+
+    /// Every live hold of `key`, in no particular order: what the store has right now,
+    /// without changing it. For diagnostics and tests.
+    pub fn holders(&self, key: &LockKey) -> Vec<Holder> {
+        let now = Instant::now();
+        let table = self.table();
+        let Some(entry) = table.map.get(key) else {
+            return Vec::new();
+        };
+        let describe = |hold: &Hold| Holder {
+            owner: hold.owner.clone(),
+            mode: hold.mode,
+            holds: hold.holds,
+            ttl: hold.ttl(now),
+        };
+        let holds: Vec<&Hold> = match &entry.holds {
+            Holds::Free => Vec::new(),
+            Holds::Sole(hold) => vec![hold],
+            Holds::Shared { writer, readers } => writer.iter().chain(readers.values()).collect(),
+            Holds::Permits(holders) => holders.values().collect(),
+        };
+        holds
+            .into_iter()
+            .filter(|h| h.live(now))
+            .map(describe)
+            .collect()
     }
 
     fn table(&self) -> MutexGuard<'_, Table> {

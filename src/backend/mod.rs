@@ -218,6 +218,22 @@ impl Grant {
     }
 }
 
+/// One hold as a store has it: who, in which mode, how many times, for how long.
+///
+/// Returned by inspection calls such as [`MemoryBackend::holders`](crate::MemoryBackend::holders).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Holder {
+    /// The hold's owner as the store records it.
+    pub owner: Owner,
+    /// How the key is held.
+    pub mode: LockMode,
+    /// How many times the owner holds it (re-entries counted by the store).
+    pub holds: u32,
+    /// How long its lease still runs; `None` for no expiry.
+    pub ttl: Option<Duration>,
+}
+
 /// The outcome of [`LockBackend::acquire`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
