@@ -17,11 +17,7 @@ use tower_lock::layer::{HeaderKey, LockLayer};
 
 async fn slow(held: HeldLock) -> String {
     tokio::time::sleep(Duration::from_secs(1)).await;
-    format!(
-        "done under {} (fencing token {})\n",
-        held.key(),
-        held.fencing_token()
-    )
+    format!("done under {} (owner {})\n", held.key(), held.owner())
 }
 
 #[tokio::main]

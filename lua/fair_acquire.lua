@@ -8,20 +8,22 @@
 -- KEYS[1]  lock name (hash)
 -- KEYS[2]  queue (list, redisson_lock_queue:{NAME})
 -- KEYS[3]  waiter timeouts (zset, redisson_lock_timeout:{NAME})
--- KEYS[4]  fencing counter (string, INCR)
+-- KEYS[4]  fencing counter (redisson_lock_token:{NAME}; fenced requests only)
 -- KEYS[5]  wake-up channel prefix (redisson_lock__channel:{NAME}; a waiter listens on
 --          '<prefix>:<owner>')
 -- ARGV[1]  lease in milliseconds
 -- ARGV[2]  owner
 -- ARGV[3]  waiter timeout in milliseconds
+-- ARGV[4]  '1' fenced, '0' not
 --
 -- Returns
---   {1, holds, token}  acquired: holds 1 for a fresh hold (token newly issued), more
---                      when re-entered (token of the hold)
---   {0, ttl}           busy and queued: try again within ttl ms (the holder's lease or
---                      the waiter ahead's eviction, at most a third of the timeout)
+--   {1, holds[, token]}  acquired: holds 1 for a fresh hold, more when re-entered; a
+--                        fenced request's token
+--   {0, ttl}             busy and queued: try again within ttl ms (the holder's lease or
+--                        the waiter ahead's eviction, at most a third of the timeout)
 local H, Q, Z, FENCE, CHAN = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lease, owner, timeout = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local fenced = ARGV[4] == '1'
 local now = now_ms()
 local evicted = evict_stale(Q, Z, now)
 local ttl
@@ -34,7 +36,7 @@ if redis.call('exists', H) == 0 then
         end
         redis.call('hset', H, owner, 1)
         redis.call('pexpire', H, lease)
-        return {1, 1, redis.call('incr', FENCE)}
+        return granted(1, FENCE, fenced)
     end
     -- The head is alive (stale heads were evicted): it goes first.
     ttl = tonumber(redis.call('zscore', Z, head) or now) - now
@@ -45,7 +47,7 @@ else
     if redis.call('hexists', H, owner) == 1 then
         local holds = redis.call('hincrby', H, owner, 1)
         extend(H, tonumber(lease))
-        return {1, holds, tonumber(redis.call('get', FENCE) or redis.call('incr', FENCE))}
+        return granted(holds, FENCE, fenced)
     end
     ttl = redis.call('pttl', H)
 end

@@ -15,12 +15,15 @@
 -- (a fair-lock waiter, a Redisson waiter) excludes whoever is behind it, like a writer.
 --
 -- Read holds are Redisson RReadWriteLock's: a hash field '<owner>' -> read holds, and one
--- lease key per hold, '<P>:<owner>:rwlock_timeout:<i>' (i = 1..holds), where P is
--- '{NAME}' (or NAME when it already has a hash tag).
+-- lease key per hold, '<P>:<owner>:rwlock_timeout:<i>' (i = 1..holds, value 1), where P
+-- is '{NAME}' (or NAME when it already has a hash tag).
 --
--- Permits are a hash at NAME ('holds:<owner>' -> holds, 'token:<owner>' -> fencing
--- token) and a zset E (tower_lock_permits:{NAME}, owner -> expires-at in server ms);
--- both expire with the longest lease.
+-- Permits are a hash at NAME ('holds:<owner>' -> holds) and a zset E
+-- (tower_lock_permits:{NAME}, owner -> expires-at in server ms); both expire with the
+-- longest lease.
+--
+-- Fencing tokens (fenced requests only) come from Redisson RFencedLock's counter
+-- redisson_lock_token:{NAME}, one for every kind of lock on NAME.
 --
 -- Every key named here shares NAME's hash slot.
 
@@ -156,28 +159,41 @@ local function reader_pttl(P, field, count)
     return longest
 end
 
--- The fencing token of a read hold: the value of its lease keys (nil when all ended).
-local function reader_token(P, field, count)
-    for i = 1, count do
-        local token = redis.call('get', lease_key(P, field, i))
-        if token then
-            return tonumber(token)
-        end
-    end
-    return nil
-end
-
 local function drop_leases(P, field, count)
     for i = 1, count do
         redis.call('del', lease_key(P, field, i))
     end
 end
 
--- Sets the hash's lease to at least `ms` (never shortens it).
+-- Sets the existing hash's lease to at least `ms`: never shortens it, and a hash
+-- without expiry keeps none.
 local function extend(H, ms)
-    if redis.call('pttl', H) < ms then
+    local pttl = redis.call('pttl', H)
+    if pttl >= 0 and pttl < ms then
         redis.call('pexpire', H, ms)
     end
+end
+
+-- The next fencing token of counter F (Redisson RFencedLock's
+-- redisson_lock_token:{NAME}): INCR, raised to the server clock in microseconds so that
+-- tokens keep increasing when the counter is lost. F never expires.
+local function fence(F)
+    local t = redis.call('time')
+    local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    local token = redis.call('incr', F)
+    if token < floor then
+        redis.call('set', F, string.format('%.0f', floor))
+        token = floor
+    end
+    return token
+end
+
+-- An acquisition's reply: {1, holds}, with the next token when `fenced`.
+local function granted(holds, F, fenced)
+    if fenced then
+        return {1, holds, fence(F)}
+    end
+    return {1, holds}
 end
 
 -- Walks the read-write hash: drops read holds whose leases all ended (a reader that
@@ -293,7 +309,7 @@ end
 local function prune_permits(H, E, now)
     local gone = redis.call('zrangebyscore', E, '-inf', now)
     for _, owner in ipairs(gone) do
-        redis.call('hdel', H, 'holds:' .. owner, 'token:' .. owner)
+        redis.call('hdel', H, 'holds:' .. owner)
     end
     if #gone > 0 then
         redis.call('zremrangebyscore', E, '-inf', now)

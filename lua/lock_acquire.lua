@@ -1,33 +1,54 @@
--- Acquire (or re-enter) a Redisson-compatible reentrant lock and issue a fencing token.
--- A re-entry extends the lease to ARGV[1] but never shortens it: an outer hold with a
--- longer lease (or the watchdog's) keeps it.
+-- Acquire (or re-enter) a Redisson-compatible reentrant lock; fenced requests also take
+-- a fencing token.
 --
 -- The lock is a hash at KEYS[1] (Redisson RLock layout): field <client uuid>:<owner id>
--- -> hold count, lease by PEXPIRE in milliseconds. The fencing counter is a separate
--- string key in the same hash slot; it never expires, so tokens never go backwards.
+-- -> hold count, lease by PEXPIRE in milliseconds. A re-entry extends the lease to
+-- ARGV[1] but never shortens it (and a hash without expiry keeps none).
+--
+-- Fencing (ARGV[3] = '1') is Redisson RFencedLock's: the counter KEYS[2]
+-- (redisson_lock_token:{NAME}) is INCRed on every acquisition, re-entries included, and
+-- never expires. On top of Redisson, the token is raised to the server clock in
+-- microseconds, so tokens keep increasing when the counter is lost (a restart without
+-- persistence). An unfenced acquisition never touches KEYS[2]: it leaves nothing behind
+-- once released.
 --
 -- KEYS[1]  lock name (hash)
--- KEYS[2]  fencing counter (string, INCR)
+-- KEYS[2]  fencing counter (string; fenced requests only)
 -- ARGV[1]  lease in milliseconds
 -- ARGV[2]  owner field
+-- ARGV[3]  '1' fenced, '0' not
 --
 -- Returns
---   {1, holds, token}  acquired: holds is 1 for a fresh hold, more when re-entered;
---                      token is the counter value issued when the hold began (should the
---                      counter have vanished meanwhile — evicted, flushed — a re-entry
---                      gets a new one rather than 0)
+--   {1, holds}         acquired, unfenced: holds is 1 for a fresh hold, more when
+--                      re-entered
+--   {1, holds, token}  acquired, fenced
 --   {0, pttl}          busy: the holder's remaining lease in ms (-1: no expiry)
+local holds
 if redis.call('exists', KEYS[1]) == 0 then
-    redis.call('hincrby', KEYS[1], ARGV[2], 1)
+    redis.call('hset', KEYS[1], ARGV[2], 1)
     redis.call('pexpire', KEYS[1], ARGV[1])
-    return {1, 1, redis.call('incr', KEYS[2])}
-end
-if redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
-    local holds = redis.call('hincrby', KEYS[1], ARGV[2], 1)
-    -- Re-entering never shortens the lease the hold already has.
-    if redis.call('pttl', KEYS[1]) < tonumber(ARGV[1]) then
+    holds = 1
+elseif redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
+    holds = redis.call('hincrby', KEYS[1], ARGV[2], 1)
+    local pttl = redis.call('pttl', KEYS[1])
+    if pttl >= 0 and pttl < tonumber(ARGV[1]) then
         redis.call('pexpire', KEYS[1], ARGV[1])
     end
-    return {1, holds, tonumber(redis.call('get', KEYS[2]) or redis.call('incr', KEYS[2]))}
+else
+    return {0, redis.call('pttl', KEYS[1])}
 end
-return {0, redis.call('pttl', KEYS[1])}
+if ARGV[3] ~= '1' then
+    return {1, holds}
+end
+-- Effects replication (the default from Redis 5) lets a write follow TIME.
+if redis.replicate_commands then
+    redis.replicate_commands()
+end
+local t = redis.call('time')
+local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local token = redis.call('incr', KEYS[2])
+if token < floor then
+    redis.call('set', KEYS[2], string.format('%.0f', floor))
+    token = floor
+end
+return {1, holds, token}

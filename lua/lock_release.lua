@@ -7,20 +7,21 @@
 -- KEYS[1]  lock name (hash)
 -- KEYS[2]  release channel (redisson_lock__channel:{NAME})
 -- ARGV[1]  message to publish on the last release ('0')
--- ARGV[2]  lease in milliseconds, extended to when holds remain (never shortened)
+-- ARGV[2]  lease in milliseconds, extended to when holds remain (never shortened; a
+--          hash without expiry keeps none)
 -- ARGV[3]  owner field
 --
 -- Returns
 --   -1     not held by this owner; nothing changed
 --    0     released: the lock is gone and waiters were told
---    n > 0 one hold released, n remain; lease extended to ARGV[2] (never shortened)
+--    n > 0 one hold released, n remain
 if redis.call('hexists', KEYS[1], ARGV[3]) == 0 then
     return -1
 end
 local holds = redis.call('hincrby', KEYS[1], ARGV[3], -1)
 if holds > 0 then
-    -- The holds left keep at least the lease they had.
-    if redis.call('pttl', KEYS[1]) < tonumber(ARGV[2]) then
+    local pttl = redis.call('pttl', KEYS[1])
+    if pttl >= 0 and pttl < tonumber(ARGV[2]) then
         redis.call('pexpire', KEYS[1], ARGV[2])
     end
     return holds

@@ -1,25 +1,27 @@
 -- Take (or re-enter) one of at most `max` leased permits; with lib.lua.
 --
--- Permits are a hash at NAME ('holds:<owner>' -> holds, 'token:<owner>' -> fencing token)
--- and a zset of holders (owner -> expires-at, server time in ms). Holders whose lease
--- ended are dropped first, so a crashed holder's permit comes back with its lease. Both
--- keys expire with the longest lease. A hash at NAME without the zset is another kind of
--- lock, which keeps the name busy.
+-- Permits are a hash at NAME ('holds:<owner>' -> holds) and a zset of holders (owner ->
+-- expires-at, server time in ms). Holders whose lease ended are dropped first, so a
+-- crashed holder's permit comes back with its lease. Both keys expire with the longest
+-- lease. A hash at NAME without the zset is another kind of lock, which keeps the name
+-- busy.
 --
 -- KEYS[1]  lock name (hash)
 -- KEYS[2]  holders (zset, tower_lock_permits:{NAME})
--- KEYS[3]  fencing counter (string, INCR)
+-- KEYS[3]  fencing counter (redisson_lock_token:{NAME}; fenced requests only)
 -- ARGV[1]  lease in milliseconds
 -- ARGV[2]  owner
 -- ARGV[3]  most holders at once (max)
+-- ARGV[4]  '1' fenced, '0' not
 --
 -- Returns
---   {1, holds, token}  acquired: holds 1 for a fresh permit (token newly issued), more
---                      when re-entered (token of the permit)
---   {0, ttl}           all permits taken: ttl ms until the first lease ends
---                      (-1: another kind of lock without expiry holds the name)
+--   {1, holds[, token]}  acquired: holds 1 for a fresh permit, more when re-entered; a
+--                        fenced request's token
+--   {0, ttl}             all permits taken: ttl ms until the first lease ends
+--                        (-1: another kind of lock without expiry holds the name)
 local H, E, FENCE = KEYS[1], KEYS[2], KEYS[3]
 local lease, owner, max = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
+local fenced = ARGV[4] == '1'
 local now = now_ms()
 if redis.call('exists', E) == 0 then
     if redis.call('exists', H) == 1 then
@@ -34,15 +36,13 @@ if held_until then
     -- Re-entering never shortens the permit's lease.
     redis.call('zadd', E, math.max(tonumber(held_until), now + lease), owner)
     fit_permits(H, E, now)
-    return {1, holds, tonumber(redis.call('hget', H, 'token:' .. owner) or '0')}
+    return granted(holds, FENCE, fenced)
 end
 if redis.call('zcard', E) < max then
-    local token = redis.call('incr', FENCE)
     redis.call('hset', H, 'holds:' .. owner, 1)
-    redis.call('hset', H, 'token:' .. owner, token)
     redis.call('zadd', E, now + lease, owner)
     fit_permits(H, E, now)
-    return {1, 1, token}
+    return granted(1, FENCE, fenced)
 end
 fit_permits(H, E, now)
 local first = redis.call('zrange', E, 0, 0, 'withscores')

@@ -33,7 +33,7 @@ if holds > 0 then
     fit_permits(H, E, now)
     return holds
 end
-redis.call('hdel', H, 'holds:' .. owner, 'token:' .. owner)
+redis.call('hdel', H, 'holds:' .. owner)
 redis.call('zrem', E, owner)
 fit_permits(H, E, now)
 redis.call('publish', CHAN, '0')

@@ -4,34 +4,38 @@
 -- The lock is RReadWriteLock's hash at NAME: 'mode' -> 'read' | 'write', '<owner>' ->
 -- read holds, '<owner>:write' -> write holds; the hash's PEXPIRE covers the longest
 -- hold. Each read hold also has Redisson's lease key '<P>:<owner>:rwlock_timeout:<i>'
--- (value: the hold's fencing token), so a Redisson client computes leases over our
--- readers as over its own.
+-- (value 1), so a Redisson client computes leases over our readers as over its own.
 --
 -- On top of Redisson's rules, a wait queue gives writers their turn: a reader goes only
--- when no writer holds the lock and no writer waits ahead of it (the writer's own owner
--- reads at once); a writer goes when nothing is held and nobody waits ahead of it. A
--- blocked owner is put at the tail of the queue (or has its place refreshed) and told
--- to poll again within a third of the waiter timeout.
+-- when no writer holds the lock and no writer waits ahead of it; a writer goes when
+-- nothing is held and nobody waits ahead of it. A read of the write holder named by
+-- ARGV[6] (the reader's own owner, or the writer it belongs with) goes past that
+-- writer's hold at once (downgrade). A blocked owner is put at the tail of the queue (or
+-- has its place refreshed) and told to poll again within a third of the waiter timeout.
 --
 -- KEYS[1]  lock name (hash)
 -- KEYS[2]  lease-key prefix P ('{NAME}', or NAME when it has a hash tag)
 -- KEYS[3]  queue (list, redisson_lock_queue:{NAME})
 -- KEYS[4]  waiter timeouts (zset, redisson_lock_timeout:{NAME})
--- KEYS[5]  fencing counter (string, INCR)
+-- KEYS[5]  fencing counter (redisson_lock_token:{NAME}; fenced requests only)
 -- KEYS[6]  channel (redisson_rwlock:{NAME}); a waiter listens on '<channel>:<entry>'
 -- ARGV[1]  lease in milliseconds
 -- ARGV[2]  owner
 -- ARGV[3]  'read' or 'write'
 -- ARGV[4]  waiter timeout in milliseconds
+-- ARGV[5]  '1' fenced, '0' not
+-- ARGV[6]  the write holder a read may go past (usually ARGV[2])
 --
 -- Returns
---   {1, holds, token}  acquired: holds 1 for a fresh hold, more when re-entered (token
---                      of the hold)
---   {0, ttl}           busy and queued: try again within ttl ms
+--   {1, holds[, token]}  acquired: holds 1 for a fresh hold, more when re-entered; a
+--                        fenced request's token
+--   {0, ttl}             busy and queued: try again within ttl ms
 local H, P, Q, Z, FENCE, CHAN = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local lease, owner, timeout = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[4])
 local reading = ARGV[3] == 'read'
-local write_field = owner .. ':write'
+local fenced = ARGV[5] == '1'
+-- A writer's own field; for a read, the field of the write hold it may go past.
+local write_field = (reading and ARGV[6] or owner) .. ':write'
 local entry = owner .. (reading and ':read' or ':write')
 local now = now_ms()
 local evicted = evict_stale(Q, Z, now)
@@ -44,16 +48,15 @@ if not mode and redis.call('exists', H) == 1 then
 elseif reading then
     local count = tonumber(redis.call('hget', H, owner) or '0') or 0
     if count > 0 then
-        local token = reader_token(P, owner, count)
-        if token then
+        if reader_live(P, owner, count) then
             -- Re-entering never shortens the lease the hold already has.
             local keep = math.max(lease, reader_pttl(P, owner, count))
             count = redis.call('hincrby', H, owner, 1)
             for i = 1, count do
-                redis.call('set', lease_key(P, owner, i), token, 'px', keep)
+                redis.call('set', lease_key(P, owner, i), 1, 'px', keep)
             end
             extend(H, keep)
-            return {1, count, token}
+            return granted(count, FENCE, fenced)
         end
         -- The hold's leases ended: forget it, and ask as a newcomer.
         redis.call('hdel', H, owner)
@@ -75,7 +78,7 @@ elseif mode then
             ms = math.max(ms, reader_pttl(P, owner, tonumber(own) or 0))
         end
         extend(H, ms)
-        return {1, holds, tonumber(redis.call('get', FENCE) or redis.call('incr', FENCE))}
+        return granted(holds, FENCE, fenced)
     end
     -- A writer needs every hold gone, its owner's read holds too.
     prune_rw(H, P)
@@ -105,33 +108,26 @@ if ttl == nil and not (reading and mode == 'write') then
 end
 
 if ttl == nil then
-    local token
     if reading then
+        redis.call('hset', H, owner, 1)
+        redis.call('set', lease_key(P, owner, 1), 1, 'px', lease)
         if not mode then
             redis.call('hset', H, 'mode', 'read')
-        end
-        redis.call('hset', H, owner, 1)
-        if mode == 'write' then
-            -- The writer's own read shares the write hold's token: no other owner can
-            -- have been issued one since.
-            token = tonumber(redis.call('get', FENCE) or redis.call('incr', FENCE))
+            redis.call('pexpire', H, lease)
         else
-            token = redis.call('incr', FENCE)
+            extend(H, lease)
         end
-        redis.call('set', lease_key(P, owner, 1), token, 'px', lease)
-        extend(H, lease)
     else
         redis.call('hset', H, 'mode', 'write')
         redis.call('hset', H, write_field, 1)
         redis.call('pexpire', H, lease)
-        token = redis.call('incr', FENCE)
     end
     leave(Q, Z, entry)
     if evicted then
         -- A stale writer went: readers queued behind it may go too.
         wake_rw(H, Q, CHAN)
     end
-    return {1, 1, token}
+    return granted(1, FENCE, fenced)
 end
 
 touch(Q, Z, entry, now + timeout, timeout)

@@ -74,7 +74,7 @@ pub struct HeldLock {
 
 struct HeldInner {
     keys: Vec<LockKey>,
-    tokens: Vec<FencingToken>,
+    tokens: Vec<Option<FencingToken>>,
     mode: LockMode,
     owner: Owner,
     lost: LostSignal,
@@ -106,14 +106,16 @@ impl HeldLock {
         &self.inner.keys
     }
 
-    /// The fencing token of [`key`](HeldLock::key): pass it to the storage the
+    /// The fencing token of [`key`](HeldLock::key), when the layer is
+    /// [`fenced`](crate::layer::LockLayerBuilder::fenced): pass it to the storage the
     /// handler writes to, so a write from a request whose lock was lost is refused.
-    pub fn fencing_token(&self) -> FencingToken {
+    /// `None` when the layer's locks are not fenced.
+    pub fn fencing_token(&self) -> Option<FencingToken> {
         self.inner.tokens[0]
     }
 
     /// Every key's fencing token, in the order of [`keys`](HeldLock::keys).
-    pub fn fencing_tokens(&self) -> &[FencingToken] {
+    pub fn fencing_tokens(&self) -> &[Option<FencingToken>] {
         &self.inner.tokens
     }
 

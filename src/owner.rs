@@ -2,7 +2,13 @@
 //!
 //! A lock is held by an [`Owner`], written `<client uuid>:<n>` like Redisson's
 //! `<client uuid>:<thread id>`. Ownership decides reentrancy: the same owner locking the
-//! same key again increments a hold count instead of waiting for itself.
+//! same key again (in the same mode, through the same [`LockClient`](crate::LockClient))
+//! adds a guard to the hold it has instead of waiting for itself.
+//!
+//! In the store each hold has an identity of its own, also `<client uuid>:<n>` and used by
+//! no other hold ([`LockGuard::holder`](crate::LockGuard::holder)): the owner decides
+//! which guards share a hold, the hold's identity makes sure a guard's release, renewal
+//! or late compensation only ever touches that hold.
 //!
 //! Ownership is per *request*, never per task or thread: HTTP/2 runs many requests on
 //! one task, and a tokio task hops between threads. [`Owner::scope`] makes an owner
@@ -68,13 +74,18 @@ impl Owner {
         Owner(Arc::from(owner))
     }
 
-    /// Uses `raw` as an owner identity, for interoperating with other clients (for
-    /// example a Redisson owner `<uuid>:<thread id>`) or for tests.
+    /// Uses `raw` as an owner identity: a logical owner of your own (a job id) for
+    /// [`Lock::with_owner`](crate::Lock::with_owner), or a store identity when driving a
+    /// [`LockBackend`](crate::backend::LockBackend) directly (for example a Redisson
+    /// owner `<uuid>:<thread id>`), or for tests. An owner belongs to one
+    /// [`LockClient`](crate::LockClient): re-entry is counted by the client that holds
+    /// the lock.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidConfig`] when `raw` is empty, longer than [`MAX_OWNER_LEN`]
-    /// bytes or contains control characters.
+    /// bytes, contains control characters, or ends in `:read` or `:write` (the suffixes
+    /// a read-write lock's queue entries and write holds carry).
     pub fn from_raw(raw: impl AsRef<str>) -> Result<Self> {
         let raw = raw.as_ref();
         if raw.is_empty() || raw.len() > MAX_OWNER_LEN || raw.chars().any(char::is_control) {
@@ -83,6 +94,14 @@ impl Owner {
                 format!(
                     "must be 1 to {MAX_OWNER_LEN} bytes without control characters (got {} bytes)",
                     raw.len()
+                ),
+            ));
+        }
+        if raw.ends_with(":read") || raw.ends_with(":write") {
+            return Err(Error::invalid_config(
+                "owner",
+                format!(
+                    "must not end in `:read` or `:write`, which read-write locks use as suffixes (got {raw:?})"
                 ),
             ));
         }
@@ -145,6 +164,9 @@ mod tests {
         assert!(Owner::from_raw("").is_err());
         assert!(Owner::from_raw("a\0").is_err());
         assert!(Owner::from_raw("x".repeat(MAX_OWNER_LEN + 1)).is_err());
+        assert!(Owner::from_raw("uuid:1:read").is_err());
+        assert!(Owner::from_raw("uuid:1:write").is_err());
+        assert!(Owner::from_raw("uuid:1:reader").is_ok());
     }
 
     #[tokio::test]

@@ -13,7 +13,7 @@ use http_body_util::BodyExt;
 use tower::ServiceExt;
 use tower_lock::extract::{HeldLock, Locks};
 use tower_lock::layer::{ExtensionKey, HeaderKey, LockLayer, PathParamKey};
-use tower_lock::{Lease, LockKey, MemoryBackend, Owner};
+use tower_lock::{Lease, LockClient, LockKey, MemoryBackend, Owner};
 
 const USER: HeaderName = HeaderName::from_static("x-user-id");
 
@@ -230,16 +230,19 @@ async fn extension_keys_come_from_auth_middleware_and_nested_layers_share_the_ow
     let by_user = ExtensionKey::new(|u: &UserId| u.0.to_string()).namespace("user");
     let by_doc = PathParamKey::new("id").namespace("doc");
     let handler = |held: HeldLock, locks: Locks| async move {
-        // The outer (user) lock re-enters: both layers act as one owner.
+        // The outer (user) lock re-enters: both layers act as one owner, through one
+        // client.
         let user = locks.try_lock("user:{5}").await.unwrap();
         assert_eq!(user.hold_count(), 2);
         assert_eq!(user.owner(), held.owner());
         held.key().to_string()
     };
+    // One client for both layers: re-entry is counted by the client that holds the lock.
+    let client = LockClient::new(backend.clone());
     let app = Router::new()
         .route("/docs/{id}", post(handler))
-        .route_layer(LockLayer::new(backend.clone(), by_doc))
-        .layer(LockLayer::new(backend.clone(), by_user))
+        .route_layer(LockLayer::new(client.clone(), by_doc))
+        .layer(LockLayer::new(client, by_user))
         .layer(auth);
     assert_eq!(
         call(&app, "POST", "/docs/3", Some("5")).await,

@@ -177,9 +177,9 @@ async fn redisson_and_tower_lock_exclude_each_other() {
     let fields = hgetall(&mut raw, name).await;
     assert_eq!(
         fields,
-        HashMap::from([(guard.owner().to_string(), "1".to_owned())])
+        HashMap::from([(guard.holder().to_string(), "1".to_owned())])
     );
-    assert!(guard.owner().as_str().starts_with(client.id()));
+    assert!(guard.holder().as_str().starts_with(client.id()));
     let ttl = pttl(&mut raw, name).await;
     assert!(
         ttl > 25_000 && ttl <= 30_000,
@@ -197,7 +197,6 @@ async fn redisson_and_tower_lock_exclude_each_other() {
         .await
         .unwrap();
     pubsub.subscribe(channel).await.unwrap();
-    let token = guard.fencing_token();
     guard.unlock().await.unwrap();
     let msg = tokio::time::timeout(Duration::from_secs(5), pubsub.on_message().next())
         .await
@@ -205,40 +204,120 @@ async fn redisson_and_tower_lock_exclude_each_other() {
         .unwrap();
     assert_eq!(msg.get_channel_name(), channel);
     assert_eq!(msg.get_payload_bytes(), b"0");
-    let exists: i64 = redis::cmd("EXISTS")
-        .arg(name)
+    // A plain lock leaves nothing behind: no lock, no counter.
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
         .query_async(&mut raw)
         .await
         .unwrap();
-    assert_eq!(exists, 0);
+    assert!(keys.is_empty(), "{keys:?}");
 
-    // The fencing counter lives beside the lock, in the same slot, and holds the token.
-    let fence: u64 = redis::cmd("GET")
-        .arg("tower_lock_fence:{anyLock}")
-        .query_async(&mut raw)
-        .await
-        .unwrap();
-    assert_eq!(fence, token.get());
-
-    // Reentrancy is RLock's hold count.
+    // Re-entry is counted by the client: the store sees one hold, with its own field.
     let owner = client.new_owner();
     owner
         .clone()
         .scope(async {
             let a = lock.lock().await.unwrap();
             let b = lock.lock().await.unwrap();
+            assert_eq!(b.hold_count(), 2);
+            assert_eq!(b.owner(), &owner);
             assert_eq!(
                 hgetall(&mut raw, name).await,
-                HashMap::from([(owner.to_string(), "2".to_owned())])
+                HashMap::from([(a.holder().to_string(), "1".to_owned())])
             );
             b.unlock().await.unwrap();
             assert_eq!(
                 hgetall(&mut raw, name).await,
-                HashMap::from([(owner.to_string(), "1".to_owned())])
+                HashMap::from([(a.holder().to_string(), "1".to_owned())])
             );
             a.unlock().await.unwrap();
+            assert!(hgetall(&mut raw, name).await.is_empty());
         })
         .await;
+}
+
+/// A fenced lock and a Java `RFencedLock` share one fence: Redisson's counter
+/// `redisson_lock_token:{NAME}`, `INCR`ed on every acquisition by either side, so tokens
+/// keep increasing whoever takes the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_java_fenced_lock_and_tower_lock_share_one_fence() {
+    let server = RedisServer::start().await;
+    let mut raw = server.conn().await;
+    let (_backend, client) = client(&server).await;
+    let name = "fencedLock";
+    let counter = "redisson_lock_token:{fencedLock}";
+    let lock = client.get_fenced_lock(name).unwrap();
+
+    // RFencedLock's acquire script, as the Java client runs it.
+    let java_script = redis::Script::new(
+        "if (redis.call('exists', KEYS[1]) == 0) or (redis.call('hexists', KEYS[1], ARGV[2]) == 1) then \
+            local token = redis.call('incr', KEYS[2]); \
+            redis.call('hincrby', KEYS[1], ARGV[2], 1); \
+            redis.call('pexpire', KEYS[1], ARGV[1]); \
+            return {-1, token}; \
+        end; \
+        return {redis.call('pttl', KEYS[1]), -1};",
+    );
+    let java_lock = |thread: u64, conn: &mut redis::aio::MultiplexedConnection| {
+        let mut conn = conn.clone();
+        let script = java_script.clone();
+        async move {
+            let reply: Vec<i64> = script
+                .key(name)
+                .key(counter)
+                .arg(30_000)
+                .arg(format!("java-client:{thread}"))
+                .invoke_async(&mut conn)
+                .await
+                .unwrap();
+            reply
+        }
+    };
+    let java_unlock = |conn: &mut redis::aio::MultiplexedConnection| {
+        let mut conn = conn.clone();
+        async move {
+            let _: i64 = redis::cmd("DEL")
+                .arg(name)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+        }
+    };
+
+    let mut last = 0i64;
+    for round in 0..6 {
+        if round % 2 == 0 {
+            let reply = java_lock(1, &mut raw).await;
+            assert_eq!(reply[0], -1, "the Java side acquired");
+            assert!(reply[1] > last, "java token {} after {last}", reply[1]);
+            last = reply[1];
+            // tower-lock is excluded meanwhile.
+            assert!(lock.try_lock().await.unwrap_err().is_busy());
+            java_unlock(&mut raw).await;
+        } else {
+            let guard = lock.lock().await.unwrap();
+            let token = guard.fencing_token().expect("fenced").get() as i64;
+            assert!(token > last, "our token {token} after {last}");
+            let stored: i64 = redis::cmd("GET")
+                .arg(counter)
+                .query_async(&mut raw)
+                .await
+                .unwrap();
+            assert_eq!(stored, token, "the shared counter holds our token");
+            // The Java side is excluded meanwhile.
+            let reply = java_lock(2, &mut raw).await;
+            assert!(reply[0] > 0, "busy for Java: {reply:?}");
+            last = token;
+            guard.unlock().await.unwrap();
+        }
+    }
+    // The counter stays (Redisson's too); the lock does not.
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(keys, vec![counter.to_owned()]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -386,7 +465,7 @@ async fn watchdog_renews_locks_of_every_kind_in_one_call_per_period() {
             2 => {
                 pttl(
                     &mut raw,
-                    &format!("{{{name}}}:{}:rwlock_timeout:1", g.owner()),
+                    &format!("{{{name}}}:{}:rwlock_timeout:1", g.holder()),
                 )
                 .await
             }
@@ -569,28 +648,36 @@ async fn tls_with_a_private_ca() {
     assert!(matches!(untrusted, Err(Error::Redis(_))), "{untrusted:?}");
 }
 
-/// The fencing counter vanished under a held lock (evicted, flushed): a re-entry gets a
-/// real token from a new counter, never 0.
+/// The fencing counter vanished (evicted, flushed, a restart without persistence) or went
+/// back (an older snapshot): tokens still increase, floored by the server's clock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_vanished_fence_counter_never_yields_token_zero() {
+async fn a_vanished_fence_counter_never_sends_tokens_back() {
     let server = RedisServer::start().await;
     let mut raw = server.conn().await;
     let (backend, client) = client(&server).await;
     let key = LockKey::new("fence-gone").unwrap();
-    let owner = client.new_owner();
-    let lock = client.get_lock(&key).unwrap().with_owner(owner);
-    let outer = lock.lock().await.unwrap();
-    let _: i64 = redis::cmd("DEL")
-        .arg(backend.fence_name(&key))
-        .query_async(&mut raw)
-        .await
-        .unwrap();
-    let inner = lock.lock().await.unwrap();
-    assert_eq!(inner.hold_count(), 2);
-    assert!(
-        inner.fencing_token().get() > 0,
-        "a re-entry handed out token 0"
-    );
-    inner.unlock().await.unwrap();
-    outer.unlock().await.unwrap();
+    let lock = client.get_fenced_lock(&key).unwrap();
+    let mut last = 0;
+    for sabotage in ["DEL", "SET 1", "FLUSHALL"] {
+        let guard = lock.lock().await.unwrap();
+        let token = guard.fencing_token().expect("fenced").get();
+        assert!(token > last, "{token} after {last}");
+        last = token;
+        guard.unlock().await.unwrap();
+        let mut cmd = match sabotage {
+            "DEL" => redis::cmd("DEL"),
+            "SET 1" => redis::cmd("SET"),
+            _ => redis::cmd("FLUSHALL"),
+        };
+        if sabotage != "FLUSHALL" {
+            cmd.arg(backend.fence_name(&key));
+        }
+        if sabotage == "SET 1" {
+            cmd.arg(1);
+        }
+        let _: redis::Value = cmd.query_async(&mut raw).await.unwrap();
+    }
+    let guard = lock.lock().await.unwrap();
+    assert!(guard.fencing_token().expect("fenced").get() > last);
+    guard.unlock().await.unwrap();
 }

@@ -130,7 +130,7 @@ mod imp {
     }
 
     /// The child: takes the lock (watchdog with the given lease; `permits:N`: one of N
-    /// permits), reports `LOCKED <token> <owner>`, waits until the lost signal fires,
+    /// permits), reports `LOCKED <token> <holder>`, waits until the lost signal fires,
     /// reports `LOST`, unlocks and reports the result.
     fn holder_main(args: &[String]) -> ExitCode {
         let (url, name, watchdog_ms, kind) = match args {
@@ -167,8 +167,9 @@ mod imp {
                 Some(n) => client.get_permits(name.as_str(), n),
                 None => client.get_lock(name.as_str()),
             };
-            let guard = lock.unwrap().lock().await.expect("lock");
-            println!("LOCKED {} {}", guard.fencing_token(), guard.owner());
+            let guard = lock.unwrap().fenced().lock().await.expect("lock");
+            let token = guard.fencing_token().expect("a fenced lock has a token");
+            println!("LOCKED {token} {}", guard.holder());
             guard.lost().wait().await;
             println!("LOST");
             match guard.unlock().await {
@@ -315,7 +316,7 @@ mod imp {
         let client = LockClient::new(RedisBackend::connect(server.url()).await.unwrap());
         let started = Instant::now();
         let guard = client
-            .get_lock("stopped")
+            .get_fenced_lock("stopped")
             .unwrap()
             .try_lock_for(Duration::from_secs(10), Lease::Watchdog)
             .await
@@ -326,7 +327,7 @@ mod imp {
             started.elapsed()
         );
         assert!(
-            guard.fencing_token().get() > first,
+            guard.fencing_token().expect("fenced").get() > first,
             "fencing tokens are ordered"
         );
 
@@ -349,7 +350,7 @@ mod imp {
             .await
             .unwrap();
         assert_eq!(
-            fields.get(guard.owner().as_str()).map(String::as_str),
+            fields.get(guard.holder().as_str()).map(String::as_str),
             Some("1")
         );
         assert_eq!(fields.len(), 1);
@@ -724,7 +725,7 @@ mod imp {
         for (i, node) in nodes.iter().enumerate() {
             let held: i64 = redis::cmd("HEXISTS")
                 .arg("redlock")
-                .arg(guard.owner().as_str())
+                .arg(guard.holder().as_str())
                 .query_async(&mut node.conn().await)
                 .await
                 .unwrap();
@@ -880,7 +881,7 @@ mod imp {
         let owner = line
             .split(' ')
             .nth(2)
-            .expect("LOCKED <token> <owner>")
+            .expect("LOCKED <token> <holder>")
             .to_owned();
 
         // This process holds the other permit; a third owner waits for one.
@@ -945,7 +946,7 @@ mod imp {
         // The other permit was never touched.
         let req = tower_lock::backend::LockRequest::new(
             key.clone(),
-            mine.owner().clone(),
+            mine.holder().clone(),
             mine.mode(),
             mine.lease(),
         );

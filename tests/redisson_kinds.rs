@@ -376,10 +376,10 @@ async fn redisson_read_write_lock_and_tower_lock_share_one_lock() {
         HashMap::from([
             ("mode".to_owned(), "read".to_owned()),
             (redisson.field(1), "1".to_owned()),
-            (ours.owner().to_string(), "1".to_owned()),
+            (ours.holder().to_string(), "1".to_owned()),
         ])
     );
-    let our_lease_key = format!("{{doc}}:{}:rwlock_timeout:1", ours.owner());
+    let our_lease_key = format!("{{doc}}:{}:rwlock_timeout:1", ours.holder());
     let lease_left = pttl(&mut raw, &our_lease_key).await;
     assert!(
         lease_left > 25_000 && lease_left <= 30_000,
@@ -418,7 +418,7 @@ async fn redisson_read_write_lock_and_tower_lock_share_one_lock() {
         hgetall(&mut raw, name).await,
         HashMap::from([
             ("mode".to_owned(), "write".to_owned()),
-            (format!("{}:write", writer.owner()), "1".to_owned()),
+            (format!("{}:write", writer.holder()), "1".to_owned()),
         ])
     );
     assert!(redisson.read_lock(name, 3).await.is_some_and(|t| t > 0));
@@ -524,7 +524,7 @@ async fn redisson_fair_lock_and_tower_lock_share_one_queue() {
     );
     assert_eq!(
         hgetall(&mut raw, name).await,
-        HashMap::from([(guard.owner().to_string(), "1".to_owned())])
+        HashMap::from([(guard.holder().to_string(), "1".to_owned())])
     );
 
     // The Redisson newcomer is next, and hears our unlock.

@@ -249,6 +249,7 @@ pub fn app(
     if !settings.no_lock {
         let layer = LockLayer::builder(client, order_key)
             .with_wait(settings.wait)
+            .fenced(true)
             .on_rejection(json_rejection)
             .build()?;
         order = order.route_layer(layer);
@@ -283,7 +284,7 @@ async fn create_order(
         &state,
         id,
         user,
-        held.map_or(0, |h| h.fencing_token().get()),
+        held.and_then(|h| h.fencing_token()).map_or(0, |t| t.get()),
     )
     .await
     {

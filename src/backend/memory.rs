@@ -6,8 +6,9 @@
 //!
 //! - leases really expire (tokio time, so `tokio::time::pause` works in tests);
 //! - reentrant holds are counted, per owner and mode;
-//! - fencing tokens come from one counter for the whole backend, so they are strictly
-//!   increasing per key across holders (and across keys);
+//! - fenced acquisitions take tokens from one counter for the whole backend, floored by
+//!   the wall clock (see [`FencingToken`]), so they are strictly increasing per key
+//!   across holders (and across keys);
 //! - a release wakes the waiters that can now acquire — one for exclusive locks and
 //!   permits, the head of the queue for fair locks, every admitted reader for a write
 //!   unlock — not all of them;
@@ -34,7 +35,9 @@
 //!   [`Acquire::Busy`] ttl is never more than a third of the waiter timeout. A release
 //!   wakes the head waiter only.
 //! - [`LockMode::Read`] / [`LockMode::Write`] on one key: many readers or one writer.
-//!   The writer's owner may also take read holds (downgrade: take read, release write).
+//!   The writer's owner — or a request naming it as its
+//!   [`writer`](LockRequest::writer) — may also take read holds (downgrade: take read,
+//!   release write).
 //!   A reader that asks to write waits like any writer — until every read hold,
 //!   including its own, is released; a caller that holds a read lock and waits for the
 //!   write lock of the same key without releasing deadlocks on itself until its wait
@@ -254,7 +257,8 @@ struct Hold {
     owner: Owner,
     mode: LockMode,
     holds: u32,
-    token: FencingToken,
+    /// The last token issued to this hold (fenced acquisitions only).
+    token: Option<FencingToken>,
     /// `None`: the lease is too long to represent, i.e. no expiry.
     expires_at: Option<Instant>,
 }
@@ -394,9 +398,10 @@ impl Holds {
         matches!(self, Holds::Shared { writer: Some(w), .. } if w.owner == *owner && w.live(now))
     }
 
-    /// Whether the holds let `owner` take a new hold in `mode`: `None` if they do, else
-    /// `Some(ttl)`, how long until they might. Own holds in the same mode are
-    /// re-entries, handled before this is asked.
+    /// Whether the holds let a new hold in `mode` in: `None` if they do, else
+    /// `Some(ttl)`, how long until they might. `owner` is the write holder a read may go
+    /// past (the reader itself, or the writer it belongs with). Own holds in the same
+    /// mode are re-entries, handled before this is asked.
     fn conflict(
         &mut self,
         owner: &Owner,
@@ -779,8 +784,21 @@ impl MemoryBackend {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// The next fencing token: one more than the last, and at least the wall clock in
+    /// microseconds, so tokens keep increasing across a restart of the process.
     fn next_token(&self) -> FencingToken {
-        FencingToken::new(self.shared.fence.fetch_add(1, Ordering::Relaxed) + 1)
+        let floor = super::clock_floor_us();
+        let next = |last: u64| last.saturating_add(1).max(floor);
+        let last = self
+            .shared
+            .fence
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |last| Some(next(last)))
+            .unwrap_or_else(|last| last);
+        FencingToken::new(next(last))
+    }
+
+    fn token_for(&self, req: &LockRequest) -> Option<FencingToken> {
+        req.fenced.then(|| self.next_token())
     }
 
     /// How often queued waiters must poll: a third of the waiter timeout.
@@ -800,19 +818,24 @@ impl MemoryBackend {
             hold.holds = hold.holds.saturating_add(1);
             // Re-entering never shortens the lease the hold already has.
             hold.expires_at = later(hold.expires_at, expires_at);
-            let grant = Grant::new(hold.holds, hold.token);
+            // A fenced re-entry takes the next token, as Redisson's `RFencedLock` does.
+            if req.fenced {
+                hold.token = Some(self.next_token());
+            }
+            let grant = Grant::new(hold.holds, if req.fenced { hold.token } else { None });
             if queued {
                 entry.queue.remove(&req.owner, req.mode);
             }
             return Acquire::Acquired(grant);
         }
 
-        let busy = match entry.holds.conflict(&req.owner, req.mode, now) {
+        let busy = match entry.holds.conflict(req.write_holder(), req.mode, now) {
             Some(holder_ttl) => Some(holder_ttl),
             None if queued => {
-                // The writer's own owner reads without queueing (downgrade); anyone
+                // The write holder's reads go without queueing (downgrade); anyone
                 // else waits for the waiters ahead of it that it cannot share with.
-                let bypass = req.mode == LockMode::Read && entry.holds.holds_write(&req.owner, now);
+                let bypass =
+                    req.mode == LockMode::Read && entry.holds.holds_write(req.write_holder(), now);
                 let seq = entry.queue.seq_of(&req.owner, req.mode);
                 match entry.queue.blocker(seq, req.mode, now) {
                     Some(_) if bypass => None,
@@ -826,7 +849,7 @@ impl MemoryBackend {
 
         match busy {
             None => {
-                let token = self.next_token();
+                let token = self.token_for(req);
                 entry.holds.grant(Hold {
                     owner: req.owner.clone(),
                     mode: req.mode,

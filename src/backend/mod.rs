@@ -41,6 +41,7 @@
 //! );
 //! let Acquire::Acquired(grant) = backend.acquire(&req).await? else { unreachable!() };
 //! assert_eq!(grant.holds(), 1);
+//! assert_eq!(grant.token(), None); // unfenced: nothing is left behind once released
 //!
 //! let other = LockRequest::new(req.key.clone(), Owner::from_raw("you:1")?, LockMode::Exclusive, req.lease);
 //! assert!(matches!(backend.acquire(&other).await?, Acquire::Busy { ttl: Some(_) }));
@@ -106,25 +107,53 @@ impl fmt::Display for LockMode {
     }
 }
 
-/// A fencing token: strictly increasing per key across successive holders.
+/// The wall clock in microseconds since the Unix epoch: the floor of every fencing token a
+/// built-in backend issues (0 if the clock is before the epoch).
+pub(crate) fn clock_floor_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
+/// A fencing token: a number the store issues with every acquisition of a *fenced* lock,
+/// strictly greater than every token it issued for that key before.
 ///
-/// Pass it to the storage your critical section writes to and have the storage reject
-/// writes carrying a token lower than the highest it has seen; that turns "a paused
-/// holder outlived its lease" from silent corruption into a rejected write. A reentrant
-/// acquisition returns the token of the hold it re-enters.
+/// Pass it to the storage your critical section writes to and have the storage refuse a
+/// write whose token is lower than the last one it accepted; that turns "a paused holder
+/// outlived its lease" from silent corruption into a refused write. Only fenced locks
+/// carry tokens ([`LockClient::get_fenced_lock`](crate::LockClient::get_fenced_lock),
+/// [`Lock::fenced`](crate::Lock::fenced), the layer's `fenced(true)`): a plain lock leaves
+/// nothing behind in the store once released, a fenced one keeps a counter per name.
 ///
-/// # What the built-in backends promise
+/// # The promise, exactly
 ///
-/// - Memory: one counter for the whole backend; tokens never repeat.
-/// - Redis: a counter key beside the lock (`tower_lock_fence:{NAME}`), incremented in the
-///   same script that grants the lock, never expiring. Tokens increase strictly for as
-///   long as that key survives. It does not survive a failover to a replica that had not
-///   received the last increment (the next holder may get the same or a lower token — the
-///   failover can also let two owners hold the lock), an eviction policy that evicts keys
-///   without a TTL (`allkeys-*`; use `noeviction` or a `volatile-*` policy), or a
-///   `FLUSHALL`. Where fencing must hold across failovers, have the storage also reject a
-///   token equal to the highest seen from another writer, and run Redis with durable,
-///   acknowledged replication.
+/// - **Order.** Tokens of one key increase strictly in the order the store issued them,
+///   on every backend. Every acquisition takes the next token, a re-entry in the store
+///   too (as Redisson's `RFencedLock`); guards that re-enter a hold through one
+///   [`LockClient`](crate::LockClient) share the hold's token.
+/// - **Exclusive holds** (exclusive, fair, write) never overlap, so a holder's token is
+///   greater than every earlier holder's: "refuse anything lower than the highest
+///   accepted" is exactly right for them.
+/// - **Shared holds** (read, permits) overlap: two readers hold different tokens at
+///   once, and the older reader is still a legitimate holder. A read hold's token is
+///   greater than the token of every write hold that ended before it began and lower
+///   than every later writer's, so fence a store written under shared holds against the
+///   highest token *of a writer*, not the highest seen.
+/// - **Across store restarts.** A token is at least the store's clock in microseconds
+///   since the Unix epoch when it is issued, so tokens keep increasing even when the
+///   counter is lost (a Redis restart without persistence, a restore from an older
+///   snapshot, a failover to a replica that missed the last increment, a `FLUSHALL`, a
+///   restarted process for the memory backend) — as long as the store's clock does not
+///   step back by more than the time the restart took.
+///
+/// # What the built-in backends keep
+///
+/// - Memory: one counter for the whole backend (so tokens never repeat across keys).
+/// - Redis: Redisson `RFencedLock`'s counter `redisson_lock_token:{NAME}`, `INCR`ed (then
+///   raised to the clock floor) in the script that grants the lock, never expiring: a
+///   Java `RFencedLock` and tower-lock locking the same name share one fence. One small
+///   string key per fenced name ever locked (about 70 bytes plus the name); plain locks
+///   keep none. A Redisson client increments it by one without the clock floor.
 /// - RedLock: per node; see [`RedLock`](crate::kinds::RedLock) — not a fencing token.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct FencingToken(u64);
@@ -153,25 +182,56 @@ impl fmt::Display for FencingToken {
 pub struct LockRequest {
     /// The lock.
     pub key: LockKey,
-    /// Who acquires, renews or releases.
+    /// Who acquires, renews or releases: the hold's identity in the store.
     pub owner: Owner,
     /// How the lock is held.
     pub mode: LockMode,
     /// The lease: set on a fresh acquisition and on renew; on a re-entry, and on a
     /// release that leaves holds in place, the hold's lease is extended to it but never
-    /// shortened. Always at least 1 ms, in whole milliseconds.
+    /// shortened (a hold without expiry keeps none). Always at least 1 ms, in whole
+    /// milliseconds.
     pub lease: Duration,
+    /// Whether an acquisition takes a [`FencingToken`]. Unfenced acquisitions leave
+    /// nothing in the store once released.
+    pub fenced: bool,
+    /// For a [`LockMode::Read`] acquisition: the owner of this key's write hold that the
+    /// read belongs with (Redisson's downgrade). The store lets the read in past that
+    /// write hold, and only that one. `None`: the read's own owner.
+    pub writer: Option<Owner>,
 }
 
 impl LockRequest {
-    /// A request for `owner` on `key`.
+    /// An unfenced request for `owner` on `key`.
     pub fn new(key: LockKey, owner: Owner, mode: LockMode, lease: Duration) -> Self {
         LockRequest {
             key,
             owner,
             mode,
             lease,
+            fenced: false,
+            writer: None,
         }
+    }
+
+    /// The same request, taking a [`FencingToken`] when it acquires.
+    #[must_use]
+    pub fn fenced(mut self) -> Self {
+        self.fenced = true;
+        self
+    }
+
+    /// The same read request, let in past the write hold of `writer` (see
+    /// [`LockRequest::writer`]).
+    #[must_use]
+    pub fn with_writer(mut self, writer: Owner) -> Self {
+        self.writer = Some(writer);
+        self
+    }
+
+    /// Whose write hold lets this request read past it: [`LockRequest::writer`], else
+    /// the owner itself.
+    pub fn write_holder(&self) -> &Owner {
+        self.writer.as_ref().unwrap_or(&self.owner)
     }
 }
 
@@ -179,14 +239,14 @@ impl LockRequest {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Grant {
     holds: u32,
-    token: FencingToken,
+    token: Option<FencingToken>,
     valid_for: Option<Duration>,
 }
 
 impl Grant {
-    /// The owner now holds the lock `holds` times (1 for a fresh acquisition), under
-    /// fencing token `token`.
-    pub fn new(holds: u32, token: FencingToken) -> Self {
+    /// The owner now holds the lock `holds` times (1 for a fresh acquisition); `token` is
+    /// the fencing token of a fenced request (`None` for an unfenced one).
+    pub fn new(holds: u32, token: Option<FencingToken>) -> Self {
         Grant {
             holds,
             token,
@@ -194,7 +254,7 @@ impl Grant {
         }
     }
 
-    /// Says the grant is valid for `valid_for` from the moment the acquire call
+    /// Says the grant is valid for at most `valid_for` from the moment the acquire call
     /// returned, rather than the full lease from the moment it was sent. Quorum
     /// backends use it to pass on lease − elapsed − clock drift.
     pub fn with_valid_for(mut self, valid_for: Duration) -> Self {
@@ -207,8 +267,8 @@ impl Grant {
         self.holds
     }
 
-    /// The fencing token of this hold.
-    pub fn token(&self) -> FencingToken {
+    /// The fencing token of this acquisition, for a fenced request.
+    pub fn token(&self) -> Option<FencingToken> {
         self.token
     }
 
@@ -379,16 +439,23 @@ pub trait LockBackend: Send + Sync + 'static {
     /// Tries once to take `req.key` for `req.owner` in `req.mode`.
     ///
     /// - The key is free (or compatible with the mode, for shared modes): the owner now
-    ///   holds it once, with a lease of `req.lease`, under a fencing token greater than
-    ///   every token issued for this key before → [`Acquire::Acquired`] with `holds: 1`.
-    /// - The owner already holds it in this mode: the hold count goes up by one, the
+    ///   holds it once, with a lease of `req.lease` → [`Acquire::Acquired`] with
+    ///   `holds: 1`.
+    /// - The owner already holds it in this mode: the hold count goes up by one and the
     ///   lease is extended to `req.lease` if it had less left (never shortened: an outer
-    ///   hold keeps its longer lease), and the token is the one issued when the hold
-    ///   began → `Acquired` with the new count (reentrancy).
+    ///   hold keeps its longer lease, a hold without expiry keeps none) → `Acquired`
+    ///   with the new count (reentrancy). A [`LockClient`](crate::LockClient) never asks
+    ///   this: it re-enters its own holds without the store, and gives every hold an
+    ///   owner of its own.
+    /// - A read ([`LockMode::Read`]) while [`req.write_holder()`](LockRequest::write_holder)
+    ///   holds the write lock: granted as a fresh read hold of `req.owner`, past that
+    ///   write hold (downgrade).
     /// - Another owner holds it: nothing changes → [`Acquire::Busy`] with the holder's
     ///   remaining lease.
     ///
-    /// An expired lease counts as free.
+    /// A fenced request ([`LockRequest::fenced`]) takes the key's next [`FencingToken`]
+    /// with every acquisition, re-entries included; an unfenced one none. An expired
+    /// lease counts as free.
     fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>>;
 
     /// Resets the lease of `req.owner`'s hold to `req.lease` if the owner still holds
@@ -473,6 +540,27 @@ pub trait LockBackend: Send + Sync + 'static {
     fn watchdog_lease(&self) -> Option<Duration> {
         None
     }
+
+    /// How much of a `lease` granted or renewed the client must not count on: the
+    /// allowance for clocks that run at different rates, which a quorum of independent
+    /// stores needs ([`RedLock`](crate::kinds::RedLock)). A hold is believed until
+    /// `sent + lease − clock_drift(lease)`. The default is zero: one store's lease is
+    /// counted from before the request was sent, which is already on the safe side.
+    fn clock_drift(&self, lease: Duration) -> Duration {
+        let _ = lease;
+        Duration::ZERO
+    }
+
+    /// An identity of the store that is the same in every process using it (a server's
+    /// address, not a connection's): two [`Lock`](crate::Lock)s with the same key and
+    /// mode on stores with the same identity are the same lock. MultiLock orders and
+    /// de-duplicates its locks by key, mode and this, so that two processes taking the
+    /// same locks take them in the same order. The default is the backend's
+    /// [`name`](LockBackend::name), right for a store of which a process can reach only
+    /// one; the built-in backends say more.
+    fn store_id(&self) -> String {
+        self.name().to_owned()
+    }
 }
 
 macro_rules! forward_backend {
@@ -510,6 +598,12 @@ macro_rules! forward_backend {
             }
             fn watchdog_lease(&self) -> Option<Duration> {
                 (**self).watchdog_lease()
+            }
+            fn clock_drift(&self, lease: Duration) -> Duration {
+                (**self).clock_drift(lease)
+            }
+            fn store_id(&self) -> String {
+                (**self).store_id()
             }
         }
     )*};

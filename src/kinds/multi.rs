@@ -8,16 +8,19 @@ use tokio::time::Instant;
 
 use crate::backend::{FencingToken, LockMode};
 use crate::error::Result;
-use crate::lock::acquire::{Acting, acquire_as, deadline_after};
+use crate::lock::acquire::{acquire_as, deadline_after};
 use crate::lock::{Lease, Lock, LockGuard, LostSignal};
 use crate::owner::Owner;
 
 /// Several locks taken as one (Redisson `RedissonMultiLock`): all of them or none.
 ///
 /// - The locks may live on different clients and backends.
-/// - They are taken in one deterministic order (by key, then client, then mode), so two
-///   MultiLocks over `{a, b}` and `{b, a}` cannot deadlock each other. Duplicates are
-///   taken once.
+/// - They are taken in one deterministic order (by key, then mode, then the store's
+///   identity), the same in every process, so two MultiLocks over `{a, b}` and
+///   `{b, a}` cannot deadlock each other. Duplicates are taken once.
+/// - One name in two kinds (an exclusive and a fair lock of `k`) are two holds of one
+///   owner that exclude each other: a MultiLock over both never succeeds (with a
+///   deadline it reports [`Error::Busy`](crate::Error::Busy)).
 /// - One owner acts for all of them: the MultiLock's own ([`MultiLock::with_owner`]), else
 ///   the current [`Owner::scope`], else a fresh one.
 /// - One deadline bounds the whole acquisition and one lease applies to every lock. With
@@ -65,16 +68,28 @@ fn mode_rank(mode: LockMode) -> (u8, u32) {
     }
 }
 
+/// The order every process takes locks in: by key, then mode, then the store's identity
+/// (the same in every process, unlike a client's id), then fenced after plain.
 fn order(a: &Lock, b: &Lock) -> Ordering {
     a.key()
         .cmp(b.key())
-        .then_with(|| a.client().id().cmp(b.client().id()))
         .then_with(|| mode_rank(a.mode()).cmp(&mode_rank(b.mode())))
+        .then_with(|| {
+            let (sa, sb) = (a.client().backend(), b.client().backend());
+            if std::sync::Arc::ptr_eq(sa, sb) {
+                Ordering::Equal
+            } else {
+                sa.store_id().cmp(&sb.store_id())
+            }
+        })
+        .then_with(|| a.is_fenced().cmp(&b.is_fenced()))
 }
 
 impl MultiLock {
-    /// All of `locks`, in their canonical order. Each lock's own owner, if it has one,
-    /// is ignored: the MultiLock acts as one owner.
+    /// All of `locks`, in their canonical order: by key, then mode, then the store's
+    /// [identity](crate::backend::LockBackend::store_id), so every process takes the
+    /// same locks in the same order. Locks equal in all three are one lock, taken once.
+    /// Each lock's own owner, if it has one, is ignored: the MultiLock acts as one owner.
     pub fn new(locks: impl IntoIterator<Item = Lock>) -> Self {
         let mut locks: Vec<Lock> = locks.into_iter().collect();
         locks.sort_by(order);
@@ -131,16 +146,18 @@ impl MultiLock {
         let Some(first) = self.locks.first() else {
             return Ok(MultiGuard { guards: Vec::new() });
         };
-        let acting = Acting::resolve(self.owner.as_ref(), first.client());
-        self.acquire_acting(acting, wait, lease).await
+        let owner = self
+            .owner
+            .clone()
+            .or_else(Owner::current)
+            .unwrap_or_else(|| first.client().new_owner());
+        self.acquire_as(owner, wait, lease).await
     }
 
-    /// Acquires all as `acting`. The middleware calls this with the request's owner
-    /// marked fresh when the request made it, so an attempt cancelled in flight (the
-    /// client hung up) is compensated with a release, as for an owner the lock made.
-    pub(crate) async fn acquire_acting(
+    /// Acquires all as `owner` (the middleware passes the request's owner).
+    pub(crate) async fn acquire_as(
         &self,
-        acting: Acting,
+        owner: Owner,
         wait: Option<Duration>,
         lease: Lease,
     ) -> Result<MultiGuard> {
@@ -162,7 +179,7 @@ impl MultiLock {
             };
             let mut guards = Vec::with_capacity(self.locks.len());
             for lock in &self.locks {
-                match acquire_as(lock, acting.clone(), deadline, per_lock).await {
+                match acquire_as(lock, Some(owner.clone()), deadline, per_lock).await {
                     Ok(guard) => guards.push(guard),
                     Err(error) => {
                         rollback(guards).await;
@@ -231,8 +248,9 @@ impl MultiGuard {
         &self.guards
     }
 
-    /// Each lock's fencing token, in acquisition order.
-    pub fn fencing_tokens(&self) -> Vec<FencingToken> {
+    /// Each lock's fencing token (`None` for a lock that is not fenced), in acquisition
+    /// order.
+    pub fn fencing_tokens(&self) -> Vec<Option<FencingToken>> {
         self.guards.iter().map(LockGuard::fencing_token).collect()
     }
 

@@ -593,11 +593,7 @@ impl Inner {
         {
             self.clear_backoff(&key);
             let holds = granted.iter().map(Grant::holds).max().unwrap_or(1);
-            let token = granted
-                .iter()
-                .map(Grant::token)
-                .max()
-                .unwrap_or(crate::FencingToken::new(0));
+            let token = granted.iter().filter_map(Grant::token).max();
             return Ok(Acquire::Acquired(
                 Grant::new(holds, token).with_valid_for(valid_for),
             ));

@@ -236,6 +236,18 @@ impl<K> LockLayerBuilder<K> {
         self
     }
 
+    /// Fencing tokens for every request's locks (default: off): handlers read them from
+    /// [`HeldLock::fencing_token`](crate::extract::HeldLock::fencing_token) and pass them
+    /// to the storage they write to, which refuses a stale request's writes. A fenced
+    /// lock keeps one small counter per key in the store after it is released (on
+    /// Redis, Redisson `RFencedLock`'s `redisson_lock_token:{NAME}`, about 70 bytes plus
+    /// the key): with a key per user, one per user who ever came. Unfenced locks leave
+    /// nothing behind.
+    pub fn fenced(mut self, fenced: bool) -> Self {
+        self.policy.fenced = fenced;
+        self
+    }
+
     /// Fair locks: waiting requests get the lock in arrival order. Needs a backend
     /// that implements [`LockMode::Fair`].
     pub fn fair(mut self) -> Self {

@@ -248,6 +248,8 @@ pub(crate) struct Policy {
     pub(crate) methods: Option<Vec<Method>>,
     pub(crate) key_prefix: Option<String>,
     pub(crate) mode: ModeSelect,
+    /// Whether requests' locks carry fencing tokens.
+    pub(crate) fenced: bool,
     pub(crate) on_rejection: Arc<dyn OnRejection>,
 }
 
@@ -264,6 +266,7 @@ impl Default for Policy {
             methods: None,
             key_prefix: None,
             mode: ModeSelect::Fixed(LockMode::Exclusive),
+            fenced: false,
             on_rejection: Arc::new(DefaultRejection),
         }
     }

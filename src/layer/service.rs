@@ -14,7 +14,6 @@ use super::layer::Shared;
 use super::policy::Rejection;
 use crate::extract::Locks;
 use crate::kinds::MultiLock;
-use crate::lock::acquire::Acting;
 
 /// Locks each request for the time `S` handles it. Made by
 /// [`LockLayer`](super::LockLayer); see the [module docs](crate::layer).
@@ -85,9 +84,9 @@ where
 
         // One owner per request. An outer `LockLayer` already made one: act as it, so
         // the inner layer's locks re-enter rather than wait for the outer's.
-        let (owner, fresh) = match req.extensions().get::<Locks>() {
-            Some(outer) => (outer.owner().clone(), false),
-            None => (core.client.new_owner(), true),
+        let owner = match req.extensions().get::<Locks>() {
+            Some(outer) => outer.owner().clone(),
+            None => core.client.new_owner(),
         };
         req.extensions_mut()
             .insert(Locks::new(core.client.clone(), owner.clone()));
@@ -108,14 +107,14 @@ where
         }
 
         let mode = core.policy.mode.for_method(req.method());
-        let locks = MultiLock::new(keys.into_iter().map(|k| core.client.lock_on(k, mode)));
-        let acting = Acting {
-            owner: owner.clone(),
-            fresh,
-        };
+        let fenced = core.policy.fenced;
+        let locks = MultiLock::new(keys.into_iter().map(|k| {
+            let lock = core.client.lock_on(k, mode);
+            if fenced { lock.fenced() } else { lock }
+        }));
         let (wait, lease) = (core.policy.wait, core.policy.lease);
-        let acquire =
-            Box::pin(async move { locks.acquire_acting(acting, Some(wait), lease).await });
+        let acting = owner.clone();
+        let acquire = Box::pin(async move { locks.acquire_as(acting, Some(wait), lease).await });
         ResponseFuture::acquiring(core, owner, acquire, svc, req)
     }
 }

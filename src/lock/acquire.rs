@@ -11,14 +11,16 @@
 //! until the store has failed for a whole watchdog lease — so a waiter rides out a
 //! restart or failover instead of failing with most of its wait left.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::guard::LockGuard;
+use super::registry::{Entered, Hold, Registry, Slot};
 use super::{Lease, Lock, LockClient, LockEvent};
-use crate::backend::{Acquire, Grant, LockRequest, Subscription, Wake};
+use crate::backend::{Acquire, Grant, LockMode, LockRequest, Subscription, Wake};
 use crate::error::{Error, Result};
 use crate::owner::Owner;
 
@@ -40,31 +42,6 @@ const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(1);
 /// cannot spin.
 const MIN_RECHECK: Duration = Duration::from_millis(1);
 
-/// Who an acquisition acts for.
-#[derive(Clone)]
-pub(crate) struct Acting {
-    pub(crate) owner: Owner,
-    /// A fresh owner nobody else uses, so an attempt cancelled in flight can safely be
-    /// compensated with a release.
-    pub(crate) fresh: bool,
-}
-
-impl Acting {
-    /// `explicit`, else the current scope's owner, else a fresh owner of `client`.
-    pub(crate) fn resolve(explicit: Option<&Owner>, client: &LockClient) -> Self {
-        match explicit.cloned().or_else(Owner::current) {
-            Some(owner) => Acting {
-                owner,
-                fresh: false,
-            },
-            None => Acting {
-                owner: client.new_owner(),
-                fresh: true,
-            },
-        }
-    }
-}
-
 /// The instant a wait of `wait` from now ends; `None` (forever) when `wait` is `None` or
 /// too long to represent.
 pub(crate) fn deadline_after(wait: Option<Duration>) -> Option<Instant> {
@@ -76,19 +53,20 @@ pub(crate) async fn acquire(
     wait: Option<Duration>,
     lease: Lease,
 ) -> Result<LockGuard> {
-    let deadline = deadline_after(wait);
-    acquire_as(
-        lock,
-        Acting::resolve(lock.owner.as_ref(), &lock.client),
-        deadline,
-        lease,
-    )
-    .await
+    let owner = lock.owner.clone().or_else(Owner::current);
+    acquire_as(lock, owner, deadline_after(wait), lease).await
 }
 
+/// Acquires `lock` as `owner` (`None`: a fresh owner, used for this acquisition only),
+/// waiting until `deadline` (`None`: as long as it takes).
+///
+/// The owner's live hold of the same slot is re-entered without the store; otherwise a
+/// new hold is taken in the store under an identity of its own (see the
+/// [registry](super::registry)), after any acquisition of the same slot by another task
+/// of the owner has finished.
 pub(crate) async fn acquire_as(
     lock: &Lock,
-    acting: Acting,
+    owner: Option<Owner>,
     deadline: Option<Instant>,
     lease: Lease,
 ) -> Result<LockGuard> {
@@ -97,38 +75,73 @@ pub(crate) async fn acquire_as(
         Lease::Watchdog => (client.watchdog_lease(), true),
         Lease::Fixed(lease) => (super::validate_lease("lease", lease)?, false),
     };
-    let Acting {
+    // A fresh owner is used once, so it can be its hold's store identity as well.
+    let (owner, fresh) = match owner {
+        Some(owner) => (owner, false),
+        None => (client.new_owner(), true),
+    };
+    let slot = Slot {
+        key: lock.key.clone(),
         owner,
-        fresh: fresh_owner,
-    } = acting;
-    let req = LockRequest::new(lock.key.clone(), owner, lock.mode, lease_len);
+        mode: lock.mode,
+        fenced: lock.fenced,
+    };
     let started = Instant::now();
+    let registry = client.registry();
+    let hold = loop {
+        let entered = registry.enter(&slot, watched, |state| {
+            let holder = if fresh {
+                slot.owner.clone()
+            } else {
+                client.new_owner()
+            };
+            let mut req = LockRequest::new(slot.key.clone(), holder, slot.mode, lease_len);
+            req.fenced = slot.fenced;
+            if slot.mode == LockMode::Read {
+                // The owner's own write hold lets its reads in (downgrade).
+                req.writer = state.write_holder(&slot.key, &slot.owner);
+            }
+            req
+        });
+        match entered {
+            Entered::Reentered { hold, count } => {
+                return reenter(client, hold, count, lease_len, watched, started).await;
+            }
+            Entered::Wait(hold) => {
+                if !hold.acquisition_finished(deadline).await {
+                    return Err(Error::Busy { holder_ttl: None });
+                }
+            }
+            Entered::Acquire(hold) => break hold,
+        }
+    };
+    // Until activated, dropping this (a failure, a cancellation) frees the slot.
+    let pending = Pending {
+        registry,
+        hold: Some(hold),
+    };
+    let req = pending.store();
 
     let hooks = client.hooks();
     let span = tracing::debug_span!(
         "tower_lock.acquire",
         key = %hooks.key(&req.key),
         mode = %req.mode,
-        owner = %req.owner,
+        owner = %slot.owner,
         outcome = tracing::field::Empty,
         wait_us = tracing::field::Empty,
     );
-    let result = run(client, &req, deadline, fresh_owner)
-        .instrument(span.clone())
-        .await;
+    let result = run(client, req, deadline).instrument(span.clone()).await;
     let waited = started.elapsed();
     span.record("wait_us", waited.as_micros() as u64);
     let event = LockEvent {
-        key: &req.key,
-        mode: req.mode,
-        owner: &req.owner,
+        key: &slot.key,
+        mode: slot.mode,
+        owner: &slot.owner,
     };
-    let (grant, sent_at) = match result {
+    let attempt = match result {
         Ok(acquired) => {
             span.record("outcome", "acquired");
-            if let Some(observer) = hooks.observer() {
-                observer.acquired(event, waited);
-            }
             acquired
         }
         Err(error) => {
@@ -143,53 +156,143 @@ pub(crate) async fn acquire_as(
             return Err(error);
         }
     };
-
-    let expires_at = match grant.valid_for() {
-        Some(valid_for) => Instant::now() + valid_for,
-        None => sent_at + lease_len,
-    };
-    let registration = client.watchdog().register(&req, Some(expires_at), watched);
-    Ok(LockGuard::new(
-        client.clone(),
-        req,
-        grant.token(),
-        grant.holds(),
-        registration,
-        watched,
-    ))
+    // The hold is believed from when the granting request was sent, for the lease less
+    // the backend's drift allowance — and no longer than the backend's own validity,
+    // counted from when its answer came.
+    let valid = lease_len.saturating_sub(client.backend().clock_drift(lease_len));
+    let mut expires_at = attempt.sent_at.checked_add(valid);
+    if let Some(valid_for) = attempt.grant.valid_for() {
+        let limit = attempt.answered_at.checked_add(valid_for);
+        expires_at = match (expires_at, limit) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    }
+    let hold = pending.activate(attempt.grant.token(), expires_at, watched);
+    if let Some(observer) = hooks.observer() {
+        observer.acquired(event, waited);
+    }
+    Ok(LockGuard::new(client.clone(), hold, 1, lease_len, watched))
 }
 
+/// One more guard of the owner's live `hold`: no store call, unless a fixed lease asks
+/// for more than the hold has left (then the hold is extended, never shortened).
+async fn reenter(
+    client: &LockClient,
+    hold: Arc<Hold>,
+    count: u32,
+    lease: Duration,
+    watched: bool,
+    started: Instant,
+) -> Result<LockGuard> {
+    let guard = LockGuard::new(client.clone(), Arc::clone(&hold), count, lease, watched);
+    let now = Instant::now();
+    let wanted = now.checked_add(lease);
+    let short = match (hold.expiry.get(), wanted) {
+        (Some(at), Some(wanted)) => !watched && at < wanted,
+        _ => false,
+    };
+    if short {
+        let backend = client.backend();
+        let mut req = hold.store.clone();
+        req.lease = lease;
+        let sent_at = Instant::now();
+        // On an error the guard is dropped: it leaves, and the hold stays as it was.
+        if !backend.renew(&req).await? {
+            client.registry().mark_lost(&hold);
+            drop(guard);
+            return Err(Error::Lost);
+        }
+        let valid = lease.saturating_sub(backend.clock_drift(lease));
+        hold.expiry.extend_to(sent_at.checked_add(valid));
+    }
+    if let Some(observer) = client.hooks().observer() {
+        let event = LockEvent {
+            key: &hold.slot.key,
+            mode: hold.slot.mode,
+            owner: &hold.slot.owner,
+        };
+        observer.acquired(event, started.elapsed());
+    }
+    Ok(guard)
+}
+
+/// A new hold between [`Registry::enter`] and its activation.
+struct Pending<'a> {
+    registry: &'a Registry,
+    hold: Option<Arc<Hold>>,
+}
+
+impl Pending<'_> {
+    fn store(&self) -> &LockRequest {
+        match &self.hold {
+            Some(hold) => &hold.store,
+            None => unreachable!("a pending hold is only taken by `activate`"),
+        }
+    }
+
+    fn activate(
+        mut self,
+        token: Option<crate::FencingToken>,
+        expires_at: Option<Instant>,
+        watched: bool,
+    ) -> Arc<Hold> {
+        let hold = self
+            .hold
+            .take()
+            .unwrap_or_else(|| unreachable!("a pending hold is only taken by `activate`"));
+        self.registry.activate(&hold, token, expires_at, watched);
+        hold
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if let Some(hold) = self.hold.take() {
+            self.registry.abandon(&hold);
+        }
+    }
+}
+
+/// A store acquisition that succeeded.
+struct Attempted {
+    grant: Grant,
+    /// When the granting request was sent.
+    sent_at: Instant,
+    /// When its answer came.
+    answered_at: Instant,
+}
+
+/// Acquires `req` in the store: its owner is the new hold's own identity, so whatever an
+/// attempt cancelled or failed in flight may have taken can always be released.
 async fn run(
     client: &LockClient,
     req: &LockRequest,
     deadline: Option<Instant>,
-    fresh_owner: bool,
-) -> Result<(Grant, Instant)> {
+) -> Result<Attempted> {
     let expired = |now: Instant| deadline.is_some_and(|d| now >= d);
     let backend = client.backend();
     let queued_mode = backend.queues_waiters(req.mode);
 
     // No barging within a process: when others here already wait for this key, a new
     // acquirer lines up behind them (they are woken first to last) instead of snatching
-    // the lock in the instant after each release. Only fresh owners line up: they hold
-    // nothing, so they cannot be waiting behind waiters who wait for them.
-    let line_up =
-        fresh_owner && !queued_mode && !expired(Instant::now()) && backend.has_local_waiters(req);
+    // the lock in the instant after each release.
+    let line_up = !queued_mode && !expired(Instant::now()) && backend.has_local_waiters(req);
     let mut ttl = None;
     if !line_up {
-        let first = attempt(client, req, fresh_owner).await;
-        if first.is_err() && fresh_owner {
+        let first = attempt(client, req).await;
+        if first.is_err() {
             compensate_later(client, req);
         }
         match first? {
-            (Acquire::Acquired(grant), sent_at) => return Ok((grant, sent_at)),
-            (Acquire::Busy { ttl: holder_ttl }, _) => ttl = holder_ttl,
+            Outcome::Acquired(acquired) => return Ok(acquired),
+            Outcome::Busy(holder_ttl) => ttl = holder_ttl,
         }
     }
     // The waiting state lives in its own allocation, made only when there is something
     // to wait for: the uncontended path's future stays small (it is built, boxed and
     // moved on every acquisition).
-    Box::pin(wait(client, req, deadline, fresh_owner, line_up, ttl)).await
+    Box::pin(wait(client, req, deadline, line_up, ttl)).await
 }
 
 /// The contended path of [`run`]: line up or subscribe, then attempt and sleep until
@@ -198,10 +301,9 @@ async fn wait(
     client: &LockClient,
     req: &LockRequest,
     deadline: Option<Instant>,
-    fresh_owner: bool,
     line_up: bool,
     ttl: Option<Duration>,
-) -> Result<(Grant, Instant)> {
+) -> Result<Attempted> {
     let expired = |now: Instant| deadline.is_some_and(|d| now >= d);
     let backend = client.backend();
     let queued_mode = backend.queues_waiters(req.mode);
@@ -247,7 +349,7 @@ async fn wait(
     let mut failing_since: Option<Instant> = None;
     let mut backoff = MIN_ERROR_BACKOFF;
     loop {
-        let outcome = match attempt(client, req, fresh_owner).await {
+        let outcome = match attempt(client, req).await {
             Ok(outcome) => {
                 failing_since = None;
                 backoff = MIN_ERROR_BACKOFF;
@@ -260,15 +362,11 @@ async fn wait(
                 // by then no lock it held for anyone is still valid either.
                 let out_of_patience = deadline.is_none() && now - since >= client.watchdog_lease();
                 if expired(now) || out_of_patience {
-                    if fresh_owner {
-                        compensate_later(client, req);
-                    }
+                    compensate_later(client, req);
                     return Err(error);
                 }
                 tracing::warn!(%error, retry_in_ms = backoff.as_millis() as u64, "lock store failed while waiting; retrying");
-                if fresh_owner {
-                    compensate_now(client, req).await;
-                }
+                compensate_now(client, req).await;
                 let until = deadline.map_or(now + backoff, |d| d.min(now + backoff));
                 backoff = (backoff * 2).min(MAX_ERROR_BACKOFF);
                 // A reconnect notification cuts the backoff short.
@@ -276,21 +374,19 @@ async fn wait(
                 continue;
             }
             Err(error) => {
-                if fresh_owner {
-                    compensate_later(client, req);
-                }
+                compensate_later(client, req);
                 return Err(error);
             }
         };
         // The wake-up, if any, has been used by this attempt.
         waiting.woken = false;
         let ttl = match outcome {
-            (Acquire::Acquired(grant), sent_at) => {
+            Outcome::Acquired(acquired) => {
                 waiting.in_line.queued = false;
                 waiting.settled = true;
-                return Ok((grant, sent_at));
+                return Ok(acquired);
             }
-            (Acquire::Busy { ttl }, _) => ttl,
+            Outcome::Busy(ttl) => ttl,
         };
         let now = Instant::now();
         if expired(now) {
@@ -315,16 +411,18 @@ async fn wait(
     }
 }
 
-/// One acquire call. With a fresh owner (one nobody else can be using), a call cancelled
-/// in flight may still have taken the lock in the store; a release is then spawned for
-/// it, so the key is not held until the lease runs out. A call that fails is left to the
-/// caller (see [`compensate_now`]). For any owner, a hold applied but never answered is
-/// also repaired when the client's last guard of that hold is released.
-async fn attempt(
-    client: &LockClient,
-    req: &LockRequest,
-    fresh_owner: bool,
-) -> Result<(Acquire, Instant)> {
+/// One attempt's answer.
+enum Outcome {
+    Acquired(Attempted),
+    Busy(Option<Duration>),
+}
+
+/// One acquire call. A call cancelled in flight may still have taken the lock in the
+/// store, or queued its owner there: a release (and, for a queueing mode, leaving the
+/// queue) is then spawned for it. The owner is the hold's own, so that touches nothing
+/// else, whenever it lands. A call that fails is left to the caller (see
+/// [`compensate_now`]).
+async fn attempt(client: &LockClient, req: &LockRequest) -> Result<Outcome> {
     struct InFlight<'a> {
         client: &'a LockClient,
         req: &'a LockRequest,
@@ -332,14 +430,8 @@ async fn attempt(
     }
     impl Drop for InFlight<'_> {
         fn drop(&mut self) {
-            if self.armed
-                && let Ok(runtime) = tokio::runtime::Handle::try_current()
-            {
-                let backend = self.client.backend().clone();
-                let req = self.req.clone();
-                runtime.spawn(async move {
-                    let _ = backend.release(&req).await;
-                });
+            if self.armed {
+                abandon_later(self.client, self.req);
             }
         }
     }
@@ -348,22 +440,45 @@ async fn attempt(
     let mut in_flight = InFlight {
         client,
         req,
-        armed: fresh_owner,
+        armed: true,
     };
     let outcome = client.backend().acquire(req).await;
+    let answered_at = Instant::now();
     // Answered (even with an error): the caller decides what to compensate, and when,
     // since it may try again as the same owner.
     in_flight.armed = false;
-    Ok((outcome?, sent_at))
+    Ok(match outcome? {
+        Acquire::Acquired(grant) => Outcome::Acquired(Attempted {
+            grant,
+            sent_at,
+            answered_at,
+        }),
+        Acquire::Busy { ttl } => Outcome::Busy(ttl),
+    })
 }
 
-/// After an attempt of a fresh owner failed without an answer (a timeout, a lost
-/// connection), the store may or may not have applied it. Before trying again as the
-/// same owner, take back whatever it may have taken — awaited, so the release cannot
-/// land after the next attempt's grant and free a lock just won.
+/// Takes back, in a spawned task, whatever an unanswered attempt of `req` may have done:
+/// a hold, and a place in the store's wait queue.
+fn abandon_later(client: &LockClient, req: &LockRequest) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        let backend = client.backend().clone();
+        let req = req.clone();
+        runtime.spawn(async move {
+            let _ = backend.release(&req).await;
+            if backend.queues_waiters(req.mode) {
+                let _ = backend.cancel_wait(&req).await;
+            }
+        });
+    }
+}
+
+/// After an attempt failed without an answer (a timeout, a lost connection), the store
+/// may or may not have applied it. Before trying again as the same owner, take back
+/// whatever it may have taken — awaited, so the release cannot land after the next
+/// attempt's grant and free a lock just won.
 async fn compensate_now(client: &LockClient, req: &LockRequest) {
     if let Err(error) = client.backend().release(req).await {
-        // A hold it left (if any) is released when this owner's last guard goes, or by
+        // A hold it left (if any) is released when the hold's last guard goes, or by
         // its lease.
         tracing::debug!(%error, "could not take back an unanswered attempt");
     }
@@ -371,13 +486,7 @@ async fn compensate_now(client: &LockClient, req: &LockRequest) {
 
 /// The same when giving up: nothing will follow as this owner, so it can run later.
 fn compensate_later(client: &LockClient, req: &LockRequest) {
-    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-        let backend = client.backend().clone();
-        let req = req.clone();
-        runtime.spawn(async move {
-            let _ = backend.release(&req).await;
-        });
-    }
+    abandon_later(client, req);
 }
 
 /// A waiter's place in the store's wait queue (a fair or read-write queue), when the

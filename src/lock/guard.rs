@@ -9,10 +9,9 @@ use std::time::Duration;
 
 use tokio::runtime::Handle;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
-use super::LockClient;
-use super::watchdog::{Expiry, Registration};
+use super::registry::{Hold, Left};
+use super::{LockClient, LockEvent};
 use crate::backend::{FencingToken, LockMode, LockRequest, Release};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
@@ -58,21 +57,17 @@ pub struct LostSignal {
 
 #[derive(Clone)]
 enum Repr {
-    One {
-        /// Fired when the hold is found gone (a renewal said "not held", unlock found it
-        /// released by someone else).
-        token: CancellationToken,
-        /// The end of the hold's last confirmed lease, kept up to date by the watchdog.
-        expiry: Arc<Expiry>,
-    },
+    /// One hold: lost when its token fires (a renewal, release or re-entry found it
+    /// gone) or its last confirmed lease ends, whichever is seen first; then for good.
+    One(Arc<Hold>),
     /// Fires when any of several holds is lost (a MultiLock, a request's locks).
     Any(Arc<[LostSignal]>),
 }
 
 impl LostSignal {
-    pub(crate) fn new(token: CancellationToken, expiry: Arc<Expiry>) -> Self {
+    pub(crate) fn new(hold: Arc<Hold>) -> Self {
         LostSignal {
-            repr: Repr::One { token, expiry },
+            repr: Repr::One(hold),
         }
     }
 
@@ -95,10 +90,10 @@ impl LostSignal {
         }
     }
 
-    /// Whether the lock has been lost.
+    /// Whether the lock has been lost. Once it has, it stays lost.
     pub fn is_lost(&self) -> bool {
         match &self.repr {
-            Repr::One { token, expiry } => token.is_cancelled() || expiry.passed(Instant::now()),
+            Repr::One(hold) => hold.is_lost_at(Instant::now()),
             Repr::Any(signals) => signals.iter().any(LostSignal::is_lost),
         }
     }
@@ -112,19 +107,19 @@ impl LostSignal {
 
     fn wait_owned(self) -> Pin<Box<dyn Future<Output = ()> + Send>> {
         match self.repr {
-            Repr::One { token, expiry } => Box::pin(async move {
+            Repr::One(hold) => Box::pin(async move {
                 // The lease may be extended while we sleep: re-read it when it seems due.
-                while let Some(at) = expiry.get() {
+                while let Some(at) = hold.expiry.get() {
                     tokio::select! {
-                        _ = token.cancelled() => return,
+                        _ = hold.lost.cancelled() => return,
                         _ = tokio::time::sleep_until(at) => {
-                            if expiry.passed(Instant::now()) {
+                            if hold.is_lost_at(Instant::now()) {
                                 return;
                             }
                         }
                     }
                 }
-                token.cancelled().await;
+                hold.lost.cancelled().await;
             }),
             Repr::Any(signals) => {
                 let mut waits: Vec<_> = signals.iter().map(|s| s.clone().wait_owned()).collect();
@@ -136,22 +131,6 @@ impl LostSignal {
                     }
                 }))
             }
-        }
-    }
-
-    /// Whether the token was fired (a loss found and reported), as opposed to a lease
-    /// that merely ran out.
-    pub(crate) fn fired(&self) -> bool {
-        match &self.repr {
-            Repr::One { token, .. } => token.is_cancelled(),
-            Repr::Any(signals) => signals.iter().any(LostSignal::fired),
-        }
-    }
-
-    pub(crate) fn fire(&self) {
-        match &self.repr {
-            Repr::One { token, .. } => token.cancel(),
-            Repr::Any(signals) => signals.iter().for_each(LostSignal::fire),
         }
     }
 }
@@ -167,11 +146,16 @@ impl fmt::Debug for LostSignal {
 /// A held lock. Release it with [`unlock`](LockGuard::unlock) to learn whether it was
 /// still held; dropping it releases in a spawned task.
 ///
+/// Guards of one owner that re-entered one hold share it: its token, its lost signal,
+/// its lease. Only the last of them releases the hold in the store, and a guard's release
+/// only ever affects the hold it stands for — never a later hold of the same owner, never
+/// a hold of another kind on the same name.
+///
 /// # Cancel safety
 ///
-/// Dropping the guard stops its watchdog renewal at once and spawns the release on the
-/// runtime the lock was acquired on; it never blocks. Should that runtime be gone, or the
-/// store unreachable, the lease ends the hold.
+/// Dropping the guard stops its watchdog renewal at once and, if it was the hold's last
+/// guard, spawns the release on the runtime the guard was made on; it never blocks.
+/// Should that runtime be gone, or the store unreachable, the lease ends the hold.
 #[must_use = "the lock is released as soon as the guard is dropped"]
 pub struct LockGuard {
     inner: Option<Held>,
@@ -179,14 +163,12 @@ pub struct LockGuard {
 
 struct Held {
     client: LockClient,
-    req: LockRequest,
-    token: FencingToken,
+    hold: Arc<Hold>,
+    token: Option<FencingToken>,
+    /// The hold's guards when this one was made (1 unless re-entered).
     holds: u32,
-    lost: LostSignal,
-    /// The end of the hold's last confirmed lease (shared with `lost`).
-    expiry: Arc<Expiry>,
-    /// The registration's generation in the client's registry of holds.
-    generation: u64,
+    /// This guard's lease: the watchdog lease for watched guards, else the explicit one.
+    lease: Duration,
     /// Renewed by the watchdog (no explicit lease).
     watched: bool,
     runtime: Handle,
@@ -196,26 +178,18 @@ struct Held {
 impl LockGuard {
     pub(crate) fn new(
         client: LockClient,
-        req: LockRequest,
-        token: FencingToken,
+        hold: Arc<Hold>,
         holds: u32,
-        registration: Registration,
+        lease: Duration,
         watched: bool,
     ) -> Self {
-        let Registration {
-            generation,
-            lost,
-            expiry,
-        } = registration;
         LockGuard {
             inner: Some(Held {
                 client,
-                req,
-                token,
+                token: hold.token(),
+                hold,
                 holds,
-                lost: LostSignal::new(lost, Arc::clone(&expiry)),
-                expiry,
-                generation,
+                lease,
                 watched,
                 runtime: Handle::current(),
                 acquired_at: Instant::now(),
@@ -223,20 +197,24 @@ impl LockGuard {
         }
     }
 
-    /// Sets the lease of this hold to exactly `lease` from now (owner-checked); returns
-    /// whether the hold was still there. MultiLock uses it to give every lock the same
-    /// lease once all are held.
+    /// Sets the lease of this guard's hold to exactly `lease` from now (owner-checked);
+    /// returns whether the hold was still there. MultiLock uses it to give every lock
+    /// the same lease once all are held; only for a hold with no other guard.
     pub(crate) async fn pin_lease(&mut self, lease: Duration) -> Result<bool> {
         let Some(held) = self.inner.as_mut() else {
             return Ok(false);
         };
-        let mut req = held.req.clone();
+        let mut req = held.hold.store.clone();
         req.lease = lease;
+        let backend = held.client.backend();
         let sent_at = Instant::now();
-        let renewed = held.client.backend().renew(&req).await?;
+        let renewed = backend.renew(&req).await?;
         if renewed {
-            held.expiry.set(sent_at.checked_add(lease));
-            held.req.lease = lease;
+            let valid = lease.saturating_sub(backend.clock_drift(lease));
+            held.hold.expiry.set(sent_at.checked_add(valid));
+            held.lease = lease;
+        } else {
+            held.client.registry().mark_lost(&held.hold);
         }
         Ok(renewed)
     }
@@ -250,34 +228,44 @@ impl LockGuard {
 
     /// The lock's key.
     pub fn key(&self) -> &LockKey {
-        &self.held().req.key
+        &self.held().hold.slot.key
     }
 
-    /// The owner holding the lock.
+    /// The owner holding the lock: the request, scope or explicit owner it was taken
+    /// as. Guards of one owner re-enter each other's holds.
     pub fn owner(&self) -> &Owner {
-        &self.held().req.owner
+        &self.held().hold.slot.owner
+    }
+
+    /// The hold's own identity in the store (the hash field a Redis `HGETALL` shows):
+    /// `<client uuid>:<n>`, used by this hold only. For diagnostics and for driving a
+    /// [`LockBackend`](crate::backend::LockBackend) directly.
+    pub fn holder(&self) -> &Owner {
+        &self.held().hold.store.owner
     }
 
     /// How the lock is held.
     pub fn mode(&self) -> LockMode {
-        self.held().req.mode
+        self.held().hold.slot.mode
     }
 
-    /// The fencing token: strictly greater than the token of every earlier holder of
-    /// this key. Reentrant guards share the token of the hold they re-entered.
-    pub fn fencing_token(&self) -> FencingToken {
+    /// The fencing token of a fenced lock ([`Lock::fenced`](crate::Lock::fenced)):
+    /// strictly greater than the token of every earlier holder of this key (see
+    /// [`FencingToken`] for exactly what is promised). Re-entrant guards share the token
+    /// of the hold they re-entered. `None` for a lock that is not fenced.
+    pub fn fencing_token(&self) -> Option<FencingToken> {
         self.held().token
     }
 
-    /// How many times the owner held the lock when this guard was made (1 unless
+    /// How many guards the owner had on this hold when this guard was made (1 unless
     /// re-entered).
     pub fn hold_count(&self) -> u32 {
         self.held().holds
     }
 
-    /// The lease in force: the watchdog lease for watched locks, else the explicit one.
+    /// This guard's lease: the watchdog lease for watched locks, else the explicit one.
     pub fn lease(&self) -> Duration {
-        self.held().req.lease
+        self.held().lease
     }
 
     /// Whether the watchdog renews this lock.
@@ -287,40 +275,43 @@ impl LockGuard {
 
     /// The signal that fires if the lock is lost. See [`LostSignal`].
     pub fn lost(&self) -> LostSignal {
-        self.held().lost.clone()
+        LostSignal::new(Arc::clone(&self.held().hold))
     }
 
-    /// Whether the lock has been lost.
+    /// Whether the lock has been lost. Once it has, it stays lost.
     pub fn is_lost(&self) -> bool {
-        self.held().lost.is_lost()
+        self.held().hold.is_lost_at(Instant::now())
     }
 
-    /// Releases one hold and reports whether the lock was still held until now.
+    /// Releases this guard and reports whether the lock was still held until now. The
+    /// hold is released in the store when this is its last guard.
     ///
     /// # Errors
     ///
     /// - [`Error::Lost`] when the lock had been lost (the store no longer had it for
-    ///   this owner, or the lost signal had fired); nothing of another owner's lock is
-    ///   touched.
+    ///   this hold, or the lost signal had fired); nothing of another hold is touched.
     /// - A backend error when the store could not be reached; the lease then ends the
     ///   hold (renewal has already stopped).
     pub async fn unlock(mut self) -> Result<()> {
         let Some(held) = self.inner.take() else {
             return Ok(());
         };
-        let last_local = held.unregister() == Some(0);
-        let was_lost = held.lost.is_lost();
+        let left = held.leave();
+        let was_lost = held.hold.is_lost_at(Instant::now());
+        if left == Left::Others {
+            if was_lost {
+                held.report_loss();
+                return Err(Error::Lost);
+            }
+            return Ok(());
+        }
         // Cancel-safe: dropped before the store answers, the release goes on in a task.
-        let release = release_fully(
-            Arc::clone(held.client.backend()),
-            held.req.clone(),
-            last_local,
-        );
+        let release = release_fully(Arc::clone(held.client.backend()), held.hold.store.clone());
         let outcome = FinishOnDrop::new(held.runtime.clone(), release).await;
         held.observe(&outcome, was_lost);
         match outcome? {
             Release::NotHeld => {
-                held.lost.fire();
+                held.hold.lost.cancel();
                 Err(Error::Lost)
             }
             _ if was_lost => Err(Error::Lost),
@@ -329,26 +320,24 @@ impl LockGuard {
     }
 }
 
-/// The most extra releases spent repairing holds no guard stands for.
+/// The most releases spent on holds the store counts beyond one.
 const MAX_REPAIRS: u32 = 1024;
 
-/// Releases one hold of `req`. When this client has no other guard of the hold
-/// (`last_local`) yet the store still counts holds of the owner, those holds stand for
-/// nobody — an acquisition the store applied but whose reply was lost — so they are
-/// released too; otherwise the key would stay locked until the lease ran out.
+/// Releases the hold `req` names, all of it. The store counts more than one hold for it
+/// only when an earlier attempt of the same acquisition was applied though its reply was
+/// lost; the hold's identity is its own, so releasing every count touches nothing else.
 async fn release_fully(
     backend: Arc<dyn crate::backend::LockBackend>,
     req: LockRequest,
-    last_local: bool,
 ) -> Result<Release> {
     let first = backend.release(&req).await?;
     let Release::Decremented { holds } = first else {
         return Ok(first);
     };
-    if !last_local {
-        return Ok(first);
-    }
-    tracing::warn!(holds, key = %req.key, owner = %req.owner, "releasing holds no guard stands for (a reply lost in flight)");
+    tracing::debug!(
+        holds,
+        "releasing holds of an acquisition whose reply was lost"
+    );
     for _ in 0..holds.min(MAX_REPAIRS) {
         match backend.release(&req).await? {
             Release::Decremented { .. } => {}
@@ -398,31 +387,38 @@ impl<T: Send + 'static> Drop for FinishOnDrop<T> {
 }
 
 impl Held {
-    /// This guard is gone from the client's registry of holds: how many guards of the
-    /// hold the client still has (`None`: the hold had already ended as lost).
-    fn unregister(&self) -> Option<usize> {
-        self.client
-            .watchdog()
-            .unregister(&self.req, self.generation, self.watched)
+    /// This guard is gone from the client's registry of holds.
+    fn leave(&self) -> Left {
+        self.client.registry().leave(&self.hold, self.watched)
+    }
+
+    fn event(&self) -> LockEvent<'_> {
+        LockEvent {
+            key: &self.hold.slot.key,
+            mode: self.hold.slot.mode,
+            owner: &self.hold.slot.owner,
+        }
+    }
+
+    /// Tells the observer the hold was lost, unless someone (the watchdog, another
+    /// guard) already did.
+    fn report_loss(&self) {
+        if let Some(observer) = self.client.hooks().observer()
+            && self.hold.claim_loss_report()
+        {
+            observer.lost(self.event());
+        }
     }
 
     fn observe(&self, outcome: &Result<Release>, was_lost: bool) {
-        let Some(observer) = self.client.hooks().observer() else {
-            return;
-        };
-        let event = crate::lock::LockEvent {
-            key: &self.req.key,
-            mode: self.req.mode,
-            owner: &self.req.owner,
-        };
-        // The watchdog reports the losses it finds (and fires the token); an expiry it
-        // had not caught yet is reported here.
-        let reported_by_watchdog = was_lost && self.watched && self.lost.fired();
         match outcome {
-            Ok(Release::NotHeld) if !reported_by_watchdog => observer.lost(event),
-            Ok(Release::NotHeld) => {}
-            Ok(_) if was_lost && !reported_by_watchdog => observer.lost(event),
-            Ok(_) => observer.released(event, self.acquired_at.elapsed()),
+            Ok(Release::NotHeld) => self.report_loss(),
+            Ok(_) if was_lost => self.report_loss(),
+            Ok(_) => {
+                if let Some(observer) = self.client.hooks().observer() {
+                    observer.released(self.event(), self.acquired_at.elapsed());
+                }
+            }
             Err(_) => {}
         }
     }
@@ -433,20 +429,19 @@ impl Drop for LockGuard {
         let Some(held) = self.inner.take() else {
             return;
         };
-        let last_local = held.unregister() == Some(0);
-        let was_lost = held.lost.is_lost();
+        if held.leave() == Left::Others {
+            return;
+        }
+        let was_lost = held.hold.is_lost_at(Instant::now());
         let runtime = held.runtime.clone();
         runtime.spawn(async move {
-            let outcome = release_fully(
-                Arc::clone(held.client.backend()),
-                held.req.clone(),
-                last_local,
-            )
-            .await;
+            let outcome =
+                release_fully(Arc::clone(held.client.backend()), held.hold.store.clone()).await;
             held.observe(&outcome, was_lost);
-            let key = held.client.hooks().key(&held.req.key);
+            let key = held.client.hooks().key(&held.hold.slot.key);
             match outcome {
                 Ok(Release::NotHeld) => {
+                    held.hold.lost.cancel();
                     tracing::debug!(%key, "dropped guard's lock was no longer held");
                 }
                 Ok(_) => {}
@@ -463,11 +458,12 @@ impl fmt::Debug for LockGuard {
         match &self.inner {
             Some(held) => f
                 .debug_struct("LockGuard")
-                .field("key", &held.req.key)
-                .field("owner", &held.req.owner)
-                .field("mode", &held.req.mode)
+                .field("key", &held.hold.slot.key)
+                .field("owner", &held.hold.slot.owner)
+                .field("holder", &held.hold.store.owner)
+                .field("mode", &held.hold.slot.mode)
                 .field("fencing_token", &held.token)
-                .field("lost", &held.lost.is_lost())
+                .field("lost", &held.hold.is_lost_at(Instant::now()))
                 .finish(),
             None => f.write_str("LockGuard(released)"),
         }

@@ -65,12 +65,13 @@ use crate::owner::Owner;
 pub(crate) mod acquire;
 mod guard;
 mod observer;
+mod registry;
 mod watchdog;
 
 pub use guard::{LockGuard, LostSignal};
 pub(crate) use observer::Hooks;
 pub use observer::{LockEvent, LockObserver};
-use watchdog::Watchdog;
+use registry::Registry;
 
 /// The watchdog lease when none is configured: 30 s, as Redisson's
 /// `lockWatchdogTimeout`. Held locks are renewed every 10 s; a crashed holder's lock is
@@ -150,7 +151,7 @@ struct ClientInner {
     backend: Arc<dyn LockBackend>,
     id: String,
     next_owner: AtomicU64,
-    watchdog: Watchdog,
+    registry: Registry,
     watchdog_lease: Duration,
     hooks: Hooks,
 }
@@ -184,7 +185,7 @@ impl LockClient {
     fn with_parts(backend: Arc<dyn LockBackend>, watchdog_lease: Duration, hooks: Hooks) -> Self {
         LockClient {
             inner: Arc::new(ClientInner {
-                watchdog: Watchdog::new(Arc::clone(&backend), watchdog_lease, hooks.clone()),
+                registry: Registry::new(Arc::clone(&backend), watchdog_lease, hooks.clone()),
                 backend,
                 id: uuid::Uuid::new_v4().to_string(),
                 next_owner: AtomicU64::new(1),
@@ -255,7 +256,38 @@ impl LockClient {
             key,
             mode,
             owner: None,
+            fenced: false,
         }
+    }
+
+    /// The exclusive, reentrant lock named `key` with fencing tokens (Redisson
+    /// `getFencedLock`): every acquisition takes a [`FencingToken`](crate::FencingToken) greater than every
+    /// earlier holder's, for the storage the lock protects to refuse stale writers. On
+    /// Redis the counter is Redisson `RFencedLock`'s, so a Java service fencing the same
+    /// name shares it; it is one small key per name that stays after the lock is
+    /// released (a plain lock leaves nothing). Same as `get_lock(key)?.fenced()`.
+    ///
+    /// ```
+    /// use tower_lock::{LockClient, MemoryBackend};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tower_lock::Error> {
+    /// let client = LockClient::new(MemoryBackend::new());
+    /// let lock = client.get_fenced_lock("ledger:7")?;
+    /// let first = lock.lock().await?;
+    /// let t1 = first.fencing_token().expect("a fenced lock has a token");
+    /// first.unlock().await?;
+    /// let second = lock.lock().await?;
+    /// assert!(second.fencing_token().expect("fenced") > t1);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidKey`] when `key` is not a valid [`LockKey`].
+    pub fn get_fenced_lock(&self, key: impl IntoLockKey) -> Result<Lock> {
+        Ok(self.get_lock(key)?.fenced())
     }
 
     /// A fresh owner, `<client id>:<n>`, distinct from every other owner of this client.
@@ -281,11 +313,11 @@ impl LockClient {
 
     /// How many holds the watchdog is currently renewing.
     pub fn watched_locks(&self) -> usize {
-        self.inner.watchdog.len()
+        self.inner.registry.watched()
     }
 
-    pub(crate) fn watchdog(&self) -> &Watchdog {
-        &self.inner.watchdog
+    pub(crate) fn registry(&self) -> &Registry {
+        &self.inner.registry
     }
 
     pub(crate) fn hooks(&self) -> &Hooks {
@@ -408,6 +440,7 @@ pub struct Lock {
     key: LockKey,
     mode: LockMode,
     owner: Option<Owner>,
+    fenced: bool,
 }
 
 impl Lock {
@@ -416,6 +449,21 @@ impl Lock {
     pub fn with_owner(mut self, owner: Owner) -> Self {
         self.owner = Some(owner);
         self
+    }
+
+    /// The same lock with fencing tokens: every guard carries a [`FencingToken`](crate::FencingToken) (see
+    /// [`LockClient::get_fenced_lock`]). A fenced and a plain lock of one name are the
+    /// same lock to other owners; one owner holding both holds them as two holds, so it
+    /// waits for itself, as with two kinds of lock on one name.
+    #[must_use]
+    pub fn fenced(mut self) -> Self {
+        self.fenced = true;
+        self
+    }
+
+    /// Whether guards of this lock carry fencing tokens.
+    pub fn is_fenced(&self) -> bool {
+        self.fenced
     }
 
     /// The key.
@@ -485,6 +533,7 @@ impl std::fmt::Debug for Lock {
             .field("key", &self.key)
             .field("mode", &self.mode)
             .field("owner", &self.owner)
+            .field("fenced", &self.fenced)
             .finish()
     }
 }

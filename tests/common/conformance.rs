@@ -254,15 +254,26 @@ pub async fn try_lock_for_gives_up_on_time(f: &impl Fixture) {
     guard.unlock().await.unwrap();
 }
 
-/// Tokens strictly increase across successive holders (two clients taking turns), and a
-/// reentrant hold shares its token.
+/// A fenced lock's tokens strictly increase across successive holders (two clients
+/// taking turns, plain and fenced acquisitions of the name mixed); a plain lock has none.
 pub async fn fencing_tokens_increase(f: &impl Fixture) {
     let k = key("fencing");
     let clients = [f.client(LONG), f.client(LONG)];
     let mut last = None;
     for i in 0..20 {
-        let guard = clients[i % 2].get_lock(&k).unwrap().lock().await.unwrap();
-        let token = guard.fencing_token();
+        if i % 3 == 2 {
+            let plain = clients[i % 2].get_lock(&k).unwrap().lock().await.unwrap();
+            assert_eq!(plain.fencing_token(), None, "a plain lock has no token");
+            plain.unlock().await.unwrap();
+            continue;
+        }
+        let guard = clients[i % 2]
+            .get_fenced_lock(&k)
+            .unwrap()
+            .lock()
+            .await
+            .unwrap();
+        let token = guard.fencing_token().expect("a fenced lock has a token");
         if let Some(last) = last {
             assert!(token > last, "token {token} after {last}");
         }

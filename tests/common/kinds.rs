@@ -117,7 +117,7 @@ async fn unlock_all(guards: Vec<LockGuard>) {
 fn request_of(guard: &LockGuard) -> LockRequest {
     LockRequest::new(
         guard.key().clone(),
-        guard.owner().clone(),
+        guard.holder().clone(),
         guard.mode(),
         guard.lease(),
     )
@@ -392,14 +392,20 @@ pub async fn try_lock_for_gives_up_on_time(f: &impl KindFixture, kind: Kind) {
     assert!(!f.residue(&k).await);
 }
 
-/// Tokens strictly increase across successive holders (two clients taking turns).
+/// A fenced lock's tokens strictly increase across successive holders (two clients
+/// taking turns).
 pub async fn fencing_tokens_increase(f: &impl KindFixture, kind: Kind) {
     let k = key(kind, "fencing");
     let clients = [f.client(LONG), f.client(LONG)];
     let mut last = None;
     for i in 0..20 {
-        let guard = kind.lock(&clients[i % 2], &k).lock().await.unwrap();
-        let token = guard.fencing_token();
+        let guard = kind
+            .lock(&clients[i % 2], &k)
+            .fenced()
+            .lock()
+            .await
+            .unwrap();
+        let token = guard.fencing_token().expect("a fenced lock has a token");
         if let Some(last) = last {
             assert!(token > last, "token {token} after {last}");
         }

@@ -3,6 +3,7 @@ use std::num::NonZeroU32;
 use super::*;
 use crate::backend::Subscription;
 
+/// A fenced request, so that tests can compare tokens.
 fn req_in(mode: LockMode, key: &str, owner: &str, lease_ms: u64) -> LockRequest {
     LockRequest::new(
         LockKey::new(key).unwrap(),
@@ -10,6 +11,7 @@ fn req_in(mode: LockMode, key: &str, owner: &str, lease_ms: u64) -> LockRequest 
         mode,
         Duration::from_millis(lease_ms),
     )
+    .fenced()
 }
 
 fn req(key: &str, owner: &str, lease_ms: u64) -> LockRequest {
@@ -64,13 +66,21 @@ async fn leases_expire_in_tokio_time() {
 }
 
 #[tokio::test]
-async fn reentrant_holds_keep_their_token() {
+async fn every_fenced_acquisition_takes_the_next_token_and_plain_ones_none() {
     let b = MemoryBackend::new();
     let a = req("k", "a:1", 10_000);
     let first = grant(b.acquire(&a).await.unwrap());
+    // A re-entry in the store takes the next token, as Redisson's `RFencedLock`.
     let second = grant(b.acquire(&a).await.unwrap());
     assert_eq!((first.holds(), second.holds()), (1, 2));
-    assert_eq!(first.token(), second.token());
+    assert!(second.token() > first.token());
+    let mut plain = a.clone();
+    plain.fenced = false;
+    assert_eq!(grant(b.acquire(&plain).await.unwrap()).token(), None);
+    assert_eq!(
+        b.release(&a).await.unwrap(),
+        Release::Decremented { holds: 2 }
+    );
     assert_eq!(
         b.release(&a).await.unwrap(),
         Release::Decremented { holds: 1 }
@@ -386,6 +396,31 @@ async fn writer_may_read_and_downgrade_but_a_reader_waits_to_write() {
         b.cancel_wait(&r).await.unwrap();
     }
     b.release(&read("a:1")).await.unwrap();
+    assert!(b.is_empty());
+}
+
+#[tokio::test]
+async fn a_read_naming_the_write_holder_goes_past_its_write_hold_only() {
+    let b = MemoryBackend::new();
+    let read = |owner: &str| req_in(LockMode::Read, "rw", owner, 10_000);
+    let write = |owner: &str| req_in(LockMode::Write, "rw", owner, 10_000);
+    grant(b.acquire(&write("a:1")).await.unwrap());
+    // Another owner's read that names a:1 as its writer goes in (downgrade under a hold
+    // identity of its own); one naming someone else does not.
+    busy_ttl(
+        b.acquire(&read("x:1").with_writer(Owner::from_raw("z:1").unwrap()))
+            .await
+            .unwrap(),
+    );
+    b.cancel_wait(&read("x:1")).await.unwrap();
+    let vouched = read("a:2").with_writer(Owner::from_raw("a:1").unwrap());
+    grant(b.acquire(&vouched).await.unwrap());
+    // Downgrade: the write hold goes, the read hold stays.
+    assert_eq!(b.release(&write("a:1")).await.unwrap(), Release::Released);
+    assert!(b.renew(&read("a:2")).await.unwrap());
+    grant(b.acquire(&read("x:1")).await.unwrap());
+    b.release(&read("x:1")).await.unwrap();
+    b.release(&read("a:2")).await.unwrap();
     assert!(b.is_empty());
 }
 

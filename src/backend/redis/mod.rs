@@ -9,13 +9,13 @@
 //! |---|---|---|
 //! | the lock (exclusive, fair) | `NAME` (after the optional key prefix) | `RLock`'s hash: `<client uuid>:<owner id>` → hold count, lease by `PEXPIRE` (ms) |
 //! | release channel | `redisson_lock__channel:{NAME}` | message `0`: wake one waiter; `1`: wake all |
-//! | fencing counter | `tower_lock_fence:{NAME}` | string counter, `INCR`ed on every fresh hold, never expires |
+//! | fencing counter (fenced locks only) | `redisson_lock_token:{NAME}` | `RFencedLock`'s string counter, `INCR`ed on every fenced acquisition (and raised to the server clock in µs), never expires |
 //! | fair and read-write wait queue | `redisson_lock_queue:{NAME}`, `redisson_lock_timeout:{NAME}` | `RFairLock`'s list of waiters and sorted set of their eviction times (server clock, ms) |
 //! | fair waiter's wake-up | `redisson_lock__channel:{NAME}:<owner>` | `RFairLock`'s: `0` to the head of the queue |
 //! | read-write lock | `NAME` | `RReadWriteLock`'s hash: `mode` → `read`/`write`, `<owner>` → read holds, `<owner>:write` → write holds |
-//! | read hold leases | `{NAME}:<owner>:rwlock_timeout:<i>` | `RReadWriteLock`'s string per read hold, `PEXPIRE`d; its value is the hold's fencing token |
+//! | read hold leases | `{NAME}:<owner>:rwlock_timeout:<i>` | `RReadWriteLock`'s string per read hold (value `1`), `PEXPIRE`d |
 //! | read-write channels | `redisson_rwlock:{NAME}` (Redisson's `0` / `1`), `redisson_rwlock:{NAME}:<owner>:read` / `:write` (a queued waiter's wake-up) | |
-//! | permits | `NAME` and `tower_lock_permits:{NAME}` | hash `holds:<owner>` / `token:<owner>`; sorted set owner → end of lease (server clock, ms) |
+//! | permits | `NAME` and `tower_lock_permits:{NAME}` | hash `holds:<owner>` → holds; sorted set owner → end of lease (server clock, ms) |
 //!
 //! Every key and channel of a lock shares `NAME`'s Redis Cluster hash slot. Every state
 //! change is one Lua script from the crate's `lua/` directory (the fair, read-write and
@@ -35,8 +35,9 @@
 //! - **Read / write**: Redisson's layout, plus the same wait queue (entries
 //!   `<owner>:read` / `<owner>:write`) so that writers are not starved: a reader goes
 //!   when no writer holds the lock and none waits ahead of it; a writer when nothing is
-//!   held and nobody waits ahead of it. The writer's owner reads without waiting
-//!   (downgrade); a reader asking to write waits like any writer, until every read hold
+//!   held and nobody waits ahead of it. The write holder — or a read request naming it
+//!   as its [`writer`](LockRequest::writer) — reads without waiting (downgrade); a
+//!   reader asking to write waits like any writer, until every read hold
 //!   — its own too — is released. A release wakes exactly the waiters the queue now lets
 //!   go, each on its own channel, and publishes Redisson's `0` (read unlock) or `1`
 //!   (write unlock) on `redisson_rwlock:{NAME}` for Redisson waiters when the lock is free.
@@ -45,10 +46,10 @@
 //!   own lease; expired holders are dropped inside the scripts, so a crashed holder's
 //!   permit returns with its lease. A release wakes one waiter per process.
 //!
-//! Fencing tokens come from the one counter per name for every kind, so they increase
-//! across the holders of a name whatever its kind. A reentrant hold keeps its token (a
-//! read hold keeps it in its lease keys, a permit in the hash); the writer's own read
-//! holds share the write hold's token.
+//! Fenced acquisitions of every kind take their tokens from the one counter per name, so
+//! they increase across the holders of a name whatever its kind (see [`FencingToken`]).
+//! Unfenced locks of every kind leave no key behind once released and their queues are
+//! empty: Redis memory does not grow with the number of names ever locked.
 //!
 //! Commands go over one multiplexed connection that reconnects by itself
 //! ([`redis::aio::ConnectionManager`]); all waiters of a backend share one dedicated pub/sub
@@ -331,7 +332,8 @@ impl RedisBackend {
         Names::channel(&self.inner.prefix, key)
     }
 
-    /// The key of `key`'s fencing counter.
+    /// The key of `key`'s fencing counter (Redisson `RFencedLock`'s
+    /// `redisson_lock_token:{NAME}`), which fenced locks keep.
     pub fn fence_name(&self, key: &LockKey) -> String {
         Names::fence(&self.inner.prefix, key)
     }
@@ -382,17 +384,11 @@ impl RedisBackend {
                     .key(Names::lock(prefix, &req.key).as_ref())
                     .key(Names::fence(prefix, &req.key))
                     .arg(lease_ms(req.lease))
-                    .arg(req.owner.as_str()),
+                    .arg(req.owner.as_str())
+                    .arg(fenced_arg(req)),
             )
             .await?;
-        match reply.as_slice() {
-            [1, holds, token] => Ok(Acquire::Acquired(Grant::new(
-                u32::try_from(*holds).unwrap_or(u32::MAX),
-                FencingToken::new(u64::try_from(*token).unwrap_or(0)),
-            ))),
-            [0, pttl] => Ok(Acquire::Busy { ttl: ttl_of(*pttl) }),
-            other => Err(unexpected("acquire", other)),
-        }
+        parse_acquire("acquire", &reply)
     }
 
     async fn force_release_exclusive(&self, key: &LockKey) -> Result<bool> {
@@ -557,6 +553,25 @@ fn ttl_of(pttl: i64) -> Option<Duration> {
     }
 }
 
+/// `'1'` for a fenced request, `'0'` for a plain one, as the acquire scripts take it.
+fn fenced_arg(req: &LockRequest) -> &'static str {
+    if req.fenced { "1" } else { "0" }
+}
+
+/// `{1, holds}`, `{1, holds, token}` or `{0, ttl}` → the outcome.
+fn parse_acquire(op: &str, reply: &[i64]) -> Result<Acquire> {
+    let holds = |h: i64| u32::try_from(h).unwrap_or(u32::MAX);
+    match reply {
+        [1, h] => Ok(Acquire::Acquired(Grant::new(holds(*h), None))),
+        [1, h, token] if *token > 0 => Ok(Acquire::Acquired(Grant::new(
+            holds(*h),
+            Some(FencingToken::new(token.unsigned_abs())),
+        ))),
+        [0, ttl] => Ok(Acquire::Busy { ttl: ttl_of(*ttl) }),
+        other => Err(unexpected(op, other)),
+    }
+}
+
 fn unexpected(op: &str, reply: &[i64]) -> Error {
     Error::UnexpectedReply(format!("{op} script answered {reply:?}"))
 }
@@ -609,8 +624,9 @@ impl Names {
         Self::companion("redisson_lock__channel", prefix, key)
     }
 
+    /// The fencing counter: Redisson `RFencedLock`'s.
     fn fence(prefix: &str, key: &LockKey) -> String {
-        Self::companion("tower_lock_fence", prefix, key)
+        Self::companion("redisson_lock_token", prefix, key)
     }
 
     /// The wait queue of fair and read-write locks (Redisson `RFairLock`'s list).
@@ -959,7 +975,7 @@ mod tests {
         let key = LockKey::new("anyLock").unwrap();
         assert_eq!(Names::lock("", &key), "anyLock");
         assert_eq!(Names::channel("", &key), "redisson_lock__channel:{anyLock}");
-        assert_eq!(Names::fence("", &key), "tower_lock_fence:{anyLock}");
+        assert_eq!(Names::fence("", &key), "redisson_lock_token:{anyLock}");
 
         assert_eq!(Names::queue("", &key), "redisson_lock_queue:{anyLock}");
         assert_eq!(
@@ -1001,7 +1017,7 @@ mod tests {
         );
         assert_eq!(
             Names::fence("app:", &key),
-            "tower_lock_fence:app:lock:order:{42}"
+            "redisson_lock_token:app:lock:order:{42}"
         );
     }
 

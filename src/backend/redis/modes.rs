@@ -22,8 +22,8 @@ use std::sync::LazyLock;
 
 use redis::Script;
 
-use super::{Names, RedisBackend, lease_ms, ttl_of, unexpected};
-use crate::backend::{Acquire, FencingToken, Grant, LockMode, LockRequest, Release};
+use super::{Names, RedisBackend, fenced_arg, lease_ms, parse_acquire};
+use crate::backend::{Acquire, LockMode, LockRequest, Release};
 use crate::error::Result;
 use crate::key::LockKey;
 
@@ -94,18 +94,6 @@ pub(super) fn batch_companion(prefix: &str, req: &LockRequest) -> String {
     }
 }
 
-/// `{1, holds, token}` or `{0, ttl}` → the outcome.
-fn parse_acquire(op: &str, reply: &[i64]) -> Result<Acquire> {
-    match reply {
-        [1, holds, token] => Ok(Acquire::Acquired(Grant::new(
-            u32::try_from(*holds).unwrap_or(u32::MAX),
-            FencingToken::new(u64::try_from(*token).unwrap_or(0)),
-        ))),
-        [0, ttl] => Ok(Acquire::Busy { ttl: ttl_of(*ttl) }),
-        other => Err(unexpected(op, other)),
-    }
-}
-
 /// `-1` / `0` / holds left → the outcome.
 fn parse_release(reply: i64) -> Release {
     match reply {
@@ -142,7 +130,8 @@ impl RedisBackend {
                         .key(Names::channel(p, key))
                         .arg(lease_ms(req.lease))
                         .arg(req.owner.as_str())
-                        .arg(self.waiter_timeout_ms()),
+                        .arg(self.waiter_timeout_ms())
+                        .arg(fenced_arg(req)),
                 )
                 .await?
             }
@@ -159,7 +148,9 @@ impl RedisBackend {
                         .arg(lease_ms(req.lease))
                         .arg(req.owner.as_str())
                         .arg(rw_arg(req.mode))
-                        .arg(self.waiter_timeout_ms()),
+                        .arg(self.waiter_timeout_ms())
+                        .arg(fenced_arg(req))
+                        .arg(req.write_holder().as_str()),
                 )
                 .await?
             }
@@ -172,7 +163,8 @@ impl RedisBackend {
                         .key(Names::fence(p, key))
                         .arg(lease_ms(req.lease))
                         .arg(req.owner.as_str())
-                        .arg(max.get()),
+                        .arg(max.get())
+                        .arg(fenced_arg(req)),
                 )
                 .await?
             }

@@ -1,0 +1,471 @@
+//! The client's registry of holds: which holds it has in the store, which guards stand
+//! for each, and the rule that makes every guard touch only its own hold.
+//!
+//! # One hold, one identity
+//!
+//! A *hold* is one acquisition in the store and everything that re-enters it. Every hold
+//! is taken in the store under an owner string of its own, `<client uuid>:<n>`, which no
+//! other hold ever uses — not a later hold of the same logical [`Owner`], not a hold of
+//! another kind on the same name. The logical owner (a request, an explicit owner) only
+//! decides, here in the client, which guards share a hold:
+//!
+//! - a guard's release, renewal and compensation name the hold's own identity, so they
+//!   can only ever affect that hold, however late they arrive (a release spawned from
+//!   `Drop`, an attempt stalled on a socket that was replaced meanwhile);
+//! - re-entry is counted here: locking a key the owner already holds (in the same mode)
+//!   adds a guard to the live hold without asking the store, and only the last guard's
+//!   release goes to the store;
+//! - a hold that ended — released, lost, expired by the client's own clock — is never
+//!   re-entered or brought back: the next acquisition by the same owner is a new hold
+//!   with a new identity, and the old guards stay lost;
+//! - acquisitions of one slot (key, owner, mode) by concurrent tasks are serialized: the
+//!   second waits for the first to finish, then re-enters what it got.
+//!
+//! Redisson clients see an ordinary field per hold, with a hold count of one.
+//!
+//! # Lost stays lost
+//!
+//! A hold is believed until its [`Expiry`] — the end of its last confirmed lease, counted
+//! from *before* the request that confirmed it was sent — or until a renewal, a release
+//! or a re-entry finds it gone. Whoever first sees either fires the hold's lost token,
+//! which never un-fires: a renewal answered after the expiry passed does not bring the
+//! hold back.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use tokio::runtime::Handle;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::Hooks;
+use super::watchdog::Tasks;
+use crate::backend::{FencingToken, LockBackend, LockMode, LockRequest};
+use crate::key::LockKey;
+use crate::owner::Owner;
+
+/// When a hold's last confirmed lease ends. Moves only later, except when a lease is
+/// pinned to an exact length ([`Expiry::set`]).
+pub(crate) struct Expiry {
+    base: Instant,
+    /// Nanoseconds after `base`; `u64::MAX`: never.
+    at: AtomicU64,
+}
+
+impl Expiry {
+    fn new(at: Option<Instant>) -> Self {
+        let expiry = Expiry {
+            base: Instant::now(),
+            at: AtomicU64::new(u64::MAX),
+        };
+        expiry.set(at);
+        expiry
+    }
+
+    fn encode(&self, at: Option<Instant>) -> u64 {
+        at.map_or(u64::MAX, |at| {
+            u64::try_from(at.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX)
+        })
+    }
+
+    /// The end of the lease, `None` for never.
+    pub(crate) fn get(&self) -> Option<Instant> {
+        match self.at.load(Ordering::Acquire) {
+            u64::MAX => None,
+            nanos => self.base.checked_add(Duration::from_nanos(nanos)),
+        }
+    }
+
+    /// Moves the end later (never earlier).
+    pub(crate) fn extend_to(&self, at: Option<Instant>) {
+        self.at.fetch_max(self.encode(at), Ordering::AcqRel);
+    }
+
+    /// Sets the end, earlier or later (a lease pinned to an exact length).
+    pub(crate) fn set(&self, at: Option<Instant>) {
+        self.at.store(self.encode(at), Ordering::Release);
+    }
+
+    pub(crate) fn passed(&self, now: Instant) -> bool {
+        self.get().is_some_and(|at| now >= at)
+    }
+}
+
+/// The holds one logical owner can re-enter: a key, in a mode, fenced or not.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Slot {
+    pub(crate) key: LockKey,
+    pub(crate) owner: Owner,
+    pub(crate) mode: LockMode,
+    pub(crate) fenced: bool,
+}
+
+/// One hold in the store, shared by its guards.
+pub(crate) struct Hold {
+    pub(crate) slot: Slot,
+    /// The hold as the store knows it: its key, its own owner (used by no other hold),
+    /// its mode, and the lease it was taken with.
+    pub(crate) store: LockRequest,
+    /// Fired when the hold is found gone or its expiry is seen passed; never un-fired.
+    pub(crate) lost: CancellationToken,
+    pub(crate) expiry: Expiry,
+    /// Wakes acquirers of the same slot waiting for this hold's acquisition to finish.
+    acquired: Notify,
+    /// Whether the observer has been told this hold was lost (it is told once).
+    loss_reported: std::sync::atomic::AtomicBool,
+    state: Mutex<HoldState>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Being acquired in the store; acquirers of the same slot wait for it.
+    Acquiring,
+    /// Held (as far as the client knows): guards may join it.
+    Held,
+    /// Its last guard left, its acquisition failed, or it was lost.
+    Ended,
+}
+
+struct HoldState {
+    phase: Phase,
+    token: Option<FencingToken>,
+    /// Guards standing for this hold.
+    guards: u32,
+    /// Of which taken without an explicit lease: renewed while any is alive.
+    watched: u32,
+    /// The runtime whose watchdog task renews this hold: the runtime of the latest
+    /// watched guard.
+    runtime: Option<Handle>,
+}
+
+impl Hold {
+    fn state(&self) -> MutexGuard<'_, HoldState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether the hold is lost at `now`; seeing it lost makes it so for good.
+    pub(crate) fn is_lost_at(&self, now: Instant) -> bool {
+        if self.lost.is_cancelled() {
+            return true;
+        }
+        if self.expiry.passed(now) {
+            self.lost.cancel();
+            return true;
+        }
+        false
+    }
+
+    /// Whether the caller is the first to report this hold's loss to the observer.
+    pub(crate) fn claim_loss_report(&self) -> bool {
+        !self.loss_reported.swap(true, Ordering::AcqRel)
+    }
+
+    /// The hold's fencing token, once held.
+    pub(crate) fn token(&self) -> Option<FencingToken> {
+        self.state().token
+    }
+
+    /// Waits until the hold is no longer being acquired, or `deadline` passes; returns
+    /// whether it finished in time.
+    pub(crate) async fn acquisition_finished(&self, deadline: Option<Instant>) -> bool {
+        let notified = self.acquired.notified();
+        tokio::pin!(notified);
+        // Registered before the phase is read: a finish in between still wakes us.
+        notified.as_mut().enable();
+        if self.state().phase != Phase::Acquiring {
+            return true;
+        }
+        match deadline {
+            Some(at) => tokio::time::timeout_at(at, notified).await.is_ok(),
+            None => {
+                notified.await;
+                true
+            }
+        }
+    }
+}
+
+/// Where an acquisition of a slot stands.
+pub(crate) enum Entered {
+    /// The owner holds the slot: the caller is one more guard of `hold` (the
+    /// `count`-th).
+    Reentered { hold: Arc<Hold>, count: u32 },
+    /// Another task of the same owner is acquiring the slot: wait for it, then enter
+    /// again.
+    Wait(Arc<Hold>),
+    /// Nobody holds the slot: acquire `hold` in the store, then
+    /// [`activate`](Registry::activate) or [`abandon`](Registry::abandon) it.
+    Acquire(Arc<Hold>),
+}
+
+/// What a leaving guard learns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Left {
+    /// Other guards still stand for the hold: nothing to do in the store.
+    Others,
+    /// It was the last guard: release the hold in the store.
+    Last,
+}
+
+#[derive(Clone)]
+pub(crate) struct Registry {
+    pub(crate) inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) backend: Arc<dyn LockBackend>,
+    /// The watchdog lease: watched holds are renewed to it every third of it.
+    pub(crate) lease: Duration,
+    pub(crate) hooks: Hooks,
+    state: Mutex<State>,
+}
+
+pub(crate) struct State {
+    pub(crate) slots: HashMap<Slot, Arc<Hold>>,
+    pub(crate) tasks: Tasks,
+}
+
+impl Registry {
+    pub(crate) fn new(backend: Arc<dyn LockBackend>, lease: Duration, hooks: Hooks) -> Self {
+        Registry {
+            inner: Arc::new(Inner {
+                backend,
+                lease,
+                hooks,
+                state: Mutex::new(State {
+                    slots: HashMap::new(),
+                    tasks: Tasks::default(),
+                }),
+            }),
+        }
+    }
+
+    /// Finds where an acquisition of `slot` stands, as one more guard (`watched`: one
+    /// without an explicit lease). When nobody holds the slot, a new hold is made with
+    /// the store request `store()` returns; that request's owner must be used by no other
+    /// hold. Must be called inside a tokio runtime.
+    pub(crate) fn enter(
+        &self,
+        slot: &Slot,
+        watched: bool,
+        store: impl FnOnce(&State) -> LockRequest,
+    ) -> Entered {
+        let mut state = self.inner.state();
+        let now = Instant::now();
+        if let Some(hold) = state.slots.get(slot).cloned() {
+            let mut hs = hold.state();
+            match hs.phase {
+                Phase::Acquiring => {
+                    drop(hs);
+                    return Entered::Wait(hold);
+                }
+                Phase::Held if !hold.is_lost_at(now) => {
+                    hs.guards += 1;
+                    let count = hs.guards;
+                    if watched {
+                        hs.watched += 1;
+                        let runtime = Handle::current();
+                        state.tasks.ensure(&self.inner, &runtime);
+                        hs.runtime = Some(runtime);
+                    }
+                    drop(hs);
+                    return Entered::Reentered { hold, count };
+                }
+                _ => {
+                    // Lost (or ended without leaving the map): never re-entered. Its
+                    // guards stay lost; the next hold is a new one.
+                    hold.lost.cancel();
+                    hs.phase = Phase::Ended;
+                    drop(hs);
+                    state.slots.remove(slot);
+                }
+            }
+        }
+        let hold = Arc::new(Hold {
+            slot: slot.clone(),
+            store: store(&state),
+            lost: CancellationToken::new(),
+            expiry: Expiry::new(None),
+            acquired: Notify::new(),
+            loss_reported: std::sync::atomic::AtomicBool::new(false),
+            state: Mutex::new(HoldState {
+                phase: Phase::Acquiring,
+                token: None,
+                guards: 0,
+                watched: 0,
+                runtime: None,
+            }),
+        });
+        state.slots.insert(slot.clone(), Arc::clone(&hold));
+        Entered::Acquire(hold)
+    }
+
+    /// The store granted `hold`: it now has its first guard, valid until `expires_at`.
+    pub(crate) fn activate(
+        &self,
+        hold: &Arc<Hold>,
+        token: Option<FencingToken>,
+        expires_at: Option<Instant>,
+        watched: bool,
+    ) {
+        let mut state = self.inner.state();
+        let mut hs = hold.state();
+        hold.expiry.set(expires_at);
+        hs.phase = Phase::Held;
+        hs.token = token;
+        hs.guards = 1;
+        if watched {
+            hs.watched = 1;
+            let runtime = Handle::current();
+            state.tasks.ensure(&self.inner, &runtime);
+            hs.runtime = Some(runtime);
+        }
+        drop(hs);
+        drop(state);
+        hold.acquired.notify_waiters();
+    }
+
+    /// The acquisition of `hold` failed or was given up: the slot is free for the next.
+    pub(crate) fn abandon(&self, hold: &Arc<Hold>) {
+        let mut state = self.inner.state();
+        let mut hs = hold.state();
+        if hs.phase == Phase::Acquiring {
+            hs.phase = Phase::Ended;
+            drop(hs);
+            remove_if_current(&mut state, hold);
+        }
+        drop(state);
+        hold.acquired.notify_waiters();
+    }
+
+    /// One guard of `hold` is gone (`watched`: it was renewed by the watchdog).
+    pub(crate) fn leave(&self, hold: &Arc<Hold>, watched: bool) -> Left {
+        let mut state = self.inner.state();
+        let mut hs = hold.state();
+        hs.guards = hs.guards.saturating_sub(1);
+        if watched {
+            hs.watched = hs.watched.saturating_sub(1);
+        }
+        if hs.guards > 0 {
+            return Left::Others;
+        }
+        hs.phase = Phase::Ended;
+        drop(hs);
+        remove_if_current(&mut state, hold);
+        Left::Last
+    }
+
+    /// The store says `hold` is gone (a renewal or re-entry found it not held): it is
+    /// lost, and the slot is free for a new hold.
+    pub(crate) fn mark_lost(&self, hold: &Arc<Hold>) {
+        self.inner.mark_lost(hold);
+    }
+
+    /// How many holds the watchdog is renewing.
+    pub(crate) fn watched(&self) -> usize {
+        self.inner
+            .state()
+            .slots
+            .values()
+            .filter(|h| {
+                let hs = h.state();
+                hs.phase == Phase::Held && hs.watched > 0
+            })
+            .count()
+    }
+}
+
+impl State {
+    /// The store identity of `owner`'s live write hold of `key`, if it has one: a read
+    /// of the same owner goes past it (downgrade).
+    pub(crate) fn write_holder(&self, key: &LockKey, owner: &Owner) -> Option<Owner> {
+        let now = Instant::now();
+        [false, true].into_iter().find_map(|fenced| {
+            let slot = Slot {
+                key: key.clone(),
+                owner: owner.clone(),
+                mode: LockMode::Write,
+                fenced,
+            };
+            let hold = self.slots.get(&slot)?;
+            let live = hold.state().phase == Phase::Held && !hold.is_lost_at(now);
+            live.then(|| hold.store.owner.clone())
+        })
+    }
+}
+
+impl Inner {
+    pub(crate) fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The watched holds the task of `runtime` renews, with their renewal requests: the
+    /// watchdog lease, or what the hold has left if that is longer (an outer guard with
+    /// a longer explicit lease). With none, the task is retired (under the same lock, so
+    /// a hold registered meanwhile starts a new one) and `None` is returned.
+    pub(crate) fn due_or_retire(
+        &self,
+        runtime: tokio::runtime::Id,
+    ) -> Option<Vec<(Arc<Hold>, LockRequest)>> {
+        let mut state = self.state();
+        let now = Instant::now();
+        let due: Vec<_> = state
+            .slots
+            .values()
+            .filter_map(|hold| {
+                let hs = hold.state();
+                let mine = hs.runtime.as_ref().is_some_and(|r| r.id() == runtime);
+                if hs.phase != Phase::Held || hs.watched == 0 || !mine {
+                    return None;
+                }
+                let mut renewal = hold.store.clone();
+                renewal.lease = self.lease;
+                if let Some(at) = hold.expiry.get() {
+                    let left = at.saturating_duration_since(now);
+                    if left > renewal.lease {
+                        renewal.lease = Duration::from_millis(
+                            u64::try_from(left.as_millis()).unwrap_or(u64::MAX),
+                        );
+                    }
+                }
+                Some((Arc::clone(hold), renewal))
+            })
+            .collect();
+        if due.is_empty() {
+            state.tasks.retire(runtime);
+            return None;
+        }
+        Some(due)
+    }
+
+    /// See [`Registry::mark_lost`].
+    pub(crate) fn mark_lost(&self, hold: &Arc<Hold>) {
+        hold.lost.cancel();
+        let mut state = self.state();
+        let mut hs = hold.state();
+        if hs.phase == Phase::Held {
+            hs.phase = Phase::Ended;
+            drop(hs);
+            remove_if_current(&mut state, hold);
+        }
+    }
+
+    /// Whether `hold` is still held and watched (a renewal answer about it matters).
+    pub(crate) fn still_watched(&self, hold: &Hold) -> bool {
+        let hs = hold.state();
+        hs.phase == Phase::Held && hs.watched > 0
+    }
+}
+
+fn remove_if_current(state: &mut State, hold: &Arc<Hold>) {
+    if state
+        .slots
+        .get(&hold.slot)
+        .is_some_and(|current| Arc::ptr_eq(current, hold))
+    {
+        state.slots.remove(&hold.slot);
+    }
+}

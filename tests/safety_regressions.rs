@@ -1,0 +1,1380 @@
+//! Regression tests for the sequences an independent safety review found: ways for two
+//! owners to believe they hold one exclusive lock, or for a cancelled attempt to leave
+//! state behind in the store.
+//!
+//! Each test asserts the behaviour the library must have once fixed (the review's
+//! "intended" behaviour), one test per sequence and backend. Memory cases run on paused
+//! tokio time where leases or timeouts are involved; Redis cases run on a real
+//! `redis-server` per test (`common::redis_server`) in real time.
+//!
+//! Where a sequence needs a reply to arrive late, or a call to fail, the store is wrapped
+//! by [`Faulty`], which delegates every call to the real backend and only adds delays or
+//! failures around it; nothing is mocked.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{spawn_acquire, wait_until};
+use tokio::time::Instant;
+use tower_lock::backend::{
+    Acquire, BoxFuture, LockBackend, LockMode, LockRequest, Release, Subscription,
+};
+use tower_lock::kinds::MultiLock;
+use tower_lock::{Error, Lease, LockClient, LockGuard, LockKey, MemoryBackend, Owner, Result};
+
+// ---------------------------------------------------------------------------------------
+// The fault-injecting wrapper
+// ---------------------------------------------------------------------------------------
+
+/// Faults armed on a [`Faulty`] backend.
+#[derive(Default)]
+struct Faults {
+    /// The next acquire reaches the store and takes effect there, then its reply is held
+    /// back this long (a slow network on the way back).
+    delay_next_reply: Option<Duration>,
+    /// The next acquire fails with a retryable backend error without reaching the store.
+    fail_next_unsent: bool,
+    /// Every release waits this long before it reaches the store.
+    release_delay: Option<Duration>,
+    /// The next release waits this long before it reaches the store (so a release sent
+    /// after it can overtake it, as on another connection).
+    delay_next_release: Option<Duration>,
+}
+
+/// What a [`Faulty`] backend has seen, so tests can check that a fault really hit.
+#[derive(Default)]
+struct Seen {
+    /// Acquires answered by the store.
+    acquires: AtomicUsize,
+    /// Acquires applied by the store whose reply was then delayed.
+    delayed_replies: AtomicUsize,
+    /// Acquires failed without reaching the store.
+    failed_unsent: AtomicUsize,
+    releases_started: AtomicUsize,
+    releases_finished: AtomicUsize,
+}
+
+/// A real backend with faults injected around its calls. Every call is delegated to the
+/// wrapped store.
+#[derive(Clone)]
+struct Faulty {
+    inner: Arc<dyn LockBackend>,
+    faults: Arc<Mutex<Faults>>,
+    seen: Arc<Seen>,
+}
+
+impl Faulty {
+    fn new(inner: impl LockBackend) -> Self {
+        Faulty {
+            inner: Arc::new(inner),
+            faults: Arc::default(),
+            seen: Arc::default(),
+        }
+    }
+
+    fn arm(&self, f: impl FnOnce(&mut Faults)) {
+        f(&mut self.faults.lock().unwrap());
+    }
+
+    fn acquires(&self) -> usize {
+        self.seen.acquires.load(Ordering::SeqCst)
+    }
+
+    fn delayed_replies(&self) -> usize {
+        self.seen.delayed_replies.load(Ordering::SeqCst)
+    }
+
+    #[cfg_attr(not(feature = "axum"), allow(dead_code))]
+    fn failed_unsent(&self) -> usize {
+        self.seen.failed_unsent.load(Ordering::SeqCst)
+    }
+
+    /// Releases started (spawned ones included) that have not finished.
+    fn releases_in_flight(&self) -> usize {
+        self.seen.releases_started.load(Ordering::SeqCst)
+            - self.seen.releases_finished.load(Ordering::SeqCst)
+    }
+}
+
+/// Counts a release as finished when its future completes or is dropped.
+struct ReleaseInFlight(Arc<Seen>);
+
+impl Drop for ReleaseInFlight {
+    fn drop(&mut self) {
+        self.0.releases_finished.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl LockBackend for Faulty {
+    fn name(&self) -> &'static str {
+        "faulty"
+    }
+
+    fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
+        Box::pin(async move {
+            let (delay, fail) = {
+                let mut faults = self.faults.lock().unwrap();
+                (
+                    faults.delay_next_reply.take(),
+                    std::mem::take(&mut faults.fail_next_unsent),
+                )
+            };
+            if fail {
+                self.seen.failed_unsent.fetch_add(1, Ordering::SeqCst);
+                return Err(Error::Backend(
+                    "connection reset before the request was sent (injected)".into(),
+                ));
+            }
+            let outcome = self.inner.acquire(req).await;
+            self.seen.acquires.fetch_add(1, Ordering::SeqCst);
+            if let Some(delay) = delay {
+                self.seen.delayed_replies.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(delay).await;
+            }
+            outcome
+        })
+    }
+
+    fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>> {
+        self.inner.renew(req)
+    }
+
+    fn renew_many<'a>(&'a self, reqs: &'a [LockRequest]) -> BoxFuture<'a, Vec<Result<bool>>> {
+        self.inner.renew_many(reqs)
+    }
+
+    fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>> {
+        self.seen.releases_started.fetch_add(1, Ordering::SeqCst);
+        let in_flight = ReleaseInFlight(Arc::clone(&self.seen));
+        Box::pin(async move {
+            let _in_flight = in_flight;
+            let delay = {
+                let mut faults = self.faults.lock().unwrap();
+                faults.delay_next_release.take().or(faults.release_delay)
+            };
+            if let Some(delay) = delay {
+                tokio::time::sleep(delay).await;
+            }
+            self.inner.release(req).await
+        })
+    }
+
+    fn subscribe<'a>(
+        &'a self,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, Result<Box<dyn Subscription>>> {
+        self.inner.subscribe(req)
+    }
+
+    fn has_local_waiters(&self, req: &LockRequest) -> bool {
+        self.inner.has_local_waiters(req)
+    }
+
+    fn queues_waiters(&self, mode: LockMode) -> bool {
+        self.inner.queues_waiters(mode)
+    }
+
+    fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
+        self.inner.cancel_wait(req)
+    }
+
+    fn force_release<'a>(
+        &'a self,
+        key: &'a LockKey,
+        mode: LockMode,
+    ) -> BoxFuture<'a, Result<bool>> {
+        self.inner.force_release(key, mode)
+    }
+
+    fn watchdog_lease(&self) -> Option<Duration> {
+        self.inner.watchdog_lease()
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The two stores
+// ---------------------------------------------------------------------------------------
+
+/// A store under test: the wrapped backend every client uses, and what the store holds.
+trait Store {
+    fn faulty(&self) -> &Faulty;
+
+    /// A new client (a new set of owners) on the store.
+    fn client(&self) -> LockClient {
+        LockClient::new(self.faulty().clone())
+    }
+
+    /// The holds on `key`, described for messages; empty when nothing is held.
+    async fn holders(&self, key: &LockKey) -> Vec<String>;
+
+    /// How many waiters the store has queued for `key` (fair and read-write queue).
+    async fn queue_len(&self, key: &LockKey) -> usize;
+
+    /// How many waiters of this process are subscribed for `key`.
+    fn waiters(&self, key: &LockKey) -> usize;
+
+    /// Waits until nothing holds or queues on `key`, or panics saying what was left.
+    async fn wait_clear(&self, key: &LockKey, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(3);
+        loop {
+            let holders = self.holders(key).await;
+            let queued = self.queue_len(key).await;
+            if holders.is_empty() && queued == 0 {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{what}: {key} still has holds {holders:?} and {queued} queued waiter(s)"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}
+
+struct Memory {
+    backend: MemoryBackend,
+    faulty: Faulty,
+}
+
+impl Memory {
+    fn new() -> Self {
+        let backend = MemoryBackend::new();
+        Memory {
+            faulty: Faulty::new(backend.clone()),
+            backend,
+        }
+    }
+}
+
+impl Store for Memory {
+    fn faulty(&self) -> &Faulty {
+        &self.faulty
+    }
+
+    async fn holders(&self, key: &LockKey) -> Vec<String> {
+        self.backend
+            .holders(key)
+            .into_iter()
+            .map(|h| format!("{} {} x{}", h.owner, h.mode, h.holds))
+            .collect()
+    }
+
+    async fn queue_len(&self, key: &LockKey) -> usize {
+        self.backend.queue_len(key)
+    }
+
+    fn waiters(&self, key: &LockKey) -> usize {
+        self.backend.waiters(key)
+    }
+}
+
+#[cfg(feature = "redis")]
+struct Redis {
+    server: common::redis_server::RedisServer,
+    backend: tower_lock::RedisBackend,
+    faulty: Faulty,
+}
+
+#[cfg(feature = "redis")]
+impl Redis {
+    async fn start() -> Self {
+        let server = common::redis_server::RedisServer::start().await;
+        let backend = tower_lock::RedisBackend::connect(server.url())
+            .await
+            .unwrap();
+        Redis {
+            faulty: Faulty::new(backend.clone()),
+            backend,
+            server,
+        }
+    }
+
+    async fn pttl(&self, key: &LockKey) -> i64 {
+        redis::cmd("PTTL")
+            .arg(self.backend.lock_name(key))
+            .query_async(&mut self.server.conn().await)
+            .await
+            .unwrap()
+    }
+}
+
+#[cfg(feature = "redis")]
+impl Store for Redis {
+    fn faulty(&self) -> &Faulty {
+        &self.faulty
+    }
+
+    async fn holders(&self, key: &LockKey) -> Vec<String> {
+        let fields: Vec<(String, String)> = redis::cmd("HGETALL")
+            .arg(self.backend.lock_name(key))
+            .query_async(&mut self.server.conn().await)
+            .await
+            .unwrap();
+        fields
+            .into_iter()
+            .filter(|(field, _)| field != "mode")
+            .map(|(field, holds)| format!("{field} x{holds}"))
+            .collect()
+    }
+
+    async fn queue_len(&self, key: &LockKey) -> usize {
+        redis::cmd("LLEN")
+            .arg(self.backend.queue_name(key))
+            .query_async(&mut self.server.conn().await)
+            .await
+            .unwrap()
+    }
+
+    fn waiters(&self, key: &LockKey) -> usize {
+        self.backend.local_waiters(key)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Shared checks
+// ---------------------------------------------------------------------------------------
+
+/// Watches `guard`'s lock for at least `window`, and on until no release is in flight on
+/// the wrapper (a late release is what frees a hold behind its guard's back): another
+/// owner's `try_lock` must be busy throughout, and the guard must not report itself
+/// lost. Returns what went wrong, prefixed with `what`.
+async fn held_exclusively(
+    faulty: &Faulty,
+    intruder: &LockClient,
+    guard: &LockGuard,
+    window: Duration,
+    what: &str,
+) -> Vec<String> {
+    let lock = intruder
+        .lock_in_mode(guard.key().clone(), guard.mode())
+        .unwrap()
+        .with_owner(intruder.new_owner());
+    let started = Instant::now();
+    loop {
+        if guard.is_lost() {
+            return vec![format!("{what}: the guard reports its lock lost")];
+        }
+        match lock.try_lock().await {
+            Err(e) if e.is_busy() => {}
+            Ok(stolen) => {
+                let _ = stolen.unlock().await;
+                return vec![format!(
+                    "{what}: another owner acquired {} while the guard lived",
+                    guard.key()
+                )];
+            }
+            Err(e) => return vec![format!("{what}: the other owner's try_lock failed: {e}")],
+        }
+        let elapsed = started.elapsed();
+        if elapsed >= window && faulty.releases_in_flight() == 0 {
+            return Vec::new();
+        }
+        assert!(
+            elapsed < window + Duration::from_secs(5),
+            "{what}: a release stayed in flight for 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Fails listing `violations` (the first few, when there are many).
+fn assert_none(violations: Vec<String>) {
+    const SHOWN: usize = 8;
+    if violations.is_empty() {
+        return;
+    }
+    let more = match violations.len().saturating_sub(SHOWN) {
+        0 => String::new(),
+        n => format!("\n  ... and {n} more"),
+    };
+    panic!(
+        "{} violation(s):\n  {}{more}",
+        violations.len(),
+        violations[..violations.len().min(SHOWN)].join("\n  ")
+    );
+}
+
+fn key(name: impl Into<String>) -> LockKey {
+    LockKey::new(name.into()).unwrap()
+}
+
+/// How long to watch a hold for a late release: virtual time on memory, real on Redis.
+const WATCH: Duration = Duration::from_millis(150);
+
+// ---------------------------------------------------------------------------------------
+// 1. Drop, then re-lock by the same owner
+// ---------------------------------------------------------------------------------------
+
+/// How the owner is made explicit.
+#[derive(Clone, Copy, Debug)]
+enum Via {
+    WithOwner,
+    Scope,
+}
+
+/// Locks, drops the guard (its release is spawned) and locks again at once, as
+/// `lock`'s owner (explicit, or the current scope's). The second guard's lock must stay
+/// held while it lives, and its unlock must succeed.
+async fn relock_once(
+    store: &impl Store,
+    intruder: &LockClient,
+    lock: &tower_lock::Lock,
+    what: &str,
+) -> Vec<String> {
+    let g1 = lock.lock().await.unwrap();
+    drop(g1);
+    let g2 = lock.lock().await.unwrap();
+    let mut violations = held_exclusively(store.faulty(), intruder, &g2, WATCH, what).await;
+    if let Err(e) = g2.unlock().await {
+        violations.push(format!("{what}: the second guard's unlock failed: {e}"));
+    }
+    violations
+}
+
+/// [`relock_once`] `iterations` times, each on a fresh key and owner.
+async fn drop_then_relock(store: &impl Store, via: Via, iterations: usize) {
+    let client = store.client();
+    let intruder = store.client();
+    let mut violations = Vec::new();
+    for i in 0..iterations {
+        let key = key(format!("relock-{via:?}-{i}"));
+        let owner = client.new_owner();
+        let lock = client.get_lock(&key).unwrap();
+        let what = format!("run {i}");
+        violations.extend(match via {
+            Via::WithOwner => relock_once(store, &intruder, &lock.with_owner(owner), &what).await,
+            Via::Scope => {
+                owner
+                    .scope(relock_once(store, &intruder, &lock, &what))
+                    .await
+            }
+        });
+        store.wait_clear(&key, &what).await;
+    }
+    assert_none(violations);
+}
+
+// Sequence 1 (drop, then re-lock by the same owner), `Lock::with_owner`.
+#[tokio::test(start_paused = true)]
+async fn drop_then_relock_with_owner_keeps_the_new_hold_memory() {
+    drop_then_relock(&Memory::new(), Via::WithOwner, 5).await;
+}
+
+// Sequence 1 (drop, then re-lock by the same owner), `Owner::scope`.
+#[tokio::test(start_paused = true)]
+async fn drop_then_relock_in_an_owner_scope_keeps_the_new_hold_memory() {
+    drop_then_relock(&Memory::new(), Via::Scope, 5).await;
+}
+
+// Sequence 1 (drop, then re-lock by the same owner), `Lock::with_owner`, 20 runs.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn drop_then_relock_with_owner_keeps_the_new_hold_redis() {
+    drop_then_relock(&Redis::start().await, Via::WithOwner, 20).await;
+}
+
+// Sequence 1 (drop, then re-lock by the same owner), `Owner::scope`, 20 runs.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn drop_then_relock_in_an_owner_scope_keeps_the_new_hold_redis() {
+    drop_then_relock(&Redis::start().await, Via::Scope, 20).await;
+}
+
+#[cfg(feature = "axum")]
+mod web {
+    use axum::Router;
+    use axum::body::Body;
+    use axum::extract::Request;
+    use axum::routing::post;
+    use http::HeaderName;
+    pub use http::StatusCode;
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    use tower_lock::LockClient;
+    use tower_lock::extract::Locks;
+    use tower_lock::layer::{HeaderKey, LockLayer};
+
+    pub const USER: HeaderName = HeaderName::from_static("x-user-id");
+
+    /// The key the layer derives for user `1`.
+    pub const USER_KEY: &str = "user:{1}";
+
+    /// POSTs `/` as user 1.
+    pub async fn call(app: &Router) -> (StatusCode, String) {
+        let req = Request::post("/")
+            .header(USER, "1")
+            .body(Body::empty())
+            .unwrap();
+        let res = app.clone().oneshot(req).await.unwrap();
+        let status = res.status();
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8(body.to_vec()).unwrap())
+    }
+
+    /// The handler's verdict: `200 ok`, or `500` with what went wrong.
+    pub fn verdict(violations: Vec<String>) -> (StatusCode, String) {
+        if violations.is_empty() {
+            (StatusCode::OK, "ok".to_owned())
+        } else {
+            (StatusCode::INTERNAL_SERVER_ERROR, violations.join("\n  "))
+        }
+    }
+
+    /// A router whose handler loops `let _g = locks.lock(k).await?` `iterations` times,
+    /// checking each hold while `_g` lives.
+    pub fn relock_loop(
+        client: &LockClient,
+        faulty: super::Faulty,
+        intruder: LockClient,
+        iterations: usize,
+    ) -> Router {
+        let handler = move |locks: Locks| {
+            let (faulty, intruder) = (faulty.clone(), intruder.clone());
+            async move {
+                let mut violations = Vec::new();
+                for i in 0..iterations {
+                    let _g = match locks.lock("relock-in-handler").await {
+                        Ok(g) => g,
+                        Err(e) => return verdict(vec![format!("run {i}: lock failed: {e}")]),
+                    };
+                    let what = format!("run {i}");
+                    violations.extend(
+                        super::held_exclusively(&faulty, &intruder, &_g, super::WATCH, &what).await,
+                    );
+                }
+                verdict(violations)
+            }
+        };
+        Router::new()
+            .route("/", post(handler))
+            .layer(LockLayer::new(
+                client.clone(),
+                HeaderKey::new(USER).namespace("user"),
+            ))
+    }
+}
+
+/// A handler that re-locks one key in a loop through the `Locks` extractor; every hold
+/// must stay held for the iteration it belongs to.
+#[cfg(feature = "axum")]
+async fn relock_through_locks(store: &impl Store, iterations: usize) {
+    let client = store.client();
+    let app = web::relock_loop(&client, store.faulty().clone(), store.client(), iterations);
+    let (status, body) = web::call(&app).await;
+    assert_eq!(
+        status,
+        web::StatusCode::OK,
+        "the handler found violations:\n  {body}"
+    );
+    store
+        .wait_clear(&key("relock-in-handler"), "after the request")
+        .await;
+}
+
+// Sequence 1 (drop, then re-lock by the same owner) through an axum handler looping
+// `let _g = locks.lock(k).await?` with the `Locks` extractor.
+#[cfg(feature = "axum")]
+#[tokio::test(start_paused = true)]
+async fn drop_then_relock_through_the_locks_extractor_keeps_the_new_hold_memory() {
+    relock_through_locks(&Memory::new(), 5).await;
+}
+
+// Sequence 1 (drop, then re-lock by the same owner) through an axum handler, 20 loops.
+#[cfg(all(feature = "axum", feature = "redis"))]
+#[tokio::test]
+async fn drop_then_relock_through_the_locks_extractor_keeps_the_new_hold_redis() {
+    relock_through_locks(&Redis::start().await, 20).await;
+}
+
+// ---------------------------------------------------------------------------------------
+// 2. An expired guard comes back to life
+// ---------------------------------------------------------------------------------------
+
+/// After `g1` is lost and its owner locked again (`g2`): `g1` stays lost, its unlock says
+/// `Lost`, and `g2`'s hold is untouched.
+async fn old_guard_stays_lost(
+    store: &impl Store,
+    intruder: &LockClient,
+    g1: LockGuard,
+    g2: LockGuard,
+    what: &str,
+) -> Vec<String> {
+    let mut violations = Vec::new();
+    if !g1.is_lost() {
+        violations.push(format!(
+            "{what}: g1.is_lost() turned false again after the re-lock"
+        ));
+    }
+    match g1.unlock().await {
+        Err(Error::Lost) => {}
+        other => violations.push(format!(
+            "{what}: g1.unlock() returned {other:?}, not Err(Lost)"
+        )),
+    }
+    violations.extend(held_exclusively(store.faulty(), intruder, &g2, WATCH, what).await);
+    if let Err(e) = g2.unlock().await {
+        violations.push(format!("{what}: g2.unlock() failed: {e}"));
+    }
+    violations
+}
+
+/// g1 with a fixed 100 ms lease expires; owner B takes and releases the key; g1's owner
+/// locks again (g2).
+async fn expired_guard_then_relock(store: &impl Store) {
+    let client = store.client();
+    let intruder = store.client();
+    let key = key("expired-guard");
+    let lock = client
+        .get_lock(&key)
+        .unwrap()
+        .with_owner(client.new_owner());
+    let g1 = lock
+        .try_lock_for(Duration::ZERO, Duration::from_millis(100))
+        .await
+        .unwrap();
+    wait_until(
+        Duration::from_secs(3),
+        "g1's lease ends in the store",
+        || async { store.holders(&key).await.is_empty() },
+    )
+    .await;
+    wait_until(Duration::from_secs(1), "g1 knows it is lost", || async {
+        g1.is_lost()
+    })
+    .await;
+    let b = client.get_lock(&key).unwrap().try_lock().await.unwrap();
+    b.unlock().await.unwrap();
+    let g2 = lock.lock().await.unwrap();
+    let violations = old_guard_stays_lost(store, &intruder, g1, g2, "fixed lease").await;
+    store.wait_clear(&key, "at the end").await;
+    assert_none(violations);
+}
+
+// Sequence 2 (an expired guard comes back to life), fixed 100 ms lease.
+#[tokio::test(start_paused = true)]
+async fn an_expired_guard_stays_lost_after_its_owner_relocks_memory() {
+    expired_guard_then_relock(&Memory::new()).await;
+}
+
+// Sequence 2 (an expired guard comes back to life), fixed 100 ms lease.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn an_expired_guard_stays_lost_after_its_owner_relocks_redis() {
+    expired_guard_then_relock(&Redis::start().await).await;
+}
+
+// Sequence 2, watched variant: a watchdog guard whose renewals could not run before its
+// lease ended (time jumps far past the lease in one step, so the store expires the hold
+// before the watchdog renews it), then the same owner locks again. Two timings: the
+// re-lock comes before the watchdog's next look, or after the watchdog found the loss.
+#[tokio::test(start_paused = true)]
+async fn a_watchdog_guard_that_expired_unrenewed_stays_lost_after_its_owner_relocks_memory() {
+    let store = Memory::new();
+    let lease = Duration::from_millis(300);
+    let client = LockClient::builder(store.faulty().clone())
+        .watchdog_lease(lease)
+        .build()
+        .unwrap();
+    let intruder = store.client();
+    let mut violations = Vec::new();
+    for watchdog_looked_first in [false, true] {
+        let what = if watchdog_looked_first {
+            "re-lock after the watchdog's look"
+        } else {
+            "re-lock before the watchdog's look"
+        };
+        let key = key(format!("watched-expired-{watchdog_looked_first}"));
+        let lock = client
+            .get_lock(&key)
+            .unwrap()
+            .with_owner(client.new_owner());
+        let g1 = lock.lock().await.unwrap();
+        assert!(g1.is_watched());
+        tokio::time::advance(lease * 10).await;
+        assert!(g1.is_lost(), "{what}: the lease ended unrenewed");
+        assert!(
+            store.holders(&key).await.is_empty(),
+            "{what}: the store expired the hold"
+        );
+        if watchdog_looked_first {
+            wait_until(
+                Duration::from_secs(5),
+                "the watchdog dropped the lost hold",
+                || async { client.watched_locks() == 0 },
+            )
+            .await;
+        }
+        let g2 = lock.lock().await.unwrap();
+        violations.extend(old_guard_stays_lost(&store, &intruder, g1, g2, what).await);
+        store.wait_clear(&key, what).await;
+    }
+    assert_none(violations);
+}
+
+// ---------------------------------------------------------------------------------------
+// 3. Exclusive and fair lock on one name, one owner
+// ---------------------------------------------------------------------------------------
+
+/// Owner O holds the exclusive lock `k` and asks for the fair lock `k`: busy, and the
+/// exclusive hold is unaffected.
+async fn fair_after_exclusive(store: &impl Store) {
+    let client = store.client();
+    let intruder = store.client();
+    let key = key("exclusive-then-fair");
+    let owner = client.new_owner();
+    let exclusive = client
+        .get_lock(&key)
+        .unwrap()
+        .with_owner(owner.clone())
+        .lock()
+        .await
+        .unwrap();
+    let mut violations = Vec::new();
+    let fair = client
+        .get_fair_lock(&key)
+        .unwrap()
+        .with_owner(owner.clone())
+        .try_lock()
+        .await;
+    let fair = match fair {
+        Err(e) if e.is_busy() => None,
+        Ok(g) => {
+            violations.push(format!(
+                "the fair lock was granted to the exclusive lock's owner (hold count {})",
+                g.hold_count()
+            ));
+            Some(g)
+        }
+        Err(e) => {
+            violations.push(format!("the fair try_lock failed with {e:?}, not Busy"));
+            None
+        }
+    };
+    violations.extend(
+        held_exclusively(
+            store.faulty(),
+            &intruder,
+            &exclusive,
+            WATCH,
+            "exclusive hold",
+        )
+        .await,
+    );
+    if let Err(e) = exclusive.unlock().await {
+        violations.push(format!("the exclusive unlock failed: {e}"));
+    }
+    if let Some(fair) = fair {
+        let holders = store.holders(&key).await;
+        if holders.is_empty() && !fair.is_lost() {
+            violations.push(
+                "unlocking the exclusive guard freed the fair hold, and the fair guard is not lost"
+                    .to_owned(),
+            );
+        }
+        let _ = fair.unlock().await;
+    }
+    store.wait_clear(&key, "at the end").await;
+    assert_none(violations);
+}
+
+// Sequence 3 (exclusive and fair lock on one name, one owner): the fair lock is busy.
+#[tokio::test]
+async fn the_fair_lock_is_busy_for_the_owner_of_the_exclusive_lock_of_the_same_name_memory() {
+    fair_after_exclusive(&Memory::new()).await;
+}
+
+// Sequence 3 (exclusive and fair lock on one name, one owner): the fair lock is busy.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn the_fair_lock_is_busy_for_the_owner_of_the_exclusive_lock_of_the_same_name_redis() {
+    fair_after_exclusive(&Redis::start().await).await;
+}
+
+/// A MultiLock over [exclusive k, fair k] with one owner: `try_lock` fails and nothing
+/// is left held or queued.
+async fn multilock_exclusive_and_fair(store: &impl Store) {
+    let client = store.client();
+    let key = key("multi-exclusive-fair");
+    let multi = MultiLock::new([
+        client.get_lock(&key).unwrap(),
+        client.get_fair_lock(&key).unwrap(),
+    ])
+    .with_owner(client.new_owner());
+    let outcome = multi.try_lock().await;
+    let mut violations = Vec::new();
+    match outcome {
+        Err(_) => {}
+        Ok(both) => {
+            violations.push(format!(
+                "try_lock succeeded, hold counts {:?}",
+                both.guards()
+                    .iter()
+                    .map(LockGuard::hold_count)
+                    .collect::<Vec<_>>()
+            ));
+            let _ = both.unlock().await;
+        }
+    }
+    store.wait_clear(&key, "after the MultiLock").await;
+    assert_none(violations);
+}
+
+// Sequence 3: a MultiLock over [exclusive k, fair k] with one owner must not succeed.
+#[tokio::test]
+async fn a_multilock_over_the_exclusive_and_fair_lock_of_one_name_fails_and_holds_nothing_memory() {
+    multilock_exclusive_and_fair(&Memory::new()).await;
+}
+
+// Sequence 3: a MultiLock over [exclusive k, fair k] with one owner must not succeed.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_multilock_over_the_exclusive_and_fair_lock_of_one_name_fails_and_holds_nothing_redis() {
+    multilock_exclusive_and_fair(&Redis::start().await).await;
+}
+
+// ---------------------------------------------------------------------------------------
+// 4. A cancelled fair or read-write attempt stays in the queue
+// ---------------------------------------------------------------------------------------
+
+/// A holder holds `key` in `holder`; an attempt in `cancelled` mode is queued by the
+/// store, then cancelled before its reply arrives; a waiter in `next` mode queues
+/// behind. When the holder unlocks, the waiter must get the lock promptly (not after the
+/// cancelled attempt's place times out), and the queue must be empty afterwards.
+async fn cancelled_queued_attempt(
+    store: &impl Store,
+    holder: LockMode,
+    cancelled: LockMode,
+    next: LockMode,
+) {
+    let client = store.client();
+    let key = key(format!("cancelled-{cancelled}"));
+    let lock = |mode| client.lock_in_mode(&key, mode).unwrap();
+    let held = lock(holder).lock().await.unwrap();
+
+    store
+        .faulty()
+        .arm(|f| f.delay_next_reply = Some(Duration::from_secs(2)));
+    let attempt = tokio::time::timeout(Duration::from_millis(100), lock(cancelled).lock()).await;
+    assert!(attempt.is_err(), "the attempt's reply was held back");
+    assert_eq!(
+        store.faulty().delayed_replies(),
+        1,
+        "the store applied the cancelled attempt"
+    );
+
+    // The waiter is asleep once it has subscribed and tried again after subscribing.
+    let attempts = store.faulty().acquires();
+    let waiter = spawn_acquire(lock(next), Duration::from_secs(20));
+    wait_until(Duration::from_secs(5), "the next waiter waits", || async {
+        store.waiters(&key) == 1 && store.faulty().acquires() >= attempts + 2
+    })
+    .await;
+    let queued = store.queue_len(&key).await;
+    let released_at = Instant::now();
+    held.unlock().await.unwrap();
+    let (acquired_at, guard) = waiter.await.unwrap().unwrap();
+    let handoff = acquired_at.duration_since(released_at);
+    guard.unlock().await.unwrap();
+    assert!(
+        handoff < Duration::from_millis(500),
+        "the next {next} waiter got the lock {handoff:?} after the holder unlocked \
+         (the queue had {queued} entries when the holder unlocked; the waiter is one)"
+    );
+    store
+        .wait_clear(&key, "the queue after the waiter unlocked")
+        .await;
+}
+
+// Sequence 4 (a cancelled fair attempt stays in the queue).
+#[tokio::test(start_paused = true)]
+async fn a_cancelled_fair_attempt_leaves_the_queue_memory() {
+    cancelled_queued_attempt(
+        &Memory::new(),
+        LockMode::Fair,
+        LockMode::Fair,
+        LockMode::Fair,
+    )
+    .await;
+}
+
+// Sequence 4 (a cancelled read attempt stays in the queue): a writer queued behind the
+// cancelled reader.
+#[tokio::test(start_paused = true)]
+async fn a_cancelled_read_attempt_leaves_the_queue_memory() {
+    cancelled_queued_attempt(
+        &Memory::new(),
+        LockMode::Write,
+        LockMode::Read,
+        LockMode::Write,
+    )
+    .await;
+}
+
+// Sequence 4 (a cancelled write attempt stays in the queue).
+#[tokio::test(start_paused = true)]
+async fn a_cancelled_write_attempt_leaves_the_queue_memory() {
+    cancelled_queued_attempt(
+        &Memory::new(),
+        LockMode::Write,
+        LockMode::Write,
+        LockMode::Write,
+    )
+    .await;
+}
+
+// Sequence 4 (a cancelled fair attempt stays in the queue).
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_cancelled_fair_attempt_leaves_the_queue_redis() {
+    cancelled_queued_attempt(
+        &Redis::start().await,
+        LockMode::Fair,
+        LockMode::Fair,
+        LockMode::Fair,
+    )
+    .await;
+}
+
+// Sequence 4 (a cancelled read attempt stays in the queue): a writer queued behind the
+// cancelled reader.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_cancelled_read_attempt_leaves_the_queue_redis() {
+    cancelled_queued_attempt(
+        &Redis::start().await,
+        LockMode::Write,
+        LockMode::Read,
+        LockMode::Write,
+    )
+    .await;
+}
+
+// Sequence 4 (a cancelled write attempt stays in the queue).
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_cancelled_write_attempt_leaves_the_queue_redis() {
+    cancelled_queued_attempt(
+        &Redis::start().await,
+        LockMode::Write,
+        LockMode::Write,
+        LockMode::Write,
+    )
+    .await;
+}
+
+// ---------------------------------------------------------------------------------------
+// 5. Phantom holds
+// ---------------------------------------------------------------------------------------
+
+/// An acquire by a fixed owner (`with_owner`), applied by the store with a 30 s lease,
+/// is cancelled before its reply arrives. The key must be free again promptly, and no
+/// hold of that owner may stay in the store.
+async fn cancelled_fixed_owner_attempt(store: &impl Store) {
+    let client = store.client();
+    let other = store.client();
+    let key = key("phantom");
+    let owner = client.new_owner();
+    store
+        .faulty()
+        .arm(|f| f.delay_next_reply = Some(Duration::from_secs(2)));
+    let attempt = tokio::time::timeout(
+        Duration::from_millis(100),
+        client
+            .get_lock(&key)
+            .unwrap()
+            .with_owner(owner.clone())
+            .try_lock_for(Duration::ZERO, Duration::from_secs(30)),
+    )
+    .await;
+    assert!(attempt.is_err(), "the attempt's reply was held back");
+    assert_eq!(
+        store.faulty().delayed_replies(),
+        1,
+        "the store applied the cancelled attempt"
+    );
+
+    let started = Instant::now();
+    let next = other
+        .get_lock(&key)
+        .unwrap()
+        .with_owner(other.new_owner())
+        .try_lock_for(Duration::from_secs(1), Lease::Watchdog)
+        .await;
+    let took = started.elapsed();
+    let holders = store.holders(&key).await;
+    let next = next.unwrap_or_else(|e| {
+        panic!(
+            "the key stayed locked after the cancelled attempt: {e} (after {took:?}; holds {holders:?})"
+        )
+    });
+    assert!(
+        !holders.iter().any(|h| h.contains(owner.as_str())),
+        "the cancelled owner still has a hold: {holders:?}"
+    );
+    next.unlock().await.unwrap();
+    store.wait_clear(&key, "at the end").await;
+}
+
+// Sequence 5 (phantom holds): a cancelled acquire by a fixed owner.
+#[tokio::test(start_paused = true)]
+async fn a_cancelled_attempt_by_a_fixed_owner_leaves_no_phantom_hold_memory() {
+    cancelled_fixed_owner_attempt(&Memory::new()).await;
+}
+
+// Sequence 5 (phantom holds): a cancelled acquire by a fixed owner.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_cancelled_attempt_by_a_fixed_owner_leaves_no_phantom_hold_redis() {
+    cancelled_fixed_owner_attempt(&Redis::start().await).await;
+}
+
+// ---------------------------------------------------------------------------------------
+// 6. fail_open and the pending compensation
+// ---------------------------------------------------------------------------------------
+
+/// The layer's attempt fails without reaching the store and fail-open serves the
+/// request; the compensating release for that attempt is slow. The handler locks the
+/// same key through `Locks` and keeps it ~1 s: nobody else may get it meanwhile.
+#[cfg(feature = "axum")]
+async fn fail_open_then_lock_in_the_handler(store: &impl Store) {
+    use axum::Router;
+    use axum::routing::post;
+    use tower_lock::extract::Locks;
+    use tower_lock::layer::{HeaderKey, LockLayer};
+
+    let client = store.client();
+    let faulty = store.faulty().clone();
+    let intruder = store.client();
+    let handler = move |locks: Locks| {
+        let (faulty, intruder) = (faulty.clone(), intruder.clone());
+        async move {
+            let guard = match locks.lock(web::USER_KEY).await {
+                Ok(g) => g,
+                Err(e) => return web::verdict(vec![format!("the handler's lock failed: {e}")]),
+            };
+            let mut violations = held_exclusively(
+                &faulty,
+                &intruder,
+                &guard,
+                Duration::from_secs(1),
+                "the handler's hold",
+            )
+            .await;
+            if let Err(e) = guard.unlock().await {
+                violations.push(format!("the handler's unlock failed: {e}"));
+            }
+            web::verdict(violations)
+        }
+    };
+    let layer = LockLayer::builder(client, HeaderKey::new(web::USER).namespace("user"))
+        .fail_open(true)
+        .build()
+        .unwrap();
+    let app = Router::new().route("/", post(handler)).layer(layer);
+
+    store.faulty().arm(|f| {
+        f.fail_next_unsent = true;
+        f.release_delay = Some(Duration::from_millis(300));
+    });
+    let (status, body) = web::call(&app).await;
+    store.faulty().arm(|f| f.release_delay = None);
+    assert_eq!(
+        store.faulty().failed_unsent(),
+        1,
+        "the layer's attempt failed"
+    );
+    assert_eq!(
+        status,
+        web::StatusCode::OK,
+        "the handler found violations:\n  {body}"
+    );
+    store
+        .wait_clear(&key(web::USER_KEY), "after the request")
+        .await;
+}
+
+// Sequence 6 (fail_open serves the request as the owner whose compensating release is
+// still pending).
+#[cfg(feature = "axum")]
+#[tokio::test(start_paused = true)]
+async fn a_late_fail_open_compensation_never_frees_the_handlers_lock_memory() {
+    fail_open_then_lock_in_the_handler(&Memory::new()).await;
+}
+
+// Sequence 6 (fail_open serves the request as the owner whose compensating release is
+// still pending).
+#[cfg(all(feature = "axum", feature = "redis"))]
+#[tokio::test]
+async fn a_late_fail_open_compensation_never_frees_the_handlers_lock_redis() {
+    fail_open_then_lock_in_the_handler(&Redis::start().await).await;
+}
+
+// ---------------------------------------------------------------------------------------
+// 7a. Concurrent unlocks of one owner's re-entrant guards
+// ---------------------------------------------------------------------------------------
+
+/// How the two unlocks run at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Together {
+    /// `tokio::join!(g1.unlock(), g2.unlock())` on one task.
+    Joined,
+    /// Each unlock in a task of its own, in parallel on a multi-thread runtime.
+    Spawned,
+    /// `tokio::join!`, with g1's release reaching the store 20 ms late, after g2's (two
+    /// commands in flight delivered out of order, as over two connections).
+    JoinedOutOfOrder,
+}
+
+/// 50 rounds of each [`Together`]: g1, then re-entered g2, then both unlocked at once.
+/// Both unlocks must return Ok: the owner held the lock twice and released it twice.
+async fn concurrent_unlocks(store: &impl Store) {
+    const RUNS: usize = 50;
+    let client = store.client();
+    let mut violations = Vec::new();
+    for i in 0..RUNS {
+        for how in [
+            Together::Joined,
+            Together::Spawned,
+            Together::JoinedOutOfOrder,
+        ] {
+            let key = key(format!("concurrent-unlock-{i}-{how:?}"));
+            let lock = client
+                .get_lock(&key)
+                .unwrap()
+                .with_owner(client.new_owner());
+            let g1 = lock.lock().await.unwrap();
+            let g2 = lock.lock().await.unwrap();
+            assert_eq!(g2.hold_count(), 2);
+            let (r1, r2) = match how {
+                Together::Joined => tokio::join!(g1.unlock(), g2.unlock()),
+                Together::Spawned => {
+                    let (a, b) = tokio::join!(tokio::spawn(g1.unlock()), tokio::spawn(g2.unlock()));
+                    (a.unwrap(), b.unwrap())
+                }
+                Together::JoinedOutOfOrder => {
+                    store
+                        .faulty()
+                        .arm(|f| f.delay_next_release = Some(Duration::from_millis(20)));
+                    tokio::join!(g1.unlock(), g2.unlock())
+                }
+            };
+            if r1.is_err() || r2.is_err() {
+                violations.push((how, format!("run {i}: g1 → {r1:?}, g2 → {r2:?}")));
+            }
+            store.wait_clear(&key, "after both unlocks").await;
+        }
+    }
+    // One line per way of unlocking: how often an unlock failed, and the first case.
+    let summary = [
+        Together::Joined,
+        Together::Spawned,
+        Together::JoinedOutOfOrder,
+    ]
+    .into_iter()
+    .filter_map(|how| {
+        let failed: Vec<&String> = violations
+            .iter()
+            .filter(|(h, _)| *h == how)
+            .map(|(_, v)| v)
+            .collect();
+        let first = failed.first()?;
+        Some(format!(
+            "{how:?}: {} of {RUNS} runs, e.g. {first}",
+            failed.len()
+        ))
+    })
+    .collect();
+    assert_none(summary);
+}
+
+// Sequence 7a (two concurrent unlocks of one owner's re-entrant guards).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_unlocks_of_reentrant_guards_both_succeed_memory() {
+    concurrent_unlocks(&Memory::new()).await;
+}
+
+// Sequence 7a (two concurrent unlocks of one owner's re-entrant guards).
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_unlocks_of_reentrant_guards_both_succeed_redis() {
+    concurrent_unlocks(&Redis::start().await).await;
+}
+
+// ---------------------------------------------------------------------------------------
+// 7b. The watchdog task lives on whichever runtime registered first
+// ---------------------------------------------------------------------------------------
+
+const SHORT_LEASE: Duration = Duration::from_millis(300);
+
+/// `client` is shared by two runtimes on separate threads. Runtime A takes a watched
+/// lock first (so the watchdog task runs on A), runtime `b` takes a watched lock, then A
+/// shuts down. B's lock must still be renewed, with no further registration, for four
+/// lease periods: `intruder` never gets it and it is never lost.
+fn renewals_outlive_the_first_runtime(
+    b: &tokio::runtime::Runtime,
+    client: LockClient,
+    intruder: LockClient,
+) {
+    let (a_locked, a_locked_rx) = std::sync::mpsc::channel();
+    let (shut_a, shut_a_rx) = std::sync::mpsc::channel::<()>();
+    let client_a = client.clone();
+    let a = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let guard = client_a
+                .get_lock("first-on-a")
+                .unwrap()
+                .lock()
+                .await
+                .unwrap();
+            assert!(guard.is_watched());
+            // Keep it watched until A is gone, so the task on A is alive meanwhile.
+            std::mem::forget(guard);
+        });
+        a_locked.send(()).unwrap();
+        shut_a_rx.recv().unwrap();
+        drop(runtime);
+    });
+    a_locked_rx.recv().unwrap();
+    let guard = b.block_on(client.get_lock("second-on-b").unwrap().lock());
+    let guard = guard.unwrap();
+    shut_a.send(()).unwrap();
+    a.join().unwrap();
+    b.block_on(async {
+        let lock = intruder
+            .get_lock("second-on-b")
+            .unwrap()
+            .with_owner(intruder.new_owner());
+        let until = Instant::now() + SHORT_LEASE * 4;
+        while Instant::now() < until {
+            assert!(
+                !guard.is_lost(),
+                "B's lock was lost: nothing renewed it after runtime A shut down"
+            );
+            if let Ok(stolen) = lock.try_lock().await {
+                let _ = stolen.unlock().await;
+                panic!(
+                    "another client took B's lock: nothing renewed it after runtime A shut down"
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        guard.unlock().await.unwrap();
+    });
+}
+
+// Sequence 7b (the watchdog task lives on whichever runtime registered first).
+#[test]
+fn the_watchdog_keeps_renewing_after_the_runtime_it_started_on_shuts_down_memory() {
+    let b = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = Memory::new();
+    let client = LockClient::builder(store.faulty().clone())
+        .watchdog_lease(SHORT_LEASE)
+        .build()
+        .unwrap();
+    renewals_outlive_the_first_runtime(&b, client, store.client());
+}
+
+// Sequence 7b (the watchdog task lives on whichever runtime registered first).
+#[cfg(feature = "redis")]
+#[test]
+fn the_watchdog_keeps_renewing_after_the_runtime_it_started_on_shuts_down_redis() {
+    // Runtime B makes the server and the connection, so both outlive runtime A.
+    let b = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = b.block_on(Redis::start());
+    let client = LockClient::builder(store.faulty().clone())
+        .watchdog_lease(SHORT_LEASE)
+        .build()
+        .unwrap();
+    renewals_outlive_the_first_runtime(&b, client, store.client());
+    drop(store);
+}
+
+// ---------------------------------------------------------------------------------------
+// 7c. Owners the read-write scripts would misread
+// ---------------------------------------------------------------------------------------
+
+// Sequence 7c: `Owner::from_raw` rejects owners ending in `:read` or `:write`, which the
+// read-write scripts take for queue entries or write fields.
+#[test]
+fn owner_from_raw_rejects_owners_ending_in_read_or_write() {
+    for raw in ["client:read", "client:write", "a:b:read", ":write"] {
+        match Owner::from_raw(raw) {
+            Err(Error::InvalidConfig { .. }) => {}
+            other => panic!("Owner::from_raw({raw:?}) gave {other:?}, not InvalidConfig"),
+        }
+    }
+    // Only the exact suffixes are reserved.
+    for raw in ["client:1", "client:reader", "read", "client:writes"] {
+        assert!(Owner::from_raw(raw).is_ok(), "{raw:?} is a valid owner");
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 7d. A hold with no expiry keeps none
+// ---------------------------------------------------------------------------------------
+
+// Sequence 7d: a hold with no expiry (PERSISTed after acquiring) stays without expiry
+// when its owner re-enters it through `LockBackend::acquire`, and when one of its holds
+// is released (the lease is "extended, never shortened" in both).
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn reentry_keeps_a_hold_without_expiry_without_expiry_redis() {
+    let store = Redis::start().await;
+    let backend = &store.backend;
+    let key = key("persisted");
+    let req = LockRequest::new(
+        key.clone(),
+        Owner::from_raw("persisted-owner:1").unwrap(),
+        LockMode::Exclusive,
+        Duration::from_secs(30),
+    );
+    assert!(matches!(
+        backend.acquire(&req).await.unwrap(),
+        Acquire::Acquired(g) if g.holds() == 1
+    ));
+    let persisted: i64 = redis::cmd("PERSIST")
+        .arg(backend.lock_name(&key))
+        .query_async(&mut store.server.conn().await)
+        .await
+        .unwrap();
+    assert_eq!(persisted, 1);
+    assert_eq!(store.pttl(&key).await, -1, "the hold has no expiry");
+
+    let mut violations = Vec::new();
+    assert!(matches!(
+        backend.acquire(&req).await.unwrap(),
+        Acquire::Acquired(g) if g.holds() == 2
+    ));
+    let pttl = store.pttl(&key).await;
+    if pttl != -1 {
+        violations.push(format!("after a re-entry the hold expires in {pttl} ms"));
+    }
+    assert!(matches!(
+        backend.release(&req).await.unwrap(),
+        Release::Decremented { holds: 1 }
+    ));
+    let pttl = store.pttl(&key).await;
+    if pttl != -1 {
+        violations.push(format!(
+            "after releasing one of two holds the hold expires in {pttl} ms"
+        ));
+    }
+    assert_eq!(backend.release(&req).await.unwrap(), Release::Released);
+    assert_none(violations);
+}
