@@ -150,12 +150,14 @@ async fn client(args: &Args) -> Result<LockClient, String> {
         let mut nodes = Vec::new();
         for url in &args.urls {
             // A node that is down should cost one refused connection per call, not a
-            // chain of reconnection attempts: the other nodes carry the quorum.
+            // chain of reconnection attempts, and must not keep the process from
+            // starting: the other nodes carry the quorum, and it rejoins when it is back.
             let node = RedisBackend::builder(url.as_str())
                 .reconnect_retries(0)
+                .lazy_connect(true)
                 .build()
                 .await
-                .map_err(|e| format!("connecting to {url}: {e}"))?;
+                .map_err(|e| format!("node {url}: {e}"))?;
             nodes.push(node);
         }
         let redlock = RedLock::new(nodes).map_err(|e| format!("redlock: {e}"))?;

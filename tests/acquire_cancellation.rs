@@ -31,6 +31,8 @@ struct Stalls {
     reply_delay: Option<Duration>,
     /// The next acquire fails without ever reaching the store.
     fail_next_unsent: bool,
+    /// The backend's clock-drift allowance (as a quorum backend has).
+    drift: Duration,
 }
 
 #[derive(Clone, Default)]
@@ -119,6 +121,10 @@ impl LockBackend for Gated {
         mode: LockMode,
     ) -> BoxFuture<'a, Result<bool>> {
         self.inner.force_release(key, mode)
+    }
+
+    fn clock_drift(&self, _lease: Duration) -> Duration {
+        self.stalls.lock().unwrap().drift
     }
 }
 
@@ -284,6 +290,34 @@ async fn lost_fires_when_the_lease_ends_though_renewals_hang() {
         "lost {after:?} after acquiring, lease {lease:?}"
     );
     assert!(guard.is_lost());
+    backend.stall(|s| s.renew = false);
+}
+
+/// A renewal counts for the lease less the backend's clock-drift allowance, from when it
+/// was sent: with renewals hanging after the first, the loss is known at exactly
+/// first renewal + lease − drift.
+#[tokio::test(start_paused = true)]
+async fn renewals_count_the_lease_less_the_backends_clock_drift() {
+    let backend = Gated::default();
+    backend.stall(|s| s.drift = Duration::from_millis(50));
+    let lease = Duration::from_millis(300);
+    let client = LockClient::builder(backend.clone())
+        .watchdog_lease(lease)
+        .build()
+        .unwrap();
+    let key = LockKey::new("drift").unwrap();
+    let t0 = Instant::now();
+    let guard = client.get_lock(&key).unwrap().lock().await.unwrap();
+    // The first renewal (at t0 + 100 ms) goes through; the later ones hang.
+    tokio::time::sleep_until(t0 + Duration::from_millis(150)).await;
+    assert!(!guard.is_lost());
+    backend.stall(|s| s.renew = true);
+    guard.lost().wait().await;
+    assert_eq!(
+        Instant::now() - t0,
+        Duration::from_millis(100 + 300 - 50),
+        "believed past the first renewal's lease less the drift"
+    );
     backend.stall(|s| s.renew = false);
 }
 

@@ -47,7 +47,7 @@ mod imp {
         if args.first().map(String::as_str) == Some("--holder") {
             return holder_main(&args[1..]);
         }
-        let scenarios: [(&str, Scenario); 10] = [
+        let scenarios: [(&str, Scenario); 11] = [
             ("holder_sigkill_frees_lock_within_lease", || {
                 Box::pin(holder_sigkill_frees_lock_within_lease())
             }),
@@ -69,6 +69,10 @@ mod imp {
             (
                 "redlock_two_nodes_killed_mid_run_three_hammers_stay_exact",
                 || Box::pin(redlock_two_nodes_killed_mid_run_three_hammers_stay_exact()),
+            ),
+            (
+                "redlock_hammers_start_with_two_nodes_down_and_stay_exact",
+                || Box::pin(redlock_hammers_start_with_two_nodes_down_and_stay_exact()),
             ),
             (
                 "redlock_three_nodes_killed_hammer_fails_with_no_quorum_within_its_wait",
@@ -763,6 +767,59 @@ mod imp {
         for node in nodes.iter().filter(|n| n.is_running()) {
             let exists: i64 = redis::cmd("EXISTS")
                 .arg("redlock")
+                .query_async(&mut node.conn().await)
+                .await
+                .unwrap();
+            assert_eq!(exists, 0, "the lock was left behind on a node");
+        }
+    }
+
+    /// Two of five nodes are down before any process starts: three `hammer --kind
+    /// redlock` processes start anyway (a node down is a failed vote, not a failed
+    /// client) and keep the counter exact on the other three.
+    async fn redlock_hammers_start_with_two_nodes_down_and_stay_exact() {
+        const ITERS: u64 = 40;
+        let mut nodes = five_servers().await;
+        let counter = RedisServer::start().await;
+        let mut raw = counter.conn().await;
+        let urls = urls(&nodes);
+        nodes[0].kill();
+        nodes[4].kill();
+        let iters = ITERS.to_string();
+        let mut children = Vec::new();
+        for _ in 0..3 {
+            children.push(spawn_hammer(&[
+                "--kind",
+                "redlock",
+                "--url",
+                &urls,
+                "--counter-url",
+                &counter.url(),
+                "--name",
+                "down-at-start",
+                "--iters",
+                &iters,
+                "--counter-key",
+                "down-at-start:counter",
+                "--wait-ms",
+                "30000",
+            ]));
+        }
+        for out in outputs(children, Duration::from_secs(120)).await {
+            assert!(
+                out.status.success(),
+                "hammer failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        assert_eq!(
+            get_u64(&mut raw, "down-at-start:counter").await,
+            3 * ITERS,
+            "lost updates: the processes did not exclude each other"
+        );
+        for node in nodes.iter().filter(|n| n.is_running()) {
+            let exists: i64 = redis::cmd("EXISTS")
+                .arg("down-at-start")
                 .query_async(&mut node.conn().await)
                 .await
                 .unwrap();

@@ -52,14 +52,35 @@ impl Red {
     }
 }
 
-/// A RedLock over one new backend per server (another process would have its own).
+/// A RedLock over one new backend per server (another process would have its own). The
+/// nodes connect on first use, so servers that are down do not keep it from starting.
 async fn redlock_on(servers: &[RedisServer]) -> (Vec<RedisBackend>, RedLock) {
     let mut backends = Vec::new();
     for server in servers {
-        backends.push(RedisBackend::connect(server.url()).await.unwrap());
+        let node = RedisBackend::builder(server.url())
+            .lazy_connect(true)
+            .build()
+            .await
+            .unwrap();
+        backends.push(node);
     }
     let redlock = RedLock::new(backends.iter().cloned()).unwrap();
     (backends, redlock)
+}
+
+/// How many running servers hold `key` with `holder`'s field.
+async fn nodes_holding(servers: &[RedisServer], key: &LockKey, holder: &str) -> usize {
+    let mut holding = 0;
+    for server in servers.iter().filter(|s| s.is_running()) {
+        let held: i64 = redis::cmd("HEXISTS")
+            .arg(key.as_str())
+            .arg(holder)
+            .query_async(&mut server.conn().await)
+            .await
+            .unwrap();
+        holding += usize::try_from(held).unwrap();
+    }
+    holding
 }
 
 fn client(redlock: &RedLock, watchdog_lease: Duration) -> LockClient {
@@ -189,4 +210,144 @@ async fn node_restarted_empty_does_not_let_a_second_owner_in() {
         .await
         .expect("free once the holder let go");
     guard.unlock().await.unwrap();
+}
+
+/// A client starts, locks and excludes with two of five nodes down from the start (its
+/// nodes connect lazily); the two rejoin when they come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_nodes_down_from_the_start_do_not_keep_a_client_from_locking() {
+    let mut servers = Vec::new();
+    for _ in 0..5 {
+        servers.push(RedisServer::start().await);
+    }
+    servers[1].kill();
+    servers[3].kill();
+    let (_, redlock) = redlock_on(&servers).await;
+    let (_, other) = redlock_on(&servers).await;
+    let key = LockKey::new("down-at-start").unwrap();
+    let lock = client(&redlock, Duration::from_secs(30))
+        .get_lock(&key)
+        .unwrap();
+    let other = client(&other, Duration::from_secs(30))
+        .get_lock(&key)
+        .unwrap();
+
+    let guard = lock
+        .try_lock_for(Duration::from_secs(5), Lease::Watchdog)
+        .await
+        .expect("three of five nodes are a quorum");
+    assert_eq!(
+        nodes_holding(&servers, &key, guard.holder().as_str()).await,
+        3
+    );
+    let err = other.try_lock().await.unwrap_err();
+    assert!(err.is_busy(), "{err:?}");
+    guard.unlock().await.unwrap();
+
+    // Back (empty): the next lock is held by all five.
+    servers[1].restart().await;
+    servers[3].restart().await;
+    let guard = lock
+        .try_lock_for(Duration::from_secs(5), Lease::Watchdog)
+        .await
+        .unwrap();
+    common::wait_until(Duration::from_secs(5), "all five nodes hold it", || async {
+        nodes_holding(&servers, &key, guard.holder().as_str()).await == 5
+    })
+    .await;
+    guard.unlock().await.unwrap();
+}
+
+/// Every node is restarted empty, one at a time, while a watched lock is held: the
+/// watchdog retakes each restarted node, so the lock is held by a quorum throughout and
+/// at the end, and no second owner ever gets in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rolling_restarts_of_every_node_keep_a_watched_lock() {
+    let mut servers = Vec::new();
+    for _ in 0..5 {
+        servers.push(RedisServer::start().await);
+    }
+    let (_, redlock) = redlock_on(&servers).await;
+    let (_, other) = redlock_on(&servers).await;
+    let key = LockKey::new("rolling").unwrap();
+    // Renewed every 300 ms.
+    let holder = client(&redlock, Duration::from_millis(900))
+        .get_lock(&key)
+        .unwrap()
+        .lock()
+        .await
+        .unwrap();
+    let field = holder.holder().to_string();
+    let other = client(&other, Duration::from_secs(30))
+        .get_lock(&key)
+        .unwrap();
+
+    for (i, server) in servers.iter_mut().enumerate() {
+        server.restart().await;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            // A second owner never gets in, on a quorum of restarted nodes or otherwise.
+            match other.try_lock().await {
+                Ok(guard) => panic!("a second owner got in after restarting node {i}: {guard:?}"),
+                Err(err) => assert!(
+                    err.is_busy() || matches!(err, Error::NoQuorum { .. }),
+                    "{err:?}"
+                ),
+            }
+            let mut conn = server.conn().await;
+            let retaken: i64 = redis::cmd("HEXISTS")
+                .arg(key.as_str())
+                .arg(&field)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            if retaken == 1 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "node {i} was not retaken after its restart"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(!holder.is_lost(), "lost after restarting node {i}");
+    }
+    assert_eq!(nodes_holding(&servers, &key, &field).await, 5);
+    holder
+        .unlock()
+        .await
+        .expect("held by every node at the end");
+    let guard = other.try_lock().await.expect("free once released");
+    guard.unlock().await.unwrap();
+}
+
+/// Three of five nodes go away: the holder is told its lock is lost at the next renewal
+/// (it can no longer show a quorum), not an error retried until the lease runs out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn losing_the_quorum_is_a_loss_at_the_next_renewal() {
+    let mut servers = Vec::new();
+    for _ in 0..5 {
+        servers.push(RedisServer::start().await);
+    }
+    let (_, redlock) = redlock_on(&servers).await;
+    let key = LockKey::new("quorum-gone").unwrap();
+    let lease = Duration::from_secs(3);
+    let holder = client(&redlock, lease)
+        .get_lock(&key)
+        .unwrap()
+        .lock()
+        .await
+        .unwrap();
+    for server in &mut servers[..3] {
+        server.kill();
+    }
+    let killed_at = Instant::now();
+    tokio::time::timeout(Duration::from_secs(10), holder.lost().wait())
+        .await
+        .expect("the loss is told");
+    let after = killed_at.elapsed();
+    // One renewal period (1 s) plus the node timeout, with margin; well before the 3 s
+    // lease would have run out.
+    assert!(after < Duration::from_millis(2_200), "told after {after:?}");
+    assert!(matches!(holder.unlock().await, Err(Error::Lost)));
 }

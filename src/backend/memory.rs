@@ -1060,6 +1060,11 @@ impl LockBackend for MemoryBackend {
     fn watchdog_lease(&self) -> Option<Duration> {
         self.shared.watchdog_lease
     }
+
+    /// `memory:<address>`: one store per backend and its clones, in this process only.
+    fn store_id(&self) -> String {
+        format!("memory:{:p}", Arc::as_ptr(&self.shared))
+    }
 }
 
 struct MemorySubscription {

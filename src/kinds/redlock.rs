@@ -30,13 +30,21 @@
 //!     deadline.
 //!
 //!   Permits need a larger quorum than a majority to keep their bound across nodes; see
-//!   [`RedLock::quorum_for`]. Undoing releases one hold per node for the owner, so a
-//!   failed *re-entry* (the owner already held the lock) may take the outer hold off a
-//!   node where the re-entry never arrived; the outer hold lives on in the other nodes,
-//!   and the watchdog reports it lost if fewer than a quorum are left.
-//! - **Renew** (the watchdog): on every node; renewed when a quorum confirms, lost when
-//!   so many nodes deny holding it that no quorum can confirm, an error (retried on the
-//!   next period until the lease ends) otherwise.
+//!   [`RedLock::quorum_for`]. Every hold has an identity of its own on every node (a
+//!   [`LockClient`](crate::LockClient) re-enters its holds without the store), so undoing
+//!   an attempt touches nothing but that attempt.
+//! - **Nodes down at start.** Build the nodes so that they connect on first use
+//!   ([`RedisBackendBuilder::lazy_connect`](crate::backend::redis::RedisBackendBuilder::lazy_connect)):
+//!   a node that is down when the process starts is then a failed vote, not a failed
+//!   client, and rejoins when it comes back.
+//! - **Renew** (the watchdog): on every node. Renewed when a quorum confirms, and then a
+//!   node that no longer holds the lock (it restarted empty, or its lease ran out while
+//!   it was unreachable) is *retaken* if it is free, so rolling restarts do not wear a
+//!   watched lock below the quorum. Otherwise **lost** at once — whether the other nodes
+//!   deny it or do not answer — since the holder can no longer show a quorum; a lock
+//!   lost as a whole (force-released, expired everywhere) is never taken back behind
+//!   the back of whoever released it. Each renewal counts for lease − drift from when it
+//!   was sent ([`LockBackend::clock_drift`]).
 //! - **Release**: on every node. [`Release::Released`] when a quorum still held it,
 //!   [`Release::NotHeld`] (the guard reports [`Error::Lost`]) when no quorum can have.
 //! - **Waiting**: one subscription per reachable node; the first notification wakes the
@@ -47,17 +55,16 @@
 //! Every node issues its own tokens. The token of a RedLock grant is the **highest**
 //! token among the nodes that granted it. What you can rely on:
 //!
-//! - it is the token of a real grant by one node of the quorum, and a reentrant hold
-//!   keeps it as on a single store (a node that lost state may make it change);
+//! - it is the token of a real grant by one node of the quorum (fenced locks only);
 //! - while every node keeps its state and every acquisition reaches the same nodes,
 //!   tokens increase across holders as on a single store.
 //!
 //! What you **cannot** rely on: that it increases across holders in general. The nodes'
-//! counters drift apart — a node that was down, slow, or outvoted misses increments, a
-//! split vote increments a minority, and a store restarted empty starts again — so a
-//! later holder granted by other nodes can get a lower token. Do not use RedLock tokens
-//! to fence storage; if you need fencing, take tokens from one store that never loses
-//! them (a database sequence, a single primary's fenced lock).
+//! counters drift apart — a node that was down, slow, or outvoted misses increments, and
+//! a split vote increments a minority — so a later holder granted by other nodes can get
+//! a lower token. Do not use RedLock tokens to fence storage; if you need fencing, take
+//! tokens from one store that keeps them (a database sequence, a single primary's fenced
+//! lock).
 //!
 //! # Caveats
 //!
@@ -503,6 +510,34 @@ impl Inner {
         }
     }
 
+    /// Takes `req` again on node `node`, which said it no longer holds it (restarted
+    /// empty, or its lease ran out while unreachable), while a quorum still holds it:
+    /// whether the node holds it now. A node held by someone else is left alone (and its
+    /// queue, if it queued the owner).
+    fn retake<'a>(&'a self, node: usize, req: &'a LockRequest) -> BoxFuture<'a, bool> {
+        Box::pin(async move {
+            let Some(node) = self.nodes.get(node) else {
+                return false;
+            };
+            let taken = tokio::time::timeout(self.node_timeout, node.acquire(req)).await;
+            match taken {
+                Ok(Ok(Acquire::Acquired(_))) => {
+                    tracing::debug!("redlock: retook a node that had lost the lock");
+                    true
+                }
+                Ok(Ok(Acquire::Busy { .. })) => {
+                    if node.queues_waiters(req.mode) {
+                        let _ =
+                            tokio::time::timeout(self.node_timeout, node.cancel_wait(req)).await;
+                    }
+                    false
+                }
+                // Unanswered: it may have taken it; the hold's release covers every node.
+                _ => false,
+            }
+        })
+    }
+
     /// After a win, the nodes that did not grant may still keep the owner in their
     /// wait queue (fair, read-write), where it would block others until evicted: leave
     /// them. Nodes that answered busy are reachable and are waited for; nodes that
@@ -679,15 +714,21 @@ impl LockBackend for RedLock {
     fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let votes = self.inner.on_all("renew", |node| node.renew(req)).await;
-            let trues = votes
+            let held = votes
                 .iter()
                 .filter(|v| matches!(v, Vote::Answer(true)))
                 .count();
-            let falses = votes
+            if held < self.inner.quorum_for(req.mode) {
+                return Ok(false);
+            }
+            // Still held by a quorum: heal the nodes that lost it.
+            let retakes = votes
                 .iter()
-                .filter(|v| matches!(v, Vote::Answer(false)))
-                .count();
-            self.inner.confirmed(req.mode, trues, falses)
+                .enumerate()
+                .filter(|(_, v)| matches!(v, Vote::Answer(false)))
+                .map(|(i, _)| self.inner.retake(i, req));
+            join_all(retakes).await;
+            Ok(true)
         })
     }
 
@@ -708,21 +749,31 @@ impl LockBackend for RedLock {
                 })
                 .collect();
             let per_node = join_all(calls).await;
-            (0..reqs.len())
-                .map(|i| {
-                    let answers = per_node
-                        .iter()
-                        .filter_map(|answers| answers.as_ref()?.get(i)?.as_ref().ok());
-                    let (trues, falses) =
-                        answers.fold(
-                            (0, 0),
-                            |(t, f), held| {
-                                if *held { (t + 1, f) } else { (t, f + 1) }
-                            },
-                        );
-                    inner.confirmed(reqs[i].mode, trues, falses)
+            let answer = |node: usize, i: usize| {
+                per_node[node]
+                    .as_ref()
+                    .and_then(|answers| answers.get(i)?.as_ref().ok().copied())
+            };
+            let renewed: Vec<bool> = reqs
+                .iter()
+                .enumerate()
+                .map(|(i, req)| {
+                    let held = (0..per_node.len())
+                        .filter(|&node| answer(node, i) == Some(true))
+                        .count();
+                    held >= inner.quorum_for(req.mode)
                 })
-                .collect()
+                .collect();
+            // Holds still held by a quorum: heal the nodes that lost them, all at once.
+            let retakes = (0..per_node.len()).flat_map(|node| {
+                let renewed = &renewed;
+                let answer = &answer;
+                (0..reqs.len())
+                    .filter(move |&i| renewed[i] && answer(node, i) == Some(false))
+                    .map(move |i| inner.retake(node, &reqs[i]))
+            });
+            join_all(retakes).await;
+            renewed.into_iter().map(Ok).collect()
         })
     }
 
@@ -803,6 +854,17 @@ impl LockBackend for RedLock {
 
     fn watchdog_lease(&self) -> Option<Duration> {
         self.inner.watchdog_lease
+    }
+
+    /// 1% of the lease plus 2 ms: see [`CLOCK_DRIFT_FACTOR`].
+    fn clock_drift(&self, lease: Duration) -> Duration {
+        drift(lease)
+    }
+
+    /// `redlock(<node>,<node>,...)` (`all-of(...)`), in the nodes' order.
+    fn store_id(&self) -> String {
+        let ids: Vec<String> = self.inner.nodes.iter().map(|n| n.store_id()).collect();
+        format!("{}({})", self.inner.name, ids.join(","))
     }
 }
 

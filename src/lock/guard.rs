@@ -289,7 +289,8 @@ impl LockGuard {
     /// # Errors
     ///
     /// - [`Error::Lost`] when the lock had been lost (the store no longer had it for
-    ///   this hold, or the lost signal had fired); nothing of another hold is touched.
+    ///   this hold, or the lost signal had fired), even if the release then failed too;
+    ///   nothing of another hold is touched.
     /// - A backend error when the store could not be reached; the lease then ends the
     ///   hold (renewal has already stopped).
     pub async fn unlock(mut self) -> Result<()> {
@@ -309,13 +310,15 @@ impl LockGuard {
         let release = release_fully(Arc::clone(held.client.backend()), held.hold.store.clone());
         let outcome = FinishOnDrop::new(held.runtime.clone(), release).await;
         held.observe(&outcome, was_lost);
-        match outcome? {
-            Release::NotHeld => {
+        match outcome {
+            Ok(Release::NotHeld) => {
                 held.hold.lost.cancel();
                 Err(Error::Lost)
             }
+            // Known lost: that is the news, whatever the release met.
             _ if was_lost => Err(Error::Lost),
-            _ => Ok(()),
+            Ok(_) => Ok(()),
+            Err(error) => Err(error),
         }
     }
 }

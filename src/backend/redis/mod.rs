@@ -253,6 +253,8 @@ enum Target {
 struct Inner {
     conn: Conn,
     prefix: String,
+    /// The server (or cluster) and key prefix: the same in every process.
+    store_id: String,
     hub: pubsub::Hub,
     watchdog_lease: Option<Duration>,
     waiter_timeout: Duration,
@@ -270,6 +272,7 @@ pub struct RedisBackendBuilder {
     connection_timeout: Duration,
     reconnect_retries: usize,
     pubsub_keepalive: Duration,
+    lazy: bool,
 }
 
 impl RedisBackend {
@@ -319,6 +322,7 @@ impl RedisBackend {
             connection_timeout: DEFAULT_CONNECTION_TIMEOUT,
             reconnect_retries: DEFAULT_RECONNECT_RETRIES,
             pubsub_keepalive: DEFAULT_PUBSUB_KEEPALIVE,
+            lazy: false,
         }
     }
 
@@ -748,12 +752,23 @@ impl RedisBackendBuilder {
         self
     }
 
+    /// Connect on first use instead of in [`build`](Self::build) (default: `false`,
+    /// so an application learns at start that its Redis is unreachable). A lazy backend
+    /// builds while its server is down, and every call fails with a connection error
+    /// until the server is back: what a [`RedLock`](crate::kinds::RedLock) node needs,
+    /// where a node that is down is a failed vote, not a failed client. Not for clusters
+    /// (feature `cluster`), whose topology is discovered when connecting.
+    pub fn lazy_connect(mut self, lazy: bool) -> Self {
+        self.lazy = lazy;
+        self
+    }
+
     /// Validates the settings, connects, and starts the pub/sub task.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidConfig`] naming the bad setting; [`Error::Redis`] when the URL is
-    /// invalid or the server cannot be reached.
+    /// invalid or (unless [lazy](Self::lazy_connect)) the server cannot be reached.
     pub async fn build(self) -> Result<RedisBackend> {
         if self.key_prefix.contains(['{', '}']) || self.key_prefix.chars().any(char::is_control) {
             return Err(Error::invalid_config(
@@ -804,23 +819,40 @@ impl RedisBackendBuilder {
         if let Some(lease) = self.watchdog_lease {
             crate::lock::validate_watchdog_lease(lease)?;
         }
-        let (conn, pubsub_nodes) = match self.target {
+        let (conn, pubsub_nodes, store_id) = match self.target {
             Target::Single(client) => {
                 let client = client?;
+                let info = client.get_connection_info();
+                let store_id = format!(
+                    "redis:{}/{}:{}",
+                    info.addr(),
+                    info.redis_settings().db(),
+                    self.key_prefix
+                );
                 let config = ConnectionManagerConfig::new()
                     .set_response_timeout(Some(self.response_timeout))
                     .set_connection_timeout(Some(self.connection_timeout))
                     .set_number_of_retries(self.reconnect_retries)
                     .set_min_delay(Duration::from_millis(50));
-                let conn =
-                    ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
+                let conn = if self.lazy {
+                    ConnectionManager::new_lazy_with_config(client.clone(), config.clone())?
+                } else {
+                    ConnectionManager::new_with_config(client.clone(), config.clone()).await?
+                };
                 (
                     Conn::Single(Box::new(SingleConn::new(client.clone(), config, conn))),
                     vec![client],
+                    store_id,
                 )
             }
             #[cfg(feature = "cluster")]
             Target::Cluster(nodes) => {
+                if self.lazy {
+                    return Err(Error::invalid_config(
+                        "lazy_connect",
+                        "is not supported for a cluster, which connects to discover its topology (got true)",
+                    ));
+                }
                 let nodes = nodes?;
                 if nodes.is_empty() {
                     return Err(Error::invalid_config(
@@ -839,7 +871,13 @@ impl RedisBackendBuilder {
                     .retries(u32::try_from(self.reconnect_retries).unwrap_or(u32::MAX))
                     .build()?;
                 let conn = client.get_async_connection().await?;
-                (Conn::Cluster(Box::new(conn)), pubsub_nodes)
+                let mut addrs: Vec<String> = pubsub_nodes
+                    .iter()
+                    .map(|c| c.get_connection_info().addr().to_string())
+                    .collect();
+                addrs.sort();
+                let store_id = format!("redis-cluster:{}:{}", addrs.join(","), self.key_prefix);
+                (Conn::Cluster(Box::new(conn)), pubsub_nodes, store_id)
             }
         };
         let shutdown = CancellationToken::new();
@@ -848,6 +886,7 @@ impl RedisBackendBuilder {
             inner: Arc::new(Inner {
                 conn,
                 prefix: self.key_prefix,
+                store_id,
                 hub,
                 watchdog_lease: self.watchdog_lease,
                 waiter_timeout: self.waiter_timeout,
@@ -950,6 +989,11 @@ impl LockBackend for RedisBackend {
 
     fn watchdog_lease(&self) -> Option<Duration> {
         self.inner.watchdog_lease
+    }
+
+    /// `redis:<host>:<port>/<db>:<key prefix>` (`redis-cluster:<nodes>:<prefix>`).
+    fn store_id(&self) -> String {
+        self.inner.store_id.clone()
     }
 }
 

@@ -26,9 +26,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backend::{BoxFuture, Signal, Subscription, Wake};
 
-/// How long a new waiter waits for its `SUBSCRIBE` to be confirmed before it goes on
-/// anyway (and relies on the holder's TTL and reconnect wake-ups, should a message be
-/// missed).
+/// How long a new waiter waits for its `SUBSCRIBE` to be confirmed, while the connection
+/// is up, before it goes on anyway. A subscription not confirmed yet makes its first wait
+/// end the moment it is confirmed, so the waiter tries again then: a release published
+/// before the server had the subscription is never slept through.
 const CONFIRM_WAIT: Duration = Duration::from_secs(1);
 const MIN_BACKOFF: Duration = Duration::from_millis(50);
 /// How long a keepalive PING's answer may take, as a share of the keepalive interval,
@@ -50,6 +51,9 @@ struct Shared {
     /// Waiters registered on any channel: lets `has_waiters` answer the common "nobody
     /// waits" case without building a channel name or taking the lock.
     total_waiters: AtomicUsize,
+    /// Whether the pub/sub connection is up (a new subscription is then confirmed in a
+    /// round trip, worth waiting for).
+    connected: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Default)]
@@ -86,6 +90,7 @@ impl Hub {
             state: Mutex::new(State::default()),
             changed: Notify::new(),
             total_waiters: AtomicUsize::new(0),
+            connected: std::sync::atomic::AtomicBool::new(false),
         });
         tokio::spawn(run(Arc::clone(&shared), nodes, keepalive, shutdown));
         Hub { shared }
@@ -121,17 +126,21 @@ impl Hub {
             self.shared.changed.notify_one();
         }
         // Registered before waiting, so a cancelled subscribe unregisters on drop.
-        let sub = Box::new(RedisSubscription {
+        let mut sub = Box::new(RedisSubscription {
             shared: Arc::clone(&self.shared),
             channel,
             seen: notify.seen(),
             notify,
+            unconfirmed: None,
         });
-        if tokio::time::timeout(CONFIRM_WAIT, confirmed.wait_for(|c| *c))
-            .await
-            .is_err()
-        {
-            tracing::debug!(channel = %sub.channel, "subscription not confirmed in time; relying on lease TTLs");
+        let up = self.shared.connected.load(Ordering::Acquire);
+        let in_time = up
+            && tokio::time::timeout(CONFIRM_WAIT, confirmed.wait_for(|c| *c))
+                .await
+                .is_ok();
+        if !in_time && !*confirmed.borrow() {
+            tracing::debug!(channel = %sub.channel, "subscription not confirmed yet; the waiter retries once it is");
+            sub.unconfirmed = Some(confirmed);
         }
         sub
     }
@@ -168,11 +177,38 @@ struct RedisSubscription {
     notify: Arc<Signal>,
     /// The release count last seen.
     seen: u64,
+    /// Set while the server has not confirmed the subscription: releases published
+    /// until then are not heard, so its confirmation itself counts as a wake-up.
+    unconfirmed: Option<watch::Receiver<bool>>,
 }
 
 impl Subscription for RedisSubscription {
     fn wait(&mut self, deadline: Instant) -> BoxFuture<'_, Wake> {
-        self.notify.wait(&mut self.seen, deadline)
+        let Some(mut confirmed) = self.unconfirmed.take() else {
+            return self.notify.wait(&mut self.seen, deadline);
+        };
+        Box::pin(async move {
+            let wake = {
+                let released = self.notify.wait(&mut self.seen, deadline);
+                tokio::select! {
+                    wake = released => wake,
+                    ok = async { confirmed.wait_for(|c| *c).await.is_ok() } => {
+                        if ok {
+                            Wake::Notified
+                        } else {
+                            // The registry entry went away (a shutdown): nothing will
+                            // confirm it; sleep out the deadline.
+                            tokio::time::sleep_until(deadline).await;
+                            Wake::Deadline
+                        }
+                    }
+                }
+            };
+            if wake == Wake::Deadline && !*confirmed.borrow() {
+                self.unconfirmed = Some(confirmed);
+            }
+            wake
+        })
     }
 
     fn pass_on(&mut self) {
@@ -208,6 +244,7 @@ async fn run(
 ) {
     let mut backoff = MIN_BACKOFF;
     let mut connected_before = false;
+    let mut warn_next_failure = true;
     let mut node = 0usize;
     loop {
         let Some(client) = nodes.get(node % nodes.len().max(1)) else {
@@ -224,7 +261,12 @@ async fn run(
                     Ok(Err(error)) => error.to_string(),
                     _ => "timed out".to_owned(),
                 };
-                tracing::warn!(%error, retry_in_ms = backoff.as_millis() as u64, "pub/sub connection failed");
+                // Said once per outage (a RedLock node can be down for long), then quietly.
+                if std::mem::take(&mut warn_next_failure) {
+                    tracing::warn!(%error, retry_in_ms = backoff.as_millis() as u64, "pub/sub connection failed; retrying");
+                } else {
+                    tracing::debug!(%error, retry_in_ms = backoff.as_millis() as u64, "pub/sub connection failed");
+                }
                 // A cluster node that is down: the next one serves as well.
                 node = node.wrapping_add(1);
                 if sleep_or_shutdown(backoff, &shutdown).await {
@@ -238,6 +280,8 @@ async fn run(
         if connected_before {
             tracing::info!("pub/sub connection re-established; resubscribing");
         }
+        shared.connected.store(true, Ordering::Release);
+        warn_next_failure = true;
         let (mut sink, mut stream) = pubsub.split();
         let mut subscribed = HashSet::new();
         {
@@ -282,6 +326,7 @@ async fn run(
                 }
             }
         }
+        shared.connected.store(false, Ordering::Release);
         {
             let state = shared.state();
             for channel in state.channels.values() {
