@@ -179,3 +179,44 @@ async fn a_silently_dead_pubsub_connection_is_replaced() {
     );
     g.unlock().await.unwrap();
 }
+
+/// A `SUBSCRIBE` the server gets late (a slow link on the pub/sub connection): the waiter
+/// stops waiting for the confirmation after a second and tries again the moment the
+/// confirmation comes, so a release published before the server had the subscription is
+/// not slept through until the holder's 30 s lease ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_before_a_late_subscribe_is_confirmed_is_not_slept_through() {
+    let server = RedisServer::start().await;
+    let proxy = FreezableProxy::start(server.port()).await;
+    let waiter_backend = RedisBackend::connect(proxy.url()).await.unwrap();
+    // Connection 0 carries the commands; connection 1, made by the pub/sub task, the
+    // subscriptions.
+    wait_until(
+        Duration::from_secs(5),
+        "the pub/sub connection is up",
+        || async { proxy.connections() == 2 },
+    )
+    .await;
+    proxy.slow_requests_of(1, Duration::from_millis(1500));
+    let waiter_client = LockClient::new(waiter_backend.clone());
+    let holder_client = LockClient::new(RedisBackend::connect(server.url()).await.unwrap());
+    let key = LockKey::new("late-subscribe").unwrap();
+    let held = holder_client.get_lock(&key).unwrap().lock().await.unwrap();
+    let started = Instant::now();
+    let waiter = common::spawn_acquire(
+        waiter_client.get_lock(&key).unwrap(),
+        Duration::from_secs(10),
+    );
+    // The waiter gave up waiting for the confirmation (1 s) and sleeps; its SUBSCRIBE
+    // reaches the server only at 1.5 s. Released in between, the message has no
+    // subscriber.
+    tokio::time::sleep_until(started + Duration::from_millis(1200)).await;
+    held.unlock().await.unwrap();
+    let (acquired_at, g) = waiter
+        .await
+        .unwrap()
+        .expect("the waiter tried again once its subscription was confirmed");
+    let took = acquired_at.duration_since(started);
+    assert!(took < Duration::from_secs(4), "took {took:?}");
+    g.unlock().await.unwrap();
+}

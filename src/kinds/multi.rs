@@ -289,3 +289,36 @@ impl MultiGuard {
         outcomes.into_iter().find(Result::is_err).unwrap_or(Ok(()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{LockClient, MemoryBackend};
+
+    /// Two processes — two clients with different ids — over the same two stores take
+    /// the same key in the same order: by the store's identity, not the client's.
+    #[test]
+    fn the_order_is_the_stores_not_the_clients() {
+        let (a, b) = (MemoryBackend::new(), MemoryBackend::new());
+        let store_order = |multi: &MultiLock| -> Vec<String> {
+            multi
+                .locks()
+                .iter()
+                .map(|l| l.client().backend().store_id())
+                .collect()
+        };
+        let mut seen = Vec::new();
+        for _ in 0..8 {
+            let (on_a, on_b) = (LockClient::new(a.clone()), LockClient::new(b.clone()));
+            let multi = MultiLock::new([on_b.get_lock("k").unwrap(), on_a.get_lock("k").unwrap()]);
+            assert_eq!(multi.locks().len(), 2);
+            seen.push(store_order(&multi));
+        }
+        assert!(seen.windows(2).all(|w| w[0] == w[1]), "{seen:?}");
+
+        // The same lock through two clients of one store is one lock.
+        let (c1, c2) = (LockClient::new(a.clone()), LockClient::new(a.clone()));
+        let multi = MultiLock::new([c1.get_lock("k").unwrap(), c2.get_lock("k").unwrap()]);
+        assert_eq!(multi.locks().len(), 1);
+    }
+}

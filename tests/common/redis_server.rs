@@ -430,8 +430,12 @@ pub struct FreezableProxy {
     pub port: u16,
     next_id: std::sync::Arc<std::sync::atomic::AtomicU64>,
     frozen_below: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Connections whose client-to-server bytes are held back this long.
+    slowed: Slowed,
     task: tokio::task::JoinHandle<()>,
 }
+
+type Slowed = std::sync::Arc<std::sync::Mutex<std::collections::HashMap<u64, Duration>>>;
 
 impl FreezableProxy {
     pub async fn start(upstream_port: u16) -> Self {
@@ -441,7 +445,8 @@ impl FreezableProxy {
         let port = listener.local_addr().unwrap().port();
         let next_id = Arc::new(AtomicU64::new(0));
         let frozen_below = Arc::new(AtomicU64::new(0));
-        let (ids, frozen) = (next_id.clone(), frozen_below.clone());
+        let slowed = Slowed::default();
+        let (ids, frozen, slow) = (next_id.clone(), frozen_below.clone(), slowed.clone());
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let id = ids.fetch_add(1, Ordering::SeqCst);
@@ -451,16 +456,30 @@ impl FreezableProxy {
                 };
                 let (client_read, client_write) = client.into_split();
                 let (server_read, server_write) = server.into_split();
-                tokio::spawn(pump(client_read, server_write, id, frozen.clone()));
-                tokio::spawn(pump(server_read, client_write, id, frozen.clone()));
+                let up = Some(slow.clone());
+                tokio::spawn(pump(client_read, server_write, id, frozen.clone(), up));
+                tokio::spawn(pump(server_read, client_write, id, frozen.clone(), None));
             }
         });
         FreezableProxy {
             port,
             next_id,
             frozen_below,
+            slowed,
             task,
         }
+    }
+
+    /// How many connections have been made through the proxy; they are numbered from 0
+    /// in the order they were accepted.
+    pub fn connections(&self) -> u64 {
+        self.next_id.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Holds back every byte connection `id` sends to the server by `delay` (a slow
+    /// link one way: requests arrive late, replies on time).
+    pub fn slow_requests_of(&self, id: u64, delay: Duration) {
+        self.slowed.lock().unwrap().insert(id, delay);
     }
 
     pub fn url(&self) -> String {
@@ -480,6 +499,7 @@ async fn pump(
     mut to: tokio::net::tcp::OwnedWriteHalf,
     id: u64,
     frozen_below: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    slowed: Option<Slowed>,
 ) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut buf = vec![0u8; 16 * 1024];
@@ -493,6 +513,12 @@ async fn pump(
         if id < frozen_below.load(std::sync::atomic::Ordering::SeqCst) {
             // Swallow everything from now on, with both sockets kept open.
             std::future::pending::<()>().await;
+        }
+        let delay = slowed
+            .as_ref()
+            .and_then(|s| s.lock().unwrap().get(&id).copied());
+        if let Some(delay) = delay {
+            tokio::time::sleep(delay).await;
         }
         if to.write_all(&buf[..n]).await.is_err() {
             return;
