@@ -284,13 +284,18 @@ impl Redisson {
     }
 
     async fn fair_lock(&mut self, name: &str, thread: u64) -> Option<i64> {
+        self.fair_lock_waiting(name, thread, THREAD_WAIT_MS).await
+    }
+
+    /// `fair_lock` with a given `threadWaitTime`.
+    async fn fair_lock_waiting(&mut self, name: &str, thread: u64, wait_ms: u64) -> Option<i64> {
         redis::Script::new(REDISSON_FAIR_LOCK)
             .key(name)
             .key(format!("redisson_lock_queue:{{{name}}}"))
             .key(format!("redisson_lock_timeout:{{{name}}}"))
             .arg(30_000)
             .arg(self.field(thread))
-            .arg(THREAD_WAIT_MS)
+            .arg(wait_ms)
             .arg(now_ms())
             .invoke_async(&mut self.conn)
             .await
@@ -543,4 +548,104 @@ async fn redisson_fair_lock_and_tower_lock_share_one_queue() {
         0,
         "no subscription left"
     );
+}
+
+/// With Redisson's default `threadWaitTime` (5 minutes) — far above tower-lock's waiter
+/// timeout — a Redisson client taking the fair lock from the queue makes every tower-lock
+/// waiter queued at that moment look stale: the next script evicts it, it rejoins at the
+/// tail at its next poll, and a Redisson waiter that came later goes first. What the
+/// docs promise for mixed queues still holds: exclusion, and our waiter gets the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_redissons_default_thread_wait_time_a_handoff_sends_our_waiters_to_the_tail() {
+    const REDISSON_DEFAULT_WAIT_MS: u64 = 300_000;
+    let server = RedisServer::start().await;
+    let mut raw = server.conn().await;
+    let mut redisson = Redisson {
+        conn: server.conn().await,
+        id: "7c2e9b10-redisson-client",
+    };
+    // Our waiters poll every second.
+    let backend = RedisBackend::builder(server.url())
+        .waiter_timeout(Duration::from_secs(3))
+        .build()
+        .await
+        .unwrap();
+    let client = LockClient::new(backend.clone());
+    let name = "ledger";
+    let queue = "redisson_lock_queue:{ledger}";
+    let queued = |raw: &MultiplexedConnection| {
+        let mut raw = raw.clone();
+        async move {
+            let entries: Vec<String> = redis::cmd("LRANGE")
+                .arg(queue)
+                .arg(0)
+                .arg(-1)
+                .query_async(&mut raw)
+                .await
+                .unwrap();
+            entries
+        }
+    };
+
+    let holder = client.get_fair_lock(name).unwrap().lock().await.unwrap();
+    assert!(
+        redisson
+            .fair_lock_waiting(name, 1, REDISSON_DEFAULT_WAIT_MS)
+            .await
+            .is_some()
+    );
+    let ours = common::spawn_acquire(client.get_fair_lock(name).unwrap(), Duration::from_secs(20));
+    wait_until(Duration::from_secs(5), "our waiter queued", || async {
+        queued(&raw).await.len() == 2
+    })
+    .await;
+
+    holder.unlock().await.unwrap();
+    // The Redisson head takes it, subtracting 5 minutes from our waiter's eviction time.
+    assert_eq!(
+        redisson
+            .fair_lock_waiting(name, 1, REDISSON_DEFAULT_WAIT_MS)
+            .await,
+        None
+    );
+    // A Redisson newcomer's script evicts our (now stale) waiter and queues itself.
+    assert!(
+        redisson
+            .fair_lock_waiting(name, 2, REDISSON_DEFAULT_WAIT_MS)
+            .await
+            .is_some()
+    );
+    assert_eq!(queued(&raw).await, vec![redisson.field(2)]);
+    // Our waiter rejoins, at the tail, at its next poll.
+    wait_until(
+        Duration::from_secs(5),
+        "our waiter rejoined the queue",
+        || async { queued(&raw).await.len() == 2 },
+    )
+    .await;
+    assert_eq!(queued(&raw).await[0], redisson.field(2), "overtaken");
+
+    assert_eq!(redisson.fair_unlock(name, 1).await, Some(1));
+    assert!(
+        !ours.is_finished(),
+        "exclusion: the Redisson newcomer is next"
+    );
+    assert_eq!(
+        redisson
+            .fair_lock_waiting(name, 2, REDISSON_DEFAULT_WAIT_MS)
+            .await,
+        None
+    );
+    assert!(!ours.is_finished());
+    assert_eq!(redisson.fair_unlock(name, 2).await, Some(1));
+    let (_, guard) = ours
+        .await
+        .unwrap()
+        .expect("our waiter gets the lock in the end");
+    assert_eq!(
+        hgetall(&mut raw, name).await,
+        HashMap::from([(guard.holder().to_string(), "1".to_owned())])
+    );
+    guard.unlock().await.unwrap();
+    assert_eq!(llen(&mut raw, queue).await, 0);
 }

@@ -31,7 +31,12 @@
 //!   timeout](RedisBackendBuilder::waiter_timeout) or it loses its place (busy replies
 //!   tell it to come back within a third of it). Unlike Redisson's, a waiter's eviction
 //!   time is "now + waiter timeout", refreshed at every poll, not chained from the
-//!   waiter ahead of it. A release wakes the head only, on its own channel.
+//!   waiter ahead of it. A release wakes the head only, on its own channel. Shared with
+//!   Redisson clients, exclusion always holds, but a Redisson client taking the lock
+//!   from the queue subtracts its `threadWaitTime` from every waiter's eviction time:
+//!   beyond two thirds of the waiter timeout between two polls (Redisson's default is 5
+//!   minutes), the tower-lock waiters queued then are evicted and rejoin at the tail,
+//!   and later waiters can go first (the README's Redisson section has the details).
 //! - **Read / write**: Redisson's layout, plus the same wait queue (entries
 //!   `<owner>:read` / `<owner>:write`) so that writers are not starved: a reader goes
 //!   when no writer holds the lock and none waits ahead of it; a writer when nothing is
