@@ -21,20 +21,24 @@
 //!     // Re-entering the request's own lock does not wait for itself.
 //!     let again = locks.try_lock(held.key()).await.map_err(|e| e.to_string())?;
 //!     assert_eq!(again.hold_count(), 2);
-//!     Ok(format!("writing with fencing token {}", held.fencing_token()))
+//!     let token = held.fencing_token().ok_or("the layer is fenced")?;
+//!     Ok(format!("writing with fencing token {token}"))
 //! }
 //!
-//! # pub fn app() -> Router {
-//! let app: Router = Router::new().route("/transfer", post(transfer)).layer(LockLayer::new(
+//! # pub fn app() -> Result<Router, tower_lock::Error> {
+//! let layer = LockLayer::builder(
 //!     MemoryBackend::new(),
 //!     HeaderKey::new(HeaderName::from_static("x-account")).namespace("account"),
-//! ));
-//! # app
+//! )
+//! .fenced(true)
+//! .build()?;
+//! let app: Router = Router::new().route("/transfer", post(transfer)).layer(layer);
+//! # Ok(app)
 //! # }
 //! # }
 //! # fn main() {
 //! #     #[cfg(feature = "axum")]
-//! #     let _ = example::app();
+//! #     example::app().unwrap();
 //! # }
 //! ```
 //!

@@ -18,8 +18,7 @@
 //!
 //! // Wait up to one second; the watchdog keeps the lock while the guard lives.
 //! let guard = lock.try_lock_for(Duration::from_secs(1), tower_lock::Lease::Watchdog).await?;
-//! let token = guard.fencing_token(); // pass it to storage to reject stale writers
-//! # let _ = token;
+//! assert!(!guard.is_lost());
 //! guard.unlock().await?; // reports Error::Lost if the lock was lost meanwhile
 //! # Ok(())
 //! # }
@@ -41,6 +40,26 @@
 //!   ([`Locks`](extract::Locks)).
 //! - A [`LockObserver`] on the client feeds your metrics.
 //!
+//! # The one rule
+//!
+//! **A guard's release only ever affects the hold that guard created, and a lost guard
+//! stays lost.** Every acquisition that reaches the store takes a *hold* under an owner
+//! string of its own, `<client uuid>:<n>` ([`LockGuard::holder`]), that no other hold
+//! ever uses — not a later hold of the same [`Owner`], not a hold of another kind on the
+//! same name. The owner only decides, in the [`LockClient`], which guards share a hold
+//! (re-entry). So:
+//!
+//! - a release, a renewal or the compensation of a cancelled attempt names one hold and
+//!   can only change that hold, however late it reaches the store;
+//! - only a hold's last guard releases it; re-entering adds a guard without the store;
+//! - a hold that ended — released, found gone, or past its last confirmed lease by the
+//!   client's own clock — is never re-entered or brought back: the owner's next lock is
+//!   a new hold, and the old guards report [`Error::Lost`];
+//! - a hold is believed from *before* the request that granted or renewed it was sent,
+//!   for its lease less the backend's [drift allowance](backend::LockBackend::clock_drift),
+//!   so no guard believes in a hold the store has already let go of (on one machine's
+//!   clock rate).
+//!
 //! # Safety of distributed locks
 //!
 //! A Redis lock is a *lease*. The store frees it when the lease ends, whatever the holder
@@ -49,11 +68,12 @@
 //! lease ended and another owner took the lock. No lock service can prevent that on its
 //! own. What this crate gives you to cope:
 //!
-//! - **Fencing tokens**: every acquisition gets a token strictly greater than every
-//!   earlier holder's. Have the storage you protect remember the highest token it has
-//!   seen and reject writes with lower ones; then a stale holder's writes fail instead of
-//!   corrupting data. On Redis the counter is a key that must survive: see
-//!   [`FencingToken`] for failovers and eviction policies.
+//! - **Fencing tokens**: every acquisition of a fenced lock
+//!   ([`LockClient::get_fenced_lock`], [`Lock::fenced`]) gets a token strictly greater
+//!   than every earlier holder's. Have the storage you protect remember the highest token
+//!   it has accepted and reject writes with lower ones; then a stale holder's writes fail
+//!   instead of corrupting data. [`FencingToken`] says exactly what is promised, across
+//!   store restarts and for shared (read, permit) holds.
 //! - **The lost signal** fires as soon as the watchdog learns the lock is gone (or could
 //!   not renew it before the lease ended): stop work that is no longer protected.
 //! - **`unlock` reports loss** ([`Error::Lost`]) instead of silently succeeding.

@@ -26,7 +26,7 @@
 //!
 //! // Wait up to 2 s; hold with a 10 s lease and no watchdog.
 //! let guard = lock.try_lock_for(Duration::from_secs(2), Duration::from_secs(10)).await?;
-//! println!("fencing token {}", guard.fencing_token());
+//! println!("held by {} as {}", guard.owner(), guard.holder());
 //! guard.unlock().await?;
 //!
 //! // Wait up to 2 s; keep it as long as needed (watchdog).
@@ -43,13 +43,27 @@
 //! lease, and backend errors as they come. [`LockGuard::unlock`] fails with
 //! [`Error::Lost`] when the lock was no longer held.
 //!
+//! # Holds and re-entry
+//!
+//! Every acquisition that reaches the store is a new *hold* with an identity of its own
+//! ([`LockGuard::holder`]), which no other hold ever uses. Locking a key its owner already
+//! holds (same mode, same client) re-enters that hold without asking the store; only the
+//! hold's last guard releases it. So a guard's release only ever affects the hold that
+//! guard stands for, and a lost guard stays lost: see the crate docs' one rule.
+//!
 //! # Cancel safety
 //!
-//! Dropping an acquire future at any point leaves nothing behind: a waiter's subscription
-//! is removed (and a release signal it had consumed is passed to another waiter), a
-//! queued waiter leaves the store's queue, and an attempt cancelled in flight with a
-//! fresh owner is followed by a spawned release. Dropping a [`LockGuard`] stops its
-//! renewal and spawns its release.
+//! Dropping an acquire future at any point leaves nothing behind, with one bounded
+//! exception. A waiter's subscription is removed (and a release signal it had consumed is
+//! passed to another waiter); a queued waiter leaves the store's queue; an attempt
+//! cancelled in flight is followed by a spawned release of its hold (and, for a queued
+//! mode, leaving the queue) — safe whoever the owner is, since the hold's identity is the
+//! attempt's own. The exception: if that compensation reaches the store *before* the
+//! attempt itself (the attempt stalled on a connection that was replaced after a
+//! response timeout, and the server read it later), the attempt's hold, or its queue
+//! entry, stays until its lease (or the waiter timeout) ends; nobody renews it, and no
+//! guard stands for it. Dropping a [`LockGuard`] stops its renewal and, for the hold's
+//! last guard, spawns its release.
 
 use std::num::NonZeroU32;
 use std::sync::Arc;
