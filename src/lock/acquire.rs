@@ -14,6 +14,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::runtime::Handle;
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -75,6 +76,13 @@ pub(crate) async fn acquire_as(
         Lease::Watchdog => (client.watchdog_lease(), true),
         Lease::Fixed(lease) => (super::validate_lease("lease", lease)?, false),
     };
+    // Releases and renewals run as tasks on the runtime the lock is taken on.
+    let runtime = Handle::try_current().map_err(|_| {
+        Error::invalid_config(
+            "runtime",
+            "is missing: locks must be taken inside a tokio runtime, which runs their releases and renewals (got none)",
+        )
+    })?;
     // A fresh owner is used once, so it can be its hold's store identity as well.
     let (owner, fresh) = match owner {
         Some(owner) => (owner, false),
@@ -89,7 +97,7 @@ pub(crate) async fn acquire_as(
     let started = Instant::now();
     let registry = client.registry();
     let hold = loop {
-        let entered = registry.enter(&slot, watched, |state| {
+        let entered = registry.enter(&slot, watched, &runtime, |state| {
             let holder = if fresh {
                 slot.owner.clone()
             } else {
@@ -105,7 +113,9 @@ pub(crate) async fn acquire_as(
         });
         match entered {
             Entered::Reentered { hold, count } => {
-                return reenter(client, hold, count, lease_len, watched, started).await;
+                let guard =
+                    LockGuard::new(client.clone(), hold, count, lease_len, watched, runtime);
+                return reenter(client, guard, started).await;
             }
             Entered::Wait(hold) => {
                 if !hold.acquisition_finished(deadline).await {
@@ -168,24 +178,25 @@ pub(crate) async fn acquire_as(
             (a, b) => a.or(b),
         };
     }
-    let hold = pending.activate(attempt.grant.token(), expires_at, watched);
+    let hold = pending.activate(attempt.grant.token(), expires_at, watched, &runtime);
     if let Some(observer) = hooks.observer() {
         observer.acquired(event, waited);
     }
-    Ok(LockGuard::new(client.clone(), hold, 1, lease_len, watched))
+    Ok(LockGuard::new(
+        client.clone(),
+        hold,
+        1,
+        lease_len,
+        watched,
+        runtime,
+    ))
 }
 
-/// One more guard of the owner's live `hold`: no store call, unless a fixed lease asks
-/// for more than the hold has left (then the hold is extended, never shortened).
-async fn reenter(
-    client: &LockClient,
-    hold: Arc<Hold>,
-    count: u32,
-    lease: Duration,
-    watched: bool,
-    started: Instant,
-) -> Result<LockGuard> {
-    let guard = LockGuard::new(client.clone(), Arc::clone(&hold), count, lease, watched);
+/// `guard` is one more guard of its owner's live hold: no store call, unless a fixed
+/// lease asks for more than the hold has left (then the hold is extended, never
+/// shortened).
+async fn reenter(client: &LockClient, guard: LockGuard, started: Instant) -> Result<LockGuard> {
+    let (hold, lease, watched) = (Arc::clone(guard.hold()), guard.lease(), guard.is_watched());
     let now = Instant::now();
     let wanted = now.checked_add(lease);
     let short = match (hold.expiry.get(), wanted) {
@@ -236,12 +247,14 @@ impl Pending<'_> {
         token: Option<crate::FencingToken>,
         expires_at: Option<Instant>,
         watched: bool,
+        runtime: &Handle,
     ) -> Arc<Hold> {
         let hold = self
             .hold
             .take()
             .unwrap_or_else(|| unreachable!("a pending hold is only taken by `activate`"));
-        self.registry.activate(&hold, token, expires_at, watched);
+        self.registry
+            .activate(&hold, token, expires_at, watched, runtime);
         hold
     }
 }
@@ -543,6 +556,30 @@ impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         if self.woken || (!self.settled && self.pass_turn_on_leave) {
             self.sub.pass_on();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+
+    use crate::{Error, LockClient, MemoryBackend};
+
+    /// Polled outside a tokio runtime (which would run its releases and renewals), an
+    /// acquisition says so instead of panicking.
+    #[test]
+    fn outside_a_runtime_is_an_error_not_a_panic() {
+        let client = LockClient::new(MemoryBackend::new());
+        let lock = client.get_lock("no-runtime").unwrap();
+        let mut acquire = std::pin::pin!(lock.try_lock());
+        let mut cx = Context::from_waker(Waker::noop());
+        match acquire.as_mut().poll(&mut cx) {
+            Poll::Ready(Err(Error::InvalidConfig {
+                name: "runtime", ..
+            })) => {}
+            other => panic!("expected a `runtime` configuration error, got {other:?}"),
         }
     }
 }

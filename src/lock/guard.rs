@@ -182,6 +182,7 @@ impl LockGuard {
         holds: u32,
         lease: Duration,
         watched: bool,
+        runtime: Handle,
     ) -> Self {
         LockGuard {
             inner: Some(Held {
@@ -191,7 +192,7 @@ impl LockGuard {
                 holds,
                 lease,
                 watched,
-                runtime: Handle::current(),
+                runtime,
                 acquired_at: Instant::now(),
             }),
         }
@@ -217,6 +218,11 @@ impl LockGuard {
             held.client.registry().mark_lost(&held.hold);
         }
         Ok(renewed)
+    }
+
+    /// The hold this guard stands for.
+    pub(crate) fn hold(&self) -> &Arc<Hold> {
+        &self.held().hold
     }
 
     fn held(&self) -> &Held {

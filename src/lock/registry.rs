@@ -244,13 +244,14 @@ impl Registry {
     }
 
     /// Finds where an acquisition of `slot` stands, as one more guard (`watched`: one
-    /// without an explicit lease). When nobody holds the slot, a new hold is made with
-    /// the store request `store()` returns; that request's owner must be used by no other
-    /// hold. Must be called inside a tokio runtime.
+    /// without an explicit lease, renewed on `runtime`). When nobody holds the slot, a
+    /// new hold is made with the store request `store()` returns; that request's owner
+    /// must be used by no other hold.
     pub(crate) fn enter(
         &self,
         slot: &Slot,
         watched: bool,
+        runtime: &Handle,
         store: impl FnOnce(&State) -> LockRequest,
     ) -> Entered {
         let mut state = self.inner.state();
@@ -267,9 +268,8 @@ impl Registry {
                     let count = hs.guards;
                     if watched {
                         hs.watched += 1;
-                        let runtime = Handle::current();
-                        state.tasks.ensure(&self.inner, &runtime);
-                        hs.runtime = Some(runtime);
+                        state.tasks.ensure(&self.inner, runtime);
+                        hs.runtime = Some(runtime.clone());
                     }
                     drop(hs);
                     return Entered::Reentered { hold, count };
@@ -303,13 +303,15 @@ impl Registry {
         Entered::Acquire(hold)
     }
 
-    /// The store granted `hold`: it now has its first guard, valid until `expires_at`.
+    /// The store granted `hold`: it now has its first guard, valid until `expires_at`
+    /// (renewed on `runtime` if `watched`).
     pub(crate) fn activate(
         &self,
         hold: &Arc<Hold>,
         token: Option<FencingToken>,
         expires_at: Option<Instant>,
         watched: bool,
+        runtime: &Handle,
     ) {
         let mut state = self.inner.state();
         let mut hs = hold.state();
@@ -319,9 +321,8 @@ impl Registry {
         hs.guards = 1;
         if watched {
             hs.watched = 1;
-            let runtime = Handle::current();
-            state.tasks.ensure(&self.inner, &runtime);
-            hs.runtime = Some(runtime);
+            state.tasks.ensure(&self.inner, runtime);
+            hs.runtime = Some(runtime.clone());
         }
         drop(hs);
         drop(state);
