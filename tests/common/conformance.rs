@@ -667,6 +667,32 @@ pub async fn reentry_never_shortens_the_lease(f: &impl Fixture) {
     assert!(!f.residue(&k).await);
 }
 
+/// Two tasks of one owner lock one key at once: the second waits for the first's
+/// acquisition and re-enters it, so there is one hold in the store, two guards, and the
+/// lock is free only once both are gone. Meanwhile another owner is kept out.
+pub async fn concurrent_acquisitions_by_one_owner_share_one_hold(f: &impl Fixture) {
+    let k = key("one-owner-twice");
+    let client = f.client(LONG);
+    let owner = client.new_owner();
+    let lock = client.get_lock(&k).unwrap().with_owner(owner);
+    let (a, b) = tokio::join!(
+        lock.try_lock_for(Duration::from_secs(5), Lease::Watchdog),
+        lock.try_lock_for(Duration::from_secs(5), Lease::Watchdog),
+    );
+    let (a, b) = (a.unwrap(), b.unwrap());
+    let mut counts = [a.hold_count(), b.hold_count()];
+    counts.sort();
+    assert_eq!(counts, [1, 2], "one acquired, the other re-entered");
+    assert_eq!(a.holder(), b.holder(), "one hold");
+    let other = f.client(LONG).get_lock(&k).unwrap();
+    assert!(other.try_lock().await.unwrap_err().is_busy());
+    a.unlock().await.unwrap();
+    assert!(other.try_lock().await.unwrap_err().is_busy(), "one guard is left");
+    b.unlock().await.unwrap();
+    other.try_lock().await.unwrap().unlock().await.unwrap();
+    assert!(!f.residue(&k).await);
+}
+
 /// Calls `$callback!($($args)*; case, case, ...)` with every conformance case: the one
 /// list of cases.
 #[macro_export]
@@ -692,6 +718,7 @@ macro_rules! with_conformance_cases {
             leaving_waiter_passes_its_turn,
             multi_lock_fixed_lease_outlasts_the_wait,
             reentry_never_shortens_the_lease,
+            concurrent_acquisitions_by_one_owner_share_one_hold,
         );
     };
 }
