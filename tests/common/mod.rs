@@ -4,6 +4,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod conformance;
+pub mod history;
 pub mod kinds;
 pub mod redis_server;
 
