@@ -32,8 +32,8 @@
 //! 3 is read with one Lua script (atomic): the lock hash's fields, the permit holders'
 //! sorted set and the read holds' lease keys (see the layout table in
 //! `src/backend/redis/mod.rs`). Check 4 waits until the database holds nothing but the
-//! fencing counters (`tower_lock_fence:{NAME}`, which by design never expire), i.e.
-//! until `DBSIZE` equals their number, and no backend has a local waiter.
+//! fencing counters of fenced locks (`redisson_lock_token:{NAME}`, which by design never
+//! expire), i.e. until `DBSIZE` equals their number, and no backend has a local waiter.
 
 #![cfg(feature = "redis")]
 

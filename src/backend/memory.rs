@@ -224,9 +224,10 @@ struct Entry {
     notify: Arc<Signal>,
     /// Subscriptions sharing `notify`.
     shared_subs: usize,
-    /// One wake-up per waiting owner of a queued mode (fair, read, write), so that a
-    /// release wakes exactly the waiters the queue admits.
-    owner_subs: HashMap<Owner, OwnerSub>,
+    /// One wake-up per queue entry — an owner waiting in a queued mode (fair, read,
+    /// write) — so that a release wakes exactly the waiters the queue admits, and an
+    /// owner waiting in two modes is not woken in one for the other's turn.
+    owner_subs: HashMap<(Owner, LockMode), OwnerSub>,
     /// All subscriptions of the key.
     subscribers: usize,
 }
@@ -667,13 +668,13 @@ impl Entry {
             {
                 break;
             }
-            woken.push(waiter.owner.clone());
+            woken.push((waiter.owner.clone(), waiter.mode));
             if !reader {
                 break;
             }
         }
-        for owner in woken {
-            if let Some(sub) = self.owner_subs.get(&owner) {
+        for entry in woken {
+            if let Some(sub) = self.owner_subs.get(&entry) {
                 sub.notify.notify_one();
             }
         }
@@ -999,7 +1000,7 @@ impl LockBackend for MemoryBackend {
             let (owner, notify) = if is_queued(req.mode) {
                 let sub = entry
                     .owner_subs
-                    .entry(req.owner.clone())
+                    .entry((req.owner.clone(), req.mode))
                     .or_insert_with(|| OwnerSub {
                         notify: Arc::new(Signal::new()),
                         count: 0,
@@ -1110,10 +1111,11 @@ impl Drop for MemorySubscription {
             match &self.owner {
                 None => entry.shared_subs = entry.shared_subs.saturating_sub(1),
                 Some(owner) => {
-                    if let Some(sub) = entry.owner_subs.get_mut(owner) {
+                    let queued = (owner.clone(), self.mode);
+                    if let Some(sub) = entry.owner_subs.get_mut(&queued) {
                         sub.count -= 1;
                         if sub.count == 0 {
-                            entry.owner_subs.remove(owner);
+                            entry.owner_subs.remove(&queued);
                         }
                     }
                 }

@@ -687,7 +687,10 @@ pub async fn concurrent_acquisitions_by_one_owner_share_one_hold(f: &impl Fixtur
     let other = f.client(LONG).get_lock(&k).unwrap();
     assert!(other.try_lock().await.unwrap_err().is_busy());
     a.unlock().await.unwrap();
-    assert!(other.try_lock().await.unwrap_err().is_busy(), "one guard is left");
+    assert!(
+        other.try_lock().await.unwrap_err().is_busy(),
+        "one guard is left"
+    );
     b.unlock().await.unwrap();
     other.try_lock().await.unwrap().unlock().await.unwrap();
     assert!(!f.residue(&k).await);

@@ -46,8 +46,12 @@
 //!    every guard unlocked, tasks settle; then the store must drain ([`Fixture::drained`]):
 //!    on memory no hold may be left at once (every store call completes within its first
 //!    poll, so nothing can be in flight), and past every lease and the waiter timeout no
-//!    entry, queue entry or waiter either; on Redis nothing but the fencing counters may
+//!    entry, queue entry or waiter either; on Redis nothing but fenced locks' counters may
 //!    be left within a deadline after the leases end. Cancellation must leave nothing.
+//! 5. **Fencing tokens increase**: a fenced exclusive, fair or write hold's token is
+//!    greater than the token of the fenced exclusive-family hold of the key believed
+//!    before it (such holds are never believed at once, so that is their grant order),
+//!    and guards of one hold share its token.
 //!
 //! Besides, an acquisition or unlock that fails with anything but `Busy` / `Lost` is a
 //! finding ([`Finding::UnexpectedError`]), and so is a task that loops without ever
@@ -87,14 +91,14 @@ pub const PERMITS: u32 = 2;
 
 // ───────────────────────────── the oracle's notion of a holder ─────────────────────────────
 
-/// A hold's identity in the store (today: its owner and mode).
-pub type Holder = (Owner, LockMode);
+/// A hold as the oracle sees it: its identity in the store ([`LockGuard::holder`]), its
+/// mode, and the logical owner that took it (`guard.owner()`).
+pub type Holder = (Owner, LockMode, Owner);
 
 /// Which hold of the store `guard` stands for: guards with equal holders are re-entries of
-/// one hold and count as one holder. Shim: on today's code a hold is identified by its
-/// owner and mode; the library will soon expose this as `guard.holder()`.
+/// one hold and count as one holder.
 pub fn holder_of(guard: &LockGuard) -> Holder {
-    (guard.owner().clone(), guard.mode())
+    (guard.holder().clone(), guard.mode(), guard.owner().clone())
 }
 
 // ───────────────────────────── timing ─────────────────────────────
@@ -247,6 +251,8 @@ pub struct Acquire {
     /// One key, or two distinct keys: a MultiLock.
     pub keys: Vec<u8>,
     pub kind: Kind,
+    /// A fenced lock (its guards carry fencing tokens).
+    pub fenced: bool,
     pub call: Call,
     pub cancel: Cancel,
     /// `yield_now`s after spawning it (0: the next op runs before it is first polled).
@@ -394,8 +400,11 @@ impl fmt::Display for Acquire {
         };
         write!(
             f,
-            "s{} <- {who} {what} {} {call}{cancel}; {} yields",
-            self.slot, self.kind, self.yields
+            "s{} <- {who} {what} {}{} {call}{cancel}; {} yields",
+            self.slot,
+            self.kind,
+            if self.fenced { " fenced" } else { "" },
+            self.yields
         )
     }
 }
@@ -489,6 +498,7 @@ impl Gen<'_> {
             who: self.who(),
             keys: ks,
             kind: self.pick(&KINDS),
+            fenced: self.rng.u8(0..100) < 30,
             call: self.call(),
             cancel: self.cancel(),
             yields: self.rng.u8(0..=3),
@@ -671,6 +681,10 @@ pub enum Finding {
     LostUnlockNotLost,
     /// Check 3: a believed guard's hold is not in the store.
     MissingFromStore,
+    /// Check 5: a fenced exclusive, fair or write hold's token is not greater than the
+    /// token of the exclusive hold of the key believed before it (or guards of one hold
+    /// disagree on its token).
+    TokensNotIncreasing,
     /// Check 4 (memory): holds left in the store right after every guard was released.
     ResidueAfterRelease,
     /// Check 4: state left in the store (or local waiters) after every lease ended.
@@ -702,6 +716,9 @@ impl Finding {
             Finding::LostUnlockNotLost => "unlock of a guard seen lost did not report Err(Lost)",
             Finding::MissingFromStore => {
                 "a believed guard's hold is gone from the store (freed by someone else's release)"
+            }
+            Finding::TokensNotIncreasing => {
+                "fencing: an exclusive holder's token is not above the previous exclusive holder's"
             }
             Finding::ResidueAfterRelease => {
                 "holds left in the store after every guard was released"
@@ -933,6 +950,8 @@ struct Shared {
     reported: HashSet<(usize, String)>,
     /// Names for owners and keys in the trace.
     names: Names,
+    /// Per key: the last fenced exclusive-family hold believed, and its token (check 5).
+    last_token: HashMap<LockKey, (Holder, u64)>,
 }
 
 impl Shared {
@@ -988,7 +1007,7 @@ impl Names {
 
     fn guard(&self, id: GuardId, g: &LockGuard) -> String {
         format!(
-            "s{}{} {} {} {} (token {}, holds {})",
+            "s{}{} {} {} {} (token {:?}, holds {})",
             id.0,
             if id.1 > 0 {
                 format!("[{}]", id.1)
@@ -998,7 +1017,7 @@ impl Names {
             self.owner(g.owner().as_str()),
             self.key(g.key()),
             g.mode(),
-            g.fencing_token(),
+            g.fencing_token().map(|t| t.get()),
             g.hold_count()
         )
     }
@@ -1059,6 +1078,7 @@ pub async fn run<F: Fixture>(fx: &F, history: &History) -> Outcome {
             step: 0,
             reported: HashSet::new(),
             names,
+            last_token: HashMap::new(),
         })),
     };
     for (i, op) in history.ops.iter().enumerate() {
@@ -1171,7 +1191,10 @@ impl<F: Fixture> Driver<'_, F> {
         let locks: Vec<Lock> = a
             .keys
             .iter()
-            .map(|&k| a.kind.lock(&client, &self.fx.keys()[usize::from(k)]))
+            .map(|&k| {
+                let lock = a.kind.lock(&client, &self.fx.keys()[usize::from(k)]);
+                if a.fenced { lock.fenced() } else { lock }
+            })
             .collect();
         let owner = match a.who {
             Who::Fresh => None,
@@ -1282,17 +1305,42 @@ impl<F: Fixture> Driver<'_, F> {
                     continue;
                 }
                 believed.insert(id);
+                let holder = holder_of(g);
+                // Check 5: exclusive-family holds of one key are never believed at once
+                // (check 1), so the order they are believed in is the order they were
+                // granted in, and their tokens must increase in it.
+                if let (LockMode::Exclusive | LockMode::Fair | LockMode::Write, Some(token)) =
+                    (g.mode(), g.fencing_token())
+                {
+                    let token = token.get();
+                    match sh.last_token.get(g.key()) {
+                        Some((last, t)) if *last == holder && *t != token => reports.push((
+                            Finding::TokensNotIncreasing,
+                            format!("{} has token {token}, its hold had {t}", sh.names.guard(id, g)),
+                        )),
+                        Some((last, t)) if *last != holder && token <= *t => reports.push((
+                            Finding::TokensNotIncreasing,
+                            format!(
+                                "{} has token {token}, not above the previous exclusive holder's {t}",
+                                sh.names.guard(id, g)
+                            ),
+                        )),
+                        _ => {}
+                    }
+                    sh.last_token
+                        .insert(g.key().clone(), (holder.clone(), token));
+                }
                 holders
                     .entry(g.key().clone())
                     .or_default()
-                    .push((holder_of(g), sh.names.guard(id, g)));
+                    .push((holder, sh.names.guard(id, g)));
                 if let Some((before, view)) = store
                     && before.contains(&id)
                 {
                     let k = self.fx.keys().iter().position(|k| k == g.key()).unwrap();
                     let in_store = view[k]
                         .iter()
-                        .any(|h| h.owner == g.owner().as_str() && h.mode.covers(g.mode()));
+                        .any(|h| h.owner == g.holder().as_str() && h.mode.covers(g.mode()));
                     if !in_store {
                         let there: Vec<String> = view[k]
                             .iter()
@@ -1472,25 +1520,25 @@ fn exclusion(key: &str, guards: &[(Holder, String)]) -> Vec<(Finding, String)> {
     let sole: Vec<&Holder> = holders
         .iter()
         .copied()
-        .filter(|(_, m)| family(*m) == Family::Sole)
+        .filter(|(_, m, _)| family(*m) == Family::Sole)
         .collect();
     if sole.len() > 1 {
         let what = format!("{} exclusive/fair holders", sole.len());
         breaches.push((Finding::TwoSoleHolders, sole, what));
     }
-    let mut families: Vec<Family> = holders.iter().map(|(_, m)| family(*m)).collect();
+    let mut families: Vec<Family> = holders.iter().map(|(_, m, _)| family(*m)).collect();
     families.sort_by_key(|f| *f as u8);
     families.dedup();
     if families.len() > 1 {
         let what = format!("families {families:?} at once");
         breaches.push((Finding::FamiliesMixed, holders.clone(), what));
     }
-    // A writer tolerates only its own owner's reads.
-    for &writer in holders.iter().filter(|(_, m)| *m == LockMode::Write) {
+    // A writer tolerates only its own (logical) owner's reads.
+    for &writer in holders.iter().filter(|(_, m, _)| *m == LockMode::Write) {
         let others: Vec<&Holder> = holders
             .iter()
             .copied()
-            .filter(|h| *h != writer && !(h.1 == LockMode::Read && h.0 == writer.0))
+            .filter(|h| *h != writer && !(h.1 == LockMode::Read && h.2 == writer.2))
             .collect();
         if !others.is_empty() {
             let involved = std::iter::once(writer).chain(others).collect();
@@ -1505,7 +1553,7 @@ fn exclusion(key: &str, guards: &[(Holder, String)]) -> Vec<(Finding, String)> {
     let permits: Vec<&Holder> = holders
         .iter()
         .copied()
-        .filter(|(_, m)| family(*m) == Family::Permits)
+        .filter(|(_, m, _)| family(*m) == Family::Permits)
         .collect();
     if permits.len() > PERMITS as usize {
         let what = format!("{} permit holders of {PERMITS}", permits.len());
@@ -1514,7 +1562,7 @@ fn exclusion(key: &str, guards: &[(Holder, String)]) -> Vec<(Finding, String)> {
     breaches
         .into_iter()
         .map(|(finding, involved, what)| {
-            let one_owner = involved.iter().all(|h| h.0 == involved[0].0);
+            let one_owner = involved.iter().all(|h| h.2 == involved[0].2);
             let finding = if one_owner {
                 Finding::OneOwnerTwoModes
             } else {

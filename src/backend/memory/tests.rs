@@ -529,3 +529,30 @@ async fn permits_admit_max_owners_each_with_its_lease() {
     assert!(woken(&mut sub).await, "a release wakes a waiter");
     grant(b.acquire(&p("d:1", 100)).await.unwrap());
 }
+
+/// Found by the history checker: one owner queued in two modes (a write waiter at the
+/// head, then a fair waiter behind it). Each busy attempt of the fair waiter woke the
+/// head through a per-owner signal the fair waiter shared, so it woke itself and looped
+/// without ever yielding. Wake-ups belong to one queue entry: owner *and* mode.
+#[tokio::test(start_paused = true)]
+async fn a_wake_up_for_one_queue_entry_does_not_wake_the_same_owners_other_entry() {
+    let b = MemoryBackend::new();
+    let fair = req_in(LockMode::Fair, "k", "a:1", 10_000);
+    let write = req_in(LockMode::Write, "k", "a:1", 10_000);
+    grant(b.acquire(&fair).await.unwrap());
+    // Busy against its own fair hold: the write waiter queues, at the head.
+    busy_ttl(b.acquire(&write).await.unwrap());
+    let mut write_sub = b.subscribe(&write).await.unwrap();
+    assert_eq!(b.release(&fair).await.unwrap(), Release::Released);
+    assert!(woken(&mut write_sub).await, "the head is told it may go");
+
+    let mut fair_sub = b.subscribe(&fair).await.unwrap();
+    // Behind the write head; the attempt tells the head again, and only the head.
+    busy_ttl(b.acquire(&fair).await.unwrap());
+    assert!(
+        !woken(&mut fair_sub).await,
+        "the fair waiter was woken by its own attempt"
+    );
+    assert!(woken(&mut write_sub).await);
+    grant(b.acquire(&write).await.unwrap());
+}
