@@ -855,10 +855,13 @@ async fn w5(args: &Args) -> Result<String, String> {
     let layered = args.backend != BackendKind::None;
     if layered {
         let client = client(args).await?;
-        let layer = LockLayer::builder(client, |req: &http::Request<axum::body::Body>| {
-            // Every request has its own key: the cost of the layer, not of contention.
-            LockKey::namespaced("bench:w5", req.uri().path())
-        })
+        let layer = LockLayer::builder(
+            client,
+            tower_lock::layer::key_fn(|parts| {
+                // Every request has its own key: the cost of the layer, not of contention.
+                LockKey::namespaced("bench:w5", parts.uri.path())
+            }),
+        )
         .build()
         .map_err(|e| e.to_string())?;
         app = app.layer(layer);

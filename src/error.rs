@@ -143,6 +143,15 @@ impl Error {
         }
     }
 
+    /// Whether the lock store could not answer: unreachable, timed out, a connection
+    /// dropped, no quorum of nodes — an outage, which retrying (or failing open) is right
+    /// for. A store that answered something the crate cannot use (a key of another type,
+    /// a reply it does not understand) and a mode the backend does not implement are
+    /// misconfigurations, not outages.
+    pub fn is_unavailable(&self) -> bool {
+        !self.is_busy() && self.is_retryable()
+    }
+
     /// Whether this is [`Error::Busy`]: another owner holds the lock.
     pub fn is_busy(&self) -> bool {
         matches!(self, Error::Busy { .. })
@@ -219,5 +228,8 @@ mod tests {
         assert!(Error::Backend("down".into()).is_retryable());
         assert!(Error::Backend("down".into()).is_backend());
         assert!(!Error::Lost.is_backend());
+        assert!(Error::Backend("down".into()).is_unavailable());
+        assert!(!Error::WrongType.is_unavailable());
+        assert!(!Error::Busy { holder_ttl: None }.is_unavailable());
     }
 }

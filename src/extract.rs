@@ -28,11 +28,11 @@
 //! # pub fn app() -> Result<Router, tower_lock::Error> {
 //! let layer = LockLayer::builder(
 //!     MemoryBackend::new(),
-//!     HeaderKey::new(HeaderName::from_static("x-account")).namespace("account"),
+//!     HeaderKey::new(HeaderName::from_static("x-account")).namespace("account")?,
 //! )
 //! .fenced(true)
 //! .build()?;
-//! let app: Router = Router::new().route("/transfer", post(transfer)).layer(layer);
+//! let app: Router = Router::new().route("/transfer", post(transfer)).route_layer(layer);
 //! # Ok(app)
 //! # }
 //! # }

@@ -188,7 +188,7 @@ async fn server(backend: Backend, work: Duration) -> Server {
         }
     };
     let layer = LockLayer::builder(client.clone(), HeaderKey::new("x-key".parse().unwrap()))
-        .with_wait(Duration::from_secs(60))
+        .max_wait(Duration::from_secs(60))
         .build()
         .unwrap();
     let app = Router::new().route("/work", post(handler)).layer(layer);

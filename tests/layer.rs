@@ -17,7 +17,7 @@ use tower_lock::backend::{
     Acquire, BoxFuture, LockBackend, LockMode, LockRequest, Release, Subscription,
 };
 use tower_lock::extract::{HeldLock, Locks};
-use tower_lock::layer::{HeaderKey, KeyError, LockBody, LockLayer, Rejection};
+use tower_lock::layer::{HeaderKey, KeyError, LockBody, LockLayer, Rejection, key_fn};
 use tower_lock::{Error, Lease, LockClient, LockKey, MemoryBackend, Owner, Result};
 
 type Req = Request<()>;
@@ -34,7 +34,7 @@ fn user(id: &str) -> Req {
 }
 
 fn by_user() -> HeaderKey {
-    HeaderKey::new(USER).namespace("user")
+    HeaderKey::new(USER).namespace("user").unwrap()
 }
 
 fn key(s: &str) -> LockKey {
@@ -83,7 +83,7 @@ async fn text(res: Response<LockBody<Full<Bytes>>>) -> (StatusCode, String) {
 async fn locks_by_header_with_prefix() {
     let backend = MemoryBackend::new();
     let layer = LockLayer::builder(backend.clone(), by_user())
-        .with_key_prefix("lock:order")
+        .key_prefix("lock:order")
         .build()
         .unwrap();
     let calls = Arc::new(AtomicUsize::new(0));
@@ -99,19 +99,17 @@ async fn locks_by_header_with_prefix() {
     assert!(backend.is_empty(), "released");
 }
 
-#[tokio::test]
-async fn busy_after_the_wait_is_429_with_retry_after_from_the_holders_ttl() {
+/// Busy after the wait: 429 with a `Retry-After` that says when retrying makes sense —
+/// 1 s by default, whatever the watched holder's 30 s lease says; with a fixed lease the
+/// holder's remaining lease when it is sooner than the configured value.
+#[tokio::test(start_paused = true)]
+async fn busy_after_the_wait_is_429_with_a_retry_after_that_says_when_to_retry() {
     let backend = MemoryBackend::new();
     let client = LockClient::new(backend.clone());
-    let _holder = client
-        .get_lock("user:{7}")
-        .unwrap()
-        .try_lock_for(Duration::ZERO, Duration::from_millis(2500))
-        .await
-        .unwrap();
+    let watched = client.get_lock("user:{7}").unwrap().lock().await.unwrap();
     let calls = Arc::new(AtomicUsize::new(0));
     let layer = LockLayer::builder(client.clone(), by_user())
-        .with_wait(Duration::from_millis(100))
+        .max_wait(Duration::from_millis(100))
         .build()
         .unwrap();
     let started = Instant::now();
@@ -120,27 +118,49 @@ async fn busy_after_the_wait_is_429_with_retry_after_from_the_holders_ttl() {
         .oneshot(user("7"))
         .await
         .unwrap();
-    let waited = started.elapsed();
+    assert_eq!(
+        started.elapsed(),
+        Duration::from_millis(100),
+        "waited the wait"
+    );
     assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
-    // ~2.4 s left on the holder's lease, rounded up.
-    assert_eq!(res.headers()[header::RETRY_AFTER], "3");
-    assert!(waited >= Duration::from_millis(100), "waited {waited:?}");
+    assert_eq!(
+        res.headers()[header::RETRY_AFTER],
+        "1",
+        "not the holder's 30 s watchdog lease"
+    );
     assert_eq!(calls.load(Ordering::SeqCst), 0, "the handler never ran");
     assert_eq!(backend.waiters(&key("user:{7}")), 0, "no waiter left");
+    watched.unlock().await.unwrap();
 
-    // Zero wait: one attempt.
-    let layer = LockLayer::builder(client, by_user())
-        .with_wait(Duration::ZERO)
-        .with_busy_status(StatusCode::LOCKED)
-        .build()
-        .unwrap();
-    let res = layer
-        .layer(handler(calls.clone()))
-        .oneshot(user("7"))
+    // Fixed leases: the holder's remaining lease is a real bound, sent when sooner than
+    // the configured value (which caps it).
+    let _fixed = client
+        .get_lock("user:{7}")
+        .unwrap()
+        .try_lock_for(Duration::ZERO, Duration::from_millis(2500))
         .await
         .unwrap();
-    assert_eq!(res.status(), StatusCode::LOCKED);
-    assert!(res.headers().contains_key(header::RETRY_AFTER));
+    let retry_after = |configured: u64| {
+        let layer = LockLayer::builder(client.clone(), by_user())
+            .max_wait(Duration::ZERO)
+            .lease(Duration::from_secs(3))
+            .busy_retry_after(Duration::from_secs(configured))
+            .busy_status(StatusCode::LOCKED)
+            .build()
+            .unwrap();
+        let svc = layer.layer(handler(calls.clone()));
+        async move {
+            let res = svc.oneshot(user("7")).await.unwrap();
+            assert_eq!(res.status(), StatusCode::LOCKED);
+            res.headers()[header::RETRY_AFTER]
+                .to_str()
+                .unwrap()
+                .to_owned()
+        }
+    };
+    assert_eq!(retry_after(10).await, "3", "2.5 s left, rounded up");
+    assert_eq!(retry_after(2).await, "2", "capped");
 }
 
 #[tokio::test]
@@ -199,9 +219,10 @@ async fn bad_and_missing_keys_are_400_and_the_handler_does_not_run() {
     assert_eq!(res.status(), StatusCode::BAD_REQUEST);
     assert!(res.headers().get(header::RETRY_AFTER).is_none());
 
-    let failing = LockLayer::new(backend.clone(), |_: &Req| {
-        Err::<LockKey, _>(KeyError::new("no tenant"))
-    });
+    let failing = LockLayer::new(
+        backend.clone(),
+        key_fn(|_| Err::<LockKey, _>(KeyError::new("no tenant"))),
+    );
     let (status, body) = text(
         failing
             .layer(handler(calls.clone()))
@@ -238,8 +259,8 @@ async fn no_key_and_filtered_methods_pass_through_unlocked_with_an_owner() {
     assert_eq!((status, body.as_str()), (StatusCode::OK, "unlocked"));
 
     let posts_only = LockLayer::builder(client, by_user())
-        .with_methods([Method::POST])
-        .with_wait(Duration::ZERO)
+        .methods([Method::POST])
+        .max_wait(Duration::ZERO)
         .build()
         .unwrap();
     let svc = posts_only.layer(handler(calls.clone()));
@@ -297,14 +318,16 @@ async fn several_keys_are_sorted_and_never_deadlock() {
     let inside = Arc::new(AtomicUsize::new(0));
     let overlaps = Arc::new(AtomicUsize::new(0));
     let (i, o) = (inside.clone(), overlaps.clone());
-    let layer = LockLayer::new(client, |req: &Req| {
-        let reversed = req.headers().contains_key("x-reverse");
-        if reversed {
-            [key("acct:b"), key("acct:a")]
-        } else {
-            [key("acct:a"), key("acct:b")]
-        }
-    });
+    let layer = LockLayer::new(
+        client,
+        key_fn(|parts| {
+            if parts.headers.contains_key("x-reverse") {
+                [key("acct:b"), key("acct:a")]
+            } else {
+                [key("acct:a"), key("acct:b")]
+            }
+        }),
+    );
     let svc = layer.layer(service_fn(move |req: Req| {
         let (inside, overlaps) = (i.clone(), o.clone());
         async move {
@@ -349,7 +372,7 @@ async fn backend_down_fails_closed_with_503_or_open_when_asked() {
 
     let open = LockLayer::builder(DownBackend, by_user())
         .fail_open(true)
-        .with_unavailable_retry_after(Duration::from_millis(1500))
+        .unavailable_retry_after(Duration::from_millis(1500))
         .build()
         .unwrap()
         .layer(handler(calls.clone()));
@@ -359,7 +382,7 @@ async fn backend_down_fails_closed_with_503_or_open_when_asked() {
 
     // The configured Retry-After, rounded up.
     let closed = LockLayer::builder(DownBackend, by_user())
-        .with_unavailable_retry_after(Duration::from_millis(1500))
+        .unavailable_retry_after(Duration::from_millis(1500))
         .build()
         .unwrap()
         .layer(handler(calls.clone()));
@@ -372,11 +395,10 @@ async fn a_custom_rejection_handler_answers_every_case() {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let s = seen.clone();
     let layer = LockLayer::builder(DownBackend, by_user())
-        .on_rejection(move |r: &Rejection| {
+        .on_rejection(move |r: Rejection| {
             s.lock().unwrap().push(format!("{r:?}"));
-            let mut res = r.to_response();
-            *res.body_mut() = Bytes::from(format!(r#"{{"error":"{}"}}"#, r.status().as_u16()));
-            res
+            let body = format!(r#"{{"error":"{}"}}"#, r.status().as_u16());
+            (r.status(), body)
         })
         .build()
         .unwrap();
@@ -478,7 +500,11 @@ async fn modes_are_chosen_as_configured_and_unsupported_ones_are_500() {
         *req.method_mut() = method;
         let (status, body) = text(rw.clone().oneshot(req).await.unwrap()).await;
         assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
-        assert!(body.contains("does not support"), "{body}");
+        assert!(body.contains("misconfigured"), "{body}");
+        assert!(
+            !body.contains("support"),
+            "details are logged, not sent: {body}"
+        );
     }
     let fair = LockLayer::builder(backend.clone(), by_user())
         .fair()
@@ -530,20 +556,28 @@ async fn modes_are_chosen_as_configured_and_unsupported_ones_are_500() {
 fn the_builder_names_bad_values() {
     let b = || LockLayer::builder(MemoryBackend::new(), by_user());
     let cases: Vec<(_, &str)> = vec![
-        (b().with_wait(Duration::from_secs(3600)).build(), "`wait`"),
-        (b().with_lease(Duration::ZERO).build(), "`lease`"),
         (
-            b().with_busy_status(StatusCode::OK).build(),
-            "`busy_status`",
+            b().max_wait(Duration::from_secs(3600)).build(),
+            "`max_wait`",
         ),
-        (b().with_methods([]).build(), "`methods`"),
-        (b().with_key_prefix("a{b").build(), "`key_prefix`"),
-        (b().with_key_prefix("").build(), "`key_prefix`"),
+        (b().lease(Duration::ZERO).build(), "`lease`"),
+        (b().busy_status(StatusCode::OK).build(), "`busy_status`"),
+        (b().methods([]).build(), "`methods`"),
+        (b().key_prefix("a{b").build(), "`key_prefix`"),
+        (b().key_prefix("").build(), "`key_prefix`"),
         (b().permits(0).build(), "`permits`"),
         (
-            b().with_unavailable_retry_after(Duration::ZERO).build(),
+            b().unavailable_retry_after(Duration::ZERO).build(),
             "`unavailable_retry_after`",
         ),
+        (
+            b().busy_retry_after(Duration::from_secs(7200)).build(),
+            "`busy_retry_after`",
+        ),
+        // One kind of lock per layer: a second mode setter is refused, not obeyed.
+        (b().permits(2).fair().build(), "`mode`"),
+        (b().fair().read_write_by_method().build(), "`mode`"),
+        (b().permits(2).permits(3).build(), "`mode`"),
     ];
     for (result, name) in cases {
         match result {
@@ -554,7 +588,11 @@ fn the_builder_names_bad_values() {
             other => panic!("{name}: expected InvalidConfig, got {other:?}"),
         }
     }
-    assert!(b().with_wait(Duration::ZERO).build().is_ok());
+    assert!(b().max_wait(Duration::ZERO).build().is_ok());
+    assert!(
+        b().fair().fair().build().is_ok(),
+        "the same kind twice is fine"
+    );
 }
 
 #[tokio::test]

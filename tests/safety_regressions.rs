@@ -552,7 +552,7 @@ mod web {
             .route("/", post(handler))
             .layer(LockLayer::new(
                 client.clone(),
-                HeaderKey::new(USER).namespace("user"),
+                HeaderKey::new(USER).namespace("user").unwrap(),
             ))
     }
 }
@@ -1069,7 +1069,7 @@ async fn fail_open_then_lock_in_the_handler(store: &impl Store) {
             web::verdict(violations)
         }
     };
-    let layer = LockLayer::builder(client, HeaderKey::new(web::USER).namespace("user"))
+    let layer = LockLayer::builder(client, HeaderKey::new(web::USER).namespace("user").unwrap())
         .fail_open(true)
         .build()
         .unwrap();

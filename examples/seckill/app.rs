@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::Body;
 use axum::extract::{Path, State};
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, Request, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -207,13 +207,14 @@ fn parse_user(value: Option<&HeaderValue>) -> Result<u64, &'static str> {
 }
 
 /// The order lock's key: `lock:order:{<user id>}`, one lock per user.
-fn order_key(req: &Request<Body>) -> Result<LockKey, KeyError> {
-    let user = parse_user(req.headers().get(USER_HEADER)).map_err(KeyError::new)?;
+fn order_key(parts: &Parts) -> Result<LockKey, KeyError> {
+    let user = parse_user(parts.headers.get(USER_HEADER)).map_err(KeyError::new)?;
     Ok(LockKey::namespaced("lock:order", &user.to_string())?)
 }
 
-/// The layer's rejections in the app's JSON shape, keeping status and `Retry-After`.
-fn json_rejection(rejection: &Rejection) -> http::Response<Bytes> {
+/// The layer's rejections in the app's one JSON error shape, with their status and
+/// `Retry-After`.
+fn json_rejection(rejection: Rejection) -> Response {
     let code = match rejection {
         Rejection::Busy { .. } => "busy",
         Rejection::BadKey(_) => "bad_request",
@@ -221,14 +222,11 @@ fn json_rejection(rejection: &Rejection) -> http::Response<Bytes> {
         Rejection::Lost { .. } => "lock_lost",
         _ => "lock_error",
     };
-    let mut response = rejection.to_response();
-    let body = serde_json::json!({ "error": code, "message": rejection.message() });
-    *response.body_mut() = Bytes::from(body.to_string());
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    response
+    let retry_after = rejection
+        .retry_after_secs()
+        .map(|secs| [(header::RETRY_AFTER, secs.to_string())]);
+    let error = json_error(rejection.status(), code, &rejection.message());
+    (retry_after, error).into_response()
 }
 
 /// The app: `POST /vouchers/{id}/orders` (locked per user) and `GET /vouchers/{id}`.
@@ -248,7 +246,7 @@ pub fn app(
     let mut order = post(create_order);
     if !settings.no_lock {
         let layer = LockLayer::builder(client, order_key)
-            .with_wait(settings.wait)
+            .max_wait(settings.wait)
             .fenced(true)
             .on_rejection(json_rejection)
             .build()?;

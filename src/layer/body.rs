@@ -4,18 +4,24 @@ use std::fmt;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes};
 use http_body::{Body, Frame, SizeHint};
 use pin_project::pin_project;
 
+use super::policy::RejectionBody;
 use super::release::Release;
+use crate::error::BoxError;
 
 /// The response body of [`LockService`](super::LockService): the inner service's body,
-/// or the rejection handler's bytes.
+/// or a rejection's.
 ///
 /// With [`ReleaseOn::BodyEnd`](super::ReleaseOn::BodyEnd) it holds the request's locks
-/// until the inner body has ended: it releases them, waits for the release, and only
-/// then reports the end of the stream. Dropped earlier (the client went away, a frame
+/// until the body is done, and **releases them before the client can have the last
+/// byte**: the frame that completes the body — the one after which the inner body
+/// reports its end, or that brings it to the length its exact size hint announced (the
+/// `Content-Length` an HTTP/1.1 server sends, after which it stops polling) — is held
+/// back until the release has finished. A body whose end is only known when it says so
+/// ends with the release instead. Dropped earlier (the client went away, a frame
 /// failed), it releases them in a spawned task.
 #[pin_project]
 pub struct LockBody<B> {
@@ -30,24 +36,39 @@ enum Kind<B> {
         body: B,
         /// Locks held until the body ends; empty when released with the response.
         release: Release,
+        /// Bytes still to come, when the body announced its exact length.
+        remaining: Option<u64>,
+        /// The completing frame, held back while the release runs.
+        last: Option<Frame<Bytes>>,
     },
     Rejection {
-        data: Option<Bytes>,
+        #[pin]
+        body: RejectionBody,
     },
 }
 
-impl<B> LockBody<B> {
+impl<B: Body> LockBody<B> {
     pub(crate) fn new(body: B, release: Release) -> Self {
+        let remaining = if release.is_holding() {
+            body.size_hint().exact()
+        } else {
+            None
+        };
         LockBody {
-            kind: Kind::Inner { body, release },
+            kind: Kind::Inner {
+                body,
+                release,
+                remaining,
+                last: None,
+            },
         }
     }
+}
 
-    pub(crate) fn rejection(data: Bytes) -> Self {
+impl<B> LockBody<B> {
+    pub(crate) fn rejection(body: RejectionBody) -> Self {
         LockBody {
-            kind: Kind::Rejection {
-                data: (!data.is_empty()).then_some(data),
-            },
+            kind: Kind::Rejection { body },
         }
     }
 
@@ -62,28 +83,49 @@ impl<B> LockBody<B> {
 
 impl<B> Body for LockBody<B>
 where
-    B: Body,
-    B::Data: From<Bytes>,
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
 {
-    type Data = B::Data;
-    type Error = B::Error;
+    type Data = Bytes;
+    type Error = BoxError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         match self.project().kind.project() {
-            KindProj::Inner { body, release } => {
+            KindProj::Inner {
+                mut body,
+                release,
+                remaining,
+                last,
+            } => {
                 if release.is_releasing() {
                     ready!(release.poll_released(cx));
-                    return Poll::Ready(None);
+                    return Poll::Ready(last.take().map(Ok));
                 }
-                match ready!(body.poll_frame(cx)) {
-                    Some(Ok(frame)) => Poll::Ready(Some(Ok(frame))),
+                if let Some(frame) = last.take() {
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+                match ready!(body.as_mut().poll_frame(cx)) {
+                    Some(Ok(frame)) => {
+                        if let (Some(left), Some(data)) = (remaining.as_mut(), frame.data_ref()) {
+                            *left = left.saturating_sub(data.remaining() as u64);
+                        }
+                        let completes = *remaining == Some(0) || body.is_end_stream();
+                        if completes && release.is_holding() {
+                            // Hold the last bytes back until the locks are free.
+                            release.start();
+                            *last = Some(frame);
+                            ready!(release.poll_released(cx));
+                            return Poll::Ready(last.take().map(Ok));
+                        }
+                        Poll::Ready(Some(Ok(frame)))
+                    }
                     Some(Err(error)) => {
                         // The stream is broken: nothing more will be sent under the lock.
                         release.drop_now();
-                        Poll::Ready(Some(Err(error)))
+                        Poll::Ready(Some(Err(error.into())))
                     }
                     None => {
                         release.start();
@@ -92,26 +134,27 @@ where
                     }
                 }
             }
-            KindProj::Rejection { data } => {
-                Poll::Ready(data.take().map(|d| Ok(Frame::data(B::Data::from(d)))))
-            }
+            KindProj::Rejection { body } => body.poll_frame(cx),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match &self.kind {
             // Not the end while locks are held: the release happens on the last poll.
-            Kind::Inner { body, release } => !release.is_pending() && body.is_end_stream(),
-            Kind::Rejection { data } => data.is_none(),
+            Kind::Inner {
+                body,
+                release,
+                last,
+                ..
+            } => !release.is_pending() && last.is_none() && body.is_end_stream(),
+            Kind::Rejection { body } => body.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
             Kind::Inner { body, .. } => body.size_hint(),
-            Kind::Rejection { data } => {
-                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
-            }
+            Kind::Rejection { body } => body.size_hint(),
         }
     }
 }
@@ -123,10 +166,7 @@ impl<B> fmt::Debug for LockBody<B> {
                 .debug_struct("LockBody")
                 .field("holds_locks", &release.is_holding())
                 .finish_non_exhaustive(),
-            Kind::Rejection { data } => f
-                .debug_struct("LockBody::Rejection")
-                .field("len", &data.as_ref().map_or(0, Bytes::len))
-                .finish(),
+            Kind::Rejection { .. } => f.write_str("LockBody::Rejection"),
         }
     }
 }
@@ -209,10 +249,34 @@ mod tests {
 
     #[tokio::test]
     async fn rejection_body_yields_its_bytes_once() {
-        let body = LockBody::<http_body_util::Empty<Bytes>>::rejection(Bytes::from("no"));
+        let boxed = http_body_util::Full::new(Bytes::from("no"))
+            .map_err(|never| match never {})
+            .boxed_unsync();
+        let body = LockBody::<http_body_util::Empty<Bytes>>::rejection(boxed);
         assert_eq!(body.size_hint().exact(), Some(2));
         assert!(!body.is_end_stream());
         let all = body.collect().await.unwrap().to_bytes();
         assert_eq!(all, "no");
+    }
+
+    /// An HTTP/1.1 server that knows the length stops polling after the announced bytes:
+    /// the frame that completes them is held back until the locks are free.
+    #[tokio::test]
+    async fn the_frame_completing_an_announced_length_waits_for_the_release() {
+        let backend = MemoryBackend::new();
+        let client = LockClient::new(backend.clone());
+        let key = LockKey::new("body-len").unwrap();
+        let mut body = LockBody::new(
+            http_body_util::Full::new(Bytes::from_static(b"whole")),
+            held(&client, &key).await,
+        );
+        assert_eq!(body.size_hint().exact(), Some(5), "the length is kept");
+        let frame = body.frame().await.unwrap().unwrap();
+        assert_eq!(frame.into_data().unwrap(), "whole");
+        assert!(
+            !backend.contains_key(&key),
+            "released before the last byte was handed over"
+        );
+        assert!(body.frame().await.is_none());
     }
 }

@@ -1,4 +1,5 @@
-//! [`ResponseFuture`]: acquire, call the inner service as the request's owner, release.
+//! [`ResponseFuture`]: key, acquire, drive the inner service's readiness, call it as the
+//! request's owner, release.
 
 use std::fmt;
 use std::future::Future;
@@ -7,53 +8,71 @@ use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
-use http::{Request, Response, StatusCode};
+use http::{Method, Request, Response, StatusCode};
+use http_body::Body;
 use pin_project::pin_project;
 use tower::Service;
 
 use super::body::LockBody;
+use super::keys::{Extracted, KeyError};
 use super::layer::Core;
-use super::policy::{OnLost, Rejection, ReleaseOn};
+use super::policy::{OnLost, Rejection, RejectionBody, ReleaseOn};
 use super::release::Release;
 use crate::backend::BoxFuture;
 use crate::error::Result;
 use crate::extract::HeldLock;
-use crate::kinds::MultiGuard;
+use crate::kinds::{MultiGuard, MultiLock};
 use crate::owner::Owner;
 
 /// The response future of [`LockService`](super::LockService).
 ///
-/// It runs `Acquiring → Calling → Releasing → Done`: it waits for the request's
-/// lock(s), calls the inner service with the request's owner made
-/// [current](Owner::scope), and releases once the response is ready (or hands the locks
-/// to the [body](LockBody)). A failed acquisition ends in `Rejected`, answered by the
-/// rejection handler.
+/// It runs `Keying → Acquiring → Ready → Calling → Releasing → Done`: it derives the
+/// request's key(s) from its head, waits for the lock(s), then waits for the inner
+/// service to be ready (so a request waiting for a lock holds none of its capacity),
+/// calls it with the request's owner made [current](Owner::scope), and releases once the
+/// response is ready (or hands the locks to the [body](LockBody)). A failed derivation or
+/// acquisition ends in `Rejected`, answered by the rejection handler.
 ///
 /// # Cancel safety
 ///
-/// Dropped while acquiring, it leaves no lock and no waiter behind (as
-/// [`Lock::try_lock_for`](crate::Lock::try_lock_for)). Dropped while the inner service
-/// runs, or while releasing, its locks are released in a spawned task.
+/// Dropped while keying or acquiring, it leaves no lock and no waiter behind (as
+/// [`Lock::try_lock_for`](crate::Lock::try_lock_for)). Dropped while waiting for the
+/// inner service's readiness, while it runs, or while releasing, its locks are released
+/// in a spawned task.
 #[pin_project]
-pub struct ResponseFuture<S, B>
+pub struct ResponseFuture<S, B, KF>
 where
     S: Service<Request<B>>,
 {
     #[pin]
-    state: State<S, B>,
+    state: State<S, B, KF>,
     core: Arc<Core>,
     owner: Owner,
+    /// The request was a `HEAD`: no body follows the response head.
+    head: bool,
 }
 
 #[pin_project(project = StateProj, project_replace = StateOwn)]
-enum State<S, B>
+enum State<S, B, KF>
 where
     S: Service<Request<B>>,
 {
+    Keying {
+        #[pin]
+        keys: KF,
+        body: Option<B>,
+        svc: S,
+    },
     Acquiring {
         acquire: BoxFuture<'static, Result<MultiGuard>>,
         svc: S,
         req: Request<B>,
+    },
+    Ready {
+        svc: S,
+        req: Option<Request<B>>,
+        release: Release,
+        lost: Option<BoxFuture<'static, ()>>,
     },
     Calling {
         #[pin]
@@ -67,35 +86,35 @@ where
         result: Option<std::result::Result<S::Response, S::Error>>,
     },
     Rejected {
-        response: Option<Response<Bytes>>,
+        response: Option<Response<RejectionBody>>,
     },
     Done,
 }
 
-impl<S, B> ResponseFuture<S, B>
+impl<S, B, KF> ResponseFuture<S, B, KF>
 where
     S: Service<Request<B>>,
 {
-    pub(crate) fn acquiring(
-        core: Arc<Core>,
-        owner: Owner,
-        acquire: BoxFuture<'static, Result<MultiGuard>>,
-        svc: S,
-        req: Request<B>,
-    ) -> Self {
+    pub(crate) fn keying(core: Arc<Core>, owner: Owner, keys: KF, body: B, svc: S) -> Self {
         ResponseFuture {
-            state: State::Acquiring { acquire, svc, req },
+            state: State::Keying {
+                keys,
+                body: Some(body),
+                svc,
+            },
             core,
             owner,
+            head: false,
         }
     }
 
-    /// Calls the inner service at once, without a lock.
-    pub(crate) fn unlocked(core: Arc<Core>, owner: Owner, mut svc: S, req: Request<B>) -> Self {
-        let future = owner.clone().sync_scope(|| svc.call(req));
+    /// Calls the inner service without a lock (once it is ready).
+    pub(crate) fn unlocked(core: Arc<Core>, owner: Owner, svc: S, req: Request<B>) -> Self {
         ResponseFuture {
-            state: State::Calling {
-                future,
+            head: req.method() == Method::HEAD,
+            state: State::Ready {
+                svc,
+                req: Some(req),
                 release: Release::none(),
                 lost: None,
             },
@@ -103,22 +122,38 @@ where
             owner,
         }
     }
-
-    pub(crate) fn rejected(core: Arc<Core>, owner: Owner, rejection: &Rejection) -> Self {
-        let response = core.reject(rejection);
-        ResponseFuture {
-            state: State::Rejected {
-                response: Some(response),
-            },
-            core,
-            owner,
-        }
-    }
 }
 
-impl<S, B, ResB> Future for ResponseFuture<S, B>
+/// The request's locks, taken as one MultiLock as its owner.
+fn acquire(
+    core: &Arc<Core>,
+    owner: &Owner,
+    keys: Vec<crate::LockKey>,
+    method: &Method,
+) -> BoxFuture<'static, Result<MultiGuard>> {
+    let mode = core.policy.mode.for_method(method);
+    let fenced = core.policy.fenced;
+    let locks = MultiLock::new(keys.into_iter().map(|k| {
+        let lock = core.client.lock_on(k, mode);
+        if fenced { lock.fenced() } else { lock }
+    }));
+    let (wait, lease) = (core.policy.wait, core.policy.lease);
+    let owner = owner.clone();
+    Box::pin(async move { locks.acquire_as(owner, Some(wait), lease).await })
+}
+
+/// Statuses whose responses carry no body, whatever the body says.
+fn bodiless(status: StatusCode) -> bool {
+    status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
+}
+
+impl<S, B, KF, ResB> Future for ResponseFuture<S, B, KF>
 where
     S: Service<Request<B>, Response = Response<ResB>>,
+    KF: Future<Output = Extracted>,
+    ResB: Body,
 {
     type Output = std::result::Result<Response<LockBody<ResB>>, S::Error>;
 
@@ -126,11 +161,41 @@ where
         let mut this = self.project();
         loop {
             match this.state.as_mut().project() {
+                StateProj::Keying { keys, .. } => {
+                    let (parts, keys) = ready!(keys.poll(cx));
+                    let StateOwn::Keying { body, svc, .. } =
+                        this.state.as_mut().project_replace(State::Done)
+                    else {
+                        continue; // not reached: the state was `Keying`
+                    };
+                    let Some(body) = body else {
+                        return Poll::Ready(Ok(internal_error()));
+                    };
+                    *this.head = parts.method == Method::HEAD;
+                    let req = Request::from_parts(parts, body);
+                    match keys.and_then(|keys| this.core.prefixed(keys)) {
+                        Ok(keys) if keys.is_empty() => this.state.set(State::Ready {
+                            svc,
+                            req: Some(req),
+                            release: Release::none(),
+                            lost: None,
+                        }),
+                        Ok(keys) => {
+                            let acquire = acquire(this.core, this.owner, keys, req.method());
+                            this.state.set(State::Acquiring { acquire, svc, req });
+                        }
+                        Err(error) => {
+                            let response = reject_bad_key(this.core, error);
+                            this.state.set(State::Rejected {
+                                response: Some(response),
+                            });
+                        }
+                    }
+                }
                 StateProj::Acquiring { acquire, .. } => {
                     let outcome = ready!(acquire.as_mut().poll(cx));
-                    let StateOwn::Acquiring {
-                        mut svc, mut req, ..
-                    } = this.state.as_mut().project_replace(State::Done)
+                    let StateOwn::Acquiring { svc, mut req, .. } =
+                        this.state.as_mut().project_replace(State::Done)
                     else {
                         continue; // not reached: the state was `Acquiring`
                     };
@@ -145,30 +210,53 @@ where
                             });
                             (Release::new(guard, this.core.client.clone()), lost)
                         }
-                        Err(error) => {
-                            let rejection = this.core.policy.rejection_for(error);
-                            match rejection {
-                                Rejection::Unavailable { error, .. }
-                                    if this.core.policy.fail_open =>
-                                {
-                                    tracing::warn!(
-                                        %error,
-                                        owner = %this.owner,
-                                        "lock store failed; serving the request without its lock (fail-open)"
-                                    );
-                                    (Release::none(), None)
-                                }
-                                rejection => {
-                                    tracing::debug!(?rejection, "request rejected by LockLayer");
-                                    this.state.set(State::Rejected {
-                                        response: Some(this.core.reject(&rejection)),
-                                    });
-                                    continue;
-                                }
+                        Err(error) => match this.core.policy.rejection_for(error) {
+                            Rejection::Unavailable { error, .. } if this.core.policy.fail_open => {
+                                tracing::warn!(
+                                    %error,
+                                    owner = %this.owner,
+                                    "lock store failed; serving the request without its lock (fail-open)"
+                                );
+                                (Release::none(), None)
                             }
-                        }
+                            rejection => {
+                                if let Rejection::Misconfigured(error) = &rejection {
+                                    tracing::error!(%error, "request rejected: the lock is misconfigured");
+                                } else {
+                                    tracing::debug!(?rejection, "request rejected by LockLayer");
+                                }
+                                this.state.set(State::Rejected {
+                                    response: Some(this.core.reject(rejection)),
+                                });
+                                continue;
+                            }
+                        },
+                    };
+                    this.state.set(State::Ready {
+                        svc,
+                        req: Some(req),
+                        release,
+                        lost,
+                    });
+                }
+                StateProj::Ready {
+                    svc, req, release, ..
+                } => {
+                    // The locks are held: now ask the inner service for its capacity.
+                    if let Err(error) = ready!(svc.poll_ready(cx)) {
+                        release.drop_now();
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(error));
+                    }
+                    let Some(req) = req.take() else {
+                        return Poll::Ready(Ok(internal_error()));
                     };
                     let future = this.owner.clone().sync_scope(|| svc.call(req));
+                    let StateOwn::Ready { release, lost, .. } =
+                        this.state.as_mut().project_replace(State::Done)
+                    else {
+                        continue; // not reached: the state was `Ready`
+                    };
                     this.state.set(State::Calling {
                         future,
                         release,
@@ -197,7 +285,7 @@ where
                                 // Drops the inner future and the guards (released in
                                 // spawned tasks).
                                 this.state.set(State::Rejected {
-                                    response: Some(this.core.reject(&rejection)),
+                                    response: Some(this.core.reject(rejection)),
                                 });
                                 continue;
                             }
@@ -206,7 +294,15 @@ where
                     };
                     let mut release = std::mem::replace(release, Release::none());
                     let result = match result {
-                        Ok(response) if this.core.policy.release_on == ReleaseOn::BodyEnd => {
+                        // The body holds the locks and releases them before its last
+                        // byte; a response that will send no body (to a HEAD, a 204 or
+                        // 304, an empty body) releases them with its head instead.
+                        Ok(response)
+                            if this.core.policy.release_on == ReleaseOn::BodyEnd
+                                && !*this.head
+                                && !bodiless(response.status())
+                                && !response.body().is_end_stream() =>
+                        {
                             this.state.set(State::Done);
                             return Poll::Ready(Ok(response.map(|b| LockBody::new(b, release))));
                         }
@@ -243,22 +339,36 @@ where
     }
 }
 
+/// The rejection of a request whose key could not be derived; a server-side fault is
+/// logged here, since its text does not reach the client.
+fn reject_bad_key(core: &Core, error: KeyError) -> Response<RejectionBody> {
+    if error.is_server_error() {
+        tracing::error!(%error, "request rejected: its lock key could not be derived");
+    } else {
+        tracing::debug!(%error, "request rejected: bad lock key");
+    }
+    core.reject(Rejection::BadKey(error))
+}
+
 /// Answers a future polled after it completed (a caller bug) without panicking.
 fn internal_error<B>() -> Response<LockBody<B>> {
-    let mut response = Response::new(LockBody::rejection(Bytes::from_static(
+    let body = http_body_util::Full::new(Bytes::from_static(
         b"tower-lock: response future polled after completion",
-    )));
+    ));
+    let mut response = super::policy::boxed_response(Response::new(body)).map(LockBody::rejection);
     *response.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
     response
 }
 
-impl<S, B> fmt::Debug for ResponseFuture<S, B>
+impl<S, B, KF> fmt::Debug for ResponseFuture<S, B, KF>
 where
     S: Service<Request<B>>,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match &self.state {
+            State::Keying { .. } => "Keying",
             State::Acquiring { .. } => "Acquiring",
+            State::Ready { .. } => "Ready",
             State::Calling { .. } => "Calling",
             State::Releasing { .. } => "Releasing",
             State::Rejected { .. } => "Rejected",
@@ -279,6 +389,8 @@ mod tests {
     use http_body_util::{BodyExt, Full};
     use tower::{Layer, ServiceExt, service_fn};
 
+    use http::request::Parts;
+
     use crate::layer::{LockLayer, OnLost};
     use crate::{LockKey, MemoryBackend};
 
@@ -295,7 +407,7 @@ mod tests {
     #[tokio::test]
     async fn released_before_the_response_is_handed_on() {
         let backend = MemoryBackend::new();
-        let svc = LockLayer::new(backend.clone(), |_: &Request<()>| key()).layer(service_fn(ok));
+        let svc = LockLayer::new(backend.clone(), |_: &Parts| key()).layer(service_fn(ok));
         let response = svc.oneshot(Request::new(())).await.unwrap();
         assert!(!backend.contains_key(&key()), "released with the response");
         assert!(!response.body().holds_locks());
@@ -304,8 +416,8 @@ mod tests {
     #[tokio::test]
     async fn held_until_the_body_is_read_when_configured() {
         let backend = MemoryBackend::new();
-        let layer = LockLayer::builder(backend.clone(), |_: &Request<()>| key())
-            .hold_until_body_end(true)
+        let layer = LockLayer::builder(backend.clone(), |_: &Parts| key())
+            .release_on(ReleaseOn::BodyEnd)
             .build()
             .unwrap();
         let response = layer
@@ -329,8 +441,8 @@ mod tests {
     #[tokio::test]
     async fn a_lost_lock_cancels_the_handler() {
         let backend = MemoryBackend::new();
-        let layer = LockLayer::builder(backend.clone(), |_: &Request<()>| key())
-            .with_lease(Duration::from_millis(30))
+        let layer = LockLayer::builder(backend.clone(), |_: &Parts| key())
+            .lease(Duration::from_millis(30))
             .build()
             .unwrap();
         let finished = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -351,8 +463,8 @@ mod tests {
         assert!(!finished.load(std::sync::atomic::Ordering::SeqCst));
 
         // With `Continue`, the handler runs to the end.
-        let layer = LockLayer::builder(backend.clone(), |_: &Request<()>| key())
-            .with_lease(Duration::from_millis(30))
+        let layer = LockLayer::builder(backend.clone(), |_: &Parts| key())
+            .lease(Duration::from_millis(30))
             .on_lost(OnLost::Continue)
             .build()
             .unwrap();

@@ -4,23 +4,29 @@
 use std::any::type_name;
 use std::borrow::Cow;
 use std::fmt;
+use std::future::{Future, Ready, ready};
 use std::marker::PhantomData;
 
-use http::{HeaderName, Request, StatusCode};
+use http::request::Parts;
+use http::{HeaderName, Response, StatusCode};
 
+use super::policy::RejectionBody;
 use crate::error::Error;
 use crate::key::LockKey;
 
-/// Why no key could be derived from a request. The layer answers it with
-/// [`status`](KeyError::status) (400 unless made with [`KeyError::server`]) and the
-/// plain-text [`message`](KeyError::message), through the rejection handler.
+/// Why no key could be derived from a request. The layer answers it through the
+/// rejection handler: by default with [`status`](KeyError::status) (400 unless made
+/// with [`KeyError::server`]) and, for a 4xx, the plain-text
+/// [`message`](KeyError::message).
 ///
-/// The message is sent to the client: say what is wrong with the request, and leave
-/// server internals out.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// The message of a 4xx is sent to the client: say what is wrong with the request. The
+/// message of a 5xx (a server-side wiring mistake) is logged, and the client gets a
+/// generic text.
 pub struct KeyError {
     status: StatusCode,
     message: Cow<'static, str>,
+    /// An axum extractor's own rejection, answered as it is.
+    response: Option<Box<Response<RejectionBody>>>,
 }
 
 impl KeyError {
@@ -29,15 +35,27 @@ impl KeyError {
         KeyError {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
+            response: None,
         }
     }
 
     /// The server is at fault (the layer sits where the key's source does not exist,
-    /// such as a path parameter outside `route_layer`): `500 Internal Server Error`.
+    /// such as a request extension no middleware sets): `500 Internal Server Error`. The
+    /// message is logged, not sent.
     pub fn server(message: impl Into<Cow<'static, str>>) -> Self {
         KeyError {
             status: StatusCode::INTERNAL_SERVER_ERROR,
             message: message.into(),
+            response: None,
+        }
+    }
+
+    /// An extractor's rejection, answered with `response` as it is.
+    pub(crate) fn with_response(response: Response<RejectionBody>) -> Self {
+        KeyError {
+            status: response.status(),
+            message: Cow::Borrowed("the request was rejected by the key's extractor"),
+            response: Some(Box::new(response)),
         }
     }
 
@@ -46,9 +64,28 @@ impl KeyError {
         self.status
     }
 
-    /// What is wrong, as plain text for the client.
+    /// What is wrong, as plain text.
     pub fn message(&self) -> &str {
         &self.message
+    }
+
+    /// Whether the server, not the request, is at fault.
+    pub fn is_server_error(&self) -> bool {
+        self.status.is_server_error()
+    }
+
+    pub(crate) fn take_response(&mut self) -> Option<Response<RejectionBody>> {
+        self.response.take().map(|r| *r)
+    }
+}
+
+impl fmt::Debug for KeyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeyError")
+            .field("status", &self.status)
+            .field("message", &self.message)
+            .field("response", &self.response.is_some())
+            .finish()
     }
 }
 
@@ -61,9 +98,13 @@ impl fmt::Display for KeyError {
 impl std::error::Error for KeyError {}
 
 impl From<Error> for KeyError {
-    /// [`Error::InvalidKey`] (and anything else) becomes a 400 with the error's text.
+    /// [`Error::InvalidKey`] (the request's value makes no valid key) is a 400 saying
+    /// why; any other error is the server's: a 500 whose text is logged, not sent.
     fn from(error: Error) -> Self {
-        KeyError::new(error.to_string())
+        match error {
+            Error::InvalidKey { reason } => KeyError::new(format!("invalid lock key: {reason}")),
+            other => KeyError::server(other.to_string()),
+        }
     }
 }
 
@@ -133,39 +174,98 @@ impl<T: IntoKeys, E: Into<KeyError>> IntoKeys for Result<T, E> {
     }
 }
 
-/// Derives the lock key(s) of a request.
+/// What [`KeyExtractor::extract`] hands back: the request head it was given, and the
+/// keys (empty: do not lock this request) or why there are none.
+pub type Extracted = (Parts, Result<Vec<LockKey>, KeyError>);
+
+/// Derives the lock key(s) of a request from its head — method, URI, headers,
+/// extensions — before the layer takes them.
 ///
-/// Implemented for every `Fn(&Request<B>) -> impl IntoKeys` closure, and by the
-/// ready-made [`HeaderKey`], [`ExtensionKey`] and (feature `axum`) [`PathParamKey`].
-/// It runs synchronously in [`Service::call`](tower::Service::call), before any waiting,
-/// so keep it cheap: read a header, an extension, a path segment.
+/// Ready-made: [`HeaderKey`], [`ExtensionKey`], and with the `axum` feature
+/// [`PathParamKey`] and [`key_from`] (any axum extractor: `Path<T>`, `TypedHeader`, your
+/// authentication extractor). Any closure `Fn(&Parts) -> impl IntoKeys` is one too;
+/// [`key_fn`] lets the closure's argument type be inferred.
+///
+/// The extractor takes the head and hands it back with the keys, so that one that must
+/// await (an axum extractor) can; a synchronous one returns a [`Ready`] future and costs
+/// no allocation.
 ///
 /// # Spoofable input
 ///
 /// A key from a header or a path is whatever the client sent. That is fine when the
 /// lock only serializes the client's own requests (a client that lies only fails to
 /// serialize itself), but not when the key stands for an identity the client must not
-/// choose: lock by a user id that authentication put in the request extensions
-/// ([`ExtensionKey`]), not by a header the client fills in. User text should reach a
-/// key through [`LockKey::namespaced`] (all ready-made extractors do), so it cannot
-/// leave its namespace or break Redis Cluster hash tags.
-pub trait KeyExtractor<B>: Send + Sync + 'static {
-    /// The keys for `req`; empty when the request is not to be locked.
-    ///
-    /// # Errors
-    ///
-    /// A [`KeyError`] rejects the request.
-    fn extract(&self, req: &Request<B>) -> Result<Vec<LockKey>, KeyError>;
+/// choose: lock by a user id that authentication established ([`ExtensionKey`], or
+/// [`key_from`] with your authentication extractor), not by a header the client fills
+/// in. User text should reach a key through [`LockKey::namespaced`] (all ready-made
+/// extractors do), so it cannot leave its namespace or break Redis Cluster hash tags.
+pub trait KeyExtractor: Send + Sync + 'static {
+    /// The future [`extract`](KeyExtractor::extract) returns.
+    type Future: Future<Output = Extracted> + Send + 'static;
+
+    /// The keys for the request whose head is `parts`, with `parts` handed back.
+    fn extract(&self, parts: Parts) -> Self::Future;
 }
 
-impl<B, F, R> KeyExtractor<B> for F
+impl<F, R> KeyExtractor for F
 where
-    F: Fn(&Request<B>) -> R + Send + Sync + 'static,
+    F: Fn(&Parts) -> R + Send + Sync + 'static,
     R: IntoKeys,
 {
-    fn extract(&self, req: &Request<B>) -> Result<Vec<LockKey>, KeyError> {
-        self(req).into_keys()
+    type Future = Ready<Extracted>;
+
+    fn extract(&self, parts: Parts) -> Self::Future {
+        let keys = self(&parts).into_keys();
+        ready((parts, keys))
     }
+}
+
+/// A key function from a closure, with the closure's argument type inferred:
+/// `key_fn(|parts| ...)` is `|parts: &http::request::Parts| ...`.
+///
+/// ```
+/// use tower_lock::layer::{key_fn, KeyError, LockLayer};
+/// use tower_lock::{LockKey, MemoryBackend};
+///
+/// // Lock `PUT /docs/<id>` per document; other requests are not locked.
+/// let layer = LockLayer::new(
+///     MemoryBackend::new(),
+///     key_fn(|parts| match parts.uri.path().strip_prefix("/docs/") {
+///         Some(id) if parts.method == http::Method::PUT => {
+///             Ok::<_, KeyError>(Some(LockKey::namespaced("doc", id)?))
+///         }
+///         _ => Ok(None),
+///     }),
+/// );
+/// # let _ = layer;
+/// ```
+pub fn key_fn<F, R>(f: F) -> F
+where
+    F: Fn(&Parts) -> R + Send + Sync + 'static,
+    R: IntoKeys,
+{
+    f
+}
+
+/// Checks a namespace given to an extractor: what [`LockKey::namespaced`] accepts.
+fn checked_namespace(namespace: Cow<'static, str>) -> Result<Cow<'static, str>, Error> {
+    if namespace.contains(['{', '}']) || namespace.chars().any(char::is_control) {
+        return Err(Error::invalid_config(
+            "namespace",
+            format!("must not contain braces or control characters (got {namespace:?})"),
+        ));
+    }
+    if namespace.len() > crate::MAX_KEY_LEN / 2 {
+        return Err(Error::invalid_config(
+            "namespace",
+            format!(
+                "must be at most {} bytes (got {})",
+                crate::MAX_KEY_LEN / 2,
+                namespace.len()
+            ),
+        ));
+    }
+    Ok(namespace)
 }
 
 fn namespaced(namespace: &str, what: &dyn fmt::Display, value: &str) -> Result<LockKey, KeyError> {
@@ -188,8 +288,9 @@ fn namespaced(namespace: &str, what: &dyn fmt::Display, value: &str) -> Result<L
 /// use tower_lock::layer::HeaderKey;
 ///
 /// const USER: HeaderName = HeaderName::from_static("x-user-id");
-/// let keys = HeaderKey::new(USER).namespace("user");
+/// let keys = HeaderKey::new(USER).namespace("user")?;
 /// # let _ = keys;
+/// # Ok::<(), tower_lock::Error>(())
 /// ```
 #[derive(Clone, Debug)]
 pub struct HeaderKey {
@@ -200,7 +301,7 @@ pub struct HeaderKey {
 
 impl HeaderKey {
     /// Keys by header `name`, with no namespace of its own (the key is `{<value>}`,
-    /// prefixed by the layer's [key prefix](crate::layer::LockLayerBuilder::with_key_prefix)).
+    /// prefixed by the layer's [key prefix](crate::layer::LockLayerBuilder::key_prefix)).
     pub fn new(name: HeaderName) -> Self {
         HeaderKey {
             name,
@@ -209,11 +310,15 @@ impl HeaderKey {
         }
     }
 
-    /// Puts the value under `namespace` (`<namespace>:{<value>}`); a namespace with
-    /// braces or control characters makes every request a 400.
-    pub fn namespace(mut self, namespace: impl Into<Cow<'static, str>>) -> Self {
-        self.namespace = namespace.into();
-        self
+    /// Puts the value under `namespace` (`<namespace>:{<value>}`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming `namespace` when it has braces or control
+    /// characters, or is longer than half of [`MAX_KEY_LEN`](crate::MAX_KEY_LEN).
+    pub fn namespace(mut self, namespace: impl Into<Cow<'static, str>>) -> Result<Self, Error> {
+        self.namespace = checked_namespace(namespace.into())?;
+        Ok(self)
     }
 
     /// A request without the header passes through unlocked instead of being rejected.
@@ -221,11 +326,9 @@ impl HeaderKey {
         self.optional = true;
         self
     }
-}
 
-impl<B> KeyExtractor<B> for HeaderKey {
-    fn extract(&self, req: &Request<B>) -> Result<Vec<LockKey>, KeyError> {
-        let mut values = req.headers().get_all(&self.name).iter();
+    fn keys(&self, parts: &Parts) -> Result<Vec<LockKey>, KeyError> {
+        let mut values = parts.headers.get_all(&self.name).iter();
         let Some(value) = values.next() else {
             return if self.optional {
                 Ok(Vec::new())
@@ -247,12 +350,22 @@ impl<B> KeyExtractor<B> for HeaderKey {
     }
 }
 
+impl KeyExtractor for HeaderKey {
+    type Future = Ready<Extracted>;
+
+    fn extract(&self, parts: Parts) -> Self::Future {
+        let keys = self.keys(&parts);
+        ready((parts, keys))
+    }
+}
+
 /// Keys a request by a value that earlier middleware put in the request extensions —
 /// typically the authenticated user's id: `<namespace>:{<f(value)>}`.
 ///
-/// This is the extractor to use for identities: the value comes from your
-/// authentication, not from the client. Authentication must run before `LockLayer`
-/// (be added to the router *after* it, as layers wrap what was added before them).
+/// This is an extractor for identities: the value comes from your authentication, not
+/// from the client. Authentication must run before `LockLayer` (be added to the router
+/// *after* it, as layers wrap what was added before them). With an authentication
+/// *extractor* instead of a middleware, use [`key_from`].
 ///
 /// A missing extension is a 500 (the middleware that sets it is not in front of the
 /// layer) unless the extractor is [`optional`](ExtensionKey::optional), in which case
@@ -264,8 +377,9 @@ impl<B> KeyExtractor<B> for HeaderKey {
 /// #[derive(Clone)]
 /// struct UserId(u64);
 ///
-/// let keys = ExtensionKey::new(|user: &UserId| user.0.to_string()).namespace("user");
+/// let keys = ExtensionKey::new(|user: &UserId| user.0.to_string()).namespace("user")?;
 /// # let _ = keys;
+/// # Ok::<(), tower_lock::Error>(())
 /// ```
 pub struct ExtensionKey<T, F> {
     f: F,
@@ -292,9 +406,13 @@ where
     }
 
     /// Puts the value under `namespace` (`<namespace>:{<value>}`).
-    pub fn namespace(mut self, namespace: impl Into<Cow<'static, str>>) -> Self {
-        self.namespace = namespace.into();
-        self
+    ///
+    /// # Errors
+    ///
+    /// As [`HeaderKey::namespace`].
+    pub fn namespace(mut self, namespace: impl Into<Cow<'static, str>>) -> Result<Self, Error> {
+        self.namespace = checked_namespace(namespace.into())?;
+        Ok(self)
     }
 
     /// A request without the extension passes through unlocked instead of being
@@ -302,6 +420,25 @@ where
     pub fn optional(mut self) -> Self {
         self.optional = true;
         self
+    }
+
+    fn keys(&self, parts: &Parts) -> Result<Vec<LockKey>, KeyError> {
+        let Some(value) = parts.extensions.get::<T>() else {
+            return if self.optional {
+                Ok(Vec::new())
+            } else {
+                Err(KeyError::server(format!(
+                    "request extension `{}` is missing; is the middleware that sets it in front of `LockLayer`?",
+                    type_name::<T>()
+                )))
+            };
+        };
+        let value = (self.f)(value);
+        Ok(vec![namespaced(
+            &self.namespace,
+            &"request extension",
+            value.as_ref(),
+        )?])
     }
 }
 
@@ -326,122 +463,223 @@ impl<T, F> fmt::Debug for ExtensionKey<T, F> {
     }
 }
 
-impl<B, T, F, V> KeyExtractor<B> for ExtensionKey<T, F>
+impl<T, F, V> KeyExtractor for ExtensionKey<T, F>
 where
     T: Send + Sync + 'static,
     F: Fn(&T) -> V + Send + Sync + 'static,
     V: AsRef<str>,
 {
-    fn extract(&self, req: &Request<B>) -> Result<Vec<LockKey>, KeyError> {
-        let Some(value) = req.extensions().get::<T>() else {
-            return if self.optional {
-                Ok(Vec::new())
-            } else {
-                Err(KeyError::server(format!(
-                    "request extension `{}` is missing; is the middleware that sets it in front of `LockLayer`?",
-                    type_name::<T>()
-                )))
-            };
-        };
-        let value = (self.f)(value);
-        Ok(vec![namespaced(
-            &self.namespace,
-            &"request extension",
-            value.as_ref(),
-        )?])
+    type Future = Ready<Extracted>;
+
+    fn extract(&self, parts: Parts) -> Self::Future {
+        let keys = self.keys(&parts);
+        ready((parts, keys))
     }
 }
 
-/// Keys a request by an axum path parameter (`/vouchers/{id}` → `id`):
-/// `<namespace>:{<value>}`, percent-decoded as axum decodes it.
-///
-/// **Add the layer with `Router::route_layer`.** The parameters exist only once axum
-/// has matched a route. `Router::layer` also wraps the fallback, which has no
-/// parameters, so a request for an unknown path would get this extractor's 500 instead
-/// of axum's 404; and a layer wrapped around the whole router from outside runs before
-/// routing and never sees a parameter (every request is a 500 saying to use
-/// `route_layer`). A route without the named parameter is a 500 too (a wiring bug).
-///
-/// Paths are set by the client: see the warning on [`KeyExtractor`].
-///
-/// ```
-/// use axum::{Router, routing::post};
-/// use tower_lock::layer::{LockLayer, PathParamKey};
-/// use tower_lock::MemoryBackend;
-///
-/// let app: Router = Router::new()
-///     .route("/accounts/{id}/transfers", post(|| async { "ok" }))
-///     .route_layer(LockLayer::new(MemoryBackend::new(), PathParamKey::new("id").namespace("account")));
-/// ```
 #[cfg(feature = "axum")]
-#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
-#[derive(Clone, Debug)]
-pub struct PathParamKey {
-    name: Cow<'static, str>,
-    namespace: Cow<'static, str>,
-}
+pub use axum_keys::{ExtractorKey, PathParamKey, key_from};
 
 #[cfg(feature = "axum")]
-impl PathParamKey {
-    /// Keys by the path parameter `name`.
-    pub fn new(name: impl Into<Cow<'static, str>>) -> Self {
-        PathParamKey {
-            name: name.into(),
-            namespace: Cow::Borrowed(""),
+mod axum_keys {
+    use std::borrow::Cow;
+    use std::marker::PhantomData;
+
+    use axum::extract::FromRequestParts;
+    use axum::response::IntoResponse;
+    use http::request::Parts;
+
+    use super::{Extracted, IntoKeys, KeyError, KeyExtractor, checked_namespace, namespaced};
+    use crate::backend::BoxFuture;
+    use crate::error::Error;
+    use crate::layer::policy::boxed_response;
+
+    /// Keys a request with any axum extractor (`Path<T>`, `Query<T>`, `TypedHeader<T>`,
+    /// your own authentication extractor...) and a function of its value, made by
+    /// [`key_from`]. The extractor's rejection is answered as axum would answer it.
+    ///
+    /// Extractors that need the router's state take it with
+    /// [`with_state`](ExtractorKey::with_state).
+    pub struct ExtractorKey<E, F, S = ()> {
+        f: F,
+        state: S,
+        _extractor: PhantomData<fn() -> E>,
+    }
+
+    /// Keys from an axum extractor: `key_from(|Path(id): Path<u64>| ...)` runs
+    /// `Path<u64>` on the request (add the layer with `Router::route_layer`, where path
+    /// parameters exist) and locks what the closure returns (anything
+    /// [`IntoKeys`]).
+    ///
+    /// ```
+    /// use axum::{Router, extract::Path, routing::post};
+    /// use tower_lock::layer::{key_from, LockLayer};
+    /// use tower_lock::{LockKey, MemoryBackend};
+    ///
+    /// let app: Router = Router::new()
+    ///     .route("/accounts/{id}/transfers", post(|| async { "ok" }))
+    ///     .route_layer(LockLayer::new(
+    ///         MemoryBackend::new(),
+    ///         key_from(|Path(id): Path<u64>| LockKey::namespaced("account", &id.to_string())),
+    ///     ));
+    /// ```
+    #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+    pub fn key_from<E, F, R>(f: F) -> ExtractorKey<E, F>
+    where
+        E: FromRequestParts<()> + Send + 'static,
+        F: Fn(E) -> R + Clone + Send + Sync + 'static,
+        R: IntoKeys,
+    {
+        ExtractorKey {
+            f,
+            state: (),
+            _extractor: PhantomData,
         }
     }
 
-    /// Puts the value under `namespace` (`<namespace>:{<value>}`).
-    pub fn namespace(mut self, namespace: impl Into<Cow<'static, str>>) -> Self {
-        self.namespace = namespace.into();
-        self
+    impl<E, F> ExtractorKey<E, F> {
+        /// Runs the extractor with `state` as the router's state, for extractors that
+        /// need it (`E: FromRequestParts<S>`).
+        pub fn with_state<S>(self, state: S) -> ExtractorKey<E, F, S> {
+            ExtractorKey {
+                f: self.f,
+                state,
+                _extractor: PhantomData,
+            }
+        }
     }
 
-    fn no_params(&self) -> KeyError {
-        KeyError::server(format!(
-            "no path parameters on this request (an unmatched path, or a layer outside routing); add `LockLayer` with `Router::route_layer` to key by path parameter `{}`",
-            self.name
-        ))
+    impl<E, F: Clone, S: Clone> Clone for ExtractorKey<E, F, S> {
+        fn clone(&self) -> Self {
+            ExtractorKey {
+                f: self.f.clone(),
+                state: self.state.clone(),
+                _extractor: PhantomData,
+            }
+        }
     }
-}
 
-#[cfg(feature = "axum")]
-impl<B> KeyExtractor<B> for PathParamKey {
-    fn extract(&self, req: &Request<B>) -> Result<Vec<LockKey>, KeyError> {
-        use axum::extract::{FromRequestParts, RawPathParams};
-        use std::future::Future;
-        use std::task::{Context, Poll, Waker};
+    impl<E, F, S> std::fmt::Debug for ExtractorKey<E, F, S> {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("ExtractorKey")
+                .field("extractor", &std::any::type_name::<E>())
+                .finish_non_exhaustive()
+        }
+    }
 
-        // axum keeps the matched parameters in a private extension; its public
-        // `RawPathParams` extractor reads them from request parts, so hand it a copy of
-        // the extensions. The extractor completes on its first poll.
-        let (mut parts, ()) = Request::new(()).into_parts();
-        parts.extensions = req.extensions().clone();
-        let fut = RawPathParams::from_request_parts(&mut parts, &());
-        let mut fut = std::pin::pin!(fut);
-        let params = match fut.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
-            Poll::Ready(Ok(params)) => params,
-            Poll::Ready(Err(
-                axum::extract::rejection::RawPathParamsRejection::InvalidUtf8InPathParam(_),
-            )) => {
-                return Err(KeyError::new(format!(
-                    "path parameter `{}` is not valid UTF-8",
-                    self.name
-                )));
+    impl<E, F, R, S> KeyExtractor for ExtractorKey<E, F, S>
+    where
+        E: FromRequestParts<S> + Send + 'static,
+        F: Fn(E) -> R + Clone + Send + Sync + 'static,
+        R: IntoKeys,
+        S: Clone + Send + Sync + 'static,
+    {
+        type Future = BoxFuture<'static, Extracted>;
+
+        fn extract(&self, mut parts: Parts) -> Self::Future {
+            let f = self.f.clone();
+            let state = self.state.clone();
+            Box::pin(async move {
+                let keys = match E::from_request_parts(&mut parts, &state).await {
+                    Ok(value) => f(value).into_keys(),
+                    Err(rejection) => Err(KeyError::with_response(boxed_response(
+                        rejection.into_response(),
+                    ))),
+                };
+                (parts, keys)
+            })
+        }
+    }
+
+    /// Keys a request by an axum path parameter (`/vouchers/{id}` → `id`):
+    /// `<namespace>:{<value>}`, percent-decoded as axum decodes it.
+    ///
+    /// **Add the layer with `Router::route_layer`.** The parameters exist only once axum
+    /// has matched a route. `Router::layer` also wraps the fallback, which has no
+    /// parameters, so a request for an unknown path would get this extractor's 500
+    /// instead of axum's 404; and a layer wrapped around the whole router from outside
+    /// runs before routing and never sees a parameter. A route without the named
+    /// parameter is a 500 too (a wiring bug). For a typed parameter, use [`key_from`]
+    /// with `Path<T>`.
+    ///
+    /// Paths are set by the client: see the warning on [`KeyExtractor`].
+    ///
+    /// ```
+    /// use axum::{Router, routing::post};
+    /// use tower_lock::layer::{LockLayer, PathParamKey};
+    /// use tower_lock::MemoryBackend;
+    ///
+    /// let app: Router = Router::new()
+    ///     .route("/accounts/{id}/transfers", post(|| async { "ok" }))
+    ///     .route_layer(LockLayer::new(
+    ///         MemoryBackend::new(),
+    ///         PathParamKey::new("id").namespace("account")?,
+    ///     ));
+    /// # Ok::<(), tower_lock::Error>(())
+    /// ```
+    #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+    #[derive(Clone, Debug)]
+    pub struct PathParamKey {
+        name: Cow<'static, str>,
+        namespace: Cow<'static, str>,
+    }
+
+    impl PathParamKey {
+        /// Keys by the path parameter `name`.
+        pub fn new(name: impl Into<Cow<'static, str>>) -> Self {
+            PathParamKey {
+                name: name.into(),
+                namespace: Cow::Borrowed(""),
             }
-            Poll::Ready(Err(_)) | Poll::Pending => return Err(self.no_params()),
-        };
-        let Some((_, value)) = params.iter().find(|(name, _)| *name == self.name) else {
-            if params.iter().next().is_none() {
-                return Err(self.no_params());
-            }
-            return Err(KeyError::server(format!(
-                "this route has no path parameter `{}`",
+        }
+
+        /// Puts the value under `namespace` (`<namespace>:{<value>}`).
+        ///
+        /// # Errors
+        ///
+        /// As [`HeaderKey::namespace`](super::HeaderKey::namespace).
+        pub fn namespace(mut self, namespace: impl Into<Cow<'static, str>>) -> Result<Self, Error> {
+            self.namespace = checked_namespace(namespace.into())?;
+            Ok(self)
+        }
+
+        fn no_params(&self) -> KeyError {
+            KeyError::server(format!(
+                "no path parameters on this request (an unmatched path, or a layer outside routing); add `LockLayer` with `Router::route_layer` to key by path parameter `{}`",
                 self.name
-            )));
-        };
-        let what = format!("path parameter `{}`", self.name);
-        Ok(vec![namespaced(&self.namespace, &what, value)?])
+            ))
+        }
+    }
+
+    impl KeyExtractor for PathParamKey {
+        type Future = BoxFuture<'static, Extracted>;
+
+        fn extract(&self, mut parts: Parts) -> Self::Future {
+            use axum::extract::RawPathParams;
+            use axum::extract::rejection::RawPathParamsRejection;
+
+            let this = self.clone();
+            Box::pin(async move {
+                let keys = match RawPathParams::from_request_parts(&mut parts, &()).await {
+                    Ok(params) => match params.iter().find(|(name, _)| *name == this.name) {
+                        Some((_, value)) => {
+                            let what = format!("path parameter `{}`", this.name);
+                            namespaced(&this.namespace, &what, value).map(|k| vec![k])
+                        }
+                        None if params.iter().next().is_none() => Err(this.no_params()),
+                        None => Err(KeyError::server(format!(
+                            "this route has no path parameter `{}`",
+                            this.name
+                        ))),
+                    },
+                    Err(RawPathParamsRejection::InvalidUtf8InPathParam(_)) => Err(KeyError::new(
+                        format!("path parameter `{}` is not valid UTF-8", this.name),
+                    )),
+                    Err(_) => Err(this.no_params()),
+                };
+                (parts, keys)
+            })
+        }
     }
 }
 
@@ -449,46 +687,74 @@ impl<B> KeyExtractor<B> for PathParamKey {
 mod tests {
     use super::*;
 
-    fn req(headers: &[(&'static str, &'static str)]) -> Request<()> {
-        let mut b = Request::builder();
+    fn head(headers: &[(&'static str, &'static str)]) -> Parts {
+        let mut b = http::Request::builder();
         for (k, v) in headers {
             b = b.header(*k, *v);
         }
-        b.body(()).unwrap()
+        b.body(()).unwrap().into_parts().0
+    }
+
+    fn keys_of(
+        k: &impl Fn(&Parts) -> Result<Vec<LockKey>, KeyError>,
+        parts: &Parts,
+    ) -> Vec<String> {
+        k(parts)
+            .unwrap()
+            .into_iter()
+            .map(|k| k.as_str().to_owned())
+            .collect()
     }
 
     const USER: HeaderName = HeaderName::from_static("x-user-id");
 
     #[test]
     fn header_key_escapes_and_rejects() {
-        let keys = HeaderKey::new(USER).namespace("user");
-        let got = keys.extract(&req(&[("x-user-id", "42")])).unwrap();
-        assert_eq!(got[0].as_str(), "user:{42}");
-        let got = keys.extract(&req(&[("x-user-id", "a}:x{b")])).unwrap();
-        assert_eq!(got[0].as_str(), "user:{a%7D:x%7Bb}");
+        let keys = HeaderKey::new(USER).namespace("user").unwrap();
+        let got = |p: &Parts| keys.keys(p);
+        assert_eq!(keys_of(&got, &head(&[("x-user-id", "42")])), ["user:{42}"]);
+        assert_eq!(
+            keys_of(&got, &head(&[("x-user-id", "a}:x{b")])),
+            ["user:{a%7D:x%7Bb}"]
+        );
 
-        let missing = keys.extract(&req(&[])).unwrap_err();
+        let missing = keys.keys(&head(&[])).unwrap_err();
         assert_eq!(missing.status(), StatusCode::BAD_REQUEST);
         assert!(missing.message().contains("missing header `x-user-id`"));
         let twice = keys
-            .extract(&req(&[("x-user-id", "1"), ("x-user-id", "2")]))
+            .keys(&head(&[("x-user-id", "1"), ("x-user-id", "2")]))
             .unwrap_err();
         assert!(twice.message().contains("more than once"), "{twice}");
-        let empty = keys.extract(&req(&[("x-user-id", "")])).unwrap_err();
+        let empty = keys.keys(&head(&[("x-user-id", "")])).unwrap_err();
         assert!(empty.message().contains("empty"), "{empty}");
-        let long = "x".repeat(2000);
-        let mut r = req(&[]);
-        r.headers_mut().insert(USER, long.parse().unwrap());
-        let long = keys.extract(&r).unwrap_err();
+        let mut long = head(&[]);
+        long.headers.insert(USER, "x".repeat(2000).parse().unwrap());
+        let long = keys.keys(&long).unwrap_err();
         assert!(long.message().contains("limit"), "{long}");
 
-        assert!(
-            keys.clone()
-                .optional()
-                .extract(&req(&[]))
-                .unwrap()
-                .is_empty()
-        );
+        assert!(keys.clone().optional().keys(&head(&[])).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_bad_namespace_is_refused_when_the_extractor_is_made() {
+        for bad in ["a{b", "a}", "x\n"] {
+            let err = HeaderKey::new(USER).namespace(bad).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    Error::InvalidConfig {
+                        name: "namespace",
+                        ..
+                    }
+                ),
+                "{err}"
+            );
+            assert!(
+                ExtensionKey::new(|u: &UserId| u.0.to_string())
+                    .namespace(bad)
+                    .is_err()
+            );
+        }
     }
 
     #[derive(Clone)]
@@ -496,14 +762,17 @@ mod tests {
 
     #[test]
     fn extension_key() {
-        let keys = ExtensionKey::new(|u: &UserId| u.0.to_string()).namespace("u");
-        let mut r = req(&[]);
-        let missing = keys.extract(&r).unwrap_err();
+        let keys = ExtensionKey::new(|u: &UserId| u.0.to_string())
+            .namespace("u")
+            .unwrap();
+        let mut p = head(&[]);
+        let missing = keys.keys(&p).unwrap_err();
         assert_eq!(missing.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(missing.is_server_error());
         assert!(missing.message().contains("UserId"), "{missing}");
-        r.extensions_mut().insert(UserId(7));
-        assert_eq!(keys.extract(&r).unwrap()[0].as_str(), "u:{7}");
-        assert!(keys.optional().extract(&req(&[])).unwrap().is_empty());
+        p.extensions.insert(UserId(7));
+        assert_eq!(keys.keys(&p).unwrap()[0].as_str(), "u:{7}");
+        assert!(keys.optional().keys(&head(&[])).unwrap().is_empty());
     }
 
     #[test]
@@ -511,20 +780,40 @@ mod tests {
         fn k(s: &str) -> LockKey {
             LockKey::new(s).unwrap()
         }
-        let one = |_: &Request<()>| k("a");
-        assert_eq!(one.extract(&req(&[])).unwrap(), vec![k("a")]);
-        let none = |_: &Request<()>| None::<LockKey>;
-        assert!(none.extract(&req(&[])).unwrap().is_empty());
-        let many = |_: &Request<()>| [k("b"), k("a")];
-        assert_eq!(many.extract(&req(&[])).unwrap().len(), 2);
-        let text = |_: &Request<()>| String::from("a{b");
+        fn run(
+            f: impl Fn(&Parts) -> Result<Vec<LockKey>, KeyError>,
+        ) -> Result<Vec<LockKey>, KeyError> {
+            f(&head(&[]))
+        }
         assert_eq!(
-            text.extract(&req(&[])).unwrap_err().status(),
-            StatusCode::BAD_REQUEST
+            run(|p| key_fn(|_| k("a"))(p).into_keys()).unwrap(),
+            vec![k("a")]
         );
-        let fails = |_: &Request<()>| Err::<LockKey, _>("no user");
-        assert_eq!(fails.extract(&req(&[])).unwrap_err().message(), "no user");
-        let opt_res = |_: &Request<()>| Ok::<_, KeyError>(Some(k("z")));
-        assert_eq!(opt_res.extract(&req(&[])).unwrap(), vec![k("z")]);
+        assert!(
+            run(|p| key_fn(|_| None::<LockKey>)(p).into_keys())
+                .unwrap()
+                .is_empty()
+        );
+        assert_eq!(
+            run(|p| key_fn(|_| [k("b"), k("a")])(p).into_keys())
+                .unwrap()
+                .len(),
+            2
+        );
+        let text = run(|p| key_fn(|_| String::from("a{b"))(p).into_keys()).unwrap_err();
+        assert_eq!(text.status(), StatusCode::BAD_REQUEST);
+        let fails = run(|p| key_fn(|_| Err::<LockKey, _>("no user"))(p).into_keys()).unwrap_err();
+        assert_eq!(fails.message(), "no user");
+        // Any other error than an invalid key is the server's, and not shown.
+        let internal = KeyError::from(Error::WrongType);
+        assert!(internal.is_server_error());
+    }
+
+    #[tokio::test]
+    async fn extract_hands_the_head_back() {
+        let keys = HeaderKey::new(USER).namespace("user").unwrap();
+        let (parts, got) = keys.extract(head(&[("x-user-id", "9")])).await;
+        assert_eq!(got.unwrap()[0].as_str(), "user:{9}");
+        assert_eq!(parts.headers[USER], "9");
     }
 }

@@ -5,12 +5,11 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{Method, Response, StatusCode};
 use tower::Layer;
 
-use super::keys::KeyError;
-use super::policy::{ModeSelect, OnLost, OnRejection, Policy, Rejection, ReleaseOn};
+use super::keys::{KeyError, KeyExtractor};
+use super::policy::{ModeSelect, OnLost, OnRejection, Policy, Rejection, RejectionBody, ReleaseOn};
 use super::service::LockService;
 use crate::backend::LockMode;
 use crate::error::{Error, Result};
@@ -24,7 +23,7 @@ pub(crate) struct Core {
 }
 
 impl Core {
-    pub(crate) fn reject(&self, rejection: &Rejection) -> Response<Bytes> {
+    pub(crate) fn reject(&self, rejection: Rejection) -> Response<RejectionBody> {
         self.policy.on_rejection.on_rejection(rejection)
     }
 
@@ -54,8 +53,8 @@ pub struct LockLayer<K> {
     shared: Arc<Shared<K>>,
 }
 
-impl<K> LockLayer<K> {
-    /// Locks every request on `keys(&request)` with the defaults: wait up to
+impl<K: KeyExtractor> LockLayer<K> {
+    /// Locks every request on the keys `keys` derives from it, with the defaults: wait up to
     /// [`DEFAULT_WAIT`](super::DEFAULT_WAIT), hold with the watchdog, release when the
     /// response is ready, answer a busy lock with
     /// [`DEFAULT_BUSY_STATUS`](super::DEFAULT_BUSY_STATUS), fail closed.
@@ -72,6 +71,7 @@ impl<K> LockLayer<K> {
             keys,
             policy: Policy::default(),
             mode: Ok(ModeSelect::Fixed(LockMode::Exclusive)),
+            mode_setter: None,
         }
     }
 
@@ -83,7 +83,9 @@ impl<K> LockLayer<K> {
             }),
         }
     }
+}
 
+impl<K> LockLayer<K> {
     /// The client the layer locks with.
     pub fn client(&self) -> &LockClient {
         &self.shared.core.client
@@ -128,14 +130,14 @@ impl<K> fmt::Debug for LockLayer<K> {
 ///     MemoryBackend::new(),
 ///     HeaderKey::new(HeaderName::from_static("x-user-id")),
 /// )
-/// .with_key_prefix("lock:order")
-/// .with_wait(Duration::from_millis(500))
-/// .with_methods([Method::POST])
+/// .key_prefix("lock:order")
+/// .max_wait(Duration::from_millis(500))
+/// .methods([Method::POST])
 /// .build()?;
 /// # let _ = layer;
 ///
 /// let err = LockLayer::builder(MemoryBackend::new(), HeaderKey::new(HeaderName::from_static("x")))
-///     .with_lease(Duration::ZERO)
+///     .lease(Duration::ZERO)
 ///     .build()
 ///     .unwrap_err();
 /// assert!(err.to_string().contains("`lease`"));
@@ -147,13 +149,15 @@ pub struct LockLayerBuilder<K> {
     keys: K,
     policy: Policy,
     mode: Result<ModeSelect>,
+    /// The setter that chose the mode, to name both when another one conflicts.
+    mode_setter: Option<&'static str>,
 }
 
-impl<K> LockLayerBuilder<K> {
-    /// How long a request waits for a busy lock before it is rejected as busy. Zero:
+impl<K: KeyExtractor> LockLayerBuilder<K> {
+    /// The longest a request waits for a busy lock before it is rejected as busy. Zero:
     /// one attempt. Default [`DEFAULT_WAIT`](super::DEFAULT_WAIT); at most
     /// [`MAX_WAIT`](super::MAX_WAIT).
-    pub fn with_wait(mut self, wait: Duration) -> Self {
+    pub fn max_wait(mut self, wait: Duration) -> Self {
         self.policy.wait = wait;
         self
     }
@@ -162,7 +166,7 @@ impl<K> LockLayerBuilder<K> {
     /// request runs) or a fixed lease (a `Duration`): the lock is freed when it ends,
     /// and the request is then treated as having lost it (see
     /// [`on_lost`](Self::on_lost)).
-    pub fn with_lease(mut self, lease: impl Into<Lease>) -> Self {
+    pub fn lease(mut self, lease: impl Into<Lease>) -> Self {
         self.policy.lease = lease.into();
         self
     }
@@ -171,21 +175,35 @@ impl<K> LockLayerBuilder<K> {
     /// [`DEFAULT_BUSY_STATUS`](super::DEFAULT_BUSY_STATUS) (429, and why); 409 and 423
     /// are the usual alternatives. Must be 4xx or 5xx. `Retry-After` is sent whatever
     /// the status.
-    pub fn with_busy_status(mut self, status: StatusCode) -> Self {
+    pub fn busy_status(mut self, status: StatusCode) -> Self {
         self.policy.busy_status = status;
         self
     }
 
+    /// `Retry-After` for a lock still busy after the wait: when retrying makes sense.
+    /// Default [`DEFAULT_BUSY_RETRY_AFTER`](super::DEFAULT_BUSY_RETRY_AFTER) (1 s). With
+    /// a fixed [`lease`](Self::lease) the holder's remaining lease is sent instead when
+    /// it is sooner (it is a real bound then; under the watchdog it is not). Rounded up
+    /// to whole seconds; at most [`MAX_RETRY_AFTER`](super::MAX_RETRY_AFTER).
+    pub fn busy_retry_after(mut self, retry_after: Duration) -> Self {
+        self.policy.busy_retry_after = retry_after;
+        self
+    }
+
     /// Replaces the default rejection responses (plain text, see
-    /// [`Rejection::to_response`]).
+    /// [`Rejection::into_response`](super::Rejection::into_response)) with
+    /// `handler(rejection)`: with the `axum` feature, a closure returning anything
+    /// `IntoResponse`.
     pub fn on_rejection(mut self, handler: impl OnRejection) -> Self {
         self.policy.on_rejection = Arc::new(handler);
         self
     }
 
-    /// When the lock store fails, serve requests without their lock (logged as a
-    /// warning) instead of answering 503. Default `false` (fail closed): availability
-    /// over exclusion is a choice to make per route, knowingly.
+    /// When the lock store cannot answer (unreachable, timed out, no quorum), serve
+    /// requests without their lock (logged as a warning) instead of answering 503.
+    /// Default `false` (fail closed): availability over exclusion is a choice to make
+    /// per route, knowingly. A misconfiguration (a key holding another type of data, an
+    /// unsupported mode, no runtime) always fails closed.
     pub fn fail_open(mut self, fail_open: bool) -> Self {
         self.policy.fail_open = fail_open;
         self
@@ -194,24 +212,24 @@ impl<K> LockLayerBuilder<K> {
     /// `Retry-After` for 503 answers (store unavailable, lock lost). Default
     /// [`DEFAULT_UNAVAILABLE_RETRY_AFTER`](super::DEFAULT_UNAVAILABLE_RETRY_AFTER);
     /// rounded up to whole seconds.
-    pub fn with_unavailable_retry_after(mut self, retry_after: Duration) -> Self {
+    pub fn unavailable_retry_after(mut self, retry_after: Duration) -> Self {
         self.policy.unavailable_retry_after = retry_after;
         self
     }
 
-    /// Hold the lock until the response body has been sent to the end (for streaming
-    /// responses), instead of releasing it when the response head is ready.
+    /// When the lock is released: with the response head (the default), or once the
+    /// response body has been sent ([`ReleaseOn::BodyEnd`], for streaming responses
+    /// whose body does the protected work).
     ///
-    /// A lock lost while the body streams is logged (at `error`) and released with the
+    /// With `BodyEnd` the release finishes before the client can have the body's last
+    /// byte, on HTTP/1.1 and HTTP/2 (see [`LockBody`](super::LockBody)); a response
+    /// without a body (to `HEAD`, a 204 or 304, an empty body) releases with its head. A
+    /// lock lost while the body streams is logged (at `error`) and released with the
     /// body, but the body is not cut: the response has begun and its status is sent.
     /// Work the body does under the lock should carry the fencing token
     /// ([`HeldLock`](crate::extract::HeldLock)) to the storage it writes to.
-    pub fn hold_until_body_end(mut self, hold: bool) -> Self {
-        self.policy.release_on = if hold {
-            ReleaseOn::BodyEnd
-        } else {
-            ReleaseOn::Response
-        };
+    pub fn release_on(mut self, release_on: ReleaseOn) -> Self {
+        self.policy.release_on = release_on;
         self
     }
 
@@ -224,14 +242,14 @@ impl<K> LockLayerBuilder<K> {
 
     /// Lock only requests with these methods; others pass through unlocked (they still
     /// get an owner, so [`Locks`](crate::extract::Locks) works). Default: all methods.
-    pub fn with_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.policy.methods = Some(methods.into_iter().collect());
         self
     }
 
     /// Puts `prefix:` in front of every key (`lock:order` + `{42}` →
     /// `lock:order:{42}`). No braces or control characters.
-    pub fn with_key_prefix(mut self, prefix: impl Into<String>) -> Self {
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.policy.key_prefix = Some(prefix.into());
         self
     }
@@ -249,26 +267,43 @@ impl<K> LockLayerBuilder<K> {
     }
 
     /// Fair locks: waiting requests get the lock in arrival order. Needs a backend
-    /// that implements [`LockMode::Fair`].
-    pub fn fair(mut self) -> Self {
-        self.mode = Ok(ModeSelect::Fixed(LockMode::Fair));
-        self
+    /// that implements [`LockMode::Fair`]. One kind per layer: setting another one too
+    /// is an error at [`build`](Self::build).
+    pub fn fair(self) -> Self {
+        self.select_mode("fair", Ok(ModeSelect::Fixed(LockMode::Fair)))
     }
 
     /// A read-write lock per key: `GET`, `HEAD` and `OPTIONS` take the read side
     /// (they run together), other methods the write side (alone). Needs a backend that
-    /// implements [`LockMode::Read`] and [`LockMode::Write`].
-    pub fn read_write_by_method(mut self) -> Self {
-        self.mode = Ok(ModeSelect::ReadWriteByMethod);
-        self
+    /// implements [`LockMode::Read`] and [`LockMode::Write`]. One kind per layer.
+    pub fn read_write_by_method(self) -> Self {
+        self.select_mode("read_write_by_method", Ok(ModeSelect::ReadWriteByMethod))
     }
 
     /// At most `max` requests per key at once (a leased semaphore). Needs a backend
-    /// that implements [`LockMode::Permits`]. `max` must be at least 1.
-    pub fn permits(mut self, max: u32) -> Self {
-        self.mode = NonZeroU32::new(max)
+    /// that implements [`LockMode::Permits`]. `max` must be at least 1. One kind per
+    /// layer.
+    pub fn permits(self, max: u32) -> Self {
+        let mode = NonZeroU32::new(max)
             .map(|max| ModeSelect::Fixed(LockMode::Permits { max }))
             .ok_or_else(|| Error::invalid_config("permits", "must be at least 1 (got 0)"));
+        self.select_mode("permits", mode)
+    }
+
+    /// Records the kind of lock; a second setter choosing another kind (or the same
+    /// kind with another `max`) is an error at `build`, never a silent overwrite.
+    fn select_mode(mut self, setter: &'static str, mode: Result<ModeSelect>) -> Self {
+        self.mode = match (self.mode, self.mode_setter, mode) {
+            (Err(first_error), _, _) => Err(first_error),
+            (Ok(current), Some(first), Ok(new)) if current != new => Err(Error::invalid_config(
+                "mode",
+                format!(
+                    "is set twice, by `{first}` and `{setter}`; a layer takes one kind of lock"
+                ),
+            )),
+            (_, _, mode) => mode,
+        };
+        self.mode_setter = Some(setter);
         self
     }
 
@@ -276,11 +311,12 @@ impl<K> LockLayerBuilder<K> {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] naming the first bad setting: `wait` over
+    /// [`Error::InvalidConfig`] naming the first bad setting: `max_wait` over
     /// [`MAX_WAIT`](super::MAX_WAIT), `lease` outside
     /// [`MIN_LEASE`](crate::MIN_LEASE)..=[`MAX_LEASE`](crate::MAX_LEASE), `busy_status`
-    /// not 4xx/5xx, `unavailable_retry_after` zero, `methods` empty, `key_prefix` empty
-    /// or with braces or control characters, `permits` zero.
+    /// not 4xx/5xx, `busy_retry_after` or `unavailable_retry_after` zero or over
+    /// [`MAX_RETRY_AFTER`](super::MAX_RETRY_AFTER), `methods` empty, `key_prefix` empty
+    /// or with braces or control characters, `permits` zero, `mode` set twice.
     pub fn build(self) -> Result<LockLayer<K>> {
         let mut policy = self.policy;
         policy.mode = self.mode?;

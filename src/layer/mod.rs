@@ -1,31 +1,44 @@
 //! Tower middleware that locks each request: [`LockLayer`] / [`LockService`].
 //!
-//! A key function (a [`KeyExtractor`]) looks at each request and names the lock(s) it
-//! must hold — the user placing an order, the account being debited, the document being
-//! edited — or none. The layer takes them, calls the inner service while holding them,
-//! and releases them when the response is ready (or, if configured, when its body has
-//! been sent). Requests with the same key run one at a time across every replica that
-//! shares the lock store; requests with different keys never wait for each other.
+//! A key function (a [`KeyExtractor`]) looks at each request's head and names the
+//! lock(s) it must hold — the user placing an order, the account being debited, the
+//! document being edited — or none. The layer takes them, calls the inner service while
+//! holding them, and releases them when the response is ready (or, if configured, before
+//! the last byte of its body). Requests with the same key run one at a time across every
+//! replica that shares the lock store; requests with different keys never wait for each
+//! other.
 //!
-//! - **Waiting happens in the response future.** `poll_ready` only asks the inner
-//!   service; `call` clones it, and the lock is taken when the response future is
-//!   polled, so a request waiting for one key holds up nothing else.
+//! The layer needs a tokio runtime (it takes locks, renews and releases them in tasks);
+//! polled elsewhere, a request is answered 500, never a panic.
+//!
+//! - **Add it with `route_layer`** when the key is route-specific (a header only your
+//!   order route requires, a path parameter). `Router::layer` also wraps the fallback
+//!   and the method-not-allowed answers: a request for an unknown path without the
+//!   header would get the layer's 400 instead of axum's 404, and a 405 would be locked.
+//! - **Waiting happens in the response future, before the inner service is asked for
+//!   capacity.** [`LockService`] is always ready; a request first takes its lock, then
+//!   waits for the inner service's readiness, then calls it. So a request waiting for a
+//!   busy key holds no `ConcurrencyLimit` permit, `Buffer` slot or rate-limit token of
+//!   the services inside the layer, and holds up nothing else.
 //! - **One owner per request.** Each request gets a fresh [`Owner`](crate::Owner), made
 //!   current around the inner service: a handler that locks the request's key again
 //!   re-enters instead of deadlocking, and [`Locks`](crate::extract::Locks) takes more
-//!   locks as the same owner. Two requests on one HTTP/2 connection are two owners.
+//!   locks as the same owner. Two requests on one HTTP/2 connection, or on one task, are
+//!   two owners.
 //! - **Several keys** are taken as one [`MultiLock`](crate::kinds::MultiLock): all or
 //!   none, in sorted order, so `{a, b}` and `{b, a}` cannot deadlock.
 //! - **Every outcome is a response.** Busy after the wait, a bad key, the store down, a
-//!   lock lost: each is a distinct [`Rejection`], answered by an overridable handler
-//!   ([`LockLayerBuilder::on_rejection`]). The inner service's error type is unchanged.
+//!   misconfiguration, a lock lost: each is a distinct [`Rejection`], answered by an
+//!   overridable handler ([`LockLayerBuilder::on_rejection`], anything `IntoResponse`).
+//!   The inner service's error type is unchanged.
 //!
 //! | case | default answer |
 //! |---|---|
-//! | busy after the wait | [`DEFAULT_BUSY_STATUS`] (429) + `Retry-After` (the holder's remaining lease, rounded up to whole seconds, at least 1) |
-//! | key function error, invalid key | 400 (500 when the extractor blames the server), plain text |
-//! | lock store failed | 503 + `Retry-After` (fail closed), or pass through unlocked ([`fail_open`](LockLayerBuilder::fail_open)) |
-//! | mode the backend does not support | 500 |
+//! | busy after the wait | [`DEFAULT_BUSY_STATUS`] (429) + `Retry-After`: [`DEFAULT_BUSY_RETRY_AFTER`] (1 s), or the holder's fixed lease when sooner |
+//! | the request makes no valid key | 400, saying what is wrong (or the axum extractor's own rejection) |
+//! | the server's wiring makes no key (a missing extension, no path parameters) | 500, generic text; the detail is logged |
+//! | lock store cannot answer | 503 + `Retry-After` (fail closed), or pass through unlocked ([`fail_open`](LockLayerBuilder::fail_open)) |
+//! | misconfiguration (unsupported mode, a key of another type, no runtime) | 500, generic text, whatever the fail-open setting; logged |
 //! | lock lost while handling | handler cancelled, 503 + `Retry-After` ([`OnLost`]) |
 //!
 //! # Example
@@ -44,61 +57,73 @@
 //!     MemoryBackend::new(),
 //!     HeaderKey::new(HeaderName::from_static("x-user-id")),
 //! )
-//! .with_key_prefix("lock:order")
-//! .with_wait(Duration::from_secs(2))
+//! .key_prefix("lock:order")
+//! .max_wait(Duration::from_secs(2))
 //! .build()?;
 //!
 //! let app = Router::new()
 //!     .route("/orders", post(|| async { "created" }))
-//!     .layer(layer);
+//!     .route_layer(layer); // only the order route needs the header
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
 //! axum::serve(listener, app).await?;
 //! # Ok(())
 //! # }
 //! ```
 //!
-//! A closure is a key function too; it returns anything [`IntoKeys`]:
+//! A closure over the request head is a key function too ([`key_fn`] infers its
+//! argument's type), returning anything [`IntoKeys`]; and any axum extractor is one with
+//! [`key_from`] (feature `axum`):
 //!
 //! ```
-//! use axum::body::Body;
-//! use http::Request;
-//! use tower_lock::layer::{KeyError, LockLayer};
+//! use axum::extract::Path;
+//! use http::request::Parts;
+//! use tower_lock::layer::{key_fn, key_from, KeyError, LockLayer};
 //! use tower_lock::{LockKey, MemoryBackend};
 //!
-//! fn account(req: &Request<Body>, header: &str) -> Result<Option<LockKey>, KeyError> {
-//!     let Some(value) = req.headers().get(header) else { return Ok(None) };
+//! fn account(parts: &Parts, header: &str) -> Result<Option<LockKey>, KeyError> {
+//!     let Some(value) = parts.headers.get(header) else { return Ok(None) };
 //!     let value = value.to_str().map_err(|_| KeyError::new("bad account header"))?;
 //!     Ok(Some(LockKey::namespaced("account", value)?))
 //! }
 //!
 //! // Transfers lock both accounts, all or none; other requests are not locked.
-//! let layer = LockLayer::new(MemoryBackend::new(), |req: &Request<Body>| {
-//!     Ok::<_, KeyError>(match (account(req, "x-from")?, account(req, "x-to")?) {
-//!         (Some(from), Some(to)) => vec![from, to],
-//!         _ => Vec::new(),
-//!     })
-//! });
-//! # let _ = layer;
+//! let transfers = LockLayer::new(
+//!     MemoryBackend::new(),
+//!     key_fn(|parts| {
+//!         Ok::<_, KeyError>(match (account(parts, "x-from")?, account(parts, "x-to")?) {
+//!             (Some(from), Some(to)) => vec![from, to],
+//!             _ => Vec::new(),
+//!         })
+//!     }),
+//! );
+//!
+//! // `/orders/{id}` with a typed path parameter; a bad one gets axum's own rejection.
+//! let orders = LockLayer::new(
+//!     MemoryBackend::new(),
+//!     key_from(|Path(id): Path<u64>| LockKey::namespaced("order", &id.to_string())),
+//! );
+//! # let _ = (transfers, orders);
 //! ```
 //!
 //! # Errors
 //!
 //! [`LockLayerBuilder::build`] rejects bad configuration with
-//! [`Error::InvalidConfig`](crate::Error::InvalidConfig) naming the setting. At run
-//! time nothing is an error of the service: every lock outcome is a response (see the
-//! table above), and the inner service's errors pass through unchanged.
+//! [`Error::InvalidConfig`](crate::Error::InvalidConfig) naming the setting, and so do
+//! the ready-made extractors' `namespace` setters. At run time nothing is an error of
+//! the service: every lock outcome is a response (see the table above), and the inner
+//! service's errors pass through unchanged.
 //!
 //! # Cancel safety
 //!
-//! - Response future dropped while waiting (the client went away): the wait is
-//!   abandoned and leaves no waiter; an acquisition in flight is undone.
-//! - Dropped while the inner service runs: the inner future is dropped and the locks
-//!   are released in a spawned task.
+//! - Response future dropped while keying or waiting (the client went away): the wait
+//!   is abandoned and leaves no waiter; an acquisition in flight is undone.
+//! - Dropped while waiting for the inner service's readiness, or while it runs: the
+//!   inner future is dropped and the locks are released in a spawned task.
 //! - Completed: the locks are released before the response is handed on (the release
 //!   runs in a spawned task that the future awaits, so dropping the future then does
-//!   not interrupt it), or, with [`hold_until_body_end`](LockLayerBuilder::hold_until_body_end),
-//!   the [`LockBody`] releases them when the body ends, or in a spawned task when it is
-//!   dropped unfinished.
+//!   not interrupt it), or, with [`ReleaseOn::BodyEnd`], the [`LockBody`] releases them
+//!   before yielding the body's last bytes, or in a spawned task when it is dropped
+//!   unfinished.
 //!
 //! In every case the lease is the last safety net: a lock whose release could not run
 //! (the process died, the store was unreachable) is free when its lease ends.
@@ -114,12 +139,13 @@ mod service;
 
 pub use body::LockBody;
 pub use future::ResponseFuture;
+pub use keys::{ExtensionKey, Extracted, HeaderKey, IntoKeys, KeyError, KeyExtractor, key_fn};
 #[cfg(feature = "axum")]
-pub use keys::PathParamKey;
-pub use keys::{ExtensionKey, HeaderKey, IntoKeys, KeyError, KeyExtractor};
+pub use keys::{ExtractorKey, PathParamKey, key_from};
 pub use layer::{LockLayer, LockLayerBuilder};
 pub use policy::{
-    DEFAULT_BUSY_STATUS, DEFAULT_UNAVAILABLE_RETRY_AFTER, DEFAULT_WAIT, DefaultRejection, MAX_WAIT,
-    OnLost, OnRejection, Rejection, ReleaseOn,
+    DEFAULT_BUSY_RETRY_AFTER, DEFAULT_BUSY_STATUS, DEFAULT_UNAVAILABLE_RETRY_AFTER, DEFAULT_WAIT,
+    DefaultRejection, IntoRejectionResponse, MAX_RETRY_AFTER, MAX_WAIT, OnLost, OnRejection,
+    Rejection, RejectionBody, ReleaseOn,
 };
 pub use service::LockService;

@@ -1,16 +1,20 @@
 //! What the layer does in each case: how long to wait, how to hold, which requests to
 //! lock, and how every failure becomes a response ([`Rejection`], [`OnRejection`]).
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, Response, StatusCode, header};
+use http_body::Body;
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full};
 
 use super::keys::KeyError;
 use crate::backend::LockMode;
-use crate::error::Error;
+use crate::error::{BoxError, Error};
 use crate::lock::Lease;
 
 /// How long a request waits for a busy lock by default: 5 s. Long enough for the
@@ -31,13 +35,24 @@ pub const MAX_WAIT: Duration = Duration::from_secs(10 * 60);
 /// right thing but is WebDAV's, and neither it nor 409 defines `Retry-After`. 429 is
 /// exactly "another request of yours for this key is in flight; retry after
 /// `Retry-After`", and HTTP clients and retry middleware already honour it. Change it
-/// with [`with_busy_status`](super::LockLayerBuilder::with_busy_status).
+/// with [`busy_status`](super::LockLayerBuilder::busy_status).
 pub const DEFAULT_BUSY_STATUS: StatusCode = StatusCode::TOO_MANY_REQUESTS;
 
 /// `Retry-After` when the lock store is unreachable (fail-closed) or a lock was lost:
 /// 1 s. Short, because a store outage is either over quickly or long enough that
 /// clients back off on their own.
 pub const DEFAULT_UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// `Retry-After` for a lock still busy after the wait: 1 s. What usually holds a
+/// request's lock is the same client's other request (a double click, a retry), which
+/// finishes in milliseconds; the holder's remaining lease says nothing about that when
+/// the watchdog keeps renewing it (it is ~30 s whatever the holder does). With a fixed
+/// lease the holder's remaining lease is used when it is sooner.
+pub const DEFAULT_BUSY_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// The longest `Retry-After` the layer is configured to send: 1 hour. Longer is a unit
+/// mix-up.
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(60 * 60);
 
 /// When a request's lock is released.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -86,6 +101,19 @@ impl ModeSelect {
     }
 }
 
+/// The body of a rejection's response: any body, boxed (what an axum `IntoResponse`
+/// produces, or bytes).
+pub type RejectionBody = UnsyncBoxBody<Bytes, BoxError>;
+
+/// Boxes `response`'s body into a [`RejectionBody`].
+pub(crate) fn boxed_response<B>(response: Response<B>) -> Response<RejectionBody>
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    response.map(|body| body.map_err(Into::into).boxed_unsync())
+}
+
 /// Why the layer answered instead of the inner service. The
 /// [rejection handler](OnRejection) turns it into a response.
 #[derive(Debug)]
@@ -96,13 +124,21 @@ pub enum Rejection {
     Busy {
         /// The configured busy status.
         status: StatusCode,
-        /// How long the holder's lease still ran, if the store could tell.
+        /// How long the holder's lease still ran, if the store could tell. With the
+        /// watchdog that is the watchdog lease, renewed while the holder works: not a
+        /// bound on when the lock frees up.
         holder_ttl: Option<Duration>,
+        /// When retrying makes sense: the configured
+        /// [`busy_retry_after`](super::LockLayerBuilder::busy_retry_after), or the
+        /// holder's remaining lease when the layer holds with a fixed lease and that is
+        /// sooner.
+        retry_after: Duration,
     },
-    /// The key function rejected the request or produced an invalid key. Default: the
-    /// error's status (400 unless the extractor says the server is at fault).
+    /// The key function rejected the request, or produced an invalid key. Default: the
+    /// error's status (400 unless the server is at fault), or the response of the axum
+    /// extractor that rejected it.
     BadKey(KeyError),
-    /// The lock store failed (unreachable, timed out, answered nonsense) and the layer
+    /// The lock store could not answer (unreachable, timed out, no quorum) and the layer
     /// fails closed. Default: `503 Service Unavailable` with `Retry-After`.
     Unavailable {
         /// What failed.
@@ -110,8 +146,11 @@ pub enum Rejection {
         /// `Retry-After` to send.
         retry_after: Duration,
     },
-    /// The layer is configured for something the backend cannot do (a lock mode it does
-    /// not implement). Default: `500 Internal Server Error`; fail-open does not apply.
+    /// The layer or the store is misconfigured: a lock mode the backend does not
+    /// implement, a key holding another type of data, a reply the crate does not
+    /// understand, no tokio runtime. Always fails closed, whatever the fail-open setting.
+    /// Default: `500 Internal Server Error` with a generic text (the error is logged, not
+    /// sent).
     Misconfigured(Error),
     /// The lock was lost while the inner service worked, and the layer cancelled it
     /// ([`OnLost::Cancel`]). Default: `503 Service Unavailable` with `Retry-After`.
@@ -134,42 +173,52 @@ impl Rejection {
         }
     }
 
-    /// `Retry-After` in whole seconds, rounded up, at least 1, for the cases where
-    /// retrying later can succeed: busy (from the holder's remaining lease, or 1 when
-    /// unknown), unavailable and lost. `None` for the others.
-    pub fn retry_after_secs(&self) -> Option<u64> {
-        let d = match self {
-            Rejection::Busy { holder_ttl, .. } => holder_ttl.unwrap_or(Duration::ZERO),
-            Rejection::Unavailable { retry_after, .. } | Rejection::Lost { retry_after } => {
-                *retry_after
-            }
-            Rejection::BadKey(_) | Rejection::Misconfigured(_) => return None,
-        };
-        Some(ceil_secs(d).max(1))
+    /// When retrying can succeed: busy, unavailable and lost. `None` for the others.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Rejection::Busy { retry_after, .. }
+            | Rejection::Unavailable { retry_after, .. }
+            | Rejection::Lost { retry_after } => Some(*retry_after),
+            Rejection::BadKey(_) | Rejection::Misconfigured(_) => None,
+        }
     }
 
-    /// A plain-text description for the client.
-    pub fn message(&self) -> String {
+    /// [`retry_after`](Rejection::retry_after) in whole seconds, rounded up, at least 1:
+    /// the `Retry-After` header's value.
+    pub fn retry_after_secs(&self) -> Option<u64> {
+        self.retry_after().map(|d| ceil_secs(d).max(1))
+    }
+
+    /// A plain-text description for the client. Server-side errors get a generic text:
+    /// what went wrong inside is logged, not sent.
+    pub fn message(&self) -> Cow<'static, str> {
         match self {
             Rejection::Busy { .. } => {
-                "another request holds the lock for this resource; retry later".to_owned()
+                Cow::Borrowed("another request holds the lock for this resource; retry later")
             }
-            Rejection::BadKey(e) => e.message().to_owned(),
+            Rejection::BadKey(e) if e.is_server_error() => Cow::Borrowed(SERVER_FAULT),
+            Rejection::BadKey(e) => Cow::Owned(e.message().to_owned()),
             Rejection::Unavailable { .. } => {
-                "the lock service is unavailable; retry later".to_owned()
+                Cow::Borrowed("the lock service is unavailable; retry later")
             }
-            Rejection::Misconfigured(e) => format!("lock misconfigured: {e}"),
+            Rejection::Misconfigured(_) => Cow::Borrowed(SERVER_FAULT),
             Rejection::Lost { .. } => {
-                "the lock for this request was lost before it completed; retry later".to_owned()
+                Cow::Borrowed("the lock for this request was lost before it completed; retry later")
             }
         }
     }
 
     /// The default response: [`status`](Rejection::status), a plain-text
     /// [`message`](Rejection::message) and `Retry-After` when
-    /// [`retry_after_secs`](Rejection::retry_after_secs) gives one.
-    pub fn to_response(&self) -> Response<Bytes> {
-        let mut response = Response::new(Bytes::from(self.message()));
+    /// [`retry_after_secs`](Rejection::retry_after_secs) gives one; for an extractor's
+    /// rejection, the extractor's own response.
+    pub fn into_response(mut self) -> Response<RejectionBody> {
+        if let Rejection::BadKey(e) = &mut self
+            && let Some(response) = e.take_response()
+        {
+            return response;
+        }
+        let mut response = Response::new(Full::new(Bytes::from(self.message().into_owned())));
         *response.status_mut() = self.status();
         response.headers_mut().insert(
             header::CONTENT_TYPE,
@@ -180,57 +229,88 @@ impl Rejection {
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
-        response
+        boxed_response(response)
     }
 }
+
+/// The text a client gets for a server-side fault.
+const SERVER_FAULT: &str = "internal server error: the lock for this request is misconfigured";
 
 fn ceil_secs(d: Duration) -> u64 {
     d.as_secs() + u64::from(d.subsec_nanos() > 0)
 }
 
-/// Turns a [`Rejection`] into a response. Implemented for every
-/// `Fn(&Rejection) -> Response<Bytes>` closure; the default is
-/// [`Rejection::to_response`].
-///
-/// Keep `Retry-After` (start from [`Rejection::to_response`] and change what you need)
-/// so that clients back off correctly.
-///
-/// ```
-/// use bytes::Bytes;
-/// use http::{header, HeaderValue, Response};
-/// use tower_lock::layer::Rejection;
-///
-/// // JSON errors, keeping the default status and Retry-After.
-/// let json = |r: &Rejection| -> Response<Bytes> {
-///     let mut res = r.to_response();
-///     let body = format!(r#"{{"error":{:?}}}"#, r.message());
-///     *res.body_mut() = Bytes::from(body);
-///     res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-///     res
-/// };
-/// # let _ = json;
-/// ```
-pub trait OnRejection: Send + Sync + 'static {
-    /// The response for `rejection`.
-    fn on_rejection(&self, rejection: &Rejection) -> Response<Bytes>;
+/// A handler's answer to a [`Rejection`]: any axum `IntoResponse` (feature `axum`), or an
+/// `http::Response` whose body yields [`Bytes`].
+pub trait IntoRejectionResponse {
+    /// The response.
+    fn into_rejection_response(self) -> Response<RejectionBody>;
 }
 
-impl<F> OnRejection for F
-where
-    F: Fn(&Rejection) -> Response<Bytes> + Send + Sync + 'static,
-{
-    fn on_rejection(&self, rejection: &Rejection) -> Response<Bytes> {
-        self(rejection)
+#[cfg(feature = "axum")]
+impl<T: axum::response::IntoResponse> IntoRejectionResponse for T {
+    fn into_rejection_response(self) -> Response<RejectionBody> {
+        boxed_response(self.into_response())
     }
 }
 
-/// The default rejection handler: [`Rejection::to_response`].
+#[cfg(not(feature = "axum"))]
+impl<B> IntoRejectionResponse for Response<B>
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    fn into_rejection_response(self) -> Response<RejectionBody> {
+        boxed_response(self)
+    }
+}
+
+/// Turns a [`Rejection`] into a response. Implemented for every
+/// `Fn(Rejection) -> impl IntoRejectionResponse` closure — with the `axum` feature,
+/// anything `IntoResponse`; the default is [`Rejection::into_response`].
+///
+/// Keep `Retry-After` ([`Rejection::retry_after_secs`]) so that clients back off
+/// correctly, and keep server-side details out of the body ([`Rejection::message`]
+/// does).
+///
+/// ```
+/// # #[cfg(feature = "axum")] {
+/// use axum::Json;
+/// use axum::response::IntoResponse;
+/// use http::header;
+/// use tower_lock::layer::Rejection;
+///
+/// // JSON errors with the default status and Retry-After.
+/// let json = |r: Rejection| {
+///     let retry = r.retry_after_secs().map(|s| [(header::RETRY_AFTER, s.to_string())]);
+///     let body = Json(serde_json::json!({ "error": r.message() }));
+///     (r.status(), retry, body).into_response()
+/// };
+/// # let _: &dyn tower_lock::layer::OnRejection = &json;
+/// # }
+/// ```
+pub trait OnRejection: Send + Sync + 'static {
+    /// The response for `rejection`.
+    fn on_rejection(&self, rejection: Rejection) -> Response<RejectionBody>;
+}
+
+impl<F, R> OnRejection for F
+where
+    F: Fn(Rejection) -> R + Send + Sync + 'static,
+    R: IntoRejectionResponse,
+{
+    fn on_rejection(&self, rejection: Rejection) -> Response<RejectionBody> {
+        self(rejection).into_rejection_response()
+    }
+}
+
+/// The default rejection handler: [`Rejection::into_response`].
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DefaultRejection;
 
 impl OnRejection for DefaultRejection {
-    fn on_rejection(&self, rejection: &Rejection) -> Response<Bytes> {
-        rejection.to_response()
+    fn on_rejection(&self, rejection: Rejection) -> Response<RejectionBody> {
+        rejection.into_response()
     }
 }
 
@@ -240,6 +320,7 @@ pub(crate) struct Policy {
     pub(crate) wait: Duration,
     pub(crate) lease: Lease,
     pub(crate) busy_status: StatusCode,
+    pub(crate) busy_retry_after: Duration,
     pub(crate) fail_open: bool,
     pub(crate) unavailable_retry_after: Duration,
     pub(crate) release_on: ReleaseOn,
@@ -259,6 +340,7 @@ impl Default for Policy {
             wait: DEFAULT_WAIT,
             lease: Lease::Watchdog,
             busy_status: DEFAULT_BUSY_STATUS,
+            busy_retry_after: DEFAULT_BUSY_RETRY_AFTER,
             fail_open: false,
             unavailable_retry_after: DEFAULT_UNAVAILABLE_RETRY_AFTER,
             release_on: ReleaseOn::Response,
@@ -277,15 +359,18 @@ impl Policy {
         self.methods.as_ref().is_none_or(|m| m.contains(method))
     }
 
-    /// Classifies an acquisition error.
+    /// Classifies an acquisition error: only a store that could not answer is
+    /// "unavailable" (and may fail open); anything else the server got wrong is
+    /// "misconfigured" and fails closed.
     pub(crate) fn rejection_for(&self, error: Error) -> Rejection {
         match error {
             Error::Busy { holder_ttl } => Rejection::Busy {
                 status: self.busy_status,
                 holder_ttl,
+                retry_after: self.busy_retry_after(holder_ttl),
             },
             Error::InvalidKey { .. } => Rejection::BadKey(KeyError::from(error)),
-            error if error.is_backend() => Rejection::Unavailable {
+            error if error.is_unavailable() => Rejection::Unavailable {
                 error,
                 retry_after: self.unavailable_retry_after,
             },
@@ -293,10 +378,19 @@ impl Policy {
         }
     }
 
+    /// When a busy request should retry: the configured value, or sooner when the layer
+    /// holds with a fixed lease (then the holder's remaining lease is a real bound).
+    fn busy_retry_after(&self, holder_ttl: Option<Duration>) -> Duration {
+        match (self.lease, holder_ttl) {
+            (Lease::Fixed(_), Some(ttl)) => ttl.min(self.busy_retry_after),
+            _ => self.busy_retry_after,
+        }
+    }
+
     pub(crate) fn validate(&self) -> Result<(), Error> {
         if self.wait > MAX_WAIT {
             return Err(Error::invalid_config(
-                "wait",
+                "max_wait",
                 format!("must be at most {MAX_WAIT:?} (got {:?})", self.wait),
             ));
         }
@@ -312,11 +406,21 @@ impl Policy {
                 ),
             ));
         }
-        if self.unavailable_retry_after.is_zero() || self.unavailable_retry_after > MAX_WAIT {
+        if self.busy_retry_after.is_zero() || self.busy_retry_after > MAX_RETRY_AFTER {
+            return Err(Error::invalid_config(
+                "busy_retry_after",
+                format!(
+                    "must be between 1 ns and {MAX_RETRY_AFTER:?} (got {:?})",
+                    self.busy_retry_after
+                ),
+            ));
+        }
+        if self.unavailable_retry_after.is_zero() || self.unavailable_retry_after > MAX_RETRY_AFTER
+        {
             return Err(Error::invalid_config(
                 "unavailable_retry_after",
                 format!(
-                    "must be between 1 ns and {MAX_WAIT:?} (got {:?})",
+                    "must be between 1 ns and {MAX_RETRY_AFTER:?} (got {:?})",
                     self.unavailable_retry_after
                 ),
             ));
@@ -365,25 +469,98 @@ impl fmt::Debug for Policy {
 mod tests {
     use super::*;
 
+    async fn text(res: Response<RejectionBody>) -> String {
+        let bytes = res.into_body().collect().await.unwrap().to_bytes();
+        String::from_utf8(bytes.to_vec()).unwrap()
+    }
+
     #[test]
     fn retry_after_rounds_up_to_whole_seconds() {
-        let busy = |ms: Option<u64>| Rejection::Busy {
+        let busy = |ms: u64| Rejection::Busy {
             status: DEFAULT_BUSY_STATUS,
-            holder_ttl: ms.map(Duration::from_millis),
+            holder_ttl: None,
+            retry_after: Duration::from_millis(ms),
         };
-        assert_eq!(busy(Some(1)).retry_after_secs(), Some(1));
-        assert_eq!(busy(Some(1000)).retry_after_secs(), Some(1));
-        assert_eq!(busy(Some(1001)).retry_after_secs(), Some(2));
-        assert_eq!(busy(Some(29_999)).retry_after_secs(), Some(30));
-        assert_eq!(busy(Some(0)).retry_after_secs(), Some(1));
-        assert_eq!(busy(None).retry_after_secs(), Some(1));
-        let res = busy(Some(2500)).to_response();
+        assert_eq!(busy(1).retry_after_secs(), Some(1));
+        assert_eq!(busy(1000).retry_after_secs(), Some(1));
+        assert_eq!(busy(1001).retry_after_secs(), Some(2));
+        assert_eq!(busy(0).retry_after_secs(), Some(1));
+        let res = busy(2500).into_response();
         assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(res.headers()[header::RETRY_AFTER], "3");
-        let bad = Rejection::BadKey(KeyError::new("missing header `x`")).to_response();
+    }
+
+    #[test]
+    fn busy_retry_after_uses_the_holders_lease_only_when_fixed_and_sooner() {
+        let ttl = Some(Duration::from_secs(29));
+        let watchdog = Policy::default();
+        assert_eq!(watchdog.busy_retry_after(ttl), DEFAULT_BUSY_RETRY_AFTER);
+        let fixed = Policy {
+            lease: Lease::Fixed(Duration::from_millis(300)),
+            busy_retry_after: Duration::from_secs(5),
+            ..Policy::default()
+        };
+        assert_eq!(
+            fixed.busy_retry_after(Some(Duration::from_millis(200))),
+            Duration::from_millis(200)
+        );
+        assert_eq!(
+            fixed.busy_retry_after(ttl),
+            Duration::from_secs(5),
+            "capped"
+        );
+        assert_eq!(fixed.busy_retry_after(None), Duration::from_secs(5));
+    }
+
+    #[tokio::test]
+    async fn server_side_faults_send_no_internal_text() {
+        let bad = Rejection::BadKey(KeyError::new("missing header `x`")).into_response();
         assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
         assert!(bad.headers().get(header::RETRY_AFTER).is_none());
-        assert_eq!(bad.body(), "missing header `x`");
+        assert_eq!(text(bad).await, "missing header `x`");
+
+        let wiring = Rejection::BadKey(KeyError::server("extension `app::User` missing"));
+        let res = wiring.into_response();
+        assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(!text(res).await.contains("app::User"));
+
+        let res = Rejection::Misconfigured(Error::UnexpectedReply("ERR secret detail".into()))
+            .into_response();
+        assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(!text(res).await.contains("secret"));
+    }
+
+    #[test]
+    fn a_type_collision_fails_closed_and_an_outage_is_unavailable() {
+        let p = Policy {
+            fail_open: true,
+            ..Policy::default()
+        };
+        for misconfigured in [
+            Error::WrongType,
+            Error::UnexpectedReply("?".into()),
+            Error::Unsupported {
+                backend: "x",
+                mode: LockMode::Fair,
+            },
+        ] {
+            assert!(matches!(
+                p.rejection_for(misconfigured),
+                Rejection::Misconfigured(_)
+            ));
+        }
+        assert!(matches!(
+            p.rejection_for(Error::Backend("connection refused".into())),
+            Rejection::Unavailable { .. }
+        ));
+        assert!(matches!(
+            p.rejection_for(Error::NoQuorum {
+                acquired: 1,
+                needed: 3,
+                total: 5
+            }),
+            Rejection::Unavailable { .. }
+        ));
     }
 
     #[test]

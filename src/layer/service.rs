@@ -11,9 +11,7 @@ use super::body::LockBody;
 use super::future::ResponseFuture;
 use super::keys::KeyExtractor;
 use super::layer::Shared;
-use super::policy::Rejection;
 use crate::extract::Locks;
-use crate::kinds::MultiLock;
 
 /// Locks each request for the time `S` handles it. Made by
 /// [`LockLayer`](super::LockLayer); see the [module docs](crate::layer).
@@ -64,22 +62,26 @@ impl<S: fmt::Debug, K> fmt::Debug for LockService<S, K> {
 impl<S, K, ReqB, ResB> Service<Request<ReqB>> for LockService<S, K>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
-    K: KeyExtractor<ReqB>,
+    K: KeyExtractor,
+    ResB: http_body::Body,
 {
     type Response = Response<LockBody<ResB>>;
     type Error = S::Error;
-    type Future = ResponseFuture<S, ReqB>;
+    type Future = ResponseFuture<S, ReqB, K::Future>;
 
-    /// Ready when the inner service is: waiting for a lock happens in the response
-    /// future, so a request waiting on one key never holds up others.
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
+    /// Always ready: a request takes its lock first and asks the inner service for
+    /// readiness only then, so a request waiting for a lock holds no capacity of the
+    /// inner service (a `ConcurrencyLimit` permit, a `Buffer` slot, a rate limiter's
+    /// token) — a request for a free key is never held up behind one waiting for a busy
+    /// key. The inner service's backpressure then applies to requests that hold their
+    /// locks.
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, mut req: Request<ReqB>) -> Self::Future {
-        // The service that was polled ready goes with this request; a clone stays.
-        let clone = self.inner.clone();
-        let svc = std::mem::replace(&mut self.inner, clone);
+        // This clone is driven to readiness and called once the request holds its locks.
+        let svc = self.inner.clone();
         let core = Arc::clone(&self.shared.core);
 
         // One owner per request. An outer `LockLayer` already made one: act as it, so
@@ -91,30 +93,11 @@ where
         req.extensions_mut()
             .insert(Locks::new(core.client.clone(), owner.clone()));
 
-        let keys = if core.policy.locks_method(req.method()) {
-            self.shared.keys.extract(&req)
-        } else {
-            Ok(Vec::new())
-        };
-        let keys = match keys.and_then(|keys| core.prefixed(keys)) {
-            Ok(keys) => keys,
-            Err(error) => {
-                return ResponseFuture::rejected(core, owner, &Rejection::BadKey(error));
-            }
-        };
-        if keys.is_empty() {
+        if !core.policy.locks_method(req.method()) {
             return ResponseFuture::unlocked(core, owner, svc, req);
         }
-
-        let mode = core.policy.mode.for_method(req.method());
-        let fenced = core.policy.fenced;
-        let locks = MultiLock::new(keys.into_iter().map(|k| {
-            let lock = core.client.lock_on(k, mode);
-            if fenced { lock.fenced() } else { lock }
-        }));
-        let (wait, lease) = (core.policy.wait, core.policy.lease);
-        let acting = owner.clone();
-        let acquire = Box::pin(async move { locks.acquire_as(acting, Some(wait), lease).await });
-        ResponseFuture::acquiring(core, owner, acquire, svc, req)
+        let (parts, body) = req.into_parts();
+        let keys = self.shared.keys.extract(parts);
+        ResponseFuture::keying(core, owner, keys, body, svc)
     }
 }

@@ -705,7 +705,7 @@ impl Names {
 impl RedisBackendBuilder {
     /// Prepended to every lock key as is (default: none, so names match Redisson's
     /// exactly): include your own separator, as in `"myapp:"`. (The layer's
-    /// `with_key_prefix` is a namespace and adds the `:` itself.) Must not contain braces
+    /// `key_prefix` is a namespace and adds the `:` itself.) Must not contain braces
     /// or control characters.
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.key_prefix = prefix.into();
