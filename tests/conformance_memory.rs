@@ -1,4 +1,4 @@
-//! The conformance suite against the in-memory backend.
+//! The conformance suite against the in-memory backend, on a paused clock.
 
 mod common;
 
@@ -36,4 +36,4 @@ impl Fixture for Memory {
     }
 }
 
-conformance_tests!(async { Memory(MemoryBackend::new()) });
+conformance_tests!(paused: async { Memory(MemoryBackend::new()) });

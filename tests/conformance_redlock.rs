@@ -81,7 +81,7 @@ impl Fixture for Red {
     }
 }
 
-conformance_tests!(async { Red::new(Duration::from_secs(30)) });
+conformance_tests!(paused: async { Red::new(Duration::from_secs(30)) });
 
 async fn kinds_fixture() -> Red {
     Red::new(Duration::from_secs(30))
@@ -117,4 +117,4 @@ impl KindFixture for Red {
     }
 }
 
-kind_tests!(kinds_fixture);
+kind_tests!(paused: kinds_fixture);

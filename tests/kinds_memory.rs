@@ -63,4 +63,4 @@ impl KindFixture for Memory {
     }
 }
 
-kind_tests!(fixture);
+kind_tests!(paused: fixture);

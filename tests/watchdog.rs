@@ -9,7 +9,9 @@ use tokio::time::Instant;
 use tower_lock::backend::{LockBackend, LockMode};
 use tower_lock::{LockClient, LockEvent, LockKey, LockObserver, MemoryBackend};
 
-const LEASE: Duration = Duration::from_millis(300);
+/// The watchdog lease: renewed every 300 ms. The test across runtimes runs in real time
+/// on a machine that may be loaded: a renewal may be late by most of 600 ms.
+const LEASE: Duration = Duration::from_millis(900);
 
 /// Holds the lock for `hold` and checks nobody else can take it meanwhile.
 async fn held_throughout(client: &LockClient, other: &LockClient, key: &str, hold: Duration) {
@@ -59,7 +61,7 @@ impl LockObserver for Panicky {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_panicking_observer_does_not_stop_renewals() {
     let backend = MemoryBackend::new();
     let client = LockClient::builder(backend.clone())

@@ -387,7 +387,7 @@ mod tests {
     use std::time::Duration;
 
     use http_body_util::{BodyExt, Full};
-    use tower::{Layer, ServiceExt, service_fn};
+    use tower::{Layer, Service, ServiceExt, service_fn};
 
     use http::request::Parts;
 
@@ -403,6 +403,26 @@ mod tests {
     }
 
     use super::*;
+
+    /// Polled outside a tokio runtime, a locked request is a 500, not a panic.
+    #[test]
+    fn outside_a_runtime_a_request_is_a_500_not_a_panic() {
+        use std::task::Waker;
+        let backend = MemoryBackend::new();
+        let mut svc = LockLayer::new(backend, |_: &Parts| key()).layer(service_fn(ok));
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(svc.poll_ready(&mut cx).is_ready());
+        let mut future = std::pin::pin!(svc.call(Request::new(())));
+        match future.as_mut().poll(&mut cx) {
+            Poll::Ready(Ok(response)) => {
+                assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+            }
+            other => panic!(
+                "expected a 500, got {:?}",
+                other.map(|r| r.map(|r| r.status()))
+            ),
+        }
+    }
 
     #[tokio::test]
     async fn released_before_the_response_is_handed_on() {

@@ -730,8 +730,22 @@ macro_rules! with_conformance_cases {
 /// the fixture (a fresh one per test).
 #[macro_export]
 macro_rules! conformance_tests {
+    // An in-process store: every case on a paused clock, so time bounds are exact and
+    // a loaded machine cannot break them.
+    (paused: $fixture:expr) => {
+        $crate::with_conformance_cases!(conformance_tests!(@paused $fixture));
+    };
     ($fixture:expr) => {
         $crate::with_conformance_cases!(conformance_tests!(@each $fixture));
+    };
+    (@paused $fixture:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(start_paused = true)]
+            async fn $case() {
+                let fixture = $fixture.await;
+                common::conformance::$case(&fixture).await;
+            }
+        )*
     };
     (@each $fixture:expr; $($case:ident),* $(,)?) => {
         $(

@@ -943,8 +943,15 @@ pub async fn leaked_permit_returns(f: &impl KindFixture, kind: Kind) {
 /// in the including file. One module per kind.
 #[macro_export]
 macro_rules! kind_tests {
+    // An in-process store: every case on a paused clock.
+    (paused: $fixture:ident) => {
+        $crate::kind_tests!(@cases $fixture, __paused);
+    };
     ($fixture:ident) => {
-        $crate::kind_tests!(@kind $fixture, fair, $crate::common::kinds::Kind::Fair;
+        $crate::kind_tests!(@cases $fixture, __each);
+    };
+    (@cases $fixture:ident, $flavor:ident) => {
+        $crate::kind_tests!(@$flavor $fixture, fair, $crate::common::kinds::Kind::Fair;
             exclusion, reentrancy, reentry_never_shortens_the_lease,
             foreign_owner_cannot_release_or_renew,
             lease_expiry_frees_leaked_guard, watchdog_keeps_lock, lost_signal_fires,
@@ -952,14 +959,14 @@ macro_rules! kind_tests {
             dropped_waiter_leaves_nothing, dropped_guard_releases,
             fair_order, fair_vanished_waiter_is_skipped,
         );
-        $crate::kind_tests!(@kind $fixture, read, $crate::common::kinds::Kind::Read;
+        $crate::kind_tests!(@$flavor $fixture, read, $crate::common::kinds::Kind::Read;
             reentrancy, reentry_never_shortens_the_lease, foreign_owner_cannot_release_or_renew,
             lease_expiry_frees_leaked_guard, watchdog_keeps_lock, lost_signal_fires,
             try_lock_for_gives_up_on_time, fencing_tokens_increase, release_wakes_waiter,
             dropped_waiter_leaves_nothing, dropped_guard_releases,
             readers_overlap,
         );
-        $crate::kind_tests!(@kind $fixture, write, $crate::common::kinds::Kind::Write;
+        $crate::kind_tests!(@$flavor $fixture, write, $crate::common::kinds::Kind::Write;
             exclusion, reentrancy, reentry_never_shortens_the_lease,
             foreign_owner_cannot_release_or_renew,
             lease_expiry_frees_leaked_guard, watchdog_keeps_lock, lost_signal_fires,
@@ -968,7 +975,7 @@ macro_rules! kind_tests {
             writers_exclude_everyone, waiting_writer_is_not_starved,
             writer_not_starved_by_hand_over_hand_readers,
         );
-        $crate::kind_tests!(@kind $fixture, permits, $crate::common::kinds::Kind::Permits(3);
+        $crate::kind_tests!(@$flavor $fixture, permits, $crate::common::kinds::Kind::Permits(3);
             exclusion, reentrancy, reentry_never_shortens_the_lease,
             foreign_owner_cannot_release_or_renew,
             lease_expiry_frees_leaked_guard, watchdog_keeps_lock, lost_signal_fires,
@@ -977,7 +984,18 @@ macro_rules! kind_tests {
             permits_bound_concurrency, leaked_permit_returns,
         );
     };
-    (@kind $fixture:ident, $module:ident, $kind:expr; $($case:ident),* $(,)?) => {
+    (@__paused $fixture:ident, $module:ident, $kind:expr; $($case:ident),* $(,)?) => {
+        mod $module {
+            $(
+                #[tokio::test(start_paused = true)]
+                async fn $case() {
+                    let fixture = super::$fixture().await;
+                    $crate::common::kinds::$case(&fixture, $kind).await;
+                }
+            )*
+        }
+    };
+    (@__each $fixture:ident, $module:ident, $kind:expr; $($case:ident),* $(,)?) => {
         mod $module {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
