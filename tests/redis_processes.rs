@@ -557,6 +557,29 @@ mod imp {
             .collect()
     }
 
+    /// Waits for `children` (hammer processes) and asserts every one succeeded.
+    async fn all_succeed(children: Vec<Child>) {
+        for out in outputs(children, Duration::from_secs(120)).await {
+            assert!(
+                out.status.success(),
+                "hammer failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+
+    /// Asserts that no running node keeps `key`.
+    async fn gone_from_every_live_node(nodes: &[RedisServer], key: &str) {
+        for node in nodes.iter().filter(|n| n.is_running()) {
+            let exists: i64 = redis::cmd("EXISTS")
+                .arg(key)
+                .query_async(&mut node.conn().await)
+                .await
+                .unwrap();
+            assert_eq!(exists, 0, "the lock was left behind on a node");
+        }
+    }
+
     async fn get_u64(raw: &mut redis::aio::MultiplexedConnection, key: &str) -> u64 {
         let value: Option<u64> = redis::cmd("GET").arg(key).query_async(raw).await.unwrap();
         value.unwrap_or(0)
@@ -747,13 +770,7 @@ mod imp {
             .await
             .expect("three live nodes still held this process's lock");
 
-        for out in outputs(children, Duration::from_secs(120)).await {
-            assert!(
-                out.status.success(),
-                "hammer failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
+        all_succeed(children).await;
         assert!(
             done_before_kill < 3 * ITERS,
             "the nodes died only after the run ({done_before_kill} of {} done)",
@@ -764,14 +781,7 @@ mod imp {
             3 * ITERS,
             "lost updates: the processes did not exclude each other"
         );
-        for node in nodes.iter().filter(|n| n.is_running()) {
-            let exists: i64 = redis::cmd("EXISTS")
-                .arg("redlock")
-                .query_async(&mut node.conn().await)
-                .await
-                .unwrap();
-            assert_eq!(exists, 0, "the lock was left behind on a node");
-        }
+        gone_from_every_live_node(&nodes, "redlock").await;
     }
 
     /// Two of five nodes are down before any process starts: three `hammer --kind
@@ -805,26 +815,13 @@ mod imp {
                 "30000",
             ]));
         }
-        for out in outputs(children, Duration::from_secs(120)).await {
-            assert!(
-                out.status.success(),
-                "hammer failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
+        all_succeed(children).await;
         assert_eq!(
             get_u64(&mut raw, "down-at-start:counter").await,
             3 * ITERS,
             "lost updates: the processes did not exclude each other"
         );
-        for node in nodes.iter().filter(|n| n.is_running()) {
-            let exists: i64 = redis::cmd("EXISTS")
-                .arg("down-at-start")
-                .query_async(&mut node.conn().await)
-                .await
-                .unwrap();
-            assert_eq!(exists, 0, "the lock was left behind on a node");
-        }
+        gone_from_every_live_node(&nodes, "down-at-start").await;
     }
 
     async fn redlock_three_nodes_killed_hammer_fails_with_no_quorum_within_its_wait() {
@@ -899,13 +896,7 @@ mod imp {
                 "permits:counter",
             ]));
         }
-        for out in outputs(children, Duration::from_secs(120)).await {
-            assert!(
-                out.status.success(),
-                "hammer failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
+        all_succeed(children).await;
         assert_eq!(
             get_u64(&mut raw, "permits:counter").await,
             3 * TASKS * ITERS
