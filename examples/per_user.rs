@@ -23,11 +23,10 @@ async fn slow(held: HeldLock) -> String {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let by_user = HeaderKey::new(HeaderName::from_static("x-user-id")).namespace("user")?;
-    // `route_layer`: only `/slow` is locked (and needs the header); an unknown path is
-    // still axum's 404, not the layer's 400 for a missing header.
-    let app = Router::new()
-        .route("/slow", get(slow))
-        .route_layer(LockLayer::new(MemoryBackend::new(), by_user));
+    // On the handler: only `GET /slow` is locked (and needs the header); an unknown path
+    // or a wrong method is still axum's 404 or 405, not the layer's 400.
+    let layer = LockLayer::new(MemoryBackend::new(), by_user);
+    let app = Router::new().route("/slow", get(slow).route_layer(layer));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:3001").await?;
     println!("listening on http://{}", listener.local_addr()?);
     axum::serve(listener, app).await?;

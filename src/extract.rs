@@ -32,7 +32,7 @@
 //! )
 //! .fenced(true)
 //! .build()?;
-//! let app: Router = Router::new().route("/transfer", post(transfer)).route_layer(layer);
+//! let app: Router = Router::new().route("/transfer", post(transfer).route_layer(layer));
 //! # Ok(app)
 //! # }
 //! # }

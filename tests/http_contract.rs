@@ -663,12 +663,11 @@ async fn body_end_head_request_releases_before_the_head() {
     }
 }
 
-/// A streamed body whose handler sets `Content-Length` itself (a file download does):
-/// the layer cannot know the length from the body, and an HTTP/1.1 server stops polling
-/// after the announced bytes. See the report: the last byte reaches the client before the
-/// release.
+/// A streamed body whose handler sets `Content-Length` itself (a file download does): the
+/// body cannot tell its length, an HTTP/1.1 server stops polling after the announced
+/// bytes, so the layer takes the length from the header and holds the completing frame
+/// back until the release finished.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known gap: LockBody only knows a length from the body's size hint, not from a Content-Length header the handler set"]
 async fn body_end_http1_handler_set_content_length_last_byte_after_release() {
     last_byte_only_after_the_release(
         Proto::Http1,

@@ -18,9 +18,9 @@ use crate::error::BoxError;
 /// With [`ReleaseOn::BodyEnd`](super::ReleaseOn::BodyEnd) it holds the request's locks
 /// until the body is done, and **releases them before the client can have the last
 /// byte**: the frame that completes the body — the one after which the inner body
-/// reports its end, or that brings it to the length its exact size hint announced (the
-/// `Content-Length` an HTTP/1.1 server sends, after which it stops polling) — is held
-/// back until the release has finished. A body whose end is only known when it says so
+/// reports its end, or that brings it to the length announced by its exact size hint or
+/// the response's `Content-Length` header (an HTTP/1.1 server sends that many bytes and
+/// then stops polling) — is held back until the release has finished. A body whose end is only known when it says so
 /// ends with the release instead. Dropped earlier (the client went away, a frame
 /// failed), it releases them in a spawned task.
 #[pin_project]
@@ -49,8 +49,15 @@ enum Kind<B> {
 
 impl<B: Body> LockBody<B> {
     pub(crate) fn new(body: B, release: Release) -> Self {
+        Self::with_length(body, release, None)
+    }
+
+    /// `content_length`: what the response's `Content-Length` header announces, used
+    /// when the body's size hint is not exact (a stream whose handler set the header):
+    /// the server sends that many bytes and then stops polling.
+    pub(crate) fn with_length(body: B, release: Release, content_length: Option<u64>) -> Self {
         let remaining = if release.is_holding() {
-            body.size_hint().exact()
+            body.size_hint().exact().or(content_length)
         } else {
             None
         };

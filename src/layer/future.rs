@@ -304,7 +304,13 @@ where
                                 && !response.body().is_end_stream() =>
                         {
                             this.state.set(State::Done);
-                            return Poll::Ready(Ok(response.map(|b| LockBody::new(b, release))));
+                            let length = response
+                                .headers()
+                                .get(http::header::CONTENT_LENGTH)
+                                .and_then(|v| v.to_str().ok()?.parse().ok());
+                            return Poll::Ready(Ok(
+                                response.map(|b| LockBody::with_length(b, release, length))
+                            ));
                         }
                         result => result,
                     };

@@ -507,21 +507,21 @@ mod axum_keys {
     }
 
     /// Keys from an axum extractor: `key_from(|Path(id): Path<u64>| ...)` runs
-    /// `Path<u64>` on the request (add the layer with `Router::route_layer`, where path
-    /// parameters exist) and locks what the closure returns (anything
-    /// [`IntoKeys`]).
+    /// `Path<u64>` on the request (put the layer on the handler with
+    /// `MethodRouter::route_layer`, where path parameters exist) and locks what the
+    /// closure returns (anything [`IntoKeys`]).
     ///
     /// ```
     /// use axum::{Router, extract::Path, routing::post};
     /// use tower_lock::layer::{key_from, LockLayer};
     /// use tower_lock::{LockKey, MemoryBackend};
     ///
-    /// let app: Router = Router::new()
-    ///     .route("/accounts/{id}/transfers", post(|| async { "ok" }))
-    ///     .route_layer(LockLayer::new(
-    ///         MemoryBackend::new(),
-    ///         key_from(|Path(id): Path<u64>| LockKey::namespaced("account", &id.to_string())),
-    ///     ));
+    /// let layer = LockLayer::new(
+    ///     MemoryBackend::new(),
+    ///     key_from(|Path(id): Path<u64>| LockKey::namespaced("account", &id.to_string())),
+    /// );
+    /// let app: Router =
+    ///     Router::new().route("/accounts/{id}/transfers", post(|| async { "ok" }).route_layer(layer));
     /// ```
     #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
     pub fn key_from<E, F, R>(f: F) -> ExtractorKey<E, F>
@@ -594,13 +594,13 @@ mod axum_keys {
     /// Keys a request by an axum path parameter (`/vouchers/{id}` → `id`):
     /// `<namespace>:{<value>}`, percent-decoded as axum decodes it.
     ///
-    /// **Add the layer with `Router::route_layer`.** The parameters exist only once axum
-    /// has matched a route. `Router::layer` also wraps the fallback, which has no
-    /// parameters, so a request for an unknown path would get this extractor's 500
-    /// instead of axum's 404; and a layer wrapped around the whole router from outside
-    /// runs before routing and never sees a parameter. A route without the named
-    /// parameter is a 500 too (a wiring bug). For a typed parameter, use [`key_from`]
-    /// with `Path<T>`.
+    /// **Put the layer on the handler with `MethodRouter::route_layer`** (or add it with
+    /// `Router::route_layer`). The parameters exist only once axum has matched a route.
+    /// `Router::layer` also wraps the fallback, which has no parameters, so a request for
+    /// an unknown path would get this extractor's 500 instead of axum's 404; and a layer
+    /// wrapped around the whole router from outside runs before routing and never sees a
+    /// parameter. A route without the named parameter is a 500 too (a wiring bug). For a
+    /// typed parameter, use [`key_from`] with `Path<T>`.
     ///
     /// Paths are set by the client: see the warning on [`KeyExtractor`].
     ///
@@ -609,12 +609,9 @@ mod axum_keys {
     /// use tower_lock::layer::{LockLayer, PathParamKey};
     /// use tower_lock::MemoryBackend;
     ///
-    /// let app: Router = Router::new()
-    ///     .route("/accounts/{id}/transfers", post(|| async { "ok" }))
-    ///     .route_layer(LockLayer::new(
-    ///         MemoryBackend::new(),
-    ///         PathParamKey::new("id").namespace("account")?,
-    ///     ));
+    /// let layer = LockLayer::new(MemoryBackend::new(), PathParamKey::new("id").namespace("account")?);
+    /// let app: Router =
+    ///     Router::new().route("/accounts/{id}/transfers", post(|| async { "ok" }).route_layer(layer));
     /// # Ok::<(), tower_lock::Error>(())
     /// ```
     #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
@@ -645,7 +642,7 @@ mod axum_keys {
 
         fn no_params(&self) -> KeyError {
             KeyError::server(format!(
-                "no path parameters on this request (an unmatched path, or a layer outside routing); add `LockLayer` with `Router::route_layer` to key by path parameter `{}`",
+                "no path parameters on this request (an unmatched path, or a layer outside routing); put `LockLayer` on the handler with `MethodRouter::route_layer` to key by path parameter `{}`",
                 self.name
             ))
         }

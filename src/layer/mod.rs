@@ -11,10 +11,13 @@
 //! The layer needs a tokio runtime (it takes locks, renews and releases them in tasks);
 //! polled elsewhere, a request is answered 500, never a panic.
 //!
-//! - **Add it with `route_layer`** when the key is route-specific (a header only your
-//!   order route requires, a path parameter). `Router::layer` also wraps the fallback
-//!   and the method-not-allowed answers: a request for an unknown path without the
-//!   header would get the layer's 400 instead of axum's 404, and a 405 would be locked.
+//! - **Put it on the handler with `MethodRouter::route_layer`** when the key is
+//!   route-specific (a header only your order route requires, a path parameter):
+//!   `.route("/orders", post(order).route_layer(layer))`. Then unknown paths (404) and
+//!   wrong methods (405) are axum's own answers, unlocked. `Router::layer` wraps the
+//!   fallback too (a request for an unknown path without the header would get the
+//!   layer's 400, not axum's 404); `Router::route_layer` leaves the 404 to axum but, in
+//!   axum 0.8, wraps a route's 405 answer (which would need the header and be locked).
 //! - **Waiting happens in the response future, before the inner service is asked for
 //!   capacity.** [`LockService`] is always ready; a request first takes its lock, then
 //!   waits for the inner service's readiness, then calls it. So a request waiting for a
@@ -61,9 +64,8 @@
 //! .max_wait(Duration::from_secs(2))
 //! .build()?;
 //!
-//! let app = Router::new()
-//!     .route("/orders", post(|| async { "created" }))
-//!     .route_layer(layer); // only the order route needs the header
+//! // On the handler: only `POST /orders` needs the header and is locked.
+//! let app = Router::new().route("/orders", post(|| async { "created" }).route_layer(layer));
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
 //! axum::serve(listener, app).await?;
 //! # Ok(())
