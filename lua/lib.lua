@@ -306,13 +306,20 @@ local function renew_rw(H, P, lease, owner, reading)
 end
 
 -- Permits: drops the holders whose lease ended; returns how many.
+--
+-- A permit's end is "now + lease" on the server's clock in whole milliseconds, rounded
+-- down, so it may be up to a millisecond short of the lease counted from the moment the
+-- script ran. Like Redis' own key expiry, a permit therefore ends only once the clock
+-- has passed its end (score < now), which makes it last at least its whole lease: its
+-- holder, which counts the lease from before it sent the request, never believes in a
+-- permit the store has already handed to someone else.
 local function prune_permits(H, E, now)
-    local gone = redis.call('zrangebyscore', E, '-inf', now)
+    local gone = redis.call('zrangebyscore', E, '-inf', '(' .. now)
     for _, owner in ipairs(gone) do
         redis.call('hdel', H, 'holds:' .. owner)
     end
     if #gone > 0 then
-        redis.call('zremrangebyscore', E, '-inf', now)
+        redis.call('zremrangebyscore', E, '-inf', '(' .. now)
     end
     return #gone
 end
@@ -324,7 +331,8 @@ local function fit_permits(H, E, now)
         redis.call('del', H, E)
         return
     end
-    local ms = math.max(1, tonumber(last[2]) - now)
+    -- Through the last permit's end (which is still live at score == now).
+    local ms = math.max(1, tonumber(last[2]) - now + 1)
     redis.call('pexpire', H, ms)
     redis.call('pexpire', E, ms)
 end
@@ -332,7 +340,7 @@ end
 -- Permits: renews the owner's permit if it still holds one: 1, else 0.
 local function renew_permit(H, E, lease, owner, now)
     local at = redis.call('zscore', E, owner)
-    if not at or tonumber(at) <= now then
+    if not at or tonumber(at) < now then
         return 0
     end
     redis.call('zadd', E, now + lease, owner)

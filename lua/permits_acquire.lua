@@ -46,4 +46,4 @@ if redis.call('zcard', E) < max then
 end
 fit_permits(H, E, now)
 local first = redis.call('zrange', E, 0, 0, 'withscores')
-return {0, math.max(0, tonumber(first[2]) - now)}
+return {0, math.max(0, tonumber(first[2]) - now + 1)}

@@ -20,6 +20,8 @@
 //! release is held up), it holds the release back with a gate in a backend wrapper
 //! around a real store, so the only timed part is the window in which it looks.
 
+#![cfg(feature = "axum")]
+
 mod common;
 
 use std::convert::Infallible;

@@ -398,7 +398,10 @@ async fn a_custom_rejection_handler_answers_every_case() {
         .on_rejection(move |r: Rejection| {
             s.lock().unwrap().push(format!("{r:?}"));
             let body = format!(r#"{{"error":"{}"}}"#, r.status().as_u16());
-            (r.status(), body)
+            Response::builder()
+                .status(r.status())
+                .body(Full::new(Bytes::from(body)))
+                .unwrap()
         })
         .build()
         .unwrap();

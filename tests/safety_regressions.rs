@@ -1378,3 +1378,56 @@ async fn reentry_keeps_a_hold_without_expiry_without_expiry_redis() {
     assert_eq!(backend.release(&req).await.unwrap(), Release::Released);
     assert_none(violations);
 }
+
+/// Found by the history checker on Redis: a permit's end was stored as Redis `TIME` in
+/// whole milliseconds (rounded down) plus the lease, and dropped once the server's
+/// millisecond clock reached it — up to a millisecond before its holder, which counts
+/// the lease from before it sent the request, stopped believing in it. Another owner
+/// could take the permit in that window. A permit must stay in the store for as long as
+/// its guard believes in it.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_outlives_its_holders_belief_redis() {
+    let server = common::redis_server::RedisServer::start().await;
+    let backend = tower_lock::RedisBackend::connect(server.url())
+        .await
+        .unwrap();
+    let client = LockClient::new(backend.clone());
+    let key = LockKey::new("permit-edge").unwrap();
+    let lock = client.get_permits(&key, 1).unwrap();
+    let mut early = 0;
+    for round in 0..300 {
+        let guard = lock
+            .try_lock_for(Duration::ZERO, Duration::from_millis(3))
+            .await
+            .unwrap();
+        let intruder = LockRequest::new(
+            key.clone(),
+            Owner::from_raw(format!("intruder:{round}")).unwrap(),
+            LockMode::Permits {
+                max: std::num::NonZeroU32::new(1).unwrap(),
+            },
+            Duration::from_secs(10),
+        );
+        // Ask until the store lets another owner in; the guard must not believe in its
+        // permit any more by then.
+        loop {
+            let got_in = matches!(
+                backend.acquire(&intruder).await.unwrap(),
+                Acquire::Acquired(_)
+            );
+            if got_in {
+                if !guard.is_lost() {
+                    early += 1;
+                }
+                break;
+            }
+        }
+        assert_eq!(backend.release(&intruder).await.unwrap(), Release::Released);
+        drop(guard);
+    }
+    assert_eq!(
+        early, 0,
+        "{early} of 300 permits were handed to another owner while their holder still believed in them"
+    );
+}

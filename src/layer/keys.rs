@@ -51,6 +51,7 @@ impl KeyError {
     }
 
     /// An extractor's rejection, answered with `response` as it is.
+    #[cfg(feature = "axum")]
     pub(crate) fn with_response(response: Response<RejectionBody>) -> Self {
         KeyError {
             status: response.status(),
