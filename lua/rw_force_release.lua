@@ -12,9 +12,13 @@
 -- Returns 1 when live holds were removed, 0 when there were none in that mode.
 local H, P, Q, Z, CHAN = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local reading = ARGV[1] == 'read'
+-- Only a read-write hash (it has a 'mode') is this lock's: the hash of another kind of
+-- lock on the name (exclusive, fair, permits) is left alone, never pruned.
+if redis.call('hget', H, 'mode') ~= ARGV[1] then
+    return 0
+end
 prune_rw(H, P)
-local mode = redis.call('hget', H, 'mode')
-if mode ~= ARGV[1] then
+if redis.call('hget', H, 'mode') ~= ARGV[1] then
     return 0
 end
 local flat = redis.call('hgetall', H)

@@ -81,7 +81,8 @@ for i = 1, #KEYS, 2 do
     local holds = {}
     local permits = redis.call('zrange', E, 0, -1, 'withscores')
     for j = 1, #permits, 2 do
-        if tonumber(permits[j + 1]) > now then
+        -- As the permit scripts: live through its end's millisecond (score >= now).
+        if tonumber(permits[j + 1]) >= now then
             table.insert(holds, 'P|' .. permits[j])
         end
     end

@@ -1431,3 +1431,133 @@ async fn a_permit_outlives_its_holders_belief_redis() {
         "{early} of 300 permits were handed to another owner while their holder still believed in them"
     );
 }
+
+/// Found by the history checker on Redis (a re-entered permit, believed but gone from the
+/// store): when a hold with a fixed lease is re-entered by a watched guard, the watchdog
+/// renews it by what is left of the fixed lease when that exceeds its own. It rounded
+/// that remainder *down* to whole milliseconds, so the store's lease ended up to a
+/// millisecond before the end the guards still believed in (which only ever extends), and
+/// another owner could take the lock in between. The memory store counts exactly, so
+/// paused time with a sub-millisecond offset shows it every time.
+#[tokio::test(start_paused = true)]
+async fn a_renewal_never_ends_the_stores_lease_before_the_guards_belief_memory() {
+    let store = Memory::new();
+    let client = LockClient::builder(store.faulty().clone())
+        .watchdog_lease(Duration::from_millis(30))
+        .build()
+        .unwrap();
+    let intruder = store.client();
+    let key = key("renewal-rounding");
+    let lock = client
+        .get_lock(&key)
+        .unwrap()
+        .with_owner(client.new_owner());
+    tokio::time::advance(Duration::from_micros(500)).await;
+    let fixed = lock
+        .try_lock_for(Duration::ZERO, Duration::from_millis(100))
+        .await
+        .unwrap();
+    // The watched re-entry starts the watchdog 0.3 ms later: every renewal then sees a
+    // remainder with a fraction of a millisecond.
+    tokio::time::advance(Duration::from_micros(300)).await;
+    let watched = lock.lock().await.unwrap();
+    assert!(watched.is_watched());
+    // Renewals at 10 ms, 20 ms, … each re-lease the remainder; the watched guard goes
+    // after the one at 60 ms, so that renewal's lease is the store's last word while the
+    // fixed guard still believes in its own end.
+    for _ in 0..65 {
+        tokio::time::advance(Duration::from_millis(1)).await;
+    }
+    drop(watched);
+    let deadline = Instant::now() + Duration::from_millis(200);
+    let mut overlaps = 0;
+    while Instant::now() < deadline {
+        tokio::time::advance(Duration::from_micros(100)).await;
+        if !fixed.is_lost()
+            && let Ok(g) = intruder
+                .get_lock(&key)
+                .unwrap()
+                .try_lock_for(Duration::ZERO, Duration::from_secs(1))
+                .await
+        {
+            overlaps += 1;
+            g.unlock().await.unwrap();
+        }
+    }
+    assert_eq!(
+        overlaps, 0,
+        "another owner took the lock while the re-entered hold was still believed"
+    );
+    drop(fixed);
+    store.wait_clear(&key, "at the end").await;
+}
+
+/// The lock of each kind on `key`, by a short name.
+fn lock_of_kind(client: &LockClient, key: &LockKey, kind: &str) -> tower_lock::Lock {
+    match kind {
+        "exclusive" => client.get_lock(key),
+        "fair" => client.get_fair_lock(key),
+        "permits" => client.get_permits(key, 1),
+        "read" => client.get_read_write_lock(key).map(|rw| rw.read_lock()),
+        "write" => client.get_read_write_lock(key).map(|rw| rw.write_lock()),
+        other => panic!("no kind {other}"),
+    }
+    .unwrap()
+}
+
+const KINDS: [&str; 5] = ["exclusive", "fair", "permits", "read", "write"];
+
+/// For every pair of kinds (but the exclusive and the fair lock, one hash in the store): a
+/// hold of one kind on a name, then `force_unlock` of a lock of another kind on the same
+/// name. The force-unlock must answer `false` and leave the hold
+/// (an operator forcing the read-write lock `k` must not free the exclusive lock `k`).
+async fn force_unlock_of_another_kind(store: &impl Store) {
+    let client = store.client();
+    let mut violations = Vec::new();
+    for held in KINDS {
+        for forced in KINDS {
+            let exclusive_family = |k: &str| k != "read";
+            // The exclusive and the fair lock of a name are one hash (Redisson's
+            // layout): forcing either frees it, as in Redisson.
+            let one_hash = |a: &str, b: &str| a == "exclusive" && b == "fair";
+            if held == forced
+                || one_hash(held, forced)
+                || one_hash(forced, held)
+                || (held == "read" && forced == "write")
+                || (held == "write" && forced == "read")
+                || !(exclusive_family(held) || exclusive_family(forced))
+            {
+                continue;
+            }
+            let what = format!("{held} held, {forced} forced");
+            let key = key(format!("force-{held}-{forced}"));
+            let guard = lock_of_kind(&client, &key, held).lock().await.unwrap();
+            match lock_of_kind(&client, &key, forced).force_unlock().await {
+                Ok(false) => {}
+                other => violations.push(format!("{what}: force_unlock returned {other:?}")),
+            }
+            if store.holders(&key).await.is_empty() {
+                violations.push(format!("{what}: the hold is gone from the store"));
+            }
+            if let Err(e) = guard.unlock().await {
+                violations.push(format!("{what}: the guard's unlock failed: {e}"));
+            }
+            store.wait_clear(&key, &what).await;
+        }
+    }
+    assert_none(violations);
+}
+
+// Found reading the scripts while chasing a history-checker finding: the read-write
+// force-release pruned the hash before looking at whose it was, and took an exclusive,
+// fair or permit holder's field for a read hold whose leases had ended.
+#[tokio::test]
+async fn force_unlock_never_frees_a_hold_of_another_kind_memory() {
+    force_unlock_of_another_kind(&Memory::new()).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn force_unlock_never_frees_a_hold_of_another_kind_redis() {
+    force_unlock_of_another_kind(&Redis::start().await).await;
+}

@@ -530,6 +530,10 @@ impl Lock {
     /// was held. The holders find out at their next renewal (their lost signal fires) or
     /// unlock.
     ///
+    /// Only this kind of lock is removed: a read-write or permit lock of the same name is
+    /// left alone (and `false` returned). The exclusive and the fair lock of a name are one
+    /// lock in the store (Redisson's layout), so forcing either removes it.
+    ///
     /// # Errors
     ///
     /// Backend errors.

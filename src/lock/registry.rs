@@ -427,9 +427,11 @@ impl Inner {
                 if let Some(at) = hold.expiry.get() {
                     let left = at.saturating_duration_since(now);
                     if left > renewal.lease {
-                        renewal.lease = Duration::from_millis(
-                            u64::try_from(left.as_millis()).unwrap_or(u64::MAX),
-                        );
+                        // In whole milliseconds, as the stores count, rounded up: the
+                        // guards keep believing in `at`, so the store must not end first.
+                        let ms = left.as_nanos().div_ceil(1_000_000);
+                        renewal.lease =
+                            Duration::from_millis(u64::try_from(ms).unwrap_or(u64::MAX));
                     }
                 }
                 Some((Arc::clone(hold), renewal))

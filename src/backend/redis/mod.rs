@@ -408,6 +408,7 @@ impl RedisBackend {
                     .force_release
                     .key(Names::lock(prefix, key).as_ref())
                     .key(Names::channel(prefix, key))
+                    .key(Names::permits(prefix, key))
                     .arg(UNLOCK_MESSAGE),
             )
             .await?;

@@ -300,7 +300,8 @@ impl RedisBackend {
                         .key(lock.as_ref())
                         .key(Names::queue(p, key))
                         .key(Names::queue_timeouts(p, key))
-                        .key(Names::channel(p, key)),
+                        .key(Names::channel(p, key))
+                        .key(Names::permits(p, key)),
                 )
                 .await?
             }
