@@ -51,6 +51,55 @@ const USAGE: &str = "usage: bench --url URL --workers W --seconds S --workload w
 [--lease-ms L] [--waiters N] [--handoffs N] [--locks N] [--watchdog-ms L] [--connections N] \
 [--chart FILE.svg (with --workload all)]";
 
+/// Counts heap allocations (and reallocations) of the whole process, for
+/// `allocs_per_request` in w5.
+struct CountingAlloc;
+
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: every call is forwarded unchanged to the system allocator; only a counter is
+// added.
+unsafe impl std::alloc::GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        unsafe { std::alloc::System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        unsafe { std::alloc::System.realloc(ptr, layout, size) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: CountingAlloc = CountingAlloc;
+
+/// The Redis server's CPU time so far (`used_cpu_user + used_cpu_sys` of `INFO cpu`), in
+/// microseconds.
+async fn redis_cpu_us(url: &str) -> Result<f64, String> {
+    let mut conn = redis_conn(url).await?;
+    let info: String = redis::cmd("INFO")
+        .arg("cpu")
+        .query_async(&mut conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(info
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("used_cpu_user:")
+                .or_else(|| l.strip_prefix("used_cpu_sys:"))
+        })
+        .filter_map(|v| v.trim().parse::<f64>().ok())
+        .sum::<f64>()
+        * 1e6)
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum BackendKind {
     Redis,
@@ -252,6 +301,11 @@ fn lease(args: &Args) -> Lease {
 
 async fn w1(args: &Args) -> Result<String, String> {
     let client = client(args).await?;
+    let cpu_before = if args.backend == BackendKind::Redis {
+        Some(redis_cpu_us(&args.url).await?)
+    } else {
+        None
+    };
     let deadline = Instant::now() + Duration::from_secs_f64(args.seconds);
     let failures = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
@@ -281,7 +335,17 @@ async fn w1(args: &Args) -> Result<String, String> {
     }
     let samples = join_samples(tasks).await?;
     let elapsed = started.elapsed().as_secs_f64();
-    w1_line(args, elapsed, samples, failures.load(Ordering::Relaxed))
+    let cpu = match cpu_before {
+        Some(before) => Some(redis_cpu_us(&args.url).await? - before),
+        None => None,
+    };
+    w1_line(
+        args,
+        elapsed,
+        samples,
+        failures.load(Ordering::Relaxed),
+        cpu,
+    )
 }
 
 /// Every worker's latency samples, in one vector.
@@ -298,9 +362,13 @@ fn w1_line(
     elapsed: f64,
     mut samples: Vec<u64>,
     failures: u64,
+    redis_cpu_us: Option<f64>,
 ) -> Result<String, String> {
     samples.sort_unstable();
     let cycles = samples.len() as u64;
+    let cpu_per_cycle = redis_cpu_us
+        .filter(|_| cycles > 0)
+        .map(|us| (us / cycles as f64 * 100.0).round() / 100.0);
     Ok(object(vec![
         ("peer", json!(peer(args))),
         ("lang", json!("rust")),
@@ -312,6 +380,7 @@ fn w1_line(
         ("cycle_p50_us", json!(pct(&samples, 50.0))),
         ("cycle_p99_us", json!(pct(&samples, 99.0))),
         ("release_failures", json!(failures)),
+        ("redis_cpu_us_per_cycle", json!(cpu_per_cycle)),
         (
             "backend",
             json!(format!("{:?}", args.backend).to_lowercase()),
@@ -332,6 +401,7 @@ const BASELINE_UNLOCK: &str = "if redis.call('get', KEYS[1]) == ARGV[1] then ret
 /// connection (what most Redis lock libraries do, minus their retry loops).
 async fn w1_baseline(args: &Args) -> Result<String, String> {
     let conn = redis_conn(&args.url).await?;
+    let cpu_before = redis_cpu_us(&args.url).await?;
     let unlock = Arc::new(redis::Script::new(BASELINE_UNLOCK));
     let ttl_ms = args.lease.map_or(30_000, |l| l.as_millis() as u64);
     let deadline = Instant::now() + Duration::from_secs_f64(args.seconds);
@@ -372,7 +442,14 @@ async fn w1_baseline(args: &Args) -> Result<String, String> {
     }
     let samples = join_samples(tasks).await?;
     let elapsed = started.elapsed().as_secs_f64();
-    w1_line(args, elapsed, samples, failures.load(Ordering::Relaxed))
+    let cpu = redis_cpu_us(&args.url).await? - cpu_before;
+    w1_line(
+        args,
+        elapsed,
+        samples,
+        failures.load(Ordering::Relaxed),
+        Some(cpu),
+    )
 }
 
 /// One hold of the w2 lock: who, and when it was acquired and released.
@@ -873,6 +950,7 @@ async fn w5(args: &Args) -> Result<String, String> {
     let server = tokio::spawn(async move { axum::serve(listener, app).await });
 
     let deadline = Instant::now() + Duration::from_secs_f64(args.seconds);
+    let allocations_before = ALLOCATIONS.load(Ordering::Relaxed);
     let next_id = Arc::new(AtomicU64::new(0));
     let errors = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
@@ -915,9 +993,17 @@ async fn w5(args: &Args) -> Result<String, String> {
     }
     let mut samples = join_samples(tasks).await?;
     let elapsed = started.elapsed().as_secs_f64();
+    let allocations = ALLOCATIONS.load(Ordering::Relaxed) - allocations_before;
     server.abort();
     samples.sort_unstable();
     let requests = samples.len() as u64;
+    // Client and server share the process: the layer's own allocations are the
+    // difference from the `none` run (`all` prints it as `layer_allocs_per_request`).
+    let allocs_per_request = if requests > 0 {
+        (allocations as f64 / requests as f64 * 10.0).round() / 10.0
+    } else {
+        0.0
+    };
     Ok(object(vec![
         ("peer", json!(peer(args))),
         ("lang", json!("rust")),
@@ -936,6 +1022,7 @@ async fn w5(args: &Args) -> Result<String, String> {
         ("req_per_s", json!((requests as f64 / elapsed).round())),
         ("p50_us", json!(pct(&samples, 50.0))),
         ("p99_us", json!(pct(&samples, 99.0))),
+        ("allocs_per_request", json!(allocs_per_request)),
         ("errors", json!(errors.load(Ordering::Relaxed))),
     ]))
 }
@@ -1077,18 +1164,44 @@ async fn all(args: &Args) -> Result<String, String> {
         f(&mut a);
         a
     };
+    let mut ratios: Vec<(String, Value)> = Vec::new();
+    let field = |line: &str, name: &str| -> Option<f64> {
+        serde_json::from_str::<Value>(line)
+            .ok()?
+            .get(name)?
+            .as_f64()
+    };
+    let ratio = |a: Option<f64>, b: Option<f64>| -> Value {
+        match (a, b) {
+            (Some(a), Some(b)) if b > 0.0 => json!((a / b * 1000.0).round() / 1000.0),
+            _ => Value::Null,
+        }
+    };
     for workers in [1, 32] {
-        say(w1(&with(&|a| {
+        let ours = w1(&with(&|a| {
             a.workers = workers;
             a.workload = "w1".into();
         }))
-        .await?);
-        say(w1_baseline(&with(&|a| {
+        .await?;
+        let base = w1_baseline(&with(&|a| {
             a.workers = workers;
             a.workload = "w1".into();
             a.baseline = true;
         }))
-        .await?);
+        .await?;
+        ratios.push((
+            format!("w1x{workers}_cycles_per_s"),
+            ratio(field(&ours, "cycles_per_s"), field(&base, "cycles_per_s")),
+        ));
+        ratios.push((
+            format!("w1x{workers}_redis_cpu_per_cycle"),
+            ratio(
+                field(&ours, "redis_cpu_us_per_cycle"),
+                field(&base, "redis_cpu_us_per_cycle"),
+            ),
+        ));
+        say(ours);
+        say(base);
     }
     let (w2_line, w2_samples) = w2_with_samples(&with(&|a| {
         a.workers = 8;
@@ -1122,15 +1235,43 @@ async fn all(args: &Args) -> Result<String, String> {
     }
     say(w4(&with(&|a| a.workload = "w4".into())).await?);
     for connections in [64, 1] {
+        let mut none: Option<String> = None;
         for backend in [BackendKind::None, BackendKind::Memory, BackendKind::Redis] {
-            say(w5(&with(&|a| {
+            let line = w5(&with(&|a| {
                 a.connections = connections;
                 a.backend = backend;
                 a.workload = "w5".into();
             }))
-            .await?);
+            .await?;
+            if let Some(none) = &none {
+                let layer = format!("{backend:?}").to_lowercase();
+                ratios.push((
+                    format!("w5x{connections}_{layer}_req_per_s"),
+                    ratio(field(&line, "req_per_s"), field(none, "req_per_s")),
+                ));
+                let extra = field(&line, "p50_us")
+                    .zip(field(none, "p50_us"))
+                    .map(|(a, b)| a - b);
+                ratios.push((
+                    format!("w5x{connections}_{layer}_added_p50_us"),
+                    json!(extra),
+                ));
+                let allocs = field(&line, "allocs_per_request")
+                    .zip(field(none, "allocs_per_request"))
+                    .map(|(a, b)| (a - b).max(0.0));
+                ratios.push((
+                    format!("w5x{connections}_{layer}_layer_allocs_per_request"),
+                    json!(allocs),
+                ));
+            } else {
+                none = Some(line.clone());
+            }
+            say(line);
         }
     }
+    let mut fields = vec![("workload", json!("ratios"))];
+    fields.extend(ratios.iter().map(|(k, v)| (k.as_str(), v.clone())));
+    say(object(fields));
     if let Some(path) = &args.chart {
         chart(
             path,

@@ -15,16 +15,20 @@
 --   -1     not held by this owner; nothing changed
 --    0     released: the lock is gone and waiters were told
 --    n > 0 one hold released, n remain
-if redis.call('hexists', KEYS[1], ARGV[3]) == 0 then
+local holds = redis.call('hget', KEYS[1], ARGV[3])
+if not holds then
     return -1
 end
-local holds = redis.call('hincrby', KEYS[1], ARGV[3], -1)
-if holds > 0 then
-    local pttl = redis.call('pttl', KEYS[1])
-    if pttl >= 0 and pttl < tonumber(ARGV[2]) then
-        redis.call('pexpire', KEYS[1], ARGV[2])
+-- The common case, a single hold, in three calls: read it, delete, publish.
+if holds ~= '1' then
+    holds = redis.call('hincrby', KEYS[1], ARGV[3], -1)
+    if holds > 0 then
+        local pttl = redis.call('pttl', KEYS[1])
+        if pttl >= 0 and pttl < tonumber(ARGV[2]) then
+            redis.call('pexpire', KEYS[1], ARGV[2])
+        end
+        return holds
     end
-    return holds
 end
 redis.call('del', KEYS[1])
 redis.call('publish', KEYS[2], ARGV[1])

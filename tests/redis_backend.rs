@@ -13,7 +13,8 @@ use common::wait_until;
 use futures_util::StreamExt;
 use redis::aio::MultiplexedConnection;
 use tokio::time::Instant;
-use tower_lock::{Error, Lease, LockClient, LockKey, RedisBackend};
+use tower_lock::backend::{Acquire, LockBackend, LockMode, LockRequest, Release};
+use tower_lock::{Error, Lease, LockClient, LockKey, Owner, RedisBackend};
 
 /// Redisson 3.x `RedissonLock.tryLockInnerAsync`, verbatim in behaviour: nil when
 /// acquired, else the holder's PTTL.
@@ -122,6 +123,21 @@ async fn script_calls(conn: &mut MultiplexedConnection) -> u64 {
         .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
         .map(|l| stat(l, "calls") - stat(l, "failed_calls"))
         .sum()
+}
+
+/// Exclusive acquisition attempts the server has run, batched or not: each starts with
+/// one `EXISTS` on the lock hash (`lua/lock_acquire.lua`, `lua/lock_batch.lua`).
+async fn acquire_attempts(conn: &mut MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_exists:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
 }
 
 async fn client(server: &RedisServer) -> (RedisBackend, LockClient) {
@@ -342,14 +358,15 @@ async fn one_release_wakes_one_waiter_per_process() {
     // One shared subscription for the five.
     assert_eq!(numsub(&mut raw, &backend.channel_name(&key)).await, 1);
     // The holder's acquire, then each waiter's first attempt and its retry after
-    // subscribing: after that, everyone sleeps.
+    // subscribing: after that, everyone sleeps. (Attempts, not script calls: attempts
+    // that meet in flight share one call.)
     wait_until(Duration::from_secs(5), "every waiter parked", || {
         let mut raw = raw.clone();
-        async move { script_calls(&mut raw).await == 1 + 5 + 5 }
+        async move { acquire_attempts(&mut raw).await == 1 + 5 + 5 }
     })
     .await;
 
-    let before = script_calls(&mut raw).await;
+    let before = acquire_attempts(&mut raw).await;
     holder.unlock().await.unwrap();
     wait_until(Duration::from_secs(5), "one waiter acquired", || async {
         backend.local_waiters(&key) == 4
@@ -357,9 +374,9 @@ async fn one_release_wakes_one_waiter_per_process() {
     .await;
     // Give any wrongly woken waiter ample time to show up in the stats.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let calls = script_calls(&mut raw).await - before;
-    // The release, and one acquire by the one woken waiter: not five acquires.
-    assert_eq!(calls, 2, "a release woke more than one waiter");
+    let attempts = acquire_attempts(&mut raw).await - before;
+    // One attempt, by the one woken waiter: not five.
+    assert_eq!(attempts, 1, "a release woke more than one waiter");
     assert_eq!(backend.local_waiters(&key), 4);
 
     // Pass the lock down the line: each release lets exactly one more in.
@@ -680,4 +697,224 @@ async fn a_vanished_fence_counter_never_sends_tokens_back() {
     let guard = lock.lock().await.unwrap();
     assert!(guard.fencing_token().expect("fenced").get() > last);
     guard.unlock().await.unwrap();
+}
+
+// ---------------------------------------------------------------------------------------
+// Group commit of exclusive acquisitions and releases
+// ---------------------------------------------------------------------------------------
+
+fn exclusive(key: &LockKey, n: usize) -> LockRequest {
+    LockRequest::new(
+        key.clone(),
+        Owner::from_raw(format!("batch-owner:{n}")).unwrap(),
+        LockMode::Exclusive,
+        Duration::from_secs(30),
+    )
+}
+
+/// 64 acquisitions of 64 keys started together: the first goes alone, the others meet
+/// it in flight and share calls. Every one is answered as if alone, and so are the 64
+/// releases; the store holds exactly what was granted, then nothing.
+#[tokio::test]
+async fn acquisitions_in_flight_together_share_script_calls() {
+    let server = RedisServer::start().await;
+    let mut raw = server.conn().await;
+    let backend = RedisBackend::connect(server.url()).await.unwrap();
+    let keys: Vec<LockKey> = (0..64)
+        .map(|i| LockKey::new(format!("batched:{i}")).unwrap())
+        .collect();
+    let reqs: Vec<LockRequest> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| exclusive(k, i))
+        .collect();
+    let scripts_before = script_calls(&mut raw).await;
+    let acquired = futures_util::future::join_all(reqs.iter().map(|r| backend.acquire(r))).await;
+    for (i, a) in acquired.iter().enumerate() {
+        assert!(
+            matches!(a, Ok(Acquire::Acquired(g)) if g.holds() == 1),
+            "acquisition {i}: {a:?}"
+        );
+    }
+    let acquire_calls = script_calls(&mut raw).await - scripts_before;
+    assert!(
+        acquire_calls < 64,
+        "64 acquisitions in flight together took {acquire_calls} script calls"
+    );
+    assert_eq!(acquire_attempts(&mut raw).await, 64);
+    for (i, k) in keys.iter().enumerate() {
+        let holder: HashMap<String, i64> = redis::cmd("HGETALL")
+            .arg(backend.lock_name(k))
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+        assert_eq!(
+            holder,
+            HashMap::from([(format!("batch-owner:{i}"), 1)]),
+            "key {i}"
+        );
+    }
+    // A second owner on every key: busy, in a batch too.
+    let others: Vec<LockRequest> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| exclusive(k, 100 + i))
+        .collect();
+    let busy = futures_util::future::join_all(others.iter().map(|r| backend.acquire(r))).await;
+    assert!(
+        busy.iter()
+            .all(|b| matches!(b, Ok(Acquire::Busy { ttl: Some(_) }))),
+        "{busy:?}"
+    );
+    let released = futures_util::future::join_all(reqs.iter().map(|r| backend.release(r))).await;
+    assert!(
+        released.iter().all(|r| matches!(r, Ok(Release::Released))),
+        "{released:?}"
+    );
+    let keys_left: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert!(keys_left.is_empty(), "left in the store: {keys_left:?}");
+    let not_held = futures_util::future::join_all(reqs.iter().map(|r| backend.release(r))).await;
+    assert!(
+        not_held.iter().all(|r| matches!(r, Ok(Release::NotHeld))),
+        "{not_held:?}"
+    );
+}
+
+/// A key holding another type of data fails its own operation in a batch, and only it.
+#[tokio::test]
+async fn a_wrong_type_key_fails_alone_in_a_batch() {
+    let server = RedisServer::start().await;
+    let mut raw = server.conn().await;
+    let backend = RedisBackend::connect(server.url()).await.unwrap();
+    let keys: Vec<LockKey> = (0..16)
+        .map(|i| LockKey::new(format!("mixed:{i}")).unwrap())
+        .collect();
+    let _: () = redis::cmd("SET")
+        .arg(backend.lock_name(&keys[7]))
+        .arg("not a hash")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let reqs: Vec<LockRequest> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| exclusive(k, i))
+        .collect();
+    let scripts_before = script_calls(&mut raw).await;
+    let acquired = futures_util::future::join_all(reqs.iter().map(|r| backend.acquire(r))).await;
+    assert!(
+        script_calls(&mut raw).await - scripts_before < 16,
+        "no batch was formed"
+    );
+    for (i, a) in acquired.iter().enumerate() {
+        if i == 7 {
+            assert!(matches!(a, Err(Error::WrongType)), "the string key: {a:?}");
+        } else {
+            assert!(
+                matches!(a, Ok(Acquire::Acquired(_))),
+                "acquisition {i}: {a:?}"
+            );
+        }
+    }
+    let released = futures_util::future::join_all(reqs.iter().map(|r| backend.release(r))).await;
+    for (i, r) in released.iter().enumerate() {
+        if i == 7 {
+            assert!(matches!(r, Err(Error::WrongType)), "the string key: {r:?}");
+        } else {
+            assert!(matches!(r, Ok(Release::Released)), "release {i}: {r:?}");
+        }
+    }
+}
+
+/// The caller whose call is in flight gives up (its future is dropped): the operations
+/// queued behind it are still sent and answered.
+#[tokio::test]
+async fn a_dropped_caller_does_not_strand_the_queued_operations() {
+    let server = RedisServer::start().await;
+    let backend = RedisBackend::connect(server.url()).await.unwrap();
+    let first_key = LockKey::new("stranded:first").unwrap();
+    let first = exclusive(&first_key, 0);
+    let mut alone = backend.acquire(&first);
+    // One poll: it is sent, and the batcher is busy with it.
+    assert!(
+        tokio::time::timeout(Duration::ZERO, &mut alone)
+            .await
+            .is_err()
+    );
+    let queued: Vec<_> = (1..=8)
+        .map(|i| {
+            let backend = backend.clone();
+            tokio::spawn(async move {
+                let key = LockKey::new(format!("stranded:{i}")).unwrap();
+                backend.acquire(&exclusive(&key, i)).await
+            })
+        })
+        .collect();
+    // Let the spawned ones queue up, then drop the caller in flight.
+    tokio::task::yield_now().await;
+    drop(alone);
+    for (i, task) in queued.into_iter().enumerate() {
+        let outcome = tokio::time::timeout(Duration::from_secs(5), task)
+            .await
+            .unwrap_or_else(|_| panic!("queued acquisition {i} was never answered"))
+            .unwrap();
+        assert!(matches!(outcome, Ok(Acquire::Acquired(_))), "{outcome:?}");
+    }
+}
+
+/// A backend shared by two runtimes: the one whose task carries a batch shuts down with
+/// operations in flight and queued. The other runtime's operations still go through (the
+/// batcher does not stay busy forever), and the stranded callers got an error or an
+/// answer, never a hang.
+#[test]
+fn a_runtime_shutting_down_mid_batch_leaves_the_batcher_usable() {
+    let b = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let server = b.block_on(RedisServer::start());
+    let backend = b.block_on(RedisBackend::connect(server.url())).unwrap();
+    for round in 0..5 {
+        let a = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let shared = backend.clone();
+        let started = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = started.clone();
+        a.spawn(async move {
+            let reqs: Vec<LockRequest> = (0..32)
+                .map(|i| exclusive(&LockKey::new(format!("rt:{round}:{i}")).unwrap(), i))
+                .collect();
+            counter.store(1, std::sync::atomic::Ordering::SeqCst);
+            let _ = futures_util::future::join_all(reqs.iter().map(|r| shared.acquire(r))).await;
+        });
+        // Run runtime A just long enough to send and queue, then shut it down.
+        a.block_on(async {
+            for _ in 0..3 {
+                tokio::task::yield_now().await;
+            }
+        });
+        assert_eq!(started.load(std::sync::atomic::Ordering::SeqCst), 1);
+        drop(a);
+        let key = LockKey::new(format!("rt:after:{round}")).unwrap();
+        let outcome = b.block_on(async {
+            tokio::time::timeout(
+                Duration::from_secs(5),
+                backend.acquire(&exclusive(&key, 999)),
+            )
+            .await
+        });
+        assert!(
+            matches!(outcome, Ok(Ok(Acquire::Acquired(_)))),
+            "round {round}: {outcome:?}"
+        );
+    }
+    drop(backend);
+    b.block_on(async move { drop(server) });
 }

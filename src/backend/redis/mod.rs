@@ -22,6 +22,15 @@
 //! permit scripts with `lua/lib.lua`'s helpers in front), run through [`redis::Script`]
 //! (`EVALSHA`, with `EVAL` fallback when the server does not have it cached).
 //!
+//! Exclusive acquisitions and releases on a single server are group-committed: one
+//! that finds no such call in flight is sent at once, alone; those that arrive while
+//! one is in flight wait for it and then go together, up to 128 in one call of
+//! `lua/lock_batch.lua`, which does for each exactly what the single-key script would
+//! (an operation on a key of the wrong type fails alone). The fixed cost of entering a
+//! script is then paid once per batch, not once per lock. Queued operations are sent by
+//! a spawned task, so a caller that gives up never strands the others. On a cluster every
+//! operation goes alone.
+//!
 //! # Lock kinds
 //!
 //! - **Exclusive** ([`LockMode::Exclusive`]): Redisson's `RLock`; a release wakes one
@@ -111,6 +120,7 @@ use super::{
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 
+mod batch;
 mod modes;
 mod pubsub;
 
@@ -145,6 +155,7 @@ const UNLOCK_MESSAGE: &str = "0";
 
 struct Scripts {
     acquire: Script,
+    batch: Script,
     release: Script,
     renew: Script,
     renew_many: Script,
@@ -153,6 +164,7 @@ struct Scripts {
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     acquire: Script::new(include_str!("../../../lua/lock_acquire.lua")),
+    batch: Script::new(include_str!("../../../lua/lock_batch.lua")),
     release: Script::new(include_str!("../../../lua/lock_release.lua")),
     renew: Script::new(include_str!("../../../lua/lock_renew.lua")),
     renew_many: Script::new(include_str!("../../../lua/lock_renew_many.lua")),
@@ -263,7 +275,58 @@ struct Inner {
     hub: pubsub::Hub,
     watchdog_lease: Option<Duration>,
     waiter_timeout: Duration,
+    /// Group commit of exclusive acquisitions and releases (single server only).
+    batcher: batch::Batcher,
     _stop_hub: DropGuard,
+}
+
+impl Inner {
+    async fn invoke<T: FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<T> {
+        self.conn.invoke(invocation).await.map_err(map_error)
+    }
+
+    /// One exclusive acquisition, alone (`lua/lock_acquire.lua`).
+    async fn acquire_one(&self, req: &LockRequest) -> Result<Acquire> {
+        let prefix = &self.prefix;
+        let reply: Vec<i64> = self
+            .invoke(
+                SCRIPTS
+                    .acquire
+                    .key(Names::lock(prefix, &req.key).as_ref())
+                    .key(Names::fence(prefix, &req.key))
+                    .arg(lease_ms(req.lease))
+                    .arg(req.owner.as_str())
+                    .arg(fenced_arg(req)),
+            )
+            .await?;
+        parse_acquire("acquire", &reply)
+    }
+
+    /// One exclusive release, alone (`lua/lock_release.lua`).
+    async fn release_one(&self, req: &LockRequest) -> Result<Release> {
+        let prefix = &self.prefix;
+        let reply: i64 = self
+            .invoke(
+                SCRIPTS
+                    .release
+                    .key(Names::lock(prefix, &req.key).as_ref())
+                    .key(Names::channel(prefix, &req.key))
+                    .arg(UNLOCK_MESSAGE)
+                    .arg(lease_ms(req.lease))
+                    .arg(req.owner.as_str()),
+            )
+            .await?;
+        Ok(match reply {
+            -1 => Release::NotHeld,
+            0 => Release::Released,
+            holds => Release::Decremented {
+                holds: u32::try_from(holds).unwrap_or(u32::MAX),
+            },
+        })
+    }
 }
 
 /// Configures a [`RedisBackend`]; from [`RedisBackend::builder`].
@@ -381,23 +444,33 @@ impl RedisBackend {
         &self,
         invocation: &redis::ScriptInvocation<'_>,
     ) -> Result<T> {
-        self.inner.conn.invoke(invocation).await.map_err(map_error)
+        self.inner.invoke(invocation).await
     }
 
     async fn acquire_exclusive(&self, req: &LockRequest) -> Result<Acquire> {
-        let prefix = &self.inner.prefix;
-        let reply: Vec<i64> = self
-            .invoke(
-                SCRIPTS
-                    .acquire
-                    .key(Names::lock(prefix, &req.key).as_ref())
-                    .key(Names::fence(prefix, &req.key))
-                    .arg(lease_ms(req.lease))
-                    .arg(req.owner.as_str())
-                    .arg(fenced_arg(req)),
-            )
-            .await?;
-        parse_acquire("acquire", &reply)
+        match &self.inner.conn {
+            Conn::Single(_) => match batch::run(&self.inner, batch::Op::Acquire, req).await? {
+                batch::Outcome::Acquire(acquire) => Ok(acquire),
+                batch::Outcome::Release(_) => Err(Error::UnexpectedReply(
+                    "an acquisition was answered as a release".into(),
+                )),
+            },
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(_) => self.inner.acquire_one(req).await,
+        }
+    }
+
+    async fn release_exclusive(&self, req: &LockRequest) -> Result<Release> {
+        match &self.inner.conn {
+            Conn::Single(_) => match batch::run(&self.inner, batch::Op::Release, req).await? {
+                batch::Outcome::Release(release) => Ok(release),
+                batch::Outcome::Acquire(_) => Err(Error::UnexpectedReply(
+                    "a release was answered as an acquisition".into(),
+                )),
+            },
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(_) => self.inner.release_one(req).await,
+        }
     }
 
     async fn force_release_exclusive(&self, key: &LockKey) -> Result<bool> {
@@ -413,28 +486,6 @@ impl RedisBackend {
             )
             .await?;
         Ok(removed == 1)
-    }
-
-    async fn release_exclusive(&self, req: &LockRequest) -> Result<Release> {
-        let prefix = &self.inner.prefix;
-        let reply: i64 = self
-            .invoke(
-                SCRIPTS
-                    .release
-                    .key(Names::lock(prefix, &req.key).as_ref())
-                    .key(Names::channel(prefix, &req.key))
-                    .arg(UNLOCK_MESSAGE)
-                    .arg(lease_ms(req.lease))
-                    .arg(req.owner.as_str()),
-            )
-            .await?;
-        Ok(match reply {
-            -1 => Release::NotHeld,
-            0 => Release::Released,
-            holds => Release::Decremented {
-                holds: u32::try_from(holds).unwrap_or(u32::MAX),
-            },
-        })
     }
 
     /// Indices of `reqs` that one renewal script may cover together: all of them on a
@@ -896,6 +947,7 @@ impl RedisBackendBuilder {
                 hub,
                 watchdog_lease: self.watchdog_lease,
                 waiter_timeout: self.waiter_timeout,
+                batcher: batch::Batcher::default(),
                 _stop_hub: shutdown.drop_guard(),
             }),
         })

@@ -1,0 +1,293 @@
+//! Group commit of exclusive acquisitions and releases on one Redis server.
+//!
+//! What a lock costs Redis is mostly the fixed cost of entering a script, not the few
+//! commands inside it. So while one exclusive-lock call is on its way, the operations
+//! that arrive meanwhile wait in a queue, and when the call is answered they all go in
+//! one call of `lua/lock_batch.lua` (up to [`MAX_BATCH`]). An operation that finds
+//! nothing in flight is sent at once, alone, by the caller itself: no added latency
+//! when idle.
+//!
+//! Queued operations are sent by a spawned task, never by a caller's future, so that a
+//! caller that gives up (a timeout, a client hanging up) cannot take the other callers'
+//! operations down with it. An operation whose caller is gone is still sent, in order:
+//! the lock's compensating release for a cancelled acquisition is queued after it and
+//! undoes it. Within a batch the operations run in queue order, each alone against its
+//! own key, exactly as the single-key scripts would.
+//!
+//! Only for a single server: on a cluster, a script's keys must share a hash slot, and
+//! every operation is sent alone.
+
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use redis::Value;
+use tokio::sync::oneshot;
+
+use super::{Inner, Names, SharedError, UNLOCK_MESSAGE, lease_ms, ttl_of};
+use crate::backend::{Acquire, FencingToken, Grant, LockRequest, Release};
+use crate::error::{Error, Result};
+
+/// The most operations one batch call carries.
+pub(super) const MAX_BATCH: usize = 128;
+
+/// What an operation asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Op {
+    Acquire,
+    Release,
+}
+
+/// An operation's outcome.
+pub(super) enum Outcome {
+    Acquire(Acquire),
+    Release(Release),
+}
+
+/// One queued operation, with everything the batch call needs and where its answer
+/// goes.
+struct Queued {
+    op: Op,
+    fenced: bool,
+    lock: String,
+    /// The fencing counter (acquire) or the release channel (release).
+    second: String,
+    lease_ms: u64,
+    owner: String,
+    reply: oneshot::Sender<Result<Outcome>>,
+}
+
+/// The queue and whether a call is in flight.
+#[derive(Default)]
+pub(super) struct Batcher {
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    /// A call of exclusive operations is in flight (a caller's own, or the drainer's).
+    busy: bool,
+    queue: Vec<Queued>,
+}
+
+impl Batcher {
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Runs `op` for `req` (an exclusive lock on a single server): at once when nothing is
+/// in flight, else in the next batch.
+pub(super) async fn run(inner: &Arc<Inner>, op: Op, req: &LockRequest) -> Result<Outcome> {
+    let receiver = {
+        let mut state = inner.batcher.state();
+        if state.busy {
+            let (reply, receiver) = oneshot::channel();
+            state.queue.push(Queued {
+                op,
+                fenced: req.fenced,
+                lock: Names::lock(&inner.prefix, &req.key).into_owned(),
+                second: match op {
+                    Op::Acquire => Names::fence(&inner.prefix, &req.key),
+                    Op::Release => Names::channel(&inner.prefix, &req.key),
+                },
+                lease_ms: lease_ms(req.lease),
+                owner: req.owner.as_str().to_owned(),
+                reply,
+            });
+            Some(receiver)
+        } else {
+            state.busy = true;
+            None
+        }
+    };
+    match receiver {
+        Some(receiver) => receiver.await.unwrap_or_else(|_| {
+            Err(unsent(
+                "the task sending it stopped (its runtime shut down)",
+            ))
+        }),
+        None => {
+            // Alone: the single-key script. The guard hands what queued up meanwhile to
+            // the drainer, also when this future is dropped mid-call.
+            let _busy = Busy(inner);
+            match op {
+                Op::Acquire => inner.acquire_one(req).await.map(Outcome::Acquire),
+                Op::Release => inner.release_one(req).await.map(Outcome::Release),
+            }
+        }
+    }
+}
+
+/// Held by a caller sending its own operation: on drop, the queue is drained by a task
+/// (or the batcher goes idle).
+struct Busy<'a>(&'a Arc<Inner>);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        hand_over(self.0);
+    }
+}
+
+/// The call in flight is done: go idle, or start the drainer for what queued up.
+fn hand_over(inner: &Arc<Inner>) {
+    let mut state = inner.batcher.state();
+    if state.queue.is_empty() {
+        state.busy = false;
+        return;
+    }
+    drop(state);
+    let drainer = Drainer {
+        inner: Arc::clone(inner),
+        done: false,
+    };
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn(drain(drainer));
+        }
+        // No runtime to send them from (a drop outside one): the drainer's drop fails
+        // them, unsent.
+        Err(_) => drop(drainer),
+    }
+}
+
+/// The drainer's hold on the batcher. Dropped before the queue is empty — its task
+/// never ran, or its runtime shut down mid-call — it fails what is still queued (those
+/// operations were never sent; the callers may retry) and leaves the batcher idle, so
+/// that a backend shared with other runtimes goes on working.
+struct Drainer {
+    inner: Arc<Inner>,
+    /// The queue was found empty and the batcher left idle.
+    done: bool,
+}
+
+impl Drop for Drainer {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let mut state = self.inner.batcher.state();
+        let queued = std::mem::take(&mut state.queue);
+        state.busy = false;
+        drop(state);
+        for q in queued {
+            let _ = q.reply.send(Err(unsent("no task left to send it")));
+        }
+    }
+}
+
+/// A queued operation that was never sent: retryable, like an outage.
+fn unsent(why: &str) -> Error {
+    Error::Backend(format!("lock operation not sent: {why}").into())
+}
+
+/// Sends the queue in batches until it is empty.
+async fn drain(mut drainer: Drainer) {
+    let inner = Arc::clone(&drainer.inner);
+    loop {
+        let batch: Vec<Queued> = {
+            let mut state = inner.batcher.state();
+            if state.queue.is_empty() {
+                // Idle under the same lock that queues: an operation queued after this
+                // sees the batcher idle and goes alone.
+                state.busy = false;
+                drainer.done = true;
+                return;
+            }
+            let n = state.queue.len().min(MAX_BATCH);
+            state.queue.drain(..n).collect()
+        };
+        send(&inner, batch).await;
+    }
+}
+
+/// One call of `lock_batch.lua` for `batch`; every operation gets its answer.
+async fn send(inner: &Inner, batch: Vec<Queued>) {
+    let mut invocation = super::SCRIPTS.batch.prepare_invoke();
+    for q in &batch {
+        invocation.key(q.lock.as_str()).key(q.second.as_str());
+    }
+    for q in &batch {
+        let tag = match (q.op, q.fenced) {
+            (Op::Release, _) => "r",
+            (Op::Acquire, true) => "f",
+            (Op::Acquire, false) => "a",
+        };
+        invocation.arg(tag).arg(q.lease_ms).arg(q.owner.as_str());
+    }
+    let reply: Result<Vec<Value>> = inner.invoke(&invocation).await;
+    match reply {
+        Ok(values) if values.len() == 3 * batch.len() => {
+            for (q, triple) in batch.into_iter().zip(values.chunks_exact(3)) {
+                let outcome = parse(q.op, triple);
+                let _ = q.reply.send(outcome);
+            }
+        }
+        Ok(values) => {
+            let message = format!(
+                "lock batch of {} answered {} values",
+                batch.len(),
+                values.len()
+            );
+            for q in batch {
+                let _ = q.reply.send(Err(Error::UnexpectedReply(message.clone())));
+            }
+        }
+        Err(error) => {
+            let shared = SharedError::from(error);
+            for q in batch {
+                let _ = q.reply.send(Err(shared.to_error()));
+            }
+        }
+    }
+}
+
+fn int(value: &Value) -> Option<i64> {
+    match value {
+        Value::Int(n) => Some(*n),
+        _ => None,
+    }
+}
+
+/// One operation's three values → its outcome.
+fn parse(op: Op, triple: &[Value]) -> Result<Outcome> {
+    let unexpected = || Error::UnexpectedReply(format!("lock batch answered {triple:?}"));
+    let (Some(status), Some(second)) = (triple.first().and_then(int), triple.get(1)) else {
+        return Err(unexpected());
+    };
+    let holds = |h: i64| u32::try_from(h).unwrap_or(u32::MAX);
+    match (op, status, int(second)) {
+        (Op::Acquire, 1, Some(h)) => {
+            let token = triple.get(2).and_then(int).unwrap_or(0);
+            let token = (token > 0).then(|| FencingToken::new(token.unsigned_abs()));
+            Ok(Outcome::Acquire(Acquire::Acquired(Grant::new(
+                holds(h),
+                token,
+            ))))
+        }
+        (Op::Acquire, 0, Some(ttl)) => Ok(Outcome::Acquire(Acquire::Busy { ttl: ttl_of(ttl) })),
+        (Op::Release, 2, Some(n)) => Ok(Outcome::Release(match n {
+            -1 => Release::NotHeld,
+            0 => Release::Released,
+            n => Release::Decremented { holds: holds(n) },
+        })),
+        (_, 3, _) => {
+            let message = match second {
+                Value::BulkString(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+                Value::SimpleString(s) => s.clone(),
+                other => format!("{other:?}"),
+            };
+            Err(if message.contains("WRONGTYPE") {
+                Error::WrongType
+            } else {
+                Error::Redis(redis::RedisError::from((
+                    redis::ErrorKind::Extension,
+                    "lock script error",
+                    message,
+                )))
+            })
+        }
+        _ => Err(unexpected()),
+    }
+}
+
+// `UNLOCK_MESSAGE` is what the batch script publishes too ('0'): keep them one.
+const _: () = assert!(UNLOCK_MESSAGE.len() == 1 && UNLOCK_MESSAGE.as_bytes()[0] == b'0');
