@@ -101,8 +101,10 @@ pub(super) async fn run(inner: &Arc<Inner>, op: Op, req: &LockRequest) -> Result
     };
     match receiver {
         Some(receiver) => receiver.await.unwrap_or_else(|_| {
-            Err(unsent(
-                "the task sending it stopped (its runtime shut down)",
+            // The drainer stopped with this operation taken (its runtime shut down): it
+            // may or may not have reached Redis. An error, which the lock compensates.
+            Err(Error::Backend(
+                "lock operation's outcome unknown: the task sending it stopped".into(),
             ))
         }),
         None => {
