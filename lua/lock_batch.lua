@@ -3,7 +3,7 @@
 -- paid once per batch instead of once per operation. Each operation does exactly what
 -- lock_acquire.lua or lock_release.lua does for it, in the order given; an operation
 -- on a key holding another type of data fails alone (its error is its reply), the others
--- go on.
+-- go on. With lib.lua (its `fence` takes the fencing tokens).
 --
 -- Operation i (1-based) has
 --   KEYS[2i-1]  lock name (hash)
@@ -20,7 +20,6 @@
 --              -1: not held by this owner), 0
 --   error      3, the error's message, 0
 local out = {}
-local clock = false
 
 local function push(a, b, c)
     out[#out + 1] = a
@@ -46,21 +45,7 @@ local function acquire(H, F, lease, owner, fenced)
     if not fenced then
         return 1, holds, 0
     end
-    if not clock then
-        -- Effects replication (the default from Redis 5) lets a write follow TIME.
-        if redis.replicate_commands then
-            redis.replicate_commands()
-        end
-        clock = true
-    end
-    local t = redis.call('time')
-    local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
-    local token = redis.call('incr', F)
-    if token < floor then
-        redis.call('set', F, string.format('%.0f', floor))
-        token = floor
-    end
-    return 1, holds, token
+    return 1, holds, fence(F)
 end
 
 local function release(H, CHAN, lease, owner)

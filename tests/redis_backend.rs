@@ -782,6 +782,44 @@ async fn acquisitions_in_flight_together_share_script_calls() {
         not_held.iter().all(|r| matches!(r, Ok(Release::NotHeld))),
         "{not_held:?}"
     );
+    // Fenced, together: every grant has a token above the counter's start, one key's
+    // tokens increase, and only the counters stay behind.
+    let fenced: Vec<LockRequest> = (0..32)
+        .map(|i| exclusive(&keys[i % 4], i).fenced())
+        .collect();
+    let mut tokens: Vec<Vec<u64>> = vec![Vec::new(); 4];
+    for round in 0..8 {
+        let batch = &fenced[round * 4..round * 4 + 4];
+        let granted =
+            futures_util::future::join_all(batch.iter().map(|r| backend.acquire(r))).await;
+        for (k, g) in granted.iter().enumerate() {
+            match g {
+                Ok(Acquire::Acquired(g)) => {
+                    tokens[k].push(g.token().expect("a fenced grant").get())
+                }
+                other => panic!("fenced acquisition {round}/{k}: {other:?}"),
+            }
+        }
+        let released =
+            futures_util::future::join_all(batch.iter().map(|r| backend.release(r))).await;
+        assert!(
+            released.iter().all(|r| matches!(r, Ok(Release::Released))),
+            "{released:?}"
+        );
+    }
+    for (k, t) in tokens.iter().enumerate() {
+        assert!(t.windows(2).all(|w| w[0] < w[1]), "key {k}: tokens {t:?}");
+    }
+    let keys_left: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(
+        keys_left.len(),
+        4,
+        "only the fencing counters stay: {keys_left:?}"
+    );
 }
 
 /// A key holding another type of data fails its own operation in a batch, and only it.

@@ -19,7 +19,7 @@
 //!
 //! Every key and channel of a lock shares `NAME`'s Redis Cluster hash slot. Every state
 //! change is one Lua script from the crate's `lua/` directory (the fair, read-write and
-//! permit scripts with `lua/lib.lua`'s helpers in front), run through [`redis::Script`]
+//! permit scripts and the exclusive batch with `lua/lib.lua`'s helpers in front), run through [`redis::Script`]
 //! (`EVALSHA`, with `EVAL` fallback when the server does not have it cached).
 //!
 //! Exclusive acquisitions and releases on a single server are group-committed: one
@@ -164,7 +164,7 @@ struct Scripts {
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     acquire: Script::new(include_str!("../../../lua/lock_acquire.lua")),
-    batch: Script::new(include_str!("../../../lua/lock_batch.lua")),
+    batch: modes::with_lib(include_str!("../../../lua/lock_batch.lua")),
     release: Script::new(include_str!("../../../lua/lock_release.lua")),
     renew: Script::new(include_str!("../../../lua/lock_renew.lua")),
     renew_many: Script::new(include_str!("../../../lua/lock_renew_many.lua")),

@@ -46,7 +46,7 @@ pub(super) struct ModeScripts {
 }
 
 /// One script: the shared helpers followed by the operation.
-fn with_lib(body: &str) -> Script {
+pub(super) fn with_lib(body: &str) -> Script {
     Script::new(&[LIB, body].concat())
 }
 
