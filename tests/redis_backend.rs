@@ -105,9 +105,10 @@ async fn numsub(conn: &mut MultiplexedConnection, channel: &str) -> i64 {
     reply.1
 }
 
-/// Successful script calls (EVALSHA + EVAL) the server has executed so far; a NOSCRIPT
-/// miss before redis-rs loads a script counts as a failed call and is left out.
-async fn script_calls(conn: &mut MultiplexedConnection) -> u64 {
+/// Successful calls of `commands` the server has executed so far, from `INFO
+/// commandstats` (a call that failed, such as a NOSCRIPT miss before redis-rs loads a
+/// script, is left out).
+async fn command_calls(conn: &mut MultiplexedConnection, commands: &[&str]) -> u64 {
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
         .query_async(conn)
@@ -120,24 +121,24 @@ async fn script_calls(conn: &mut MultiplexedConnection) -> u64 {
             .unwrap_or(0)
     };
     info.lines()
-        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .filter(|l| {
+            l.strip_prefix("cmdstat_")
+                .and_then(|l| l.split_once(':'))
+                .is_some_and(|(name, _)| commands.contains(&name))
+        })
         .map(|l| stat(l, "calls") - stat(l, "failed_calls"))
         .sum()
+}
+
+/// Successful script calls (EVALSHA + EVAL) the server has executed so far.
+async fn script_calls(conn: &mut MultiplexedConnection) -> u64 {
+    command_calls(conn, &["evalsha", "eval"]).await
 }
 
 /// Exclusive acquisition attempts the server has run, batched or not: each starts with
 /// one `EXISTS` on the lock hash (`lua/lock_acquire.lua`, `lua/lock_batch.lua`).
 async fn acquire_attempts(conn: &mut MultiplexedConnection) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(conn)
-        .await
-        .unwrap();
-    info.lines()
-        .find_map(|l| l.strip_prefix("cmdstat_exists:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
+    command_calls(conn, &["exists"]).await
 }
 
 async fn client(server: &RedisServer) -> (RedisBackend, LockClient) {
