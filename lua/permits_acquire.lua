@@ -44,6 +44,11 @@ if redis.call('zcard', E) < max then
     fit_permits(H, E, now)
     return granted(1, FENCE, fenced)
 end
-fit_permits(H, E, now)
 local first = redis.call('zrange', E, 0, 0, 'withscores')
+fit_permits(H, E, now)
+-- Read before fit_permits: a last permit in its final millisecond gets a 1 ms expiry
+-- there, which the server's clock may pass before a later read in this script.
+if #first == 0 then
+    return {0, 0}
+end
 return {0, math.max(0, tonumber(first[2]) - now + 1)}
