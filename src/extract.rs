@@ -73,10 +73,23 @@ use crate::owner::Owner;
 /// held by the same owner).
 #[derive(Clone)]
 pub struct HeldLock {
-    inner: Arc<HeldInner>,
+    repr: Repr,
 }
 
-struct HeldInner {
+#[derive(Clone)]
+enum Repr {
+    /// One lock (the common case): no allocation.
+    One {
+        key: LockKey,
+        token: Option<FencingToken>,
+        mode: LockMode,
+        owner: Owner,
+        lost: LostSignal,
+    },
+    Many(Arc<Many>),
+}
+
+struct Many {
     keys: Vec<LockKey>,
     tokens: Vec<Option<FencingToken>>,
     mode: LockMode,
@@ -87,27 +100,41 @@ struct HeldInner {
 impl HeldLock {
     /// Describes `guard` (non-empty) for handlers. `None` for an empty guard.
     pub(crate) fn new(guard: &MultiGuard) -> Option<Self> {
-        let first = guard.guards().first()?;
-        Some(HeldLock {
-            inner: Arc::new(HeldInner {
-                keys: guard.guards().iter().map(|g| g.key().clone()).collect(),
+        let repr = match guard.guards() {
+            [] => return None,
+            [one] => Repr::One {
+                key: one.key().clone(),
+                token: one.fencing_token(),
+                mode: one.mode(),
+                owner: one.owner().clone(),
+                lost: one.lost(),
+            },
+            guards @ [first, ..] => Repr::Many(Arc::new(Many {
+                keys: guards.iter().map(|g| g.key().clone()).collect(),
                 tokens: guard.fencing_tokens(),
                 mode: first.mode(),
                 owner: first.owner().clone(),
                 lost: guard.lost(),
-            }),
-        })
+            })),
+        };
+        Some(HeldLock { repr })
     }
 
     /// The key — the first one, in sorted order, when the request holds several.
     pub fn key(&self) -> &LockKey {
-        // `new` refuses empty guards.
-        &self.inner.keys[0]
+        match &self.repr {
+            Repr::One { key, .. } => key,
+            // `new` refuses empty guards.
+            Repr::Many(many) => &many.keys[0],
+        }
     }
 
     /// Every key held, in acquisition order.
     pub fn keys(&self) -> &[LockKey] {
-        &self.inner.keys
+        match &self.repr {
+            Repr::One { key, .. } => std::slice::from_ref(key),
+            Repr::Many(many) => &many.keys,
+        }
     }
 
     /// The fencing token of [`key`](HeldLock::key), when the layer is
@@ -115,42 +142,58 @@ impl HeldLock {
     /// handler writes to, so a write from a request whose lock was lost is refused.
     /// `None` when the layer's locks are not fenced.
     pub fn fencing_token(&self) -> Option<FencingToken> {
-        self.inner.tokens[0]
+        self.fencing_tokens()[0]
     }
 
     /// Every key's fencing token, in the order of [`keys`](HeldLock::keys).
     pub fn fencing_tokens(&self) -> &[Option<FencingToken>] {
-        &self.inner.tokens
+        match &self.repr {
+            Repr::One { token, .. } => std::slice::from_ref(token),
+            Repr::Many(many) => &many.tokens,
+        }
     }
 
     /// How the locks are held (exclusive, read, write, ...).
     pub fn mode(&self) -> LockMode {
-        self.inner.mode
+        match &self.repr {
+            Repr::One { mode, .. } => *mode,
+            Repr::Many(many) => many.mode,
+        }
     }
 
     /// The request's owner: the same one [`Locks`] acquires as.
     pub fn owner(&self) -> &Owner {
-        &self.inner.owner
+        match &self.repr {
+            Repr::One { owner, .. } => owner,
+            Repr::Many(many) => &many.owner,
+        }
     }
 
     /// Fires when any of the request's locks is lost.
     pub fn lost(&self) -> LostSignal {
-        self.inner.lost.clone()
+        self.lost_signal().clone()
     }
 
     /// Whether any of the request's locks has been lost.
     pub fn is_lost(&self) -> bool {
-        self.inner.lost.is_lost()
+        self.lost_signal().is_lost()
+    }
+
+    fn lost_signal(&self) -> &LostSignal {
+        match &self.repr {
+            Repr::One { lost, .. } => lost,
+            Repr::Many(many) => &many.lost,
+        }
     }
 }
 
 impl fmt::Debug for HeldLock {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HeldLock")
-            .field("keys", &self.inner.keys)
-            .field("fencing_tokens", &self.inner.tokens)
-            .field("mode", &self.inner.mode)
-            .field("owner", &self.inner.owner)
+            .field("keys", &self.keys())
+            .field("fencing_tokens", &self.fencing_tokens())
+            .field("mode", &self.mode())
+            .field("owner", self.owner())
             .field("lost", &self.is_lost())
             .finish()
     }

@@ -90,14 +90,15 @@ impl LockKey {
         if part.is_empty() {
             return Err(Error::invalid_key("key part is empty"));
         }
-        let mut key = String::with_capacity(namespace.len() + part.len() + 3);
-        if !namespace.is_empty() {
-            key.push_str(namespace);
-            key.push(':');
-        }
-        key.push('{');
-        escape_into(part, &mut key);
-        key.push('}');
+        let key = crate::scratch::arc_str(|key| {
+            if !namespace.is_empty() {
+                key.push_str(namespace);
+                key.push(':');
+            }
+            key.push('{');
+            escape_into(part, key);
+            key.push('}');
+        });
         // Valid by construction (one non-empty tag, no control characters: the namespace
         // was checked and the part escaped); only the length is left to check.
         if key.len() > MAX_KEY_LEN {
@@ -110,7 +111,7 @@ impl LockKey {
             validate(&key).is_ok(),
             "namespaced built an invalid key: {key:?}"
         );
-        Ok(LockKey(Arc::from(key)))
+        Ok(LockKey(key))
     }
 
     /// The key as text.

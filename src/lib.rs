@@ -95,6 +95,7 @@ pub mod kinds;
 pub mod layer;
 mod lock;
 mod owner;
+mod scratch;
 
 pub use backend::memory::MemoryBackend;
 #[cfg(feature = "redis")]

@@ -64,14 +64,14 @@ pub struct Owner(Arc<str>);
 
 impl Owner {
     pub(crate) fn new(client_id: &str, n: u64) -> Self {
-        // On every unscoped acquisition's path: one allocation, no formatting machinery.
+        // On every acquisition's path: one allocation, no formatting machinery.
         let mut digits = itoa::Buffer::new();
         let n = digits.format(n);
-        let mut owner = String::with_capacity(client_id.len() + 1 + n.len());
-        owner.push_str(client_id);
-        owner.push(':');
-        owner.push_str(n);
-        Owner(Arc::from(owner))
+        Owner(crate::scratch::arc_str(|owner| {
+            owner.push_str(client_id);
+            owner.push(':');
+            owner.push_str(n);
+        }))
     }
 
     /// Uses `raw` as an owner identity: a logical owner of your own (a job id) for

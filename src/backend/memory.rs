@@ -221,7 +221,8 @@ struct Entry {
     holds: Holds,
     queue: Queue,
     /// Wakes waiters of unqueued modes (exclusive, permits), one per release.
-    notify: Arc<Signal>,
+    /// Made by the first subscription (most locks are never waited for).
+    notify: Option<Arc<Signal>>,
     /// Subscriptions sharing `notify`.
     shared_subs: usize,
     /// One wake-up per queue entry — an owner waiting in a queued mode (fair, read,
@@ -639,7 +640,7 @@ impl Entry {
         Entry {
             holds: Holds::Free,
             queue: Queue::default(),
-            notify: Arc::new(Signal::new()),
+            notify: None,
             shared_subs: 0,
             owner_subs: HashMap::new(),
             subscribers: 0,
@@ -683,8 +684,10 @@ impl Entry {
     /// After holds went away: one waiter of the unqueued modes, and whoever the queue
     /// admits now.
     fn wake_after_release(&mut self, now: Instant) {
-        if self.shared_subs > 0 {
-            self.notify.notify_one();
+        if self.shared_subs > 0
+            && let Some(notify) = &self.notify
+        {
+            notify.notify_one();
         }
         if !self.queue.is_empty() {
             self.wake_queued(now);
@@ -980,6 +983,18 @@ impl LockBackend for MemoryBackend {
         Box::pin(async move { Ok(self.release_now(req)) })
     }
 
+    fn answers_now(&self) -> bool {
+        true
+    }
+
+    fn try_acquire_now(&self, req: &LockRequest) -> Option<Result<Acquire>> {
+        Some(Ok(self.acquire_now(req)))
+    }
+
+    fn try_release_now(&self, req: &LockRequest) -> Option<Result<Release>> {
+        Some(Ok(self.release_now(req)))
+    }
+
     fn has_local_waiters(&self, req: &LockRequest) -> bool {
         !is_queued(req.mode)
             && self
@@ -1009,7 +1024,8 @@ impl LockBackend for MemoryBackend {
                 (Some(req.owner.clone()), Arc::clone(&sub.notify))
             } else {
                 entry.shared_subs += 1;
-                (None, Arc::clone(&entry.notify))
+                let notify = entry.notify.get_or_insert_with(|| Arc::new(Signal::new()));
+                (None, Arc::clone(notify))
             };
             let sub: Box<dyn Subscription> = Box::new(MemorySubscription {
                 backend: self.clone(),
@@ -1046,9 +1062,12 @@ impl LockBackend for MemoryBackend {
                 return Ok(false);
             };
             let removed = entry.holds.force_remove(mode, now);
-            if removed > 1 && entry.shared_subs > 0 {
+            if removed > 1
+                && entry.shared_subs > 0
+                && let Some(notify) = &entry.notify
+            {
                 // Several permits came back at once: let every waiter try.
-                entry.notify.notify_all();
+                notify.notify_all();
             }
             if removed > 0 {
                 entry.wake_after_release(now);

@@ -486,6 +486,29 @@ pub trait LockBackend: Send + Sync + 'static {
     /// waiters in at once (a write unlock, readers), all are woken.
     fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>>;
 
+    /// Whether this store answers [`try_acquire_now`](LockBackend::try_acquire_now) and
+    /// [`try_release_now`](LockBackend::try_release_now) on the spot, without I/O (a
+    /// store in this process). The lock core then takes a free lock and releases a hold
+    /// without a boxed future or a task. The default is `false`.
+    fn answers_now(&self) -> bool {
+        false
+    }
+
+    /// [`acquire`](LockBackend::acquire), answered on the spot: called only when
+    /// [`answers_now`](LockBackend::answers_now), and then it must answer (`Some`),
+    /// exactly as `acquire` would. The default is `None`.
+    fn try_acquire_now(&self, req: &LockRequest) -> Option<Result<Acquire>> {
+        let _ = req;
+        None
+    }
+
+    /// [`release`](LockBackend::release), answered on the spot, as
+    /// [`try_acquire_now`](LockBackend::try_acquire_now).
+    fn try_release_now(&self, req: &LockRequest) -> Option<Result<Release>> {
+        let _ = req;
+        None
+    }
+
     /// Registers interest in releases of `req.key` as seen by `req.owner` in
     /// `req.mode`, before the caller's next attempt, so no release between that attempt
     /// and [`Subscription::wait`] is missed. Subscriptions to the same key are shared
@@ -580,6 +603,15 @@ macro_rules! forward_backend {
             }
             fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>> {
                 (**self).release(req)
+            }
+            fn answers_now(&self) -> bool {
+                (**self).answers_now()
+            }
+            fn try_acquire_now(&self, req: &LockRequest) -> Option<Result<Acquire>> {
+                (**self).try_acquire_now(req)
+            }
+            fn try_release_now(&self, req: &LockRequest) -> Option<Result<Release>> {
+                (**self).try_release_now(req)
             }
             fn subscribe<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Box<dyn Subscription>>> {
                 (**self).subscribe(req)

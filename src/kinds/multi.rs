@@ -9,6 +9,7 @@ use tokio::time::Instant;
 use crate::backend::{FencingToken, LockMode};
 use crate::error::Result;
 use crate::lock::acquire::{acquire_as, deadline_after};
+use crate::lock::{FinishOnDrop, Unlocking};
 use crate::lock::{Lease, Lock, LockGuard, LostSignal};
 use crate::owner::Owner;
 
@@ -144,7 +145,7 @@ impl MultiLock {
 
     async fn acquire(&self, wait: Option<Duration>, lease: Lease) -> Result<MultiGuard> {
         let Some(first) = self.locks.first() else {
-            return Ok(MultiGuard { guards: Vec::new() });
+            return Ok(MultiGuard::from_guards(Vec::new()));
         };
         let owner = self
             .owner
@@ -188,7 +189,7 @@ impl MultiLock {
                 }
             }
             let Some(exact) = pinned else {
-                return Ok(MultiGuard { guards });
+                return Ok(MultiGuard::from_guards(guards));
             };
             let mut all_held = true;
             for guard in &mut guards {
@@ -206,7 +207,7 @@ impl MultiLock {
                 }
             }
             if all_held {
-                return Ok(MultiGuard { guards });
+                return Ok(MultiGuard::from_guards(guards));
             }
             // A lock ran out while the others were waited for (only possible without a
             // deadline, whose leases cannot be stretched to cover it): start over.
@@ -239,34 +240,66 @@ impl fmt::Debug for MultiLock {
 #[must_use = "the locks are released as soon as the guard is dropped"]
 #[derive(Debug)]
 pub struct MultiGuard {
-    guards: Vec<LockGuard>,
+    guards: Guards,
+}
+
+/// One guard (every single-key request through the layer) needs no vector.
+#[derive(Debug)]
+enum Guards {
+    One(LockGuard),
+    Many(Vec<LockGuard>),
 }
 
 impl MultiGuard {
+    pub(crate) fn from_guards(mut guards: Vec<LockGuard>) -> Self {
+        let guards = match guards.pop() {
+            Some(guard) if guards.is_empty() => Guards::One(guard),
+            Some(last) => {
+                guards.push(last);
+                Guards::Many(guards)
+            }
+            None => Guards::Many(guards),
+        };
+        MultiGuard { guards }
+    }
+
+    /// A single lock's guard, as a `MultiGuard`.
+    pub(crate) fn one(guard: LockGuard) -> Self {
+        MultiGuard {
+            guards: Guards::One(guard),
+        }
+    }
+
     /// The held locks, in acquisition order.
     pub fn guards(&self) -> &[LockGuard] {
-        &self.guards
+        match &self.guards {
+            Guards::One(guard) => std::slice::from_ref(guard),
+            Guards::Many(guards) => guards,
+        }
     }
 
     /// Each lock's fencing token (`None` for a lock that is not fenced), in acquisition
     /// order.
     pub fn fencing_tokens(&self) -> Vec<Option<FencingToken>> {
-        self.guards.iter().map(LockGuard::fencing_token).collect()
+        self.guards().iter().map(LockGuard::fencing_token).collect()
     }
 
     /// Fires as soon as any of the locks is lost.
     pub fn lost(&self) -> LostSignal {
-        LostSignal::any(self.guards.iter().map(LockGuard::lost))
+        LostSignal::any(self.guards().iter().map(LockGuard::lost))
     }
 
     /// Whether any of the locks has been lost.
     pub fn is_lost(&self) -> bool {
-        self.guards.iter().any(LockGuard::is_lost)
+        self.guards().iter().any(LockGuard::is_lost)
     }
 
     /// The guards, to release separately.
     pub fn into_guards(self) -> Vec<LockGuard> {
-        self.guards
+        match self.guards {
+            Guards::One(guard) => vec![guard],
+            Guards::Many(guards) => guards,
+        }
     }
 
     /// Releases every lock, all at once, even when some fail.
@@ -275,18 +308,26 @@ impl MultiGuard {
     ///
     /// The first error met ([`Error::Lost`](crate::Error::Lost) if a lock was lost).
     pub async fn unlock(self) -> Result<()> {
-        let mut guards = self.guards;
-        if guards.len() <= 1 {
-            // One lock (every single-key request through the layer): no join machinery.
-            return match guards.pop() {
-                Some(guard) => guard.unlock().await,
-                None => Ok(()),
-            };
+        match self.start_unlock() {
+            Unlocking::Done(outcome) => outcome,
+            Unlocking::Pending(release) => release.await,
         }
-        // All at once: a slow or unreachable store costs one timeout, not one per lock.
-        let outcomes =
-            futures_util::future::join_all(guards.into_iter().map(LockGuard::unlock)).await;
-        outcomes.into_iter().find(Result::is_err).unwrap_or(Ok(()))
+    }
+
+    /// [`unlock`](Self::unlock) as far as it goes without waiting, as
+    /// [`LockGuard::start_unlock`].
+    pub(crate) fn start_unlock(self) -> Unlocking {
+        match self.guards {
+            Guards::One(guard) => guard.start_unlock(),
+            Guards::Many(guards) if guards.is_empty() => Unlocking::Done(Ok(())),
+            // All at once: a slow or unreachable store costs one timeout, not one per
+            // lock. Each guard's release finishes on its own if this is dropped.
+            Guards::Many(guards) => Unlocking::Pending(FinishOnDrop::new(None, async move {
+                let outcomes =
+                    futures_util::future::join_all(guards.into_iter().map(LockGuard::unlock)).await;
+                outcomes.into_iter().find(Result::is_err).unwrap_or(Ok(()))
+            })),
+        }
     }
 }
 

@@ -14,7 +14,7 @@ use pin_project::pin_project;
 use tower::Service;
 
 use super::body::LockBody;
-use super::keys::{Extracted, KeyError};
+use super::keys::{Extracted, KeyError, Keys};
 use super::layer::Core;
 use super::policy::{OnLost, Rejection, RejectionBody, ReleaseOn};
 use super::release::Release;
@@ -22,6 +22,7 @@ use crate::backend::BoxFuture;
 use crate::error::Result;
 use crate::extract::HeldLock;
 use crate::kinds::{MultiGuard, MultiLock};
+use crate::lock::acquire::{acquire_as, deadline_after, try_acquire_now};
 use crate::owner::Owner;
 
 /// The response future of [`LockService`](super::LockService).
@@ -124,22 +125,94 @@ where
     }
 }
 
-/// The request's locks, taken as one MultiLock as its owner.
-fn acquire(
-    core: &Arc<Core>,
-    owner: &Owner,
-    keys: Vec<crate::LockKey>,
-    method: &Method,
-) -> BoxFuture<'static, Result<MultiGuard>> {
+/// The request's locks, taken as its owner: one lock directly (on the spot when the
+/// backend answers without I/O), several as one MultiLock.
+fn acquire(core: &Arc<Core>, owner: &Owner, keys: Keys, method: &Method) -> Acquisition {
     let mode = core.policy.mode.for_method(method);
     let fenced = core.policy.fenced;
-    let locks = MultiLock::new(keys.into_iter().map(|k| {
-        let lock = core.client.lock_on(k, mode);
+    let lock = |key| {
+        let lock = core.client.lock_on(key, mode);
         if fenced { lock.fenced() } else { lock }
-    }));
+    };
     let (wait, lease) = (core.policy.wait, core.policy.lease);
     let owner = owner.clone();
-    Box::pin(async move { locks.acquire_as(owner, Some(wait), lease).await })
+    let keys = match keys.into_one() {
+        Ok(key) => {
+            // The common case: no MultiLock and no vectors.
+            let lock = lock(key);
+            if let Some(outcome) = try_acquire_now(&lock, Some(owner.clone()), lease) {
+                return Acquisition::Now(outcome.map(MultiGuard::one));
+            }
+            return Acquisition::Later(Box::pin(async move {
+                let deadline = deadline_after(Some(wait));
+                acquire_as(&lock, Some(owner), deadline, lease)
+                    .await
+                    .map(MultiGuard::one)
+            }));
+        }
+        Err(keys) => keys,
+    };
+    let locks = MultiLock::new(keys.into_iter().map(lock));
+    Acquisition::Later(Box::pin(async move {
+        locks.acquire_as(owner, Some(wait), lease).await
+    }))
+}
+
+enum Acquisition {
+    Now(Result<MultiGuard>),
+    Later(BoxFuture<'static, Result<MultiGuard>>),
+}
+
+/// The state after the acquisition's `outcome`: ready to call the inner service with
+/// the locks held (or, failing open, without them), or rejected.
+fn acquired<S, B, KF>(
+    core: &Core,
+    owner: &Owner,
+    outcome: Result<MultiGuard>,
+    svc: S,
+    mut req: Request<B>,
+) -> State<S, B, KF>
+where
+    S: Service<Request<B>>,
+{
+    let (release, lost) = match outcome {
+        Ok(guard) => {
+            if let Some(held) = HeldLock::new(&guard) {
+                req.extensions_mut().insert(held);
+            }
+            let lost = (core.policy.on_lost == OnLost::Cancel).then(|| {
+                let lost: BoxFuture<'static, ()> = Box::pin(guard.lost().wait());
+                lost
+            });
+            (Release::new(guard, core.client.clone()), lost)
+        }
+        Err(error) => match core.policy.rejection_for(error) {
+            Rejection::Unavailable { error, .. } if core.policy.fail_open => {
+                tracing::warn!(
+                    %error,
+                    owner = %owner,
+                    "lock store failed; serving the request without its lock (fail-open)"
+                );
+                (Release::none(), None)
+            }
+            rejection => {
+                if let Rejection::Misconfigured(error) = &rejection {
+                    tracing::error!(%error, "request rejected: the lock is misconfigured");
+                } else {
+                    tracing::debug!(?rejection, "request rejected by LockLayer");
+                }
+                return State::Rejected {
+                    response: Some(core.reject(rejection)),
+                };
+            }
+        },
+    };
+    State::Ready {
+        svc,
+        req: Some(req),
+        release,
+        lost,
+    }
 }
 
 /// Statuses whose responses carry no body, whatever the body says.
@@ -180,10 +253,15 @@ where
                             release: Release::none(),
                             lost: None,
                         }),
-                        Ok(keys) => {
-                            let acquire = acquire(this.core, this.owner, keys, req.method());
-                            this.state.set(State::Acquiring { acquire, svc, req });
-                        }
+                        Ok(keys) => match acquire(this.core, this.owner, keys, req.method()) {
+                            Acquisition::Later(acquire) => {
+                                this.state.set(State::Acquiring { acquire, svc, req });
+                            }
+                            Acquisition::Now(outcome) => {
+                                let next = acquired(this.core, this.owner, outcome, svc, req);
+                                this.state.set(next);
+                            }
+                        },
                         Err(error) => {
                             let response = reject_bad_key(this.core, error);
                             this.state.set(State::Rejected {
@@ -194,50 +272,13 @@ where
                 }
                 StateProj::Acquiring { acquire, .. } => {
                     let outcome = ready!(acquire.as_mut().poll(cx));
-                    let StateOwn::Acquiring { svc, mut req, .. } =
+                    let StateOwn::Acquiring { svc, req, .. } =
                         this.state.as_mut().project_replace(State::Done)
                     else {
                         continue; // not reached: the state was `Acquiring`
                     };
-                    let (release, lost) = match outcome {
-                        Ok(guard) => {
-                            if let Some(held) = HeldLock::new(&guard) {
-                                req.extensions_mut().insert(held);
-                            }
-                            let lost = (this.core.policy.on_lost == OnLost::Cancel).then(|| {
-                                let lost: BoxFuture<'static, ()> = Box::pin(guard.lost().wait());
-                                lost
-                            });
-                            (Release::new(guard, this.core.client.clone()), lost)
-                        }
-                        Err(error) => match this.core.policy.rejection_for(error) {
-                            Rejection::Unavailable { error, .. } if this.core.policy.fail_open => {
-                                tracing::warn!(
-                                    %error,
-                                    owner = %this.owner,
-                                    "lock store failed; serving the request without its lock (fail-open)"
-                                );
-                                (Release::none(), None)
-                            }
-                            rejection => {
-                                if let Rejection::Misconfigured(error) = &rejection {
-                                    tracing::error!(%error, "request rejected: the lock is misconfigured");
-                                } else {
-                                    tracing::debug!(?rejection, "request rejected by LockLayer");
-                                }
-                                this.state.set(State::Rejected {
-                                    response: Some(this.core.reject(rejection)),
-                                });
-                                continue;
-                            }
-                        },
-                    };
-                    this.state.set(State::Ready {
-                        svc,
-                        req: Some(req),
-                        release,
-                        lost,
-                    });
+                    let next = acquired(this.core, this.owner, outcome, svc, req);
+                    this.state.set(next);
                 }
                 StateProj::Ready {
                     svc, req, release, ..

@@ -121,6 +121,143 @@ impl From<String> for KeyError {
     }
 }
 
+/// A request's lock keys: none (the request is not locked), one, or several. One key,
+/// the common case, needs no allocation.
+///
+/// ```
+/// use tower_lock::LockKey;
+/// use tower_lock::layer::Keys;
+///
+/// let one = Keys::from(LockKey::new("order:{42}")?);
+/// assert_eq!(one.len(), 1);
+/// let two: Keys = vec![LockKey::new("a")?, LockKey::new("b")?].into();
+/// assert_eq!(two.as_slice().len(), 2);
+/// assert!(Keys::none().is_empty());
+/// # Ok::<(), tower_lock::Error>(())
+/// ```
+#[derive(Clone, Default)]
+pub struct Keys {
+    repr: KeysRepr,
+}
+
+#[derive(Clone, Default)]
+enum KeysRepr {
+    #[default]
+    None,
+    One(LockKey),
+    Many(Vec<LockKey>),
+}
+
+impl Keys {
+    /// No keys: the request passes through unlocked.
+    pub fn none() -> Self {
+        Keys::default()
+    }
+
+    /// The keys, in the order given.
+    pub fn as_slice(&self) -> &[LockKey] {
+        match &self.repr {
+            KeysRepr::None => &[],
+            KeysRepr::One(key) => std::slice::from_ref(key),
+            KeysRepr::Many(keys) => keys,
+        }
+    }
+
+    /// How many keys.
+    pub fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+
+    /// No keys: the request is not locked.
+    pub fn is_empty(&self) -> bool {
+        self.as_slice().is_empty()
+    }
+
+    /// The keys, as a vector.
+    pub fn into_vec(self) -> Vec<LockKey> {
+        match self.repr {
+            KeysRepr::None => Vec::new(),
+            KeysRepr::One(key) => vec![key],
+            KeysRepr::Many(keys) => keys,
+        }
+    }
+
+    /// The single key, if there is exactly one; else the keys back.
+    pub(crate) fn into_one(self) -> Result<LockKey, Keys> {
+        match self.repr {
+            KeysRepr::One(key) => Ok(key),
+            KeysRepr::Many(mut keys) if keys.len() == 1 => keys.pop().ok_or_else(Keys::none),
+            repr => Err(Keys { repr }),
+        }
+    }
+
+    /// Each key through `f`, which may fail.
+    pub(crate) fn try_map<E>(
+        self,
+        mut f: impl FnMut(LockKey) -> Result<LockKey, E>,
+    ) -> Result<Keys, E> {
+        Ok(Keys {
+            repr: match self.repr {
+                KeysRepr::None => KeysRepr::None,
+                KeysRepr::One(key) => KeysRepr::One(f(key)?),
+                KeysRepr::Many(keys) => {
+                    KeysRepr::Many(keys.into_iter().map(f).collect::<Result<_, E>>()?)
+                }
+            },
+        })
+    }
+}
+
+/// Equal when they list the same keys in the same order.
+impl PartialEq for Keys {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl Eq for Keys {}
+
+impl std::fmt::Debug for Keys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.as_slice()).finish()
+    }
+}
+
+impl From<LockKey> for Keys {
+    fn from(key: LockKey) -> Self {
+        Keys {
+            repr: KeysRepr::One(key),
+        }
+    }
+}
+
+impl From<Vec<LockKey>> for Keys {
+    fn from(keys: Vec<LockKey>) -> Self {
+        Keys {
+            repr: if keys.is_empty() {
+                KeysRepr::None
+            } else {
+                KeysRepr::Many(keys)
+            },
+        }
+    }
+}
+
+impl FromIterator<LockKey> for Keys {
+    fn from_iter<I: IntoIterator<Item = LockKey>>(iter: I) -> Self {
+        Keys::from(iter.into_iter().collect::<Vec<_>>())
+    }
+}
+
+impl IntoIterator for Keys {
+    type Item = LockKey;
+    type IntoIter = std::vec::IntoIter<LockKey>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.into_vec().into_iter()
+    }
+}
+
 /// What a key function may return: the key(s) to lock, nothing (the request passes
 /// through unlocked), or an error (the request is rejected).
 ///
@@ -136,48 +273,54 @@ pub trait IntoKeys {
     /// # Errors
     ///
     /// A [`KeyError`] when the request cannot be keyed.
-    fn into_keys(self) -> Result<Vec<LockKey>, KeyError>;
+    fn into_keys(self) -> Result<Keys, KeyError>;
 }
 
-impl IntoKeys for LockKey {
-    fn into_keys(self) -> Result<Vec<LockKey>, KeyError> {
-        Ok(vec![self])
-    }
-}
-
-impl IntoKeys for Vec<LockKey> {
-    fn into_keys(self) -> Result<Vec<LockKey>, KeyError> {
+impl IntoKeys for Keys {
+    fn into_keys(self) -> Result<Keys, KeyError> {
         Ok(self)
     }
 }
 
+impl IntoKeys for LockKey {
+    fn into_keys(self) -> Result<Keys, KeyError> {
+        Ok(Keys::from(self))
+    }
+}
+
+impl IntoKeys for Vec<LockKey> {
+    fn into_keys(self) -> Result<Keys, KeyError> {
+        Ok(Keys::from(self))
+    }
+}
+
 impl<const N: usize> IntoKeys for [LockKey; N] {
-    fn into_keys(self) -> Result<Vec<LockKey>, KeyError> {
-        Ok(self.into())
+    fn into_keys(self) -> Result<Keys, KeyError> {
+        Ok(self.into_iter().collect())
     }
 }
 
 impl IntoKeys for String {
-    fn into_keys(self) -> Result<Vec<LockKey>, KeyError> {
-        Ok(vec![LockKey::new(self)?])
+    fn into_keys(self) -> Result<Keys, KeyError> {
+        Ok(Keys::from(LockKey::new(self)?))
     }
 }
 
 impl<T: IntoKeys> IntoKeys for Option<T> {
-    fn into_keys(self) -> Result<Vec<LockKey>, KeyError> {
-        self.map_or_else(|| Ok(Vec::new()), IntoKeys::into_keys)
+    fn into_keys(self) -> Result<Keys, KeyError> {
+        self.map_or_else(|| Ok(Keys::none()), IntoKeys::into_keys)
     }
 }
 
 impl<T: IntoKeys, E: Into<KeyError>> IntoKeys for Result<T, E> {
-    fn into_keys(self) -> Result<Vec<LockKey>, KeyError> {
+    fn into_keys(self) -> Result<Keys, KeyError> {
         self.map_err(Into::into)?.into_keys()
     }
 }
 
 /// What [`KeyExtractor::extract`] hands back: the request head it was given, and the
 /// keys (empty: do not lock this request) or why there are none.
-pub type Extracted = (Parts, Result<Vec<LockKey>, KeyError>);
+pub type Extracted = (Parts, Result<Keys, KeyError>);
 
 /// Derives the lock key(s) of a request from its head — method, URI, headers,
 /// extensions — before the layer takes them.
@@ -328,11 +471,11 @@ impl HeaderKey {
         self
     }
 
-    fn keys(&self, parts: &Parts) -> Result<Vec<LockKey>, KeyError> {
+    fn keys(&self, parts: &Parts) -> Result<Keys, KeyError> {
         let mut values = parts.headers.get_all(&self.name).iter();
         let Some(value) = values.next() else {
             return if self.optional {
-                Ok(Vec::new())
+                Ok(Keys::none())
             } else {
                 Err(KeyError::new(format!("missing header `{}`", self.name)))
             };
@@ -347,7 +490,7 @@ impl HeaderKey {
             .to_str()
             .map_err(|_| KeyError::new(format!("header `{}` is not visible ASCII", self.name)))?;
         let what = format!("header `{}`", self.name);
-        Ok(vec![namespaced(&self.namespace, &what, value)?])
+        Ok(Keys::from(namespaced(&self.namespace, &what, value)?))
     }
 }
 
@@ -423,10 +566,10 @@ where
         self
     }
 
-    fn keys(&self, parts: &Parts) -> Result<Vec<LockKey>, KeyError> {
+    fn keys(&self, parts: &Parts) -> Result<Keys, KeyError> {
         let Some(value) = parts.extensions.get::<T>() else {
             return if self.optional {
-                Ok(Vec::new())
+                Ok(Keys::none())
             } else {
                 Err(KeyError::server(format!(
                     "request extension `{}` is missing; is the middleware that sets it in front of `LockLayer`?",
@@ -435,11 +578,11 @@ where
             };
         };
         let value = (self.f)(value);
-        Ok(vec![namespaced(
+        Ok(Keys::from(namespaced(
             &self.namespace,
             &"request extension",
             value.as_ref(),
-        )?])
+        )?))
     }
 }
 
@@ -490,7 +633,7 @@ mod axum_keys {
     use axum::response::IntoResponse;
     use http::request::Parts;
 
-    use super::{Extracted, IntoKeys, KeyError, KeyExtractor, checked_namespace, namespaced};
+    use super::{Extracted, IntoKeys, KeyError, KeyExtractor, Keys, checked_namespace, namespaced};
     use crate::backend::BoxFuture;
     use crate::error::Error;
     use crate::layer::policy::boxed_response;
@@ -662,7 +805,7 @@ mod axum_keys {
                     Ok(params) => match params.iter().find(|(name, _)| *name == this.name) {
                         Some((_, value)) => {
                             let what = format!("path parameter `{}`", this.name);
-                            namespaced(&this.namespace, &what, value).map(|k| vec![k])
+                            namespaced(&this.namespace, &what, value).map(Keys::from)
                         }
                         None if params.iter().next().is_none() => Err(this.no_params()),
                         None => Err(KeyError::server(format!(
@@ -693,10 +836,7 @@ mod tests {
         b.body(()).unwrap().into_parts().0
     }
 
-    fn keys_of(
-        k: &impl Fn(&Parts) -> Result<Vec<LockKey>, KeyError>,
-        parts: &Parts,
-    ) -> Vec<String> {
+    fn keys_of(k: &impl Fn(&Parts) -> Result<Keys, KeyError>, parts: &Parts) -> Vec<String> {
         k(parts)
             .unwrap()
             .into_iter()
@@ -769,7 +909,7 @@ mod tests {
         assert!(missing.is_server_error());
         assert!(missing.message().contains("UserId"), "{missing}");
         p.extensions.insert(UserId(7));
-        assert_eq!(keys.keys(&p).unwrap()[0].as_str(), "u:{7}");
+        assert_eq!(keys.keys(&p).unwrap().as_slice()[0].as_str(), "u:{7}");
         assert!(keys.optional().keys(&head(&[])).unwrap().is_empty());
     }
 
@@ -778,14 +918,12 @@ mod tests {
         fn k(s: &str) -> LockKey {
             LockKey::new(s).unwrap()
         }
-        fn run(
-            f: impl Fn(&Parts) -> Result<Vec<LockKey>, KeyError>,
-        ) -> Result<Vec<LockKey>, KeyError> {
+        fn run(f: impl Fn(&Parts) -> Result<Keys, KeyError>) -> Result<Keys, KeyError> {
             f(&head(&[]))
         }
         assert_eq!(
             run(|p| key_fn(|_| k("a"))(p).into_keys()).unwrap(),
-            vec![k("a")]
+            Keys::from(vec![k("a")])
         );
         assert!(
             run(|p| key_fn(|_| None::<LockKey>)(p).into_keys())
@@ -811,7 +949,7 @@ mod tests {
     async fn extract_hands_the_head_back() {
         let keys = HeaderKey::new(USER).namespace("user").unwrap();
         let (parts, got) = keys.extract(head(&[("x-user-id", "9")])).await;
-        assert_eq!(got.unwrap()[0].as_str(), "user:{9}");
+        assert_eq!(got.unwrap().as_slice()[0].as_str(), "user:{9}");
         assert_eq!(parts.headers[USER], "9");
     }
 }

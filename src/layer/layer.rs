@@ -8,7 +8,7 @@ use std::time::Duration;
 use http::{Method, Response, StatusCode};
 use tower::Layer;
 
-use super::keys::{KeyError, KeyExtractor};
+use super::keys::{KeyError, KeyExtractor, Keys};
 use super::policy::{ModeSelect, OnLost, OnRejection, Policy, Rejection, RejectionBody, ReleaseOn};
 use super::service::LockService;
 use crate::backend::LockMode;
@@ -28,13 +28,12 @@ impl Core {
     }
 
     /// Puts the configured prefix in front of every key.
-    pub(crate) fn prefixed(&self, keys: Vec<LockKey>) -> Result<Vec<LockKey>, KeyError> {
+    pub(crate) fn prefixed(&self, keys: Keys) -> Result<Keys, KeyError> {
         match &self.policy.key_prefix {
             None => Ok(keys),
-            Some(prefix) => keys
-                .into_iter()
-                .map(|k| LockKey::new(format!("{prefix}:{k}")).map_err(KeyError::from))
-                .collect(),
+            Some(prefix) => {
+                keys.try_map(|k| LockKey::new(format!("{prefix}:{k}")).map_err(KeyError::from))
+            }
         }
     }
 }

@@ -141,7 +141,9 @@ mod service;
 
 pub use body::LockBody;
 pub use future::ResponseFuture;
-pub use keys::{ExtensionKey, Extracted, HeaderKey, IntoKeys, KeyError, KeyExtractor, key_fn};
+pub use keys::{
+    ExtensionKey, Extracted, HeaderKey, IntoKeys, KeyError, KeyExtractor, Keys, key_fn,
+};
 #[cfg(feature = "axum")]
 pub use keys::{ExtractorKey, PathParamKey, key_from};
 pub use layer::{LockLayer, LockLayerBuilder};

@@ -3,11 +3,12 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
 
 use crate::error::Error;
+use crate::key::LockKey;
 use crate::kinds::MultiGuard;
-use crate::lock::LockClient;
+use crate::lock::{FinishOnDrop, LockClient, Unlocking};
 
 /// A request's locks on their way out.
 ///
@@ -26,8 +27,13 @@ enum State {
         guard: MultiGuard,
         client: LockClient,
     },
-    /// Under way, driven by `poll_released`; finished in a task if dropped.
-    Releasing(Pin<Box<dyn Future<Output = ()> + Send>>),
+    /// Under way, driven by `poll_released`; finished in a task if dropped. The key is
+    /// for the log line of a failure.
+    Releasing {
+        release: FinishOnDrop<Result<(), Error>>,
+        key: Option<LockKey>,
+        client: LockClient,
+    },
 }
 
 impl Release {
@@ -48,7 +54,7 @@ impl Release {
     }
 
     pub(crate) fn is_releasing(&self) -> bool {
-        matches!(self.state, State::Releasing(_))
+        matches!(self.state, State::Releasing { .. })
     }
 
     /// Holding or releasing: not done yet.
@@ -60,7 +66,18 @@ impl Release {
     pub(crate) fn start(&mut self) {
         match std::mem::replace(&mut self.state, State::Empty) {
             State::Holding { guard, client } => {
-                self.state = State::Releasing(Box::pin(unlock(guard, client)));
+                let key = guard.guards().first().map(|g| g.key().clone());
+                match guard.start_unlock() {
+                    // Released on the spot (an in-process store): nothing to drive.
+                    Unlocking::Done(outcome) => report(outcome, key.as_ref(), &client),
+                    Unlocking::Pending(release) => {
+                        self.state = State::Releasing {
+                            release,
+                            key,
+                            client,
+                        };
+                    }
+                }
             }
             other => self.state = other,
         }
@@ -75,10 +92,14 @@ impl Release {
 
     /// Ready once the release has finished (at once when nothing is being released).
     pub(crate) fn poll_released(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        if let State::Releasing(release) = &mut self.state {
-            if release.as_mut().poll(cx).is_pending() {
-                return Poll::Pending;
-            }
+        if let State::Releasing {
+            release,
+            key,
+            client,
+        } = &mut self.state
+        {
+            let outcome = ready!(Pin::new(release).poll(cx));
+            report(outcome, key.as_ref(), client);
             self.state = State::Empty;
         }
         Poll::Ready(())
@@ -87,23 +108,28 @@ impl Release {
 
 impl Drop for Release {
     fn drop(&mut self) {
-        if let State::Releasing(release) = std::mem::replace(&mut self.state, State::Empty) {
-            // Outside a runtime (never, when polled by hyper or axum) it is dropped, and
-            // the lease ends whatever hold it had not released yet.
+        if let State::Releasing {
+            release,
+            key,
+            client,
+        } = std::mem::replace(&mut self.state, State::Empty)
+        {
+            // Outside a runtime (never, when polled by hyper or axum) the release still
+            // finishes, on the guard's runtime, only unreported.
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                runtime.spawn(release);
+                runtime.spawn(async move { report(release.await, key.as_ref(), &client) });
             }
         }
     }
 }
 
-async fn unlock(guard: MultiGuard, client: LockClient) {
-    let key = guard.guards().first().map(|g| g.key().clone());
-    let Err(error) = guard.unlock().await else {
+/// Logs a failed release of a request's lock; formats the key (redacted if so
+/// configured) only then, never on the common path.
+fn report(outcome: Result<(), Error>, key: Option<&LockKey>, client: &LockClient) {
+    let Err(error) = outcome else {
         return;
     };
-    // Formatted only for a failure (redacted if so configured), never on the common path.
-    let shown = key.as_ref().map(|k| client.display_key(k).to_string());
+    let shown = key.map(|k| client.display_key(k).to_string());
     match error {
         Error::Lost => tracing::error!(
             key = shown,

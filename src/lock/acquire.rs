@@ -58,6 +58,225 @@ pub(crate) async fn acquire(
     acquire_as(lock, owner, deadline_after(wait), lease).await
 }
 
+/// What an acquisition starts from: the lease, the runtime, the slot, and whether the
+/// owner is fresh (used once, so it can be its hold's store identity as well).
+struct Start {
+    lease_len: Duration,
+    watched: bool,
+    runtime: Handle,
+    slot: Slot,
+    fresh: bool,
+}
+
+fn start(lock: &Lock, owner: Option<Owner>, lease: Lease) -> Result<Start> {
+    let client = &lock.client;
+    let (lease_len, watched) = match lease {
+        Lease::Watchdog => (client.watchdog_lease(), true),
+        Lease::Fixed(lease) => (super::validate_lease("lease", lease)?, false),
+    };
+    // Releases and renewals run as tasks on the runtime the lock is taken on.
+    let runtime = Handle::try_current().map_err(|_| {
+        Error::invalid_config(
+            "runtime",
+            "is missing: locks must be taken inside a tokio runtime, which runs their releases and renewals (got none)",
+        )
+    })?;
+    let (owner, fresh) = match owner {
+        Some(owner) => (owner, false),
+        None => (client.new_owner(), true),
+    };
+    let slot = Slot {
+        key: lock.key.clone(),
+        owner,
+        mode: lock.mode,
+        fenced: lock.fenced,
+    };
+    Ok(Start {
+        lease_len,
+        watched,
+        runtime,
+        slot,
+        fresh,
+    })
+}
+
+impl Start {
+    fn enter(&self, client: &LockClient) -> Entered {
+        let slot = &self.slot;
+        client
+            .registry()
+            .enter(slot, self.watched, &self.runtime, |state| {
+                let holder = if self.fresh {
+                    slot.owner.clone()
+                } else {
+                    client.new_owner()
+                };
+                let mut req = LockRequest::new(slot.key.clone(), holder, slot.mode, self.lease_len);
+                req.fenced = slot.fenced;
+                if slot.mode == LockMode::Read {
+                    // The owner's own write hold lets its reads in (downgrade).
+                    req.writer = state.write_holder(&slot.key, &slot.owner);
+                }
+                req
+            })
+    }
+
+    fn span(&self, client: &LockClient, req: &LockRequest) -> tracing::Span {
+        tracing::debug_span!(
+            "tower_lock.acquire",
+            key = %client.hooks().key(&req.key),
+            mode = %req.mode,
+            owner = %self.slot.owner,
+            outcome = tracing::field::Empty,
+            wait_us = tracing::field::Empty,
+        )
+    }
+
+    fn event(&self) -> LockEvent<'_> {
+        LockEvent {
+            key: &self.slot.key,
+            mode: self.slot.mode,
+            owner: &self.slot.owner,
+        }
+    }
+
+    /// Reports a failed acquisition (span and observer) and hands the error back.
+    fn failed(
+        &self,
+        client: &LockClient,
+        span: &tracing::Span,
+        error: Error,
+        waited: Duration,
+    ) -> Error {
+        span.record("outcome", if error.is_busy() { "busy" } else { "error" });
+        if let Some(observer) = client.hooks().observer() {
+            if error.is_busy() {
+                observer.busy(self.event(), waited);
+            } else {
+                observer.acquire_failed(self.event(), &error);
+            }
+        }
+        error
+    }
+
+    /// Makes the granted hold held and returns its first guard.
+    fn granted(
+        self,
+        client: &LockClient,
+        pending: Pending<'_>,
+        attempt: Attempted,
+        waited: Duration,
+    ) -> LockGuard {
+        // The hold is believed from when the granting request was sent, for the lease
+        // less the backend's drift allowance — and no longer than the backend's own
+        // validity, counted from when its answer came.
+        let valid = self
+            .lease_len
+            .saturating_sub(client.backend().clock_drift(self.lease_len));
+        let mut expires_at = attempt.sent_at.checked_add(valid);
+        if let Some(valid_for) = attempt.grant.valid_for() {
+            let limit = attempt.answered_at.checked_add(valid_for);
+            expires_at = match (expires_at, limit) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+        }
+        let hold = pending.activate(
+            attempt.grant.token(),
+            expires_at,
+            self.watched,
+            &self.runtime,
+        );
+        if let Some(observer) = client.hooks().observer() {
+            observer.acquired(self.event(), waited);
+        }
+        LockGuard::new(
+            client.clone(),
+            hold,
+            1,
+            self.lease_len,
+            self.watched,
+            self.runtime,
+        )
+    }
+}
+
+/// The acquisition, answered on the spot when it can be: a free lock of an unqueued
+/// mode on a backend that answers without I/O (memory). `None` when it would have to
+/// wait or do I/O; nothing is left behind then, and [`acquire_as`] takes over.
+pub(crate) fn try_acquire_now(
+    lock: &Lock,
+    owner: Option<Owner>,
+    lease: Lease,
+) -> Option<Result<LockGuard>> {
+    let client = &lock.client;
+    let backend = client.backend();
+    // A busy attempt in a queued mode would queue this owner: only the waiting path
+    // undoes that.
+    if !backend.answers_now() || backend.queues_waiters(lock.mode) {
+        return None;
+    }
+    let start = match start(lock, owner, lease) {
+        Ok(start) => start,
+        Err(error) => return Some(Err(error)),
+    };
+    let started = Instant::now();
+    let hold = match start.enter(client) {
+        Entered::Acquire(hold) => hold,
+        Entered::Reentered { hold, count } => {
+            let guard = LockGuard::new(
+                client.clone(),
+                hold,
+                count,
+                start.lease_len,
+                start.watched,
+                start.runtime,
+            );
+            if needs_renewal(&guard) {
+                // Renewing is I/O-shaped: the async path does it. Dropping this guard
+                // only leaves the hold (or, if its other guards went meanwhile, releases
+                // it, as any last guard does).
+                return None;
+            }
+            return Some(reentered(client, guard, started));
+        }
+        // An acquisition in flight is waited for.
+        Entered::Wait(_) => return None,
+    };
+    // Until activated, dropping this (a failure, giving up) frees the slot.
+    let pending = Pending {
+        registry: client.registry(),
+        hold: Some(hold),
+    };
+    let req = pending.store();
+    if backend.has_local_waiters(req) {
+        return None;
+    }
+    let sent_at = Instant::now();
+    let outcome = backend.try_acquire_now(req)?;
+    let answered_at = Instant::now();
+    let span = start.span(client, req);
+    let waited = started.elapsed();
+    span.record("wait_us", waited.as_micros() as u64);
+    match outcome {
+        Ok(Acquire::Acquired(grant)) => {
+            span.record("outcome", "acquired");
+            let attempt = Attempted {
+                grant,
+                sent_at,
+                answered_at,
+            };
+            Some(Ok(start.granted(client, pending, attempt, waited)))
+        }
+        // Busy: waiting is the async path's (nothing was left in the store).
+        Ok(Acquire::Busy { .. }) => None,
+        Err(error) => {
+            compensate_later(client, req);
+            Some(Err(start.failed(client, &span, error, waited)))
+        }
+    }
+}
+
 /// Acquires `lock` as `owner` (`None`: a fresh owner, used for this acquisition only),
 /// waiting until `deadline` (`None`: as long as it takes).
 ///
@@ -71,50 +290,23 @@ pub(crate) async fn acquire_as(
     deadline: Option<Instant>,
     lease: Lease,
 ) -> Result<LockGuard> {
+    if let Some(done) = try_acquire_now(lock, owner.clone(), lease) {
+        return done;
+    }
     let client = &lock.client;
-    let (lease_len, watched) = match lease {
-        Lease::Watchdog => (client.watchdog_lease(), true),
-        Lease::Fixed(lease) => (super::validate_lease("lease", lease)?, false),
-    };
-    // Releases and renewals run as tasks on the runtime the lock is taken on.
-    let runtime = Handle::try_current().map_err(|_| {
-        Error::invalid_config(
-            "runtime",
-            "is missing: locks must be taken inside a tokio runtime, which runs their releases and renewals (got none)",
-        )
-    })?;
-    // A fresh owner is used once, so it can be its hold's store identity as well.
-    let (owner, fresh) = match owner {
-        Some(owner) => (owner, false),
-        None => (client.new_owner(), true),
-    };
-    let slot = Slot {
-        key: lock.key.clone(),
-        owner,
-        mode: lock.mode,
-        fenced: lock.fenced,
-    };
+    let start = start(lock, owner, lease)?;
     let started = Instant::now();
-    let registry = client.registry();
     let hold = loop {
-        let entered = registry.enter(&slot, watched, &runtime, |state| {
-            let holder = if fresh {
-                slot.owner.clone()
-            } else {
-                client.new_owner()
-            };
-            let mut req = LockRequest::new(slot.key.clone(), holder, slot.mode, lease_len);
-            req.fenced = slot.fenced;
-            if slot.mode == LockMode::Read {
-                // The owner's own write hold lets its reads in (downgrade).
-                req.writer = state.write_holder(&slot.key, &slot.owner);
-            }
-            req
-        });
-        match entered {
+        match start.enter(client) {
             Entered::Reentered { hold, count } => {
-                let guard =
-                    LockGuard::new(client.clone(), hold, count, lease_len, watched, runtime);
+                let guard = LockGuard::new(
+                    client.clone(),
+                    hold,
+                    count,
+                    start.lease_len,
+                    start.watched,
+                    start.runtime,
+                );
                 return reenter(client, guard, started).await;
             }
             Entered::Wait(hold) => {
@@ -127,83 +319,40 @@ pub(crate) async fn acquire_as(
     };
     // Until activated, dropping this (a failure, a cancellation) frees the slot.
     let pending = Pending {
-        registry,
+        registry: client.registry(),
         hold: Some(hold),
     };
     let req = pending.store();
-
-    let hooks = client.hooks();
-    let span = tracing::debug_span!(
-        "tower_lock.acquire",
-        key = %hooks.key(&req.key),
-        mode = %req.mode,
-        owner = %slot.owner,
-        outcome = tracing::field::Empty,
-        wait_us = tracing::field::Empty,
-    );
+    let span = start.span(client, req);
     let result = run(client, req, deadline).instrument(span.clone()).await;
     let waited = started.elapsed();
     span.record("wait_us", waited.as_micros() as u64);
-    let event = LockEvent {
-        key: &slot.key,
-        mode: slot.mode,
-        owner: &slot.owner,
-    };
-    let attempt = match result {
-        Ok(acquired) => {
+    match result {
+        Ok(attempt) => {
             span.record("outcome", "acquired");
-            acquired
+            Ok(start.granted(client, pending, attempt, waited))
         }
-        Err(error) => {
-            span.record("outcome", if error.is_busy() { "busy" } else { "error" });
-            if let Some(observer) = hooks.observer() {
-                if error.is_busy() {
-                    observer.busy(event, waited);
-                } else {
-                    observer.acquire_failed(event, &error);
-                }
-            }
-            return Err(error);
-        }
-    };
-    // The hold is believed from when the granting request was sent, for the lease less
-    // the backend's drift allowance — and no longer than the backend's own validity,
-    // counted from when its answer came.
-    let valid = lease_len.saturating_sub(client.backend().clock_drift(lease_len));
-    let mut expires_at = attempt.sent_at.checked_add(valid);
-    if let Some(valid_for) = attempt.grant.valid_for() {
-        let limit = attempt.answered_at.checked_add(valid_for);
-        expires_at = match (expires_at, limit) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        Err(error) => Err(start.failed(client, &span, error, waited)),
     }
-    let hold = pending.activate(attempt.grant.token(), expires_at, watched, &runtime);
-    if let Some(observer) = hooks.observer() {
-        observer.acquired(event, waited);
+}
+
+/// Whether re-entering `guard`'s hold must first renew it: a fixed lease asked for
+/// that would outlast what the hold has left.
+fn needs_renewal(guard: &LockGuard) -> bool {
+    let wanted = Instant::now().checked_add(guard.lease());
+    match (guard.hold().expiry.get(), wanted) {
+        (Some(at), Some(wanted)) => !guard.is_watched() && at < wanted,
+        _ => false,
     }
-    Ok(LockGuard::new(
-        client.clone(),
-        hold,
-        1,
-        lease_len,
-        watched,
-        runtime,
-    ))
 }
 
 /// `guard` is one more guard of its owner's live hold: no store call, unless a fixed
 /// lease asks for more than the hold has left (then the hold is extended, never
 /// shortened).
 async fn reenter(client: &LockClient, guard: LockGuard, started: Instant) -> Result<LockGuard> {
-    let (hold, lease, watched) = (Arc::clone(guard.hold()), guard.lease(), guard.is_watched());
-    let now = Instant::now();
-    let wanted = now.checked_add(lease);
-    let short = match (hold.expiry.get(), wanted) {
-        (Some(at), Some(wanted)) => !watched && at < wanted,
-        _ => false,
-    };
-    if short {
+    if needs_renewal(&guard) {
+        let hold = Arc::clone(guard.hold());
+        let lease = guard.lease();
         let backend = client.backend();
         let mut req = hold.store.clone();
         req.lease = lease;
@@ -217,7 +366,13 @@ async fn reenter(client: &LockClient, guard: LockGuard, started: Instant) -> Res
         let valid = lease.saturating_sub(backend.clock_drift(lease));
         hold.expiry.extend_to(sent_at.checked_add(valid));
     }
+    reentered(client, guard, started)
+}
+
+/// A re-entry, done: observed and handed out.
+fn reentered(client: &LockClient, guard: LockGuard, started: Instant) -> Result<LockGuard> {
     if let Some(observer) = client.hooks().observer() {
+        let hold = guard.hold();
         let event = LockEvent {
             key: &hold.slot.key,
             mode: hold.slot.mode,
@@ -455,7 +610,16 @@ async fn attempt(client: &LockClient, req: &LockRequest) -> Result<Outcome> {
         req,
         armed: true,
     };
-    let outcome = client.backend().acquire(req).await;
+    let backend = client.backend();
+    let now = if backend.answers_now() {
+        backend.try_acquire_now(req)
+    } else {
+        None
+    };
+    let outcome = match now {
+        Some(outcome) => outcome,
+        None => backend.acquire(req).await,
+    };
     let answered_at = Instant::now();
     // Answered (even with an error): the caller decides what to compensate, and when,
     // since it may try again as the same owner.

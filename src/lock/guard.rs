@@ -102,37 +102,43 @@ impl LostSignal {
     /// needs, so it can be moved into a spawned task or a `select!`.
     pub fn wait(&self) -> impl Future<Output = ()> + Send + 'static {
         let this = self.clone();
-        async move { this.wait_owned().await }
-    }
-
-    fn wait_owned(self) -> Pin<Box<dyn Future<Output = ()> + Send>> {
-        match self.repr {
-            Repr::One(hold) => Box::pin(async move {
-                // The lease may be extended while we sleep: re-read it when it seems due.
-                while let Some(at) = hold.expiry.get() {
-                    tokio::select! {
-                        _ = hold.lost.cancelled() => return,
-                        _ = tokio::time::sleep_until(at) => {
-                            if hold.is_lost_at(Instant::now()) {
-                                return;
-                            }
-                        }
-                    }
-                }
-                hold.lost.cancelled().await;
-            }),
-            Repr::Any(signals) => {
-                let mut waits: Vec<_> = signals.iter().map(|s| s.clone().wait_owned()).collect();
-                Box::pin(std::future::poll_fn(move |cx| {
-                    if waits.iter_mut().any(|w| w.as_mut().poll(cx).is_ready()) {
-                        Poll::Ready(())
-                    } else {
-                        Poll::Pending
-                    }
-                }))
+        async move {
+            match this.repr {
+                // One lock (the common case): waited for in place, no allocation.
+                Repr::One(hold) => wait_one(hold).await,
+                Repr::Any(signals) => wait_any(signals).await,
             }
         }
     }
+}
+
+async fn wait_one(hold: Arc<Hold>) {
+    // The lease may be extended while we sleep: re-read it when it seems due.
+    while let Some(at) = hold.expiry.get() {
+        tokio::select! {
+            _ = hold.lost.cancelled() => return,
+            _ = tokio::time::sleep_until(at) => {
+                if hold.is_lost_at(Instant::now()) {
+                    return;
+                }
+            }
+        }
+    }
+    hold.lost.cancelled().await;
+}
+
+fn wait_any(signals: Arc<[LostSignal]>) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+    let mut waits: Vec<Pin<Box<dyn Future<Output = ()> + Send>>> = signals
+        .iter()
+        .map(|s| -> Pin<Box<dyn Future<Output = ()> + Send>> { Box::pin(s.wait()) })
+        .collect();
+    Box::pin(std::future::poll_fn(move |cx| {
+        if waits.iter_mut().any(|w| w.as_mut().poll(cx).is_ready()) {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    }))
 }
 
 impl fmt::Debug for LostSignal {
@@ -299,38 +305,80 @@ impl LockGuard {
     ///   nothing of another hold is touched.
     /// - A backend error when the store could not be reached; the lease then ends the
     ///   hold (renewal has already stopped).
-    pub async fn unlock(mut self) -> Result<()> {
+    pub async fn unlock(self) -> Result<()> {
+        match self.start_unlock() {
+            Unlocking::Done(outcome) => outcome,
+            Unlocking::Pending(release) => release.await,
+        }
+    }
+
+    /// [`unlock`](Self::unlock) as far as it goes without waiting: done when this was
+    /// not the hold's last guard or the backend released it on the spot (an in-process
+    /// store), else the release still to await. Dropped before it finishes, that
+    /// release goes on in a task.
+    pub(crate) fn start_unlock(mut self) -> Unlocking {
         let Some(held) = self.inner.take() else {
-            return Ok(());
+            return Unlocking::Done(Ok(()));
         };
         let left = held.leave();
         let was_lost = held.hold.is_lost_at(Instant::now());
         if left == Left::Others {
             if was_lost {
                 held.report_loss();
-                return Err(Error::Lost);
+                return Unlocking::Done(Err(Error::Lost));
             }
-            return Ok(());
+            return Unlocking::Done(Ok(()));
+        }
+        if let Some(outcome) = release_fully_now(held.client.backend().as_ref(), &held.hold.store) {
+            return Unlocking::Done(held.finish(outcome, was_lost));
         }
         // Cancel-safe: dropped before the store answers, the release goes on in a task.
-        let release = release_fully(Arc::clone(held.client.backend()), held.hold.store.clone());
-        let outcome = FinishOnDrop::new(held.runtime.clone(), release).await;
-        held.observe(&outcome, was_lost);
-        match outcome {
-            Ok(Release::NotHeld) => {
-                held.hold.lost.cancel();
-                Err(Error::Lost)
-            }
-            // Known lost: that is the news, whatever the release met.
-            _ if was_lost => Err(Error::Lost),
-            Ok(_) => Ok(()),
-            Err(error) => Err(error),
-        }
+        let runtime = held.runtime.clone();
+        Unlocking::Pending(FinishOnDrop::new(Some(runtime), async move {
+            let outcome =
+                release_fully(Arc::clone(held.client.backend()), held.hold.store.clone()).await;
+            held.finish(outcome, was_lost)
+        }))
     }
+}
+
+/// A guard's unlock, begun: see [`LockGuard::start_unlock`].
+pub(crate) enum Unlocking {
+    Done(Result<()>),
+    /// Cancel-safe: dropped before it finishes, the release goes on in a task.
+    Pending(FinishOnDrop<Result<()>>),
 }
 
 /// The most releases spent on holds the store counts beyond one.
 const MAX_REPAIRS: u32 = 1024;
+
+/// [`release_fully`] on the spot, when the backend answers without I/O.
+fn release_fully_now(
+    backend: &dyn crate::backend::LockBackend,
+    req: &LockRequest,
+) -> Option<Result<Release>> {
+    if !backend.answers_now() {
+        return None;
+    }
+    let first = backend.try_release_now(req)?;
+    let Ok(Release::Decremented { holds }) = first else {
+        return Some(first);
+    };
+    tracing::debug!(
+        holds,
+        "releasing holds of an acquisition whose reply was lost"
+    );
+    for _ in 0..holds.min(MAX_REPAIRS) {
+        match backend.try_release_now(req) {
+            Some(Ok(Release::Decremented { .. })) => {}
+            Some(Ok(_)) => return Some(Ok(Release::Released)),
+            Some(Err(error)) => return Some(Err(error)),
+            // Against the trait's contract; the holds left end with their lease.
+            None => break,
+        }
+    }
+    Some(first)
+}
 
 /// Releases the hold `req` names, all of it. The store counts more than one hold for it
 /// only when an earlier attempt of the same acquisition was applied though its reply was
@@ -356,15 +404,18 @@ async fn release_fully(
     Ok(first)
 }
 
-/// Drives a boxed future; dropped before it completes, hands it to a task on `runtime`
-/// so it still runs to the end.
-struct FinishOnDrop<T: Send + 'static> {
+/// A future that, dropped before it finishes, finishes in a task on `runtime` (or,
+/// without one, is dropped: for futures made of parts that finish on their own).
+pub(crate) struct FinishOnDrop<T: Send + 'static> {
     future: Option<Pin<Box<dyn Future<Output = T> + Send>>>,
-    runtime: Handle,
+    runtime: Option<Handle>,
 }
 
 impl<T: Send + 'static> FinishOnDrop<T> {
-    fn new(runtime: Handle, future: impl Future<Output = T> + Send + 'static) -> Self {
+    pub(crate) fn new(
+        runtime: Option<Handle>,
+        future: impl Future<Output = T> + Send + 'static,
+    ) -> Self {
         FinishOnDrop {
             future: Some(Box::pin(future)),
             runtime,
@@ -387,8 +438,8 @@ impl<T: Send + 'static> Future for FinishOnDrop<T> {
 
 impl<T: Send + 'static> Drop for FinishOnDrop<T> {
     fn drop(&mut self) {
-        if let Some(future) = self.future.take() {
-            self.runtime.spawn(async move {
+        if let (Some(future), Some(runtime)) = (self.future.take(), self.runtime.as_ref()) {
+            runtime.spawn(async move {
                 let _ = future.await;
             });
         }
@@ -419,6 +470,37 @@ impl Held {
         }
     }
 
+    /// The release of a dropped guard, observed and logged: nobody is left to tell.
+    fn after_drop(&self, outcome: Result<Release>, was_lost: bool) {
+        self.observe(&outcome, was_lost);
+        let key = self.client.hooks().key(&self.hold.slot.key);
+        match outcome {
+            Ok(Release::NotHeld) => {
+                self.hold.lost.cancel();
+                tracing::debug!(%key, "dropped guard's lock was no longer held");
+            }
+            Ok(_) => {}
+            Err(error) => {
+                tracing::warn!(%key, %error, "release of a dropped guard failed; the lease will end the hold");
+            }
+        }
+    }
+
+    /// What `unlock` reports for the release's `outcome`, observed.
+    fn finish(&self, outcome: Result<Release>, was_lost: bool) -> Result<()> {
+        self.observe(&outcome, was_lost);
+        match outcome {
+            Ok(Release::NotHeld) => {
+                self.hold.lost.cancel();
+                Err(Error::Lost)
+            }
+            // Known lost: that is the news, whatever the release met.
+            _ if was_lost => Err(Error::Lost),
+            Ok(_) => Ok(()),
+            Err(error) => Err(error),
+        }
+    }
+
     fn observe(&self, outcome: &Result<Release>, was_lost: bool) {
         match outcome {
             Ok(Release::NotHeld) => self.report_loss(),
@@ -442,22 +524,15 @@ impl Drop for LockGuard {
             return;
         }
         let was_lost = held.hold.is_lost_at(Instant::now());
+        if let Some(outcome) = release_fully_now(held.client.backend().as_ref(), &held.hold.store) {
+            held.after_drop(outcome, was_lost);
+            return;
+        }
         let runtime = held.runtime.clone();
         runtime.spawn(async move {
             let outcome =
                 release_fully(Arc::clone(held.client.backend()), held.hold.store.clone()).await;
-            held.observe(&outcome, was_lost);
-            let key = held.client.hooks().key(&held.hold.slot.key);
-            match outcome {
-                Ok(Release::NotHeld) => {
-                    held.hold.lost.cancel();
-                    tracing::debug!(%key, "dropped guard's lock was no longer held");
-                }
-                Ok(_) => {}
-                Err(error) => {
-                    tracing::warn!(%key, %error, "release of a dropped guard failed; the lease will end the hold");
-                }
-            }
+            held.after_drop(outcome, was_lost);
         });
     }
 }

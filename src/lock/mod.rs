@@ -82,6 +82,7 @@ mod observer;
 mod registry;
 mod watchdog;
 
+pub(crate) use guard::{FinishOnDrop, Unlocking};
 pub use guard::{LockGuard, LostSignal};
 pub(crate) use observer::Hooks;
 pub use observer::{LockEvent, LockObserver};

@@ -39,13 +39,46 @@ use std::time::Duration;
 use tokio::runtime::Handle;
 use tokio::sync::Notify;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 use super::Hooks;
 use super::watchdog::Tasks;
 use crate::backend::{FencingToken, LockBackend, LockMode, LockRequest};
 use crate::key::LockKey;
 use crate::owner::Owner;
+
+/// A hold's "lost" alarm: set once, never cleared, awaitable. A cancellation token
+/// without an allocation of its own (it lives in the hold's).
+#[derive(Default)]
+pub(crate) struct LostFlag {
+    set: std::sync::atomic::AtomicBool,
+    notify: Notify,
+}
+
+impl LostFlag {
+    pub(crate) fn cancel(&self) {
+        if !self.set.swap(true, Ordering::AcqRel) {
+            self.notify.notify_waiters();
+        }
+    }
+
+    pub(crate) fn is_cancelled(&self) -> bool {
+        self.set.load(Ordering::Acquire)
+    }
+
+    /// Ready once [`cancel`](Self::cancel) was called.
+    pub(crate) async fn cancelled(&self) {
+        loop {
+            let notified = self.notify.notified();
+            tokio::pin!(notified);
+            // Registered before the check: a `cancel` after it wakes this one.
+            notified.as_mut().enable();
+            if self.is_cancelled() {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
 
 /// When a hold's last confirmed lease ends. Moves only later, except when a lease is
 /// pinned to an exact length ([`Expiry::set`]).
@@ -110,7 +143,7 @@ pub(crate) struct Hold {
     /// its mode, and the lease it was taken with.
     pub(crate) store: LockRequest,
     /// Fired when the hold is found gone or its expiry is seen passed; never un-fired.
-    pub(crate) lost: CancellationToken,
+    pub(crate) lost: LostFlag,
     pub(crate) expiry: Expiry,
     /// Wakes acquirers of the same slot waiting for this hold's acquisition to finish.
     acquired: Notify,
@@ -287,7 +320,7 @@ impl Registry {
         let hold = Arc::new(Hold {
             slot: slot.clone(),
             store: store(&state),
-            lost: CancellationToken::new(),
+            lost: LostFlag::default(),
             expiry: Expiry::new(None),
             acquired: Notify::new(),
             loss_reported: std::sync::atomic::AtomicBool::new(false),

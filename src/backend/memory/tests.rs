@@ -556,3 +556,33 @@ async fn a_wake_up_for_one_queue_entry_does_not_wake_the_same_owners_other_entry
     assert!(woken(&mut write_sub).await);
     grant(b.acquire(&write).await.unwrap());
 }
+
+/// The on-the-spot answers are the async ones, and a backend behind `Arc<dyn _>` or
+/// `Box<_>` (how `LockClient` holds it) keeps them: the forwarding once dropped them.
+#[tokio::test]
+async fn on_the_spot_answers_survive_wrapping_and_match_the_async_ones() {
+    let backend = MemoryBackend::new();
+    let wrapped: Vec<Box<dyn LockBackend>> = vec![
+        Box::new(backend.clone()),
+        Box::new(Arc::new(backend.clone()) as Arc<dyn LockBackend>),
+    ];
+    for (i, b) in wrapped.iter().enumerate() {
+        assert!(b.answers_now(), "wrapper {i} hides the fast path");
+        let key = format!("spot-{i}");
+        let a = req(&key, "a:1", 1000);
+        let other = req(&key, "b:1", 1000);
+        assert!(matches!(
+            b.try_acquire_now(&a),
+            Some(Ok(Acquire::Acquired(_)))
+        ));
+        assert!(matches!(
+            b.try_acquire_now(&other),
+            Some(Ok(Acquire::Busy { .. }))
+        ));
+        assert!(matches!(b.acquire(&other).await, Ok(Acquire::Busy { .. })));
+        assert!(matches!(b.try_release_now(&a), Some(Ok(Release::Released))));
+        assert!(matches!(b.try_release_now(&a), Some(Ok(Release::NotHeld))));
+        assert!(matches!(b.acquire(&other).await, Ok(Acquire::Acquired(_))));
+        assert!(matches!(b.release(&other).await, Ok(Release::Released)));
+    }
+}
