@@ -1258,7 +1258,7 @@ async fn all(args: &Args) -> Result<String, String> {
                 ));
                 let allocs = field(&line, "allocs_per_request")
                     .zip(field(none, "allocs_per_request"))
-                    .map(|(a, b)| (a - b).max(0.0));
+                    .map(|(a, b)| ((a - b).max(0.0) * 10.0).round() / 10.0);
                 ratios.push((
                     format!("w5x{connections}_{layer}_layer_allocs_per_request"),
                     json!(allocs),
