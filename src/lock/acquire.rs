@@ -190,10 +190,15 @@ impl Start {
         if let Some(observer) = client.hooks().observer() {
             observer.acquired(self.event(), waited);
         }
+        self.guard(client, hold, 1)
+    }
+
+    /// A guard of `hold`, its `holds`-th.
+    fn guard(self, client: &LockClient, hold: Arc<Hold>, holds: u32) -> LockGuard {
         LockGuard::new(
             client.clone(),
             hold,
-            1,
+            holds,
             self.lease_len,
             self.watched,
             self.runtime,
@@ -224,14 +229,7 @@ pub(crate) fn try_acquire_now(
     let hold = match start.enter(client) {
         Entered::Acquire(hold) => hold,
         Entered::Reentered { hold, count } => {
-            let guard = LockGuard::new(
-                client.clone(),
-                hold,
-                count,
-                start.lease_len,
-                start.watched,
-                start.runtime,
-            );
+            let guard = start.guard(client, hold, count);
             if needs_renewal(&guard) {
                 // Renewing is I/O-shaped: the async path does it. Dropping this guard
                 // only leaves the hold (or, if its other guards went meanwhile, releases
@@ -299,14 +297,7 @@ pub(crate) async fn acquire_as(
     let hold = loop {
         match start.enter(client) {
             Entered::Reentered { hold, count } => {
-                let guard = LockGuard::new(
-                    client.clone(),
-                    hold,
-                    count,
-                    start.lease_len,
-                    start.watched,
-                    start.runtime,
-                );
+                let guard = start.guard(client, hold, count);
                 return reenter(client, guard, started).await;
             }
             Entered::Wait(hold) => {
