@@ -838,6 +838,13 @@ impl LockBackend for Counting {
     ) -> BoxFuture<'a, tower_lock::Result<bool>> {
         self.inner.force_release(key, mode)
     }
+    fn inspect<'a>(
+        &'a self,
+        key: &'a LockKey,
+        mode: LockMode,
+    ) -> BoxFuture<'a, tower_lock::Result<tower_lock::LockState>> {
+        self.inner.inspect(key, mode)
+    }
 }
 
 async fn w4(args: &Args) -> Result<String, String> {

@@ -101,13 +101,14 @@ pub use backend::memory::MemoryBackend;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use backend::redis::RedisBackend;
-pub use backend::{FencingToken, LockMode};
+pub use backend::{FencingToken, Holder, LockMode, LockState, WaiterScope, Waiters};
 pub use error::{BoxError, Error, Result};
 pub use key::{IntoLockKey, LockKey, MAX_KEY_LEN};
 pub use layer::LockLayer;
 pub use lock::{
-    DEFAULT_WATCHDOG_LEASE, Lease, Lock, LockClient, LockClientBuilder, LockEvent, LockGuard,
-    LockObserver, LostSignal, MAX_LEASE, MIN_LEASE, MIN_WATCHDOG_LEASE,
+    CLIENT_NAME_TTL, DEFAULT_WATCHDOG_LEASE, Lease, Lock, LockClient, LockClientBuilder, LockEvent,
+    LockGuard, LockObserver, LostSignal, MAX_CLIENT_NAME_LEN, MAX_LEASE, MIN_LEASE,
+    MIN_WATCHDOG_LEASE,
 };
 pub use owner::{MAX_OWNER_LEN, Owner};
 

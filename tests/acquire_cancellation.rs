@@ -122,6 +122,13 @@ impl LockBackend for Gated {
     ) -> BoxFuture<'a, Result<bool>> {
         self.inner.force_release(key, mode)
     }
+    fn inspect<'a>(
+        &'a self,
+        key: &'a LockKey,
+        mode: LockMode,
+    ) -> BoxFuture<'a, Result<tower_lock::LockState>> {
+        self.inner.inspect(key, mode)
+    }
 
     fn clock_drift(&self, _lease: Duration) -> Duration {
         self.stalls.lock().unwrap().drift

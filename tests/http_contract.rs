@@ -181,6 +181,13 @@ impl<B: LockBackend> LockBackend for Gated<B> {
     ) -> BoxFuture<'a, tower_lock::Result<bool>> {
         self.inner.force_release(key, mode)
     }
+    fn inspect<'a>(
+        &'a self,
+        key: &'a LockKey,
+        mode: LockMode,
+    ) -> BoxFuture<'a, tower_lock::Result<tower_lock::LockState>> {
+        self.inner.inspect(key, mode)
+    }
 
     fn watchdog_lease(&self) -> Option<Duration> {
         self.inner.watchdog_lease()

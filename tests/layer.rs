@@ -481,6 +481,13 @@ impl LockBackend for ExclusiveOnly {
     ) -> BoxFuture<'a, Result<bool>> {
         self.inner.force_release(key, mode)
     }
+    fn inspect<'a>(
+        &'a self,
+        key: &'a LockKey,
+        mode: LockMode,
+    ) -> BoxFuture<'a, Result<tower_lock::LockState>> {
+        self.inner.inspect(key, mode)
+    }
 }
 
 #[tokio::test]
@@ -671,6 +678,13 @@ impl LockBackend for SlowRelease {
         mode: LockMode,
     ) -> BoxFuture<'a, Result<bool>> {
         self.inner.force_release(key, mode)
+    }
+    fn inspect<'a>(
+        &'a self,
+        key: &'a LockKey,
+        mode: LockMode,
+    ) -> BoxFuture<'a, Result<tower_lock::LockState>> {
+        self.inner.inspect(key, mode)
     }
 }
 

@@ -164,6 +164,16 @@ async fn redisson_and_tower_lock_exclude_each_other() {
         hgetall(&mut raw, name).await,
         HashMap::from([(redisson.field(1), "1".to_owned())])
     );
+    // Inspection reads Redisson's hold as it reads ours.
+    let state = lock.inspect().await.unwrap();
+    assert_eq!(state.holders.len(), 1, "{state:?}");
+    let h = &state.holders[0];
+    assert_eq!(h.owner.as_str(), redisson.field(1));
+    assert_eq!((h.holds, h.mode), (1, tower_lock::LockMode::Exclusive));
+    assert!(h.ttl.is_some_and(|t| t > Duration::from_secs(25)), "{h:?}");
+    assert_eq!(h.client_id(), Some(redisson.id));
+    assert_eq!(h.client, None, "Redisson registers no name");
+    assert_eq!(lock.hold_count(&h.owner).await.unwrap(), 1);
     match lock.try_lock().await {
         Err(Error::Busy {
             holder_ttl: Some(ttl),

@@ -384,6 +384,19 @@ async fn redisson_read_write_lock_and_tower_lock_share_one_lock() {
             (ours.holder().to_string(), "1".to_owned()),
         ])
     );
+    // Inspection reads both read holds, each with its own lease key's ttl.
+    let state = rw.read_lock().inspect().await.unwrap();
+    assert_eq!(state.holders.len(), 2, "{state:?}");
+    for h in &state.holders {
+        assert_eq!((h.mode, h.holds), (tower_lock::LockMode::Read, 1), "{h:?}");
+        assert!(h.ttl.is_some_and(|t| t > Duration::from_secs(20)), "{h:?}");
+    }
+    assert!(
+        state
+            .holders
+            .iter()
+            .any(|h| h.owner.as_str() == redisson.field(1))
+    );
     let our_lease_key = format!("{{doc}}:{}:rwlock_timeout:1", ours.holder());
     let lease_left = pttl(&mut raw, &our_lease_key).await;
     assert!(

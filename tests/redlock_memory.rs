@@ -111,6 +111,13 @@ impl LockBackend for Node {
     ) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move { self.reach().await?.force_release(key, mode).await })
     }
+    fn inspect<'a>(
+        &'a self,
+        key: &'a LockKey,
+        mode: LockMode,
+    ) -> BoxFuture<'a, Result<tower_lock::LockState>> {
+        Box::pin(async move { self.reach().await?.inspect(key, mode).await })
+    }
 }
 
 fn nodes(n: usize) -> Vec<Node> {

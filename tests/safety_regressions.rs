@@ -188,6 +188,13 @@ impl LockBackend for Faulty {
     ) -> BoxFuture<'a, Result<bool>> {
         self.inner.force_release(key, mode)
     }
+    fn inspect<'a>(
+        &'a self,
+        key: &'a LockKey,
+        mode: LockMode,
+    ) -> BoxFuture<'a, Result<tower_lock::LockState>> {
+        self.inner.inspect(key, mode)
+    }
 
     fn watchdog_lease(&self) -> Option<Duration> {
         self.inner.watchdog_lease()

@@ -101,8 +101,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
-    Acquire, BoxFuture, FencingToken, Grant, Holder, LockBackend, LockMode, LockRequest, Release,
-    Signal, Subscription, Wake,
+    Acquire, BoxFuture, FencingToken, Grant, Holder, LockBackend, LockMode, LockRequest, LockState,
+    Release, Signal, Subscription, WaiterScope, Waiters, Wake,
 };
 use crate::error::{Error, Result};
 use crate::key::LockKey;
@@ -129,12 +129,15 @@ struct Shared {
     fence: AtomicU64,
     watchdog_lease: Option<Duration>,
     waiter_timeout: Duration,
+    /// Registered client names: id → (name, until).
+    clients: Mutex<HashMap<String, (String, Option<Instant>)>>,
 }
 
 impl Default for Shared {
     fn default() -> Self {
         Shared {
             table: Mutex::default(),
+            clients: Mutex::default(),
             fence: AtomicU64::new(0),
             watchdog_lease: None,
             waiter_timeout: DEFAULT_WAITER_TIMEOUT,
@@ -753,18 +756,22 @@ impl MemoryBackend {
     }
 
     /// Every live hold of `key`, in no particular order: what the store has right now,
-    /// without changing it. For diagnostics and tests.
+    /// without changing it. For diagnostics and tests; [`LockBackend::inspect`] says
+    /// more.
     pub fn holders(&self, key: &LockKey) -> Vec<Holder> {
+        self.state_of(key, LockMode::Exclusive).holders
+    }
+
+    /// What [`inspect`](LockBackend::inspect) answers, on the spot.
+    fn state_of(&self, key: &LockKey, mode: LockMode) -> LockState {
         let now = Instant::now();
         let table = self.table();
         let Some(entry) = table.map.get(key) else {
-            return Vec::new();
+            return LockState::new(Vec::new(), Waiters::new(0, WaiterScope::Store));
         };
-        let describe = |hold: &Hold| Holder {
-            owner: hold.owner.clone(),
-            mode: hold.mode,
-            holds: hold.holds,
-            ttl: hold.ttl(now),
+        let describe = |hold: &Hold| {
+            Holder::new(hold.owner.clone(), hold.mode, hold.holds, hold.ttl(now))
+                .with_token(hold.token)
         };
         let holds: Vec<&Hold> = match &entry.holds {
             Holds::Free => Vec::new(),
@@ -772,11 +779,28 @@ impl MemoryBackend {
             Holds::Shared { writer, readers } => writer.iter().chain(readers.values()).collect(),
             Holds::Permits(holders) => holders.values().collect(),
         };
-        holds
+        let holders: Vec<Holder> = holds
             .into_iter()
             .filter(|h| h.live(now))
             .map(describe)
-            .collect()
+            .collect();
+        let newest = holders.iter().filter_map(|h| h.token).max();
+        // Queued modes wait in the queue; the others only subscribe. Either way every
+        // waiter of this store is in this process.
+        let waiting = if is_queued(mode) {
+            entry.queue.len()
+        } else {
+            entry.subscribers
+        };
+        LockState::new(holders, Waiters::new(waiting, WaiterScope::Store))
+            .with_fencing_token(newest)
+    }
+
+    fn clients(&self) -> MutexGuard<'_, HashMap<String, (String, Option<Instant>)>> {
+        self.shared
+            .clients
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     fn table(&self) -> MutexGuard<'_, Table> {
@@ -1074,6 +1098,44 @@ impl LockBackend for MemoryBackend {
             }
             table.remove_if_unused(key, now);
             Ok(removed > 0)
+        })
+    }
+
+    fn inspect<'a>(&'a self, key: &'a LockKey, mode: LockMode) -> BoxFuture<'a, Result<LockState>> {
+        Box::pin(async move { Ok(self.state_of(key, mode)) })
+    }
+
+    fn register_client<'a>(
+        &'a self,
+        id: &'a str,
+        name: &'a str,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let now = Instant::now();
+            let mut clients = self.clients();
+            clients.retain(|_, (_, until)| until.is_none_or(|at| at > now));
+            clients.insert(id.to_owned(), (name.to_owned(), now.checked_add(ttl)));
+            Ok(())
+        })
+    }
+
+    fn client_names<'a>(
+        &'a self,
+        ids: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
+        Box::pin(async move {
+            let now = Instant::now();
+            let clients = self.clients();
+            Ok(ids
+                .iter()
+                .map(|id| {
+                    clients
+                        .get(*id)
+                        .filter(|(_, until)| until.is_none_or(|at| at > now))
+                        .map(|(name, _)| name.clone())
+                })
+                .collect())
         })
     }
 

@@ -280,18 +280,157 @@ impl Grant {
 
 /// One hold as a store has it: who, in which mode, how many times, for how long.
 ///
-/// Returned by inspection calls such as [`MemoryBackend::holders`](crate::MemoryBackend::holders).
+/// The store's part is filled by [`LockBackend::inspect`]; [`Lock::inspect`](crate::Lock::inspect)
+/// adds what the inspecting client knows (`client`, and for its own holds `since` and
+/// `guards`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Holder {
-    /// The hold's owner as the store records it.
+    /// The hold's owner as the store records it: `<client uuid>:<n>` for this crate's
+    /// holds (and Redisson's `<uuid>:<thread id>`).
     pub owner: Owner,
-    /// How the key is held.
+    /// How the key is held. For a [`LockMode::Permits`] hold, `max` is the one the
+    /// inspection asked with (the store does not keep it), or `u32::MAX` when it asked
+    /// in another mode.
     pub mode: LockMode,
-    /// How many times the owner holds it (re-entries counted by the store).
+    /// How many times the store counts the owner as holding it. A
+    /// [`LockClient`](crate::LockClient) counts re-entries itself, so its holds show
+    /// 1 here and their re-entries in `guards`.
     pub holds: u32,
     /// How long its lease still runs; `None` for no expiry.
     pub ttl: Option<Duration>,
+    /// The fencing token of this hold, where the store keeps one per hold (memory,
+    /// permits); see [`LockState::fencing_token`] for the name's newest.
+    pub token: Option<FencingToken>,
+    /// The name of the client that holds it ([`LockClientBuilder::name`](crate::LockClientBuilder::name)),
+    /// when that client registered one in the store. Filled by `Lock::inspect`.
+    pub client: Option<String>,
+    /// When the hold was taken (the inspecting client's wall clock), for the
+    /// inspecting client's own holds; the store does not record it. Filled by
+    /// `Lock::inspect`.
+    pub since: Option<std::time::SystemTime>,
+    /// How many guards stand for the hold (the client-side re-entries), for the
+    /// inspecting client's own holds. Filled by `Lock::inspect`.
+    pub guards: Option<u32>,
+}
+
+impl Holder {
+    /// A hold as the store reports it; the client-side fields start empty.
+    pub fn new(owner: Owner, mode: LockMode, holds: u32, ttl: Option<Duration>) -> Self {
+        Holder {
+            owner,
+            mode,
+            holds,
+            ttl,
+            token: None,
+            client: None,
+            since: None,
+            guards: None,
+        }
+    }
+
+    /// The same holder with the hold's fencing token.
+    #[must_use]
+    pub fn with_token(mut self, token: Option<FencingToken>) -> Self {
+        self.token = token;
+        self
+    }
+
+    /// The client id part of the owner (`<client uuid>` of `<client uuid>:<n>`), which
+    /// names the process that holds it; `None` for an owner of another shape.
+    pub fn client_id(&self) -> Option<&str> {
+        self.owner
+            .as_str()
+            .rsplit_once(':')
+            .map(|(client, _)| client)
+    }
+}
+
+/// Who waits for a lock, as far as a store can tell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Waiters {
+    /// How many wait.
+    pub count: usize,
+    /// Whose waiters `count` covers.
+    pub scope: WaiterScope,
+}
+
+/// Whose waiters [`Waiters::count`] covers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WaiterScope {
+    /// Every process's: the store keeps its waiters (a fair or read-write queue, or an
+    /// in-process store). A queue may still hold a waiter that vanished, until the
+    /// waiter timeout evicts it.
+    Store,
+    /// Only the waiters of this process (this backend instance): the store does not
+    /// record who waits for a plain lock or a permit (waiters in other processes sleep on
+    /// a release channel).
+    Process,
+}
+
+impl fmt::Display for WaiterScope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            WaiterScope::Store => "store",
+            WaiterScope::Process => "process",
+        })
+    }
+}
+
+/// What a store holds for one lock name right now. Returned by [`LockBackend::inspect`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LockState {
+    /// Every live hold of the name, in the store's order.
+    pub holders: Vec<Holder>,
+    /// The newest fencing token the store has for the name: the fencing counter where
+    /// the store keeps one per name (Redis), else the newest token of a current holder.
+    /// `None` when the name was never locked fenced (or nothing is left of it).
+    pub fencing_token: Option<FencingToken>,
+    /// Who waits.
+    pub waiters: Waiters,
+}
+
+impl LockState {
+    /// A state with these holders and waiters, and no fencing token.
+    pub fn new(holders: Vec<Holder>, waiters: Waiters) -> Self {
+        LockState {
+            holders,
+            fencing_token: None,
+            waiters,
+        }
+    }
+
+    /// The same state with the name's newest fencing token.
+    #[must_use]
+    pub fn with_fencing_token(mut self, token: Option<FencingToken>) -> Self {
+        self.fencing_token = token;
+        self
+    }
+
+    /// Whether anyone holds the name.
+    pub fn is_locked(&self) -> bool {
+        !self.holders.is_empty()
+    }
+
+    /// The longest lease still running among the holders (`Duration::MAX` for a hold
+    /// without expiry); `None` when nobody holds the name. Redisson's
+    /// `remainTimeToLive`.
+    pub fn remaining_lease(&self) -> Option<Duration> {
+        self.holders
+            .iter()
+            .map(|h| h.ttl.unwrap_or(Duration::MAX))
+            .max()
+    }
+}
+
+impl Waiters {
+    /// `count` waiters of `scope`.
+    pub fn new(count: usize, scope: WaiterScope) -> Self {
+        Waiters { count, scope }
+    }
 }
 
 /// The outcome of [`LockBackend::acquire`].
@@ -557,6 +696,36 @@ pub trait LockBackend: Send + Sync + 'static {
     fn force_release<'a>(&'a self, key: &'a LockKey, mode: LockMode)
     -> BoxFuture<'a, Result<bool>>;
 
+    /// What the store holds for `key` right now, read without changing anything: every
+    /// live hold of the name (whatever its kind), the name's newest fencing token, and
+    /// who waits — counted by the store for modes it queues (fair, read, write), else by
+    /// this backend instance (see [`WaiterScope`]). `mode` says which waiters to count,
+    /// and fills in the `max` of permit holds.
+    fn inspect<'a>(&'a self, key: &'a LockKey, mode: LockMode) -> BoxFuture<'a, Result<LockState>>;
+
+    /// Records in the store that the client `id` (the UUID part of its owners) is named
+    /// `name`, for `ttl`, so that any process inspecting a lock can say which process
+    /// holds it ([`client_names`](LockBackend::client_names)). The default records
+    /// nothing.
+    fn register_client<'a>(
+        &'a self,
+        id: &'a str,
+        name: &'a str,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<()>> {
+        let _ = (id, name, ttl);
+        Box::pin(async { Ok(()) })
+    }
+
+    /// The names registered for client `ids`, in the same order (`None`: none
+    /// registered, or expired). The default knows none.
+    fn client_names<'a>(
+        &'a self,
+        ids: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
+        Box::pin(async move { Ok(vec![None; ids.len()]) })
+    }
+
     /// The watchdog lease this backend was configured with, if any; a
     /// [`LockClient`](crate::LockClient) built on this backend uses it unless told
     /// otherwise.
@@ -627,6 +796,15 @@ macro_rules! forward_backend {
             }
             fn force_release<'a>(&'a self, key: &'a LockKey, mode: LockMode) -> BoxFuture<'a, Result<bool>> {
                 (**self).force_release(key, mode)
+            }
+            fn inspect<'a>(&'a self, key: &'a LockKey, mode: LockMode) -> BoxFuture<'a, Result<LockState>> {
+                (**self).inspect(key, mode)
+            }
+            fn register_client<'a>(&'a self, id: &'a str, name: &'a str, ttl: Duration) -> BoxFuture<'a, Result<()>> {
+                (**self).register_client(id, name, ttl)
+            }
+            fn client_names<'a>(&'a self, ids: &'a [&'a str]) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
+                (**self).client_names(ids)
             }
             fn watchdog_lease(&self) -> Option<Duration> {
                 (**self).watchdog_lease()

@@ -132,7 +132,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::backend::{
-    Acquire, BoxFuture, Grant, LockBackend, LockMode, LockRequest, Release, Subscription, Wake,
+    Acquire, BoxFuture, Grant, Holder, LockBackend, LockMode, LockRequest, LockState, Release,
+    Subscription, WaiterScope, Waiters, Wake,
 };
 use crate::error::{Error, Result};
 use crate::key::LockKey;
@@ -852,6 +853,75 @@ impl LockBackend for RedLock {
         })
     }
 
+    /// Every node's state, merged: a holder is reported when a quorum of the nodes
+    /// that answered has it (its ttl is the time until fewer than a quorum still do),
+    /// the fencing token is the newest any node has, and waiters are the most any node
+    /// counts. Fewer answers than a quorum: [`Error::NoQuorum`].
+    fn inspect<'a>(&'a self, key: &'a LockKey, mode: LockMode) -> BoxFuture<'a, Result<LockState>> {
+        Box::pin(async move {
+            let quorum = self.inner.quorum_for(mode);
+            let states: Vec<LockState> = self
+                .inner
+                .on_all("inspect", |node| node.inspect(key, mode))
+                .await
+                .into_iter()
+                .filter_map(|vote| match vote {
+                    Vote::Answer(state) => Some(state),
+                    Vote::Failed => None,
+                })
+                .collect();
+            if states.len() < quorum {
+                return Err(self.inner.no_quorum(states.len(), quorum));
+            }
+            Ok(merge_states(&states, |mode| self.inner.quorum_for(mode)))
+        })
+    }
+
+    fn register_client<'a>(
+        &'a self,
+        id: &'a str,
+        name: &'a str,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let votes = self
+                .inner
+                .on_all("register the client", |node| {
+                    node.register_client(id, name, ttl)
+                })
+                .await;
+            if votes.iter().any(|v| matches!(v, Vote::Answer(()))) {
+                Ok(())
+            } else {
+                Err(self.inner.no_quorum(0, 1))
+            }
+        })
+    }
+
+    /// The first name any node has for each client.
+    fn client_names<'a>(
+        &'a self,
+        ids: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
+        Box::pin(async move {
+            let votes = self
+                .inner
+                .on_all("read client names", |node| node.client_names(ids))
+                .await;
+            let mut names = vec![None; ids.len()];
+            for vote in votes {
+                if let Vote::Answer(answer) = vote {
+                    for (slot, name) in names.iter_mut().zip(answer) {
+                        if slot.is_none() {
+                            *slot = name;
+                        }
+                    }
+                }
+            }
+            Ok(names)
+        })
+    }
+
     fn watchdog_lease(&self) -> Option<Duration> {
         self.inner.watchdog_lease
     }
@@ -884,6 +954,52 @@ impl std::fmt::Debug for RedLock {
             .field("node_timeout", &self.inner.node_timeout)
             .finish()
     }
+}
+
+/// Merges the nodes' states (see [`RedLock`]'s `inspect`): `quorum` says how many nodes
+/// must have a holder in a mode.
+fn merge_states(states: &[LockState], quorum: impl Fn(LockMode) -> usize) -> LockState {
+    // (owner, mode) → each node's copy of the hold.
+    let mut seen: Vec<((Owner, LockMode), Vec<&Holder>)> = Vec::new();
+    for state in states {
+        for holder in &state.holders {
+            let id = (holder.owner.clone(), holder.mode);
+            match seen.iter_mut().find(|(k, _)| *k == id) {
+                Some((_, copies)) => copies.push(holder),
+                None => seen.push((id, vec![holder])),
+            }
+        }
+    }
+    let holders = seen
+        .into_iter()
+        .filter_map(|((owner, mode), mut copies)| {
+            let q = quorum(mode).max(1);
+            if copies.len() < q {
+                return None;
+            }
+            // Longest lease first (`None`, no expiry, is longest): the q-th copy's lease is
+            // how long a quorum still has the hold.
+            copies.sort_by_key(|h| std::cmp::Reverse(h.ttl.unwrap_or(Duration::MAX)));
+            let ttl = copies[q - 1].ttl;
+            let holds = copies.iter().map(|h| h.holds).min().unwrap_or(1);
+            let token = copies.iter().filter_map(|h| h.token).max();
+            Some(Holder::new(owner, mode, holds, ttl).with_token(token))
+        })
+        .collect();
+    let token = states.iter().filter_map(|s| s.fencing_token).max();
+    let store_counts = states
+        .iter()
+        .filter(|s| s.waiters.scope == WaiterScope::Store)
+        .map(|s| s.waiters.count)
+        .max();
+    let waiters = match store_counts {
+        Some(count) => Waiters::new(count, WaiterScope::Store),
+        None => Waiters::new(
+            states.iter().map(|s| s.waiters.count).max().unwrap_or(0),
+            WaiterScope::Process,
+        ),
+    };
+    LockState::new(holders, waiters).with_fencing_token(token)
 }
 
 /// Every reachable node's subscription; the first notification wins.

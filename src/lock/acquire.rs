@@ -81,6 +81,7 @@ fn start(lock: &Lock, owner: Option<Owner>, lease: Lease) -> Result<Start> {
             "is missing: locks must be taken inside a tokio runtime, which runs their releases and renewals (got none)",
         )
     })?;
+    client.register_name_if_due(&runtime);
     let (owner, fresh) = match owner {
         Some(owner) => (owner, false),
         None => (client.new_owner(), true),

@@ -70,7 +70,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use crate::backend::{LockBackend, LockMode};
+use crate::backend::{LockBackend, LockMode, LockState};
 use crate::error::{Error, Result};
 use crate::key::{IntoLockKey, LockKey};
 use crate::kinds::ReadWriteLock;
@@ -152,6 +152,14 @@ pub(crate) fn validate_watchdog_lease(lease: Duration) -> Result<Duration> {
     validate_lease("watchdog_lease", lease)
 }
 
+/// How long a client's name stays registered in the store after its last registration:
+/// 1 hour. A client that takes locks registers again every half of it; a stopped
+/// process's name is gone at most an hour later.
+pub const CLIENT_NAME_TTL: Duration = Duration::from_secs(60 * 60);
+
+/// The longest client name accepted, in bytes: 128.
+pub const MAX_CLIENT_NAME_LEN: usize = 128;
+
 /// A backend plus an identity and a watchdog: where [`Lock`]s come from.
 ///
 /// Cheap to clone: clones share the backend, the identity and the watchdog. Make one per
@@ -169,6 +177,11 @@ struct ClientInner {
     registry: Registry,
     watchdog_lease: Duration,
     hooks: Hooks,
+    /// The name an operator knows this client by ([`LockClientBuilder::name`]).
+    name: Option<Arc<str>>,
+    /// When the name is next due for registration, in seconds after `born`.
+    name_due: AtomicU64,
+    born: std::time::Instant,
 }
 
 impl LockClient {
@@ -184,7 +197,7 @@ impl LockClient {
             }
             None => DEFAULT_WATCHDOG_LEASE,
         };
-        Self::with_parts(backend, lease, Hooks::default())
+        Self::with_parts(backend, lease, Hooks::default(), None)
     }
 
     /// Configures a client: see [`LockClientBuilder`].
@@ -193,12 +206,18 @@ impl LockClient {
             backend: Arc::new(backend),
             watchdog_lease: None,
             observer: None,
-            redact_keys: false,
+            redact_keys: None,
+            name: None,
         }
     }
 
-    fn with_parts(backend: Arc<dyn LockBackend>, watchdog_lease: Duration, hooks: Hooks) -> Self {
-        LockClient {
+    fn with_parts(
+        backend: Arc<dyn LockBackend>,
+        watchdog_lease: Duration,
+        hooks: Hooks,
+        name: Option<Arc<str>>,
+    ) -> Self {
+        let client = LockClient {
             inner: Arc::new(ClientInner {
                 registry: Registry::new(Arc::clone(&backend), watchdog_lease, hooks.clone()),
                 backend,
@@ -206,8 +225,20 @@ impl LockClient {
                 next_owner: AtomicU64::new(1),
                 watchdog_lease,
                 hooks,
+                name,
+                name_due: AtomicU64::new(0),
+                born: std::time::Instant::now(),
             }),
+        };
+        if let Some(name) = client.name() {
+            tracing::info!(
+                client.id = %client.id(),
+                client.name = name,
+                backend = client.backend().name(),
+                "lock client ready"
+            );
         }
+        client
     }
 
     /// The exclusive, reentrant lock named `key` (Redisson `getLock`).
@@ -316,6 +347,52 @@ impl LockClient {
         &self.inner.id
     }
 
+    /// The client's name, if it was given one ([`LockClientBuilder::name`]).
+    pub fn name(&self) -> Option<&str> {
+        self.inner.name.as_deref()
+    }
+
+    /// Registers the client's name in the store now, for [`CLIENT_NAME_TTL`], so that
+    /// inspecting a lock from any process shows which client holds it. A named client
+    /// also does this by itself when it takes locks (in the background, at most every
+    /// half of the TTL); call this at startup to be visible before the first lock.
+    /// Does nothing for an unnamed client.
+    ///
+    /// # Errors
+    ///
+    /// Backend errors.
+    pub async fn register_name(&self) -> Result<()> {
+        let Some(name) = self.inner.name.clone() else {
+            return Ok(());
+        };
+        self.mark_name_registered();
+        self.backend()
+            .register_client(self.id(), &name, CLIENT_NAME_TTL)
+            .await
+    }
+
+    fn mark_name_registered(&self) {
+        let due = self.inner.born.elapsed().as_secs() + CLIENT_NAME_TTL.as_secs() / 2;
+        self.inner.name_due.store(due, Ordering::Relaxed);
+    }
+
+    /// Registers the name in the background on `runtime` when it is due.
+    pub(crate) fn register_name_if_due(&self, runtime: &tokio::runtime::Handle) {
+        if self.inner.name.is_none()
+            || self.inner.born.elapsed().as_secs() < self.inner.name_due.load(Ordering::Relaxed)
+        {
+            return;
+        }
+        self.mark_name_registered();
+        let client = self.clone();
+        runtime.spawn(async move {
+            if let Err(error) = client.register_name().await {
+                tracing::debug!(%error, "could not register the lock client's name; retrying with a later lock");
+                client.inner.name_due.store(0, Ordering::Relaxed);
+            }
+        });
+    }
+
     /// The backend.
     pub fn backend(&self) -> &Arc<dyn LockBackend> {
         &self.inner.backend
@@ -333,6 +410,51 @@ impl LockClient {
 
     pub(crate) fn registry(&self) -> &Registry {
         &self.inner.registry
+    }
+
+    /// Fills in the client-side fields of `state`'s holders: this client's own holds
+    /// from the registry, every other holder's client name from the store.
+    async fn annotate(&self, key: &LockKey, state: &mut LockState) {
+        let mut others: Vec<&str> = Vec::new();
+        for holder in &mut state.holders {
+            if let Some((since, guards)) = self.registry().describe(key, &holder.owner) {
+                holder.since = Some(since);
+                holder.guards = Some(guards);
+                holder.client = self.name().map(str::to_owned);
+            }
+        }
+        for holder in &state.holders {
+            if holder.client.is_none()
+                && let Some(id) = holder.client_id()
+                && !others.contains(&id)
+            {
+                others.push(id);
+            }
+        }
+        if others.is_empty() {
+            return;
+        }
+        let names = match self.backend().client_names(&others).await {
+            Ok(names) => names,
+            Err(error) => {
+                tracing::debug!(%error, "could not read client names for an inspection");
+                return;
+            }
+        };
+        let found: Vec<(String, String)> = others
+            .iter()
+            .zip(names)
+            .filter_map(|(id, name)| Some(((*id).to_owned(), name?)))
+            .collect();
+        for holder in &mut state.holders {
+            if holder.client.is_none()
+                && let Some((_, name)) = holder
+                    .client_id()
+                    .and_then(|id| found.iter().find(|(k, _)| k == id))
+            {
+                holder.client = Some(name.clone());
+            }
+        }
     }
 
     pub(crate) fn hooks(&self) -> &Hooks {
@@ -394,10 +516,37 @@ pub struct LockClientBuilder {
     backend: Arc<dyn LockBackend>,
     watchdog_lease: Option<Duration>,
     observer: Option<Arc<dyn LockObserver>>,
-    redact_keys: bool,
+    redact_keys: Option<Option<[u8; 16]>>,
+    name: Option<String>,
 }
 
 impl LockClientBuilder {
+    /// Names the client for operators: a pod or host name. Owners keep their format
+    /// (`<client uuid>:<n>`, which Redisson clients expect), and the name travels beside
+    /// them: the store records it under the client's UUID for [`CLIENT_NAME_TTL`]
+    /// (on Redis, `GET tower_lock_client:<uuid>`), [`Lock::inspect`] shows it for each
+    /// holder, and the client's log line at startup pairs the two. At most
+    /// [`MAX_CLIENT_NAME_LEN`] bytes, no whitespace or control characters.
+    ///
+    /// ```
+    /// use tower_lock::{LockClient, MemoryBackend};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tower_lock::Error> {
+    /// let client = LockClient::builder(MemoryBackend::new()).name("checkout-7f9c").build()?;
+    /// let lock = client.get_lock("order:{42}")?;
+    /// let _guard = lock.lock().await?;
+    /// client.register_name().await?; // also done in the background by the first lock
+    /// let state = lock.inspect().await?;
+    /// assert_eq!(state.holders[0].client.as_deref(), Some("checkout-7f9c"));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
     /// The lease of locks held without an explicit one; renewed every third of it.
     /// Default: the backend's, else [`DEFAULT_WATCHDOG_LEASE`]. At least
     /// [`MIN_WATCHDOG_LEASE`].
@@ -420,7 +569,16 @@ impl LockClientBuilder {
     /// different in every process, so nobody holding the logs can recover a user id by
     /// hashing candidates — it is pseudonymization, not encryption.
     pub fn redact_keys(mut self, redact: bool) -> Self {
-        self.redact_keys = redact;
+        self.redact_keys = redact.then_some(None);
+        self
+    }
+
+    /// Redacts keys as [`redact_keys(true)`](Self::redact_keys) does, with a secret of
+    /// your own instead of a random one: every process configured with the same secret
+    /// shows a key as the same hash, so one key can be followed across replicas' logs.
+    /// Keep the secret as secret as the keys: whoever has it can test guesses.
+    pub fn redact_keys_with(mut self, secret: [u8; 16]) -> Self {
+        self.redact_keys = Some(Some(secret));
         self
     }
 
@@ -428,19 +586,37 @@ impl LockClientBuilder {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] naming `watchdog_lease` when it is out of range.
+    /// [`Error::InvalidConfig`] naming `watchdog_lease` when it is out of range, or
+    /// `name` when the name is empty, too long, or has whitespace or control characters.
     pub fn build(self) -> Result<LockClient> {
         let lease = self
             .watchdog_lease
             .or_else(|| self.backend.watchdog_lease())
             .unwrap_or(DEFAULT_WATCHDOG_LEASE);
         let lease = validate_watchdog_lease(lease)?;
+        let name = self.name.as_deref().map(validate_name).transpose()?;
         Ok(LockClient::with_parts(
             self.backend,
             lease,
             Hooks::new(self.observer, self.redact_keys),
+            name,
         ))
     }
+}
+
+fn validate_name(name: &str) -> Result<Arc<str>> {
+    if name.is_empty()
+        || name.len() > MAX_CLIENT_NAME_LEN
+        || name.chars().any(|c| c.is_whitespace() || c.is_control())
+    {
+        return Err(Error::invalid_config(
+            "name",
+            format!(
+                "must be 1 to {MAX_CLIENT_NAME_LEN} bytes without whitespace or control characters (got {name:?})"
+            ),
+        ));
+    }
+    Ok(Arc::from(name))
 }
 
 /// A handle on one lock: a key, a mode and a client. Acquiring returns a [`LockGuard`].
@@ -543,6 +719,88 @@ impl Lock {
             .backend()
             .force_release(&self.key, self.mode)
             .await
+    }
+
+    /// What the store holds for this lock's name right now: every holder (owner, mode,
+    /// holds, remaining lease, token), the name's newest fencing token, and who waits
+    /// (see [`Waiters`](crate::backend::Waiters) for whose waiters are counted). Each
+    /// holder's `client` is the name its client registered
+    /// ([`LockClientBuilder::name`]); for this client's own holds, `since` and `guards`
+    /// are filled in too. Changes nothing.
+    ///
+    /// ```
+    /// use tower_lock::{LockClient, MemoryBackend};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tower_lock::Error> {
+    /// let client = LockClient::new(MemoryBackend::new());
+    /// let lock = client.get_lock("order:{42}")?;
+    /// assert!(!lock.is_locked().await?);
+    /// let guard = lock.lock().await?;
+    /// let state = lock.inspect().await?;
+    /// assert_eq!(state.holders.len(), 1);
+    /// assert_eq!(state.holders[0].owner, *guard.holder());
+    /// assert_eq!(state.holders[0].guards, Some(1));
+    /// assert!(state.remaining_lease().is_some());
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// Backend errors. A client name that cannot be read is left out, not an error.
+    pub async fn inspect(&self) -> Result<LockState> {
+        let mut state = self.client.backend().inspect(&self.key, self.mode).await?;
+        self.client.annotate(&self.key, &mut state).await;
+        Ok(state)
+    }
+
+    /// Whether anyone holds this lock's name (Redisson `isLocked`).
+    ///
+    /// # Errors
+    ///
+    /// Backend errors.
+    pub async fn is_locked(&self) -> Result<bool> {
+        Ok(self.raw_state().await?.is_locked())
+    }
+
+    /// The longest lease still running among the holders; `None` when nobody holds it
+    /// (Redisson `remainTimeToLive`; `Duration::MAX` for a hold without expiry).
+    ///
+    /// # Errors
+    ///
+    /// Backend errors.
+    pub async fn remaining_lease(&self) -> Result<Option<Duration>> {
+        Ok(self.raw_state().await?.remaining_lease())
+    }
+
+    /// How many times `owner` holds this lock (Redisson `getHoldCount`, for any owner):
+    /// for a logical owner of this client, its guards on the live hold; otherwise the
+    /// store's count for `owner` as a store identity (a [`LockGuard::holder`], a Redisson
+    /// owner). Zero when it does not hold it.
+    ///
+    /// # Errors
+    ///
+    /// Backend errors.
+    pub async fn hold_count(&self, owner: &Owner) -> Result<u32> {
+        if let Some(guards) = self
+            .client
+            .registry()
+            .guards_of(&self.key, owner, self.mode)
+        {
+            return Ok(guards);
+        }
+        let state = self.raw_state().await?;
+        Ok(state
+            .holders
+            .iter()
+            .filter(|h| h.owner == *owner)
+            .map(|h| h.holds)
+            .sum())
+    }
+
+    async fn raw_state(&self) -> Result<LockState> {
+        self.client.backend().inspect(&self.key, self.mode).await
     }
 }
 

@@ -12,7 +12,7 @@
 //! (a user id, an e-mail address). Observers always get the real key.
 
 use std::fmt;
-use std::hash::{Hash, Hasher};
+use std::hash::Hasher;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -138,12 +138,18 @@ pub(crate) struct Hooks {
 }
 
 impl Hooks {
-    pub(crate) fn new(observer: Option<Arc<dyn LockObserver>>, redact_keys: bool) -> Self {
+    /// `redact`: `None` shows keys; `Some(None)` redacts with a random secret;
+    /// `Some(Some(secret))` with that one.
+    pub(crate) fn new(
+        observer: Option<Arc<dyn LockObserver>>,
+        redact: Option<Option<[u8; 16]>>,
+    ) -> Self {
         Hooks {
             observer,
-            // A random secret per client: without it, anyone with the logs could hash
-            // every user id and match.
-            redaction: redact_keys.then(|| *uuid::Uuid::new_v4().as_bytes()),
+            // A random secret per client by default: without one, anyone with the logs
+            // could hash every user id and match.
+            redaction: redact
+                .map(|secret| secret.unwrap_or_else(|| *uuid::Uuid::new_v4().as_bytes())),
         }
     }
 
@@ -177,9 +183,11 @@ impl fmt::Display for ShownKey<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.redaction {
             Some(secret) => {
-                let mut h = std::hash::DefaultHasher::new();
-                secret.hash(&mut h);
-                self.key.as_str().hash(&mut h);
+                // SipHash-1-3 keyed with the secret: a specified keyed hash (std's
+                // `DefaultHasher` promises neither its algorithm nor stability across
+                // Rust versions, so two builds could show one key differently).
+                let mut h = siphasher::sip::SipHasher13::new_with_key(&secret);
+                h.write(self.key.as_str().as_bytes());
                 write!(f, "#{:016x}", h.finish())
             }
             None => f.write_str(self.key.as_str()),
@@ -194,7 +202,7 @@ mod tests {
     #[test]
     fn redacted_keys_are_stable_short_hashes() {
         let key = LockKey::new("lock:order:{alice@example.com}").unwrap();
-        let hooks = Hooks::new(None, true);
+        let hooks = Hooks::new(None, Some(None));
         let shown = hooks.key(&key).to_string();
         assert_eq!(shown.len(), 17, "{shown}");
         assert!(
@@ -208,5 +216,12 @@ mod tests {
             Hooks::default().key(&key).to_string(),
             "lock:order:{alice@example.com}"
         );
+        // Random secrets differ per client; a shared secret gives the same hash in every
+        // process, and a pinned value (SipHash-1-3 is specified, unlike DefaultHasher).
+        assert_ne!(shown, Hooks::new(None, Some(None)).key(&key).to_string());
+        let a = Hooks::new(None, Some(Some([7; 16])));
+        let b = Hooks::new(None, Some(Some([7; 16])));
+        assert_eq!(a.key(&key).to_string(), b.key(&key).to_string());
+        assert_eq!(a.key(&key).to_string(), "#30d8c1b4f8f67528");
     }
 }

@@ -172,6 +172,8 @@ struct HoldState {
     /// The runtime whose watchdog task renews this hold: the runtime of the latest
     /// watched guard.
     runtime: Option<Handle>,
+    /// When the store granted it (wall clock, for inspection).
+    since: Option<std::time::SystemTime>,
 }
 
 impl Hold {
@@ -330,6 +332,7 @@ impl Registry {
                 guards: 0,
                 watched: 0,
                 runtime: None,
+                since: None,
             }),
         });
         state.slots.insert(slot.clone(), Arc::clone(&hold));
@@ -352,6 +355,7 @@ impl Registry {
         hs.phase = Phase::Held;
         hs.token = token;
         hs.guards = 1;
+        hs.since = Some(std::time::SystemTime::now());
         if watched {
             hs.watched = 1;
             state.tasks.ensure(&self.inner, runtime);
@@ -396,6 +400,45 @@ impl Registry {
     /// lost, and the slot is free for a new hold.
     pub(crate) fn mark_lost(&self, hold: &Arc<Hold>) {
         self.inner.mark_lost(hold);
+    }
+
+    /// This client's live hold of `key` whose store identity is `holder`: when it was
+    /// granted and how many guards stand for it.
+    pub(crate) fn describe(
+        &self,
+        key: &LockKey,
+        holder: &Owner,
+    ) -> Option<(std::time::SystemTime, u32)> {
+        let state = self.inner.state();
+        let now = Instant::now();
+        state.slots.values().find_map(|hold| {
+            if hold.slot.key != *key || hold.store.owner != *holder || hold.is_lost_at(now) {
+                return None;
+            }
+            let hs = hold.state();
+            (hs.phase == Phase::Held).then_some((hs.since?, hs.guards))
+        })
+    }
+
+    /// How many guards the logical `owner` has on its live hold of `key` in `mode`
+    /// (fenced or not); `None` when it has none here.
+    pub(crate) fn guards_of(&self, key: &LockKey, owner: &Owner, mode: LockMode) -> Option<u32> {
+        let state = self.inner.state();
+        let now = Instant::now();
+        [false, true].into_iter().find_map(|fenced| {
+            let slot = Slot {
+                key: key.clone(),
+                owner: owner.clone(),
+                mode,
+                fenced,
+            };
+            let hold = state.slots.get(&slot)?;
+            if hold.is_lost_at(now) {
+                return None;
+            }
+            let hs = hold.state();
+            (hs.phase == Phase::Held && hs.guards > 0).then_some(hs.guards)
+        })
     }
 
     /// How many holds the watchdog is renewing.

@@ -696,6 +696,103 @@ pub async fn concurrent_acquisitions_by_one_owner_share_one_hold(f: &impl Fixtur
     assert!(!f.residue(&k).await);
 }
 
+/// Inspection tells an operator who holds a lock (and which client that is), for how
+/// long, with which fencing token, and who waits — from another client, as from another
+/// process — and changes nothing.
+pub async fn inspection_shows_holders_tokens_and_waiters(f: &impl Fixture) {
+    let k = key("inspect");
+    let named = |name: &str| {
+        LockClient::builder(f.client(LONG).backend().clone())
+            .name(name)
+            .build()
+            .unwrap()
+    };
+    let (a, b) = (named("node-a"), named("node-b"));
+    let lock_b = b.get_lock(&k).unwrap();
+    let free = lock_b.inspect().await.unwrap();
+    assert!(free.holders.is_empty() && !free.is_locked(), "{free:?}");
+    assert_eq!(free.waiters.count, 0);
+    assert_eq!(lock_b.remaining_lease().await.unwrap(), None);
+    assert!(!lock_b.is_locked().await.unwrap());
+
+    a.register_name().await.unwrap();
+    let owner = a.new_owner();
+    let lock_a = a.get_fenced_lock(&k).unwrap().with_owner(owner.clone());
+    let guard = lock_a
+        .try_lock_for(Duration::ZERO, Duration::from_secs(10))
+        .await
+        .unwrap();
+    let token = guard.fencing_token().unwrap();
+    let again = lock_a
+        .try_lock_for(Duration::ZERO, Duration::from_secs(10))
+        .await
+        .unwrap();
+
+    // From the other client: the store's view plus the holder's registered name.
+    let seen = lock_b.inspect().await.unwrap();
+    assert_eq!(seen.holders.len(), 1, "{seen:?}");
+    let h = &seen.holders[0];
+    assert_eq!(h.owner, *guard.holder());
+    assert_eq!(h.client_id(), Some(a.id()));
+    assert_eq!(h.client.as_deref(), Some("node-a"));
+    assert_eq!(h.mode, LockMode::Exclusive);
+    assert_eq!(h.holds, 1, "re-entries are the client's, not the store's");
+    let ttl = h.ttl.unwrap();
+    assert!(
+        ttl > Duration::from_secs(5) && ttl <= Duration::from_secs(10),
+        "{ttl:?}"
+    );
+    assert!(
+        h.since.is_none() && h.guards.is_none(),
+        "only the holder's client knows"
+    );
+    assert!(seen.fencing_token.is_some_and(|t| t >= token), "{seen:?}");
+    assert!(lock_b.is_locked().await.unwrap());
+    let left = lock_b.remaining_lease().await.unwrap().unwrap();
+    assert!(left > Duration::from_secs(5) && left <= Duration::from_secs(10));
+    // Hold counts: the logical owner's guards, the store identity's holds, nobody's.
+    assert_eq!(lock_a.hold_count(&owner).await.unwrap(), 2);
+    assert_eq!(lock_b.hold_count(guard.holder()).await.unwrap(), 1);
+    assert_eq!(lock_b.hold_count(&b.new_owner()).await.unwrap(), 0);
+
+    // From the holder's own client: when, and how many guards.
+    let mine = lock_a.inspect().await.unwrap();
+    let h = &mine.holders[0];
+    assert_eq!(h.guards, Some(2));
+    let since = h.since.unwrap().elapsed().unwrap_or_default();
+    assert!(since < Duration::from_secs(60), "{since:?}");
+
+    // A waiter shows up, and leaves with the lock.
+    let waiter = tokio::spawn({
+        let lock = lock_b.clone();
+        async move { lock.try_lock_for(LONG, LONG).await }
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let state = lock_b.inspect().await.unwrap();
+        if state.waiters.count == 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the waiter never showed: {state:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    drop(again);
+    guard.unlock().await.unwrap();
+    let next = waiter.await.unwrap().unwrap();
+    let state = lock_b.inspect().await.unwrap();
+    assert_eq!(state.holders.len(), 1);
+    assert_eq!(state.holders[0].owner, *next.holder());
+    assert_eq!(state.holders[0].client.as_deref(), Some("node-b"));
+    assert_eq!(state.waiters.count, 0);
+    next.unlock().await.unwrap();
+    assert!(!lock_b.is_locked().await.unwrap());
+    // Inspecting left nothing behind.
+    assert!(!f.residue(&k).await);
+}
+
 /// Calls `$callback!($($args)*; case, case, ...)` with every conformance case: the one
 /// list of cases.
 #[macro_export]
@@ -722,6 +819,7 @@ macro_rules! with_conformance_cases {
             multi_lock_fixed_lease_outlasts_the_wait,
             reentry_never_shortens_the_lease,
             concurrent_acquisitions_by_one_owner_share_one_hold,
+            inspection_shows_holders_tokens_and_waiters,
         );
     };
 }

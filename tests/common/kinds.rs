@@ -939,6 +939,66 @@ pub async fn leaked_permit_returns(f: &impl KindFixture, kind: Kind) {
     settles_to_no_residue(f, &k).await;
 }
 
+/// Inspection reports each kind's holders in their own mode, and its waiters: counted
+/// by the store for queued kinds.
+pub async fn inspection_shows_the_kind(f: &impl KindFixture, kind: Kind) {
+    let client = f.client(LONG);
+    let k = key(kind, "inspect");
+    let holders = match kind {
+        Kind::Read => 2,
+        kind => kind.capacity(),
+    };
+    let mut guards = Vec::new();
+    for _ in 0..holders {
+        guards.push(kind.lock(&client, &k).lock().await.unwrap());
+    }
+    let lock = kind.lock(&client, &k);
+    let state = lock.inspect().await.unwrap();
+    let expected = match kind {
+        Kind::Fair => LockMode::Fair,
+        Kind::Read => LockMode::Read,
+        Kind::Write => LockMode::Write,
+        Kind::Permits(_) => lock.mode(),
+    };
+    assert_eq!(state.holders.len(), holders, "{state:?}");
+    for guard in &guards {
+        let h = state
+            .holders
+            .iter()
+            .find(|h| h.owner == *guard.holder())
+            .unwrap_or_else(|| panic!("{} missing from {state:?}", guard.holder()));
+        assert_eq!(h.mode, expected);
+        assert_eq!(h.holds, 1);
+        assert_eq!(h.guards, Some(1));
+        assert!(
+            h.ttl.is_some_and(|t| t > Duration::ZERO && t <= LONG),
+            "{h:?}"
+        );
+    }
+    assert_eq!(state.waiters.count, 0);
+
+    let waiter = tokio::spawn({
+        let lock = kind.excluded(&client, &k);
+        async move { lock.try_lock_for(LONG, LONG).await }
+    });
+    wait_until(Duration::from_secs(10), "the waiter to show", || {
+        let lock = lock.clone();
+        async move { lock.inspect().await.unwrap().waiters.count == 1 }
+    })
+    .await;
+    let state = lock.inspect().await.unwrap();
+    if matches!(kind, Kind::Fair | Kind::Read | Kind::Write) {
+        assert_eq!(state.waiters.scope, tower_lock::WaiterScope::Store);
+    }
+    unlock_all(guards).await;
+    waiter.await.unwrap().unwrap().unlock().await.unwrap();
+    assert!(!lock.is_locked().await.unwrap());
+    wait_until(Duration::from_secs(10), "nothing left", || async {
+        !f.residue(&k).await
+    })
+    .await;
+}
+
 /// Instantiates the kind suite, given the name of an `async fn() -> impl KindFixture`
 /// in the including file. One module per kind.
 #[macro_export]
@@ -957,14 +1017,14 @@ macro_rules! kind_tests {
             lease_expiry_frees_leaked_guard, watchdog_keeps_lock, lost_signal_fires,
             try_lock_for_gives_up_on_time, fencing_tokens_increase, release_wakes_waiter,
             dropped_waiter_leaves_nothing, dropped_guard_releases,
-            fair_order, fair_vanished_waiter_is_skipped,
+            fair_order, fair_vanished_waiter_is_skipped, inspection_shows_the_kind,
         );
         $crate::kind_tests!(@$flavor $fixture, read, $crate::common::kinds::Kind::Read;
             reentrancy, reentry_never_shortens_the_lease, foreign_owner_cannot_release_or_renew,
             lease_expiry_frees_leaked_guard, watchdog_keeps_lock, lost_signal_fires,
             try_lock_for_gives_up_on_time, fencing_tokens_increase, release_wakes_waiter,
             dropped_waiter_leaves_nothing, dropped_guard_releases,
-            readers_overlap,
+            readers_overlap, inspection_shows_the_kind,
         );
         $crate::kind_tests!(@$flavor $fixture, write, $crate::common::kinds::Kind::Write;
             exclusion, reentrancy, reentry_never_shortens_the_lease,
@@ -973,7 +1033,7 @@ macro_rules! kind_tests {
             try_lock_for_gives_up_on_time, fencing_tokens_increase, release_wakes_waiter,
             dropped_waiter_leaves_nothing, dropped_guard_releases,
             writers_exclude_everyone, waiting_writer_is_not_starved,
-            writer_not_starved_by_hand_over_hand_readers,
+            writer_not_starved_by_hand_over_hand_readers, inspection_shows_the_kind,
         );
         $crate::kind_tests!(@$flavor $fixture, permits, $crate::common::kinds::Kind::Permits(3);
             exclusion, reentrancy, reentry_never_shortens_the_lease,
@@ -981,7 +1041,7 @@ macro_rules! kind_tests {
             lease_expiry_frees_leaked_guard, watchdog_keeps_lock, lost_signal_fires,
             try_lock_for_gives_up_on_time, fencing_tokens_increase, release_wakes_waiter,
             dropped_waiter_leaves_nothing, dropped_guard_releases,
-            permits_bound_concurrency, leaked_permit_returns,
+            permits_bound_concurrency, leaked_permit_returns, inspection_shows_the_kind,
         );
     };
     (@__paused $fixture:ident, $module:ident, $kind:expr; $($case:ident),* $(,)?) => {

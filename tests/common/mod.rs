@@ -91,4 +91,11 @@ impl tower_lock::backend::LockBackend for DownBackend {
     ) -> tower_lock::backend::BoxFuture<'a, tower_lock::Result<bool>> {
         Box::pin(async { Err(down()) })
     }
+    fn inspect<'a>(
+        &'a self,
+        _: &'a tower_lock::LockKey,
+        _: tower_lock::LockMode,
+    ) -> tower_lock::backend::BoxFuture<'a, tower_lock::Result<tower_lock::LockState>> {
+        Box::pin(async { Err(down()) })
+    }
 }

@@ -114,8 +114,8 @@ use redis::{Client, FromRedisValue, IntoConnectionInfo, RedisError, RedisResult,
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{
-    Acquire, BoxFuture, FencingToken, Grant, LockBackend, LockMode, LockRequest, Release,
-    Subscription,
+    Acquire, BoxFuture, FencingToken, Grant, Holder, LockBackend, LockMode, LockRequest, LockState,
+    Release, Subscription, WaiterScope, Waiters,
 };
 use crate::error::{Error, Result};
 use crate::key::LockKey;
@@ -160,6 +160,7 @@ struct Scripts {
     renew: Script,
     renew_many: Script,
     force_release: Script,
+    inspect: Script,
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
@@ -169,6 +170,7 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     renew: Script::new(include_str!("../../../lua/lock_renew.lua")),
     renew_many: Script::new(include_str!("../../../lua/lock_renew_many.lua")),
     force_release: Script::new(include_str!("../../../lua/lock_force_release.lua")),
+    inspect: modes::with_lib(include_str!("../../../lua/inspect.lua")),
 });
 
 /// A lock store on Redis. See the [module docs](self).
@@ -198,6 +200,14 @@ impl Conn {
             Conn::Cluster(conn) => invocation.invoke_async(&mut (**conn).clone()).await,
         }
     }
+
+    async fn query<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> RedisResult<T> {
+        match self {
+            Conn::Single(single) => single.query(cmd).await,
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(conn) => cmd.query_async(&mut (**conn).clone()).await,
+        }
+    }
 }
 
 /// One server's self-reconnecting connection, replaced when a command times out.
@@ -223,18 +233,32 @@ impl SingleConn {
         }
     }
 
+    /// The current connection and its generation.
+    fn current(&self) -> (u64, ConnectionManager) {
+        let current = self
+            .current
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        (current.0, current.1.clone())
+    }
+
     async fn invoke<T: FromRedisValue>(
         &self,
         invocation: &redis::ScriptInvocation<'_>,
     ) -> RedisResult<T> {
-        let (generation, mut conn) = {
-            let current = self
-                .current
-                .read()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            (current.0, current.1.clone())
-        };
+        let (generation, mut conn) = self.current();
         let result = invocation.invoke_async(&mut conn).await;
+        self.after(generation, result)
+    }
+
+    async fn query<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> RedisResult<T> {
+        let (generation, mut conn) = self.current();
+        let result = cmd.query_async(&mut conn).await;
+        self.after(generation, result)
+    }
+
+    /// Replaces the connection of `generation` when `result` is a timeout.
+    fn after<T>(&self, generation: u64, result: RedisResult<T>) -> RedisResult<T> {
         if result.as_ref().is_err_and(RedisError::is_timeout) {
             self.replace(generation);
         }
@@ -286,6 +310,10 @@ impl Inner {
         invocation: &redis::ScriptInvocation<'_>,
     ) -> Result<T> {
         self.conn.invoke(invocation).await.map_err(map_error)
+    }
+
+    async fn query<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T> {
+        self.conn.query(cmd).await.map_err(map_error)
     }
 
     /// One exclusive acquisition, alone (`lua/lock_acquire.lua`).
@@ -473,6 +501,30 @@ impl RedisBackend {
         }
     }
 
+    async fn inspect_state(&self, key: &LockKey, mode: LockMode) -> Result<LockState> {
+        let prefix = &self.inner.prefix;
+        let reply: Vec<String> = self
+            .invoke(
+                SCRIPTS
+                    .inspect
+                    .key(Names::lock(prefix, key).as_ref())
+                    .key(Names::fence(prefix, key))
+                    .key(Names::queue(prefix, key))
+                    .key(Names::permits(prefix, key))
+                    .key(Names::lease_prefix(prefix, key)),
+            )
+            .await?;
+        let waiters = if !self.queues_waiters(mode) {
+            // Nobody records these waiters in Redis: they sleep on the release channel.
+            let channel = Names::channel(prefix, key);
+            let here = self.inner.hub.waiters_where(|c| c == channel);
+            Waiters::new(here, WaiterScope::Process)
+        } else {
+            Waiters::new(0, WaiterScope::Store)
+        };
+        parse_inspect(&reply, mode, waiters)
+    }
+
     async fn force_release_exclusive(&self, key: &LockKey) -> Result<bool> {
         let prefix = &self.inner.prefix;
         let removed: i64 = self
@@ -633,6 +685,49 @@ fn parse_acquire(op: &str, reply: &[i64]) -> Result<Acquire> {
     }
 }
 
+/// `inspect.lua`'s reply → the state. `waiters` is this process's count for modes the
+/// store does not queue; for queued modes the queue's length replaces it.
+fn parse_inspect(reply: &[String], mode: LockMode, mut waiters: Waiters) -> Result<LockState> {
+    let bad = || Error::UnexpectedReply(format!("inspect script answered {reply:?}"));
+    let [fence, queued, rest @ ..] = reply else {
+        return Err(bad());
+    };
+    if rest.len() % 5 != 0 {
+        return Err(bad());
+    }
+    let fencing_token = match fence.as_str() {
+        "" => None,
+        n => Some(FencingToken::new(n.parse().map_err(|_| bad())?)),
+    };
+    if waiters.scope == WaiterScope::Store {
+        waiters.count = queued.parse().map_err(|_| bad())?;
+    }
+    let mut holders = Vec::with_capacity(rest.len() / 5);
+    for h in rest.chunks_exact(5) {
+        let owner = crate::owner::Owner::from_raw(&h[0]).map_err(|_| bad())?;
+        let held = match h[1].as_str() {
+            "r" => LockMode::Read,
+            "w" => LockMode::Write,
+            "p" => match mode {
+                LockMode::Permits { .. } => mode,
+                _ => LockMode::Permits {
+                    max: std::num::NonZeroU32::MAX,
+                },
+            },
+            _ if mode == LockMode::Fair => LockMode::Fair,
+            _ => LockMode::Exclusive,
+        };
+        let holds: u32 = h[2].parse().map_err(|_| bad())?;
+        let ttl = ttl_of(h[3].parse().map_err(|_| bad())?);
+        let token = match h[4].as_str() {
+            "" => None,
+            n => Some(FencingToken::new(n.parse().map_err(|_| bad())?)),
+        };
+        holders.push(Holder::new(owner, held, holds, ttl).with_token(token));
+    }
+    Ok(LockState::new(holders, waiters).with_fencing_token(fencing_token))
+}
+
 fn unexpected(op: &str, reply: &[i64]) -> Error {
     Error::UnexpectedReply(format!("{op} script answered {reply:?}"))
 }
@@ -683,6 +778,11 @@ impl Names {
 
     fn channel(prefix: &str, key: &LockKey) -> String {
         Self::companion("redisson_lock__channel", prefix, key)
+    }
+
+    /// Where a client's name is registered: `tower_lock_client:<client uuid>`.
+    fn client(prefix: &str, id: &str) -> String {
+        [prefix, "tower_lock_client:", id].concat()
     }
 
     /// The fencing counter: Redisson `RFencedLock`'s.
@@ -1042,6 +1142,42 @@ impl LockBackend for RedisBackend {
                 LockMode::Exclusive => self.force_release_exclusive(key).await,
                 _ => self.force_release_mode(key, mode).await,
             }
+        })
+    }
+
+    fn inspect<'a>(&'a self, key: &'a LockKey, mode: LockMode) -> BoxFuture<'a, Result<LockState>> {
+        Box::pin(self.inspect_state(key, mode))
+    }
+
+    fn register_client<'a>(
+        &'a self,
+        id: &'a str,
+        name: &'a str,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let mut cmd = redis::cmd("SET");
+            cmd.arg(Names::client(&self.inner.prefix, id))
+                .arg(name)
+                .arg("PX")
+                .arg(lease_ms(ttl));
+            self.inner.query::<()>(&cmd).await
+        })
+    }
+
+    fn client_names<'a>(
+        &'a self,
+        ids: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
+        Box::pin(async move {
+            let mut names = Vec::with_capacity(ids.len());
+            // One GET each: on a cluster the names live in different slots.
+            for id in ids {
+                let mut cmd = redis::cmd("GET");
+                cmd.arg(Names::client(&self.inner.prefix, id));
+                names.push(self.inner.query::<Option<String>>(&cmd).await?);
+            }
+            Ok(names)
         })
     }
 
