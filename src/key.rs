@@ -119,6 +119,29 @@ impl LockKey {
         &self.0
     }
 
+    /// The key's namespace: the part before its hash tag (`lock:order:{42}` →
+    /// `lock:order`), else the part before its last `:` (`account:17` → `account`);
+    /// empty for a key with neither (`anyLock`). For metric labels and log fields:
+    /// unlike the key, it does not grow with the number of users — as long as keys put
+    /// user input in the hash tag ([`LockKey::namespaced`]) or after the last `:`.
+    ///
+    /// ```
+    /// use tower_lock::LockKey;
+    ///
+    /// assert_eq!(LockKey::namespaced("lock:order", "42")?.namespace(), "lock:order");
+    /// assert_eq!(LockKey::new("account:17")?.namespace(), "account");
+    /// assert_eq!(LockKey::new("anyLock")?.namespace(), "");
+    /// # Ok::<(), tower_lock::Error>(())
+    /// ```
+    pub fn namespace(&self) -> &str {
+        let key = self.as_str();
+        let head = match key.find('{') {
+            Some(open) => &key[..open],
+            None => key.rfind(':').map_or("", |colon| &key[..colon]),
+        };
+        head.trim_end_matches(':')
+    }
+
     /// The hash tag's content when the key has one (`lock:{42}` → `42`).
     pub fn hash_tag(&self) -> Option<&str> {
         let open = self.0.find('{')?;

@@ -94,6 +94,9 @@ mod key;
 pub mod kinds;
 pub mod layer;
 mod lock;
+#[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+pub mod metrics;
 mod owner;
 mod scratch;
 
@@ -106,9 +109,9 @@ pub use error::{BoxError, Error, Result};
 pub use key::{IntoLockKey, LockKey, MAX_KEY_LEN};
 pub use layer::LockLayer;
 pub use lock::{
-    CLIENT_NAME_TTL, DEFAULT_WATCHDOG_LEASE, Lease, Lock, LockClient, LockClientBuilder, LockEvent,
-    LockGuard, LockObserver, LostSignal, MAX_CLIENT_NAME_LEN, MAX_LEASE, MIN_LEASE,
-    MIN_WATCHDOG_LEASE,
+    CLIENT_NAME_TTL, DEFAULT_WATCHDOG_LEASE, LayerOutcome, Lease, Lock, LockClient,
+    LockClientBuilder, LockEvent, LockGuard, LockObserver, LostSignal, MAX_CLIENT_NAME_LEN,
+    MAX_LEASE, MIN_LEASE, MIN_WATCHDOG_LEASE,
 };
 pub use owner::{MAX_OWNER_LEN, Owner};
 

@@ -130,3 +130,98 @@ async fn backend_failures_are_reported() {
     assert!(matches!(err, Err(ref e) if e.is_backend()), "{err:?}");
     assert_eq!(counts.get(), [0, 0, 1, 0, 0, 0]);
 }
+
+/// Current waits and guards as the paired hooks count them; never negative.
+#[derive(Default)]
+struct Gauges {
+    waiting: std::sync::atomic::AtomicI64,
+    holding: std::sync::atomic::AtomicI64,
+    unpaired: AtomicUsize,
+}
+
+impl LockObserver for Gauges {
+    fn acquired(&self, _: LockEvent<'_>, _: Duration) {
+        self.holding.fetch_add(1, Ordering::SeqCst);
+    }
+    fn guard_ended(&self, _: LockEvent<'_>, _: Duration) {
+        if self.holding.fetch_sub(1, Ordering::SeqCst) <= 0 {
+            self.unpaired.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    fn wait_started(&self, _: LockEvent<'_>) {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+    }
+    fn wait_ended(&self, _: LockEvent<'_>, _: Duration) {
+        if self.waiting.fetch_sub(1, Ordering::SeqCst) <= 0 {
+            self.unpaired.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Seeded histories of waits cut short, cancelled acquisitions, re-entries (some of
+/// which must renew first), unlocks and drops: the start/end hooks stay paired, so
+/// gauges built on them return to zero.
+#[tokio::test(start_paused = true)]
+async fn wait_and_hold_hooks_stay_paired_under_cancellation() {
+    for seed in 0..40u64 {
+        let gauges = Arc::new(Gauges::default());
+        let client = LockClient::builder(MemoryBackend::new())
+            .observer(gauges.clone())
+            .watchdog_lease(Duration::from_millis(90))
+            .build()
+            .unwrap();
+        let mut tasks = Vec::new();
+        for t in 0..6u64 {
+            let client = client.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut rng = fastrand::Rng::with_seed(seed * 100 + t);
+                let owner = client.new_owner();
+                let mut guards = Vec::new();
+                for _ in 0..30 {
+                    let lock = client
+                        .get_lock(format!("pair:{}", rng.u8(0..2)))
+                        .unwrap()
+                        .with_owner(owner.clone());
+                    match rng.u8(0..5) {
+                        // A wait cut short by cancellation at a random point.
+                        0 => {
+                            let cut = Duration::from_millis(rng.u64(0..30));
+                            if let Ok(Ok(g)) = tokio::time::timeout(
+                                cut,
+                                lock.try_lock_for(Duration::from_millis(50), Lease::Watchdog),
+                            )
+                            .await
+                            {
+                                guards.push(g);
+                            }
+                        }
+                        // A bounded wait with a fixed lease (a re-entry may renew).
+                        1 | 2 => {
+                            let lease = Duration::from_millis(rng.u64(20..200));
+                            if let Ok(g) = lock.try_lock_for(Duration::from_millis(20), lease).await
+                            {
+                                guards.push(g);
+                            }
+                        }
+                        3 if !guards.is_empty() => {
+                            let g = guards.swap_remove(rng.usize(0..guards.len()));
+                            let _ = g.unlock().await;
+                        }
+                        _ if !guards.is_empty() => {
+                            drop(guards.swap_remove(rng.usize(0..guards.len())));
+                        }
+                        _ => {}
+                    }
+                    tokio::time::sleep(Duration::from_millis(rng.u64(0..5))).await;
+                }
+                drop(guards);
+            }));
+        }
+        for task in tasks {
+            task.await.unwrap();
+        }
+        assert_eq!(gauges.unpaired.load(Ordering::SeqCst), 0, "seed {seed}");
+        assert_eq!(gauges.waiting.load(Ordering::SeqCst), 0, "seed {seed}");
+        assert_eq!(gauges.holding.load(Ordering::SeqCst), 0, "seed {seed}");
+    }
+}

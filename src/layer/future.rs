@@ -21,7 +21,9 @@ use super::release::Release;
 use crate::backend::BoxFuture;
 use crate::error::Result;
 use crate::extract::HeldLock;
+use crate::key::LockKey;
 use crate::kinds::{MultiGuard, MultiLock};
+use crate::lock::LayerOutcome;
 use crate::lock::acquire::{acquire_as, deadline_after, try_acquire_now};
 use crate::owner::Owner;
 
@@ -51,6 +53,19 @@ where
     owner: Owner,
     /// The request was a `HEAD`: no body follows the response head.
     head: bool,
+    /// The request's first key, once derived: for the observer's reports.
+    key: Option<LockKey>,
+    /// `tower_lock.layer`, entered while polled: the key namespace and the decision.
+    span: tracing::Span,
+}
+
+/// The layer's span for one request.
+fn layer_span() -> tracing::Span {
+    tracing::debug_span!(
+        "tower_lock.layer",
+        namespace = tracing::field::Empty,
+        decision = tracing::field::Empty,
+    )
 }
 
 #[pin_project(project = StateProj, project_replace = StateOwn)]
@@ -106,6 +121,8 @@ where
             core,
             owner,
             head: false,
+            key: None,
+            span: layer_span(),
         }
     }
 
@@ -121,6 +138,8 @@ where
             },
             core,
             owner,
+            key: None,
+            span: tracing::Span::none(),
         }
     }
 }
@@ -168,6 +187,7 @@ enum Acquisition {
 fn acquired<S, B, KF>(
     core: &Core,
     owner: &Owner,
+    key: Option<&LockKey>,
     outcome: Result<MultiGuard>,
     svc: S,
     mut req: Request<B>,
@@ -177,6 +197,7 @@ where
 {
     let (release, lost) = match outcome {
         Ok(guard) => {
+            tracing::Span::current().record("decision", "locked");
             if let Some(held) = HeldLock::new(&guard) {
                 req.extensions_mut().insert(held);
             }
@@ -193,6 +214,7 @@ where
                     owner = %owner,
                     "lock store failed; serving the request without its lock (fail-open)"
                 );
+                core.outcome(key, LayerOutcome::FailOpen);
                 (Release::none(), None)
             }
             rejection => {
@@ -202,7 +224,7 @@ where
                     tracing::debug!(?rejection, "request rejected by LockLayer");
                 }
                 return State::Rejected {
-                    response: Some(core.reject(rejection)),
+                    response: Some(core.reject(rejection, key)),
                 };
             }
         },
@@ -232,6 +254,7 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
+        let _entered = this.span.enter();
         loop {
             match this.state.as_mut().project() {
                 StateProj::Keying { keys, .. } => {
@@ -247,21 +270,32 @@ where
                     *this.head = parts.method == Method::HEAD;
                     let req = Request::from_parts(parts, body);
                     match keys.and_then(|keys| this.core.prefixed(keys)) {
-                        Ok(keys) if keys.is_empty() => this.state.set(State::Ready {
-                            svc,
-                            req: Some(req),
-                            release: Release::none(),
-                            lost: None,
-                        }),
-                        Ok(keys) => match acquire(this.core, this.owner, keys, req.method()) {
-                            Acquisition::Later(acquire) => {
-                                this.state.set(State::Acquiring { acquire, svc, req });
+                        Ok(keys) if keys.is_empty() => {
+                            this.span.record("decision", "unlocked");
+                            this.state.set(State::Ready {
+                                svc,
+                                req: Some(req),
+                                release: Release::none(),
+                                lost: None,
+                            });
+                        }
+                        Ok(keys) => {
+                            if let Some(first) = keys.as_slice().first() {
+                                this.span.record("namespace", first.namespace());
+                                *this.key = Some(first.clone());
                             }
-                            Acquisition::Now(outcome) => {
-                                let next = acquired(this.core, this.owner, outcome, svc, req);
-                                this.state.set(next);
+                            let key = this.key.as_ref();
+                            match acquire(this.core, this.owner, keys, req.method()) {
+                                Acquisition::Later(acquire) => {
+                                    this.state.set(State::Acquiring { acquire, svc, req });
+                                }
+                                Acquisition::Now(outcome) => {
+                                    let next =
+                                        acquired(this.core, this.owner, key, outcome, svc, req);
+                                    this.state.set(next);
+                                }
                             }
-                        },
+                        }
                         Err(error) => {
                             let response = reject_bad_key(this.core, error);
                             this.state.set(State::Rejected {
@@ -277,7 +311,8 @@ where
                     else {
                         continue; // not reached: the state was `Acquiring`
                     };
-                    let next = acquired(this.core, this.owner, outcome, svc, req);
+                    let next =
+                        acquired(this.core, this.owner, this.key.as_ref(), outcome, svc, req);
                     this.state.set(next);
                 }
                 StateProj::Ready {
@@ -326,7 +361,7 @@ where
                                 // Drops the inner future and the guards (released in
                                 // spawned tasks).
                                 this.state.set(State::Rejected {
-                                    response: Some(this.core.reject(rejection)),
+                                    response: Some(this.core.reject(rejection, this.key.as_ref())),
                                 });
                                 continue;
                             }
@@ -394,7 +429,7 @@ fn reject_bad_key(core: &Core, error: KeyError) -> Response<RejectionBody> {
     } else {
         tracing::debug!(%error, "request rejected: bad lock key");
     }
-    core.reject(Rejection::BadKey(error))
+    core.reject(Rejection::BadKey(error), None)
 }
 
 /// Answers a future polled after it completed (a caller bug) without panicking.

@@ -14,7 +14,7 @@ use super::service::LockService;
 use crate::backend::LockMode;
 use crate::error::{Error, Result};
 use crate::key::LockKey;
-use crate::lock::{Lease, LockClient};
+use crate::lock::{LayerOutcome, Lease, LockClient};
 
 /// What every clone of a layer, its services and their futures share.
 pub(crate) struct Core {
@@ -23,8 +23,30 @@ pub(crate) struct Core {
 }
 
 impl Core {
-    pub(crate) fn reject(&self, rejection: Rejection) -> Response<RejectionBody> {
+    /// Answers a request the layer rejects (`key`: its first key, if one was derived),
+    /// observed and traced.
+    pub(crate) fn reject(
+        &self,
+        rejection: Rejection,
+        key: Option<&LockKey>,
+    ) -> Response<RejectionBody> {
+        let outcome = match &rejection {
+            Rejection::Busy { .. } => LayerOutcome::Busy,
+            Rejection::BadKey(_) => LayerOutcome::BadKey,
+            Rejection::Unavailable { .. } => LayerOutcome::FailClosed,
+            Rejection::Lost { .. } => LayerOutcome::Lost,
+            _ => LayerOutcome::Misconfigured,
+        };
+        self.outcome(key, outcome);
         self.policy.on_rejection.on_rejection(rejection)
+    }
+
+    /// Reports a request not served under its lock to the observer and the layer's span.
+    pub(crate) fn outcome(&self, key: Option<&LockKey>, outcome: LayerOutcome) {
+        tracing::Span::current().record("decision", outcome.as_str());
+        if let Some(observer) = self.client.hooks().observer() {
+            observer.layer_outcome(key, outcome);
+        }
     }
 
     /// Puts the configured prefix in front of every key.

@@ -133,12 +133,10 @@ impl Start {
         )
     }
 
-    fn event(&self) -> LockEvent<'_> {
-        LockEvent {
-            key: &self.slot.key,
-            mode: self.slot.mode,
-            owner: &self.slot.owner,
-        }
+    fn event<'a>(&'a self, client: &LockClient) -> LockEvent<'a> {
+        client
+            .hooks()
+            .event(&self.slot.key, self.slot.mode, &self.slot.owner)
     }
 
     /// Reports a failed acquisition (span and observer) and hands the error back.
@@ -152,9 +150,9 @@ impl Start {
         span.record("outcome", if error.is_busy() { "busy" } else { "error" });
         if let Some(observer) = client.hooks().observer() {
             if error.is_busy() {
-                observer.busy(self.event(), waited);
+                observer.busy(self.event(client), waited);
             } else {
-                observer.acquire_failed(self.event(), &error);
+                observer.acquire_failed(self.event(client), &error);
             }
         }
         error
@@ -188,10 +186,24 @@ impl Start {
             self.watched,
             &self.runtime,
         );
-        if let Some(observer) = client.hooks().observer() {
-            observer.acquired(self.event(), waited);
+        let span = tracing::debug_span!(
+            "tower_lock.hold",
+            key = %client.hooks().key(&hold.store.key),
+            mode = %hold.store.mode,
+            holder = %hold.store.owner,
+            token = attempt.grant.token().map(|t| t.get()),
+            waited_us = waited.as_micros() as u64,
+        );
+        let _ = hold.span.set(span);
+        let observer = client.hooks().observer();
+        if let Some(observer) = observer {
+            observer.acquired(self.event(client), waited);
         }
-        self.guard(client, hold, 1)
+        let mut guard = self.guard(client, hold, 1);
+        if observer.is_some() {
+            guard.mark_observed();
+        }
+        guard
     }
 
     /// A guard of `hold`, its `holds`-th.
@@ -316,7 +328,9 @@ pub(crate) async fn acquire_as(
     };
     let req = pending.store();
     let span = start.span(client, req);
-    let result = run(client, req, deadline).instrument(span.clone()).await;
+    let result = run(client, req, &start.slot.owner, deadline)
+        .instrument(span.clone())
+        .await;
     let waited = started.elapsed();
     span.record("wait_us", waited.as_micros() as u64);
     match result {
@@ -362,17 +376,53 @@ async fn reenter(client: &LockClient, guard: LockGuard, started: Instant) -> Res
 }
 
 /// A re-entry, done: observed and handed out.
-fn reentered(client: &LockClient, guard: LockGuard, started: Instant) -> Result<LockGuard> {
+fn reentered(client: &LockClient, mut guard: LockGuard, started: Instant) -> Result<LockGuard> {
     if let Some(observer) = client.hooks().observer() {
         let hold = guard.hold();
-        let event = LockEvent {
-            key: &hold.slot.key,
-            mode: hold.slot.mode,
-            owner: &hold.slot.owner,
-        };
+        let event = client
+            .hooks()
+            .event(&hold.slot.key, hold.slot.mode, &hold.slot.owner);
         observer.acquired(event, started.elapsed());
+        guard.mark_observed();
     }
     Ok(guard)
+}
+
+/// Tells the observer a wait started, and — when dropped, however the wait ends — that
+/// it ended.
+struct WaitReport<'a> {
+    client: &'a LockClient,
+    req: &'a LockRequest,
+    owner: &'a Owner,
+    started: Instant,
+}
+
+impl<'a> WaitReport<'a> {
+    fn start(client: &'a LockClient, req: &'a LockRequest, owner: &'a Owner) -> Option<Self> {
+        let observer = client.hooks().observer()?;
+        let report = WaitReport {
+            client,
+            req,
+            owner,
+            started: Instant::now(),
+        };
+        observer.wait_started(report.event());
+        Some(report)
+    }
+
+    fn event(&self) -> LockEvent<'a> {
+        self.client
+            .hooks()
+            .event(&self.req.key, self.req.mode, self.owner)
+    }
+}
+
+impl Drop for WaitReport<'_> {
+    fn drop(&mut self) {
+        if let Some(observer) = self.client.hooks().observer() {
+            observer.wait_ended(self.event(), self.started.elapsed());
+        }
+    }
 }
 
 /// A new hold between [`Registry::enter`] and its activation.
@@ -428,6 +478,7 @@ struct Attempted {
 async fn run(
     client: &LockClient,
     req: &LockRequest,
+    owner: &Owner,
     deadline: Option<Instant>,
 ) -> Result<Attempted> {
     let expired = |now: Instant| deadline.is_some_and(|d| now >= d);
@@ -452,7 +503,7 @@ async fn run(
     // The waiting state lives in its own allocation, made only when there is something
     // to wait for: the uncontended path's future stays small (it is built, boxed and
     // moved on every acquisition).
-    Box::pin(wait(client, req, deadline, line_up, ttl)).await
+    Box::pin(wait(client, req, owner, deadline, line_up, ttl)).await
 }
 
 /// The contended path of [`run`]: line up or subscribe, then attempt and sleep until
@@ -460,6 +511,7 @@ async fn run(
 async fn wait(
     client: &LockClient,
     req: &LockRequest,
+    owner: &Owner,
     deadline: Option<Instant>,
     line_up: bool,
     ttl: Option<Duration>,
@@ -478,6 +530,7 @@ async fn wait(
         in_line.give_up().await;
         return Err(Error::Busy { holder_ttl: ttl });
     }
+    let _reported = WaitReport::start(client, req, owner);
 
     // Subscribing may wait for the store to confirm; never past the caller's deadline.
     let sub = match deadline {

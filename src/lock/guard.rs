@@ -179,6 +179,9 @@ struct Held {
     watched: bool,
     runtime: Handle,
     acquired_at: Instant,
+    /// Whether the observer was told of this guard's acquisition: then, and only then,
+    /// it is told when the guard ends.
+    observed: bool,
 }
 
 impl LockGuard {
@@ -200,7 +203,15 @@ impl LockGuard {
                 watched,
                 runtime,
                 acquired_at: Instant::now(),
+                observed: false,
             }),
+        }
+    }
+
+    /// The observer has been told of this guard's acquisition.
+    pub(crate) fn mark_observed(&mut self) {
+        if let Some(held) = self.inner.as_mut() {
+            held.observed = true;
         }
     }
 
@@ -449,15 +460,20 @@ impl<T: Send + 'static> Drop for FinishOnDrop<T> {
 impl Held {
     /// This guard is gone from the client's registry of holds.
     fn leave(&self) -> Left {
+        if self.observed
+            && let Some(observer) = self.client.hooks().observer()
+        {
+            observer.guard_ended(self.event(), self.acquired_at.elapsed());
+        }
         self.client.registry().leave(&self.hold, self.watched)
     }
 
     fn event(&self) -> LockEvent<'_> {
-        LockEvent {
-            key: &self.hold.slot.key,
-            mode: self.hold.slot.mode,
-            owner: &self.hold.slot.owner,
-        }
+        self.client.hooks().event(
+            &self.hold.slot.key,
+            self.hold.slot.mode,
+            &self.hold.slot.owner,
+        )
     }
 
     /// Tells the observer the hold was lost, unless someone (the watchdog, another
@@ -510,7 +526,11 @@ impl Held {
                     observer.released(self.event(), self.acquired_at.elapsed());
                 }
             }
-            Err(_) => {}
+            Err(error) => {
+                if let Some(observer) = self.client.hooks().observer() {
+                    observer.release_failed(self.event(), error);
+                }
+            }
         }
     }
 }

@@ -85,7 +85,7 @@ mod watchdog;
 pub(crate) use guard::{FinishOnDrop, Unlocking};
 pub use guard::{LockGuard, LostSignal};
 pub(crate) use observer::Hooks;
-pub use observer::{LockEvent, LockObserver};
+pub use observer::{LayerOutcome, LockEvent, LockObserver};
 use registry::Registry;
 
 /// The watchdog lease when none is configured: 30 s, as Redisson's
@@ -217,6 +217,7 @@ impl LockClient {
         hooks: Hooks,
         name: Option<Arc<str>>,
     ) -> Self {
+        let hooks = hooks.on_backend(backend.name());
         let client = LockClient {
             inner: Arc::new(ClientInner {
                 registry: Registry::new(Arc::clone(&backend), watchdog_lease, hooks.clone()),

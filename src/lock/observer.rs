@@ -31,6 +31,9 @@ pub struct LockEvent<'a> {
     pub mode: LockMode,
     /// Who holds (or tried to take) it.
     pub owner: &'a Owner,
+    /// The backend's [`name`](crate::backend::LockBackend::name): `memory`, `redis`,
+    /// `redlock`, ...
+    pub backend: &'static str,
 }
 
 /// Receives lock events for metrics. Every method defaults to doing nothing.
@@ -106,6 +109,80 @@ pub trait LockObserver: Send + Sync + 'static {
     fn renewal_failed(&self, event: LockEvent<'_>, error: Option<&Error>) {
         let _ = (event, error);
     }
+
+    /// Releasing this hold in the store failed (the store could not be reached); its
+    /// lease will end it.
+    fn release_failed(&self, event: LockEvent<'_>, error: &Error) {
+        let _ = (event, error);
+    }
+
+    /// An acquisition found the lock busy and starts waiting for it. Always followed,
+    /// once, by [`wait_ended`](Self::wait_ended) — also when the waiting future is
+    /// dropped — so a gauge of current waiters stays exact.
+    fn wait_started(&self, event: LockEvent<'_>) {
+        let _ = event;
+    }
+
+    /// A wait begun with [`wait_started`](Self::wait_started) ended after `waited`:
+    /// acquired, out of time, failed or cancelled.
+    fn wait_ended(&self, event: LockEvent<'_>, waited: Duration) {
+        let _ = (event, waited);
+    }
+
+    /// A guard reported by [`acquired`](Self::acquired) was unlocked or dropped, `held`
+    /// after it was acquired. Called exactly once for each `acquired`, whatever becomes
+    /// of the release ([`released`](Self::released) and [`lost`](Self::lost) say that),
+    /// so a gauge of current holds stays exact.
+    fn guard_ended(&self, event: LockEvent<'_>, held: Duration) {
+        let _ = (event, held);
+    }
+
+    /// [`LockLayer`](crate::LockLayer) did not serve a request under its lock: it
+    /// rejected it, or served it without the lock (fail-open). `key` is the request's
+    /// (first) key when one was derived.
+    fn layer_outcome(&self, key: Option<&LockKey>, outcome: LayerOutcome) {
+        let _ = (key, outcome);
+    }
+}
+
+/// What [`LockLayer`](crate::LockLayer) did with a request instead of serving it under
+/// its lock: see [`LockObserver::layer_outcome`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LayerOutcome {
+    /// Rejected: the lock was still held by another request when the wait ran out.
+    Busy,
+    /// Served without its lock: the store could not answer and the layer fails open.
+    FailOpen,
+    /// Rejected: the store could not answer and the layer fails closed.
+    FailClosed,
+    /// Rejected: no valid key could be derived from the request.
+    BadKey,
+    /// Rejected: the layer or the store is misconfigured.
+    Misconfigured,
+    /// Cancelled: the lock was lost while the handler ran.
+    Lost,
+}
+
+impl LayerOutcome {
+    /// A short lowercase name, for labels and trace fields: `busy`, `fail_open`,
+    /// `fail_closed`, `bad_key`, `misconfigured`, `lost`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LayerOutcome::Busy => "busy",
+            LayerOutcome::FailOpen => "fail_open",
+            LayerOutcome::FailClosed => "fail_closed",
+            LayerOutcome::BadKey => "bad_key",
+            LayerOutcome::Misconfigured => "misconfigured",
+            LayerOutcome::Lost => "lost",
+        }
+    }
+}
+
+impl fmt::Display for LayerOutcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 impl<T: LockObserver + ?Sized> LockObserver for Arc<T> {
@@ -127,6 +204,21 @@ impl<T: LockObserver + ?Sized> LockObserver for Arc<T> {
     fn renewal_failed(&self, event: LockEvent<'_>, error: Option<&Error>) {
         (**self).renewal_failed(event, error)
     }
+    fn release_failed(&self, event: LockEvent<'_>, error: &Error) {
+        (**self).release_failed(event, error)
+    }
+    fn wait_started(&self, event: LockEvent<'_>) {
+        (**self).wait_started(event)
+    }
+    fn wait_ended(&self, event: LockEvent<'_>, waited: Duration) {
+        (**self).wait_ended(event, waited)
+    }
+    fn guard_ended(&self, event: LockEvent<'_>, held: Duration) {
+        (**self).guard_ended(event, held)
+    }
+    fn layer_outcome(&self, key: Option<&LockKey>, outcome: LayerOutcome) {
+        (**self).layer_outcome(key, outcome)
+    }
 }
 
 /// A client's observer and trace settings, shared with its watchdog.
@@ -135,6 +227,8 @@ pub(crate) struct Hooks {
     observer: Option<Arc<dyn LockObserver>>,
     /// The secret redacted keys are hashed with; `None`: keys are shown.
     redaction: Option<[u8; 16]>,
+    /// The backend's name, for events.
+    backend: &'static str,
 }
 
 impl Hooks {
@@ -150,6 +244,28 @@ impl Hooks {
             // could hash every user id and match.
             redaction: redact
                 .map(|secret| secret.unwrap_or_else(|| *uuid::Uuid::new_v4().as_bytes())),
+            backend: "",
+        }
+    }
+
+    /// The same hooks, for a client on the backend named `backend`.
+    pub(crate) fn on_backend(mut self, backend: &'static str) -> Self {
+        self.backend = backend;
+        self
+    }
+
+    /// An event about `owner`'s lock on `key` in `mode`.
+    pub(crate) fn event<'a>(
+        &self,
+        key: &'a LockKey,
+        mode: LockMode,
+        owner: &'a Owner,
+    ) -> LockEvent<'a> {
+        LockEvent {
+            key,
+            mode,
+            owner,
+            backend: self.backend,
         }
     }
 

@@ -149,6 +149,9 @@ pub(crate) struct Hold {
     acquired: Notify,
     /// Whether the observer has been told this hold was lost (it is told once).
     loss_reported: std::sync::atomic::AtomicBool,
+    /// `tower_lock.hold`, from the grant until the hold's last reference is gone (its
+    /// release done).
+    pub(crate) span: std::sync::OnceLock<tracing::Span>,
     state: Mutex<HoldState>,
 }
 
@@ -326,6 +329,7 @@ impl Registry {
             expiry: Expiry::new(None),
             acquired: Notify::new(),
             loss_reported: std::sync::atomic::AtomicBool::new(false),
+            span: std::sync::OnceLock::new(),
             state: Mutex::new(HoldState {
                 phase: Phase::Acquiring,
                 token: None,

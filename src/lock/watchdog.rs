@@ -26,7 +26,6 @@ use tokio::runtime::{Handle, Id};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::LockEvent;
 use super::registry::Inner;
 
 /// The shortest pause before retrying a failed renewal.
@@ -123,11 +122,9 @@ async fn run(inner: Arc<Inner>, runtime: Id) {
         if let Some(observer) = inner.hooks.observer() {
             for (i, lost) in events {
                 let hold = &holds[i];
-                let event = LockEvent {
-                    key: &hold.slot.key,
-                    mode: hold.slot.mode,
-                    owner: &hold.slot.owner,
-                };
+                let event = inner
+                    .hooks
+                    .event(&hold.slot.key, hold.slot.mode, &hold.slot.owner);
                 // The observer is user code; a panic there must not stop renewals.
                 let reported = catch_unwind(AssertUnwindSafe(|| {
                     if lost {

@@ -139,7 +139,8 @@ impl Hub {
                 .await
                 .is_ok();
         if !in_time && !*confirmed.borrow() {
-            tracing::debug!(channel = %sub.channel, "subscription not confirmed yet; the waiter retries once it is");
+            // No channel in the message: it names the key, which may be redacted.
+            tracing::debug!("subscription not confirmed yet; the waiter retries once it is");
             sub.unconfirmed = Some(confirmed);
         }
         sub
