@@ -31,6 +31,8 @@
 //!   200 waiters, w4, and w5 for each layer at 64 connections and at 1. `--chart F.svg`
 //!   draws the handoff-latency distributions of w2 and w2h.
 //!
+//! `--help` lists every flag with its default; bad arguments exit 2.
+//!
 //! Benchmarks are not tests: nothing here asserts a timing.
 
 use std::process::ExitCode;
@@ -38,6 +40,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use clap::{CommandFactory, Parser, ValueEnum};
 use redis::AsyncCommands;
 use redis::aio::MultiplexedConnection;
 use serde_json::{Value, json};
@@ -45,11 +48,6 @@ use tower_lock::backend::{
     Acquire, BoxFuture, LockBackend, LockMode, LockRequest, Release, Subscription,
 };
 use tower_lock::{Lease, LockClient, LockKey, MemoryBackend, RedisBackend};
-
-const USAGE: &str = "usage: bench --url URL --workers W --seconds S --workload w1|w2|w3|w4|w5|all \
-[--handoff] [--backend redis|memory|none] [--kind lock|fair] [--impl tower-lock|baseline] \
-[--lease-ms L] [--waiters N] [--handoffs N] [--locks N] [--watchdog-ms L] [--connections N] \
-[--chart FILE.svg (with --workload all)]";
 
 /// Counts heap allocations (and reallocations) of the whole process, for
 /// `allocs_per_request` in w5.
@@ -100,128 +98,125 @@ async fn redis_cpu_us(url: &str) -> Result<f64, String> {
         * 1e6)
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
 enum BackendKind {
     Redis,
     Memory,
     None,
 }
 
-#[derive(Clone)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+enum Workload {
+    W1,
+    W2,
+    W3,
+    W4,
+    W5,
+    All,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+enum LockKind {
+    Lock,
+    Fair,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+enum Impl {
+    TowerLock,
+    Baseline,
+}
+
+/// The benchmark: one JSON line per run (see the module docs for the workloads).
+#[derive(Clone, Parser)]
+#[command(
+    name = "bench",
+    args_override_self = true,
+    allow_negative_numbers = true
+)]
 struct Args {
+    /// The Redis server.
+    #[arg(long, value_name = "URL", default_value = "redis://127.0.0.1:6379")]
     url: String,
+    /// Concurrent workers (w1, w2).
+    #[arg(long, value_name = "W", default_value_t = 8)]
     workers: usize,
+    /// How long each run lasts (w1, w2, w5).
+    #[arg(long, value_name = "S", default_value_t = 5.0)]
     seconds: f64,
-    workload: String,
+    /// What to measure.
+    #[arg(long, value_enum, default_value_t = Workload::W1)]
+    workload: Workload,
+    /// w2: after releasing, sit out until another worker has acquired.
+    #[arg(long)]
     handoff: bool,
+    /// Where the locks live; `none` (w5 only) runs without the layer.
+    #[arg(long, value_enum, default_value_t = BackendKind::Redis)]
     backend: BackendKind,
-    fair: bool,
-    baseline: bool,
+    /// Which lock.
+    #[arg(long, value_enum, default_value_t = LockKind::Lock)]
+    kind: LockKind,
+    /// w1 only: `baseline` runs the hand-rolled SET NX PX reference.
+    #[arg(long = "impl", value_name = "IMPL", value_enum, default_value_t = Impl::TowerLock)]
+    implementation: Impl,
+    /// A fixed lease in milliseconds (default: the watchdog).
+    #[arg(long = "lease-ms", value_name = "L", value_parser = millis)]
     lease: Option<Duration>,
+    /// w3: tasks waiting on the key.
+    #[arg(long, value_name = "N", default_value_t = 200)]
     waiters: usize,
+    /// w3: handoffs to measure.
+    #[arg(long, value_name = "N", default_value_t = 1000)]
     handoffs: u64,
+    /// w4: locks held.
+    #[arg(long, value_name = "N", default_value_t = 10_000)]
     locks: usize,
+    /// w4: the watchdog lease in milliseconds.
+    #[arg(long = "watchdog-ms", value_name = "L", value_parser = millis, default_value = "3000")]
     watchdog: Duration,
+    /// w5: keep-alive connections.
+    #[arg(long, value_name = "N", default_value_t = 64)]
     connections: usize,
+    /// With `--workload all`: draw the handoff-latency distributions of w2 and w2h here.
+    #[arg(long, value_name = "FILE.svg")]
     chart: Option<String>,
 }
 
-fn parse_args() -> Result<Args, String> {
-    let mut a = Args {
-        url: "redis://127.0.0.1:6379".into(),
-        workers: 8,
-        seconds: 5.0,
-        workload: "w1".into(),
-        handoff: false,
-        backend: BackendKind::Redis,
-        fair: false,
-        baseline: false,
-        lease: None,
-        waiters: 200,
-        handoffs: 1000,
-        locks: 10_000,
-        watchdog: Duration::from_secs(3),
-        connections: 64,
-        chart: None,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
-        fn num<T: std::str::FromStr>(flag: &str, v: String) -> Result<T, String> {
-            v.parse()
-                .map_err(|_| format!("{flag}: not a number: {v:?}"))
-        }
-        match flag.as_str() {
-            "--url" => a.url = value()?,
-            "--workers" => a.workers = num(&flag, value()?)?,
-            "--seconds" => a.seconds = num(&flag, value()?)?,
-            "--workload" => a.workload = value()?,
-            "--handoff" => a.handoff = true,
-            "--backend" => {
-                a.backend = match value()?.as_str() {
-                    "redis" => BackendKind::Redis,
-                    "memory" => BackendKind::Memory,
-                    "none" => BackendKind::None,
-                    other => return Err(format!("--backend: unknown {other:?}")),
-                }
-            }
-            "--kind" => {
-                a.fair = match value()?.as_str() {
-                    "lock" => false,
-                    "fair" => true,
-                    other => return Err(format!("--kind: unknown {other:?}")),
-                }
-            }
-            "--impl" => {
-                a.baseline = match value()?.as_str() {
-                    "tower-lock" => false,
-                    "baseline" => true,
-                    other => return Err(format!("--impl: unknown {other:?}")),
-                }
-            }
-            "--lease-ms" => a.lease = Some(Duration::from_millis(num(&flag, value()?)?)),
-            "--waiters" => a.waiters = num(&flag, value()?)?,
-            "--handoffs" => a.handoffs = num(&flag, value()?)?,
-            "--locks" => a.locks = num(&flag, value()?)?,
-            "--watchdog-ms" => a.watchdog = Duration::from_millis(num(&flag, value()?)?),
-            "--connections" => a.connections = num(&flag, value()?)?,
-            "--chart" => a.chart = Some(value()?),
-            "-h" | "--help" => return Err(USAGE.into()),
-            other => return Err(format!("unknown argument {other:?}")),
-        }
-    }
+fn millis(value: &str) -> Result<Duration, std::num::ParseIntError> {
+    value.parse().map(Duration::from_millis)
+}
+
+/// The checks that span several flags (clap makes the others).
+fn check(a: &Args) -> Result<(), &'static str> {
     if a.workers == 0 || a.seconds <= 0.0 || a.waiters == 0 || a.locks == 0 || a.connections == 0 {
-        return Err(
-            "--workers, --seconds, --waiters, --locks and --connections must be positive".into(),
-        );
+        return Err("--workers, --seconds, --waiters, --locks and --connections must be positive");
     }
-    if a.chart.is_some() && a.workload != "all" {
-        return Err("--chart goes with --workload all".into());
+    if a.chart.is_some() && a.workload != Workload::All {
+        return Err("--chart goes with --workload all");
     }
-    if a.baseline && a.workload != "w1" {
-        return Err("--impl baseline exists for w1 only".into());
+    if a.implementation == Impl::Baseline && a.workload != Workload::W1 {
+        return Err("--impl baseline exists for w1 only");
     }
-    Ok(a)
+    Ok(())
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(message) => {
-            eprintln!("{message}\n{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
-    let result = match args.workload.as_str() {
-        "w1" if args.baseline => w1_baseline(&args).await,
-        "w1" => w1(&args).await,
-        "w2" => w2(&args).await,
-        "w3" => w3(&args).await,
-        "w4" => w4(&args).await,
-        "w5" => w5(&args).await,
-        "all" => all(&args).await,
-        other => Err(format!("unknown workload {other:?}")),
+    let args = Args::parse();
+    if let Err(message) = check(&args) {
+        // Exits 2, as clap does for the errors it finds itself.
+        Args::command()
+            .error(clap::error::ErrorKind::ArgumentConflict, message)
+            .exit();
+    }
+    let result = match args.workload {
+        Workload::W1 if args.implementation == Impl::Baseline => w1_baseline(&args).await,
+        Workload::W1 => w1(&args).await,
+        Workload::W2 => w2(&args).await,
+        Workload::W3 => w3(&args).await,
+        Workload::W4 => w4(&args).await,
+        Workload::W5 => w5(&args).await,
+        Workload::All => all(&args).await,
     };
     match result {
         Ok(line) => {
@@ -247,10 +242,10 @@ fn object(fields: Vec<(&str, Value)>) -> String {
 }
 
 fn peer(args: &Args) -> String {
-    match (args.baseline, args.fair) {
-        (true, _) => "redis-setnx-baseline".into(),
-        (false, true) => "tower-lock-fair".into(),
-        (false, false) => "tower-lock".into(),
+    match (args.implementation, args.kind) {
+        (Impl::Baseline, _) => "redis-setnx-baseline".into(),
+        (Impl::TowerLock, LockKind::Fair) => "tower-lock-fair".into(),
+        (Impl::TowerLock, LockKind::Lock) => "tower-lock".into(),
     }
 }
 
@@ -287,7 +282,7 @@ async fn client(args: &Args) -> Result<LockClient, String> {
 }
 
 fn lock_for(client: &LockClient, args: &Args, key: String) -> Result<tower_lock::Lock, String> {
-    let lock = if args.fair {
+    let lock = if args.kind == LockKind::Fair {
         client.get_fair_lock(key)
     } else {
         client.get_lock(key)
@@ -1180,13 +1175,13 @@ async fn all(args: &Args) -> Result<String, String> {
     for workers in [1, 32] {
         let ours = w1(&with(&|a| {
             a.workers = workers;
-            a.workload = "w1".into();
+            a.workload = Workload::W1;
         }))
         .await?;
         let base = w1_baseline(&with(&|a| {
             a.workers = workers;
-            a.workload = "w1".into();
-            a.baseline = true;
+            a.workload = Workload::W1;
+            a.implementation = Impl::Baseline;
         }))
         .await?;
         ratios.push((
@@ -1205,14 +1200,14 @@ async fn all(args: &Args) -> Result<String, String> {
     }
     let (w2_line, w2_samples) = w2_with_samples(&with(&|a| {
         a.workers = 8;
-        a.workload = "w2".into();
+        a.workload = Workload::W2;
     }))
     .await?;
     say(w2_line);
     match w2_with_samples(&with(&|a| {
         a.workers = 8;
-        a.workload = "w2".into();
-        a.fair = true;
+        a.workload = Workload::W2;
+        a.kind = LockKind::Fair;
     }))
     .await
     {
@@ -1221,7 +1216,7 @@ async fn all(args: &Args) -> Result<String, String> {
     }
     let (w2h_line, w2h_samples) = w2_with_samples(&with(&|a| {
         a.workers = 8;
-        a.workload = "w2".into();
+        a.workload = Workload::W2;
         a.handoff = true;
     }))
     .await?;
@@ -1229,18 +1224,18 @@ async fn all(args: &Args) -> Result<String, String> {
     for waiters in [20, 200] {
         say(w3(&with(&|a| {
             a.waiters = waiters;
-            a.workload = "w3".into();
+            a.workload = Workload::W3;
         }))
         .await?);
     }
-    say(w4(&with(&|a| a.workload = "w4".into())).await?);
+    say(w4(&with(&|a| a.workload = Workload::W4)).await?);
     for connections in [64, 1] {
         let mut none: Option<String> = None;
         for backend in [BackendKind::None, BackendKind::Memory, BackendKind::Redis] {
             let line = w5(&with(&|a| {
                 a.connections = connections;
                 a.backend = backend;
-                a.workload = "w5".into();
+                a.workload = Workload::W5;
             }))
             .await?;
             if let Some(none) = &none {
