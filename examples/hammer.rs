@@ -28,17 +28,66 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
+use clap::{CommandFactory, Parser, ValueEnum};
 use redis::AsyncCommands;
 use tower_lock::kinds::RedLock;
 use tower_lock::{Lease, Lock, LockClient, RedisBackend};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Kind {
+    /// The reentrant lock.
     Lock,
+    /// The fair lock.
     Fair,
+    /// The write lock of a read-write lock.
     Write,
+    /// A reentrant lock held by a majority of the `--url` nodes.
+    #[value(name = "redlock")]
     RedLock,
+    /// One of `--permits N` permits.
     Permits,
+}
+
+/// Cross-process exclusion check: run several against one Redis and the counter must
+/// come out exact.
+#[derive(Parser)]
+#[command(name = "hammer", args_override_self = true)]
+struct Cli {
+    /// The Redis server, or a comma-separated list of RedLock nodes (with `--kind redlock`).
+    #[arg(long, value_name = "URL[,URL...]")]
+    url: String,
+    /// Where the counter lives (default: the first `--url`).
+    #[arg(long, value_name = "URL")]
+    counter_url: Option<String>,
+    /// The lock's name.
+    #[arg(long)]
+    name: String,
+    /// Iterations per task.
+    #[arg(long, value_name = "N")]
+    iters: u64,
+    /// The counter's key.
+    #[arg(long, value_name = "K")]
+    counter_key: String,
+    /// A fixed lease in milliseconds (default: the watchdog).
+    #[arg(long = "lease-ms", value_name = "L", value_parser = millis)]
+    lease: Option<Duration>,
+    /// Which lock to take.
+    #[arg(long, value_enum, default_value_t = Kind::Lock)]
+    kind: Kind,
+    /// How many permits (`--kind permits` only; N > 0).
+    #[arg(long, value_name = "N")]
+    permits: Option<u32>,
+    /// Give up on a lock after this many milliseconds (exit 1) (default: wait as long as
+    /// needed).
+    #[arg(long = "wait-ms", value_name = "W", value_parser = millis)]
+    wait: Option<Duration>,
+    /// Concurrent workers of `--iters` iterations each (0 counts as 1).
+    #[arg(long, value_name = "T", default_value_t = 1)]
+    tasks: u64,
+}
+
+fn millis(value: &str) -> Result<Duration, std::num::ParseIntError> {
+    value.parse().map(Duration::from_millis)
 }
 
 struct Args {
@@ -54,72 +103,22 @@ struct Args {
     tasks: u64,
 }
 
-const USAGE: &str = "usage: hammer --url URL[,URL...] --name NAME --iters N --counter-key K \
-[--lease-ms L] [--kind lock|fair|write|redlock|permits] [--permits N] [--tasks T] \
-[--counter-url URL] [--wait-ms W]";
-
-fn number<T: std::str::FromStr>(flag: &str, value: &str) -> Result<T, String>
-where
-    T::Err: std::fmt::Display,
-{
-    value.parse::<T>().map_err(|e| format!("{flag}: {e}"))
-}
-
+/// The parsed command line, with the checks that span several flags.
 fn parse_args() -> Result<Args, String> {
-    let mut urls = None;
-    let mut counter_url = None;
-    let mut name = None;
-    let mut iters = None;
-    let mut counter_key = None;
-    let mut lease = None;
-    let mut kind = Kind::Lock;
-    let mut permits = None;
-    let mut wait = None;
-    let mut tasks = 1;
-    let mut args = std::env::args().skip(1);
-    while let Some(flag) = args.next() {
-        let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
-        match flag.as_str() {
-            "--url" => {
-                let list: Vec<String> = value()?
-                    .split(',')
-                    .filter(|u| !u.is_empty())
-                    .map(str::to_owned)
-                    .collect();
-                urls = Some(list);
-            }
-            "--counter-url" => counter_url = Some(value()?),
-            "--name" => name = Some(value()?),
-            "--iters" => iters = Some(number::<u64>("--iters", &value()?)?),
-            "--counter-key" => counter_key = Some(value()?),
-            "--lease-ms" => {
-                lease = Some(Duration::from_millis(number("--lease-ms", &value()?)?));
-            }
-            "--wait-ms" => wait = Some(Duration::from_millis(number("--wait-ms", &value()?)?)),
-            "--permits" => permits = Some(number::<u32>("--permits", &value()?)?),
-            "--tasks" => tasks = number::<u64>("--tasks", &value()?)?.max(1),
-            "--kind" => {
-                kind = match value()?.as_str() {
-                    "lock" => Kind::Lock,
-                    "fair" => Kind::Fair,
-                    "write" => Kind::Write,
-                    "redlock" => Kind::RedLock,
-                    "permits" => Kind::Permits,
-                    other => return Err(format!("--kind: unknown kind {other:?}")),
-                }
-            }
-            "-h" | "--help" => return Err(USAGE.to_owned()),
-            other => return Err(format!("unknown argument {other:?}")),
-        }
-    }
-    let urls = urls.ok_or("--url is required")?;
+    let cli = Cli::parse();
+    let urls: Vec<String> = cli
+        .url
+        .split(',')
+        .filter(|u| !u.is_empty())
+        .map(str::to_owned)
+        .collect();
     if urls.is_empty() {
         return Err("--url needs at least one URL".to_owned());
     }
-    if kind != Kind::RedLock && urls.len() > 1 {
+    if cli.kind != Kind::RedLock && urls.len() > 1 {
         return Err("several --url values are RedLock nodes: use --kind redlock".to_owned());
     }
-    let permits = match (kind, permits) {
+    let permits = match (cli.kind, cli.permits) {
         (Kind::Permits, Some(n)) if n > 0 => n,
         (Kind::Permits, _) => return Err("--kind permits needs --permits N (N > 0)".to_owned()),
         (_, Some(_)) => return Err("--permits goes with --kind permits".to_owned()),
@@ -127,15 +126,15 @@ fn parse_args() -> Result<Args, String> {
     };
     Ok(Args {
         urls,
-        counter_url,
-        name: name.ok_or("--name is required")?,
-        iters: iters.ok_or("--iters is required")?,
-        counter_key: counter_key.ok_or("--counter-key is required")?,
-        lease,
-        kind,
+        counter_url: cli.counter_url,
+        name: cli.name,
+        iters: cli.iters,
+        counter_key: cli.counter_key,
+        lease: cli.lease,
+        kind: cli.kind,
         permits,
-        wait,
-        tasks,
+        wait: cli.wait,
+        tasks: cli.tasks.max(1),
     })
 }
 
@@ -251,10 +250,10 @@ async fn run(args: Args) -> Result<(), String> {
 async fn main() -> ExitCode {
     let args = match parse_args() {
         Ok(args) => args,
-        Err(message) => {
-            eprintln!("{message}\n{USAGE}");
-            return ExitCode::from(2);
-        }
+        // Exits 2, as clap does for the errors it finds itself.
+        Err(message) => Cli::command()
+            .error(clap::error::ErrorKind::ArgumentConflict, message)
+            .exit(),
     };
     match run(args).await {
         Ok(()) => ExitCode::SUCCESS,

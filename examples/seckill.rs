@@ -24,6 +24,12 @@
 //! other whichever process they reach. A server seeds voucher 1 with `--stock` only if
 //! it is not in Redis yet (`SET NX`): the second process joins the first one's sale
 //! instead of restocking it. `--reset` starts the sale afresh, and `--demo` always does.
+//! (`--redis-url URL` does the same as `REDIS_URL`.)
+//!
+//! Other flags: `--stock N` (voucher 1's stock, default 100), `--wait-ms N` (how long an
+//! order waits for its user's lock, default 50), `--work-ms N` (simulated work inside an
+//! order, default 20), `--users N` and `--per-user N` (the demo's burst, default 300 × 5;
+//! 1 to 1000 per user); `--help` lists them all. Bad arguments exit 2.
 
 #[path = "seckill/app.rs"]
 mod app;
@@ -37,12 +43,56 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use app::{MemoryStore, Settings, Store};
+use clap::{CommandFactory, Parser};
 use tower_lock::{LockClient, MemoryBackend};
 
 const VOUCHER: u64 = 1;
 
-const USAGE: &str = "usage: [REDIS_URL=redis://HOST:PORT] seckill [--addr HOST:PORT] [--stock N] [--reset] \
-[--wait-ms N] [--work-ms N] [--no-lock] [--demo [--users N] [--per-user N]]";
+/// A flash sale served through `LockLayer`: one order per user per voucher.
+#[derive(Parser)]
+#[command(
+    name = "seckill",
+    args_override_self = true,
+    allow_negative_numbers = true
+)]
+struct Cli {
+    /// Where to serve (a `--demo` serves on a free port instead).
+    #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:3000")]
+    addr: SocketAddr,
+    /// Voucher 1's stock (not negative).
+    #[arg(long, value_name = "N", default_value_t = 100)]
+    stock: i64,
+    /// Start the sale afresh in Redis even if it is running.
+    #[arg(long)]
+    reset: bool,
+    /// How long an order waits for its user's lock, in milliseconds.
+    #[arg(long, value_name = "N", default_value_t = millis(Settings::default().wait))]
+    wait_ms: u64,
+    /// Simulated work inside an order, in milliseconds.
+    #[arg(long, value_name = "N", default_value_t = millis(Settings::default().work))]
+    work_ms: u64,
+    /// Serve orders without the lock, to see the race.
+    #[arg(long)]
+    no_lock: bool,
+    /// Fire `--users` × `--per-user` identical orders at a fresh sale and check the
+    /// invariants, instead of serving.
+    #[arg(long)]
+    demo: bool,
+    /// Users in the demo.
+    #[arg(long, value_name = "N", default_value_t = 300)]
+    users: u64,
+    /// Concurrent identical orders per user in the demo (1 to 1000).
+    #[arg(long, value_name = "N", default_value_t = 5)]
+    per_user: u64,
+    /// Locks and data in this Redis, shared by every process that uses it (default: in
+    /// this process).
+    #[arg(long, env = "REDIS_URL", value_name = "URL", hide_env_values = true)]
+    redis_url: Option<String>,
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
 
 struct Args {
     addr: SocketAddr,
@@ -52,64 +102,41 @@ struct Args {
     users: u64,
     per_user: u64,
     settings: Settings,
+    redis_url: Option<String>,
 }
 
+/// The parsed command line, with the checks clap does not make.
 fn parse_args() -> Result<Args, String> {
-    let mut args = Args {
-        addr: SocketAddr::from(([127, 0, 0, 1], 3000)),
-        stock: 100,
-        reset: false,
-        demo: false,
-        users: 300,
-        per_user: 5,
-        settings: Settings::default(),
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = |name: &str| it.next().ok_or_else(|| format!("{name} needs a value"));
-        fn num<T: std::str::FromStr>(name: &str, v: String) -> Result<T, String> {
-            v.parse()
-                .map_err(|_| format!("{name}: not a valid number: {v:?}"))
-        }
-        match flag.as_str() {
-            "--addr" => {
-                let v = value("--addr")?;
-                args.addr = v
-                    .parse()
-                    .map_err(|_| format!("--addr: not HOST:PORT: {v:?}"))?;
-            }
-            "--stock" => args.stock = num("--stock", value("--stock")?)?,
-            "--users" => args.users = num("--users", value("--users")?)?,
-            "--per-user" => args.per_user = num("--per-user", value("--per-user")?)?,
-            "--wait-ms" => {
-                args.settings.wait = Duration::from_millis(num("--wait-ms", value("--wait-ms")?)?)
-            }
-            "--work-ms" => {
-                args.settings.work = Duration::from_millis(num("--work-ms", value("--work-ms")?)?)
-            }
-            "--no-lock" => args.settings.no_lock = true,
-            "--reset" => args.reset = true,
-            "--demo" => args.demo = true,
-            "-h" | "--help" => return Err(String::new()),
-            other => return Err(format!("unknown flag {other:?}")),
-        }
-    }
-    if args.stock < 0 {
+    let cli = Cli::parse();
+    if cli.stock < 0 {
         return Err("--stock must not be negative".into());
     }
-    if args.per_user == 0 || args.per_user > 1000 {
+    if cli.per_user == 0 || cli.per_user > 1000 {
         return Err("--per-user must be between 1 and 1000".into());
     }
-    Ok(args)
+    Ok(Args {
+        addr: cli.addr,
+        stock: cli.stock,
+        reset: cli.reset,
+        demo: cli.demo,
+        users: cli.users,
+        per_user: cli.per_user,
+        settings: Settings {
+            wait: Duration::from_millis(cli.wait_ms),
+            work: Duration::from_millis(cli.work_ms),
+            no_lock: cli.no_lock,
+        },
+        // Empty counts as unset, as it did when this read the variable itself.
+        redis_url: cli.redis_url.filter(|url| !url.is_empty()),
+    })
 }
 
 /// The lock client and the store, with voucher 1 in it. Everything else is the same
 /// whatever they are: this is the one place to choose them.
 async fn backend_and_store(args: &Args) -> Result<(LockClient, Arc<dyn Store>), String> {
-    match std::env::var("REDIS_URL") {
-        Ok(url) if !url.is_empty() => on_redis(&url, args).await,
-        Err(std::env::VarError::NotUnicode(_)) => Err("REDIS_URL is not valid UTF-8".into()),
-        _ => {
+    match &args.redis_url {
+        Some(url) => on_redis(url, args).await,
+        None => {
             println!(
                 "backend: memory (locks and orders in this process; set REDIS_URL to share them)"
             );
@@ -175,17 +202,10 @@ async fn on_redis(_url: &str, _args: &Args) -> Result<(LockClient, Arc<dyn Store
 async fn main() -> ExitCode {
     let args = match parse_args() {
         Ok(args) => args,
-        Err(message) => {
-            if !message.is_empty() {
-                eprintln!("seckill: {message}");
-            }
-            eprintln!("{USAGE}");
-            return if message.is_empty() {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::from(2)
-            };
-        }
+        // Exits 2, as clap does for the errors it finds itself.
+        Err(message) => Cli::command()
+            .error(clap::error::ErrorKind::ValueValidation, message)
+            .exit(),
     };
     match run(args).await {
         Ok(code) => code,

@@ -186,22 +186,27 @@ fn validate(key: &str) -> Result<()> {
     }
 }
 
+/// Appends `part` with `%`, `{`, `}` and control characters (`char::is_control`, the
+/// C1 controls such as U+0085 included) percent-escaped, `%XX` per UTF-8 byte in
+/// uppercase hex; everything else, other non-ASCII text included, is kept as it is.
+///
+/// The output must never change: replicas of two versions mid-rollout have to build the
+/// same key for the same user, or they would not exclude each other. That is why this
+/// escapes char by char with `percent_encode_byte` rather than `utf8_percent_encode`
+/// with an `AsciiSet`, which would escape every non-ASCII byte.
 fn escape_into(part: &str, out: &mut String) {
-    for c in part.chars() {
-        if c == '%' || c == '{' || c == '}' || c.is_control() {
-            let mut buf = [0u8; 4];
-            for b in c.encode_utf8(&mut buf).bytes() {
-                out.push('%');
-                out.push(char::from(HEX[usize::from(b >> 4)]));
-                out.push(char::from(HEX[usize::from(b & 0xf)]));
+    let mut kept = 0;
+    for (at, c) in part.char_indices() {
+        if matches!(c, '%' | '{' | '}') || c.is_control() {
+            out.push_str(&part[kept..at]);
+            for b in c.encode_utf8(&mut [0; 4]).bytes() {
+                out.push_str(percent_encoding::percent_encode_byte(b));
             }
-        } else {
-            out.push(c);
+            kept = at + c.len_utf8();
         }
     }
+    out.push_str(&part[kept..]);
 }
-
-const HEX: &[u8; 16] = b"0123456789ABCDEF";
 
 impl fmt::Debug for LockKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -354,6 +359,57 @@ mod tests {
             LockKey::namespaced("ns", "%7D").unwrap(),
             LockKey::namespaced("ns", "}").unwrap()
         );
+    }
+
+    /// Pins the escaping byte for byte: replicas of two versions mid-rollout must build
+    /// the same key for the same user part, or they would not exclude each other.
+    #[test]
+    fn namespaced_keys_are_stable_across_versions() {
+        let corpus = [
+            (
+                "plain-ASCII_42:user@example.com",
+                "plain-ASCII_42:user@example.com",
+            ),
+            (" +/?&=#!~*'()[];,\\\"", " +/?&=#!~*'()[];,\\\""),
+            ("%{}", "%25%7B%7D"),
+            ("%7D", "%257D"),
+            ("a}b{c%d", "a%7Db%7Bc%25d"),
+            ("a\tb\nc\r\0", "a%09b%0Ac%0D%00"),
+            ("\u{1b}[0m\u{7f}", "%1B[0m%7F"),
+            ("x\u{85}y", "x%C2%85y"),
+            ("\u{80}\u{9f}", "%C2%80%C2%9F"),
+            (
+                "\u{a0}\u{ad}\u{200b}\u{2028}\u{feff}",
+                "\u{a0}\u{ad}\u{200b}\u{2028}\u{feff}",
+            ),
+            ("é✓ß", "é✓ß"),
+            ("🔒😀👩‍👩‍👧", "🔒😀👩‍👩‍👧"),
+            ("用户42", "用户42"),
+            ("日本{語}\t🔑%", "日本%7B語%7D%09🔑%25"),
+        ];
+        for (part, escaped) in corpus {
+            let key = LockKey::namespaced("ns", part).unwrap();
+            assert_eq!(key.as_str(), format!("ns:{{{escaped}}}"), "{part:?}");
+            assert_eq!(key.hash_tag(), Some(escaped), "{part:?}");
+        }
+
+        // And every char, against the rule itself: `%`, `{`, `}` and control characters
+        // become `%XX` per UTF-8 byte (uppercase hex), anything else stays as it is.
+        let mut out = String::new();
+        let mut want = String::new();
+        for c in (0..=u32::from(char::MAX)).filter_map(char::from_u32) {
+            out.clear();
+            want.clear();
+            escape_into(c.encode_utf8(&mut [0; 4]), &mut out);
+            if matches!(c, '%' | '{' | '}') || c.is_control() {
+                for b in c.encode_utf8(&mut [0; 4]).bytes() {
+                    want.push_str(&format!("%{b:02X}"));
+                }
+            } else {
+                want.push(c);
+            }
+            assert_eq!(out, want, "{c:?}");
+        }
     }
 
     #[test]

@@ -124,7 +124,6 @@
 use futures_util::future::join_all;
 use std::cmp::Ordering as CmpOrdering;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::Poll;
 use std::time::Duration;
@@ -182,7 +181,6 @@ struct Inner {
     retry_jitter: Duration,
     watchdog_lease: Option<Duration>,
     backoffs: Mutex<Backoffs>,
-    rng: AtomicU64,
 }
 
 /// Owners in back-off after a split vote, until when.
@@ -298,7 +296,6 @@ impl RedLockBuilder {
             Quorum::Majority => (total / 2 + 1, "redlock"),
             Quorum::All => (total, "all-of"),
         };
-        let seed = uuid::Uuid::new_v4().as_u64_pair().0;
         Ok(RedLock {
             inner: Arc::new(Inner {
                 nodes: self.nodes,
@@ -308,7 +305,6 @@ impl RedLockBuilder {
                 retry_jitter: self.retry_jitter,
                 watchdog_lease: self.watchdog_lease,
                 backoffs: Mutex::default(),
-                rng: AtomicU64::new(seed),
             }),
         })
     }
@@ -455,20 +451,15 @@ impl Inner {
         }
     }
 
+    /// A random delay in `0..=retry_jitter` (zero when the jitter is disabled). The
+    /// thread's `fastrand` generator is seeded per process, so replicas that split a
+    /// vote back off by different amounts.
     fn jitter(&self) -> Duration {
         let max = u64::try_from(self.retry_jitter.as_nanos()).unwrap_or(u64::MAX);
         if max == 0 {
             return Duration::ZERO;
         }
-        // splitmix64 over a shared counter: cheap, and different per call and process.
-        let mut z = self
-            .rng
-            .fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed)
-            .wrapping_add(0x9e37_79b9_7f4a_7c15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^= z >> 31;
-        Duration::from_nanos(z % max.saturating_add(1))
+        Duration::from_nanos(fastrand::u64(0..=max))
     }
 
     fn backoffs(&self) -> MutexGuard<'_, Backoffs> {

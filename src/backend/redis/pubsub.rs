@@ -12,6 +12,10 @@
 //! for the next waiter to park, so a release between a waiter's attempt and its sleep is
 //! not lost. After a reconnect every channel is subscribed again and every waiter is
 //! woken to retry, since messages may have been missed meanwhile.
+//!
+//! Reconnecting waits a random delay between [`MIN_BACKOFF`] and [`MAX_BACKOFF`] (see
+//! [`reconnect_delay`]), so replicas that lost their connections together (a Redis
+//! restart) do not all reconnect and resubscribe at the same instant.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -31,12 +35,16 @@ use crate::backend::{BoxFuture, Signal, Subscription, Wake};
 /// end the moment it is confirmed, so the waiter tries again then: a release published
 /// before the server had the subscription is never slept through.
 const CONFIRM_WAIT: Duration = Duration::from_secs(1);
+/// The shortest wait before reconnecting: the first attempt after a connection is lost
+/// waits between this and twice this.
 const MIN_BACKOFF: Duration = Duration::from_millis(50);
 /// How long a keepalive PING's answer may take, as a share of the keepalive interval,
 /// before the connection is given up for a new one.
 const KEEPALIVE_TIMEOUT_SHARE: u32 = 2;
 /// How long connecting may take before the next node is tried.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// The longest wait before reconnecting: the back-off's ceiling doubles after each
+/// failed attempt up to this, and a wait is drawn from the ceiling's upper half.
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
 #[derive(Clone)]
@@ -243,7 +251,8 @@ async fn run(
     keepalive_every: Duration,
     shutdown: CancellationToken,
 ) {
-    let mut backoff = MIN_BACKOFF;
+    // The ceiling of the next wait; see `reconnect_delay`.
+    let mut backoff = FIRST_BACKOFF;
     let mut connected_before = false;
     let mut warn_next_failure = true;
     let mut node = 0usize;
@@ -262,22 +271,23 @@ async fn run(
                     Ok(Err(error)) => error.to_string(),
                     _ => "timed out".to_owned(),
                 };
+                let delay = reconnect_delay(backoff);
                 // Said once per outage (a RedLock node can be down for long), then quietly.
                 if std::mem::take(&mut warn_next_failure) {
-                    tracing::warn!(%error, retry_in_ms = backoff.as_millis() as u64, "pub/sub connection failed; retrying");
+                    tracing::warn!(%error, retry_in_ms = delay.as_millis() as u64, "pub/sub connection failed; retrying");
                 } else {
-                    tracing::debug!(%error, retry_in_ms = backoff.as_millis() as u64, "pub/sub connection failed");
+                    tracing::debug!(%error, retry_in_ms = delay.as_millis() as u64, "pub/sub connection failed");
                 }
                 // A cluster node that is down: the next one serves as well.
                 node = node.wrapping_add(1);
-                if sleep_or_shutdown(backoff, &shutdown).await {
+                if sleep_or_shutdown(delay, &shutdown).await {
                     return;
                 }
                 backoff = (backoff * 2).min(MAX_BACKOFF);
                 continue;
             }
         };
-        backoff = MIN_BACKOFF;
+        backoff = FIRST_BACKOFF;
         if connected_before {
             tracing::info!("pub/sub connection re-established; resubscribing");
         }
@@ -336,7 +346,7 @@ async fn run(
         }
         // Waiters must not sleep out a holder's lease on a channel nobody listens to.
         wake_everyone(&shared);
-        if sleep_or_shutdown(MIN_BACKOFF, &shutdown).await {
+        if sleep_or_shutdown(reconnect_delay(FIRST_BACKOFF), &shutdown).await {
             return;
         }
     }
@@ -408,10 +418,70 @@ fn wake_everyone(shared: &Shared) {
     }
 }
 
+/// The back-off ceiling of the first reconnect attempt: its wait is drawn from
+/// `MIN_BACKOFF..=2 * MIN_BACKOFF`.
+const FIRST_BACKOFF: Duration = MIN_BACKOFF.saturating_mul(2);
+
+/// How long to wait before a reconnect attempt whose back-off ceiling is `ceiling`
+/// (between [`FIRST_BACKOFF`] and [`MAX_BACKOFF`]): a uniformly random delay in
+/// `ceiling / 2..=ceiling`, hence never below [`MIN_BACKOFF`] nor above [`MAX_BACKOFF`].
+///
+/// "Equal jitter" rather than "full jitter" (`0..=ceiling`): after a Redis restart every
+/// replica's pub/sub connection drops at once, and the point is to spread their
+/// reconnects (and resubscriptions) over a window instead of having them land together.
+/// Half the ceiling is enough spread for that, and the floor keeps what the minimum
+/// back-off is for: a replica never retries a server that is still down in a tight loop
+/// (full jitter's draws near zero would), and a waiter's wake-up after a reconnect is
+/// not delayed much more than before.
+fn reconnect_delay(ceiling: Duration) -> Duration {
+    let ceiling = ceiling.clamp(FIRST_BACKOFF, MAX_BACKOFF);
+    let floor = ceiling / 2;
+    let spread = u64::try_from((ceiling - floor).as_nanos()).unwrap_or(u64::MAX);
+    floor + Duration::from_nanos(fastrand::u64(0..=spread))
+}
+
 /// Sleeps for `duration`; returns `true` if shutdown came first.
 async fn sleep_or_shutdown(duration: Duration, shutdown: &CancellationToken) -> bool {
     tokio::select! {
         _ = shutdown.cancelled() => true,
         _ = tokio::time::sleep(duration) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reconnect_delay_stays_within_the_bounds_and_varies() {
+        let mut ceiling = FIRST_BACKOFF;
+        let mut ceilings = vec![Duration::ZERO, Duration::from_secs(3600)];
+        loop {
+            ceilings.push(ceiling);
+            if ceiling == MAX_BACKOFF {
+                break;
+            }
+            ceiling = (ceiling * 2).min(MAX_BACKOFF);
+        }
+        for ceiling in ceilings {
+            let draws: Vec<Duration> = (0..500).map(|_| reconnect_delay(ceiling)).collect();
+            let bounded = ceiling.clamp(FIRST_BACKOFF, MAX_BACKOFF);
+            for delay in &draws {
+                assert!(
+                    (MIN_BACKOFF..=MAX_BACKOFF).contains(delay),
+                    "{delay:?} for {ceiling:?}"
+                );
+                assert!(
+                    (bounded / 2..=bounded).contains(delay),
+                    "{delay:?} for {ceiling:?}"
+                );
+            }
+            let distinct: HashSet<_> = draws.iter().collect();
+            assert!(
+                distinct.len() > 250,
+                "{} distinct of 500 for {ceiling:?}",
+                distinct.len()
+            );
+        }
     }
 }
