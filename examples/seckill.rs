@@ -26,11 +26,20 @@
 //! instead of restocking it. `--reset` starts the sale afresh, and `--demo` always does.
 //! (`--redis-url URL` does the same as `REDIS_URL`.)
 //!
+//! The operator's side runs on a listener of its own, never on the public one
+//! (`--admin HOST:PORT`, default a free port on 127.0.0.1, printed at start; see
+//! `seckill/admin.rs`): `GET /metrics` in Prometheus format (`MetricsObserver` on the
+//! lock client), and `GET /admin/users/{id}/lock` or `GET /admin/locks?key=...` with who
+//! holds a lock — owner, client name (`--name`, default `seckill-<pid>`), since when,
+//! lease left — and how many wait.
+//!
 //! Other flags: `--stock N` (voucher 1's stock, default 100), `--wait-ms N` (how long an
 //! order waits for its user's lock, default 50), `--work-ms N` (simulated work inside an
 //! order, default 20), `--users N` and `--per-user N` (the demo's burst, default 300 × 5;
 //! 1 to 1000 per user); `--help` lists them all. Bad arguments exit 2.
 
+#[path = "seckill/admin.rs"]
+mod admin;
 #[path = "seckill/app.rs"]
 mod app;
 #[cfg(feature = "redis")]
@@ -88,6 +97,13 @@ struct Cli {
     /// this process).
     #[arg(long, env = "REDIS_URL", value_name = "URL", hide_env_values = true)]
     redis_url: Option<String>,
+    /// Where the admin routes (`/metrics`, `/admin/...`) listen: never on `--addr`.
+    #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:0")]
+    admin: SocketAddr,
+    /// The lock client's name, shown to operators next to the locks it holds
+    /// (default `seckill-<process id>`).
+    #[arg(long, value_name = "NAME")]
+    name: Option<String>,
 }
 
 fn millis(duration: Duration) -> u64 {
@@ -103,6 +119,8 @@ struct Args {
     per_user: u64,
     settings: Settings,
     redis_url: Option<String>,
+    admin: SocketAddr,
+    name: String,
 }
 
 /// The parsed command line, with the checks clap does not make.
@@ -128,6 +146,10 @@ fn parse_args() -> Result<Args, String> {
         },
         // Empty counts as unset, as it did when this read the variable itself.
         redis_url: cli.redis_url.filter(|url| !url.is_empty()),
+        admin: cli.admin,
+        name: cli
+            .name
+            .unwrap_or_else(|| format!("seckill-{}", std::process::id())),
     })
 }
 
@@ -140,11 +162,23 @@ async fn backend_and_store(args: &Args) -> Result<(LockClient, Arc<dyn Store>), 
             println!(
                 "backend: memory (locks and orders in this process; set REDIS_URL to share them)"
             );
-            let client = LockClient::new(MemoryBackend::new());
+            let client = client_on(MemoryBackend::new(), args)?;
             let store: Arc<dyn Store> = Arc::new(MemoryStore::with_voucher(VOUCHER, args.stock));
             Ok((client, store))
         }
     }
+}
+
+/// The lock client on `backend`: named for operators, with its metrics recorded.
+fn client_on(
+    backend: impl tower_lock::backend::LockBackend,
+    args: &Args,
+) -> Result<LockClient, String> {
+    LockClient::builder(backend)
+        .name(&args.name)
+        .observer(tower_lock::metrics::MetricsObserver::new())
+        .build()
+        .map_err(|e| format!("--name: {e}"))
 }
 
 /// `RedisBackend` for the locks and `RedisStore` for the data, on the server at `url`.
@@ -170,7 +204,7 @@ async fn on_redis(url: &str, args: &Args) -> Result<(LockClient, Arc<dyn Store>)
         .map_err(|e| format!("cannot reach Redis at {server} for the store: {}", e.0))?;
     println!(
         "backend: redis at {server} (locks and orders shared by every process using it; \
-         keys {NAMESPACE}*, fencing counters tower_lock_fence:{NAMESPACE}*)"
+         keys {NAMESPACE}*, fencing counters redisson_lock_token:{NAMESPACE}*)"
     );
     if args.demo || args.reset {
         store.reset(VOUCHER, args.stock).await.map_err(|e| e.0)?;
@@ -190,7 +224,7 @@ async fn on_redis(url: &str, args: &Args) -> Result<(LockClient, Arc<dyn Store>)
             ),
         }
     }
-    Ok((LockClient::new(backend), Arc::new(store)))
+    Ok((client_on(backend, args)?, Arc::new(store)))
 }
 
 #[cfg(not(feature = "redis"))]
@@ -217,7 +251,26 @@ async fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> Result<ExitCode, String> {
+    // Before the client is made: its observer describes the metrics to this recorder.
+    let prometheus = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
     let (client, store) = backend_and_store(&args).await?;
+    if let Err(error) = client.register_name().await {
+        eprintln!("seckill: could not register the client's name in the store: {error}");
+    }
+    let admin_listener = tokio::net::TcpListener::bind(args.admin)
+        .await
+        .map_err(|e| format!("cannot listen on {} (--admin): {e}", args.admin))?;
+    let admin_addr = admin_listener.local_addr().map_err(|e| e.to_string())?;
+    let admin_app = admin::admin(client.clone(), prometheus);
+    let admin_server = tokio::spawn(async move { axum::serve(admin_listener, admin_app).await });
+    println!(
+        "admin: http://{admin_addr}/metrics and http://{admin_addr}/admin/users/42/lock \
+         (client {} = {})",
+        args.name,
+        client.id()
+    );
     let app = app::app(client, store.clone(), args.settings).map_err(|e| e.to_string())?;
     let addr = if args.demo {
         SocketAddr::from(([127, 0, 0, 1], 0))
@@ -253,6 +306,7 @@ async fn run(args: Args) -> Result<ExitCode, String> {
             })
             .await
             .map_err(|e| format!("server failed: {e}"))?;
+        admin_server.abort();
         return Ok(ExitCode::SUCCESS);
     }
 
@@ -274,6 +328,7 @@ async fn run(args: Args) -> Result<ExitCode, String> {
     let tally = app::burst(&[addr], VOUCHER, args.users, args.per_user, 250).await?;
     let elapsed = started.elapsed();
     server.abort();
+    admin_server.abort();
     println!("\n{}", app::table(&tally));
     println!("({} requests in {:.2?})\n", tally.requests, elapsed);
     if let Some(what) = &tally.first_other {

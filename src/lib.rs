@@ -119,3 +119,16 @@ pub use owner::{MAX_OWNER_LEN, Owner};
 #[cfg(all(doctest, feature = "redis", feature = "axum"))]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
+
+/// The examples in `docs/`, compiled and run as doc tests, so they cannot go stale.
+#[cfg(all(doctest, feature = "redis", feature = "axum"))]
+#[doc = include_str!("../docs/lock-kinds.md")]
+pub struct LockKindsDoctests;
+
+#[cfg(all(doctest, feature = "redis", feature = "axum"))]
+#[doc = include_str!("../docs/redis.md")]
+pub struct RedisDoctests;
+
+#[cfg(all(doctest, feature = "redis", feature = "axum"))]
+#[doc = include_str!("../docs/redlock.md")]
+pub struct RedlockDoctests;

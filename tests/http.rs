@@ -117,13 +117,13 @@ impl Backend {
             }
             #[cfg(feature = "redis")]
             Backend::Redis(backend, server) => {
-                // Fencing counters (`tower_lock_fence:*`) stay by design; nothing else may.
+                // Fencing counters (`redisson_lock_token:*`) stay by design; nothing else may.
                 wait_until(Duration::from_secs(10), "no lock key left", || async {
                     server
                         .keys("*")
                         .await
                         .iter()
-                        .all(|k| k.starts_with("tower_lock_fence:"))
+                        .all(|k| k.starts_with("redisson_lock_token:"))
                 })
                 .await;
                 let mut raw = server.conn().await;

@@ -94,7 +94,7 @@ impl KindFixture for Redis {
             .unwrap();
         let left: Vec<&String> = keys
             .iter()
-            .filter(|k| !k.starts_with("tower_lock_fence:"))
+            .filter(|k| !k.starts_with("redisson_lock_token:"))
             .collect();
         !left.is_empty() || self.waiters(key).await > 0
     }

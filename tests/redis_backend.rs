@@ -510,7 +510,7 @@ async fn watchdog_renews_locks_of_every_kind_in_one_call_per_period() {
         .await
         .unwrap();
     assert!(
-        keys.iter().all(|k| k.starts_with("tower_lock_fence:")),
+        keys.iter().all(|k| k.starts_with("redisson_lock_token:")),
         "left behind: {keys:?}"
     );
 }

@@ -126,7 +126,7 @@ impl KindFixture for Cluster {
                 .query_async(&mut node.conn().await)
                 .await
                 .unwrap();
-            if keys.iter().any(|k| !k.starts_with("tower_lock_fence:")) {
+            if keys.iter().any(|k| !k.starts_with("redisson_lock_token:")) {
                 return true;
             }
         }

@@ -642,7 +642,7 @@ mod imp {
             .unwrap();
         let left: Vec<&String> = left
             .iter()
-            .filter(|k| !k.ends_with(":counter") && !k.starts_with("tower_lock_fence:"))
+            .filter(|k| !k.ends_with(":counter") && !k.starts_with("redisson_lock_token:"))
             .collect();
         assert!(left.is_empty(), "lock state left behind: {left:?}");
     }

@@ -5,6 +5,8 @@
 
 mod common;
 
+#[path = "../examples/seckill/admin.rs"]
+mod admin;
 #[path = "../examples/seckill/app.rs"]
 mod app;
 #[cfg(feature = "redis")]
@@ -36,9 +38,31 @@ enum Locks {
     Redis(common::redis_server::RedisServer),
 }
 
+/// The client as the example builds it: named, with metrics.
+fn client_on(backend: impl tower_lock::backend::LockBackend) -> LockClient {
+    LockClient::builder(backend)
+        .name("seckill-test")
+        .observer(tower_lock::metrics::MetricsObserver::new())
+        .build()
+        .unwrap()
+}
+
+/// One Prometheus recorder for this test process (a global recorder is set once).
+fn prometheus() -> metrics_exporter_prometheus::PrometheusHandle {
+    static HANDLE: std::sync::OnceLock<metrics_exporter_prometheus::PrometheusHandle> =
+        std::sync::OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            metrics_exporter_prometheus::PrometheusBuilder::new()
+                .install_recorder()
+                .unwrap()
+        })
+        .clone()
+}
+
 fn memory(stock: i64, settings: Settings) -> Fixture {
     let backend = MemoryBackend::new();
-    let client = LockClient::new(backend.clone());
+    let client = client_on(backend.clone());
     let store: Arc<dyn Store> = Arc::new(MemoryStore::with_voucher(1, stock));
     let app = app::app(client.clone(), store.clone(), settings).unwrap();
     Fixture {
@@ -60,7 +84,7 @@ async fn redis(stock: i64, settings: Settings) -> Fixture {
         .build()
         .await
         .unwrap();
-    let client = LockClient::new(backend);
+    let client = client_on(backend);
     let redis_store = RedisStore::connect(&server.url()).await.unwrap();
     assert_eq!(redis_store.seed(1, stock).await.unwrap(), Seeded::Fresh);
     let store: Arc<dyn Store> = Arc::new(redis_store);
@@ -201,6 +225,97 @@ async fn the_demo_burst_keeps_the_invariants(fx: Fixture) {
     fx.assert_nothing_left().await;
 }
 
+/// The operator's routes: who holds a user's order lock (which client, since when, how
+/// long its lease runs, who waits) and `/metrics` with what the layer did.
+async fn admin_answers_who_holds_and_exports_metrics(fx: Fixture) {
+    let handle = prometheus();
+    let admin = admin::admin(fx.client.clone(), handle);
+    fx.client.register_name().await.unwrap();
+    let (s, free) = send(&admin, Method::GET, "/admin/users/7/lock", None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(free["locked"], false, "{free}");
+
+    // Another request of user 7 is in its handler: the lock is held.
+    let key = tower_lock::LockKey::namespaced("lock:order", "7").unwrap();
+    let guard = fx
+        .client
+        .get_fenced_lock(&key)
+        .unwrap()
+        .lock()
+        .await
+        .unwrap();
+    let waiter = tokio::spawn({
+        let lock = fx.client.get_lock(&key).unwrap();
+        async move {
+            lock.try_lock_for(Duration::from_secs(10), Duration::from_secs(10))
+                .await
+        }
+    });
+    let (s, held) = loop {
+        let (s, held) = send(&admin, Method::GET, "/admin/users/7/lock", None).await;
+        if held["waiters"]["count"] == 1 {
+            break (s, held);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(held["locked"], true, "{held}");
+    assert_eq!(held["key"], "lock:order:{7}");
+    let holder = &held["holders"][0];
+    assert_eq!(holder["owner"], guard.holder().as_str(), "{held}");
+    assert_eq!(holder["client"], "seckill-test");
+    assert_eq!(holder["client_id"], fx.client.id());
+    assert_eq!(holder["guards"], 1);
+    assert!(
+        holder["lease_left_ms"].as_u64().is_some_and(|ms| ms > 0),
+        "{held}"
+    );
+    assert!(holder["since_unix_ms"].as_u64().is_some(), "{held}");
+    assert_eq!(held["fencing_token"], guard.fencing_token().unwrap().get());
+    let (s, same) = send(
+        &admin,
+        Method::GET,
+        "/admin/locks?key=lock%3Aorder%3A%7B7%7D",
+        None,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(same["holders"][0]["owner"], holder["owner"]);
+    let (s, bad) = send(&admin, Method::GET, "/admin/locks?key=a%7Bb", None).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{bad}");
+
+    // An order of user 7 meanwhile is answered busy, and counted.
+    let (s, _) = send(&fx.app, Method::POST, "/vouchers/1/orders", Some("7")).await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS);
+    guard.unlock().await.unwrap();
+    waiter.await.unwrap().unwrap().unlock().await.unwrap();
+
+    let res = admin
+        .clone()
+        .oneshot(Request::get("/metrics").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let text =
+        String::from_utf8(res.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
+    for line in [
+        "tower_lock_layer_outcomes_total{namespace=\"lock:order\",outcome=\"busy\"}",
+        "tower_lock_acquire_wait_seconds",
+        "tower_lock_hold_seconds",
+        "tower_lock_holds{",
+        "tower_lock_waiters{",
+    ] {
+        assert!(text.contains(line), "no {line} in /metrics:\n{text}");
+    }
+    assert!(!text.contains("{7}"), "a key in a label:\n{text}");
+    fx.assert_nothing_left().await;
+}
+
+#[tokio::test]
+async fn admin_answers_who_holds_and_exports_metrics_on_memory() {
+    admin_answers_who_holds_and_exports_metrics(memory(1, Settings::default())).await;
+}
+
 #[tokio::test]
 async fn endpoints_answer_as_documented_on_memory() {
     endpoints_answer_as_documented(memory(1, Settings::default())).await;
@@ -220,6 +335,12 @@ mod on_redis {
     #[tokio::test]
     async fn endpoints_answer_as_documented() {
         super::endpoints_answer_as_documented(redis(1, Settings::default()).await).await;
+    }
+
+    #[tokio::test]
+    async fn admin_answers_who_holds_and_exports_metrics() {
+        super::admin_answers_who_holds_and_exports_metrics(redis(1, Settings::default()).await)
+            .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

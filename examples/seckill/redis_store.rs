@@ -27,7 +27,7 @@ use crate::app::{BoxFut, Order, Store, StoreError, VoucherView};
 
 /// The prefix of the store's keys and (given to `RedisBackendBuilder::key_prefix`) of
 /// the lock keys, `seckill:lock:order:{<user id>}`. The locks' fencing counters follow
-/// the backend's naming, `tower_lock_fence:seckill:lock:order:{<user id>}`, and stay
+/// the backend's naming, `redisson_lock_token:seckill:lock:order:{<user id>}`, and stay
 /// after the sale: fencing tokens must never go backwards.
 pub const NAMESPACE: &str = "seckill:";
 

@@ -128,6 +128,7 @@ impl Start {
             key = %client.hooks().key(&req.key),
             mode = %req.mode,
             owner = %self.slot.owner,
+            client = client.name(),
             outcome = tracing::field::Empty,
             wait_us = tracing::field::Empty,
         )
