@@ -101,6 +101,9 @@ mod owner;
 mod scratch;
 
 pub use backend::memory::MemoryBackend;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use backend::postgres::PostgresBackend;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use backend::redis::RedisBackend;

@@ -6,6 +6,8 @@
 pub mod conformance;
 pub mod history;
 pub mod kinds;
+#[cfg(feature = "postgres")]
+pub mod postgres;
 pub mod redis_server;
 
 use std::future::Future;

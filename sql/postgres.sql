@@ -1,0 +1,237 @@
+-- The PostgreSQL backend's schema: tables and functions, created on first use (or by
+-- PostgresBackend::migrate). `__S__` is the schema and `__T__` the table name
+-- (validated identifiers); every object is named after the table, so two backends with
+-- different tables share nothing.
+--
+-- Every state change is one function call: one statement, one transaction. A
+-- transaction-scoped advisory lock on (hash of the table, hash of the lock name)
+-- serializes the operations on one name; the database's clock decides every lease
+-- (clock_timestamp()), never the client's.
+--
+-- Modes, as one letter: 'x' exclusive, 'f' fair, 'r' read, 'w' write, 'p' permit.
+
+CREATE TABLE IF NOT EXISTS __S__.__T__ (
+    name       text        NOT NULL,
+    owner      text        NOT NULL,
+    mode       "char"      NOT NULL,
+    holds      integer     NOT NULL,
+    expires_at timestamptz NOT NULL,
+    token      bigint,
+    PRIMARY KEY (name, owner, mode)
+);
+
+-- Waiters of the queued modes (fair, read, write), in arrival order; a waiter that
+-- stops polling is evicted at evict_at.
+CREATE TABLE IF NOT EXISTS __S__.__T___queue (
+    name     text        NOT NULL,
+    owner    text        NOT NULL,
+    mode     "char"      NOT NULL,
+    seq      bigserial   NOT NULL,
+    evict_at timestamptz NOT NULL,
+    PRIMARY KEY (name, owner, mode)
+);
+
+-- The newest fencing token of every name ever locked fenced (never deleted: tokens
+-- must not go backwards).
+CREATE TABLE IF NOT EXISTS __S__.__T___fence (
+    name  text   PRIMARY KEY,
+    token bigint NOT NULL
+);
+
+CREATE SEQUENCE IF NOT EXISTS __S__.__T___token;
+
+-- Client names (LockClientBuilder::name), for inspection from any process.
+CREATE TABLE IF NOT EXISTS __S__.__T___clients (
+    id         text        PRIMARY KEY,
+    name       text        NOT NULL,
+    expires_at timestamptz NOT NULL
+);
+
+-- The next fencing token of `p_name`: from the sequence, at least the clock in
+-- microseconds (as every backend promises) and above the name's last token.
+CREATE OR REPLACE FUNCTION __S__.__T___next_token(p_name text) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    v bigint := nextval('__S__.__T___token');
+    c bigint := (extract(epoch FROM clock_timestamp()) * 1000000)::bigint;
+    last bigint;
+BEGIN
+    SELECT token INTO last FROM __S__.__T___fence WHERE name = p_name;
+    v := greatest(v, c, coalesce(last, 0) + 1);
+    INSERT INTO __S__.__T___fence (name, token) VALUES (p_name, v)
+        ON CONFLICT (name) DO UPDATE SET token = excluded.token;
+    IF v > currval('__S__.__T___token') THEN
+        PERFORM setval('__S__.__T___token', v);
+    END IF;
+    RETURN v;
+END $$;
+
+-- One attempt to take `p_name` for `p_owner` in `p_mode`.
+-- Returns (acquired, holds, token, ttl_ms): holds and token of the grant, or the
+-- remaining lease of what blocks (ttl_ms -1: none to tell).
+CREATE OR REPLACE FUNCTION __S__.__T___acquire(
+    p_name text, p_owner text, p_mode "char", p_max integer, p_lease_ms bigint,
+    p_fenced boolean, p_writer text, p_waiter_ms bigint,
+    OUT acquired boolean, OUT holds integer, OUT token bigint, OUT ttl_ms bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    now_ts timestamptz;
+    lease interval := p_lease_ms * interval '1 millisecond';
+    queued boolean := p_mode IN ('f', 'r', 'w');
+    blocked boolean;
+    my_seq bigint;
+    block_until timestamptz;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('__S__.__T__'), hashtext(p_name));
+    now_ts := clock_timestamp();
+    DELETE FROM __S__.__T__ t WHERE t.name = p_name AND t.expires_at <= now_ts;
+    DELETE FROM __S__.__T___queue q WHERE q.name = p_name AND q.evict_at <= now_ts;
+
+    -- Re-entry: the owner already holds it in this mode.
+    UPDATE __S__.__T__ t
+       SET holds = t.holds + 1,
+           expires_at = greatest(t.expires_at, now_ts + lease),
+           token = CASE WHEN p_fenced THEN __S__.__T___next_token(p_name) ELSE t.token END
+     WHERE t.name = p_name AND t.owner = p_owner AND t.mode = p_mode
+    RETURNING t.holds, CASE WHEN p_fenced THEN t.token END INTO holds, token;
+    IF FOUND THEN
+        DELETE FROM __S__.__T___queue q
+         WHERE q.name = p_name AND q.owner = p_owner AND q.mode = p_mode;
+        acquired := true;
+        RETURN;
+    END IF;
+
+    -- What the holds allow.
+    IF p_mode = 'r' THEN
+        SELECT max(t.expires_at) INTO block_until FROM __S__.__T__ t
+         WHERE t.name = p_name AND t.mode <> 'r'
+           AND NOT (t.mode = 'w' AND t.owner = coalesce(p_writer, p_owner));
+    ELSIF p_mode = 'p' THEN
+        SELECT max(t.expires_at) INTO block_until FROM __S__.__T__ t
+         WHERE t.name = p_name AND t.mode <> 'p';
+        IF block_until IS NULL
+           AND (SELECT count(*) FROM __S__.__T__ t WHERE t.name = p_name) >= p_max THEN
+            SELECT min(t.expires_at) INTO block_until FROM __S__.__T__ t
+             WHERE t.name = p_name;
+        END IF;
+    ELSE
+        SELECT max(t.expires_at) INTO block_until FROM __S__.__T__ t WHERE t.name = p_name;
+    END IF;
+    blocked := block_until IS NOT NULL;
+
+    -- What the queue allows: nobody ahead (for readers: no writer or fair waiter
+    -- ahead). A reader let in past its own owner's write hold (downgrade) skips it.
+    IF queued AND NOT blocked
+       AND NOT (p_mode = 'r' AND p_writer IS NOT NULL AND EXISTS (
+           SELECT 1 FROM __S__.__T__ t
+            WHERE t.name = p_name AND t.mode = 'w' AND t.owner = p_writer)) THEN
+        SELECT q.seq INTO my_seq FROM __S__.__T___queue q
+         WHERE q.name = p_name AND q.owner = p_owner AND q.mode = p_mode;
+        blocked := EXISTS (
+            SELECT 1 FROM __S__.__T___queue q
+             WHERE q.name = p_name
+               AND (my_seq IS NULL OR q.seq < my_seq)
+               AND (p_mode <> 'r' OR q.mode <> 'r'));
+    END IF;
+
+    IF NOT blocked THEN
+        holds := 1;
+        token := CASE WHEN p_fenced THEN __S__.__T___next_token(p_name) END;
+        INSERT INTO __S__.__T__ (name, owner, mode, holds, expires_at, token)
+        VALUES (p_name, p_owner, p_mode, 1, now_ts + lease, token);
+        DELETE FROM __S__.__T___queue q
+         WHERE q.name = p_name AND q.owner = p_owner AND q.mode = p_mode;
+        acquired := true;
+        RETURN;
+    END IF;
+
+    acquired := false;
+    holds := 0;
+    ttl_ms := CASE WHEN block_until IS NULL THEN -1
+                   ELSE greatest(0, ceil(extract(epoch FROM block_until - now_ts) * 1000))::bigint
+              END;
+    IF queued THEN
+        -- In line (or still in line), for another waiter timeout; come back within a
+        -- third of it.
+        INSERT INTO __S__.__T___queue (name, owner, mode, evict_at)
+        VALUES (p_name, p_owner, p_mode, now_ts + p_waiter_ms * interval '1 millisecond')
+        ON CONFLICT (name, owner, mode) DO UPDATE SET evict_at = excluded.evict_at;
+        IF ttl_ms < 0 OR ttl_ms > p_waiter_ms / 3 THEN
+            ttl_ms := greatest(1, p_waiter_ms / 3);
+        END IF;
+    END IF;
+END $$;
+
+-- Releases one hold of `p_owner` in `p_mode`: -1 not held, 0 released, n holds left.
+-- A release that frees the lock notifies the channel: '0<name>' wakes one waiter per
+-- process (exclusive, permit), '1<name>' all of them (queued modes).
+CREATE OR REPLACE FUNCTION __S__.__T___release(
+    p_name text, p_owner text, p_mode "char", p_lease_ms bigint) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    now_ts timestamptz;
+    left_holds integer;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('__S__.__T__'), hashtext(p_name));
+    now_ts := clock_timestamp();
+    UPDATE __S__.__T__ t
+       SET holds = t.holds - 1,
+           expires_at = greatest(t.expires_at, now_ts + p_lease_ms * interval '1 millisecond')
+     WHERE t.name = p_name AND t.owner = p_owner AND t.mode = p_mode
+       AND t.expires_at > now_ts AND t.holds > 1
+    RETURNING t.holds INTO left_holds;
+    IF FOUND THEN
+        RETURN left_holds;
+    END IF;
+    DELETE FROM __S__.__T__ t
+     WHERE t.name = p_name AND t.owner = p_owner AND t.mode = p_mode
+       AND t.expires_at > now_ts;
+    IF NOT FOUND THEN
+        RETURN -1;
+    END IF;
+    PERFORM pg_notify('__T__',
+        CASE WHEN p_mode IN ('f', 'r', 'w') THEN '1' ELSE '0' END || p_name);
+    RETURN 0;
+END $$;
+
+-- Renews many holds at once (the watchdog): which of them are still held.
+CREATE OR REPLACE FUNCTION __S__.__T___renew(
+    p_names text[], p_owners text[], p_modes "char"[], p_lease_ms bigint[])
+RETURNS SETOF integer
+LANGUAGE sql AS $$
+    UPDATE __S__.__T__ t
+       SET expires_at = clock_timestamp() + r.ms * interval '1 millisecond'
+      FROM unnest(p_names, p_owners, p_modes, p_lease_ms) WITH ORDINALITY
+           AS r(name, owner, mode, ms, i)
+     WHERE t.name = r.name AND t.owner = r.owner AND t.mode = r.mode
+       AND t.expires_at > clock_timestamp()
+    RETURNING r.i::integer
+$$;
+
+-- Leaves the queue (a waiter that gave up), and lets whoever is next try.
+CREATE OR REPLACE FUNCTION __S__.__T___cancel(p_name text, p_owner text, p_mode "char")
+RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('__S__.__T__'), hashtext(p_name));
+    DELETE FROM __S__.__T___queue q
+     WHERE q.name = p_name AND q.owner = p_owner AND q.mode = p_mode;
+    IF FOUND THEN
+        PERFORM pg_notify('__T__', '1' || p_name);
+    END IF;
+END $$;
+
+-- Removes every hold of `p_name` in the modes `p_modes`, whoever holds them.
+CREATE OR REPLACE FUNCTION __S__.__T___force(p_name text, p_modes "char"[])
+RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('__S__.__T__'), hashtext(p_name));
+    DELETE FROM __S__.__T__ t
+     WHERE t.name = p_name AND t.mode = ANY (p_modes) AND t.expires_at > clock_timestamp();
+    IF FOUND THEN
+        PERFORM pg_notify('__T__', '1' || p_name);
+        RETURN true;
+    END IF;
+    RETURN false;
+END $$;

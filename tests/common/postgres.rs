@@ -1,0 +1,249 @@
+//! A PostgreSQL database of its own for each test, on the server `.ci/run` makes sure is
+//! running (`TOWER_LOCK_PG_URL`, default `postgres://root@127.0.0.1:5432/postgres`: the
+//! machine's server with trust auth). Created by [`PgDatabase::create`], dropped (with
+//! every connection to it) when the value is dropped, also when the test fails.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use sqlx::postgres::{PgPool, PgPoolOptions};
+
+/// The server's maintenance database URL.
+pub fn admin_url() -> String {
+    std::env::var("TOWER_LOCK_PG_URL")
+        .unwrap_or_else(|_| "postgres://root@127.0.0.1:5432/postgres".to_owned())
+}
+
+/// `base` with its database replaced by `db`.
+pub fn with_database(base: &str, db: &str) -> String {
+    let (head, tail) = match base.split_once('?') {
+        Some((head, query)) => (head, format!("?{query}")),
+        None => (base, String::new()),
+    };
+    let head = match head.rfind('/') {
+        Some(slash) if slash > "postgres://".len() => &head[..slash],
+        _ => head,
+    };
+    format!("{head}/{db}{tail}")
+}
+
+pub struct PgDatabase {
+    pub name: String,
+    pub url: String,
+}
+
+impl PgDatabase {
+    pub async fn create() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let name = format!(
+            "tower_lock_test_{}_{}_{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed),
+            fastrand::u32(..)
+        );
+        let admin = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&admin_url())
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "PostgreSQL at {}: {e} (is it running? .ci/run starts one)",
+                    admin_url()
+                )
+            });
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&admin)
+            .await
+            .unwrap();
+        admin.close().await;
+        let url = with_database(&admin_url(), &name);
+        PgDatabase { name, url }
+    }
+
+    /// A pool on this database.
+    pub async fn pool(&self, max: u32) -> PgPool {
+        PgPoolOptions::new()
+            .max_connections(max)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect(&self.url)
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for PgDatabase {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        // Dropped inside a runtime: drop the database from a thread with its own.
+        let dropped = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())?;
+            rt.block_on(async {
+                let admin = PgPoolOptions::new()
+                    .max_connections(1)
+                    .connect(&admin_url())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                    .execute(&admin)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                admin.close().await;
+                Ok::<(), String>(())
+            })
+        })
+        .join();
+        match dropped {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => eprintln!("could not drop test database {}: {e}", self.name),
+            Err(_) => eprintln!("dropping test database {} panicked", self.name),
+        }
+    }
+}
+
+/// A PostgreSQL server of the test's own, in a temporary directory on a free port, that
+/// the test can kill and start again (the machine's server is shared and stays up). Run
+/// as the `postgres` user when the tests run as root (the server refuses root). Killed
+/// and its directory removed on drop.
+pub struct PgServer {
+    pub port: u16,
+    dir: std::path::PathBuf,
+    bin: std::path::PathBuf,
+    child: Option<std::process::Child>,
+}
+
+impl PgServer {
+    /// Initializes and starts a server; `None` when the PostgreSQL server binaries are not
+    /// installed (`.ci/run` installs them).
+    pub fn start() -> Option<Self> {
+        let bin = std::fs::read_dir("/usr/lib/postgresql")
+            .ok()?
+            .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+            .filter(|p| p.join("initdb").exists())
+            .max()?;
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "tower-lock-pg-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut server = PgServer {
+            port,
+            dir,
+            bin,
+            child: None,
+        };
+        if let Some((uid, gid)) = postgres_user() {
+            std::os::unix::fs::chown(&server.dir, Some(uid), Some(gid)).unwrap();
+        }
+        let status = server
+            .command("initdb")
+            .args(["-A", "trust", "-U", "root", "--no-sync", "-E", "UTF8", "-D"])
+            .arg(server.data())
+            .stdout(std::process::Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success(), "initdb failed");
+        server.run();
+        Some(server)
+    }
+
+    fn data(&self) -> std::path::PathBuf {
+        self.dir.join("data")
+    }
+
+    fn command(&self, program: &str) -> std::process::Command {
+        use std::os::unix::process::CommandExt;
+        let mut cmd = std::process::Command::new(self.bin.join(program));
+        if let Some((uid, gid)) = postgres_user() {
+            cmd.uid(uid).gid(gid);
+        }
+        cmd
+    }
+
+    fn run(&mut self) {
+        let child = self
+            .command("postgres")
+            .arg("-D")
+            .arg(self.data())
+            .args(["-p", &self.port.to_string(), "-k"])
+            .arg(&self.dir)
+            .args(["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "PostgreSQL did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// `postgres://root@127.0.0.1:<port>/postgres`.
+    pub fn url(&self) -> String {
+        format!("postgres://root@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Kills the server (SIGKILL: a crash, as a lost machine) and waits until it is gone.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        // Its children (backends) end when the postmaster is gone; wait for the port.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "PostgreSQL did not stop"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = std::fs::remove_file(self.data().join("postmaster.pid"));
+    }
+
+    /// Starts it again on the same port, with the same data (crash recovery runs).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.run();
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The `postgres` user's uid and gid when running as root.
+fn postgres_user() -> Option<(u32, u32)> {
+    // SAFETY-free: read the ids from /etc/passwd rather than calling libc.
+    if std::fs::metadata("/proc/self").ok().map(|m| {
+        use std::os::unix::fs::MetadataExt;
+        m.uid()
+    }) != Some(0)
+    {
+        return None;
+    }
+    let passwd = std::fs::read_to_string("/etc/passwd").ok()?;
+    passwd.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split(':').collect();
+        (fields.first() == Some(&"postgres"))
+            .then(|| Some((fields.get(2)?.parse().ok()?, fields.get(3)?.parse().ok()?)))
+            .flatten()
+    })
+}

@@ -1,0 +1,257 @@
+//! The PostgreSQL backend under faults, on real servers: the holder's connections
+//! killed with `pg_terminate_backend`, the holder cut off from the server, a statement
+//! stalled past the response timeout, and a waiter across a server crash and restart.
+#![cfg(feature = "postgres")]
+
+mod common;
+
+use std::time::Duration;
+
+use common::postgres::{PgDatabase, PgServer};
+use common::redis_server::FreezableProxy;
+use common::wait_until;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tokio::time::Instant;
+use tower_lock::{Error, Lease, LockClient, LockKey, PostgresBackend};
+
+async fn backend(url: &str, app: &str, response_timeout: Duration) -> PostgresBackend {
+    let options: PgConnectOptions = url
+        .parse::<PgConnectOptions>()
+        .unwrap()
+        .application_name(app);
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_with(options)
+        .await
+        .unwrap();
+    PostgresBackend::builder(pool)
+        .response_timeout(response_timeout)
+        .build()
+        .await
+        .unwrap()
+}
+
+fn client(backend: &PostgresBackend, lease: Duration) -> LockClient {
+    LockClient::builder(backend.clone())
+        .watchdog_lease(lease)
+        .build()
+        .unwrap()
+}
+
+/// Killing every connection of the holder does not end its lock: the lock is a lease
+/// in a table, not a session's advisory lock. The watchdog's next renewal reconnects and
+/// keeps it; the waiter gets it only when the holder lets go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_holders_connections_keeps_a_watched_lock() {
+    let db = PgDatabase::create().await;
+    let holder = backend(&db.url, "tl-holder", Duration::from_secs(1)).await;
+    let other = backend(&db.url, "tl-other", Duration::from_secs(1)).await;
+    let lease = Duration::from_millis(600);
+    let key = LockKey::new("faults:terminate").unwrap();
+    let guard = client(&holder, lease)
+        .get_lock(&key)
+        .unwrap()
+        .lock()
+        .await
+        .unwrap();
+    let waiter = tokio::spawn({
+        let lock = client(&other, lease).get_lock(&key).unwrap();
+        async move {
+            lock.try_lock_for(Duration::from_secs(20), Lease::Watchdog)
+                .await
+        }
+    });
+
+    let killed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+          WHERE application_name = 'tl-holder' AND pid <> pg_backend_pid()) t",
+    )
+    .fetch_one(other.pool())
+    .await
+    .unwrap();
+    assert!(
+        killed >= 2,
+        "the pool and the listening connection: {killed}"
+    );
+    // Three watchdog periods later it is still held, and the waiter still waits.
+    tokio::time::sleep(lease * 2).await;
+    assert!(!guard.is_lost());
+    assert!(!waiter.is_finished());
+    let state = client(&other, lease)
+        .get_lock(&key)
+        .unwrap()
+        .inspect()
+        .await
+        .unwrap();
+    assert_eq!(state.holders.len(), 1);
+    assert_eq!(state.holders[0].owner, *guard.holder());
+    guard.unlock().await.unwrap();
+    let next = waiter.await.unwrap().unwrap();
+    next.unlock().await.unwrap();
+}
+
+/// A holder cut off from the server (its connections frozen, no new ones accepted)
+/// cannot renew: its lease ends in the database, the waiter gets the lock, and the
+/// holder's lost signal has fired by then — never two owners believing at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_cut_off_loses_its_lock_before_anyone_else_gets_it() {
+    let db = PgDatabase::create().await;
+    let proxy = FreezableProxy::start(5432).await;
+    let through = common::postgres::with_database(
+        &common::postgres::admin_url()
+            .replace("127.0.0.1:5432", &format!("127.0.0.1:{}", proxy.port)),
+        &db.name,
+    );
+    let holder = backend(&through, "tl-cut", Duration::from_millis(200)).await;
+    let other = backend(&db.url, "tl-other", Duration::from_secs(1)).await;
+    let lease = Duration::from_millis(900);
+    let key = LockKey::new("faults:cut").unwrap();
+    let guard = client(&holder, lease)
+        .get_lock(&key)
+        .unwrap()
+        .lock()
+        .await
+        .unwrap();
+    let lost = guard.lost();
+    let waiter = tokio::spawn({
+        let lock = client(&other, lease).get_lock(&key).unwrap();
+        async move {
+            let guard = lock
+                .try_lock_for(Duration::from_secs(20), Lease::Watchdog)
+                .await;
+            (Instant::now(), guard)
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let cut_at = Instant::now();
+    proxy.freeze_existing();
+    drop(proxy);
+    lost.wait().await;
+    let lost_at = Instant::now();
+    let (acquired_at, next) = waiter.await.unwrap();
+    let next = next.unwrap();
+    assert!(
+        lost_at <= acquired_at,
+        "the holder believed it held the lock {:?} after the waiter got it",
+        lost_at - acquired_at
+    );
+    assert!(
+        acquired_at - cut_at < lease * 3,
+        "the lease ended the hold: {:?}",
+        acquired_at - cut_at
+    );
+    assert!(matches!(guard.unlock().await, Err(Error::Lost)));
+    next.unlock().await.unwrap();
+}
+
+/// A statement stalled behind a transaction that holds the name's advisory lock fails
+/// as an outage after the response timeout; once the stall clears, the attempt the
+/// server still ran is taken back, and nothing is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_statement_times_out_and_leaves_nothing() {
+    let db = PgDatabase::create().await;
+    let backend = backend(&db.url, "tl-stall", Duration::from_millis(300)).await;
+    let key = LockKey::new("faults:stall").unwrap();
+    let pool = db.pool(2).await;
+    let mut blocker = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('public.tower_lock'), hashtext($1))")
+        .bind(key.as_str())
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let lock = client(&backend, Duration::from_secs(3))
+        .get_lock(&key)
+        .unwrap();
+    let started = Instant::now();
+    let err = lock.try_lock().await.unwrap_err();
+    assert!(err.is_unavailable(), "{err:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    blocker.commit().await.unwrap();
+    // The stalled attempt ran once the blocker committed; its compensation releases it.
+    wait_until(Duration::from_secs(10), "nothing held", || async {
+        !lock.is_locked().await.unwrap()
+    })
+    .await;
+    lock.try_lock().await.unwrap().unlock().await.unwrap();
+}
+
+/// A waiter rides out a server crash and restart: its attempts fail while the server is
+/// down and are retried; once it is back (with the holder's row, which the holder then
+/// releases), the listener reconnects and re-listens, and the waiter gets the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_gets_the_lock_across_a_server_restart() {
+    let Some(mut server) = tokio::task::spawn_blocking(PgServer::start).await.unwrap() else {
+        eprintln!("skipped: no PostgreSQL server binaries (.ci/run installs them)");
+        return;
+    };
+    let url = server.url();
+    let holder = backend(&url, "tl-holder", Duration::from_millis(500)).await;
+    let other = backend(&url, "tl-other", Duration::from_millis(500)).await;
+    let key = LockKey::new("faults:restart").unwrap();
+    let guard = client(&holder, Duration::from_secs(30))
+        .get_lock(&key)
+        .unwrap()
+        .try_lock_for(Duration::ZERO, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let waiter = tokio::spawn({
+        let lock = client(&other, Duration::from_secs(30))
+            .get_lock(&key)
+            .unwrap();
+        async move {
+            lock.try_lock_for(Duration::from_secs(60), Duration::from_secs(30))
+                .await
+        }
+    });
+    wait_until(Duration::from_secs(5), "the waiter waits", || async {
+        other.local_waiters(&key) == 1
+    })
+    .await;
+    server = tokio::task::spawn_blocking(move || {
+        server.restart();
+        server
+    })
+    .await
+    .unwrap();
+    // The holder's release reaches the restarted server (its row survived the crash)
+    // and notifies the re-established listener.
+    let released_at = loop {
+        match guard_release(&holder, &key, &guard).await {
+            Ok(()) => break Instant::now(),
+            Err(e) => {
+                assert!(e.is_unavailable(), "{e:?}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    let next = waiter.await.unwrap().unwrap();
+    assert!(
+        released_at.elapsed() < Duration::from_secs(10),
+        "woken by the release, not by the 30 s lease"
+    );
+    next.unlock().await.unwrap();
+    drop(guard);
+    drop(server);
+}
+
+/// Releases `guard`'s hold through the backend (the guard itself is consumed by unlock,
+/// which cannot be retried).
+async fn guard_release(
+    backend: &PostgresBackend,
+    key: &LockKey,
+    guard: &tower_lock::LockGuard,
+) -> tower_lock::Result<()> {
+    use tower_lock::backend::{LockBackend, LockMode, LockRequest};
+    let req = LockRequest::new(
+        key.clone(),
+        guard.holder().clone(),
+        LockMode::Exclusive,
+        Duration::from_millis(1),
+    );
+    backend.release(&req).await.map(|_| ())
+}
