@@ -26,6 +26,13 @@
 //! instead of restocking it. `--reset` starts the sale afresh, and `--demo` always does.
 //! (`--redis-url URL` does the same as `REDIS_URL`.)
 //!
+//! With `DATABASE_URL=postgres://...` (or `--database-url`), vouchers, stock and orders
+//! are PostgreSQL tables (`seckill/pg_store.rs`, created at start), and the locks are
+//! `PostgresBackend` locks on the same database — or `RedisBackend` locks when
+//! `REDIS_URL` is set too. The order write carries the lock's fencing token and the
+//! database refuses a stale one (a holder that paused past its lease while a newer one
+//! took over): `409 stale_token`.
+//!
 //! The operator's side runs on a listener of its own, never on the public one
 //! (`--admin HOST:PORT`, default a free port on 127.0.0.1, printed at start; see
 //! `seckill/admin.rs`): `GET /metrics` in Prometheus format (`MetricsObserver` on the
@@ -42,6 +49,8 @@
 mod admin;
 #[path = "seckill/app.rs"]
 mod app;
+#[path = "seckill/pg_store.rs"]
+mod pg_store;
 #[cfg(feature = "redis")]
 #[path = "seckill/redis_store.rs"]
 mod redis_store;
@@ -97,6 +106,10 @@ struct Cli {
     /// this process).
     #[arg(long, env = "REDIS_URL", value_name = "URL", hide_env_values = true)]
     redis_url: Option<String>,
+    /// Vouchers, stock and orders in this PostgreSQL database (tables created at start),
+    /// with the write fenced by the database; the locks too, unless `--redis-url` is set.
+    #[arg(long, env = "DATABASE_URL", value_name = "URL", hide_env_values = true)]
+    database_url: Option<String>,
     /// Where the admin routes (`/metrics`, `/admin/...`) listen: never on `--addr`.
     #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:0")]
     admin: SocketAddr,
@@ -119,6 +132,7 @@ struct Args {
     per_user: u64,
     settings: Settings,
     redis_url: Option<String>,
+    database_url: Option<String>,
     admin: SocketAddr,
     name: String,
 }
@@ -146,6 +160,7 @@ fn parse_args() -> Result<Args, String> {
         },
         // Empty counts as unset, as it did when this read the variable itself.
         redis_url: cli.redis_url.filter(|url| !url.is_empty()),
+        database_url: cli.database_url.filter(|url| !url.is_empty()),
         admin: cli.admin,
         name: cli
             .name
@@ -156,6 +171,9 @@ fn parse_args() -> Result<Args, String> {
 /// The lock client and the store, with voucher 1 in it. Everything else is the same
 /// whatever they are: this is the one place to choose them.
 async fn backend_and_store(args: &Args) -> Result<(LockClient, Arc<dyn Store>), String> {
+    if let Some(url) = &args.database_url {
+        return on_postgres(url, args).await;
+    }
     match &args.redis_url {
         Some(url) => on_redis(url, args).await,
         None => {
@@ -179,6 +197,67 @@ fn client_on(
         .observer(tower_lock::metrics::MetricsObserver::new())
         .build()
         .map_err(|e| format!("--name: {e}"))
+}
+
+/// `PgStore` for the data, and `PostgresBackend` on the same pool for the locks (or
+/// `RedisBackend` when a Redis URL is given too).
+async fn on_postgres(url: &str, args: &Args) -> Result<(LockClient, Arc<dyn Store>), String> {
+    use pg_store::PgStore;
+    use tower_lock::PostgresBackend;
+
+    // Where, without the password the URL may carry.
+    let server = url
+        .parse::<sqlx::postgres::PgConnectOptions>()
+        .map(|o| {
+            format!(
+                "{}:{}/{}",
+                o.get_host(),
+                o.get_port(),
+                o.get_database().unwrap_or("")
+            )
+        })
+        .map_err(|e| format!("DATABASE_URL is not a PostgreSQL URL: {e}"))?;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(20)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect(url)
+        .await
+        .map_err(|e| format!("cannot reach PostgreSQL at {server}: {e}"))?;
+    let store = PgStore::open(pool.clone()).await.map_err(|e| e.0)?;
+    if args.demo || args.reset {
+        store.reset(VOUCHER, args.stock).await.map_err(|e| e.0)?;
+        println!(
+            "voucher {VOUCHER}: sale started afresh with {} in stock",
+            args.stock
+        );
+    } else if store.seed(VOUCHER, args.stock).await.map_err(|e| e.0)? {
+        println!("voucher {VOUCHER}: seeded with {} in stock", args.stock);
+    } else {
+        println!(
+            "voucher {VOUCHER}: already in PostgreSQL; joining that sale (--stock not applied; --reset starts afresh)"
+        );
+    }
+    let client = match &args.redis_url {
+        Some(redis_url) => {
+            let backend = tower_lock::RedisBackend::connect(redis_url.as_str())
+                .await
+                .map_err(|e| format!("cannot reach Redis for the locks: {e}"))?;
+            println!("store: postgresql at {server}; locks: redis");
+            client_on(backend, args)?
+        }
+        None => {
+            let backend = PostgresBackend::builder(pool)
+                .build()
+                .await
+                .map_err(|e| format!("cannot set up the PostgreSQL locks at {server}: {e}"))?;
+            println!(
+                "store and locks: postgresql at {server} (tables seckill_* and tower_lock*; \
+                 order writes fenced by the database)"
+            );
+            client_on(backend, args)?
+        }
+    };
+    Ok((client, Arc::new(store)))
 }
 
 /// `RedisBackend` for the locks and `RedisStore` for the data, on the server at `url`.

@@ -9,6 +9,9 @@ mod common;
 mod admin;
 #[path = "../examples/seckill/app.rs"]
 mod app;
+#[cfg(feature = "postgres")]
+#[path = "../examples/seckill/pg_store.rs"]
+mod pg_store;
 #[cfg(feature = "redis")]
 #[path = "../examples/seckill/redis_store.rs"]
 mod redis_store;
@@ -36,6 +39,31 @@ enum Locks {
     Memory(MemoryBackend),
     #[cfg(feature = "redis")]
     Redis(common::redis_server::RedisServer),
+    #[cfg(feature = "postgres")]
+    Postgres(tower_lock::PostgresBackend, common::postgres::PgDatabase),
+}
+
+/// As the example builds it with `DATABASE_URL` set and no `REDIS_URL`: the store in
+/// PostgreSQL tables, `PostgresBackend` locks on the same pool, voucher 1 seeded.
+#[cfg(feature = "postgres")]
+async fn postgres(stock: i64, settings: Settings) -> Fixture {
+    let db = common::postgres::PgDatabase::create().await;
+    let pool = db.pool(20).await;
+    let pg = pg_store::PgStore::open(pool.clone()).await.unwrap();
+    assert!(pg.seed(1, stock).await.unwrap());
+    let backend = tower_lock::PostgresBackend::builder(pool)
+        .build()
+        .await
+        .unwrap();
+    let client = client_on(backend.clone());
+    let store: Arc<dyn Store> = Arc::new(pg);
+    let app = app::app(client.clone(), store.clone(), settings).unwrap();
+    Fixture {
+        app,
+        store,
+        client,
+        locks: Locks::Postgres(backend, db),
+    }
 }
 
 /// The client as the example builds it: named, with metrics.
@@ -104,6 +132,19 @@ impl Fixture {
             Locks::Memory(backend) => {
                 wait_until(Duration::from_secs(5), "no lock entry left", || async {
                     backend.is_empty()
+                })
+                .await;
+            }
+            #[cfg(feature = "postgres")]
+            Locks::Postgres(backend, _) => {
+                wait_until(Duration::from_secs(5), "no lock row left", || async {
+                    let live: i64 = sqlx::query_scalar(
+                        "SELECT count(*) FROM tower_lock WHERE expires_at > clock_timestamp()",
+                    )
+                    .fetch_one(backend.pool())
+                    .await
+                    .unwrap();
+                    live == 0
                 })
                 .await;
             }
@@ -324,6 +365,113 @@ async fn endpoints_answer_as_documented_on_memory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_demo_burst_keeps_the_invariants_on_memory() {
     the_demo_burst_keeps_the_invariants(memory(100, Settings::default())).await;
+}
+
+#[cfg(feature = "postgres")]
+mod on_postgres {
+    use super::*;
+    use tower_lock::Lease;
+
+    #[tokio::test]
+    async fn endpoints_answer_as_documented() {
+        super::endpoints_answer_as_documented(postgres(1, Settings::default()).await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_demo_burst_keeps_the_invariants() {
+        super::the_demo_burst_keeps_the_invariants(postgres(100, Settings::default()).await).await;
+    }
+
+    #[tokio::test]
+    async fn admin_answers_who_holds_and_exports_metrics() {
+        super::admin_answers_who_holds_and_exports_metrics(postgres(1, Settings::default()).await)
+            .await;
+    }
+
+    /// Two servers (own pools, own lock listeners, as two processes) on one database:
+    /// one order per user and stock + orders = the initial stock, whichever server a
+    /// user's requests reach.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_servers_on_one_database_keep_the_invariants() {
+        let first = postgres(100, Settings::default()).await;
+        let Locks::Postgres(_, db) = &first.locks else {
+            unreachable!("a postgres fixture")
+        };
+        let pool = db.pool(20).await;
+        let backend = tower_lock::PostgresBackend::builder(pool.clone())
+            .build()
+            .await
+            .unwrap();
+        let second_store: Arc<dyn Store> = Arc::new(pg_store::PgStore::open(pool).await.unwrap());
+        let second = app::app(client_on(backend), second_store, Settings::default()).unwrap();
+        let mut addrs = Vec::new();
+        let mut servers = Vec::new();
+        for app in [first.app.clone(), second] {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            addrs.push(listener.local_addr().unwrap());
+            servers.push(tokio::spawn(
+                async move { axum::serve(listener, app).await },
+            ));
+        }
+        let tally = app::burst(&addrs, 1, 150, 4, 250).await.unwrap();
+        for server in servers {
+            server.abort();
+        }
+        let verdict = app::verdict(first.store.as_ref(), 1, 100, &tally)
+            .await
+            .unwrap();
+        assert!(verdict.held(), "{verdict:?}\n{}", app::table(&tally));
+        assert_eq!((tally.stock_left, tally.orders), (0, 100));
+    }
+
+    /// The database refuses a stale holder: A takes user 7's lock with a short fixed
+    /// lease, fences, checks, then pauses past its lease; B takes the lock (a newer
+    /// token), fences and orders. When A wakes, its order is refused, at the fence and
+    /// at the write: one order, one unit of stock.
+    #[tokio::test]
+    async fn a_paused_holders_late_write_is_refused() {
+        let fx = postgres(10, Settings::default()).await;
+        let key = tower_lock::LockKey::namespaced("lock:order", "7").unwrap();
+        let lock = fx.client.get_fenced_lock(&key).unwrap();
+        let a = lock
+            .try_lock_for(Duration::ZERO, Duration::from_millis(200))
+            .await
+            .unwrap();
+        let ta = a.fencing_token().unwrap().get();
+        assert!(fx.store.fence(1, 7, ta).await.unwrap());
+        assert!(!fx.store.has_order(1, 7).await.unwrap());
+        // A pauses (a GC pause, a slow disk) past its lease.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(a.is_lost());
+        let b = lock
+            .try_lock_for(Duration::ZERO, Lease::Watchdog)
+            .await
+            .unwrap();
+        let tb = b.fencing_token().unwrap().get();
+        assert!(tb > ta);
+        assert!(fx.store.fence(1, 7, tb).await.unwrap());
+        assert!(!fx.store.has_order(1, 7).await.unwrap());
+        assert!(matches!(
+            fx.store.place_order(1, 7, tb).await.unwrap(),
+            app::Placed::Created(_)
+        ));
+        // A wakes and writes with its old token: refused by the database.
+        assert_eq!(
+            fx.store.place_order(1, 7, ta).await.unwrap(),
+            app::Placed::Stale
+        );
+        assert!(
+            !fx.store.fence(1, 7, ta).await.unwrap(),
+            "an older token never fences"
+        );
+        let orders = fx.store.orders(1).await.unwrap();
+        assert_eq!(orders.len(), 1);
+        assert_eq!(orders[0].fencing_token, tb);
+        assert_eq!(fx.store.voucher(1).await.unwrap().unwrap().stock, 9);
+        b.unlock().await.unwrap();
+        drop(a);
+        fx.assert_nothing_left().await;
+    }
 }
 
 #[cfg(feature = "redis")]

@@ -76,6 +76,57 @@ pub trait Store: Send + Sync + 'static {
     ) -> BoxFut<'_, Result<Order, StoreError>>;
     /// Every order of `voucher` (for checking the invariants).
     fn orders(&self, voucher: u64) -> BoxFut<'_, Result<Vec<Order>, StoreError>>;
+
+    /// Starts `user`'s critical section on `voucher` under the lock's `fencing_token`
+    /// (0: no lock): a store that enforces fencing raises the user's fence to the token
+    /// and refuses (`false`) a token older than one it has seen, so a holder that lost
+    /// its lock and acts late is kept out. The default enforces nothing.
+    fn fence(
+        &self,
+        voucher: u64,
+        user: u64,
+        fencing_token: u64,
+    ) -> BoxFut<'_, Result<bool, StoreError>> {
+        let _ = (voucher, user, fencing_token);
+        Box::pin(async { Ok(true) })
+    }
+
+    /// Takes one unit of stock and records the order. A store that enforces fencing
+    /// does both in one transaction, and only while the user's fence is still at
+    /// `fencing_token` (no newer holder has started since). The default is
+    /// [`take_stock`](Store::take_stock) then [`insert_order`](Store::insert_order).
+    fn place_order(
+        &self,
+        voucher: u64,
+        user: u64,
+        fencing_token: u64,
+    ) -> BoxFut<'_, Result<Placed, StoreError>> {
+        Box::pin(async move {
+            if !self.take_stock(voucher).await? {
+                return Ok(Placed::SoldOut);
+            }
+            Ok(Placed::Created(
+                self.insert_order(voucher, user, fencing_token).await?,
+            ))
+        })
+    }
+}
+
+/// What [`Store::place_order`] did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Placed {
+    Created(Order),
+    SoldOut,
+    /// Refused: a newer lock holder has started on this user since (a stale token).
+    Stale,
+}
+
+fn stale() -> Response {
+    json_error(
+        StatusCode::CONFLICT,
+        "stale_token",
+        "this request's lock was taken over by a newer one; its write was refused",
+    )
 }
 
 /// The in-memory store: one process.
@@ -305,6 +356,9 @@ async fn place(
             "no such voucher",
         ));
     }
+    if !store.fence(voucher, user, fencing_token).await? {
+        return Ok(stale());
+    }
     if store.has_order(voucher, user).await? {
         return Ok(json_error(
             StatusCode::CONFLICT,
@@ -315,11 +369,11 @@ async fn place(
     if !state.work.is_zero() {
         tokio::time::sleep(state.work).await;
     }
-    if !store.take_stock(voucher).await? {
-        return Ok(json_error(StatusCode::CONFLICT, "sold_out", "sold out"));
+    match store.place_order(voucher, user, fencing_token).await? {
+        Placed::Created(order) => Ok((StatusCode::CREATED, axum::Json(order)).into_response()),
+        Placed::SoldOut => Ok(json_error(StatusCode::CONFLICT, "sold_out", "sold out")),
+        Placed::Stale => Ok(stale()),
     }
-    let order = store.insert_order(voucher, user, fencing_token).await?;
-    Ok((StatusCode::CREATED, axum::Json(order)).into_response())
 }
 
 /// What the demo burst saw.
