@@ -47,6 +47,20 @@ CREATE TABLE IF NOT EXISTS __S__.__T___clients (
     expires_at timestamptz NOT NULL
 );
 
+-- Refuses a session that does not run READ COMMITTED: the functions wait for the
+-- name's advisory lock and must then see what the holder before them committed, which
+-- a REPEATABLE READ or SERIALIZABLE snapshot (taken before the wait) would not.
+CREATE OR REPLACE FUNCTION __S__.__T___read_committed() RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'tower-lock needs transactions in read committed isolation, this session runs %',
+            current_setting('transaction_isolation')
+            USING ERRCODE = '0A000',
+                  HINT = 'reset default_transaction_isolation for the lock pool''s connections';
+    END IF;
+END $$;
+
 -- The next fencing token of `p_name`: from the sequence, at least the clock in
 -- microseconds (as every backend promises) and above the name's last token.
 CREATE OR REPLACE FUNCTION __S__.__T___next_token(p_name text) RETURNS bigint
@@ -82,6 +96,7 @@ DECLARE
     my_seq bigint;
     block_until timestamptz;
 BEGIN
+    PERFORM __S__.__T___read_committed();
     PERFORM pg_advisory_xact_lock(hashtext('__S__.__T__'), hashtext(p_name));
     now_ts := clock_timestamp();
     DELETE FROM __S__.__T__ t WHERE t.name = p_name AND t.expires_at <= now_ts;
@@ -122,9 +137,9 @@ BEGIN
     -- What the queue allows: nobody ahead (for readers: no writer or fair waiter
     -- ahead). A reader let in past its own owner's write hold (downgrade) skips it.
     IF queued AND NOT blocked
-       AND NOT (p_mode = 'r' AND p_writer IS NOT NULL AND EXISTS (
+       AND NOT (p_mode = 'r' AND EXISTS (
            SELECT 1 FROM __S__.__T__ t
-            WHERE t.name = p_name AND t.mode = 'w' AND t.owner = p_writer)) THEN
+            WHERE t.name = p_name AND t.mode = 'w' AND t.owner = coalesce(p_writer, p_owner))) THEN
         SELECT q.seq INTO my_seq FROM __S__.__T___queue q
          WHERE q.name = p_name AND q.owner = p_owner AND q.mode = p_mode;
         blocked := EXISTS (
@@ -172,6 +187,7 @@ DECLARE
     now_ts timestamptz;
     left_holds integer;
 BEGIN
+    PERFORM __S__.__T___read_committed();
     PERFORM pg_advisory_xact_lock(hashtext('__S__.__T__'), hashtext(p_name));
     now_ts := clock_timestamp();
     UPDATE __S__.__T__ t
@@ -187,6 +203,9 @@ BEGIN
      WHERE t.name = p_name AND t.owner = p_owner AND t.mode = p_mode
        AND t.expires_at > now_ts;
     IF NOT FOUND THEN
+        -- Not held (any more): an expired row of it goes too.
+        DELETE FROM __S__.__T__ t
+         WHERE t.name = p_name AND t.owner = p_owner AND t.mode = p_mode;
         RETURN -1;
     END IF;
     PERFORM pg_notify('__T__',
@@ -213,6 +232,7 @@ CREATE OR REPLACE FUNCTION __S__.__T___cancel(p_name text, p_owner text, p_mode 
 RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
+    PERFORM __S__.__T___read_committed();
     PERFORM pg_advisory_xact_lock(hashtext('__S__.__T__'), hashtext(p_name));
     DELETE FROM __S__.__T___queue q
      WHERE q.name = p_name AND q.owner = p_owner AND q.mode = p_mode;
@@ -221,14 +241,39 @@ BEGIN
     END IF;
 END $$;
 
--- Removes every hold of `p_name` in the modes `p_modes`, whoever holds them.
-CREATE OR REPLACE FUNCTION __S__.__T___force(p_name text, p_modes "char"[])
+DROP FUNCTION IF EXISTS __S__.__T___force(text, "char"[]);
+
+-- Removes the holds of `p_name` of the kind `p_mode` names, whoever holds them, as the
+-- other backends do: 'x'/'f' the exclusive or fair hold; 'r' the read holds, only when
+-- no writer holds the name; 'w' the write hold and the reads with it, only when a
+-- writer holds it; 'p' every permit.
+CREATE OR REPLACE FUNCTION __S__.__T___force(p_name text, p_mode "char")
 RETURNS boolean
 LANGUAGE plpgsql AS $$
+DECLARE
+    now_ts timestamptz;
+    writer boolean;
 BEGIN
+    PERFORM __S__.__T___read_committed();
     PERFORM pg_advisory_xact_lock(hashtext('__S__.__T__'), hashtext(p_name));
-    DELETE FROM __S__.__T__ t
-     WHERE t.name = p_name AND t.mode = ANY (p_modes) AND t.expires_at > clock_timestamp();
+    now_ts := clock_timestamp();
+    writer := EXISTS (SELECT 1 FROM __S__.__T__ t
+                       WHERE t.name = p_name AND t.mode = 'w' AND t.expires_at > now_ts);
+    IF p_mode IN ('x', 'f') THEN
+        DELETE FROM __S__.__T__ t
+         WHERE t.name = p_name AND t.mode IN ('x', 'f') AND t.expires_at > now_ts;
+    ELSIF p_mode = 'r' AND NOT writer THEN
+        DELETE FROM __S__.__T__ t
+         WHERE t.name = p_name AND t.mode = 'r' AND t.expires_at > now_ts;
+    ELSIF p_mode = 'w' AND writer THEN
+        DELETE FROM __S__.__T__ t
+         WHERE t.name = p_name AND t.mode IN ('r', 'w') AND t.expires_at > now_ts;
+    ELSIF p_mode = 'p' THEN
+        DELETE FROM __S__.__T__ t
+         WHERE t.name = p_name AND t.mode = 'p' AND t.expires_at > now_ts;
+    ELSE
+        RETURN false;
+    END IF;
     IF FOUND THEN
         PERFORM pg_notify('__T__', '1' || p_name);
         RETURN true;

@@ -485,7 +485,13 @@ impl PostgresBackendBuilder {
         listener.listen(&self.table).await.map_err(map_error)?;
         let waiters: Arc<Mutex<HashMap<LockKey, KeyWaiters>>> = Arc::default();
         let stop = CancellationToken::new();
-        tokio::spawn(listen(listener, Arc::clone(&waiters), stop.clone()));
+        tokio::spawn(listen(
+            listener,
+            self.pool.clone(),
+            self.table.clone(),
+            Arc::clone(&waiters),
+            stop.clone(),
+        ));
         let options = self.pool.connect_options();
         let store_id = format!(
             "postgres://{}:{}/{}/{}.{}",
@@ -512,10 +518,14 @@ impl PostgresBackendBuilder {
     }
 }
 
-/// The listening connection's task: wakes the waiters a notification names; after a
-/// lost connection (which `PgListener` re-establishes and re-`LISTEN`s), wakes them all.
+/// The listening connection's task: wakes the waiters a notification names. After a
+/// lost connection it wakes them all once listening again (a release meanwhile was not
+/// heard): when `PgListener` reconnected by itself (`Ok(None)`), and when it could not
+/// and a new listener is made here.
 async fn listen(
     mut listener: PgListener,
+    pool: PgPool,
+    channel: String,
     waiters: Arc<Mutex<HashMap<LockKey, KeyWaiters>>>,
     stop: CancellationToken,
 ) {
@@ -553,17 +563,38 @@ async fn listen(
                 wake_everyone(&waiters);
             }
             Err(error) => {
-                tracing::warn!(%error, retry_in_ms = backoff.as_millis() as u64, "PostgreSQL listening connection failed; retrying");
+                tracing::warn!(%error, "PostgreSQL listening connection failed; reconnecting");
                 wake_everyone(&waiters);
-                let jittered = backoff / 2 + backoff.mul_f64(fastrand::f64() / 2.0);
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(jittered) => {}
+                // A new listener, until one listens; `try_recv` would reconnect without a
+                // word, and a release between now and then would go unheard.
+                loop {
+                    let jittered = backoff / 2 + backoff.mul_f64(fastrand::f64() / 2.0);
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(jittered) => {}
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                    match relisten(&pool, &channel).await {
+                        Ok(fresh) => {
+                            listener = fresh;
+                            tracing::info!("PostgreSQL listening connection re-established");
+                            wake_everyone(&waiters);
+                            break;
+                        }
+                        Err(error) => {
+                            tracing::debug!(%error, retry_in_ms = backoff.as_millis() as u64, "PostgreSQL listening connection failed");
+                        }
+                    }
                 }
-                backoff = (backoff * 2).min(Duration::from_secs(2));
             }
         }
     }
+}
+
+async fn relisten(pool: &PgPool, channel: &str) -> Result<PgListener, sqlx::Error> {
+    let mut listener = PgListener::connect_with(pool).await?;
+    listener.listen(channel).await?;
+    Ok(listener)
 }
 
 fn wake_everyone(waiters: &Mutex<HashMap<LockKey, KeyWaiters>>) {
@@ -715,16 +746,11 @@ impl LockBackend for PostgresBackend {
         mode: LockMode,
     ) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
-            let modes: Vec<i8> = match mode {
-                LockMode::Exclusive | LockMode::Fair => vec![b'x' as i8, b'f' as i8],
-                LockMode::Read | LockMode::Write => vec![b'r' as i8, b'w' as i8],
-                LockMode::Permits { .. } => vec![b'p' as i8],
-            };
             let sql = self.sql("SELECT __F___force($1, $2)");
             self.timed(
                 sqlx::query_scalar(&sql)
                     .bind(key.as_str())
-                    .bind(modes)
+                    .bind(mode_char(mode))
                     .fetch_one(&self.inner.pool),
             )
             .await
@@ -755,6 +781,16 @@ impl LockBackend for PostgresBackend {
                     .execute(&self.inner.pool),
             )
             .await?;
+            // Every client registers now and then: it sweeps what expired, so names
+            // locked once (a crashed holder, a vanished waiter) leave no rows behind.
+            // Expired rows count as absent everywhere, so deleting them changes nothing.
+            let sweep = self.sql(
+                "DELETE FROM __F__ WHERE expires_at <= clock_timestamp(); \
+                 DELETE FROM __F___queue WHERE evict_at <= clock_timestamp(); \
+                 DELETE FROM __F___clients WHERE expires_at <= clock_timestamp();",
+            );
+            self.timed(sqlx::raw_sql(&sweep).execute(&self.inner.pool))
+                .await?;
             Ok(())
         })
     }
@@ -840,14 +876,19 @@ fn validate_identifier(name: &'static str, value: &str) -> Result<()> {
     }
 }
 
-/// sqlx's error → the crate's: a schema that is not there or not ours (undefined
-/// objects, syntax, permissions: SQLSTATE classes 42 and 28) is a misconfiguration;
-/// anything else (I/O, timeouts, a server shutting down, a cancelled statement) an
-/// outage.
+/// sqlx's error → the crate's. A store set up wrong is a misconfiguration, which
+/// fails closed: undefined objects, syntax, permissions (SQLSTATE classes 42, 28), a
+/// schema that is not there (3F), an isolation level the functions refuse or another
+/// unsupported feature (0A), bad data (22), a read-only standby (25006). Anything else
+/// (I/O, timeouts, a server shutting down or not accepting connections, a cancelled
+/// statement) is an outage.
 fn map_error(error: sqlx::Error) -> Error {
     if let sqlx::Error::Database(db) = &error
         && let Some(code) = db.code()
-        && (code.starts_with("42") || code.starts_with("28"))
+        && (["42", "28", "3F", "0A", "22"]
+            .iter()
+            .any(|class| code.starts_with(class))
+            || code == "25006")
     {
         return Error::UnexpectedReply(format!("PostgreSQL refused a lock statement: {db}"));
     }

@@ -1,0 +1,178 @@
+//! Named regression tests for bugs found in the PostgreSQL backend, each written before
+//! its fix, on a real server and a database of its own.
+#![cfg(feature = "postgres")]
+
+mod common;
+
+use std::time::Duration;
+
+use common::postgres::PgDatabase;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tower_lock::backend::{Acquire, LockBackend, LockMode, LockRequest, Release};
+use tower_lock::{LockKey, Owner, PostgresBackend};
+
+fn req(key: &str, owner: &str, mode: LockMode) -> LockRequest {
+    LockRequest::new(
+        LockKey::new(key).unwrap(),
+        Owner::from_raw(owner).unwrap(),
+        mode,
+        Duration::from_secs(30),
+    )
+}
+
+async fn on(db: &PgDatabase) -> PostgresBackend {
+    PostgresBackend::builder(db.pool(4).await)
+        .build()
+        .await
+        .unwrap()
+}
+
+/// Under REPEATABLE READ a function's snapshot predates the advisory lock it waits for,
+/// so it could not see the holder that committed meanwhile and granted a second hold.
+/// The functions now refuse any isolation but READ COMMITTED, as a misconfiguration.
+#[tokio::test]
+async fn a_session_not_in_read_committed_is_refused_not_granted_a_second_hold() {
+    let db = PgDatabase::create().await;
+    let options = db.url.parse::<PgConnectOptions>().unwrap();
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::Executor::execute(
+                    conn,
+                    "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL REPEATABLE READ",
+                )
+                .await
+                .map(|_| ())
+            })
+        })
+        .connect_with(options)
+        .await
+        .unwrap();
+    let backend = PostgresBackend::builder(pool).build().await.unwrap();
+    let err = backend
+        .acquire(&req("k", "a:1", LockMode::Exclusive))
+        .await
+        .unwrap_err();
+    assert!(!err.is_unavailable() && err.is_backend(), "{err:?}");
+    assert!(err.to_string().contains("read committed"), "{err}");
+}
+
+/// A schema that is not there (SQLSTATE 3F000) is a misconfiguration, not an outage:
+/// a fail-open layer must not serve unlocked because of it.
+#[tokio::test]
+async fn a_missing_schema_fails_closed() {
+    let db = PgDatabase::create().await;
+    let backend = PostgresBackend::builder(db.pool(2).await)
+        .schema("no_such_schema")
+        .migrate(false)
+        .build()
+        .await
+        .unwrap();
+    let err = backend
+        .acquire(&req("k", "a:1", LockMode::Exclusive))
+        .await
+        .unwrap_err();
+    assert!(!err.is_unavailable(), "{err:?}");
+}
+
+/// Force-releasing the read lock while a writer holds the key removed the writer too
+/// (the memory and Redis backends leave it): only read holds go, and only without a
+/// writer; force-releasing the write lock with only readers present removes nothing.
+#[tokio::test]
+async fn force_releasing_the_read_lock_leaves_a_writer_alone() {
+    let db = PgDatabase::create().await;
+    let backend = on(&db).await;
+    let key = LockKey::new("rw").unwrap();
+    let w = req("rw", "w:1", LockMode::Write);
+    assert!(matches!(
+        backend.acquire(&w).await.unwrap(),
+        Acquire::Acquired(_)
+    ));
+    assert!(!backend.force_release(&key, LockMode::Read).await.unwrap());
+    assert!(
+        backend.renew(&w).await.unwrap(),
+        "the writer still holds it"
+    );
+    assert!(backend.force_release(&key, LockMode::Write).await.unwrap());
+    let r = req("rw", "r:1", LockMode::Read);
+    assert!(matches!(
+        backend.acquire(&r).await.unwrap(),
+        Acquire::Acquired(_)
+    ));
+    assert!(!backend.force_release(&key, LockMode::Write).await.unwrap());
+    assert!(
+        backend.renew(&r).await.unwrap(),
+        "the reader still holds it"
+    );
+    assert!(backend.force_release(&key, LockMode::Read).await.unwrap());
+}
+
+/// A read whose `writer` is `None` stands for its own owner: past that owner's write
+/// hold it must not queue behind a writer that waits for that very hold.
+#[tokio::test]
+async fn a_read_without_a_named_writer_passes_its_own_owners_write_hold() {
+    let db = PgDatabase::create().await;
+    let backend = on(&db).await;
+    let mine = req("down", "o:1", LockMode::Write);
+    assert!(matches!(
+        backend.acquire(&mine).await.unwrap(),
+        Acquire::Acquired(_)
+    ));
+    let other = req("down", "w:2", LockMode::Write);
+    assert!(matches!(
+        backend.acquire(&other).await.unwrap(),
+        Acquire::Busy { .. }
+    ));
+    let read = req("down", "o:1", LockMode::Read);
+    assert!(
+        matches!(backend.acquire(&read).await.unwrap(), Acquire::Acquired(_)),
+        "downgrade"
+    );
+    backend.cancel_wait(&other).await.unwrap();
+}
+
+/// Expired holds, stale queue entries and expired client names were only ever deleted
+/// by a later acquisition of the same name: with per-user keys they piled up. A
+/// release of an expired hold deletes it, and client registration sweeps what expired.
+#[tokio::test]
+async fn expired_rows_do_not_pile_up() {
+    let db = PgDatabase::create().await;
+    let backend = on(&db).await;
+    let mut short = req("gone", "a:1", LockMode::Exclusive);
+    short.lease = Duration::from_millis(20);
+    assert!(matches!(
+        backend.acquire(&short).await.unwrap(),
+        Acquire::Acquired(_)
+    ));
+    for i in 0..5 {
+        let mut r = req(&format!("leaked{i}"), "b:1", LockMode::Exclusive);
+        r.lease = Duration::from_millis(20);
+        backend.acquire(&r).await.unwrap();
+    }
+    backend
+        .register_client("old", "gone-pod", Duration::from_millis(20))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    assert_eq!(backend.release(&short).await.unwrap(), Release::NotHeld);
+    let rows = |sql: &'static str| {
+        let pool = backend.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(
+        rows("SELECT count(*) FROM tower_lock WHERE name = 'gone'").await,
+        0
+    );
+    backend
+        .register_client("new", "pod", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(rows("SELECT count(*) FROM tower_lock").await, 0, "swept");
+    assert_eq!(rows("SELECT count(*) FROM tower_lock_clients").await, 1);
+}
