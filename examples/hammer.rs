@@ -1,37 +1,56 @@
 //! Cross-process exclusion check: run several of these against one Redis (or one set of
-//! RedLock nodes) and the counter must come out exact.
+//! RedLock nodes, or one PostgreSQL database) and the counter must come out exact.
 //!
 //! ```sh
 //! cargo run --release --example hammer -- --url redis://127.0.0.1:6379 \
 //!     --name hammer --iters 1000 --counter-key hammer:counter [--lease-ms 5000] \
 //!     [--kind lock|fair|write|redlock|permits] [--permits N] [--tasks T] \
-//!     [--counter-url URL] [--wait-ms W]
+//!     [--counter-url URL] [--wait-ms W] [--watchdog-ms L] [--hold-us H]
+//! cargo run --release --example hammer -- --url postgres://root@127.0.0.1:5432/app \
+//!     --name hammer --iters 1000 --counter-key hammer:counter
 //! ```
 //!
 //! Each iteration locks NAME (waiting as long as needed, or at most `--wait-ms`; watchdog
-//! unless `--lease-ms`), reads the counter with `GET`, sleeps about 200 µs, writes it
-//! back plus one with `SET`, and unlocks. Without mutual exclusion, concurrent processes
+//! unless `--lease-ms`), reads the counter, sleeps `--hold-us` (default 200 µs), writes
+//! it back plus one, and unlocks. The read and the write are two separate commands, so
+//! only the lock makes the count exact: without mutual exclusion, concurrent processes
 //! lose increments.
 //!
+//! - `--url` picks the backend by its scheme: `redis://` (or `rediss://`) for
+//!   [`RedisBackend`], `postgres://` (or `postgresql://`) for [`PostgresBackend`] on a
+//!   pool of `--tasks` + 1 connections (one listens for releases), with its tables
+//!   created if missing.
+//! - `--counter-url` is where the counter lives (default: the first `--url`), on either
+//!   kind of server. On Redis the counter is the string K, read with `GET` and written
+//!   with `SET`. On PostgreSQL it is the row K of the table `hammer_counter` (created if
+//!   missing), read with a `SELECT` and written with an upsert; the same statement as
+//!   the write appends `(key, value, pid, at)` to `hammer_counter_writes`, so a check
+//!   can tell which process wrote which value and when (by the database's clock): with
+//!   exclusion, the values written are 1 to N, each once.
 //! - `--kind` picks the lock: `lock` (the reentrant lock, the default), `fair`, `write`
 //!   (the write lock of a read-write lock), `redlock` (a reentrant lock held by a
-//!   majority of the nodes given as a comma-separated `--url` list), or `permits` (one
-//!   of `--permits N` permits). Permits admit N holders, so instead of the read-modify-
-//!   write each iteration records how many holders are inside at once: it `INCR`s
-//!   `K:inside`, raises `K:max` to that value, sleeps, `DECR`s `K:inside`, and `INCR`s K.
-//! - `--counter-url` is where the counter lives (default: the first `--url`).
+//!   majority of the Redis nodes given as a comma-separated `--url` list), or `permits`
+//!   (one of `--permits N` permits). Permits admit N holders, so instead of the read-
+//!   modify-write each iteration records how many holders are inside at once: it
+//!   increments `K:inside`, raises `K:max` to that value, sleeps (`--hold-us`, default
+//!   500 µs), decrements `K:inside`, and increments K.
 //! - `--tasks T` runs T concurrent workers of `--iters` iterations each (default 1).
+//! - `--watchdog-ms L` sets the watchdog lease (default: the backend's, else 30 s): a
+//!   process killed while it holds the lock keeps it for at most L.
 //!
-//! Exits 0 when done, 1 with a message on stderr on any lock error (a lost lock, a wait
-//! that ran out, no RedLock quorum), 2 on bad arguments.
+//! Exits 0 when done, 1 with a message on stderr on any lock or counter error (a lost
+//! lock, a wait that ran out, no RedLock quorum, a server gone), 2 on bad arguments.
 
 use std::process::ExitCode;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use clap::{CommandFactory, Parser, ValueEnum};
 use redis::AsyncCommands;
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use tower_lock::backend::LockBackend;
 use tower_lock::kinds::RedLock;
-use tower_lock::{Lease, Lock, LockClient, RedisBackend};
+use tower_lock::{Lease, Lock, LockClient, PostgresBackend, RedisBackend};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Kind {
@@ -41,22 +60,23 @@ enum Kind {
     Fair,
     /// The write lock of a read-write lock.
     Write,
-    /// A reentrant lock held by a majority of the `--url` nodes.
+    /// A reentrant lock held by a majority of the `--url` nodes (Redis).
     #[value(name = "redlock")]
     RedLock,
     /// One of `--permits N` permits.
     Permits,
 }
 
-/// Cross-process exclusion check: run several against one Redis and the counter must
-/// come out exact.
+/// Cross-process exclusion check: run several against one Redis or PostgreSQL and the
+/// counter must come out exact.
 #[derive(Parser)]
 #[command(name = "hammer", args_override_self = true)]
 struct Cli {
-    /// The Redis server, or a comma-separated list of RedLock nodes (with `--kind redlock`).
+    /// The Redis server or PostgreSQL database, or a comma-separated list of RedLock
+    /// nodes (with `--kind redlock`).
     #[arg(long, value_name = "URL[,URL...]")]
     url: String,
-    /// Where the counter lives (default: the first `--url`).
+    /// Where the counter lives, Redis or PostgreSQL (default: the first `--url`).
     #[arg(long, value_name = "URL")]
     counter_url: Option<String>,
     /// The lock's name.
@@ -84,10 +104,21 @@ struct Cli {
     /// Concurrent workers of `--iters` iterations each (0 counts as 1).
     #[arg(long, value_name = "T", default_value_t = 1)]
     tasks: u64,
+    /// The watchdog lease in milliseconds (default: the backend's, else 30 s).
+    #[arg(long = "watchdog-ms", value_name = "L", value_parser = millis)]
+    watchdog: Option<Duration>,
+    /// Microseconds between the read and the write, with the lock held (default 200;
+    /// 500 for permits).
+    #[arg(long = "hold-us", value_name = "H", value_parser = micros)]
+    hold: Option<Duration>,
 }
 
 fn millis(value: &str) -> Result<Duration, std::num::ParseIntError> {
     value.parse().map(Duration::from_millis)
+}
+
+fn micros(value: &str) -> Result<Duration, std::num::ParseIntError> {
+    value.parse().map(Duration::from_micros)
 }
 
 struct Args {
@@ -101,6 +132,12 @@ struct Args {
     permits: u32,
     wait: Option<Duration>,
     tasks: u64,
+    watchdog: Option<Duration>,
+    hold: Duration,
+}
+
+fn is_postgres(url: &str) -> bool {
+    url.starts_with("postgres://") || url.starts_with("postgresql://")
 }
 
 /// The parsed command line, with the checks that span several flags.
@@ -118,12 +155,20 @@ fn parse_args() -> Result<Args, String> {
     if cli.kind != Kind::RedLock && urls.len() > 1 {
         return Err("several --url values are RedLock nodes: use --kind redlock".to_owned());
     }
+    if cli.kind == Kind::RedLock && urls.iter().any(|u| is_postgres(u)) {
+        return Err("--kind redlock takes Redis nodes, not postgres:// URLs".to_owned());
+    }
     let permits = match (cli.kind, cli.permits) {
         (Kind::Permits, Some(n)) if n > 0 => n,
         (Kind::Permits, _) => return Err("--kind permits needs --permits N (N > 0)".to_owned()),
         (_, Some(_)) => return Err("--permits goes with --kind permits".to_owned()),
         (_, None) => 1,
     };
+    let hold = cli.hold.unwrap_or(if cli.kind == Kind::Permits {
+        Duration::from_micros(500)
+    } else {
+        Duration::from_micros(200)
+    });
     Ok(Args {
         urls,
         counter_url: cli.counter_url,
@@ -135,16 +180,32 @@ fn parse_args() -> Result<Args, String> {
         permits,
         wait: cli.wait,
         tasks: cli.tasks.max(1),
+        watchdog: cli.watchdog,
+        hold,
     })
 }
 
-async fn connect(url: &str) -> Result<RedisBackend, String> {
-    RedisBackend::connect(url)
+/// A pool of `size` connections to the PostgreSQL database at `url`.
+async fn pg_pool(url: &str, size: u64) -> Result<PgPool, String> {
+    PgPoolOptions::new()
+        .max_connections(u32::try_from(size).unwrap_or(u32::MAX))
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(url)
         .await
         .map_err(|e| format!("connecting to {url}: {e}"))
 }
 
+/// A client on `backend`, with `--watchdog-ms` when given.
+fn client_on(backend: impl LockBackend, args: &Args) -> Result<LockClient, String> {
+    let mut builder = LockClient::builder(backend);
+    if let Some(lease) = args.watchdog {
+        builder = builder.watchdog_lease(lease);
+    }
+    builder.build().map_err(|e| format!("lock client: {e}"))
+}
+
 async fn client(args: &Args) -> Result<LockClient, String> {
+    let url = &args.urls[0];
     if args.kind == Kind::RedLock {
         let mut nodes = Vec::new();
         for url in &args.urls {
@@ -160,9 +221,21 @@ async fn client(args: &Args) -> Result<LockClient, String> {
             nodes.push(node);
         }
         let redlock = RedLock::new(nodes).map_err(|e| format!("redlock: {e}"))?;
-        return Ok(LockClient::new(redlock));
+        return client_on(redlock, args);
     }
-    Ok(LockClient::new(connect(&args.urls[0]).await?))
+    if is_postgres(url) {
+        // One connection per task, and one for the backend's listener.
+        let pool = pg_pool(url, args.tasks + 1).await?;
+        let backend = PostgresBackend::builder(pool)
+            .build()
+            .await
+            .map_err(|e| format!("PostgreSQL locks at {url}: {e}"))?;
+        return client_on(backend, args);
+    }
+    let backend = RedisBackend::connect(url.as_str())
+        .await
+        .map_err(|e| format!("connecting to {url}: {e}"))?;
+    client_on(backend, args)
 }
 
 fn lock_of(client: &LockClient, args: &Args) -> Result<Lock, tower_lock::Error> {
@@ -180,47 +253,175 @@ const ENTER: &str = "local n = redis.call('incr', KEYS[1]) \
     if n > tonumber(redis.call('get', KEYS[2]) or '0') then redis.call('set', KEYS[2], n) end \
     return n";
 
-async fn work(
-    lock: Lock,
-    mut counter: redis::aio::MultiplexedConnection,
-    args: &Args,
-) -> Result<(), String> {
+/// The PostgreSQL counter's tables; one transaction behind an advisory lock, as
+/// concurrent `CREATE TABLE IF NOT EXISTS` from several processes can collide.
+const PG_SCHEMA: &str = "SELECT pg_advisory_xact_lock(hashtext('hammer_counter'));
+CREATE TABLE IF NOT EXISTS hammer_counter (key text PRIMARY KEY, value bigint NOT NULL);
+CREATE TABLE IF NOT EXISTS hammer_counter_writes (
+    key text NOT NULL,
+    value bigint NOT NULL,
+    pid integer NOT NULL,
+    at timestamptz NOT NULL DEFAULT clock_timestamp()
+);";
+
+const PG_READ: &str = "SELECT value FROM hammer_counter WHERE key = $1";
+
+/// Sets K to $2 and logs the write, in one statement.
+const PG_WRITE: &str = "WITH w AS (
+    INSERT INTO hammer_counter (key, value) VALUES ($1, $2)
+    ON CONFLICT (key) DO UPDATE SET value = excluded.value RETURNING key)
+INSERT INTO hammer_counter_writes (key, value, pid) SELECT key, $2, $3 FROM w";
+
+/// Increments `$1` (K:inside) and raises `$2` (K:max) to its new value.
+const PG_ENTER: &str = "WITH n AS (
+    INSERT INTO hammer_counter (key, value) VALUES ($1, 1)
+    ON CONFLICT (key) DO UPDATE SET value = hammer_counter.value + 1 RETURNING value)
+INSERT INTO hammer_counter (key, value) SELECT $2, value FROM n
+ON CONFLICT (key) DO UPDATE SET value = greatest(hammer_counter.value, excluded.value)";
+
+/// Decrements `$1` (K:inside) and increments `$2` (K).
+const PG_LEAVE: &str = "WITH d AS (
+    UPDATE hammer_counter SET value = value - 1 WHERE key = $1 RETURNING value)
+INSERT INTO hammer_counter (key, value) VALUES ($2, 1)
+ON CONFLICT (key) DO UPDATE SET value = hammer_counter.value + 1";
+
+/// Where the counter lives.
+#[derive(Clone)]
+enum Counter {
+    Redis(redis::aio::MultiplexedConnection),
+    Postgres(PgPool),
+}
+
+impl Counter {
+    async fn connect(url: &str, tasks: u64) -> Result<Self, String> {
+        if is_postgres(url) {
+            let pool = pg_pool(url, tasks).await?;
+            sqlx::raw_sql(PG_SCHEMA)
+                .execute(&pool)
+                .await
+                .map_err(|e| format!("creating the counter table at {url}: {e}"))?;
+            return Ok(Counter::Postgres(pool));
+        }
+        let conn = redis::Client::open(url)
+            .map_err(|e| format!("counter connection: {e}"))?
+            .get_multiplexed_async_connection()
+            .await
+            .map_err(|e| format!("counter connection to {url}: {e}"))?;
+        Ok(Counter::Redis(conn))
+    }
+
+    /// The counter's value (0 when unset).
+    async fn read(&mut self, key: &str) -> Result<u64, String> {
+        match self {
+            Counter::Redis(conn) => {
+                let value: Option<u64> = conn.get(key).await.map_err(|e| format!("GET: {e}"))?;
+                Ok(value.unwrap_or(0))
+            }
+            Counter::Postgres(pool) => {
+                let value: Option<i64> = sqlx::query_scalar(PG_READ)
+                    .bind(key)
+                    .fetch_optional(&*pool)
+                    .await
+                    .map_err(|e| format!("SELECT: {e}"))?;
+                u64::try_from(value.unwrap_or(0)).map_err(|_| "a negative counter".to_owned())
+            }
+        }
+    }
+
+    async fn write(&mut self, key: &str, value: u64) -> Result<(), String> {
+        match self {
+            Counter::Redis(conn) => conn.set(key, value).await.map_err(|e| format!("SET: {e}")),
+            Counter::Postgres(pool) => {
+                let value = i64::try_from(value).map_err(|_| "the counter overflowed")?;
+                sqlx::query(PG_WRITE)
+                    .bind(key)
+                    .bind(value)
+                    .bind(std::process::id().cast_signed())
+                    .execute(&*pool)
+                    .await
+                    .map_err(|e| format!("UPDATE: {e}"))?;
+                Ok(())
+            }
+        }
+    }
+
+    async fn enter(&mut self, inside: &str, most: &str) -> Result<(), String> {
+        match self {
+            Counter::Redis(conn) => {
+                static SCRIPT: LazyLock<redis::Script> =
+                    LazyLock::new(|| redis::Script::new(ENTER));
+                let _: i64 = SCRIPT
+                    .key(inside)
+                    .key(most)
+                    .invoke_async(conn)
+                    .await
+                    .map_err(|e| format!("enter: {e}"))?;
+            }
+            Counter::Postgres(pool) => {
+                sqlx::query(PG_ENTER)
+                    .bind(inside)
+                    .bind(most)
+                    .execute(&*pool)
+                    .await
+                    .map_err(|e| format!("enter: {e}"))?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn leave(&mut self, inside: &str, key: &str) -> Result<(), String> {
+        match self {
+            Counter::Redis(conn) => redis::pipe()
+                .decr(inside, 1)
+                .ignore()
+                .incr(key, 1)
+                .ignore()
+                .query_async(conn)
+                .await
+                .map_err(|e| format!("leave: {e}")),
+            Counter::Postgres(pool) => {
+                sqlx::query(PG_LEAVE)
+                    .bind(inside)
+                    .bind(key)
+                    .execute(&*pool)
+                    .await
+                    .map_err(|e| format!("leave: {e}"))?;
+                Ok(())
+            }
+        }
+    }
+}
+
+async fn work(lock: Lock, mut counter: Counter, args: &Args) -> Result<(), String> {
     let lease = args.lease.map_or(Lease::Watchdog, Lease::Fixed);
     let wait = args.wait.unwrap_or(Duration::MAX);
     let key = args.counter_key.as_str();
     let (inside, most) = (format!("{key}:inside"), format!("{key}:max"));
-    let enter = redis::Script::new(ENTER);
     for i in 0..args.iters {
         let guard = lock
             .try_lock_for(wait, lease)
             .await
             .map_err(|e| format!("iteration {i}: lock: {e}"))?;
         if args.kind == Kind::Permits {
-            let _: i64 = enter
-                .key(&inside)
-                .key(&most)
-                .invoke_async(&mut counter)
+            counter
+                .enter(&inside, &most)
                 .await
-                .map_err(|e| format!("iteration {i}: enter: {e}"))?;
-            tokio::time::sleep(Duration::from_micros(500)).await;
-            let () = redis::pipe()
-                .decr(&inside, 1)
-                .ignore()
-                .incr(key, 1)
-                .ignore()
-                .query_async(&mut counter)
+                .map_err(|e| format!("iteration {i}: {e}"))?;
+            tokio::time::sleep(args.hold).await;
+            counter
+                .leave(&inside, key)
                 .await
-                .map_err(|e| format!("iteration {i}: leave: {e}"))?;
+                .map_err(|e| format!("iteration {i}: {e}"))?;
         } else {
-            let value: Option<u64> = counter
-                .get(key)
+            let value = counter
+                .read(key)
                 .await
-                .map_err(|e| format!("iteration {i}: GET: {e}"))?;
-            tokio::time::sleep(Duration::from_micros(200)).await;
-            let () = counter
-                .set(key, value.unwrap_or(0) + 1)
+                .map_err(|e| format!("iteration {i}: {e}"))?;
+            tokio::time::sleep(args.hold).await;
+            counter
+                .write(key, value + 1)
                 .await
-                .map_err(|e| format!("iteration {i}: SET: {e}"))?;
+                .map_err(|e| format!("iteration {i}: {e}"))?;
         }
         guard
             .unlock()
@@ -233,11 +434,7 @@ async fn work(
 async fn run(args: Args) -> Result<(), String> {
     let client = client(&args).await?;
     let counter_url = args.counter_url.as_deref().unwrap_or(&args.urls[0]);
-    let counter = redis::Client::open(counter_url)
-        .map_err(|e| format!("counter connection: {e}"))?
-        .get_multiplexed_async_connection()
-        .await
-        .map_err(|e| format!("counter connection to {counter_url}: {e}"))?;
+    let counter = Counter::connect(counter_url, args.tasks).await?;
     let lock = lock_of(&client, &args).map_err(|e| format!("lock name: {e}"))?;
     let workers = (0..args.tasks).map(|_| work(lock.clone(), counter.clone(), &args));
     for outcome in futures_util::future::join_all(workers).await {
