@@ -5,18 +5,36 @@
 //! cargo run --release --example bench -- --url redis://127.0.0.1:6379 \
 //!     --workers 32 --seconds 10 --workload w1 [--handoff] [--backend redis|memory] \
 //!     [--kind lock|fair] [--impl tower-lock|baseline] [--lease-ms L]
+//! cargo run --release --example bench -- --url postgres://root@127.0.0.1:5432/bench \
+//!     --seconds 10 --workload pg
 //! ```
+//!
+//! The backend follows `--url`: a `postgres://` (or `postgresql://`) URL measures
+//! [`PostgresBackend`] (on a pool of one connection per worker, plus the one that
+//! listens for releases) and the lines carry `"backend":"postgres"`; `--backend memory`
+//! measures the in-process store.
 //!
 //! Workloads:
 //!
 //! - `w1`: each worker locks its own key; lock + unlock in a loop (throughput, latency).
-//!   `--impl baseline` runs the hand-rolled reference instead: `SET key owner NX PX` and
-//!   a Lua compare-and-delete on a multiplexed connection.
+//!   `--impl baseline` runs the hand-rolled reference instead: on Redis `SET key owner
+//!   NX PX` and a Lua compare-and-delete on a multiplexed connection; on PostgreSQL
+//!   `pg_advisory_lock(hashtext(key))` and `pg_advisory_unlock` (session advisory locks)
+//!   on a connection of each worker's own. On PostgreSQL the lines add what the server
+//!   spent per cycle: `pg_cpu_us_per_cycle` (the CPU time of the local `postgres`
+//!   processes, from `/proc`; `null` when the server is not on this machine),
+//!   `pg_write_xacts_per_cycle` (transaction ids assigned: each is a commit that
+//!   writes) and `pg_wal_bytes_per_cycle`.
 //! - `w2`: all workers on one key; each iteration acquires, does a non-atomic
 //!   `GET counter` + `SET counter+1` on a second connection, and releases. `--handoff`:
 //!   after releasing, a worker sits out until another worker has acquired, so every
 //!   transition is a real handoff. Reports waits, handoff latency, fairness, and the
-//!   safety counters `lost_updates` and `overlaps` (both must be 0).
+//!   safety counters `lost_updates` and `overlaps` (both must be 0). On PostgreSQL the
+//!   counter is a row of `bench_counter`, read with a `SELECT` and written with an
+//!   `UPDATE` through a pool of its own (the field keeps its name, `redis_counter`), and
+//!   `--impl baseline` holds the advisory lock on each worker's own connection instead.
+//!   Every PostgreSQL run starts with a `VACUUM` of the database, so that no run pays
+//!   for the dead rows of the ones before it.
 //! - `w3`: `--waiters` (default 200) tasks on one key until `--handoffs` (default 1,000)
 //!   handoffs: Redis commands per handoff (from `INFO commandstats` deltas) and client CPU.
 //! - `w4`: `--locks` (default 10,000) held locks with the watchdog for 3 renewal periods
@@ -30,6 +48,9 @@
 //!   tower-lock and the baseline, w2 for the plain and the fair lock, w2h, w3 at 20 and
 //!   200 waiters, w4, and w5 for each layer at 64 connections and at 1. `--chart F.svg`
 //!   draws the handoff-latency distributions of w2 and w2h.
+//! - `pg`: the PostgreSQL suite in one run (`--url postgres://...`): w1 with 1 and 32
+//!   workers, w2 and w2h with 8, each for tower-lock and the advisory-lock baseline,
+//!   then a `ratios` line (tower-lock / baseline).
 //!
 //! Latency percentiles are nearest-rank, read from an HDR histogram (`hdrhistogram`)
 //! that keeps three significant digits: exact below 2,048 µs, within 0.1% above.
@@ -37,6 +58,7 @@
 //!
 //! Benchmarks are not tests: nothing here asserts a timing.
 
+use std::collections::HashMap;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -48,10 +70,12 @@ use redis::AsyncCommands;
 use redis::aio::MultiplexedConnection;
 use serde::Serialize;
 use serde::ser::{SerializeMap, Serializer};
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
+use sqlx::{Connection, Row};
 use tower_lock::backend::{
     Acquire, BoxFuture, LockBackend, LockMode, LockRequest, Release, Subscription,
 };
-use tower_lock::{Lease, LockClient, LockKey, MemoryBackend, RedisBackend};
+use tower_lock::{Lease, LockClient, LockKey, MemoryBackend, PostgresBackend, RedisBackend};
 
 /// Counts heap allocations (and reallocations) of the whole process, for
 /// `allocs_per_request` in w5.
@@ -105,6 +129,7 @@ async fn redis_cpu_us(url: &str) -> Result<f64, String> {
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
 enum BackendKind {
     Redis,
+    Postgres,
     Memory,
     None,
 }
@@ -114,6 +139,7 @@ impl BackendKind {
     fn name(self) -> &'static str {
         match self {
             BackendKind::Redis => "redis",
+            BackendKind::Postgres => "postgres",
             BackendKind::Memory => "memory",
             BackendKind::None => "none",
         }
@@ -128,6 +154,8 @@ enum Workload {
     W4,
     W5,
     All,
+    /// The PostgreSQL suite.
+    Pg,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
@@ -150,7 +178,7 @@ enum Impl {
     allow_negative_numbers = true
 )]
 struct Args {
-    /// The Redis server.
+    /// The Redis server, or the PostgreSQL database (`postgres://...`).
     #[arg(long, value_name = "URL", default_value = "redis://127.0.0.1:6379")]
     url: String,
     /// Concurrent workers (w1, w2).
@@ -165,13 +193,18 @@ struct Args {
     /// w2: after releasing, sit out until another worker has acquired.
     #[arg(long)]
     handoff: bool,
-    /// Where the locks live; `none` (w5 only) runs without the layer.
-    #[arg(long, value_enum, default_value_t = BackendKind::Redis)]
+    /// Where the locks live (default: what `--url` is); `none` (w5 only) runs without
+    /// the layer.
+    #[arg(long = "backend", value_name = "BACKEND", value_enum)]
+    backend_flag: Option<BackendKind>,
+    /// `--backend`, or what `--url` is.
+    #[arg(skip = BackendKind::Redis)]
     backend: BackendKind,
     /// Which lock.
     #[arg(long, value_enum, default_value_t = LockKind::Lock)]
     kind: LockKind,
-    /// w1 only: `baseline` runs the hand-rolled SET NX PX reference.
+    /// `baseline` runs the hand-rolled reference: SET NX PX (w1) on Redis, advisory
+    /// locks (w1, w2) on PostgreSQL.
     #[arg(long = "impl", value_name = "IMPL", value_enum, default_value_t = Impl::TowerLock)]
     implementation: Impl,
     /// A fixed lease in milliseconds (default: the watchdog).
@@ -201,23 +234,51 @@ fn millis(value: &str) -> Result<Duration, std::num::ParseIntError> {
     value.parse().map(Duration::from_millis)
 }
 
+fn is_postgres(url: &str) -> bool {
+    url.starts_with("postgres://") || url.starts_with("postgresql://")
+}
+
 /// The checks that span several flags (clap makes the others).
 fn check(a: &Args) -> Result<(), &'static str> {
+    let postgres = is_postgres(&a.url);
+    if postgres && a.backend == BackendKind::Redis {
+        return Err("a postgres:// --url goes with --backend postgres (the default for it)");
+    }
+    if !postgres && a.backend == BackendKind::Postgres {
+        return Err("--backend postgres needs a postgres:// --url");
+    }
+    if a.workload == Workload::Pg && a.backend != BackendKind::Postgres {
+        return Err("--workload pg needs a postgres:// --url");
+    }
+    if a.workload == Workload::All && a.backend == BackendKind::Postgres {
+        return Err("--workload all is the Redis suite; on PostgreSQL run --workload pg");
+    }
+    if a.implementation == Impl::Baseline
+        && postgres
+        && !matches!(a.workload, Workload::W1 | Workload::W2)
+    {
+        return Err("--impl baseline exists for w1 and w2 on PostgreSQL");
+    }
     if a.workers == 0 || a.seconds <= 0.0 || a.waiters == 0 || a.locks == 0 || a.connections == 0 {
         return Err("--workers, --seconds, --waiters, --locks and --connections must be positive");
     }
     if a.chart.is_some() && a.workload != Workload::All {
         return Err("--chart goes with --workload all");
     }
-    if a.implementation == Impl::Baseline && a.workload != Workload::W1 {
-        return Err("--impl baseline exists for w1 only");
+    if a.implementation == Impl::Baseline && !postgres && a.workload != Workload::W1 {
+        return Err("--impl baseline exists for w1 only on Redis (w1 and w2 on PostgreSQL)");
     }
     Ok(())
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    args.backend = args.backend_flag.unwrap_or(if is_postgres(&args.url) {
+        BackendKind::Postgres
+    } else {
+        BackendKind::Redis
+    });
     if let Err(message) = check(&args) {
         // Exits 2, as clap does for the errors it finds itself.
         Args::command()
@@ -226,7 +287,11 @@ async fn main() -> ExitCode {
     }
     let result = match args.workload {
         Workload::W1 if args.implementation == Impl::Baseline => {
-            w1_baseline(&args).await.and_then(|l| say(&l))
+            if is_postgres(&args.url) {
+                w1_pg_baseline(&args).await.and_then(|l| say(&l))
+            } else {
+                w1_baseline(&args).await.and_then(|l| say(&l))
+            }
         }
         Workload::W1 => w1(&args).await.and_then(|l| say(&l)),
         Workload::W2 => w2(&args).await.and_then(|l| say(&l)),
@@ -234,6 +299,7 @@ async fn main() -> ExitCode {
         Workload::W4 => w4(&args).await.and_then(|l| say(&l)),
         Workload::W5 => w5(&args).await.and_then(|l| say(&l)),
         Workload::All => all(&args).await,
+        Workload::Pg => pg_suite(&args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -254,6 +320,7 @@ fn say(line: &impl Serialize) -> Result<(), String> {
 
 fn peer(args: &Args) -> &'static str {
     match (args.implementation, args.kind) {
+        (Impl::Baseline, _) if is_postgres(&args.url) => "pg-advisory-baseline",
         (Impl::Baseline, _) => "redis-setnx-baseline",
         (Impl::TowerLock, LockKind::Fair) => "tower-lock-fair",
         (Impl::TowerLock, LockKind::Lock) => "tower-lock",
@@ -301,6 +368,21 @@ async fn client(args: &Args) -> Result<LockClient, String> {
                 .await
                 .map_err(|e| format!("connecting to {}: {e}", args.url))?,
         ),
+        BackendKind::Postgres => {
+            // One connection per worker (per connection in w5), and one for the listener.
+            let size = if args.workload == Workload::W5 {
+                args.connections
+            } else {
+                args.workers
+            };
+            let pool = pg_pool(&args.url, size + 1).await?;
+            Arc::new(
+                PostgresBackend::builder(pool)
+                    .build()
+                    .await
+                    .map_err(|e| format!("PostgreSQL locks at {}: {e}", args.url))?,
+            )
+        }
         BackendKind::Memory | BackendKind::None => Arc::new(MemoryBackend::new()),
     };
     Ok(LockClient::new(backend))
@@ -320,9 +402,17 @@ fn lease(args: &Args) -> Lease {
 }
 
 async fn w1(args: &Args) -> Result<W1Line, String> {
+    if args.backend == BackendKind::Postgres {
+        pg_vacuum(&args.url).await?;
+    }
     let client = client(args).await?;
     let cpu_before = if args.backend == BackendKind::Redis {
         Some(redis_cpu_us(&args.url).await?)
+    } else {
+        None
+    };
+    let meter = if args.backend == BackendKind::Postgres {
+        Some(PgMeter::start(&args.url).await?)
     } else {
         None
     };
@@ -359,13 +449,19 @@ async fn w1(args: &Args) -> Result<W1Line, String> {
         Some(before) => Some(redis_cpu_us(&args.url).await? - before),
         None => None,
     };
-    Ok(w1_line(
+    let cost = match meter {
+        Some(meter) => Some(meter.finish(samples.len()).await?),
+        None => None,
+    };
+    let mut line = w1_line(
         args,
         elapsed,
         samples,
         failures.load(Ordering::Relaxed),
         cpu,
-    ))
+    );
+    line.pg = cost;
+    Ok(line)
 }
 
 /// Every worker's latencies, in one histogram.
@@ -397,6 +493,18 @@ struct W1Line {
     backend: &'static str,
     /// `watchdog` or `<L>ms`.
     lease: String,
+    /// PostgreSQL only: the server's cost per cycle.
+    #[serde(flatten)]
+    pg: Option<PgCost>,
+}
+
+/// What the PostgreSQL server spent per cycle.
+#[derive(Serialize)]
+struct PgCost {
+    /// `null` when the server is not on this machine.
+    pg_cpu_us_per_cycle: Option<f64>,
+    pg_write_xacts_per_cycle: f64,
+    pg_wal_bytes_per_cycle: f64,
 }
 
 fn w1_line(
@@ -426,6 +534,7 @@ fn w1_line(
         lease: args
             .lease
             .map_or("watchdog".to_owned(), |l| format!("{}ms", l.as_millis())),
+        pg: None,
     }
 }
 
@@ -486,6 +595,233 @@ async fn w1_baseline(args: &Args) -> Result<W1Line, String> {
     ))
 }
 
+/// A session advisory lock on the key's hash: blocks in the server until granted.
+const ADVISORY_LOCK: &str = "SELECT pg_advisory_lock(hashtext($1))";
+const ADVISORY_UNLOCK: &str = "SELECT pg_advisory_unlock(hashtext($1))";
+
+/// Releases the advisory lock on `key`; `Err` when this session did not hold it.
+async fn advisory_unlock(conn: &mut PgConnection, key: &str) -> Result<(), ()> {
+    let released: bool = sqlx::query_scalar(ADVISORY_UNLOCK)
+        .bind(key)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(drop)?;
+    if released { Ok(()) } else { Err(()) }
+}
+
+/// Vacuums the database, so that each run starts from tables without the dead rows of
+/// the runs before it, as autovacuum would keep them (each lock cycle leaves a dead row
+/// and a dead index entry in the holds table; see `docs/performance.md`). A warning, not
+/// an error, when it cannot.
+async fn pg_vacuum(url: &str) -> Result<(), String> {
+    let mut conn = pg_conn(url).await?;
+    if let Err(e) = sqlx::raw_sql("VACUUM").execute(&mut conn).await {
+        eprintln!("bench: VACUUM failed, the run starts from the tables as they are: {e}");
+    }
+    Ok(())
+}
+
+async fn pg_conn(url: &str) -> Result<PgConnection, String> {
+    PgConnection::connect(url)
+        .await
+        .map_err(|e| format!("connecting to {url}: {e}"))
+}
+
+/// A pool of `size` connections, all of them opened before it is returned (the run
+/// should not measure connection set-up).
+async fn pg_pool(url: &str, size: usize) -> Result<PgPool, String> {
+    let size = u32::try_from(size.max(1)).unwrap_or(u32::MAX);
+    let pool = PgPoolOptions::new()
+        .max_connections(size)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect(url)
+        .await
+        .map_err(|e| format!("connecting to {url}: {e}"))?;
+    let opened = futures_util::future::join_all((0..size).map(|_| pool.acquire())).await;
+    for conn in opened {
+        conn.map_err(|e| format!("connecting to {url}: {e}"))?;
+    }
+    Ok(pool)
+}
+
+/// The PostgreSQL server's counters at the start of a run, to charge the run's cycles
+/// with what the server spent on them.
+struct PgMeter {
+    conn: PgConnection,
+    /// CPU ticks per server process; `None` when the server is not on this machine.
+    cpu: Option<HashMap<u32, u64>>,
+    next_xid: i64,
+    wal_lsn: String,
+}
+
+/// The next transaction id (each transaction that writes takes one) and the WAL position.
+const PG_COUNTERS: &str =
+    "SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint, pg_current_wal_lsn()::text";
+
+impl PgMeter {
+    async fn start(url: &str) -> Result<Self, String> {
+        let mut conn = pg_conn(url).await?;
+        let row = sqlx::query(PG_COUNTERS)
+            .fetch_one(&mut conn)
+            .await
+            .map_err(|e| format!("reading the server's counters: {e}"))?;
+        Ok(PgMeter {
+            cpu: if is_local(url) {
+                postgres_cpu_ticks()
+            } else {
+                None
+            },
+            next_xid: row.try_get(0).map_err(|e| e.to_string())?,
+            wal_lsn: row.try_get(1).map_err(|e| e.to_string())?,
+            conn,
+        })
+    }
+
+    /// What the server spent per cycle since [`start`](Self::start).
+    async fn finish(mut self, cycles: u64) -> Result<PgCost, String> {
+        let cpu_us = match &self.cpu {
+            Some(before) => postgres_cpu_ticks().map(|after| cpu_used_us(before, &after)),
+            None => None,
+        };
+        let row = sqlx::query(
+            "SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint, \
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), $1::pg_lsn)::float8",
+        )
+        .bind(&self.wal_lsn)
+        .fetch_one(&mut self.conn)
+        .await
+        .map_err(|e| format!("reading the server's counters: {e}"))?;
+        let next_xid: i64 = row.try_get(0).map_err(|e| e.to_string())?;
+        let wal_bytes: f64 = row.try_get(1).map_err(|e| e.to_string())?;
+        let per = |x: f64| {
+            if cycles == 0 {
+                0.0
+            } else {
+                (x / cycles as f64 * 100.0).round() / 100.0
+            }
+        };
+        Ok(PgCost {
+            pg_cpu_us_per_cycle: cpu_us.map(per),
+            pg_write_xacts_per_cycle: per((next_xid - self.next_xid) as f64),
+            pg_wal_bytes_per_cycle: per(wal_bytes),
+        })
+    }
+}
+
+/// Whether the URL's host is this machine (so the server's processes are visible).
+fn is_local(url: &str) -> bool {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = rest.split(['/', '?']).next().unwrap_or(rest);
+    let host = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host);
+    let host = match host.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(v6),
+        None => host.split(':').next().unwrap_or(host),
+    };
+    matches!(host, "127.0.0.1" | "localhost" | "::1" | "")
+}
+
+/// The CPU time (user + system, in clock ticks) of every process named `postgres` on
+/// this machine, by pid; `None` when there is none to see.
+fn postgres_cpu_ticks() -> Option<HashMap<u32, u64>> {
+    let mut cpu = HashMap::new();
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // `pid (comm) state ...`: utime and stime are the 14th and 15th fields.
+        let Some((head, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let Some((pid, comm)) = head.split_once(" (") else {
+            continue;
+        };
+        if comm != "postgres" {
+            continue;
+        }
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let field = |n: usize| fields.get(n - 3).and_then(|v| v.parse::<u64>().ok());
+        if let (Ok(pid), Some(utime), Some(stime)) = (pid.parse(), field(14), field(15)) {
+            cpu.insert(pid, utime + stime);
+        }
+    }
+    (!cpu.is_empty()).then_some(cpu)
+}
+
+/// The CPU time the server processes used between two readings, in microseconds: what
+/// each process alive at the end used since the start (or since it started). A process
+/// that exited in between is not counted, so keep the run's connections open until the
+/// second reading.
+fn cpu_used_us(before: &HashMap<u32, u64>, after: &HashMap<u32, u64>) -> f64 {
+    // SAFETY: sysconf only reads a configuration value.
+    let ticks_per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1);
+    let ticks: u64 = after
+        .iter()
+        .map(|(pid, &now)| now.saturating_sub(before.get(pid).copied().unwrap_or(0)))
+        .sum();
+    ticks as f64 * 1e6 / ticks_per_s as f64
+}
+
+/// The PostgreSQL baseline: `pg_advisory_lock` and `pg_advisory_unlock` on a key of the
+/// worker's own, on a connection of its own (session advisory locks, what a hand-rolled
+/// PostgreSQL lock does).
+async fn w1_pg_baseline(args: &Args) -> Result<W1Line, String> {
+    pg_vacuum(&args.url).await?;
+    let mut conns = Vec::with_capacity(args.workers);
+    for _ in 0..args.workers {
+        conns.push(pg_conn(&args.url).await?);
+    }
+    let meter = PgMeter::start(&args.url).await?;
+    let deadline = Instant::now() + Duration::from_secs_f64(args.seconds);
+    let failures = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for (w, mut conn) in conns.into_iter().enumerate() {
+        let failures = failures.clone();
+        let mut samples = latencies()?;
+        tasks.push(tokio::spawn(async move {
+            let key = format!("bench:base:{w}");
+            while Instant::now() < deadline {
+                let t0 = Instant::now();
+                let locked = sqlx::query(ADVISORY_LOCK)
+                    .bind(&key)
+                    .execute(&mut conn)
+                    .await;
+                if locked.is_err() {
+                    failures.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                if advisory_unlock(&mut conn, &key).await.is_err() {
+                    failures.fetch_add(1, Ordering::Relaxed);
+                }
+                samples.saturating_record(micros(t0.elapsed()));
+            }
+            // The connection goes back open: the meter reads its CPU time after the run.
+            (samples, conn)
+        }));
+    }
+    let mut samples = latencies()?;
+    let mut conns = Vec::with_capacity(args.workers);
+    for t in tasks {
+        let (worker, conn) = t.await.map_err(|e| e.to_string())?;
+        samples.add(worker).map_err(|e| format!("histogram: {e}"))?;
+        conns.push(conn);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let cost = meter.finish(samples.len()).await?;
+    drop(conns);
+    let mut line = w1_line(
+        args,
+        elapsed,
+        samples,
+        failures.load(Ordering::Relaxed),
+        None,
+    );
+    line.pg = Some(cost);
+    Ok(line)
+}
+
 /// One hold of the w2 lock: who, and when it was acquired and released.
 struct Hold {
     worker: usize,
@@ -531,12 +867,20 @@ async fn w2(args: &Args) -> Result<W2Line, String> {
 
 /// The w2 line and its handoff latencies (for the chart).
 async fn w2_with_samples(args: &Args) -> Result<(W2Line, Latencies), String> {
-    let client = client(args).await?;
-    let counter_conn = redis_conn(&args.url).await?;
-    let counter_key = "bench:w2:counter";
-    let mut reset = counter_conn.clone();
-    let _: () = reset.del(counter_key).await.map_err(|e| e.to_string())?;
-    let lock = lock_for(&client, args, "bench:w2".into())?;
+    if is_postgres(&args.url) {
+        pg_vacuum(&args.url).await?;
+    }
+    let counter_conn = Counter::open(&args.url, args.workers).await?;
+    let mut lockers = Vec::with_capacity(args.workers);
+    if args.implementation == Impl::Baseline {
+        for _ in 0..args.workers {
+            lockers.push(Locker::Advisory(pg_conn(&args.url).await?));
+        }
+    } else {
+        let client = client(args).await?;
+        let lock = lock_for(&client, args, "bench:w2".into())?;
+        lockers.resize_with(args.workers, || Locker::Tower(lock.clone(), lease(args)));
+    }
     let deadline = Instant::now() + Duration::from_secs_f64(args.seconds);
     let inside = Arc::new(AtomicUsize::new(0));
     let overlaps = Arc::new(AtomicU64::new(0));
@@ -547,9 +891,7 @@ async fn w2_with_samples(args: &Args) -> Result<(W2Line, Latencies), String> {
     let done = Arc::new(AtomicBool::new(false));
     let started = Instant::now();
     let mut tasks = Vec::new();
-    for w in 0..args.workers {
-        let lock = lock.clone();
-        let lease = lease(args);
+    for (w, mut locker) in lockers.into_iter().enumerate() {
         let (inside, overlaps, failures) = (inside.clone(), overlaps.clone(), failures.clone());
         let (last_tx, mut last_rx, done) = (last_tx.clone(), last_rx.clone(), done.clone());
         let mut conn = counter_conn.clone();
@@ -558,12 +900,9 @@ async fn w2_with_samples(args: &Args) -> Result<(W2Line, Latencies), String> {
             let mut holds = Vec::with_capacity(1 << 14);
             while Instant::now() < deadline && !done.load(Ordering::Relaxed) {
                 let requested = Instant::now();
-                let guard = match lock.try_lock_for(Duration::from_secs(30), lease).await {
-                    Ok(g) => g,
-                    Err(_) => {
-                        failures.fetch_add(1, Ordering::Relaxed);
-                        continue;
-                    }
+                let Ok(guard) = locker.lock().await else {
+                    failures.fetch_add(1, Ordering::Relaxed);
+                    continue;
                 };
                 let acquired = Instant::now();
                 let mut seq = 0;
@@ -575,11 +914,11 @@ async fn w2_with_samples(args: &Args) -> Result<(W2Line, Latencies), String> {
                 if inside.fetch_add(1, Ordering::SeqCst) != 0 {
                     overlaps.fetch_add(1, Ordering::Relaxed);
                 }
-                let value: Option<u64> = conn.get(counter_key).await.unwrap_or(None);
-                let _: redis::RedisResult<()> = conn.set(counter_key, value.unwrap_or(0) + 1).await;
+                let value = conn.get().await;
+                conn.set(value.unwrap_or(0) + 1).await;
                 inside.fetch_sub(1, Ordering::SeqCst);
                 let release_start = Instant::now();
-                if guard.unlock().await.is_err() {
+                if locker.unlock(guard).await.is_err() {
                     failures.fetch_add(1, Ordering::Relaxed);
                 }
                 let release_end = Instant::now();
@@ -634,9 +973,7 @@ async fn w2_with_samples(args: &Args) -> Result<(W2Line, Latencies), String> {
             next.acquired.saturating_duration_since(prev.release_start),
         ));
     }
-    let mut conn = counter_conn.clone();
-    let counter: Option<u64> = conn.get(counter_key).await.map_err(|e| e.to_string())?;
-    let counter = counter.unwrap_or(0);
+    let counter = counter_conn.clone().value().await?;
     let cycles = holds.len() as u64;
     let transitions = holds.len().saturating_sub(1) as f64;
     let line = W2Line {
@@ -670,6 +1007,136 @@ async fn w2_with_samples(args: &Args) -> Result<(W2Line, Latencies), String> {
         backend: args.backend.name(),
     };
     Ok((line, handoffs))
+}
+
+/// The counter w2 increments without atomicity (a read, then a write), where `--url`
+/// points.
+#[derive(Clone)]
+enum Counter {
+    Redis(MultiplexedConnection),
+    /// The row `bench:w2:counter` of `bench_counter`.
+    Postgres(PgPool),
+}
+
+const COUNTER_KEY: &str = "bench:w2:counter";
+
+impl Counter {
+    /// The counter, reset to nothing; `workers` connections on PostgreSQL.
+    async fn open(url: &str, workers: usize) -> Result<Self, String> {
+        if !is_postgres(url) {
+            let mut conn = redis_conn(url).await?;
+            let _: () = conn.del(COUNTER_KEY).await.map_err(|e| e.to_string())?;
+            return Ok(Counter::Redis(conn));
+        }
+        let pool = pg_pool(url, workers).await?;
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS bench_counter (key text PRIMARY KEY, value bigint NOT NULL)",
+        )
+        .execute(&pool)
+        .await
+        .map_err(|e| format!("creating bench_counter: {e}"))?;
+        sqlx::query(
+            "INSERT INTO bench_counter (key, value) VALUES ($1, 0) \
+             ON CONFLICT (key) DO UPDATE SET value = 0",
+        )
+        .bind(COUNTER_KEY)
+        .execute(&pool)
+        .await
+        .map_err(|e| format!("resetting the counter: {e}"))?;
+        Ok(Counter::Postgres(pool))
+    }
+
+    /// The value, `None` when unset or unreadable (the run counts what reaches the store).
+    async fn get(&mut self) -> Option<u64> {
+        match self {
+            Counter::Redis(conn) => conn.get(COUNTER_KEY).await.unwrap_or(None),
+            Counter::Postgres(pool) => {
+                sqlx::query_scalar::<_, i64>("SELECT value FROM bench_counter WHERE key = $1")
+                    .bind(COUNTER_KEY)
+                    .fetch_optional(&*pool)
+                    .await
+                    .ok()
+                    .flatten()
+                    .and_then(|v| u64::try_from(v).ok())
+            }
+        }
+    }
+
+    /// Writes `value`; a failed write shows as a lost update.
+    async fn set(&mut self, value: u64) {
+        match self {
+            Counter::Redis(conn) => {
+                let _: redis::RedisResult<()> = conn.set(COUNTER_KEY, value).await;
+            }
+            Counter::Postgres(pool) => {
+                let _ = sqlx::query("UPDATE bench_counter SET value = $2 WHERE key = $1")
+                    .bind(COUNTER_KEY)
+                    .bind(i64::try_from(value).unwrap_or(i64::MAX))
+                    .execute(&*pool)
+                    .await;
+            }
+        }
+    }
+
+    /// The value at the end of the run.
+    async fn value(&mut self) -> Result<u64, String> {
+        match self {
+            Counter::Redis(conn) => {
+                let value: Option<u64> = conn.get(COUNTER_KEY).await.map_err(|e| e.to_string())?;
+                Ok(value.unwrap_or(0))
+            }
+            Counter::Postgres(pool) => {
+                let value: i64 =
+                    sqlx::query_scalar("SELECT value FROM bench_counter WHERE key = $1")
+                        .bind(COUNTER_KEY)
+                        .fetch_one(&*pool)
+                        .await
+                        .map_err(|e| format!("reading the counter: {e}"))?;
+                u64::try_from(value).map_err(|_| "a negative counter".to_owned())
+            }
+        }
+    }
+}
+
+/// One w2 worker's lock: tower-lock's, or the advisory-lock baseline on the worker's
+/// own connection.
+enum Locker {
+    Tower(tower_lock::Lock, Lease),
+    Advisory(PgConnection),
+}
+
+/// A hold of a [`Locker`].
+enum Held {
+    Tower(tower_lock::LockGuard),
+    Advisory,
+}
+
+impl Locker {
+    async fn lock(&mut self) -> Result<Held, ()> {
+        match self {
+            Locker::Tower(lock, lease) => lock
+                .try_lock_for(Duration::from_secs(30), *lease)
+                .await
+                .map(Held::Tower)
+                .map_err(drop),
+            Locker::Advisory(conn) => {
+                sqlx::query(ADVISORY_LOCK)
+                    .bind("bench:w2")
+                    .execute(&mut *conn)
+                    .await
+                    .map_err(drop)?;
+                Ok(Held::Advisory)
+            }
+        }
+    }
+
+    async fn unlock(&mut self, held: Held) -> Result<(), ()> {
+        match (self, held) {
+            (_, Held::Tower(guard)) => guard.unlock().await.map_err(drop),
+            (Locker::Advisory(conn), Held::Advisory) => advisory_unlock(conn, "bench:w2").await,
+            (Locker::Tower(..), Held::Advisory) => Err(()),
+        }
+    }
 }
 
 /// Commands as `INFO commandstats` counts them: `(client-issued, all)`. Commands our
@@ -1238,20 +1705,35 @@ async fn ceilings(args: &Args) -> Result<Vec<CeilingLine>, String> {
     Ok(lines)
 }
 
-/// The `ratios` line: `"workload":"ratios"`, then each ratio in the order measured
-/// (`null` when a side is missing). Its field names are made from the runs
-/// (`w1x32_cycles_per_s`, `w5x64_memory_req_per_s`, ...), so it is a map serialized in
-/// order rather than a struct.
-struct Ratios(Vec<(String, Option<f64>)>);
+/// The `ratios` line: `"workload":"ratios"` (and `"backend":"postgres"` for the
+/// PostgreSQL suite), then each ratio in the order measured (`null` when a side is
+/// missing). Its field names are made from the runs (`w1x32_cycles_per_s`,
+/// `w5x64_memory_req_per_s`, ...), so it is a map serialized in order rather than a
+/// struct.
+struct Ratios {
+    backend: Option<&'static str>,
+    ratios: Vec<(String, Option<f64>)>,
+}
 
 impl Serialize for Ratios {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let mut map = serializer.serialize_map(Some(self.0.len() + 1))?;
+        let mut map = serializer.serialize_map(Some(self.ratios.len() + 2))?;
         map.serialize_entry("workload", "ratios")?;
-        for (name, value) in &self.0 {
+        if let Some(backend) = self.backend {
+            map.serialize_entry("backend", backend)?;
+        }
+        for (name, value) in &self.ratios {
             map.serialize_entry(name, value)?;
         }
         map.end()
+    }
+}
+
+/// `a / b` to three decimals (`None` when a side is missing or `b` is 0).
+fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => Some((a / b * 1000.0).round() / 1000.0),
+        _ => None,
     }
 }
 
@@ -1271,12 +1753,6 @@ async fn all(args: &Args) -> Result<(), String> {
         a
     };
     let mut ratios = Vec::new();
-    let ratio = |a: Option<f64>, b: Option<f64>| -> Option<f64> {
-        match (a, b) {
-            (Some(a), Some(b)) if b > 0.0 => Some((a / b * 1000.0).round() / 1000.0),
-            _ => None,
-        }
-    };
     for workers in [1, 32] {
         let ours = w1(&with(&|a| {
             a.workers = workers;
@@ -1363,7 +1839,10 @@ async fn all(args: &Args) -> Result<(), String> {
             ));
         }
     }
-    say(&Ratios(ratios))?;
+    say(&Ratios {
+        backend: None,
+        ratios,
+    })?;
     if let Some(path) = &args.chart {
         chart(
             path,
@@ -1375,6 +1854,86 @@ async fn all(args: &Args) -> Result<(), String> {
         eprintln!("bench: wrote {path}");
     }
     Ok(())
+}
+
+/// The PostgreSQL suite: tower-lock next to the advisory-lock baseline, each pair run
+/// back to back: w1 with 1 and 32 workers, w2 and w2h with 8; then the ratios
+/// (tower-lock / baseline).
+async fn pg_suite(args: &Args) -> Result<(), String> {
+    let with = |f: &dyn Fn(&mut Args)| {
+        let mut a = args.clone();
+        f(&mut a);
+        a
+    };
+    let u = |v: u64| Some(v as f64);
+    let mut ratios = Vec::new();
+    for workers in [1, 32] {
+        let ours = w1(&with(&|a| {
+            a.workers = workers;
+            a.workload = Workload::W1;
+        }))
+        .await?;
+        say(&ours)?;
+        let base = w1_pg_baseline(&with(&|a| {
+            a.workers = workers;
+            a.workload = Workload::W1;
+            a.implementation = Impl::Baseline;
+        }))
+        .await?;
+        say(&base)?;
+        let name = format!("w1x{workers}");
+        ratios.push((
+            format!("{name}_cycles_per_s"),
+            ratio(Some(ours.cycles_per_s), Some(base.cycles_per_s)),
+        ));
+        ratios.push((
+            format!("{name}_cycle_p50_us"),
+            ratio(u(ours.cycle_p50_us), u(base.cycle_p50_us)),
+        ));
+        ratios.push((
+            format!("{name}_cycle_p99_us"),
+            ratio(u(ours.cycle_p99_us), u(base.cycle_p99_us)),
+        ));
+        let cpu = |l: &W1Line| l.pg.as_ref().and_then(|c| c.pg_cpu_us_per_cycle);
+        ratios.push((
+            format!("{name}_pg_cpu_per_cycle"),
+            ratio(cpu(&ours), cpu(&base)),
+        ));
+    }
+    for handoff in [false, true] {
+        let ours = w2(&with(&|a| {
+            a.workers = 8;
+            a.workload = Workload::W2;
+            a.handoff = handoff;
+        }))
+        .await?;
+        say(&ours)?;
+        let base = w2(&with(&|a| {
+            a.workers = 8;
+            a.workload = Workload::W2;
+            a.handoff = handoff;
+            a.implementation = Impl::Baseline;
+        }))
+        .await?;
+        say(&base)?;
+        let name = ours.workload;
+        ratios.push((
+            format!("{name}_cycles_per_s"),
+            ratio(Some(ours.cycles_per_s), Some(base.cycles_per_s)),
+        ));
+        ratios.push((
+            format!("{name}_handoff_p50_us"),
+            ratio(u(ours.handoff_p50_us), u(base.handoff_p50_us)),
+        ));
+        ratios.push((
+            format!("{name}_handoff_p99_us"),
+            ratio(u(ours.handoff_p99_us), u(base.handoff_p99_us)),
+        ));
+    }
+    say(&Ratios {
+        backend: Some("postgres"),
+        ratios,
+    })
 }
 
 /// Handoff latency distributions (share of handoffs at or below each latency), log scale.
