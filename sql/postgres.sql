@@ -40,6 +40,10 @@ CREATE TABLE IF NOT EXISTS __S__.__T___fence (
 
 CREATE SEQUENCE IF NOT EXISTS __S__.__T___token;
 
+-- Every hold leaves a dead row: vacuum these small, hot tables often.
+ALTER TABLE __S__.__T__ SET (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000);
+ALTER TABLE __S__.__T___queue SET (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000);
+
 -- Client names (LockClientBuilder::name), for inspection from any process.
 CREATE TABLE IF NOT EXISTS __S__.__T___clients (
     id         text        PRIMARY KEY,
@@ -87,7 +91,12 @@ CREATE OR REPLACE FUNCTION __S__.__T___acquire(
     p_name text, p_owner text, p_mode "char", p_max integer, p_lease_ms bigint,
     p_fenced boolean, p_writer text, p_waiter_ms bigint,
     OUT acquired boolean, OUT holds integer, OUT token bigint, OUT ttl_ms bigint)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+-- Index scans, not bitmap scans: they mark the dead entries every acquisition leaves
+-- (each hold is a new owner, so a new index key) as they pass, so later lookups of a
+-- hot name skip them instead of rereading every one until the next VACUUM.
+SET enable_bitmapscan = off
+AS $$
 DECLARE
     now_ts timestamptz;
     lease interval := p_lease_ms * interval '1 millisecond';
@@ -100,7 +109,9 @@ BEGIN
     PERFORM pg_advisory_xact_lock(hashtext('__S__.__T__'), hashtext(p_name));
     now_ts := clock_timestamp();
     DELETE FROM __S__.__T__ t WHERE t.name = p_name AND t.expires_at <= now_ts;
-    DELETE FROM __S__.__T___queue q WHERE q.name = p_name AND q.evict_at <= now_ts;
+    IF queued THEN
+        DELETE FROM __S__.__T___queue q WHERE q.name = p_name AND q.evict_at <= now_ts;
+    END IF;
 
     -- Re-entry: the owner already holds it in this mode.
     UPDATE __S__.__T__ t
@@ -110,8 +121,10 @@ BEGIN
      WHERE t.name = p_name AND t.owner = p_owner AND t.mode = p_mode
     RETURNING t.holds, CASE WHEN p_fenced THEN t.token END INTO holds, token;
     IF FOUND THEN
-        DELETE FROM __S__.__T___queue q
-         WHERE q.name = p_name AND q.owner = p_owner AND q.mode = p_mode;
+        IF queued THEN
+            DELETE FROM __S__.__T___queue q
+             WHERE q.name = p_name AND q.owner = p_owner AND q.mode = p_mode;
+        END IF;
         acquired := true;
         RETURN;
     END IF;
@@ -154,8 +167,10 @@ BEGIN
         token := CASE WHEN p_fenced THEN __S__.__T___next_token(p_name) END;
         INSERT INTO __S__.__T__ (name, owner, mode, holds, expires_at, token)
         VALUES (p_name, p_owner, p_mode, 1, now_ts + lease, token);
-        DELETE FROM __S__.__T___queue q
-         WHERE q.name = p_name AND q.owner = p_owner AND q.mode = p_mode;
+        IF queued THEN
+            DELETE FROM __S__.__T___queue q
+             WHERE q.name = p_name AND q.owner = p_owner AND q.mode = p_mode;
+        END IF;
         acquired := true;
         RETURN;
     END IF;
@@ -182,12 +197,20 @@ END $$;
 -- process (exclusive, permit), '1<name>' all of them (queued modes).
 CREATE OR REPLACE FUNCTION __S__.__T___release(
     p_name text, p_owner text, p_mode "char", p_lease_ms bigint) RETURNS integer
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+-- Index scans, not bitmap scans: they mark the dead entries every acquisition leaves
+-- (each hold is a new owner, so a new index key) as they pass, so later lookups of a
+-- hot name skip them instead of rereading every one until the next VACUUM.
+SET enable_bitmapscan = off
+AS $$
 DECLARE
     now_ts timestamptz;
     left_holds integer;
 BEGIN
     PERFORM __S__.__T___read_committed();
+    -- A release need not wait for its commit to reach disk: lost in a crash, the hold
+    -- ends with its lease, and the next durable commit (an acquisition) flushes it.
+    PERFORM set_config('synchronous_commit', 'off', true);
     PERFORM pg_advisory_xact_lock(hashtext('__S__.__T__'), hashtext(p_name));
     now_ts := clock_timestamp();
     UPDATE __S__.__T__ t
@@ -230,7 +253,12 @@ $$;
 -- Leaves the queue (a waiter that gave up), and lets whoever is next try.
 CREATE OR REPLACE FUNCTION __S__.__T___cancel(p_name text, p_owner text, p_mode "char")
 RETURNS void
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+-- Index scans, not bitmap scans: they mark the dead entries every acquisition leaves
+-- (each hold is a new owner, so a new index key) as they pass, so later lookups of a
+-- hot name skip them instead of rereading every one until the next VACUUM.
+SET enable_bitmapscan = off
+AS $$
 BEGIN
     PERFORM __S__.__T___read_committed();
     PERFORM pg_advisory_xact_lock(hashtext('__S__.__T__'), hashtext(p_name));
@@ -249,7 +277,12 @@ DROP FUNCTION IF EXISTS __S__.__T___force(text, "char"[]);
 -- writer holds it; 'p' every permit.
 CREATE OR REPLACE FUNCTION __S__.__T___force(p_name text, p_mode "char")
 RETURNS boolean
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+-- Index scans, not bitmap scans: they mark the dead entries every acquisition leaves
+-- (each hold is a new owner, so a new index key) as they pass, so later lookups of a
+-- hot name skip them instead of rereading every one until the next VACUUM.
+SET enable_bitmapscan = off
+AS $$
 DECLARE
     now_ts timestamptz;
     writer boolean;
