@@ -163,6 +163,9 @@ impl PgServer {
     fn command(&self, program: &str) -> std::process::Command {
         use std::os::unix::process::CommandExt;
         let mut cmd = std::process::Command::new(self.bin.join(program));
+        // A process group of its own: killing the server kills its backends too, which
+        // would otherwise keep the old shared memory and stop the restart.
+        cmd.process_group(0);
         if let Some((uid, gid)) = postgres_user() {
             cmd.uid(uid).gid(gid);
         }
@@ -178,7 +181,7 @@ impl PgServer {
             .arg(&self.dir)
             .args(["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"])
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
+            .stderr(std::fs::File::create(self.dir.join("server.log")).unwrap())
             .spawn()
             .unwrap();
         self.child = Some(child);
@@ -186,7 +189,8 @@ impl PgServer {
         while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
             assert!(
                 std::time::Instant::now() < deadline,
-                "PostgreSQL did not start"
+                "PostgreSQL did not start: {}",
+                std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default()
             );
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -200,8 +204,20 @@ impl PgServer {
     /// Kills the server (SIGKILL: a crash, as a lost machine) and waits until it is gone.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
+            let group = i32::try_from(child.id()).unwrap();
+            // SAFETY: kill(2) on the server's own process group; no memory is involved.
+            unsafe { libc::kill(-group, libc::SIGKILL) };
             let _ = child.wait();
+            // Until every process of the group is gone (backends hold shared memory).
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            // SAFETY: signal 0 only checks that the group still exists.
+            while unsafe { libc::kill(-group, 0) } == 0 {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "PostgreSQL's backends did not stop"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
         }
         // Its children (backends) end when the postmaster is gone; wait for the port.
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
