@@ -193,10 +193,13 @@ BEGIN
 END $$;
 
 -- Releases one hold of `p_owner` in `p_mode`: -1 not held, 0 released, n holds left.
--- A release that frees the lock notifies the channel: '0<name>' wakes one waiter per
--- process (exclusive, permit), '1<name>' all of them (queued modes).
+-- A release that frees the lock notifies the channel: '0<origin>|<name>' wakes one
+-- waiter per process (exclusive, permit), '1<origin>|<name>' all of them (queued
+-- modes); the releasing backend (`p_origin`) has woken its own waiters already.
+DROP FUNCTION IF EXISTS __S__.__T___release(text, text, "char", bigint);
+
 CREATE OR REPLACE FUNCTION __S__.__T___release(
-    p_name text, p_owner text, p_mode "char", p_lease_ms bigint) RETURNS integer
+    p_name text, p_owner text, p_mode "char", p_lease_ms bigint, p_origin text) RETURNS integer
 LANGUAGE plpgsql
 -- Index scans, not bitmap scans: they mark the dead entries every acquisition leaves
 -- (each hold is a new owner, so a new index key) as they pass, so later lookups of a
@@ -232,7 +235,7 @@ BEGIN
         RETURN -1;
     END IF;
     PERFORM pg_notify('__T__',
-        CASE WHEN p_mode IN ('f', 'r', 'w') THEN '1' ELSE '0' END || p_name);
+        CASE WHEN p_mode IN ('f', 'r', 'w') THEN '1' ELSE '0' END || p_origin || '|' || p_name);
     RETURN 0;
 END $$;
 
@@ -265,7 +268,7 @@ BEGIN
     DELETE FROM __S__.__T___queue q
      WHERE q.name = p_name AND q.owner = p_owner AND q.mode = p_mode;
     IF FOUND THEN
-        PERFORM pg_notify('__T__', '1' || p_name);
+        PERFORM pg_notify('__T__', '1|' || p_name);
     END IF;
 END $$;
 
@@ -308,7 +311,7 @@ BEGIN
         RETURN false;
     END IF;
     IF FOUND THEN
-        PERFORM pg_notify('__T__', '1' || p_name);
+        PERFORM pg_notify('__T__', '1|' || p_name);
         RETURN true;
     END IF;
     RETURN false;

@@ -127,6 +127,8 @@ struct Inner {
     response_timeout: Duration,
     watchdog_lease: Option<Duration>,
     store_id: String,
+    /// This backend's name in its release notifications: its listener skips them.
+    origin: String,
     waiters: Arc<Mutex<HashMap<LockKey, KeyWaiters>>>,
     _stop_listener: DropGuard,
 }
@@ -289,7 +291,7 @@ impl PostgresBackend {
     }
 
     async fn release_now(&self, req: &LockRequest) -> Result<Release> {
-        let sql = self.sql("SELECT __F___release($1, $2, $3, $4)");
+        let sql = self.sql("SELECT __F___release($1, $2, $3, $4, $5)");
         let left: i32 = self
             .timed(
                 sqlx::query_scalar(&sql)
@@ -297,12 +299,22 @@ impl PostgresBackend {
                     .bind(req.owner.as_str())
                     .bind(mode_char(req.mode))
                     .bind(millis(req.lease))
+                    .bind(&self.inner.origin)
                     .fetch_one(&self.inner.pool),
             )
             .await?;
         Ok(match left {
             -1 => Release::NotHeld,
-            0 => Release::Released,
+            0 => {
+                // This process's waiters hear it now, not a NOTIFY round trip later: a
+                // releaser that asks again at once must find them ahead of it (no
+                // barging). The NOTIFY names this backend, whose listener skips it.
+                if let Some(w) = waiters_of(&self.inner.waiters).get(&req.key) {
+                    w.one.notify_one();
+                    w.all.notify_all();
+                }
+                Release::Released
+            }
             n => Release::Decremented {
                 holds: u32::try_from(n).unwrap_or(u32::MAX),
             },
@@ -485,8 +497,10 @@ impl PostgresBackendBuilder {
         listener.listen(&self.table).await.map_err(map_error)?;
         let waiters: Arc<Mutex<HashMap<LockKey, KeyWaiters>>> = Arc::default();
         let stop = CancellationToken::new();
+        let origin = uuid::Uuid::new_v4().simple().to_string();
         tokio::spawn(listen(
             listener,
+            origin.clone(),
             self.pool.clone(),
             self.table.clone(),
             Arc::clone(&waiters),
@@ -511,6 +525,7 @@ impl PostgresBackendBuilder {
                 response_timeout: self.response_timeout,
                 watchdog_lease: self.watchdog_lease,
                 store_id,
+                origin,
                 waiters,
                 _stop_listener: stop.drop_guard(),
             }),
@@ -524,6 +539,7 @@ impl PostgresBackendBuilder {
 /// and a new listener is made here.
 async fn listen(
     mut listener: PgListener,
+    origin: String,
     pool: PgPool,
     channel: String,
     waiters: Arc<Mutex<HashMap<LockKey, KeyWaiters>>>,
@@ -539,11 +555,18 @@ async fn listen(
             Ok(Some(notification)) => {
                 backoff = Duration::from_millis(50);
                 let payload = notification.payload();
-                let (all, name) = match payload.split_at_checked(1) {
-                    Some(("1", name)) => (true, name),
-                    Some((_, name)) => (false, name),
+                let (all, rest) = match payload.split_at_checked(1) {
+                    Some(("1", rest)) => (true, rest),
+                    Some((_, rest)) => (false, rest),
                     None => continue,
                 };
+                // `<origin>|<name>`: a release by this backend woke its waiters already.
+                let Some((from, name)) = rest.split_once('|') else {
+                    continue;
+                };
+                if from == origin {
+                    continue;
+                }
                 let Ok(key) = LockKey::new(name) else {
                     continue;
                 };
