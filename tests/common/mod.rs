@@ -101,3 +101,68 @@ impl tower_lock::backend::LockBackend for DownBackend {
         Box::pin(async { Err(down()) })
     }
 }
+
+/// The path of an example binary of this package, built (once per run of this binary)
+/// with this test's features, so it is never a stale build and shares the library
+/// already compiled for the tests.
+pub fn example_binary(name: &str) -> std::path::PathBuf {
+    static BUILT: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let exe = std::env::current_exe().expect("this test binary");
+    let profile_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>/deps/<test>");
+    let path = profile_dir.join("examples").join(name);
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    if !built.iter().any(|b| b == name) {
+        let features = [
+            ("redis", cfg!(feature = "redis")),
+            ("cluster", cfg!(feature = "cluster")),
+            ("postgres", cfg!(feature = "postgres")),
+            ("tls", cfg!(feature = "tls")),
+            ("axum", cfg!(feature = "axum")),
+            ("metrics", cfg!(feature = "metrics")),
+        ];
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut build = std::process::Command::new(cargo);
+        build
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args(["build", "--quiet", "--example", name]);
+        // Cargo set these for this test; passed on, they change how dependencies' build
+        // scripts are fingerprinted and rebuild them.
+        for (var, _) in std::env::vars() {
+            let per_package = [
+                "CARGO_PKG_",
+                "CARGO_MANIFEST_",
+                "CARGO_CRATE_",
+                "CARGO_BIN_",
+            ]
+            .iter()
+            .any(|p| var.starts_with(p));
+            if per_package || var == "CARGO_PRIMARY_PACKAGE" || var == "CARGO_TARGET_TMPDIR" {
+                build.env_remove(var);
+            }
+        }
+        if features.iter().all(|&(_, on)| on) {
+            // Exactly as `cargo test --all-features` resolved them (an explicit list
+            // resolves dependencies' features differently and rebuilds them).
+            build.arg("--all-features");
+        } else {
+            let on: Vec<&str> = features
+                .iter()
+                .filter_map(|&(feature, on)| on.then_some(feature))
+                .collect();
+            build
+                .arg("--no-default-features")
+                .args(["--features", &on.join(",")]);
+        }
+        if profile_dir.ends_with("release") {
+            build.arg("--release");
+        }
+        let status = build.status().expect("run cargo build");
+        assert!(status.success(), "building example {name}");
+        built.push(name.to_owned());
+    }
+    assert!(path.exists(), "no example binary at {}", path.display());
+    path
+}
