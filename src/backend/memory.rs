@@ -104,7 +104,7 @@ use super::{
     Acquire, BoxFuture, FencingToken, Grant, Holder, LockBackend, LockMode, LockRequest, LockState,
     Release, Signal, Subscription, WaiterScope, Waiters, Wake,
 };
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::key::LockKey;
 use crate::owner::Owner;
 
@@ -194,15 +194,7 @@ impl MemoryBackendBuilder {
         if let Some(lease) = self.watchdog_lease {
             crate::lock::validate_watchdog_lease(lease)?;
         }
-        if self.waiter_timeout < MIN_WAITER_TIMEOUT || self.waiter_timeout > crate::MAX_LEASE {
-            return Err(Error::invalid_config(
-                "waiter_timeout",
-                format!(
-                    "must be between 3 ms and 365 days (got {:?})",
-                    self.waiter_timeout
-                ),
-            ));
-        }
+        super::validate_waiter_timeout(self.waiter_timeout)?;
         Ok(MemoryBackend {
             shared: Arc::new(Shared {
                 watchdog_lease: self.watchdog_lease,

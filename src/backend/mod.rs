@@ -484,6 +484,18 @@ pub enum Wake {
     Deadline,
 }
 
+/// Checks a backend's waiter timeout: between
+/// [`MIN_WAITER_TIMEOUT`](memory::MIN_WAITER_TIMEOUT) and [`MAX_LEASE`](crate::MAX_LEASE).
+pub(crate) fn validate_waiter_timeout(timeout: Duration) -> Result<()> {
+    if timeout < memory::MIN_WAITER_TIMEOUT || timeout > crate::MAX_LEASE {
+        return Err(crate::Error::invalid_config(
+            "waiter_timeout",
+            format!("must be between 3 ms and 365 days (got {timeout:?})"),
+        ));
+    }
+    Ok(())
+}
+
 /// The in-process wake-up behind every [`Subscription`] of the built-in backends: a
 /// `Notify` for waiters that are parked, and a release counter for those that are not.
 ///

@@ -104,9 +104,7 @@ pub const DEFAULT_SCHEMA: &str = "public";
 /// unreachable.
 pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// How long a queued waiter (fair, read, write) may go without polling before it loses
-/// its place: 5 s, as on the other backends.
-pub const DEFAULT_WAITER_TIMEOUT: Duration = Duration::from_secs(5);
+pub use crate::backend::memory::DEFAULT_WAITER_TIMEOUT;
 
 /// A lock store on PostgreSQL. See the [module docs](self).
 ///
@@ -469,16 +467,7 @@ impl PostgresBackendBuilder {
     pub async fn build(self) -> Result<PostgresBackend> {
         validate_identifier("schema", &self.schema)?;
         validate_identifier("table", &self.table)?;
-        if self.waiter_timeout < Duration::from_millis(3) || self.waiter_timeout > crate::MAX_LEASE
-        {
-            return Err(Error::invalid_config(
-                "waiter_timeout",
-                format!(
-                    "must be between 3 ms and 365 days (got {:?})",
-                    self.waiter_timeout
-                ),
-            ));
-        }
+        super::validate_waiter_timeout(self.waiter_timeout)?;
         if self.response_timeout.is_zero() {
             return Err(Error::invalid_config(
                 "response_timeout",

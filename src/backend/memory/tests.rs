@@ -2,6 +2,7 @@ use std::num::NonZeroU32;
 
 use super::*;
 use crate::backend::Subscription;
+use crate::error::Error;
 
 /// A fenced request, so that tests can compare tokens.
 fn req_in(mode: LockMode, key: &str, owner: &str, lease_ms: u64) -> LockRequest {

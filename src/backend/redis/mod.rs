@@ -953,15 +953,7 @@ impl RedisBackendBuilder {
                 ));
             }
         }
-        if self.waiter_timeout < MIN_WAITER_TIMEOUT || self.waiter_timeout > crate::MAX_LEASE {
-            return Err(Error::invalid_config(
-                "waiter_timeout",
-                format!(
-                    "must be between 3 ms and 365 days (got {:?})",
-                    self.waiter_timeout
-                ),
-            ));
-        }
+        crate::backend::validate_waiter_timeout(self.waiter_timeout)?;
         if self.pubsub_keepalive < Duration::from_millis(10)
             || self.pubsub_keepalive > Duration::from_secs(3600)
         {
