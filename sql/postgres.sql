@@ -44,6 +44,15 @@ CREATE SEQUENCE IF NOT EXISTS __S__.__T___token;
 ALTER TABLE __S__.__T__ SET (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000);
 ALTER TABLE __S__.__T___queue SET (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000);
 
+-- Owners given up for good (LockBackend::abandon), until every attempt of theirs that
+-- may still arrive (over another of the pool's connections) could only be late.
+CREATE TABLE IF NOT EXISTS __S__.__T___gone (
+    name  text        NOT NULL,
+    owner text        NOT NULL,
+    until timestamptz NOT NULL,
+    PRIMARY KEY (name, owner)
+);
+
 -- Client names (LockClientBuilder::name), for inspection from any process.
 CREATE TABLE IF NOT EXISTS __S__.__T___clients (
     id         text        PRIMARY KEY,
@@ -111,6 +120,15 @@ BEGIN
     DELETE FROM __S__.__T__ t WHERE t.name = p_name AND t.expires_at <= now_ts;
     IF queued THEN
         DELETE FROM __S__.__T___queue q WHERE q.name = p_name AND q.evict_at <= now_ts;
+    END IF;
+
+    -- An owner given up for good: a late attempt of it takes nothing and queues nowhere.
+    IF EXISTS (SELECT 1 FROM __S__.__T___gone g
+                WHERE g.name = p_name AND g.owner = p_owner AND g.until > now_ts) THEN
+        acquired := false;
+        holds := 0;
+        ttl_ms := -1;
+        RETURN;
     END IF;
 
     -- Re-entry: the owner already holds it in this mode.
@@ -252,6 +270,34 @@ LANGUAGE sql AS $$
        AND t.expires_at > clock_timestamp()
     RETURNING r.i::integer
 $$;
+
+-- Gives `p_owner` up for good: releases its hold (all of it) and its place in the
+-- queue, and refuses its late attempts for `p_keep_ms`.
+CREATE OR REPLACE FUNCTION __S__.__T___abandon(
+    p_name text, p_owner text, p_mode "char", p_keep_ms bigint) RETURNS void
+LANGUAGE plpgsql
+SET enable_bitmapscan = off
+AS $$
+DECLARE
+    now_ts timestamptz;
+BEGIN
+    PERFORM __S__.__T___read_committed();
+    PERFORM pg_advisory_xact_lock(hashtext('__S__.__T__'), hashtext(p_name));
+    now_ts := clock_timestamp();
+    INSERT INTO __S__.__T___gone (name, owner, until)
+    VALUES (p_name, p_owner, now_ts + p_keep_ms * interval '1 millisecond')
+    ON CONFLICT (name, owner) DO UPDATE SET until = greatest(__S__.__T___gone.until, excluded.until);
+    DELETE FROM __S__.__T__ t
+     WHERE t.name = p_name AND t.owner = p_owner AND t.mode = p_mode AND t.expires_at > now_ts;
+    IF FOUND THEN
+        PERFORM pg_notify('__T__', '1|' || p_name);
+    END IF;
+    DELETE FROM __S__.__T___queue q
+     WHERE q.name = p_name AND q.owner = p_owner AND q.mode = p_mode;
+    IF FOUND THEN
+        PERFORM pg_notify('__T__', '1|' || p_name);
+    END IF;
+END $$;
 
 -- Leaves the queue (a waiter that gave up), and lets whoever is next try.
 CREATE OR REPLACE FUNCTION __S__.__T___cancel(p_name text, p_owner text, p_mode "char")

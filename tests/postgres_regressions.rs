@@ -176,3 +176,51 @@ async fn expired_rows_do_not_pile_up() {
     assert_eq!(rows("SELECT count(*) FROM tower_lock").await, 0, "swept");
     assert_eq!(rows("SELECT count(*) FROM tower_lock_clients").await, 1);
 }
+
+/// An attempt dropped in flight was compensated by a release on another of the pool's
+/// connections, which could reach the server first: the late attempt then took a hold
+/// (or a place in the queue) that nobody stood for, until its lease or the waiter
+/// timeout ended it — seen as a queue entry left behind by
+/// `read::dropped_waiter_leaves_nothing` under load. An abandoned owner's late attempts
+/// now take nothing.
+#[tokio::test]
+async fn a_late_attempt_of_an_abandoned_owner_takes_nothing() {
+    let db = PgDatabase::create().await;
+    let backend = on(&db).await;
+    for (mode, blocker) in [
+        (LockMode::Exclusive, None),
+        (LockMode::Write, Some(LockMode::Read)),
+    ] {
+        let key = format!("late-{mode}");
+        if let Some(blocker) = blocker {
+            let held = req(&key, "holder:1", blocker);
+            assert!(matches!(
+                backend.acquire(&held).await.unwrap(),
+                Acquire::Acquired(_)
+            ));
+        }
+        let gone = req(&key, "gone:1", mode);
+        // The compensation arrives first ...
+        backend.abandon(&gone).await.unwrap();
+        // ... then the attempt it was meant to undo.
+        assert!(matches!(
+            backend.acquire(&gone).await.unwrap(),
+            Acquire::Busy { .. }
+        ));
+        let state = backend
+            .inspect(&LockKey::new(&key).unwrap(), mode)
+            .await
+            .unwrap();
+        assert!(
+            state.holders.iter().all(|h| h.owner.as_str() != "gone:1"),
+            "{state:?}"
+        );
+        assert_eq!(state.waiters.count, 0, "{state:?}");
+    }
+    // Someone else still gets the free lock.
+    let other = req("late-exclusive", "other:1", LockMode::Exclusive);
+    assert!(matches!(
+        backend.acquire(&other).await.unwrap(),
+        Acquire::Acquired(_)
+    ));
+}

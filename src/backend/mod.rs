@@ -705,6 +705,22 @@ pub trait LockBackend: Send + Sync + 'static {
         Box::pin(async { Ok(()) })
     }
 
+    /// The caller gave up on `req` for good — an attempt dropped in flight, or a wait
+    /// that failed — and its owner (the hold's own identity) will never be used again:
+    /// undo whatever its attempts did, or will do when one still in flight arrives
+    /// late. The default releases the owner's hold and leaves the queue, which covers
+    /// attempts already applied; a store whose requests can overtake each other (a pool
+    /// of connections) should also refuse late attempts of `req.owner`.
+    fn abandon<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let released = self.release(req).await.map(|_| ());
+            if self.queues_waiters(req.mode) {
+                self.cancel_wait(req).await?;
+            }
+            released
+        })
+    }
+
     /// Removes every hold on `key` in `mode` whoever the owner, and wakes waiters; returns
     /// whether anything was held. An administrative escape hatch (Redisson's
     /// `forceUnlock`): the owners are not told until their next renewal or release.
@@ -808,6 +824,9 @@ macro_rules! forward_backend {
             }
             fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
                 (**self).cancel_wait(req)
+            }
+            fn abandon<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
+                (**self).abandon(req)
             }
             fn force_release<'a>(&'a self, key: &'a LockKey, mode: LockMode) -> BoxFuture<'a, Result<bool>> {
                 (**self).force_release(key, mode)

@@ -117,10 +117,10 @@ pub struct PostgresBackend {
 
 struct Inner {
     pool: PgPool,
-    schema: String,
-    table: String,
     /// `<schema>.<table>`, the prefix of every function.
     qualified: String,
+    /// The hot path's statements, formatted once.
+    statements: Statements,
     waiter_timeout: Duration,
     response_timeout: Duration,
     watchdog_lease: Option<Duration>,
@@ -129,6 +129,14 @@ struct Inner {
     origin: String,
     waiters: Arc<Mutex<HashMap<LockKey, KeyWaiters>>>,
     _stop_listener: DropGuard,
+}
+
+/// The statements every acquisition, release and renewal sends, with the schema and
+/// table filled in once at build (not formatted per call).
+struct Statements {
+    acquire: String,
+    release: String,
+    renew: String,
 }
 
 /// The waiters of one key in this process.
@@ -235,9 +243,7 @@ impl PostgresBackend {
     }
 
     fn sql(&self, body: &str) -> String {
-        body.replace("__F__", &self.inner.qualified)
-            .replace("__S__", &self.inner.schema)
-            .replace("__T__", &self.inner.table)
+        fill(body, &self.inner.qualified)
     }
 
     /// Runs `call` within the response timeout.
@@ -259,10 +265,9 @@ impl PostgresBackend {
             LockMode::Permits { max } => i32::try_from(max.get()).unwrap_or(i32::MAX),
             _ => 0,
         };
-        let sql = self.sql("SELECT acquired, holds, token, ttl_ms FROM __F___acquire($1, $2, $3, $4, $5, $6, $7, $8)");
         let (acquired, holds, token, ttl_ms): (bool, i32, Option<i64>, Option<i64>) = self
             .timed(
-                sqlx::query_as(&sql)
+                sqlx::query_as(&self.inner.statements.acquire)
                     .bind(req.key.as_str())
                     .bind(req.owner.as_str())
                     .bind(mode_char(req.mode))
@@ -289,10 +294,9 @@ impl PostgresBackend {
     }
 
     async fn release_now(&self, req: &LockRequest) -> Result<Release> {
-        let sql = self.sql("SELECT __F___release($1, $2, $3, $4, $5)");
         let left: i32 = self
             .timed(
-                sqlx::query_scalar(&sql)
+                sqlx::query_scalar(&self.inner.statements.release)
                     .bind(req.key.as_str())
                     .bind(req.owner.as_str())
                     .bind(mode_char(req.mode))
@@ -324,10 +328,9 @@ impl PostgresBackend {
         let owners: Vec<&str> = reqs.iter().map(|r| r.owner.as_str()).collect();
         let modes: Vec<i8> = reqs.iter().map(|r| mode_char(r.mode)).collect();
         let leases: Vec<i64> = reqs.iter().map(|r| millis(r.lease)).collect();
-        let sql = self.sql("SELECT * FROM __F___renew($1, $2, $3, $4)");
         let renewed: Vec<i32> = self
             .timed(
-                sqlx::query_scalar(&sql)
+                sqlx::query_scalar(&self.inner.statements.renew)
                     .bind(names)
                     .bind(owners)
                     .bind(modes)
@@ -504,12 +507,20 @@ impl PostgresBackendBuilder {
             self.schema,
             self.table
         );
+        let qualified = format!("{}.{}", self.schema, self.table);
+        let statements = Statements {
+            acquire: fill(
+                "SELECT acquired, holds, token, ttl_ms FROM __F___acquire($1, $2, $3, $4, $5, $6, $7, $8)",
+                &qualified,
+            ),
+            release: fill("SELECT __F___release($1, $2, $3, $4, $5)", &qualified),
+            renew: fill("SELECT * FROM __F___renew($1, $2, $3, $4)", &qualified),
+        };
         Ok(PostgresBackend {
             inner: Arc::new(Inner {
-                qualified: format!("{}.{}", self.schema, self.table),
+                qualified,
+                statements,
                 pool: self.pool,
-                schema: self.schema,
-                table: self.table,
                 waiter_timeout: self.waiter_timeout,
                 response_timeout: self.response_timeout,
                 watchdog_lease: self.watchdog_lease,
@@ -601,6 +612,11 @@ async fn listen(
             }
         }
     }
+}
+
+/// `body` with `__F__` replaced by the qualified table.
+fn fill(body: &str, qualified: &str) -> String {
+    body.replace("__F__", qualified)
 }
 
 async fn relisten(pool: &PgPool, channel: &str) -> Result<PgListener, sqlx::Error> {
@@ -752,6 +768,28 @@ impl LockBackend for PostgresBackend {
         })
     }
 
+    /// Releases and dequeues the owner, and refuses its late attempts: one of them may
+    /// still be on its way over another of the pool's connections, and must not take
+    /// a hold or a place in the queue nobody stands for.
+    fn abandon<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            // Long enough that an attempt still arriving is one the response timeout
+            // already gave up on, and past the lease of anything it could have taken.
+            let keep = self.inner.response_timeout * 2 + req.lease;
+            let sql = self.sql("SELECT __F___abandon($1, $2, $3, $4)");
+            self.timed(
+                sqlx::query(&sql)
+                    .bind(req.key.as_str())
+                    .bind(req.owner.as_str())
+                    .bind(mode_char(req.mode))
+                    .bind(millis(keep))
+                    .execute(&self.inner.pool),
+            )
+            .await?;
+            Ok(())
+        })
+    }
+
     fn force_release<'a>(
         &'a self,
         key: &'a LockKey,
@@ -799,7 +837,8 @@ impl LockBackend for PostgresBackend {
             let sweep = self.sql(
                 "DELETE FROM __F__ WHERE expires_at <= clock_timestamp(); \
                  DELETE FROM __F___queue WHERE evict_at <= clock_timestamp(); \
-                 DELETE FROM __F___clients WHERE expires_at <= clock_timestamp();",
+                 DELETE FROM __F___clients WHERE expires_at <= clock_timestamp(); \
+                 DELETE FROM __F___gone WHERE until <= clock_timestamp();",
             );
             self.timed(sqlx::raw_sql(&sweep).execute(&self.inner.pool))
                 .await?;

@@ -687,10 +687,7 @@ fn abandon_later(client: &LockClient, req: &LockRequest) {
         let backend = client.backend().clone();
         let req = req.clone();
         runtime.spawn(async move {
-            let _ = backend.release(&req).await;
-            if backend.queues_waiters(req.mode) {
-                let _ = backend.cancel_wait(&req).await;
-            }
+            let _ = backend.abandon(&req).await;
         });
     }
 }
