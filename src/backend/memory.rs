@@ -86,7 +86,7 @@
 //! # Errors
 //!
 //! Operations do not fail; [`MemoryBackendBuilder::build`] rejects an out-of-range
-//! waiter timeout with [`Error::InvalidConfig`].
+//! waiter timeout with [`Error::InvalidConfig`](crate::Error::InvalidConfig).
 //!
 //! # Cancel safety
 //!
@@ -188,7 +188,7 @@ impl MemoryBackendBuilder {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] naming `waiter_timeout` when it is shorter than
+    /// [`Error::InvalidConfig`](crate::Error::InvalidConfig) naming `waiter_timeout` when it is shorter than
     /// [`MIN_WAITER_TIMEOUT`] or longer than [`MAX_LEASE`](crate::MAX_LEASE).
     pub fn build(self) -> Result<MemoryBackend> {
         if let Some(lease) = self.watchdog_lease {
