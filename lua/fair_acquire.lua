@@ -15,16 +15,23 @@
 -- ARGV[2]  owner
 -- ARGV[3]  waiter timeout in milliseconds
 -- ARGV[4]  '1' fenced, '0' not
+-- ARGV[5]  deadline: server clock in microseconds after which the attempt is refused
+--          ('0': none)
 --
 -- Returns
 --   {1, holds[, token]}  acquired: holds 1 for a fresh hold, more when re-entered; a
 --                        fenced request's token
 --   {0, ttl}             busy and queued: try again within ttl ms (the holder's lease or
 --                        the waiter ahead's eviction, at most a third of the timeout)
+--   {-1}                 refused: it arrived after its deadline; nothing changed
 local H, Q, Z, FENCE, CHAN = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lease, owner, timeout = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local fenced = ARGV[4] == '1'
-local now = now_ms()
+local now_us = clock_us()
+if late(ARGV[5], now_us) then
+    return {-1}
+end
+local now = math.floor(now_us / 1000)
 local evicted = evict_stale(Q, Z, now)
 local ttl
 if redis.call('exists', H) == 0 then

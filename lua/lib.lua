@@ -33,10 +33,23 @@ if redis.replicate_commands then
     redis.replicate_commands()
 end
 
+-- The server's clock in microseconds.
+local function clock_us()
+    local t = redis.call('time')
+    return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
 -- The server's clock in milliseconds: one clock for every client's deadlines.
 local function now_ms()
-    local t = redis.call('time')
-    return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    return math.floor(clock_us() / 1000)
+end
+
+-- Whether an attempt arrived after its deadline (server clock in microseconds; '0' or
+-- absent: none), at `now_us`. Its sender has given up on it by then: it must change
+-- nothing (src/backend/redis/clock.rs says how the deadline is set).
+local function late(deadline, now_us)
+    deadline = tonumber(deadline) or 0
+    return deadline > 0 and now_us > deadline
 end
 
 -- Drops the waiters at the head of the queue whose evict-at has passed (or that have

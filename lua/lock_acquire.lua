@@ -17,12 +17,27 @@
 -- ARGV[1]  lease in milliseconds
 -- ARGV[2]  owner field
 -- ARGV[3]  '1' fenced, '0' not
+-- ARGV[4]  deadline: the server clock in microseconds after which this attempt is
+--          refused ('0': none). Its sender has given up on it by then (a reply that
+--          timed out, a connection it replaced): arriving later, it must take nothing.
 --
 -- Returns
 --   {1, holds}         acquired, unfenced: holds is 1 for a fresh hold, more when
 --                      re-entered
 --   {1, holds, token}  acquired, fenced
 --   {0, pttl}          busy: the holder's remaining lease in ms (-1: no expiry)
+--   {-1}               refused: it arrived after its deadline; nothing changed
+
+-- Effects replication (the default from Redis 5) lets writes follow TIME.
+if redis.replicate_commands then
+    redis.replicate_commands()
+end
+if ARGV[4] ~= '0' then
+    local t = redis.call('time')
+    if tonumber(t[1]) * 1000000 + tonumber(t[2]) > tonumber(ARGV[4]) then
+        return {-1}
+    end
+end
 local holds
 if redis.call('exists', KEYS[1]) == 0 then
     redis.call('hset', KEYS[1], ARGV[2], 1)
@@ -39,10 +54,6 @@ else
 end
 if ARGV[3] ~= '1' then
     return {1, holds}
-end
--- Effects replication (the default from Redis 5) lets a write follow TIME.
-if redis.replicate_commands then
-    redis.replicate_commands()
 end
 local t = redis.call('time')
 local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])

@@ -5,17 +5,20 @@
 -- on a key holding another type of data fails alone (its error is its reply), the others
 -- go on. With lib.lua (its `fence` takes the fencing tokens).
 --
+-- ARGV[1] is the batch's deadline: the server clock in microseconds after which its
+-- acquisitions are refused ('0': none); its sender has given up on them by then.
 -- Operation i (1-based) has
 --   KEYS[2i-1]  lock name (hash)
 --   KEYS[2i]    acquire: fencing counter (redisson_lock_token:{NAME});
 --               release: release channel (redisson_lock__channel:{NAME})
---   ARGV[3i-2]  'a' acquire, 'f' fenced acquire, 'r' release
---   ARGV[3i-1]  lease in milliseconds
---   ARGV[3i]    owner field
+--   ARGV[3i-1]  'a' acquire, 'f' fenced acquire, 'r' release
+--   ARGV[3i]    lease in milliseconds
+--   ARGV[3i+1]  owner field
 --
 -- Returns a flat array, three entries per operation:
 --   acquired   1, holds, token (0 when not fenced)
 --   busy       0, pttl (-1: no expiry), 0
+--   refused    -1, 0, 0 (an acquisition that arrived after the deadline; nothing changed)
 --   released   2, n (0: the lock is gone and waiters were told; n > 0: holds left;
 --              -1: not held by this owner), 0
 --   error      3, the error's message, 0
@@ -71,10 +74,13 @@ local function release(H, CHAN, lease, owner)
     return 2, 0, 0
 end
 
-for i = 1, #ARGV / 3 do
-    local op, lease, owner = ARGV[3 * i - 2], ARGV[3 * i - 1], ARGV[3 * i]
+local too_late = late(ARGV[1], clock_us())
+for i = 1, (#ARGV - 1) / 3 do
+    local op, lease, owner = ARGV[3 * i - 1], ARGV[3 * i], ARGV[3 * i + 1]
     local ok, a, b, c
-    if op == 'r' then
+    if op ~= 'r' and too_late then
+        ok, a, b, c = true, -1, 0, 0
+    elseif op == 'r' then
         ok, a, b, c = pcall(release, KEYS[2 * i - 1], KEYS[2 * i], lease, owner)
     else
         ok, a, b, c = pcall(acquire, KEYS[2 * i - 1], KEYS[2 * i], lease, owner, op == 'f')

@@ -13,16 +13,23 @@
 -- ARGV[2]  owner
 -- ARGV[3]  most holders at once (max)
 -- ARGV[4]  '1' fenced, '0' not
+-- ARGV[5]  deadline: server clock in microseconds after which the attempt is refused
+--          ('0': none)
 --
 -- Returns
 --   {1, holds[, token]}  acquired: holds 1 for a fresh permit, more when re-entered; a
 --                        fenced request's token
 --   {0, ttl}             all permits taken: ttl ms until the first lease ends
 --                        (-1: another kind of lock without expiry holds the name)
+--   {-1}                 refused: it arrived after its deadline; nothing changed
 local H, E, FENCE = KEYS[1], KEYS[2], KEYS[3]
 local lease, owner, max = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
 local fenced = ARGV[4] == '1'
-local now = now_ms()
+local now_us = clock_us()
+if late(ARGV[5], now_us) then
+    return {-1}
+end
+local now = math.floor(now_us / 1000)
 if redis.call('exists', E) == 0 then
     if redis.call('exists', H) == 1 then
         return {0, redis.call('pttl', H)}

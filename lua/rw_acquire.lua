@@ -25,11 +25,14 @@
 -- ARGV[4]  waiter timeout in milliseconds
 -- ARGV[5]  '1' fenced, '0' not
 -- ARGV[6]  the write holder a read may go past (usually ARGV[2])
+-- ARGV[7]  deadline: server clock in microseconds after which the attempt is refused
+--          ('0': none)
 --
 -- Returns
 --   {1, holds[, token]}  acquired: holds 1 for a fresh hold, more when re-entered; a
 --                        fenced request's token
 --   {0, ttl}             busy and queued: try again within ttl ms
+--   {-1}                 refused: it arrived after its deadline; nothing changed
 local H, P, Q, Z, FENCE, CHAN = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local lease, owner, timeout = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[4])
 local reading = ARGV[3] == 'read'
@@ -37,7 +40,11 @@ local fenced = ARGV[5] == '1'
 -- A writer's own field; for a read, the field of the write hold it may go past.
 local write_field = (reading and ARGV[6] or owner) .. ':write'
 local entry = owner .. (reading and ':read' or ':write')
-local now = now_ms()
+local now_us = clock_us()
+if late(ARGV[7], now_us) then
+    return {-1}
+end
+local now = math.floor(now_us / 1000)
 local evicted = evict_stale(Q, Z, now)
 local mode = redis.call('hget', H, 'mode')
 local ttl

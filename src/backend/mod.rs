@@ -64,6 +64,8 @@ use crate::error::Result;
 use crate::key::LockKey;
 use crate::owner::Owner;
 
+#[cfg(feature = "redis")]
+pub(crate) mod clock;
 pub mod memory;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]

@@ -773,6 +773,17 @@ impl LockBackend for RedLock {
         Box::pin(self.inner.release(req))
     }
 
+    /// Every node gives the owner up as its own backend does (a Redis node also takes
+    /// back an attempt that lands after the node timeout), without the node timeout:
+    /// a node's abandon may wait for its attempt's deadline.
+    fn abandon<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let all = join_all(self.inner.nodes.iter().map(|node| node.abandon(req))).await;
+            // Nodes that could not be reached keep what they hold until its lease.
+            all.into_iter().find(Result::is_err).unwrap_or(Ok(()))
+        })
+    }
+
     fn subscribe<'a>(
         &'a self,
         req: &'a LockRequest,

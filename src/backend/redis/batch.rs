@@ -4,15 +4,19 @@
 //! commands inside it. So while one exclusive-lock call is on its way, the operations
 //! that arrive meanwhile wait in a queue, and when the call is answered they all go in
 //! one call of `lua/lock_batch.lua` (up to [`MAX_BATCH`]). An operation that finds
-//! nothing in flight is sent at once, alone, by the caller itself: no added latency
-//! when idle.
+//! nothing in flight goes at once, alone, with the single-key script: no added latency
+//! when idle beyond one task hop.
 //!
-//! Queued operations are sent by a spawned task, never by a caller's future, so that a
-//! caller that gives up (a timeout, a client hanging up) cannot take the other callers'
-//! operations down with it. An operation whose caller is gone is still sent, in order:
-//! the lock's compensating release for a cancelled acquisition is queued after it and
-//! undoes it. Within a batch the operations run in queue order, each alone against its
-//! own key, exactly as the single-key scripts would.
+//! Every operation is sent by a spawned sender task, never by a caller's future: a
+//! caller that gives up (a timeout, a client hanging up) or whose future is parked
+//! without being dropped (a lost `select!` branch, a future kept in a struct) costs only
+//! itself, and the others' operations go on. An operation whose caller is gone is still
+//! sent, in order: the lock's compensating release for a cancelled acquisition is queued
+//! after it and undoes it. Within a batch the operations run in queue order, each alone
+//! against its own key, exactly as the single-key scripts would.
+//!
+//! Acquisitions carry the deadline of the call that sends them (see
+//! [`clock`](crate::backend::clock)): a call that arrives after it takes nothing.
 //!
 //! Only for a single server: on a cluster, a script's keys must share a hash slot, and
 //! every operation is sent alone.
@@ -63,7 +67,7 @@ pub(super) struct Batcher {
 
 #[derive(Default)]
 struct State {
-    /// A call of exclusive operations is in flight (a caller's own, or the drainer's).
+    /// A sender task runs: it sends what is queued, and goes idle when nothing is.
     busy: bool,
     queue: Vec<Queued>,
 }
@@ -74,69 +78,42 @@ impl Batcher {
     }
 }
 
-/// Runs `op` for `req` (an exclusive lock on a single server): at once when nothing is
-/// in flight, else in the next batch.
+/// Runs `op` for `req` (an exclusive lock on a single server): alone when nothing is in
+/// flight, else in the next batch. Sent by a task: dropping or parking this future
+/// never holds up anyone else's operation.
 pub(super) async fn run(inner: &Arc<Inner>, op: Op, req: &LockRequest) -> Result<Outcome> {
-    let receiver = {
-        let mut state = inner.batcher.state();
-        if state.busy {
-            let (reply, receiver) = oneshot::channel();
-            state.queue.push(Queued {
-                op,
-                fenced: req.fenced,
-                lock: Names::lock(&inner.prefix, &req.key).into_owned(),
-                second: match op {
-                    Op::Acquire => Names::fence(&inner.prefix, &req.key),
-                    Op::Release => Names::channel(&inner.prefix, &req.key),
-                },
-                lease_ms: lease_ms(req.lease),
-                owner: req.owner.as_str().to_owned(),
-                reply,
-            });
-            Some(receiver)
-        } else {
-            state.busy = true;
-            None
-        }
+    let (reply, receiver) = oneshot::channel();
+    let queued = Queued {
+        op,
+        fenced: req.fenced,
+        lock: Names::lock(&inner.prefix, &req.key).into_owned(),
+        second: match op {
+            Op::Acquire => Names::fence(&inner.prefix, &req.key),
+            Op::Release => Names::channel(&inner.prefix, &req.key),
+        },
+        lease_ms: lease_ms(req.lease),
+        owner: req.owner.as_str().to_owned(),
+        reply,
     };
-    match receiver {
-        Some(receiver) => receiver.await.unwrap_or_else(|_| {
-            // The drainer stopped with this operation taken (its runtime shut down): it
-            // may or may not have reached Redis. An error, which the lock compensates.
-            Err(Error::Backend(
-                "lock operation's outcome unknown: the task sending it stopped".into(),
-            ))
-        }),
-        None => {
-            // Alone: the single-key script. The guard hands what queued up meanwhile to
-            // the drainer, also when this future is dropped mid-call.
-            let _busy = Busy(inner);
-            match op {
-                Op::Acquire => inner.acquire_one(req).await.map(Outcome::Acquire),
-                Op::Release => inner.release_one(req).await.map(Outcome::Release),
-            }
-        }
+    let start = {
+        let mut state = inner.batcher.state();
+        state.queue.push(queued);
+        !std::mem::replace(&mut state.busy, true)
+    };
+    if start {
+        start_drainer(inner);
     }
+    receiver.await.unwrap_or_else(|_| {
+        // The sender stopped with this operation taken (its runtime shut down): it may
+        // or may not have reached Redis. An error, which the lock compensates.
+        Err(Error::Backend(
+            "lock operation's outcome unknown: the task sending it stopped".into(),
+        ))
+    })
 }
 
-/// Held by a caller sending its own operation: on drop, the queue is drained by a task
-/// (or the batcher goes idle).
-struct Busy<'a>(&'a Arc<Inner>);
-
-impl Drop for Busy<'_> {
-    fn drop(&mut self) {
-        hand_over(self.0);
-    }
-}
-
-/// The call in flight is done: go idle, or start the drainer for what queued up.
-fn hand_over(inner: &Arc<Inner>) {
-    let mut state = inner.batcher.state();
-    if state.queue.is_empty() {
-        state.busy = false;
-        return;
-    }
-    drop(state);
+/// Starts the task that sends the queue, on the caller's runtime.
+fn start_drainer(inner: &Arc<Inner>) {
     let drainer = Drainer {
         inner: Arc::clone(inner),
         done: false,
@@ -145,8 +122,7 @@ fn hand_over(inner: &Arc<Inner>) {
         Ok(runtime) => {
             runtime.spawn(drain(drainer));
         }
-        // No runtime to send them from (a drop outside one): the drainer's drop fails
-        // them, unsent.
+        // No runtime to send from: the drainer's drop fails the queue, unsent.
         Err(_) => drop(drainer),
     }
 }
@@ -201,9 +177,36 @@ async fn drain(mut drainer: Drainer) {
     }
 }
 
-/// One call of `lock_batch.lua` for `batch`; every operation gets its answer.
-async fn send(inner: &Inner, batch: Vec<Queued>) {
+/// One call for `batch` — the single-key script for one operation, `lock_batch.lua`
+/// for more; every operation gets its answer.
+async fn send(inner: &Inner, mut batch: Vec<Queued>) {
+    let acquires = batch.iter().any(|q| q.op == Op::Acquire);
+    let deadline = if acquires {
+        match inner.attempt_deadline().await {
+            Ok(deadline) => deadline,
+            Err(error) => return fail(batch, &SharedError::from(error)),
+        }
+    } else {
+        0
+    };
+    if batch.len() == 1
+        && let Some(q) = batch.pop()
+    {
+        let outcome = match q.op {
+            Op::Acquire => inner
+                .acquire_one(&q.lock, &q.second, q.lease_ms, &q.owner, q.fenced, deadline)
+                .await
+                .map(Outcome::Acquire),
+            Op::Release => inner
+                .release_one(&q.lock, &q.second, q.lease_ms, &q.owner)
+                .await
+                .map(Outcome::Release),
+        };
+        let _ = q.reply.send(outcome);
+        return;
+    }
     let mut invocation = super::SCRIPTS.batch.prepare_invoke();
+    invocation.arg(deadline);
     for q in &batch {
         invocation.key(q.lock.as_str()).key(q.second.as_str());
     }
@@ -229,16 +232,16 @@ async fn send(inner: &Inner, batch: Vec<Queued>) {
                 batch.len(),
                 values.len()
             );
-            for q in batch {
-                let _ = q.reply.send(Err(Error::UnexpectedReply(message.clone())));
-            }
+            fail(batch, &SharedError::Other(message));
         }
-        Err(error) => {
-            let shared = SharedError::from(error);
-            for q in batch {
-                let _ = q.reply.send(Err(shared.to_error()));
-            }
-        }
+        Err(error) => fail(batch, &SharedError::from(error)),
+    }
+}
+
+/// Answers every operation of `batch` with `error`.
+fn fail(batch: Vec<Queued>, error: &SharedError) {
+    for q in batch {
+        let _ = q.reply.send(Err(error.to_error()));
     }
 }
 
@@ -266,6 +269,7 @@ fn parse(op: Op, triple: &[Value]) -> Result<Outcome> {
             ))))
         }
         (Op::Acquire, 0, Some(ttl)) => Ok(Outcome::Acquire(Acquire::Busy { ttl: ttl_of(ttl) })),
+        (Op::Acquire, -1, _) => Err(super::arrived_late()),
         (Op::Release, 2, Some(n)) => Ok(Outcome::Release(match n {
             -1 => Release::NotHeld,
             0 => Release::Released,

@@ -27,9 +27,18 @@
 //! one is in flight wait for it and then go together, up to 128 in one call of
 //! `lua/lock_batch.lua`, which does for each exactly what the single-key script would
 //! (an operation on a key of the wrong type fails alone). The fixed cost of entering a
-//! script is then paid once per batch, not once per lock. Queued operations are sent by
-//! a spawned task, so a caller that gives up never strands the others. On a cluster every
-//! operation goes alone.
+//! script is then paid once per batch, not once per lock. Every operation is sent by a
+//! spawned task, so a caller that gives up, or whose future is parked and never polled
+//! again, never holds up the others. On a cluster every operation goes alone.
+//!
+//! Every acquisition carries a deadline on the server's clock, one [response
+//! timeout](RedisBackendBuilder::response_timeout) after it is sent; the scripts refuse
+//! an acquisition that arrives later (a write delayed on a connection that was cut or
+//! replaced meanwhile), so an attempt the client has given up on never takes a lock
+//! later. The client maps its clock to the server's from a `TIME` sample (taken again
+//! every 30 s, and after a timeout), as a lower bound that network delays cannot
+//! break; the server's clock must not step back. On a cluster one sample serves every
+//! node, so the nodes' clocks must agree within 50 ms (NTP keeps them far closer).
 //!
 //! # Lock kinds
 //!
@@ -100,8 +109,12 @@
 //! # Cancel safety
 //!
 //! A command future dropped after it was written may still run on the server; the client
-//! side compensates (see [`Lock`](crate::Lock)). Dropping a subscription unregisters the
-//! waiter at once; the `UNSUBSCRIBE` follows from the connection task.
+//! side compensates (see [`Lock`](crate::Lock)) with
+//! [`abandon`](LockBackend::abandon): a release (and leaving the queue) at once, and —
+//! unless that found the hold — once more when the attempt's deadline has passed on the
+//! server, by when the attempt has either landed or been refused. Dropping a
+//! subscription unregisters the waiter at once; the `UNSUBSCRIBE` follows from the
+//! connection task.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -117,6 +130,7 @@ use super::{
     Acquire, BoxFuture, FencingToken, Grant, Holder, LockBackend, LockMode, LockRequest, LockState,
     Release, Subscription, WaiterScope, Waiters,
 };
+use crate::backend::clock::{COMPENSATION_MARGIN, StoreClock};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 
@@ -301,6 +315,11 @@ struct Inner {
     waiter_timeout: Duration,
     /// Group commit of exclusive acquisitions and releases (single server only).
     batcher: batch::Batcher,
+    /// The server's clock, for the deadlines of attempts.
+    clock: StoreClock,
+    /// An attempt's deadline is this long after it is sent: the response timeout, so
+    /// that a reply that timed out leaves no attempt that could still take a lock.
+    attempt_window: Duration,
     _stop_hub: DropGuard,
 }
 
@@ -309,42 +328,102 @@ impl Inner {
         &self,
         invocation: &redis::ScriptInvocation<'_>,
     ) -> Result<T> {
-        self.conn.invoke(invocation).await.map_err(map_error)
+        let result = self.conn.invoke(invocation).await;
+        self.checked(result)
     }
 
     async fn query<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T> {
-        self.conn.query(cmd).await.map_err(map_error)
+        let result = self.conn.query(cmd).await;
+        self.checked(result)
     }
 
-    /// One exclusive acquisition, alone (`lua/lock_acquire.lua`).
-    async fn acquire_one(&self, req: &LockRequest) -> Result<Acquire> {
-        let prefix = &self.prefix;
+    /// A command's result as this crate's; a timeout also puts the server's clock in
+    /// doubt (the connection is replaced, and may reach another server), so the next
+    /// attempt samples it again.
+    fn checked<T>(&self, result: RedisResult<T>) -> Result<T> {
+        result.map_err(|error| {
+            if error.is_timeout() {
+                self.clock.forget();
+            }
+            map_error(error)
+        })
+    }
+
+    /// The deadline, on the server's clock in microseconds, of an attempt sent now: its
+    /// reply times out when the server's clock has passed it (see
+    /// [`clock`](crate::backend::clock)). Samples the server's clock first when the
+    /// last sample is too old.
+    async fn attempt_deadline(&self) -> Result<u64> {
+        if let Some(deadline) = self.clock.deadline(self.attempt_window) {
+            return Ok(deadline);
+        }
+        let (secs, micros): (u64, u64) = self.query(&redis::cmd("TIME")).await?;
+        let received = std::time::Instant::now();
+        self.clock.record(
+            secs.saturating_mul(1_000_000).saturating_add(micros),
+            received,
+        );
+        Ok(self.clock.deadline(self.attempt_window).unwrap_or(u64::MAX))
+    }
+
+    /// One exclusive acquisition, alone (`lua/lock_acquire.lua`), of the hash `lock`
+    /// with fencing counter `fence`.
+    async fn acquire_one(
+        &self,
+        lock: &str,
+        fence: &str,
+        lease_ms: u64,
+        owner: &str,
+        fenced: bool,
+        deadline: u64,
+    ) -> Result<Acquire> {
         let reply: Vec<i64> = self
             .invoke(
                 SCRIPTS
                     .acquire
-                    .key(Names::lock(prefix, &req.key).as_ref())
-                    .key(Names::fence(prefix, &req.key))
-                    .arg(lease_ms(req.lease))
-                    .arg(req.owner.as_str())
-                    .arg(fenced_arg(req)),
+                    .key(lock)
+                    .key(fence)
+                    .arg(lease_ms)
+                    .arg(owner)
+                    .arg(if fenced { "1" } else { "0" })
+                    .arg(deadline),
             )
             .await?;
         parse_acquire("acquire", &reply)
     }
 
-    /// One exclusive release, alone (`lua/lock_release.lua`).
-    async fn release_one(&self, req: &LockRequest) -> Result<Release> {
-        let prefix = &self.prefix;
+    /// One exclusive acquisition of `req`, alone, with a deadline of its own.
+    async fn acquire_req(&self, req: &LockRequest) -> Result<Acquire> {
+        let deadline = self.attempt_deadline().await?;
+        self.acquire_one(
+            &Names::lock(&self.prefix, &req.key),
+            &Names::fence(&self.prefix, &req.key),
+            lease_ms(req.lease),
+            req.owner.as_str(),
+            req.fenced,
+            deadline,
+        )
+        .await
+    }
+
+    /// One exclusive release, alone (`lua/lock_release.lua`), of the hash `lock`,
+    /// publishing on `channel`.
+    async fn release_one(
+        &self,
+        lock: &str,
+        channel: &str,
+        lease_ms: u64,
+        owner: &str,
+    ) -> Result<Release> {
         let reply: i64 = self
             .invoke(
                 SCRIPTS
                     .release
-                    .key(Names::lock(prefix, &req.key).as_ref())
-                    .key(Names::channel(prefix, &req.key))
+                    .key(lock)
+                    .key(channel)
                     .arg(UNLOCK_MESSAGE)
-                    .arg(lease_ms(req.lease))
-                    .arg(req.owner.as_str()),
+                    .arg(lease_ms)
+                    .arg(owner),
             )
             .await?;
         Ok(match reply {
@@ -484,7 +563,7 @@ impl RedisBackend {
                 )),
             },
             #[cfg(feature = "cluster")]
-            Conn::Cluster(_) => self.inner.acquire_one(req).await,
+            Conn::Cluster(_) => self.inner.acquire_req(req).await,
         }
     }
 
@@ -497,8 +576,27 @@ impl RedisBackend {
                 )),
             },
             #[cfg(feature = "cluster")]
-            Conn::Cluster(_) => self.inner.release_one(req).await,
+            Conn::Cluster(_) => {
+                let prefix = &self.inner.prefix;
+                self.inner
+                    .release_one(
+                        &Names::lock(prefix, &req.key),
+                        &Names::channel(prefix, &req.key),
+                        lease_ms(req.lease),
+                        req.owner.as_str(),
+                    )
+                    .await
+            }
         }
+    }
+
+    /// Releases `req`'s hold and leaves its queue; returns whether it held the lock.
+    async fn take_back(&self, req: &LockRequest) -> Result<bool> {
+        let released = self.release(req).await;
+        if self.queues_waiters(req.mode) {
+            self.cancel_wait_mode(req).await?;
+        }
+        Ok(!matches!(released?, Release::NotHeld))
     }
 
     async fn inspect_state(&self, key: &LockKey, mode: LockMode) -> Result<LockState> {
@@ -671,10 +769,17 @@ fn fenced_arg(req: &LockRequest) -> &'static str {
     if req.fenced { "1" } else { "0" }
 }
 
-/// `{1, holds}`, `{1, holds, token}` or `{0, ttl}` → the outcome.
+/// The error of an attempt the server refused because it arrived after its deadline:
+/// retryable, as the timeout it is.
+fn arrived_late() -> Error {
+    Error::Backend("the lock attempt reached Redis after its deadline and was refused".into())
+}
+
+/// `{1, holds}`, `{1, holds, token}`, `{0, ttl}` or `{-1}` (arrived late) → the outcome.
 fn parse_acquire(op: &str, reply: &[i64]) -> Result<Acquire> {
     let holds = |h: i64| u32::try_from(h).unwrap_or(u32::MAX);
     match reply {
+        [-1] => Err(arrived_late()),
         [1, h] => Ok(Acquire::Acquired(Grant::new(holds(*h), None))),
         [1, h, token] if *token > 0 => Ok(Acquire::Acquired(Grant::new(
             holds(*h),
@@ -1040,6 +1145,8 @@ impl RedisBackendBuilder {
                 watchdog_lease: self.watchdog_lease,
                 waiter_timeout: self.waiter_timeout,
                 batcher: batch::Batcher::default(),
+                clock: StoreClock::default(),
+                attempt_window: self.response_timeout,
                 _stop_hub: shutdown.drop_guard(),
             }),
         })
@@ -1122,6 +1229,22 @@ impl LockBackend for RedisBackend {
 
     fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
         Box::pin(self.cancel_wait_mode(req))
+    }
+
+    /// Releases and dequeues the owner at once; then, unless that found its hold (the
+    /// attempt had landed), once more when the attempt's deadline has passed on the
+    /// server. An attempt still on its way — over a connection that was cut or replaced
+    /// meanwhile, which a release over the new one can overtake — is refused by then,
+    /// or has landed and is undone. What is left if the second pass cannot reach Redis
+    /// either: a hold until its lease ends, a queue place until the waiter timeout.
+    fn abandon<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            if let Ok(true) = self.take_back(req).await {
+                return Ok(());
+            }
+            tokio::time::sleep(self.inner.attempt_window + COMPENSATION_MARGIN).await;
+            self.take_back(req).await.map(|_| ())
+        })
     }
 
     fn force_release<'a>(

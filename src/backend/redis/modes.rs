@@ -118,6 +118,10 @@ impl RedisBackend {
         let p = self.prefix();
         let key = &req.key;
         let lock = Names::lock(p, key);
+        if req.mode == LockMode::Exclusive {
+            return self.acquire_exclusive(req).await;
+        }
+        let deadline = self.inner.attempt_deadline().await?;
         let reply: Vec<i64> = match req.mode {
             LockMode::Fair => {
                 self.invoke(
@@ -131,7 +135,8 @@ impl RedisBackend {
                         .arg(lease_ms(req.lease))
                         .arg(req.owner.as_str())
                         .arg(self.waiter_timeout_ms())
-                        .arg(fenced_arg(req)),
+                        .arg(fenced_arg(req))
+                        .arg(deadline),
                 )
                 .await?
             }
@@ -150,7 +155,8 @@ impl RedisBackend {
                         .arg(rw_arg(req.mode))
                         .arg(self.waiter_timeout_ms())
                         .arg(fenced_arg(req))
-                        .arg(req.write_holder().as_str()),
+                        .arg(req.write_holder().as_str())
+                        .arg(deadline),
                 )
                 .await?
             }
@@ -164,7 +170,8 @@ impl RedisBackend {
                         .arg(lease_ms(req.lease))
                         .arg(req.owner.as_str())
                         .arg(max.get())
-                        .arg(fenced_arg(req)),
+                        .arg(fenced_arg(req))
+                        .arg(deadline),
                 )
                 .await?
             }
