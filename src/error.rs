@@ -171,6 +171,18 @@ impl Error {
         }
     }
 
+    /// Whether the store's connection broke under the operation (a store that
+    /// restarted, a connection reset), as opposed to a store that did not answer in
+    /// time or refused to connect: the backend is reconnecting, and trying again at once
+    /// may well work.
+    pub(crate) fn is_connection_lost(&self) -> bool {
+        match self {
+            #[cfg(feature = "redis")]
+            Error::Redis(e) => e.is_connection_dropped() && !e.is_timeout(),
+            _ => false,
+        }
+    }
+
     pub(crate) fn invalid_key(reason: impl Into<String>) -> Self {
         Error::InvalidKey {
             reason: reason.into(),

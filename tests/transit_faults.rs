@@ -16,7 +16,7 @@ use std::task::Poll;
 use std::time::Duration;
 
 use common::redis_server::RedisServer;
-use tower_lock::{LockClient, RedisBackend};
+use tower_lock::{Lease, LockClient, LockKey, RedisBackend};
 
 /// Polls `fut` exactly once, with the task's real waker, and leaves it pending: a
 /// future someone holds on to and never polls again (a lost `select!` branch, a future
@@ -63,4 +63,50 @@ async fn a_parked_lock_future_never_freezes_other_locks_redis() {
         Vec::<String>::new(),
         "released locks stayed in Redis"
     );
+}
+
+/// Sequence 7: after a Redis restart, the first locked request on each replica failed:
+/// its command connection had died while idle, and the first command over it failed
+/// fast, even with time left to wait. Now the lock core tries once more (as a new hold)
+/// when the connection broke under the attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_lock_after_a_store_restart_succeeds_redis() {
+    let mut server = RedisServer::start().await;
+    let backend = RedisBackend::connect(server.url()).await.unwrap();
+    let client = LockClient::new(backend);
+    let key = LockKey::new("after-restart").unwrap();
+    // The command connection is up and idle.
+    client
+        .get_lock(&key)
+        .unwrap()
+        .try_lock()
+        .await
+        .unwrap()
+        .unlock()
+        .await
+        .unwrap();
+
+    server.restart().await;
+
+    // A wait with time left, as a layer with `max_wait(2s)` takes it...
+    let guard = client
+        .get_lock(&key)
+        .unwrap()
+        .try_lock_for(Duration::from_secs(2), Lease::Watchdog)
+        .await
+        .expect("the first lock after the restart failed");
+    guard.unlock().await.unwrap();
+
+    // ...and a single try, on a second backend whose connection is just as stale.
+    server.restart().await;
+    let other = LockClient::new(RedisBackend::connect(server.url()).await.unwrap());
+    server.restart().await;
+    let guard = other
+        .get_lock(&key)
+        .unwrap()
+        .try_lock()
+        .await
+        .expect("the first try_lock after the restart failed");
+    guard.unlock().await.unwrap();
+    assert_eq!(server.keys("*").await, Vec::<String>::new());
 }

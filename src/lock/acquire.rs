@@ -323,13 +323,12 @@ pub(crate) async fn acquire_as(
         }
     };
     // Until activated, dropping this (a failure, a cancellation) frees the slot.
-    let pending = Pending {
+    let mut pending = Pending {
         registry: client.registry(),
         hold: Some(hold),
     };
-    let req = pending.store();
-    let span = start.span(client, req);
-    let result = run(client, req, &start.slot.owner, deadline)
+    let span = start.span(client, pending.store());
+    let result = run(client, &mut pending, &start.slot.owner, deadline)
         .instrument(span.clone())
         .await;
     let waited = started.elapsed();
@@ -457,6 +456,18 @@ impl Pending<'_> {
     }
 }
 
+impl Pending<'_> {
+    /// The hold goes on under a new store identity: its attempts so far are given up
+    /// (the caller takes them back).
+    fn reidentify(&mut self, client: &LockClient) {
+        if let Some(old) = self.hold.take() {
+            let mut store = old.store.clone();
+            store.owner = client.new_owner();
+            self.hold = Some(self.registry.reidentify(&old, store));
+        }
+    }
+}
+
 impl Drop for Pending<'_> {
     fn drop(&mut self) {
         if let Some(hold) = self.hold.take() {
@@ -474,75 +485,156 @@ struct Attempted {
     answered_at: Instant,
 }
 
-/// Acquires `req` in the store: its owner is the new hold's own identity, so whatever an
-/// attempt cancelled or failed in flight may have taken can always be released.
+/// Acquires the pending hold in the store: its owner is the hold's own identity, so
+/// whatever an attempt cancelled or failed in flight may have taken can always be taken
+/// back without touching anything else.
+///
+/// An attempt that got no answer (a timeout, a lost connection) may still land, later,
+/// over a connection that was replaced meanwhile. Its identity is then given up for
+/// good — the backend's [`abandon`](crate::backend::LockBackend::abandon) takes back
+/// whatever it gets, now or when it lands, and the store refuses it once its deadline
+/// has passed — and the acquisition goes on under a new identity. A release racing the
+/// next attempt of the same identity is never needed.
 async fn run(
     client: &LockClient,
-    req: &LockRequest,
+    pending: &mut Pending<'_>,
     owner: &Owner,
     deadline: Option<Instant>,
 ) -> Result<Attempted> {
     let expired = |now: Instant| deadline.is_some_and(|d| now >= d);
     let backend = client.backend();
-    let queued_mode = backend.queues_waiters(req.mode);
+    let queued_mode = backend.queues_waiters(pending.store().mode);
 
     // No barging within a process: when others here already wait for this key, a new
     // acquirer lines up behind them (they are woken first to last) instead of snatching
     // the lock in the instant after each release.
-    let line_up = !queued_mode && !expired(Instant::now()) && backend.has_local_waiters(req);
+    let mut line_up =
+        !queued_mode && !expired(Instant::now()) && backend.has_local_waiters(pending.store());
     let mut ttl = None;
+    let mut answered = false;
     if !line_up {
-        let first = attempt(client, req).await;
-        if first.is_err() {
-            compensate_later(client, req);
-        }
-        match first? {
-            Outcome::Acquired(acquired) => return Ok(acquired),
-            Outcome::Busy(holder_ttl) => ttl = holder_ttl,
+        let mut retried = false;
+        loop {
+            match attempt(client, pending.store()).await {
+                Ok(Outcome::Acquired(acquired)) => return Ok(acquired),
+                Ok(Outcome::Busy(holder_ttl)) => {
+                    ttl = holder_ttl;
+                    answered = true;
+                    break;
+                }
+                Err(error) => {
+                    compensate_later(client, pending.store());
+                    // A connection that died while idle (the store restarted) fails the
+                    // first command sent over it, and the backend reconnects: one more
+                    // try, at once, as a new hold, so a restart costs no caller an
+                    // error. Any other failure is the caller's to know at once.
+                    if retried || !error.is_connection_lost() {
+                        return Err(error);
+                    }
+                    tracing::debug!(%error, "lock store connection lost; trying once more");
+                    retried = true;
+                    pending.reidentify(client);
+                }
+            }
         }
     }
     // The waiting state lives in its own allocation, made only when there is something
     // to wait for: the uncontended path's future stays small (it is built, boxed and
     // moved on every acquisition).
-    Box::pin(wait(client, req, owner, deadline, line_up, ttl)).await
+    let mut failing = Failing::default();
+    loop {
+        let waited = Box::pin(wait(
+            client,
+            pending.store(),
+            owner,
+            deadline,
+            line_up,
+            (ttl, answered),
+            &mut failing,
+        ))
+        .await;
+        match waited {
+            Waited::Acquired(acquired) => return Ok(acquired),
+            Waited::Failed(error) => return Err(error),
+            Waited::Unanswered => {
+                // Taken back by `wait`; go on as a new hold.
+                pending.reidentify(client);
+                line_up = false;
+                ttl = None;
+                answered = false;
+            }
+        }
+    }
+}
+
+/// A run of transient store failures while waiting: when it began, and the next
+/// backoff.
+struct Failing {
+    since: Option<Instant>,
+    backoff: Duration,
+}
+
+impl Default for Failing {
+    fn default() -> Self {
+        Failing {
+            since: None,
+            backoff: MIN_ERROR_BACKOFF,
+        }
+    }
+}
+
+/// How a wait under one hold identity ended.
+enum Waited {
+    Acquired(Attempted),
+    Failed(Error),
+    /// An attempt got no answer, so the identity was given up (and its attempts taken
+    /// back); the wait goes on under a new one.
+    Unanswered,
 }
 
 /// The contended path of [`run`]: line up or subscribe, then attempt and sleep until
-/// acquired, out of time, or failed.
+/// acquired, out of time, failed, or an attempt went unanswered. `ttl` is the last busy
+/// answer's, `in_queue` whether an attempt of this identity was answered at all (and so
+/// may have queued it).
 async fn wait(
     client: &LockClient,
     req: &LockRequest,
     owner: &Owner,
     deadline: Option<Instant>,
     line_up: bool,
-    ttl: Option<Duration>,
-) -> Result<Attempted> {
+    (ttl, in_queue): (Option<Duration>, bool),
+    failing: &mut Failing,
+) -> Waited {
     let expired = |now: Instant| deadline.is_some_and(|d| now >= d);
     let backend = client.backend();
     let queued_mode = backend.queues_waiters(req.mode);
     // From the first busy answer on, a queueing backend keeps this owner in line; every
     // way out below (giving up at once, a failed subscribe, cancellation) leaves it.
     let mut in_line = InLine {
-        queued: queued_mode,
+        queued: queued_mode && in_queue,
         client,
         req,
     };
     if expired(Instant::now()) {
         in_line.give_up().await;
-        return Err(Error::Busy { holder_ttl: ttl });
+        return Waited::Failed(Error::Busy { holder_ttl: ttl });
     }
     let _reported = WaitReport::start(client, req, owner);
 
     // Subscribing may wait for the store to confirm; never past the caller's deadline.
     let sub = match deadline {
         Some(at) => match tokio::time::timeout_at(at, backend.subscribe(req)).await {
-            Ok(sub) => sub?,
+            Ok(Ok(sub)) => sub,
+            Ok(Err(error)) => return Waited::Failed(error),
             Err(_) => {
                 in_line.give_up().await;
-                return Err(Error::Busy { holder_ttl: ttl });
+                return Waited::Failed(Error::Busy { holder_ttl: ttl });
             }
         },
-        None => backend.subscribe(req).await?,
+        None => match backend.subscribe(req).await {
+            Ok(sub) => sub,
+            Err(error) => return Waited::Failed(error),
+        },
     };
     let mut waiting = Waiting {
         sub,
@@ -558,38 +650,37 @@ async fn wait(
         let until = deadline.map_or(now + LINE_UP_MAX, |d| d.min(now + LINE_UP_MAX));
         waiting.woken = waiting.sub.wait(until).await == Wake::Notified;
     }
-    // Transient backend failures while waiting: when the current run of them began, and
-    // the next backoff.
-    let mut failing_since: Option<Instant> = None;
-    let mut backoff = MIN_ERROR_BACKOFF;
     loop {
         let outcome = match attempt(client, req).await {
             Ok(outcome) => {
-                failing_since = None;
-                backoff = MIN_ERROR_BACKOFF;
+                *failing = Failing::default();
                 outcome
             }
             Err(error) if error.is_retryable() => {
+                // No answer: the attempt may still land. Whatever it does, this identity
+                // takes back (now, and once the attempt can only be refused).
+                compensate_later(client, req);
+                waiting.in_line.queued = false;
                 let now = Instant::now();
-                let since = *failing_since.get_or_insert(now);
+                let since = *failing.since.get_or_insert(now);
                 // Without a deadline, give up once the store has failed for a whole lease:
                 // by then no lock it held for anyone is still valid either.
                 let out_of_patience = deadline.is_none() && now - since >= client.watchdog_lease();
                 if expired(now) || out_of_patience {
-                    compensate_later(client, req);
-                    return Err(error);
+                    return Waited::Failed(error);
                 }
+                let backoff = failing.backoff;
                 tracing::warn!(%error, retry_in_ms = backoff.as_millis() as u64, "lock store failed while waiting; retrying");
-                compensate_now(client, req).await;
                 let until = deadline.map_or(now + backoff, |d| d.min(now + backoff));
-                backoff = (backoff * 2).min(MAX_ERROR_BACKOFF);
+                failing.backoff = (backoff * 2).min(MAX_ERROR_BACKOFF);
                 // A reconnect notification cuts the backoff short.
                 waiting.woken = waiting.sub.wait(until).await == Wake::Notified;
-                continue;
+                return Waited::Unanswered;
             }
             Err(error) => {
                 compensate_later(client, req);
-                return Err(error);
+                waiting.in_line.queued = false;
+                return Waited::Failed(error);
             }
         };
         // The wake-up, if any, has been used by this attempt.
@@ -598,14 +689,15 @@ async fn wait(
             Outcome::Acquired(acquired) => {
                 waiting.in_line.queued = false;
                 waiting.settled = true;
-                return Ok(acquired);
+                return Waited::Acquired(acquired);
             }
             Outcome::Busy(ttl) => ttl,
         };
+        waiting.in_line.queued = queued_mode;
         let now = Instant::now();
         if expired(now) {
             waiting.in_line.give_up().await;
-            return Err(Error::Busy { holder_ttl: ttl });
+            return Waited::Failed(Error::Busy { holder_ttl: ttl });
         }
         tracing::trace!(
             holder_ttl_ms = ttl.map(|t| t.as_millis() as u64),
@@ -692,19 +784,8 @@ fn abandon_later(client: &LockClient, req: &LockRequest) {
     }
 }
 
-/// After an attempt failed without an answer (a timeout, a lost connection), the store
-/// may or may not have applied it. Before trying again as the same owner, take back
-/// whatever it may have taken — awaited, so the release cannot land after the next
-/// attempt's grant and free a lock just won.
-async fn compensate_now(client: &LockClient, req: &LockRequest) {
-    if let Err(error) = client.backend().release(req).await {
-        // A hold it left (if any) is released when the hold's last guard goes, or by
-        // its lease.
-        tracing::debug!(%error, "could not take back an unanswered attempt");
-    }
-}
-
-/// The same when giving up: nothing will follow as this owner, so it can run later.
+/// After an attempt failed or was given up, the store may or may not have applied it:
+/// its identity is never used again, and whatever it took is taken back in a task.
 fn compensate_later(client: &LockClient, req: &LockRequest) {
     abandon_later(client, req);
 }

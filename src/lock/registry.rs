@@ -180,6 +180,27 @@ struct HoldState {
 }
 
 impl Hold {
+    /// A hold of `slot` being acquired in the store as `store`.
+    fn acquiring(slot: Slot, store: LockRequest) -> Self {
+        Hold {
+            slot,
+            store,
+            lost: LostFlag::default(),
+            expiry: Expiry::new(None),
+            acquired: Notify::new(),
+            loss_reported: std::sync::atomic::AtomicBool::new(false),
+            span: std::sync::OnceLock::new(),
+            state: Mutex::new(HoldState {
+                phase: Phase::Acquiring,
+                token: None,
+                guards: 0,
+                watched: 0,
+                runtime: None,
+                since: None,
+            }),
+        }
+    }
+
     fn state(&self) -> MutexGuard<'_, HoldState> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -322,25 +343,29 @@ impl Registry {
                 }
             }
         }
-        let hold = Arc::new(Hold {
-            slot: slot.clone(),
-            store: store(&state),
-            lost: LostFlag::default(),
-            expiry: Expiry::new(None),
-            acquired: Notify::new(),
-            loss_reported: std::sync::atomic::AtomicBool::new(false),
-            span: std::sync::OnceLock::new(),
-            state: Mutex::new(HoldState {
-                phase: Phase::Acquiring,
-                token: None,
-                guards: 0,
-                watched: 0,
-                runtime: None,
-                since: None,
-            }),
-        });
+        let hold = Arc::new(Hold::acquiring(slot.clone(), store(&state)));
         state.slots.insert(slot.clone(), Arc::clone(&hold));
         Entered::Acquire(hold)
+    }
+
+    /// `hold`, still being acquired, goes on under another store identity, `store`
+    /// (its owner used by no other hold): the returned hold takes its place in the
+    /// slot, and acquirers of the slot waiting for the old one wait for the new one.
+    /// The old identity's attempts are the caller's to take back.
+    pub(crate) fn reidentify(&self, hold: &Arc<Hold>, store: LockRequest) -> Arc<Hold> {
+        let fresh = Arc::new(Hold::acquiring(hold.slot.clone(), store));
+        let mut state = self.inner.state();
+        hold.state().phase = Phase::Ended;
+        if state
+            .slots
+            .get(&hold.slot)
+            .is_some_and(|current| Arc::ptr_eq(current, hold))
+        {
+            state.slots.insert(hold.slot.clone(), Arc::clone(&fresh));
+        }
+        drop(state);
+        hold.acquired.notify_waiters();
+        fresh
     }
 
     /// The store granted `hold`: it now has its first guard, valid until `expires_at`
