@@ -8,6 +8,7 @@ pub mod history;
 pub mod kinds;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+pub mod proxy;
 pub mod redis_server;
 
 use std::future::Future;
