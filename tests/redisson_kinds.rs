@@ -289,17 +289,26 @@ impl Redisson {
 
     /// `fair_lock` with a given `threadWaitTime`.
     async fn fair_lock_waiting(&mut self, name: &str, thread: u64, wait_ms: u64) -> Option<i64> {
-        redis::Script::new(REDISSON_FAIR_LOCK)
-            .key(name)
-            .key(format!("redisson_lock_queue:{{{name}}}"))
-            .key(format!("redisson_lock_timeout:{{{name}}}"))
+        self.fair_lock_cmd(name, thread, wait_ms)
+            .query_async(&mut self.conn)
+            .await
+            .unwrap()
+    }
+
+    /// The command of `fair_lock_waiting`, a plain `EVAL` so that it can go into a
+    /// transaction.
+    fn fair_lock_cmd(&self, name: &str, thread: u64, wait_ms: u64) -> redis::Cmd {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(REDISSON_FAIR_LOCK)
+            .arg(3)
+            .arg(name)
+            .arg(format!("redisson_lock_queue:{{{name}}}"))
+            .arg(format!("redisson_lock_timeout:{{{name}}}"))
             .arg(30_000)
             .arg(self.field(thread))
             .arg(wait_ms)
-            .arg(now_ms())
-            .invoke_async(&mut self.conn)
-            .await
-            .unwrap()
+            .arg(now_ms());
+        cmd
     }
 
     async fn fair_unlock(&mut self, name: &str, thread: u64) -> Option<i64> {
@@ -614,21 +623,30 @@ async fn with_redissons_default_thread_wait_time_a_handoff_sends_our_waiters_to_
     .await;
 
     holder.unlock().await.unwrap();
-    // The Redisson head takes it, subtracting 5 minutes from our waiter's eviction time.
+    // The Redisson head takes it, subtracting 5 minutes from our waiter's eviction time;
+    // a Redisson newcomer's script then evicts our (now stale) waiter and queues itself.
+    // Both in one transaction, with the read of the queue: our waiter polls every
+    // second, and a poll between the take and the newcomer would re-queue it ahead of
+    // the newcomer (then nobody overtakes), one between the newcomer and the read would
+    // already have re-queued it behind.
+    let (taken, newcomer, queue_after): (Option<i64>, Option<i64>, Vec<String>) = redis::pipe()
+        .atomic()
+        .add_command(redisson.fair_lock_cmd(name, 1, REDISSON_DEFAULT_WAIT_MS))
+        .add_command(redisson.fair_lock_cmd(name, 2, REDISSON_DEFAULT_WAIT_MS))
+        .cmd("LRANGE")
+        .arg(queue)
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(taken, None, "the Redisson head takes it");
+    assert!(newcomer.is_some(), "the Redisson newcomer waits");
     assert_eq!(
-        redisson
-            .fair_lock_waiting(name, 1, REDISSON_DEFAULT_WAIT_MS)
-            .await,
-        None
+        queue_after,
+        vec![redisson.field(2)],
+        "our waiter was evicted"
     );
-    // A Redisson newcomer's script evicts our (now stale) waiter and queues itself.
-    assert!(
-        redisson
-            .fair_lock_waiting(name, 2, REDISSON_DEFAULT_WAIT_MS)
-            .await
-            .is_some()
-    );
-    assert_eq!(queued(&raw).await, vec![redisson.field(2)]);
     // Our waiter rejoins, at the tail, at its next poll.
     wait_until(
         Duration::from_secs(5),

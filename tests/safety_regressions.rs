@@ -1313,6 +1313,214 @@ fn the_watchdog_keeps_renewing_after_the_runtime_it_started_on_shuts_down_redis(
 }
 
 // ---------------------------------------------------------------------------------------
+// 7b'. Renewals outlive a runtime that re-entered or took a hold (issue 20, item 6)
+// ---------------------------------------------------------------------------------------
+
+/// What the short-lived runtime B does with the hold that the long-lived runtime A also
+/// stands for, as the same owner.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum OnB {
+    /// A takes the hold; B re-enters it and drops its guard before it shuts down.
+    ReentersAndLeaves,
+    /// A takes the hold; B re-enters it, and its guard is still alive when B shuts
+    /// down (it is dropped later, on a plain thread).
+    ReentersAndOutlives,
+    /// B takes the hold and A re-enters it; B's guard is still alive when B shuts down.
+    TakesAndOutlives,
+}
+
+/// `client` and one owner hold a watched lock on the long-lived runtime `a` and on a
+/// short-lived runtime B (current-thread, on its own thread), as `how` says; then B
+/// shuts down. A's guard still stands for the hold, so the hold must go on being
+/// renewed, with no new acquisition, for four watchdog leases: `intruder` never gets it
+/// and A's guard is never lost.
+fn renewals_outlive_a_short_lived_runtime(
+    a: &tokio::runtime::Runtime,
+    client: LockClient,
+    intruder: LockClient,
+    how: OnB,
+) {
+    let name = format!("held-on-a-and-b-{how:?}");
+    let lock = client
+        .get_lock(name.as_str())
+        .unwrap()
+        .with_owner(client.new_owner());
+    let a_first = how != OnB::TakesAndOutlives;
+    let mut guard = a_first.then(|| a.block_on(lock.lock()).unwrap());
+    let (b_locked, b_locked_rx) = std::sync::mpsc::channel();
+    let (shut_b, shut_b_rx) = std::sync::mpsc::channel::<()>();
+    let on_b = {
+        let lock = lock.clone();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let on_b = runtime.block_on(async {
+                let on_b = lock.lock().await.unwrap();
+                assert!(on_b.is_watched());
+                assert_eq!(on_b.hold_count(), if a_first { 2 } else { 1 });
+                if how == OnB::ReentersAndLeaves {
+                    drop(on_b);
+                    return None;
+                }
+                Some(on_b)
+            });
+            b_locked.send(()).unwrap();
+            shut_b_rx.recv().unwrap();
+            drop(runtime);
+            on_b
+        })
+    };
+    b_locked_rx.recv().unwrap();
+    if !a_first {
+        let reentered = a.block_on(lock.lock()).unwrap();
+        assert_eq!(reentered.hold_count(), 2, "A re-entered B's hold");
+        guard = Some(reentered);
+    }
+    let guard = guard.unwrap();
+    assert!(guard.is_watched());
+    shut_b.send(()).unwrap();
+    let on_b = on_b.join().unwrap();
+    a.block_on(async {
+        let stranger = intruder
+            .get_lock(name.as_str())
+            .unwrap()
+            .with_owner(intruder.new_owner());
+        let until = Instant::now() + SHORT_LEASE * 4;
+        while Instant::now() < until {
+            assert!(
+                !guard.is_lost(),
+                "{how:?}: A's guard was lost: nothing renewed the hold after runtime B shut down"
+            );
+            if let Ok(stolen) = stranger.try_lock().await {
+                let _ = stolen.unlock().await;
+                panic!(
+                    "{how:?}: another client took A's lock: nothing renewed it after runtime B \
+                     shut down"
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    // B's guard leaves on a plain thread (no runtime); A's guard is the last and releases.
+    drop(on_b);
+    a.block_on(async {
+        guard.unlock().await.unwrap();
+        stranger_gets_it(&intruder, &name, how).await;
+    });
+}
+
+/// Once the owner's last guard is gone, the lock is free for another client at once.
+async fn stranger_gets_it(intruder: &LockClient, name: &str, how: OnB) {
+    let got = intruder
+        .get_lock(name)
+        .unwrap()
+        .with_owner(intruder.new_owner())
+        .try_lock()
+        .await;
+    match got {
+        Ok(guard) => guard.unlock().await.unwrap(),
+        Err(e) => panic!("{how:?}: the lock stayed held after its last guard's unlock: {e}"),
+    }
+}
+
+/// The long-lived runtime A: multi-thread, one worker.
+fn runtime_a() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A client of `store` whose watched locks have a [`SHORT_LEASE`].
+fn short_lease_client(store: &impl Store) -> LockClient {
+    LockClient::builder(store.faulty().clone())
+        .watchdog_lease(SHORT_LEASE)
+        .build()
+        .unwrap()
+}
+
+// Issue 20, item 6: a re-entry from a short-lived runtime moved the hold's renewals to
+// it, and they stopped when it shut down.
+#[test]
+fn renewals_outlive_a_runtime_that_reentered_and_left_memory() {
+    let store = Memory::new();
+    let client = short_lease_client(&store);
+    renewals_outlive_a_short_lived_runtime(
+        &runtime_a(),
+        client,
+        store.client(),
+        OnB::ReentersAndLeaves,
+    );
+}
+
+// Issue 20, item 6, with the re-entered guard still alive when its runtime shuts down.
+#[test]
+fn renewals_outlive_a_runtime_that_reentered_and_shut_down_memory() {
+    let store = Memory::new();
+    let client = short_lease_client(&store);
+    renewals_outlive_a_short_lived_runtime(
+        &runtime_a(),
+        client,
+        store.client(),
+        OnB::ReentersAndOutlives,
+    );
+}
+
+// Issue 20, item 6, the other way round: the hold's renewals pass from the runtime that
+// took it, when it shuts down, to one that re-entered it.
+#[test]
+fn renewals_outlive_the_runtime_that_took_a_hold_another_reentered_memory() {
+    let store = Memory::new();
+    let client = short_lease_client(&store);
+    renewals_outlive_a_short_lived_runtime(
+        &runtime_a(),
+        client,
+        store.client(),
+        OnB::TakesAndOutlives,
+    );
+}
+
+// Issue 20, item 6: a re-entry from a short-lived runtime moved the hold's renewals to
+// it, and they stopped when it shut down.
+#[cfg(feature = "redis")]
+#[test]
+fn renewals_outlive_a_runtime_that_reentered_and_left_redis() {
+    // Runtime A makes the server and the connection, so both outlive runtime B.
+    let a = runtime_a();
+    let store = a.block_on(Redis::start());
+    let client = short_lease_client(&store);
+    renewals_outlive_a_short_lived_runtime(&a, client, store.client(), OnB::ReentersAndLeaves);
+    drop(store);
+}
+
+// Issue 20, item 6, with the re-entered guard still alive when its runtime shuts down.
+#[cfg(feature = "redis")]
+#[test]
+fn renewals_outlive_a_runtime_that_reentered_and_shut_down_redis() {
+    // Runtime A makes the server and the connection, so both outlive runtime B.
+    let a = runtime_a();
+    let store = a.block_on(Redis::start());
+    let client = short_lease_client(&store);
+    renewals_outlive_a_short_lived_runtime(&a, client, store.client(), OnB::ReentersAndOutlives);
+    drop(store);
+}
+
+// Issue 20, item 6, the other way round: the hold's renewals pass from the runtime that
+// took it, when it shuts down, to one that re-entered it.
+#[cfg(feature = "redis")]
+#[test]
+fn renewals_outlive_the_runtime_that_took_a_hold_another_reentered_redis() {
+    // Runtime A makes the server and the connection, so both outlive runtime B.
+    let a = runtime_a();
+    let store = a.block_on(Redis::start());
+    let client = short_lease_client(&store);
+    renewals_outlive_a_short_lived_runtime(&a, client, store.client(), OnB::TakesAndOutlives);
+    drop(store);
+}
+// ---------------------------------------------------------------------------------------
 // 7c. Owners the read-write scripts would misread
 // ---------------------------------------------------------------------------------------
 

@@ -465,7 +465,9 @@ impl Held {
         {
             observer.guard_ended(self.event(), self.acquired_at.elapsed());
         }
-        self.client.registry().leave(&self.hold, self.watched)
+        self.client
+            .registry()
+            .leave(&self.hold, self.watched, &self.runtime)
     }
 
     fn event(&self) -> LockEvent<'_> {

@@ -23,6 +23,15 @@
 //!
 //! Redisson clients see an ordinary field per hold, with a hold count of one.
 //!
+//! # Renewed while a runtime of it lives
+//!
+//! A hold's watched guards (taken without an explicit lease) are counted by the runtime
+//! each was taken on. The hold is renewed while any of those runtimes is alive, by the
+//! first live one's watchdog task (see [`watchdog`](super::watchdog)); a runtime leaves
+//! the count with its last watched guard of the hold. Entering and leaving update the
+//! count in place: the first runtime is kept inline, so only a hold re-entered from a
+//! second runtime allocates.
+//!
 //! # Lost stays lost
 //!
 //! A hold is believed until its [`Expiry`] — the end of its last confirmed lease, counted
@@ -36,7 +45,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use tokio::runtime::Handle;
+use tokio::runtime::{Handle, Id};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -170,13 +179,66 @@ struct HoldState {
     token: Option<FencingToken>,
     /// Guards standing for this hold.
     guards: u32,
-    /// Of which taken without an explicit lease: renewed while any is alive.
-    watched: u32,
-    /// The runtime whose watchdog task renews this hold: the runtime of the latest
-    /// watched guard.
-    runtime: Option<Handle>,
+    /// Of which taken without an explicit lease, counted by the runtime each was taken
+    /// on: the hold is renewed while any is alive, by the first live one's watchdog task.
+    watched: Runtimes,
     /// When the store granted it (wall clock, for inspection).
     since: Option<std::time::SystemTime>,
+}
+
+/// The runtimes a hold's watched guards were taken on, each with how many of them, in
+/// the order they first entered. The first runtime is kept inline and only a second one
+/// allocates, so the usual hold, entered from one runtime, costs no allocation here.
+#[derive(Default)]
+struct Runtimes {
+    first: Option<(Id, u32)>,
+    others: Vec<(Id, u32)>,
+}
+
+impl Runtimes {
+    /// One more watched guard, taken on `runtime`.
+    fn add(&mut self, runtime: Id) {
+        let known = self
+            .first
+            .iter_mut()
+            .chain(self.others.iter_mut())
+            .find(|(id, _)| *id == runtime);
+        if let Some((_, guards)) = known {
+            *guards += 1;
+        } else if self.first.is_none() {
+            self.first = Some((runtime, 1));
+        } else {
+            self.others.push((runtime, 1));
+        }
+    }
+
+    /// One watched guard taken on `runtime` is gone; a runtime with none left is
+    /// forgotten, and the next one in order takes its place.
+    fn remove(&mut self, runtime: Id) {
+        if let Some((id, guards)) = self.first.as_mut()
+            && *id == runtime
+        {
+            *guards = guards.saturating_sub(1);
+            if *guards == 0 {
+                self.first = (!self.others.is_empty()).then(|| self.others.remove(0));
+            }
+        } else if let Some(at) = self.others.iter().position(|(id, _)| *id == runtime) {
+            let guards = &mut self.others[at].1;
+            *guards = guards.saturating_sub(1);
+            if *guards == 0 {
+                self.others.remove(at);
+            }
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.first.is_none()
+    }
+
+    /// The runtimes, in the order they first entered.
+    fn iter(&self) -> impl Iterator<Item = Id> + '_ {
+        self.first.iter().chain(&self.others).map(|(id, _)| *id)
+    }
 }
 
 impl Hold {
@@ -194,8 +256,7 @@ impl Hold {
                 phase: Phase::Acquiring,
                 token: None,
                 guards: 0,
-                watched: 0,
-                runtime: None,
+                watched: Runtimes::default(),
                 since: None,
             }),
         }
@@ -326,9 +387,8 @@ impl Registry {
                     hs.guards += 1;
                     let count = hs.guards;
                     if watched {
-                        hs.watched += 1;
+                        hs.watched.add(runtime.id());
                         state.tasks.ensure(&self.inner, runtime);
-                        hs.runtime = Some(runtime.clone());
                     }
                     drop(hs);
                     return Entered::Reentered { hold, count };
@@ -386,9 +446,8 @@ impl Registry {
         hs.guards = 1;
         hs.since = Some(std::time::SystemTime::now());
         if watched {
-            hs.watched = 1;
+            hs.watched.add(runtime.id());
             state.tasks.ensure(&self.inner, runtime);
-            hs.runtime = Some(runtime.clone());
         }
         drop(hs);
         drop(state);
@@ -408,13 +467,14 @@ impl Registry {
         hold.acquired.notify_waiters();
     }
 
-    /// One guard of `hold` is gone (`watched`: it was renewed by the watchdog).
-    pub(crate) fn leave(&self, hold: &Arc<Hold>, watched: bool) -> Left {
+    /// One guard of `hold` is gone (`watched`: it was renewed by the watchdog, and
+    /// taken on `runtime`).
+    pub(crate) fn leave(&self, hold: &Arc<Hold>, watched: bool, runtime: &Handle) -> Left {
         let mut state = self.inner.state();
         let mut hs = hold.state();
         hs.guards = hs.guards.saturating_sub(1);
         if watched {
-            hs.watched = hs.watched.saturating_sub(1);
+            hs.watched.remove(runtime.id());
         }
         if hs.guards > 0 {
             return Left::Others;
@@ -478,7 +538,7 @@ impl Registry {
             .values()
             .filter(|h| {
                 let hs = h.state();
-                hs.phase == Phase::Held && hs.watched > 0
+                hs.phase == Phase::Held && !hs.watched.is_empty()
             })
             .count()
     }
@@ -510,43 +570,56 @@ impl Inner {
 
     /// The watched holds the task of `runtime` renews, with their renewal requests: the
     /// watchdog lease, or what the hold has left if that is longer (an outer guard with
-    /// a longer explicit lease). With none, the task is retired (under the same lock, so
-    /// a hold registered meanwhile starts a new one) and `None` is returned.
-    pub(crate) fn due_or_retire(
-        &self,
-        runtime: tokio::runtime::Id,
-    ) -> Option<Vec<(Arc<Hold>, LockRequest)>> {
+    /// a longer explicit lease). A hold is renewed by the first of its runtimes (in the
+    /// order they entered it) whose task is alive, so by exactly one task, and by
+    /// another as soon as that runtime is gone. A task with nothing to renew stays while
+    /// its runtime has watched guards (it may have to take over); with none, it is
+    /// retired (under the same lock, so a hold registered meanwhile starts a new one)
+    /// and `None` is returned.
+    pub(crate) fn due_or_retire(&self, runtime: Id) -> Option<Vec<(Arc<Hold>, LockRequest)>> {
         let mut state = self.state();
+        let State { slots, tasks } = &mut *state;
         let now = Instant::now();
-        let due: Vec<_> = state
-            .slots
+        let mut watches = false;
+        let due: Vec<_> = slots
             .values()
             .filter_map(|hold| {
                 let hs = hold.state();
-                let mine = hs.runtime.as_ref().is_some_and(|r| r.id() == runtime);
-                if hs.phase != Phase::Held || hs.watched == 0 || !mine {
+                if hs.phase != Phase::Held {
                     return None;
                 }
-                let mut renewal = hold.store.clone();
-                renewal.lease = self.lease;
-                if let Some(at) = hold.expiry.get() {
-                    let left = at.saturating_duration_since(now);
-                    if left > renewal.lease {
-                        // In whole milliseconds, as the stores count, rounded up: the
-                        // guards keep believing in `at`, so the store must not end first.
-                        let ms = left.as_nanos().div_ceil(1_000_000);
-                        renewal.lease =
-                            Duration::from_millis(u64::try_from(ms).unwrap_or(u64::MAX));
-                    }
+                watches |= hs.watched.iter().any(|id| id == runtime);
+                let renewer = hs
+                    .watched
+                    .iter()
+                    .find(|&id| id == runtime || tasks.is_alive(id));
+                if renewer != Some(runtime) {
+                    return None;
                 }
-                Some((Arc::clone(hold), renewal))
+                Some((Arc::clone(hold), self.renewal(hold, now)))
             })
             .collect();
-        if due.is_empty() {
-            state.tasks.retire(runtime);
+        if !watches {
+            tasks.retire(runtime);
             return None;
         }
         Some(due)
+    }
+
+    /// The request that renews `hold` at `now`.
+    fn renewal(&self, hold: &Hold, now: Instant) -> LockRequest {
+        let mut renewal = hold.store.clone();
+        renewal.lease = self.lease;
+        if let Some(at) = hold.expiry.get() {
+            let left = at.saturating_duration_since(now);
+            if left > renewal.lease {
+                // In whole milliseconds, as the stores count, rounded up: the guards keep
+                // believing in `at`, so the store must not end first.
+                let ms = left.as_nanos().div_ceil(1_000_000);
+                renewal.lease = Duration::from_millis(u64::try_from(ms).unwrap_or(u64::MAX));
+            }
+        }
+        renewal
     }
 
     /// See [`Registry::mark_lost`].
@@ -564,7 +637,7 @@ impl Inner {
     /// Whether `hold` is still held and watched (a renewal answer about it matters).
     pub(crate) fn still_watched(&self, hold: &Hold) -> bool {
         let hs = hold.state();
-        hs.phase == Phase::Held && hs.watched > 0
+        hs.phase == Phase::Held && !hs.watched.is_empty()
     }
 }
 
@@ -575,5 +648,41 @@ fn remove_if_current(state: &mut State, hold: &Arc<Hold>) {
         .is_some_and(|current| Arc::ptr_eq(current, hold))
     {
         state.slots.remove(&hold.slot);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Runtimes;
+
+    /// Runtimes keep the order they first entered in; one leaves with its last watched
+    /// guard, and the next takes its place.
+    #[test]
+    fn runtimes_keep_their_order_and_leave_with_their_last_guard() {
+        let runtimes: Vec<_> = (0..3)
+            .map(|_| {
+                tokio::runtime::Builder::new_current_thread()
+                    .build()
+                    .unwrap()
+            })
+            .collect();
+        let [a, b, c] = [0, 1, 2].map(|i| runtimes[i].handle().id());
+        let mut watched = Runtimes::default();
+        for id in [a, b, a, c] {
+            watched.add(id);
+        }
+        assert_eq!(watched.iter().collect::<Vec<_>>(), [a, b, c]);
+        watched.remove(a);
+        assert_eq!(watched.iter().collect::<Vec<_>>(), [a, b, c]);
+        watched.remove(a);
+        assert_eq!(watched.iter().collect::<Vec<_>>(), [b, c]);
+        watched.remove(c);
+        assert_eq!(watched.iter().collect::<Vec<_>>(), [b]);
+        watched.remove(b);
+        assert!(watched.is_empty());
+        watched.remove(b);
+        assert!(watched.is_empty());
+        watched.add(c);
+        assert_eq!(watched.iter().collect::<Vec<_>>(), [c]);
     }
 }

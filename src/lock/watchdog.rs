@@ -9,8 +9,19 @@
 //! There is one such task per tokio runtime that holds watched locks, running on that
 //! runtime: a client shared by several runtimes (one per worker thread, one per test)
 //! keeps renewing the holds of every runtime that is alive, whichever runtime came
-//! first and whichever ended. A task exists only while its runtime has watched holds,
+//! first and whichever ended. A task exists only while its runtime has watched guards,
 //! and is started again if it died (its runtime shut down, a panic).
+//!
+//! # Which task renews a hold
+//!
+//! A hold is renewed as long as any runtime that took or re-entered it, and still has a
+//! watched guard of it, is alive. The hold counts its watched guards by the runtime each
+//! was taken on, in the order the runtimes first entered; of those, the first whose task
+//! is alive renews it, so exactly one task does. A runtime that re-entered a hold and
+//! shut down takes nothing with it, whether its guard left first or not; when the
+//! runtime that renewed a hold shuts down, the next one's task renews it at its next
+//! tick (within a third of the lease), with no new acquisition. That is why a task stays
+//! while its runtime has watched guards even when it renews none of them itself.
 //!
 //! A renewal extends a hold's [expiry](super::registry::Expiry) to the renewal's send
 //! time plus its lease, less the backend's [clock
@@ -41,17 +52,21 @@ impl Tasks {
     /// Makes sure a renewal task runs on `runtime`.
     pub(crate) fn ensure(&mut self, inner: &Arc<Inner>, runtime: &Handle) {
         let id = runtime.id();
-        if self
-            .running
-            .get(&id)
-            .is_some_and(|task| !task.is_finished())
-        {
+        if self.is_alive(id) {
             return;
         }
         // Tasks of runtimes that shut down (or of a panic) are finished: forget them.
         self.running.retain(|_, task| !task.is_finished());
         self.running
             .insert(id, runtime.spawn(run(Arc::clone(inner), id)));
+    }
+
+    /// Whether the task of `runtime` is running: a runtime that shut down (or whose
+    /// task panicked) renews nothing, and the holds it renewed pass to another.
+    pub(crate) fn is_alive(&self, runtime: Id) -> bool {
+        self.running
+            .get(&runtime)
+            .is_some_and(|task| !task.is_finished())
     }
 
     /// The task of `runtime` ends: nothing of its runtime is watched any more.
@@ -72,6 +87,12 @@ async fn run(inner: Arc<Inner>, runtime: Id) {
         let Some(due) = inner.due_or_retire(runtime) else {
             return;
         };
+        if due.is_empty() {
+            // Every hold this runtime watches is renewed by an earlier live runtime; look
+            // again in a period, in case that runtime is gone by then.
+            next = Instant::now() + period;
+            continue;
+        }
         let (holds, reqs): (Vec<_>, Vec<_>) = due.into_iter().unzip();
         let sent_at = Instant::now();
         // A renewal slower than a period counts as failed.
