@@ -257,13 +257,15 @@ BEGIN
     RETURN 0;
 END $$;
 
--- Renews many holds at once (the watchdog): which of them are still held.
+-- Renews many holds at once (the watchdog): which of them are still held. A lease is
+-- extended, never shortened, so renewals that arrive out of order (over different
+-- connections of a pool) never end a hold before a longer lease already granted.
 CREATE OR REPLACE FUNCTION __S__.__T___renew(
     p_names text[], p_owners text[], p_modes "char"[], p_lease_ms bigint[])
 RETURNS SETOF integer
 LANGUAGE sql AS $$
     UPDATE __S__.__T__ t
-       SET expires_at = clock_timestamp() + r.ms * interval '1 millisecond'
+       SET expires_at = greatest(t.expires_at, clock_timestamp() + r.ms * interval '1 millisecond')
       FROM unnest(p_names, p_owners, p_modes, p_lease_ms) WITH ORDINALITY
            AS r(name, owner, mode, ms, i)
      WHERE t.name = r.name AND t.owner = r.owner AND t.mode = r.mode
