@@ -1678,13 +1678,19 @@ async fn concurrent_reentries_keep_the_longest_lease_in_the_store_redis() {
 }
 
 /// A MultiLock with a fixed 100 ms lease holds `a` and waits for `b`; meanwhile its
-/// owner re-enters `a` with the watchdog (3 s lease, renewed every second). The
-/// watchdog's first renewal reaches the store, and its answer is held back until the
-/// MultiLock has taken `b` and pinned both locks to 100 ms — a renewal that crossed the
-/// pin on the way. The pin set the store's lease to 100 ms outright, the watchdog's late
-/// answer kept the watched guard believing in seconds, and another owner got `a` before
-/// the watchdog's next renewal found it gone.
-async fn multilock_pin_against_a_watched_reentry(store: &impl Store) {
+/// owner re-enters `a` with the watchdog (3 s lease, renewed every second). Then the
+/// MultiLock takes `b` and pins both locks to 100 ms.
+///
+/// `crossing`: the watchdog's first renewal reaches the store, and its answer is held
+/// back until the pin is done — a renewal that crossed the pin on the way. The pin set
+/// the store's lease to 100 ms outright, the watchdog's late answer kept the watched
+/// guard believing in seconds, and another owner got `a` before the watchdog's next
+/// renewal found it gone.
+///
+/// Not `crossing`: the pin comes before the watchdog's first renewal. Once the store
+/// kept the longer lease, the pin still set the hold's belief to exactly 100 ms, so the
+/// watched guard reported its lock lost while the store held it for it.
+async fn multilock_pin_against_a_watched_reentry(store: &impl Store, crossing: bool) {
     let faulty = store.faulty();
     let client = LockClient::builder(faulty.clone())
         .watchdog_lease(Duration::from_secs(3))
@@ -1713,7 +1719,9 @@ async fn multilock_pin_against_a_watched_reentry(store: &impl Store) {
     )
     .await;
     let gate = Gate::new();
-    faulty.arm(|f| f.hold_next_renewals_reply = Some(gate.clone()));
+    if crossing {
+        faulty.arm(|f| f.hold_next_renewals_reply = Some(gate.clone()));
+    }
     let watched = client
         .get_lock(&a)
         .unwrap()
@@ -1727,12 +1735,14 @@ async fn multilock_pin_against_a_watched_reentry(store: &impl Store) {
         2,
         "a watched re-entry of the MultiLock's hold"
     );
-    wait_until(
-        Duration::from_secs(5),
-        "the watchdog's renewal of a reached the store",
-        || async { faulty.held_renewal_replies() == 1 },
-    )
-    .await;
+    if crossing {
+        wait_until(
+            Duration::from_secs(5),
+            "the watchdog's renewal of a reached the store",
+            || async { faulty.held_renewal_replies() == 1 },
+        )
+        .await;
+    }
     blocker.unlock().await.unwrap();
     let both = pinned.await.unwrap().unwrap();
     gate.open();
@@ -1753,12 +1763,25 @@ async fn multilock_pin_against_a_watched_reentry(store: &impl Store) {
 // Sequence 8b (a MultiLock's lease pin crossing a watched re-entry's renewal).
 #[tokio::test(start_paused = true)]
 async fn a_multilock_pin_never_shortens_a_watched_reentrys_lease_memory() {
-    multilock_pin_against_a_watched_reentry(&Memory::new()).await;
+    multilock_pin_against_a_watched_reentry(&Memory::new(), true).await;
 }
 
 // Sequence 8b (a MultiLock's lease pin crossing a watched re-entry's renewal).
 #[cfg(feature = "redis")]
 #[tokio::test]
 async fn a_multilock_pin_never_shortens_a_watched_reentrys_lease_redis() {
-    multilock_pin_against_a_watched_reentry(&Redis::start().await).await;
+    multilock_pin_against_a_watched_reentry(&Redis::start().await, true).await;
+}
+
+// Sequence 8c (a MultiLock's lease pin before a watched re-entry's first renewal).
+#[tokio::test(start_paused = true)]
+async fn a_multilock_pin_never_cuts_a_watched_guards_belief_memory() {
+    multilock_pin_against_a_watched_reentry(&Memory::new(), false).await;
+}
+
+// Sequence 8c (a MultiLock's lease pin before a watched re-entry's first renewal).
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_multilock_pin_never_cuts_a_watched_guards_belief_redis() {
+    multilock_pin_against_a_watched_reentry(&Redis::start().await, false).await;
 }

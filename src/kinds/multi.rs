@@ -198,10 +198,7 @@ impl MultiLock {
             };
             let mut all_held = true;
             for guard in &mut guards {
-                // A re-entered hold keeps the (longer) lease of the hold it re-entered.
-                if guard.hold_count() > 1 {
-                    continue;
-                }
+                // Extends only: a re-entered hold keeps its longer lease, if it has one.
                 match guard.pin_lease(exact).await {
                     Ok(true) => {}
                     Ok(false) => all_held = false,
