@@ -82,6 +82,33 @@
 //! can let a second owner in. RedLock (a majority of independent nodes) narrows that
 //! window but still assumes bounded clock drift and pauses shorter than the lease; it
 //! gives no fencing guarantee across nodes. Use fencing tokens where correctness matters.
+//!
+//! # Durability
+//!
+//! A lease only ever moves later in the store: every renewal, re-entry and partial
+//! release writes the later of the current and the requested end, computed by the store,
+//! so no reordering of them can end a lease before a guard's belief. A grant or renewal
+//! the client was told about must also survive a crash of the store, or after the
+//! restart a second owner is granted a lock the first still believes it holds. What each
+//! backend needs from its store for that:
+//!
+//! - **PostgreSQL**: synchronous commit of grants and renewals. The backend's functions
+//!   force it for their own transaction when a session runs `synchronous_commit = off`,
+//!   so a pool tuned for speed keeps the promise. Releases commit asynchronously: one
+//!   lost in a crash leaves the hold until its lease ends, never a second holder. A
+//!   failover keeps only what the standby had: synchronous replication keeps every
+//!   grant. See `docs/postgres.md`.
+//! - **Redis**: a single server keeps every grant across a crash only with AOF and
+//!   `appendfsync always`. With `appendfsync everysec` the last second or so of grants
+//!   can be lost, and with RDB snapshots alone or no persistence every grant since the
+//!   last snapshot. A failover keeps a grant only if the replica had it; the backend
+//!   does not wait for replicas to acknowledge (`WAIT`), so with replication a grant is
+//!   as durable as Redis' asynchronous replication. Fencing tokens still increase
+//!   across such a loss.
+//! - **Memory**: the store is the process; it ends with its holders.
+//! - **RedLock**: a grant survives while a majority of nodes keep it; a node that
+//!   restarts without its grants should stay out for longer than the longest lease
+//!   (see [`RedLock`](kinds::RedLock)).
 
 #![warn(missing_docs, rust_2018_idioms)]
 #![deny(unreachable_pub, unsafe_code)]

@@ -18,7 +18,9 @@
 //! # Implementing a backend
 //!
 //! Every state change must be atomic in the store (one script, one transaction, one
-//! critical section). The conformance suite in `tests/` runs the same cases against every
+//! critical section). A hold's lease only ever moves later: every renewal, re-entry and
+//! partial release writes the later of the current and the requested end, computed in
+//! the store. The conformance suite in `tests/` runs the same cases against every
 //! backend; a new backend should pass it unchanged.
 //!
 //! # Example
@@ -191,8 +193,8 @@ pub struct LockRequest {
     pub owner: Owner,
     /// How the lock is held.
     pub mode: LockMode,
-    /// The lease: set on a fresh acquisition and on renew; on a re-entry, and on a
-    /// release that leaves holds in place, the hold's lease is extended to it but never
+    /// The lease: set on a fresh acquisition; on a renewal, a re-entry and a release
+    /// that leaves holds in place, the hold's lease is extended to it but never
     /// shortened (a hold without expiry keeps none). Always at least 1 ms, in whole
     /// milliseconds.
     pub lease: Duration,
@@ -614,11 +616,20 @@ pub trait LockBackend: Send + Sync + 'static {
     /// lease counts as free.
     fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>>;
 
-    /// Resets the lease of `req.owner`'s hold to `req.lease` if the owner still holds
-    /// the key in `req.mode`; returns whether it does. Never changes the hold count.
+    /// Extends the lease of `req.owner`'s hold to at least `req.lease` from now if the
+    /// owner still holds the key in `req.mode`; returns whether it does. Never changes
+    /// the hold count.
+    ///
+    /// Never shortens the lease: a hold with more left keeps it, and a hold without
+    /// expiry keeps none. The store computes the new end itself, as the later of the
+    /// current and the requested one, in the same atomic step as the owner check. So
+    /// renewals that reach the store out of order (over two connections of a pool, or a
+    /// watchdog renewal that crosses a re-entry with a longer fixed lease) never end a
+    /// hold before a lease the store already confirmed to one of its guards.
     fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>>;
 
-    /// [`renew`](LockBackend::renew) for many holds at once, results in the same order.
+    /// [`renew`](LockBackend::renew) for many holds at once, results in the same order:
+    /// each hold's lease is extended to at least its request's lease, never shortened.
     /// The watchdog calls this once per period with every lock it keeps alive;
     /// backends batch it into as few round trips as they can (one pipeline or script per
     /// connection). The default renews one by one.
