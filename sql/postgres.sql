@@ -112,12 +112,15 @@ END $$;
 
 -- One attempt to take `p_name` for `p_owner` in `p_mode`.
 -- Returns (acquired, holds, token, ttl_ms): holds and token of the grant, or the
--- remaining lease of what blocks (ttl_ms -1: none to tell). A grant commits
+-- remaining lease of what blocks (ttl_ms -1: none to tell; -2: refused, the attempt
+-- ran after `p_deadline_us`, the database clock in microseconds since the epoch after
+-- which its sender has given up on it (0: none) — a statement delayed on its way, or
+-- kept waiting for the name's advisory lock, takes nothing then). A grant commits
 -- synchronously (`_durable`); a busy attempt keeps the session's setting (a queue
 -- place lost in a crash is taken again at the next poll).
 CREATE OR REPLACE FUNCTION __S__.__T___acquire(
     p_name text, p_owner text, p_mode "char", p_max integer, p_lease_ms bigint,
-    p_fenced boolean, p_writer text, p_waiter_ms bigint,
+    p_fenced boolean, p_writer text, p_waiter_ms bigint, p_deadline_us bigint,
     OUT acquired boolean, OUT holds integer, OUT token bigint, OUT ttl_ms bigint)
 LANGUAGE plpgsql
 -- Index scans, not bitmap scans: they mark the dead entries every acquisition leaves
@@ -141,7 +144,14 @@ BEGIN
         DELETE FROM __S__.__T___queue q WHERE q.name = p_name AND q.evict_at <= now_ts;
     END IF;
 
-    -- An owner given up for good: a late attempt of it takes nothing and queues nowhere.
+    -- Past its deadline (its sender gave up), or of an owner given up for good: a late
+    -- attempt takes nothing and queues nowhere.
+    IF p_deadline_us > 0 AND (extract(epoch FROM now_ts) * 1000000)::bigint > p_deadline_us THEN
+        acquired := false;
+        holds := 0;
+        ttl_ms := -2;
+        RETURN;
+    END IF;
     IF EXISTS (SELECT 1 FROM __S__.__T___gone g
                 WHERE g.name = p_name AND g.owner = p_owner AND g.until > now_ts) THEN
         acquired := false;
@@ -278,6 +288,17 @@ BEGIN
         CASE WHEN p_mode IN ('f', 'r', 'w') THEN '1' ELSE '0' END || p_origin || '|' || p_name);
     RETURN 0;
 END $$;
+
+-- The previous version's signature, for its processes during a rolling upgrade: an
+-- attempt without a deadline.
+CREATE OR REPLACE FUNCTION __S__.__T___acquire(
+    p_name text, p_owner text, p_mode "char", p_max integer, p_lease_ms bigint,
+    p_fenced boolean, p_writer text, p_waiter_ms bigint,
+    OUT acquired boolean, OUT holds integer, OUT token bigint, OUT ttl_ms bigint)
+LANGUAGE sql AS $$
+    SELECT * FROM __S__.__T___acquire(p_name, p_owner, p_mode, p_max, p_lease_ms,
+                                      p_fenced, p_writer, p_waiter_ms, 0)
+$$;
 
 -- Renews many holds at once (the watchdog): which of them are still held. A lease is
 -- extended, never shortened, so renewals that arrive out of order (over different

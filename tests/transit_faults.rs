@@ -320,14 +320,25 @@ async fn a_wait_that_runs_out_leaves_no_phantom_hold_redis() {
     assert!(free(&client.get_lock("wait-out").unwrap()).await);
 }
 
+/// A PostgreSQL database of the test's own, a backend on it directly, and a backend
+/// and client reaching it through a new fault proxy, with a short response timeout and
+/// the statements prepared (a late Bind of an unprepared statement would prove
+/// nothing).
 #[cfg(feature = "postgres")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_wait_that_runs_out_leaves_no_phantom_hold_postgres() {
-    use common::postgres::PgDatabase;
+struct PgBehindProxy {
+    _db: common::postgres::PgDatabase,
+    proxy: FaultProxy,
+    direct: tower_lock::PostgresBackend,
+    backend: tower_lock::PostgresBackend,
+    client: LockClient,
+}
+
+#[cfg(feature = "postgres")]
+async fn postgres_behind_proxy() -> PgBehindProxy {
     use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
     use tower_lock::PostgresBackend;
 
-    let db = PgDatabase::create().await;
+    let db = common::postgres::PgDatabase::create().await;
     let options: PgConnectOptions = db.url.parse().unwrap();
     let upstream = (options.get_host().to_owned(), options.get_port());
     let upstream = tokio::net::lookup_host(upstream)
@@ -352,18 +363,57 @@ async fn a_wait_that_runs_out_leaves_no_phantom_hold_postgres() {
         .await
         .unwrap();
     let client = LockClient::new(backend.clone());
-    // Warm the statements, as a late Bind of an unprepared statement would prove
-    // nothing.
     free(&client.get_lock("warm-up").unwrap()).await;
+    PgBehindProxy {
+        _db: db,
+        proxy,
+        direct,
+        backend,
+        client,
+    }
+}
 
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_that_runs_out_leaves_no_phantom_hold_postgres() {
+    let pg = postgres_behind_proxy().await;
     let key = LockKey::new("wait-out").unwrap();
-    let waiting = || backend.local_waiters(&key) == 1;
+    let waiting = || pg.backend.local_waiters(&key) == 1;
     a_wait_that_runs_out_after_an_unanswered_attempt(
-        &proxy,
-        (&client, &waiting),
-        &direct,
+        &pg.proxy,
+        (&pg.client, &waiting),
+        &pg.direct,
         "wait-out",
     )
     .await;
-    assert!(free(&client.get_lock("wait-out").unwrap()).await);
+    assert!(free(&pg.client.get_lock("wait-out").unwrap()).await);
+}
+
+/// Sequence 3 on PostgreSQL: the record of an abandoned owner refused its late attempts
+/// only for a while (twice the response timeout plus the lease); a statement delayed
+/// longer took the lock. Every attempt now carries a deadline on the database's clock,
+/// and `_acquire` refuses it once that has passed, however late it comes.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_acquisition_that_lands_after_its_record_takes_nothing_postgres() {
+    let pg = postgres_behind_proxy().await;
+    let trap = pg.proxy.trap(Direction::Up, b"late-exclusive");
+    let lease = Duration::from_millis(300);
+    let lock = pg.client.get_lock("late-exclusive").unwrap();
+    let err = lock.try_lock_for(Duration::ZERO, lease).await.unwrap_err();
+    assert!(err.is_unavailable(), "{err:?}");
+    trap.caught().await;
+    // Past the abandoned owner's record (2 x timeout + lease).
+    tokio::time::sleep(TIMEOUT * 2 + lease + Duration::from_millis(300)).await;
+    let key = LockKey::new("late-exclusive").unwrap();
+    release_late_write(
+        &pg.proxy,
+        trap,
+        "the late acquisition took the lock",
+        || async {
+            let state = pg.direct.inspect(&key, LockMode::Exclusive).await.unwrap();
+            state.holders.is_empty()
+        },
+    )
+    .await;
 }

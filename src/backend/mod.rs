@@ -66,7 +66,7 @@ use crate::error::Result;
 use crate::key::LockKey;
 use crate::owner::Owner;
 
-#[cfg(feature = "redis")]
+#[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) mod clock;
 pub mod memory;
 #[cfg(feature = "postgres")]
