@@ -83,6 +83,42 @@
 //! window but still assumes bounded clock drift and pauses shorter than the lease; it
 //! gives no fencing guarantee across nodes. Use fencing tokens where correctness matters.
 //!
+//! # Cancel safety and faults in transit
+//!
+//! A lock call can be cancelled at any await point, a write can reach the store late
+//! (a retransmission, a connection the client replaced), twice, or never, and a future
+//! can be parked forever. The rules the crate keeps, and what each store needs for them:
+//!
+//! - **A given-up attempt can never take a lock later.** Every acquisition carries a
+//!   deadline on the store's clock, one response timeout after it is sent; the store
+//!   refuses it once that has passed (Redis: the scripts read `TIME`; PostgreSQL:
+//!   `clock_timestamp()`), so a reply that timed out leaves nothing that could still
+//!   land. The client maps its clock to the store's from a sample, as a lower bound
+//!   network delays cannot break; the store's clock must not step back. An attempt
+//!   cancelled or failed before its answer is *given up* with
+//!   [`LockBackend::abandon`](backend::LockBackend::abandon): whatever it took is
+//!   released at once, and once more after its deadline on Redis (PostgreSQL also records
+//!   the owner as gone). Its hold identity is never used again: a wait goes on under a new
+//!   one, so no release ever races an attempt of its own identity. Memory answers in the
+//!   call itself.
+//! - **Leases only move later** (see Durability below), so no reordered renewal, re-entry
+//!   or MultiLock pin ends a lease before a guard's belief.
+//! - **No operation depends on its caller being polled.** Redis operations are sent by a
+//!   task of the backend's, renewals by the watchdog's, releases from `Drop` by a spawned
+//!   task; a parked or leaked future costs only itself (a lock it was granted but never
+//!   saw stays until its lease, or until the future is dropped and gives it up).
+//! - **Renewals outlive the runtime that re-entered a hold**: a watched hold is renewed
+//!   while any runtime that took or re-entered it lives.
+//! - **A connection that broke under an attempt** (a store restarted while the connection
+//!   was idle) costs no caller an error: the attempt is tried once more, at once, as a
+//!   new hold. Timeouts and refused connections still fail fast.
+//!
+//! What is left when the store cannot be reached to take an attempt back: a hold until
+//! its lease ends, a place in a fair or read-write queue until the waiter timeout. Each
+//! rule is a test against real servers through a fault-injecting proxy
+//! (`tests/transit_faults.rs`), and the history checker runs with that proxy as a
+//! nemesis.
+//!
 //! # Durability
 //!
 //! A lease only ever moves later in the store: every renewal, re-entry and partial

@@ -718,12 +718,18 @@ pub trait LockBackend: Send + Sync + 'static {
         Box::pin(async { Ok(()) })
     }
 
-    /// The caller gave up on `req` for good — an attempt dropped in flight, or a wait
-    /// that failed — and its owner (the hold's own identity) will never be used again:
-    /// undo whatever its attempts did, or will do when one still in flight arrives
-    /// late. The default releases the owner's hold and leaves the queue, which covers
-    /// attempts already applied; a store whose requests can overtake each other (a pool
-    /// of connections) should also refuse late attempts of `req.owner`.
+    /// The caller gave up on `req` for good — an attempt dropped in flight or left
+    /// unanswered, or a wait that failed — and its owner (the hold's own identity) will
+    /// never be used again: undo whatever its attempts did, or will do when one still in
+    /// flight arrives late. The lock core spawns it and does not wait for it.
+    ///
+    /// The default releases the owner's hold and leaves the queue, which covers attempts
+    /// already applied: right for a store that applies an attempt within the call
+    /// (memory). A store whose requests can overtake each other (a pool of connections,
+    /// a connection replaced after a timeout) must also make sure a late attempt of
+    /// `req.owner` takes nothing: refuse attempts past a deadline on the store's clock,
+    /// record the owner as gone, or release again once no attempt can still land (the
+    /// built-in Redis and PostgreSQL backends do the first and one of the others).
     fn abandon<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             let released = self.release(req).await.map(|_| ());
