@@ -46,7 +46,7 @@ end
 
 -- Whether an attempt arrived after its deadline (server clock in microseconds; '0' or
 -- absent: none), at `now_us`. Its sender has given up on it by then: it must change
--- nothing (src/backend/redis/clock.rs says how the deadline is set).
+-- nothing (src/backend/clock.rs says how the deadline is set).
 local function late(deadline, now_us)
     deadline = tonumber(deadline) or 0
     return deadline > 0 and now_us > deadline
