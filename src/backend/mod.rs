@@ -507,7 +507,9 @@ pub(crate) fn validate_waiter_timeout(timeout: Duration) -> Result<()> {
 /// releases arriving while two waiters are between their attempt and their sleep would
 /// wake only one — for permits, the other then sleeps with a permit free. Here a waiter
 /// also remembers the count it last saw, and does not park when it has moved: no release
-/// is lost, and parked waiters are still woken one per release.
+/// is lost, and parked waiters are still woken one per release. The other way round, a
+/// wake-up the `Notify` kept from a release before a waiter registered is not that
+/// waiter's (it has seen that count), so it waits on instead of taking another's turn.
 pub(crate) struct Signal {
     notify: tokio::sync::Notify,
     releases: std::sync::atomic::AtomicU64,
@@ -543,22 +545,24 @@ impl Signal {
     /// Waits until a release after `seen` or `deadline`, and updates `seen`.
     pub(crate) fn wait<'a>(&'a self, seen: &'a mut u64, deadline: Instant) -> BoxFuture<'a, Wake> {
         Box::pin(async move {
-            let notified = self.notify.notified();
-            tokio::pin!(notified);
-            // Registered before the count is read: a release between the two still wakes
-            // us through the `Notify`.
-            notified.as_mut().enable();
-            let now = self.seen();
-            if now != *seen {
-                *seen = now;
-                return Wake::Notified;
-            }
-            match tokio::time::timeout_at(deadline, notified).await {
-                Ok(()) => {
-                    *seen = self.seen();
-                    Wake::Notified
+            loop {
+                let notified = self.notify.notified();
+                tokio::pin!(notified);
+                // Registered before the count is read: a release between the two still
+                // wakes us through the `Notify`.
+                notified.as_mut().enable();
+                let now = self.seen();
+                if now != *seen {
+                    *seen = now;
+                    return Wake::Notified;
                 }
-                Err(_) => Wake::Deadline,
+                if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                    return Wake::Deadline;
+                }
+                // Woken: by a release after `seen` (the count moved, and the check above
+                // says so), or by a wake-up the `Notify` kept from a release before we
+                // registered, when nobody was parked. That one is not ours: the waiters
+                // registered then see the count moved; wait on.
             }
         })
     }
@@ -873,3 +877,42 @@ macro_rules! forward_backend {
 }
 
 forward_backend!(Arc<T>, Box<T>);
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use tokio::time::Instant;
+
+    use super::{Signal, Wake};
+
+    /// A release while nobody was parked is seen by the waiters that were registered
+    /// then (their count moved), and never by one that registered after it: that one
+    /// would take the turn of the waiter the release was for. CI saw it as a releaser
+    /// barging past the local waiter it should line up behind (PostgreSQL
+    /// `no_barging_past_local_waiters`): the `Notify` kept the release's wake-up for a
+    /// waiter not parked yet, and the releaser's new wait took it.
+    #[tokio::test(start_paused = true)]
+    async fn a_release_before_a_waiter_registered_never_wakes_it() {
+        let signal = Arc::new(Signal::new());
+        let mut earlier = signal.seen();
+        // A release while the earlier waiter is between attempts (not parked).
+        signal.notify_one();
+        let mut later = signal.seen();
+        let soon = Instant::now() + Duration::from_millis(50);
+        assert_eq!(signal.wait(&mut later, soon).await, Wake::Deadline);
+        assert_eq!(signal.wait(&mut earlier, soon).await, Wake::Notified);
+        // The next release wakes the later one, parked.
+        let waiter = tokio::spawn({
+            let signal = Arc::clone(&signal);
+            async move {
+                let deadline = Instant::now() + Duration::from_secs(5);
+                signal.wait(&mut later, deadline).await
+            }
+        });
+        tokio::task::yield_now().await;
+        signal.notify_one();
+        assert_eq!(waiter.await.unwrap(), Wake::Notified);
+    }
+}
