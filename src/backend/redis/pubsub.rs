@@ -8,9 +8,9 @@
 //! unsubscribed while someone waits on it.
 //!
 //! A message on a channel wakes waiters of that channel in this process: `0` (an unlock)
-//! wakes one, `1` (a read unlock) wakes all. A wake-up that finds nobody parked is kept
-//! for the next waiter to park, so a release between a waiter's attempt and its sleep is
-//! not lost. After a reconnect every channel is subscribed again and every waiter is
+//! wakes one, `1` (a read unlock) wakes all. A message that finds nobody parked still
+//! moves the channel's release count, so a waiter between its attempt and its sleep does
+//! not sleep through it (and one that subscribes after it is not woken by it). After a reconnect every channel is subscribed again and every waiter is
 //! woken to retry, since messages may have been missed meanwhile.
 //!
 //! Reconnecting waits a random delay between [`MIN_BACKOFF`] and [`MAX_BACKOFF`] (see
