@@ -57,8 +57,10 @@ fn down() -> tower_lock::Error {
 }
 
 impl tower_lock::backend::LockBackend for DownBackend {
-    fn name(&self) -> &'static str {
-        "down"
+    fn profile(&self) -> &tower_lock::backend::StoreProfile {
+        static PROFILE: tower_lock::backend::StoreProfile =
+            tower_lock::backend::StoreProfile::new("down");
+        &PROFILE
     }
     fn acquire<'a>(
         &'a self,
@@ -78,6 +80,12 @@ impl tower_lock::backend::LockBackend for DownBackend {
     ) -> tower_lock::backend::BoxFuture<'a, tower_lock::Result<tower_lock::backend::Release>> {
         Box::pin(async { Err(down()) })
     }
+    fn abandon<'a>(
+        &'a self,
+        _: &'a tower_lock::backend::LockRequest,
+    ) -> tower_lock::backend::BoxFuture<'a, tower_lock::Result<()>> {
+        Box::pin(async { Err(down()) })
+    }
     fn subscribe<'a>(
         &'a self,
         _: &'a tower_lock::backend::LockRequest,
@@ -85,6 +93,12 @@ impl tower_lock::backend::LockBackend for DownBackend {
         'a,
         tower_lock::Result<Box<dyn tower_lock::backend::Subscription>>,
     > {
+        Box::pin(async { Err(down()) })
+    }
+    fn cancel_wait<'a>(
+        &'a self,
+        _: &'a tower_lock::backend::LockRequest,
+    ) -> tower_lock::backend::BoxFuture<'a, tower_lock::Result<()>> {
         Box::pin(async { Err(down()) })
     }
     fn force_release<'a>(
