@@ -162,6 +162,9 @@ mod lock;
 pub mod metrics;
 mod owner;
 mod scratch;
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub mod testing;
 
 pub use backend::memory::MemoryBackend;
 #[cfg(feature = "postgres")]

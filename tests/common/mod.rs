@@ -1,9 +1,10 @@
-//! Shared test support: the backend conformance suite and helpers.
+//! Shared test support: the redis-server and PostgreSQL harnesses, the lock-kind suite
+//! and helpers. (The backend conformance suite is `tower_lock::testing`, behind the
+//! `testing` feature, as a backend outside the crate reaches it.)
 //!
 //! Each integration test binary compiles this module and uses part of it.
 #![allow(dead_code, unreachable_pub)]
 
-pub mod conformance;
 pub mod history;
 pub mod kinds;
 #[cfg(feature = "postgres")]
@@ -137,6 +138,7 @@ pub fn example_binary(name: &str) -> std::path::PathBuf {
             ("tls", cfg!(feature = "tls")),
             ("axum", cfg!(feature = "axum")),
             ("metrics", cfg!(feature = "metrics")),
+            ("testing", cfg!(feature = "testing")),
         ];
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut build = std::process::Command::new(cargo);
