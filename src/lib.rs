@@ -56,7 +56,7 @@
 //!   client's own clock — is never re-entered or brought back: the owner's next lock is
 //!   a new hold, and the old guards report [`Error::Lost`];
 //! - a hold is believed from *before* the request that granted or renewed it was sent,
-//!   for its lease less the backend's [drift allowance](backend::LockBackend::clock_drift),
+//!   for its lease less the backend's [drift allowance](backend::StoreProfile::clock_drift),
 //!   so no guard believes in a hold the store has already let go of (on one machine's
 //!   clock rate).
 //!
@@ -162,6 +162,9 @@ mod lock;
 pub mod metrics;
 mod owner;
 mod scratch;
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub mod testing;
 
 pub use backend::memory::MemoryBackend;
 #[cfg(feature = "postgres")]

@@ -101,8 +101,9 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
-    Acquire, BoxFuture, FencingToken, Grant, Holder, LockBackend, LockMode, LockRequest, LockState,
-    Release, Signal, Subscription, WaiterScope, Waiters, Wake,
+    Acquire, BoxFuture, ClientNames, FencingToken, Grant, Holder, LocalStore, LockBackend,
+    LockMode, LockRequest, LockState, Release, Signal, StoreProfile, Subscription, WaiterScope,
+    Waiters, Wake,
 };
 use crate::error::Result;
 use crate::key::LockKey;
@@ -119,7 +120,7 @@ pub const DEFAULT_WAITER_TIMEOUT: Duration = Duration::from_secs(5);
 pub const MIN_WAITER_TIMEOUT: Duration = Duration::from_millis(3);
 
 /// An in-process lock store. See the [module docs](self).
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct MemoryBackend {
     shared: Arc<Shared>,
 }
@@ -127,20 +128,34 @@ pub struct MemoryBackend {
 struct Shared {
     table: Mutex<Table>,
     fence: AtomicU64,
-    watchdog_lease: Option<Duration>,
+    /// `memory:<address of this>`, the watchdog lease, the queued modes.
+    profile: StoreProfile,
     waiter_timeout: Duration,
     /// Registered client names: id → (name, until).
     clients: Mutex<HashMap<String, (String, Option<Instant>)>>,
 }
 
-impl Default for Shared {
-    fn default() -> Self {
-        Shared {
+impl Shared {
+    /// A store whose identity is its own address: one store per backend and its clones,
+    /// in this process only.
+    fn new(watchdog_lease: Option<Duration>, waiter_timeout: Duration) -> Arc<Shared> {
+        Arc::new_cyclic(|this| Shared {
             table: Mutex::default(),
             clients: Mutex::default(),
             fence: AtomicU64::new(0),
-            watchdog_lease: None,
-            waiter_timeout: DEFAULT_WAITER_TIMEOUT,
+            profile: StoreProfile::new("memory")
+                .with_store_id(format!("memory:{:p}", this.as_ptr()))
+                .with_queued_modes(QUEUED_MODES)
+                .with_watchdog_lease(watchdog_lease),
+            waiter_timeout,
+        })
+    }
+}
+
+impl Default for MemoryBackend {
+    fn default() -> Self {
+        MemoryBackend {
+            shared: Shared::new(None, DEFAULT_WAITER_TIMEOUT),
         }
     }
 }
@@ -196,11 +211,7 @@ impl MemoryBackendBuilder {
         }
         super::validate_waiter_timeout(self.waiter_timeout)?;
         Ok(MemoryBackend {
-            shared: Arc::new(Shared {
-                watchdog_lease: self.watchdog_lease,
-                waiter_timeout: self.waiter_timeout,
-                ..Shared::default()
-            }),
+            shared: Shared::new(self.watchdog_lease, self.waiter_timeout),
         })
     }
 }
@@ -286,6 +297,9 @@ fn family(mode: LockMode) -> Family {
 }
 
 /// Modes whose busy waiters queue in the store.
+const QUEUED_MODES: [LockMode; 3] = [LockMode::Fair, LockMode::Read, LockMode::Write];
+
+/// Whether `mode` is one of [`QUEUED_MODES`].
 fn is_queued(mode: LockMode) -> bool {
     matches!(mode, LockMode::Fair | LockMode::Read | LockMode::Write)
 }
@@ -788,7 +802,7 @@ impl MemoryBackend {
             .with_fencing_token(newest)
     }
 
-    fn clients(&self) -> MutexGuard<'_, HashMap<String, (String, Option<Instant>)>> {
+    fn client_table(&self) -> MutexGuard<'_, HashMap<String, (String, Option<Instant>)>> {
         self.shared
             .clients
             .lock()
@@ -826,7 +840,7 @@ impl MemoryBackend {
         (self.shared.waiter_timeout / 3).max(Duration::from_millis(1))
     }
 
-    fn acquire_now(&self, req: &LockRequest) -> Acquire {
+    fn apply_acquire(&self, req: &LockRequest) -> Acquire {
         let now = Instant::now();
         let expires_at = now.checked_add(req.lease);
         let mut table = self.table();
@@ -916,7 +930,7 @@ impl MemoryBackend {
         }
     }
 
-    fn release_now(&self, req: &LockRequest) -> Release {
+    fn apply_release(&self, req: &LockRequest) -> Release {
         let now = Instant::now();
         let mut table = self.table();
         let Some(entry) = table.map.get_mut(&req.key) else {
@@ -974,12 +988,14 @@ impl Table {
 }
 
 impl LockBackend for MemoryBackend {
-    fn name(&self) -> &'static str {
-        "memory"
+    /// `memory`, whose identity is `memory:<address>`: one store per backend and its
+    /// clones, in this process only.
+    fn profile(&self) -> &StoreProfile {
+        &self.shared.profile
     }
 
     fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
-        Box::pin(async move { Ok(self.acquire_now(req)) })
+        Box::pin(async move { Ok(self.apply_acquire(req)) })
     }
 
     fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>> {
@@ -997,19 +1013,19 @@ impl LockBackend for MemoryBackend {
     }
 
     fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>> {
-        Box::pin(async move { Ok(self.release_now(req)) })
+        Box::pin(async move { Ok(self.apply_release(req)) })
     }
 
-    fn answers_now(&self) -> bool {
-        true
-    }
-
-    fn try_acquire_now(&self, req: &LockRequest) -> Option<Result<Acquire>> {
-        Some(Ok(self.acquire_now(req)))
-    }
-
-    fn try_release_now(&self, req: &LockRequest) -> Option<Result<Release>> {
-        Some(Ok(self.release_now(req)))
+    /// Releases the owner's hold and leaves the queue: an attempt is applied within
+    /// its call, so none can arrive late.
+    fn abandon<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            self.apply_release(req);
+            if is_queued(req.mode) {
+                self.cancel_wait_now(req);
+            }
+            Ok(())
+        })
     }
 
     fn has_local_waiters(&self, req: &LockRequest) -> bool {
@@ -1056,10 +1072,6 @@ impl LockBackend for MemoryBackend {
         })
     }
 
-    fn queues_waiters(&self, mode: LockMode) -> bool {
-        is_queued(mode)
-    }
-
     fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             self.cancel_wait_now(req);
@@ -1098,7 +1110,28 @@ impl LockBackend for MemoryBackend {
         Box::pin(async move { Ok(self.state_of(key, mode)) })
     }
 
-    fn register_client<'a>(
+    fn local(&self) -> Option<&dyn LocalStore> {
+        Some(self)
+    }
+
+    fn clients(&self) -> Option<&dyn ClientNames> {
+        Some(self)
+    }
+}
+
+/// Answers every call on the spot: memory is the store the fast path is for.
+impl LocalStore for MemoryBackend {
+    fn acquire_now(&self, req: &LockRequest) -> Option<Result<Acquire>> {
+        Some(Ok(self.apply_acquire(req)))
+    }
+
+    fn release_now(&self, req: &LockRequest) -> Option<Result<Release>> {
+        Some(Ok(self.apply_release(req)))
+    }
+}
+
+impl ClientNames for MemoryBackend {
+    fn register<'a>(
         &'a self,
         id: &'a str,
         name: &'a str,
@@ -1106,20 +1139,17 @@ impl LockBackend for MemoryBackend {
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             let now = Instant::now();
-            let mut clients = self.clients();
+            let mut clients = self.client_table();
             clients.retain(|_, (_, until)| until.is_none_or(|at| at > now));
             clients.insert(id.to_owned(), (name.to_owned(), now.checked_add(ttl)));
             Ok(())
         })
     }
 
-    fn client_names<'a>(
-        &'a self,
-        ids: &'a [&'a str],
-    ) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
+    fn names<'a>(&'a self, ids: &'a [&'a str]) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
         Box::pin(async move {
             let now = Instant::now();
-            let clients = self.clients();
+            let clients = self.client_table();
             Ok(ids
                 .iter()
                 .map(|id| {
@@ -1130,15 +1160,6 @@ impl LockBackend for MemoryBackend {
                 })
                 .collect())
         })
-    }
-
-    fn watchdog_lease(&self) -> Option<Duration> {
-        self.shared.watchdog_lease
-    }
-
-    /// `memory:<address>`: one store per backend and its clones, in this process only.
-    fn store_id(&self) -> String {
-        format!("memory:{:p}", Arc::as_ptr(&self.shared))
     }
 }
 

@@ -83,8 +83,9 @@ use tokio::time::Instant;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{
-    Acquire, BoxFuture, FencingToken, Grant, Holder, LockBackend, LockMode, LockRequest, LockState,
-    Release, Signal, Subscription, WaiterScope, Waiters, Wake,
+    Acquire, BoxFuture, ClientNames, FencingToken, Grant, Holder, LockBackend, LockMode,
+    LockRequest, LockState, Release, Signal, StoreProfile, Subscription, WaiterScope, Waiters,
+    Wake,
 };
 use crate::backend::clock::StoreClock;
 use crate::error::{Error, Result};
@@ -126,8 +127,9 @@ struct Inner {
     clock: StoreClock,
     waiter_timeout: Duration,
     response_timeout: Duration,
-    watchdog_lease: Option<Duration>,
-    store_id: String,
+    /// `postgres`; its identity is
+    /// `postgres://<host>:<port>/<database>/<schema>.<table>`.
+    profile: StoreProfile,
     /// This backend's name in its release notifications: its listener skips them.
     origin: String,
     waiters: Arc<Mutex<HashMap<LockKey, KeyWaiters>>>,
@@ -404,7 +406,7 @@ impl PostgresBackend {
                     .fetch_optional(&self.inner.pool),
             )
             .await?;
-        let waiters = if self.queues_waiters(mode) {
+        let waiters = if queued(mode) {
             let queue_sql = self.sql(
                 "SELECT count(*) FROM __F___queue WHERE name = $1 AND evict_at > clock_timestamp()",
             );
@@ -559,8 +561,10 @@ impl PostgresBackendBuilder {
                 pool: self.pool,
                 waiter_timeout: self.waiter_timeout,
                 response_timeout: self.response_timeout,
-                watchdog_lease: self.watchdog_lease,
-                store_id,
+                profile: StoreProfile::new("postgres")
+                    .with_store_id(store_id)
+                    .with_queued_modes(QUEUED_MODES)
+                    .with_watchdog_lease(self.watchdog_lease),
                 origin,
                 waiters,
                 _stop_listener: stop.drop_guard(),
@@ -711,8 +715,8 @@ impl Drop for PgSubscription {
 }
 
 impl LockBackend for PostgresBackend {
-    fn name(&self) -> &'static str {
-        "postgres"
+    fn profile(&self) -> &StoreProfile {
+        &self.inner.profile
     }
 
     fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
@@ -750,7 +754,7 @@ impl LockBackend for PostgresBackend {
         req: &'a LockRequest,
     ) -> BoxFuture<'a, Result<Box<dyn Subscription>>> {
         Box::pin(async move {
-            let queued = self.queues_waiters(req.mode);
+            let queued = queued(req.mode);
             let mut map = waiters_of(&self.inner.waiters);
             let w = map.entry(req.key.clone()).or_insert_with(|| KeyWaiters {
                 one: Arc::new(Signal::new()),
@@ -779,14 +783,10 @@ impl LockBackend for PostgresBackend {
     }
 
     fn has_local_waiters(&self, req: &LockRequest) -> bool {
-        !self.queues_waiters(req.mode)
+        !queued(req.mode)
             && waiters_of(&self.inner.waiters)
                 .get(&req.key)
                 .is_some_and(|w| w.ones > 0)
-    }
-
-    fn queues_waiters(&self, mode: LockMode) -> bool {
-        matches!(mode, LockMode::Fair | LockMode::Read | LockMode::Write)
     }
 
     fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
@@ -847,7 +847,14 @@ impl LockBackend for PostgresBackend {
         Box::pin(self.state_of(key, mode))
     }
 
-    fn register_client<'a>(
+    fn clients(&self) -> Option<&dyn ClientNames> {
+        Some(self)
+    }
+}
+
+/// Names live in `<table>_clients`, swept of expired rows by every registration.
+impl ClientNames for PostgresBackend {
+    fn register<'a>(
         &'a self,
         id: &'a str,
         name: &'a str,
@@ -882,10 +889,7 @@ impl LockBackend for PostgresBackend {
         })
     }
 
-    fn client_names<'a>(
-        &'a self,
-        ids: &'a [&'a str],
-    ) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
+    fn names<'a>(&'a self, ids: &'a [&'a str]) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
         Box::pin(async move {
             let sql = self.sql(
                 "SELECT id, name FROM __F___clients \
@@ -908,21 +912,20 @@ impl LockBackend for PostgresBackend {
                 .collect())
         })
     }
+}
 
-    fn watchdog_lease(&self) -> Option<Duration> {
-        self.inner.watchdog_lease
-    }
+/// Modes whose busy waiters queue in the database (`<table>_queue`).
+const QUEUED_MODES: [LockMode; 3] = [LockMode::Fair, LockMode::Read, LockMode::Write];
 
-    /// `postgres://<host>:<port>/<database>/<schema>.<table>`.
-    fn store_id(&self) -> String {
-        self.inner.store_id.clone()
-    }
+/// Whether `mode` is one of [`QUEUED_MODES`].
+fn queued(mode: LockMode) -> bool {
+    matches!(mode, LockMode::Fair | LockMode::Read | LockMode::Write)
 }
 
 impl fmt::Debug for PostgresBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PostgresBackend")
-            .field("store", &self.inner.store_id)
+            .field("store", &self.inner.profile.store_id())
             .field("waiter_timeout", &self.inner.waiter_timeout)
             .finish()
     }

@@ -44,7 +44,7 @@
 //!   deny it or do not answer — since the holder can no longer show a quorum; a lock
 //!   lost as a whole (force-released, expired everywhere) is never taken back behind
 //!   the back of whoever released it. Each renewal counts for lease − drift from when it
-//!   was sent ([`LockBackend::clock_drift`]).
+//!   was sent ([`StoreProfile::clock_drift`]).
 //! - **Release**: on every node. [`Release::Released`] when a quorum still held it,
 //!   [`Release::NotHeld`] (the guard reports [`Error::Lost`]) when no quorum can have.
 //! - **Waiting**: one subscription per reachable node; the first notification wakes the
@@ -131,8 +131,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::backend::{
-    Acquire, BoxFuture, Grant, Holder, LockBackend, LockMode, LockRequest, LockState, Release,
-    Subscription, WaiterScope, Waiters, Wake,
+    Acquire, BoxFuture, ClientNames, ClockDrift, Grant, Holder, LockBackend, LockMode, LockRequest,
+    LockState, Release, StoreProfile, Subscription, WaiterScope, Waiters, Wake,
 };
 use crate::error::{Error, Result};
 use crate::key::LockKey;
@@ -176,10 +176,12 @@ pub struct RedLock {
 struct Inner {
     nodes: Vec<Arc<dyn LockBackend>>,
     quorum: usize,
-    name: &'static str,
+    /// `redlock` or `all-of`, identified by its nodes (`redlock(<node>,<node>,...)`, in
+    /// the nodes' order); queues waiters where any node does; 1% of the lease plus
+    /// 2 ms of clock drift ([`CLOCK_DRIFT_FACTOR`]).
+    profile: StoreProfile,
     node_timeout: Duration,
     retry_jitter: Duration,
-    watchdog_lease: Option<Duration>,
     backoffs: Mutex<Backoffs>,
 }
 
@@ -296,14 +298,21 @@ impl RedLockBuilder {
             Quorum::Majority => (total / 2 + 1, "redlock"),
             Quorum::All => (total, "all-of"),
         };
+        let ids: Vec<&str> = self.nodes.iter().map(|n| n.profile().store_id()).collect();
+        let profile = self.nodes.iter().fold(
+            StoreProfile::new(name)
+                .with_store_id(format!("{name}({})", ids.join(",")))
+                .with_watchdog_lease(self.watchdog_lease)
+                .with_clock_drift(DRIFT),
+            |profile, node| profile.queueing_as_well_as(node.profile()),
+        );
         Ok(RedLock {
             inner: Arc::new(Inner {
                 nodes: self.nodes,
                 quorum,
-                name,
+                profile,
                 node_timeout: self.node_timeout,
                 retry_jitter: self.retry_jitter,
-                watchdog_lease: self.watchdog_lease,
                 backoffs: Mutex::default(),
             }),
         })
@@ -366,9 +375,12 @@ impl RedLock {
     }
 }
 
+/// [`CLOCK_DRIFT_FACTOR`] (in millionths) plus [`CLOCK_DRIFT_MIN`].
+const DRIFT: ClockDrift = ClockDrift::new(10_000, CLOCK_DRIFT_MIN);
+
 /// The clock drift allowed for over `lease`.
 fn drift(lease: Duration) -> Duration {
-    lease.mul_f64(CLOCK_DRIFT_FACTOR) + CLOCK_DRIFT_MIN
+    DRIFT.allowance(lease)
 }
 
 /// One node's answer.
@@ -518,7 +530,7 @@ impl Inner {
                     true
                 }
                 Ok(Ok(Acquire::Busy { .. })) => {
-                    if node.queues_waiters(req.mode) {
+                    if node.profile().queues_waiters(req.mode) {
                         let _ =
                             tokio::time::timeout(self.node_timeout, node.cancel_wait(req)).await;
                     }
@@ -539,7 +551,7 @@ impl Inner {
             nodes
                 .iter()
                 .filter_map(|&i| self.nodes.get(i))
-                .filter(|node| node.queues_waiters(req.mode))
+                .filter(|node| node.profile().queues_waiters(req.mode))
                 .cloned()
                 .collect()
         };
@@ -695,8 +707,8 @@ impl Inner {
 }
 
 impl LockBackend for RedLock {
-    fn name(&self) -> &'static str {
-        self.inner.name
+    fn profile(&self) -> &StoreProfile {
+        &self.inner.profile
     }
 
     fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
@@ -810,13 +822,6 @@ impl LockBackend for RedLock {
         })
     }
 
-    fn queues_waiters(&self, mode: LockMode) -> bool {
-        self.inner
-            .nodes
-            .iter()
-            .any(|node| node.queues_waiters(mode))
-    }
-
     fn has_local_waiters(&self, req: &LockRequest) -> bool {
         // A RedLock waiter subscribes on every reachable node, so any node sees it.
         self.inner
@@ -879,7 +884,14 @@ impl LockBackend for RedLock {
         })
     }
 
-    fn register_client<'a>(
+    fn clients(&self) -> Option<&dyn ClientNames> {
+        Some(self)
+    }
+}
+
+/// Names go to every node and are read from the first that has one.
+impl ClientNames for RedLock {
+    fn register<'a>(
         &'a self,
         id: &'a str,
         name: &'a str,
@@ -889,7 +901,7 @@ impl LockBackend for RedLock {
             let votes = self
                 .inner
                 .on_all("register the client", |node| {
-                    node.register_client(id, name, ttl)
+                    node_names(node).register(id, name, ttl)
                 })
                 .await;
             if votes.iter().any(|v| matches!(v, Vote::Answer(()))) {
@@ -901,14 +913,11 @@ impl LockBackend for RedLock {
     }
 
     /// The first name any node has for each client.
-    fn client_names<'a>(
-        &'a self,
-        ids: &'a [&'a str],
-    ) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
+    fn names<'a>(&'a self, ids: &'a [&'a str]) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
         Box::pin(async move {
             let votes = self
                 .inner
-                .on_all("read client names", |node| node.client_names(ids))
+                .on_all("read client names", |node| node_names(node).names(ids))
                 .await;
             let mut names = vec![None; ids.len()];
             for vote in votes {
@@ -923,20 +932,23 @@ impl LockBackend for RedLock {
             Ok(names)
         })
     }
+}
 
-    fn watchdog_lease(&self) -> Option<Duration> {
-        self.inner.watchdog_lease
+/// A node's record of client names; a node without one records nothing and knows none.
+fn node_names(node: &dyn LockBackend) -> &dyn ClientNames {
+    node.clients().unwrap_or(&NoNames)
+}
+
+/// The record of a store that keeps no client names.
+struct NoNames;
+
+impl ClientNames for NoNames {
+    fn register<'a>(&'a self, _: &'a str, _: &'a str, _: Duration) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async { Ok(()) })
     }
 
-    /// 1% of the lease plus 2 ms: see [`CLOCK_DRIFT_FACTOR`].
-    fn clock_drift(&self, lease: Duration) -> Duration {
-        drift(lease)
-    }
-
-    /// `redlock(<node>,<node>,...)` (`all-of(...)`), in the nodes' order.
-    fn store_id(&self) -> String {
-        let ids: Vec<String> = self.inner.nodes.iter().map(|n| n.store_id()).collect();
-        format!("{}({})", self.inner.name, ids.join(","))
+    fn names<'a>(&'a self, ids: &'a [&'a str]) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
+        Box::pin(async move { Ok(vec![None; ids.len()]) })
     }
 }
 
@@ -949,7 +961,7 @@ impl std::fmt::Debug for RedLock {
                     .inner
                     .nodes
                     .iter()
-                    .map(|n| n.name())
+                    .map(|n| n.profile().name())
                     .collect::<Vec<_>>(),
             )
             .field("quorum", &self.inner.quorum)

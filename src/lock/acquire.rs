@@ -172,7 +172,7 @@ impl Start {
         // validity, counted from when its answer came.
         let valid = self
             .lease_len
-            .saturating_sub(client.backend().clock_drift(self.lease_len));
+            .saturating_sub(client.backend().profile().clock_drift(self.lease_len));
         let mut expires_at = attempt.sent_at.checked_add(valid);
         if let Some(valid_for) = attempt.grant.valid_for() {
             let limit = attempt.answered_at.checked_add(valid_for);
@@ -232,7 +232,8 @@ pub(crate) fn try_acquire_now(
     let backend = client.backend();
     // A busy attempt in a queued mode would queue this owner: only the waiting path
     // undoes that.
-    if !backend.answers_now() || backend.queues_waiters(lock.mode) {
+    let local = backend.local()?;
+    if backend.profile().queues_waiters(lock.mode) {
         return None;
     }
     let start = match start(lock, owner, lease) {
@@ -265,7 +266,7 @@ pub(crate) fn try_acquire_now(
         return None;
     }
     let sent_at = Instant::now();
-    let outcome = backend.try_acquire_now(req)?;
+    let outcome = local.acquire_now(req)?;
     let answered_at = Instant::now();
     let span = start.span(client, req);
     let waited = started.elapsed();
@@ -369,7 +370,7 @@ async fn reenter(client: &LockClient, guard: LockGuard, started: Instant) -> Res
             drop(guard);
             return Err(Error::Lost);
         }
-        let valid = lease.saturating_sub(backend.clock_drift(lease));
+        let valid = lease.saturating_sub(backend.profile().clock_drift(lease));
         hold.expiry.extend_to(sent_at.checked_add(valid));
     }
     reentered(client, guard, started)
@@ -503,7 +504,7 @@ async fn run(
 ) -> Result<Attempted> {
     let expired = |now: Instant| deadline.is_some_and(|d| now >= d);
     let backend = client.backend();
-    let queued_mode = backend.queues_waiters(pending.store().mode);
+    let queued_mode = backend.profile().queues_waiters(pending.store().mode);
 
     // No barging within a process: when others here already wait for this key, a new
     // acquirer lines up behind them (they are woken first to last) instead of snatching
@@ -607,7 +608,7 @@ async fn wait(
 ) -> Waited {
     let expired = |now: Instant| deadline.is_some_and(|d| now >= d);
     let backend = client.backend();
-    let queued_mode = backend.queues_waiters(req.mode);
+    let queued_mode = backend.profile().queues_waiters(req.mode);
     // From the first busy answer on, a queueing backend keeps this owner in line; every
     // way out below (giving up at once, a failed subscribe, cancellation) leaves it.
     let mut in_line = InLine {
@@ -749,11 +750,7 @@ async fn attempt(client: &LockClient, req: &LockRequest) -> Result<Outcome> {
         armed: true,
     };
     let backend = client.backend();
-    let now = if backend.answers_now() {
-        backend.try_acquire_now(req)
-    } else {
-        None
-    };
+    let now = backend.local().and_then(|local| local.acquire_now(req));
     let outcome = match now {
         Some(outcome) => outcome,
         None => backend.acquire(req).await,

@@ -233,7 +233,7 @@ impl LockGuard {
         let sent_at = Instant::now();
         let renewed = backend.renew(&req).await?;
         if renewed {
-            let valid = lease.saturating_sub(backend.clock_drift(lease));
+            let valid = lease.saturating_sub(backend.profile().clock_drift(lease));
             held.hold.expiry.extend_to(sent_at.checked_add(valid));
             held.lease = lease;
         } else {
@@ -373,10 +373,8 @@ fn release_fully_now(
     backend: &dyn crate::backend::LockBackend,
     req: &LockRequest,
 ) -> Option<Result<Release>> {
-    if !backend.answers_now() {
-        return None;
-    }
-    let first = backend.try_release_now(req)?;
+    let local = backend.local()?;
+    let first = local.release_now(req)?;
     let Ok(Release::Decremented { holds }) = first else {
         return Some(first);
     };
@@ -385,11 +383,11 @@ fn release_fully_now(
         "releasing holds of an acquisition whose reply was lost"
     );
     for _ in 0..holds.min(MAX_REPAIRS) {
-        match backend.try_release_now(req) {
+        match local.release_now(req) {
             Some(Ok(Release::Decremented { .. })) => {}
             Some(Ok(_)) => return Some(Ok(Release::Released)),
             Some(Err(error)) => return Some(Err(error)),
-            // Against the trait's contract; the holds left end with their lease.
+            // Not on the spot after all: the holds left end with their lease.
             None => break,
         }
     }

@@ -189,10 +189,14 @@ impl LockClient {
     /// [`DEFAULT_WATCHDOG_LEASE`].
     pub fn new(backend: impl LockBackend) -> Self {
         let backend: Arc<dyn LockBackend> = Arc::new(backend);
-        let lease = match backend.watchdog_lease().map(validate_watchdog_lease) {
+        let lease = match backend
+            .profile()
+            .watchdog_lease()
+            .map(validate_watchdog_lease)
+        {
             Some(Ok(lease)) => lease,
             Some(Err(error)) => {
-                tracing::warn!(%error, backend = backend.name(), "ignoring the backend's watchdog lease");
+                tracing::warn!(%error, backend = backend.profile().name(), "ignoring the backend's watchdog lease");
                 DEFAULT_WATCHDOG_LEASE
             }
             None => DEFAULT_WATCHDOG_LEASE,
@@ -217,7 +221,7 @@ impl LockClient {
         hooks: Hooks,
         name: Option<Arc<str>>,
     ) -> Self {
-        let hooks = hooks.on_backend(backend.name());
+        let hooks = hooks.on_backend(backend.profile().name());
         let client = LockClient {
             inner: Arc::new(ClientInner {
                 registry: Registry::new(Arc::clone(&backend), watchdog_lease, hooks.clone()),
@@ -235,7 +239,7 @@ impl LockClient {
             tracing::info!(
                 client.id = %client.id(),
                 client.name = name,
-                backend = client.backend().name(),
+                backend = client.backend().profile().name(),
                 "lock client ready"
             );
         }
@@ -367,9 +371,10 @@ impl LockClient {
             return Ok(());
         };
         self.mark_name_registered();
-        self.backend()
-            .register_client(self.id(), &name, CLIENT_NAME_TTL)
-            .await
+        match self.backend().clients() {
+            Some(clients) => clients.register(self.id(), &name, CLIENT_NAME_TTL).await,
+            None => Ok(()),
+        }
     }
 
     fn mark_name_registered(&self) {
@@ -435,7 +440,10 @@ impl LockClient {
         if others.is_empty() {
             return;
         }
-        let names = match self.backend().client_names(&others).await {
+        let Some(clients) = self.backend().clients() else {
+            return;
+        };
+        let names = match clients.names(&others).await {
             Ok(names) => names,
             Err(error) => {
                 tracing::debug!(%error, "could not read client names for an inspection");
@@ -488,7 +496,7 @@ impl std::fmt::Debug for LockClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LockClient")
             .field("id", &self.inner.id)
-            .field("backend", &self.inner.backend.name())
+            .field("backend", &self.inner.backend.profile().name())
             .field("watchdog_lease", &self.inner.watchdog_lease)
             .finish()
     }
@@ -592,7 +600,7 @@ impl LockClientBuilder {
     pub fn build(self) -> Result<LockClient> {
         let lease = self
             .watchdog_lease
-            .or_else(|| self.backend.watchdog_lease())
+            .or_else(|| self.backend.profile().watchdog_lease())
             .unwrap_or(DEFAULT_WATCHDOG_LEASE);
         let lease = validate_watchdog_lease(lease)?;
         let name = self.name.as_deref().map(validate_name).transpose()?;

@@ -25,7 +25,7 @@
 //!
 //! A renewal extends a hold's [expiry](super::registry::Expiry) to the renewal's send
 //! time plus its lease, less the backend's [clock
-//! drift](crate::backend::LockBackend::clock_drift). A renewal that says "not held"
+//! drift](crate::backend::StoreProfile::clock_drift). A renewal that says "not held"
 //! marks the hold lost at once; renewals that fail mark it lost when its expiry passes.
 
 use std::collections::HashMap;
@@ -116,7 +116,8 @@ async fn run(inner: Arc<Inner>, runtime: Id) {
                         true
                     } else {
                         let lease = reqs[i].lease;
-                        let valid = lease.saturating_sub(inner.backend.clock_drift(lease));
+                        let valid =
+                            lease.saturating_sub(inner.backend.profile().clock_drift(lease));
                         hold.expiry.extend_to(sent_at.checked_add(valid));
                         false
                     }

@@ -127,8 +127,8 @@ use redis::{Client, FromRedisValue, IntoConnectionInfo, RedisError, RedisResult,
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{
-    Acquire, BoxFuture, FencingToken, Grant, Holder, LockBackend, LockMode, LockRequest, LockState,
-    Release, Subscription, WaiterScope, Waiters,
+    Acquire, BoxFuture, ClientNames, FencingToken, Grant, Holder, LockBackend, LockMode,
+    LockRequest, LockState, Release, StoreProfile, Subscription, WaiterScope, Waiters,
 };
 use crate::backend::clock::{COMPENSATION_MARGIN, StoreClock};
 use crate::error::{Error, Result};
@@ -308,10 +308,11 @@ enum Target {
 struct Inner {
     conn: Conn,
     prefix: String,
-    /// The server (or cluster) and key prefix: the same in every process.
-    store_id: String,
+    /// `redis`; its identity is the server (or cluster) and key prefix, the same in
+    /// every process: `redis:<host>:<port>/<db>:<key prefix>`
+    /// (`redis-cluster:<nodes>:<prefix>`).
+    profile: StoreProfile,
     hub: pubsub::Hub,
-    watchdog_lease: Option<Duration>,
     waiter_timeout: Duration,
     /// Group commit of exclusive acquisitions and releases (single server only).
     batcher: batch::Batcher,
@@ -593,7 +594,7 @@ impl RedisBackend {
     /// Releases `req`'s hold and leaves its queue; returns whether it held the lock.
     async fn take_back(&self, req: &LockRequest) -> Result<bool> {
         let released = self.release(req).await;
-        if self.queues_waiters(req.mode) {
+        if queued(req.mode) {
             self.cancel_wait_mode(req).await?;
         }
         Ok(!matches!(released?, Release::NotHeld))
@@ -612,7 +613,7 @@ impl RedisBackend {
                     .key(Names::lease_prefix(prefix, key)),
             )
             .await?;
-        let waiters = if !self.queues_waiters(mode) {
+        let waiters = if !queued(mode) {
             // Nobody records these waiters in Redis: they sleep on the release channel.
             let channel = Names::channel(prefix, key);
             let here = self.inner.hub.waiters_where(|c| c == channel);
@@ -1139,10 +1140,12 @@ impl RedisBackendBuilder {
         Ok(RedisBackend {
             inner: Arc::new(Inner {
                 conn,
+                profile: StoreProfile::new("redis")
+                    .with_store_id(store_id)
+                    .with_queued_modes(QUEUED_MODES)
+                    .with_watchdog_lease(self.watchdog_lease),
                 prefix: self.key_prefix,
-                store_id,
                 hub,
-                watchdog_lease: self.watchdog_lease,
                 waiter_timeout: self.waiter_timeout,
                 batcher: batch::Batcher::default(),
                 clock: StoreClock::default(),
@@ -1154,8 +1157,8 @@ impl RedisBackendBuilder {
 }
 
 impl LockBackend for RedisBackend {
-    fn name(&self) -> &'static str {
-        "redis"
+    fn profile(&self) -> &StoreProfile {
+        &self.inner.profile
     }
 
     fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
@@ -1204,7 +1207,7 @@ impl LockBackend for RedisBackend {
     fn has_local_waiters(&self, req: &LockRequest) -> bool {
         // Queued modes keep their order in the store; the others wait on the lock's
         // shared channel. The atomic check keeps the uncontended path free of names.
-        !self.queues_waiters(req.mode)
+        !queued(req.mode)
             && self.inner.hub.anyone_waits()
             && self
                 .inner
@@ -1221,10 +1224,6 @@ impl LockBackend for RedisBackend {
             let channel = Names::wait_channel(&self.inner.prefix, req);
             Ok(self.inner.hub.subscribe(channel).await)
         })
-    }
-
-    fn queues_waiters(&self, mode: LockMode) -> bool {
-        matches!(mode, LockMode::Fair | LockMode::Read | LockMode::Write)
     }
 
     fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
@@ -1264,7 +1263,14 @@ impl LockBackend for RedisBackend {
         Box::pin(self.inspect_state(key, mode))
     }
 
-    fn register_client<'a>(
+    fn clients(&self) -> Option<&dyn ClientNames> {
+        Some(self)
+    }
+}
+
+/// Names live at `<prefix>client:<id>`, a string key with a TTL.
+impl ClientNames for RedisBackend {
+    fn register<'a>(
         &'a self,
         id: &'a str,
         name: &'a str,
@@ -1280,10 +1286,7 @@ impl LockBackend for RedisBackend {
         })
     }
 
-    fn client_names<'a>(
-        &'a self,
-        ids: &'a [&'a str],
-    ) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
+    fn names<'a>(&'a self, ids: &'a [&'a str]) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
         Box::pin(async move {
             let mut names = Vec::with_capacity(ids.len());
             // One GET each: on a cluster the names live in different slots.
@@ -1295,15 +1298,14 @@ impl LockBackend for RedisBackend {
             Ok(names)
         })
     }
+}
 
-    fn watchdog_lease(&self) -> Option<Duration> {
-        self.inner.watchdog_lease
-    }
+/// Modes whose busy waiters queue in Redis.
+const QUEUED_MODES: [LockMode; 3] = [LockMode::Fair, LockMode::Read, LockMode::Write];
 
-    /// `redis:<host>:<port>/<db>:<key prefix>` (`redis-cluster:<nodes>:<prefix>`).
-    fn store_id(&self) -> String {
-        self.inner.store_id.clone()
-    }
+/// Whether `mode` is one of [`QUEUED_MODES`].
+fn queued(mode: LockMode) -> bool {
+    matches!(mode, LockMode::Fair | LockMode::Read | LockMode::Write)
 }
 
 /// Modes held as a plain `RLock` hash field (exclusive and fair), renewed alike.
