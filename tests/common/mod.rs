@@ -11,6 +11,7 @@ pub mod kinds;
 pub mod postgres;
 pub mod proxy;
 pub mod redis_server;
+pub mod sentinel;
 
 use std::future::Future;
 use std::time::Duration;
