@@ -14,9 +14,10 @@ use pin_project::pin_project;
 use tower::Service;
 
 use super::body::LockBody;
+use super::config::{OnLost, ReleaseOn};
 use super::keys::{Extracted, KeyError, Keys};
 use super::layer::Core;
-use super::policy::{OnLost, Rejection, RejectionBody, ReleaseOn};
+use super::rejection::{Rejection, RejectionBody};
 use super::release::Release;
 use crate::backend::BoxFuture;
 use crate::error::Result;
@@ -94,7 +95,7 @@ where
         #[pin]
         future: S::Future,
         release: Release,
-        /// Fires when the lock is lost, if the policy cancels then.
+        /// Fires when the lock is lost, if the configuration cancels then.
         lost: Option<BoxFuture<'static, ()>>,
     },
     Releasing {
@@ -147,13 +148,13 @@ where
 /// The request's locks, taken as its owner: one lock directly (on the spot when the
 /// backend answers without I/O), several as one MultiLock.
 fn acquire(core: &Arc<Core>, owner: &Owner, keys: Keys, method: &Method) -> Acquisition {
-    let mode = core.policy.mode.for_method(method);
-    let fenced = core.policy.fenced;
+    let mode = core.config.mode.for_method(method);
+    let fenced = core.config.fenced;
     let lock = |key| {
         let lock = core.client.lock_on(key, mode);
         if fenced { lock.fenced() } else { lock }
     };
-    let (wait, lease) = (core.policy.wait, core.policy.lease);
+    let (wait, lease) = (core.config.wait, core.config.lease);
     let owner = owner.clone();
     let keys = match keys.into_one() {
         Ok(key) => {
@@ -201,14 +202,14 @@ where
             if let Some(held) = HeldLock::new(&guard) {
                 req.extensions_mut().insert(held);
             }
-            let lost = (core.policy.on_lost == OnLost::Cancel).then(|| {
+            let lost = (core.config.on_lost == OnLost::Cancel).then(|| {
                 let lost: BoxFuture<'static, ()> = Box::pin(guard.lost().wait());
                 lost
             });
             (Release::new(guard, core.client.clone()), lost)
         }
-        Err(error) => match core.policy.rejection_for(error) {
-            Rejection::Unavailable { error, .. } if core.policy.fail_open => {
+        Err(error) => match core.config.rejection_for(error) {
+            Rejection::Unavailable { error, .. } if core.config.fail_open => {
                 tracing::warn!(
                     %error,
                     owner = %owner,
@@ -356,7 +357,7 @@ where
                                     "the request's lock was lost while it was being handled; cancelling it"
                                 );
                                 let rejection = Rejection::Lost {
-                                    retry_after: this.core.policy.unavailable_retry_after,
+                                    retry_after: this.core.config.unavailable_retry_after,
                                 };
                                 // Drops the inner future and the guards (released in
                                 // spawned tasks).
@@ -374,7 +375,7 @@ where
                         // byte; a response that will send no body (to a HEAD, a 204 or
                         // 304, an empty body) releases them with its head instead.
                         Ok(response)
-                            if this.core.policy.release_on == ReleaseOn::BodyEnd
+                            if this.core.config.release_on == ReleaseOn::BodyEnd
                                 && !*this.head
                                 && !bodiless(response.status())
                                 && !response.body().is_end_stream() =>
@@ -437,7 +438,8 @@ fn internal_error<B>() -> Response<LockBody<B>> {
     let body = http_body_util::Full::new(Bytes::from_static(
         b"tower-lock: response future polled after completion",
     ));
-    let mut response = super::policy::boxed_response(Response::new(body)).map(LockBody::rejection);
+    let mut response =
+        super::rejection::boxed_response(Response::new(body)).map(LockBody::rejection);
     *response.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
     response
 }

@@ -9,7 +9,7 @@ use http::request::Parts;
 
 use super::{Extracted, IntoKeys, KeyError, KeyExtractor};
 use crate::backend::BoxFuture;
-use crate::layer::policy::boxed_response;
+use crate::layer::rejection::boxed_response;
 
 /// Keys a request with any axum extractor (`Path<T>`, `Query<T>`, `TypedHeader<T>`,
 /// your own authentication extractor...) and a function of its value, made by

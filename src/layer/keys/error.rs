@@ -6,7 +6,7 @@ use std::fmt;
 use http::{Response, StatusCode};
 
 use crate::error::Error;
-use crate::layer::policy::RejectionBody;
+use crate::layer::rejection::RejectionBody;
 
 /// Why no key could be derived from a request. The layer answers it through the
 /// rejection handler: by default with [`status`](KeyError::status) (400 unless made
