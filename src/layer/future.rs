@@ -25,7 +25,8 @@ use crate::extract::HeldLock;
 use crate::key::LockKey;
 use crate::kinds::{MultiGuard, MultiLock};
 use crate::lock::LayerOutcome;
-use crate::lock::acquire::{acquire_as, deadline_after, try_acquire_now};
+use crate::lock::acquire::deadline_after;
+use crate::lock::{Acquisition, begin_acquire};
 use crate::owner::Owner;
 
 /// The response future of [`LockService`](super::LockService).
@@ -145,9 +146,10 @@ where
     }
 }
 
-/// The request's locks, taken as its owner: one lock directly (on the spot when the
-/// backend answers without I/O), several as one MultiLock.
-fn acquire(core: &Arc<Core>, owner: &Owner, keys: Keys, method: &Method) -> Acquisition {
+/// The request's locks, taken as its owner: one lock through the lock core's entry
+/// point (answered on the spot when the store can, with no future to box), several as
+/// one MultiLock.
+fn acquire(core: &Arc<Core>, owner: &Owner, keys: Keys, method: &Method) -> Locking {
     let mode = core.config.mode.for_method(method);
     let fenced = core.config.fenced;
     let lock = |key| {
@@ -159,16 +161,13 @@ fn acquire(core: &Arc<Core>, owner: &Owner, keys: Keys, method: &Method) -> Acqu
     let keys = match keys.into_one() {
         Ok(key) => {
             // The common case: no MultiLock and no vectors.
-            let lock = lock(key);
-            if let Some(outcome) = try_acquire_now(&lock, Some(owner.clone()), lease) {
-                return Acquisition::Now(outcome.map(MultiGuard::one));
-            }
-            return Acquisition::Later(Box::pin(async move {
-                let deadline = deadline_after(Some(wait));
-                acquire_as(&lock, Some(owner), deadline, lease)
-                    .await
-                    .map(MultiGuard::one)
-            }));
+            let deadline = deadline_after(Some(wait));
+            return match begin_acquire(lock(key), Some(owner), deadline, lease) {
+                Acquisition::Now(outcome) => Acquisition::Now(outcome.map(MultiGuard::one)),
+                Acquisition::Later(waiting) => {
+                    Acquisition::Later(Box::pin(async move { waiting.await.map(MultiGuard::one) }))
+                }
+            };
         }
         Err(keys) => keys,
     };
@@ -178,10 +177,8 @@ fn acquire(core: &Arc<Core>, owner: &Owner, keys: Keys, method: &Method) -> Acqu
     }))
 }
 
-enum Acquisition {
-    Now(Result<MultiGuard>),
-    Later(BoxFuture<'static, Result<MultiGuard>>),
-}
+/// A request's locks, taken on the spot or still to wait for.
+type Locking = Acquisition<MultiGuard, BoxFuture<'static, Result<MultiGuard>>>;
 
 /// The state after the acquisition's `outcome`: ready to call the inner service with
 /// the locks held (or, failing open, without them), or rejected.

@@ -77,12 +77,14 @@ use crate::kinds::ReadWriteLock;
 use crate::owner::Owner;
 
 pub(crate) mod acquire;
+mod acquisition;
 mod guard;
 mod observer;
 mod registry;
 mod unlocking;
 mod watchdog;
 
+pub(crate) use acquisition::{Acquisition, begin_acquire};
 pub use guard::{LockGuard, LostSignal};
 pub(crate) use observer::Hooks;
 pub use observer::{LayerOutcome, LockEvent, LockObserver};
