@@ -18,6 +18,7 @@ use tokio::runtime::Handle;
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use super::acquisition::{Acquisition, begin_acquire};
 use super::guard::LockGuard;
 use super::registry::{Entered, Hold, Registry, Slot};
 use super::{Lease, Lock, LockClient, LockEvent};
@@ -303,9 +304,19 @@ pub(crate) async fn acquire_as(
     deadline: Option<Instant>,
     lease: Lease,
 ) -> Result<LockGuard> {
-    if let Some(done) = try_acquire_now(lock, owner.clone(), lease) {
-        return done;
+    match begin_acquire(lock, owner, deadline, lease) {
+        Acquisition::Now(done) => done,
+        Acquisition::Later(waiting) => waiting.await,
     }
+}
+
+/// [`acquire_as`] past the fast path, which [`begin_acquire`] has just tried.
+pub(crate) async fn acquire_waiting(
+    lock: &Lock,
+    owner: Option<Owner>,
+    deadline: Option<Instant>,
+    lease: Lease,
+) -> Result<LockGuard> {
     let client = &lock.client;
     let start = start(lock, owner, lease)?;
     let started = Instant::now();

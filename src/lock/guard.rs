@@ -11,6 +11,7 @@ use tokio::runtime::Handle;
 use tokio::time::Instant;
 
 use super::registry::{Hold, Left};
+use super::unlocking::{FinishOnDrop, Unlocking};
 use super::{LockClient, LockEvent};
 use crate::backend::{FencingToken, LockMode, LockRequest, Release};
 use crate::error::{Error, Result};
@@ -358,13 +359,6 @@ impl LockGuard {
     }
 }
 
-/// A guard's unlock, begun: see [`LockGuard::start_unlock`].
-pub(crate) enum Unlocking {
-    Done(Result<()>),
-    /// Cancel-safe: dropped before it finishes, the release goes on in a task.
-    Pending(FinishOnDrop<Result<()>>),
-}
-
 /// The most releases spent on holds the store counts beyond one.
 const MAX_REPAIRS: u32 = 1024;
 
@@ -416,48 +410,6 @@ async fn release_fully(
         }
     }
     Ok(first)
-}
-
-/// A future that, dropped before it finishes, finishes in a task on `runtime` (or,
-/// without one, is dropped: for futures made of parts that finish on their own).
-pub(crate) struct FinishOnDrop<T: Send + 'static> {
-    future: Option<Pin<Box<dyn Future<Output = T> + Send>>>,
-    runtime: Option<Handle>,
-}
-
-impl<T: Send + 'static> FinishOnDrop<T> {
-    pub(crate) fn new(
-        runtime: Option<Handle>,
-        future: impl Future<Output = T> + Send + 'static,
-    ) -> Self {
-        FinishOnDrop {
-            future: Some(Box::pin(future)),
-            runtime,
-        }
-    }
-}
-
-impl<T: Send + 'static> Future for FinishOnDrop<T> {
-    type Output = T;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<T> {
-        let Some(future) = self.future.as_mut() else {
-            return Poll::Pending;
-        };
-        let output = std::task::ready!(future.as_mut().poll(cx));
-        self.future = None;
-        Poll::Ready(output)
-    }
-}
-
-impl<T: Send + 'static> Drop for FinishOnDrop<T> {
-    fn drop(&mut self) {
-        if let (Some(future), Some(runtime)) = (self.future.take(), self.runtime.as_ref()) {
-            runtime.spawn(async move {
-                let _ = future.await;
-            });
-        }
-    }
 }
 
 impl Held {

@@ -77,16 +77,19 @@ use crate::kinds::ReadWriteLock;
 use crate::owner::Owner;
 
 pub(crate) mod acquire;
+mod acquisition;
 mod guard;
 mod observer;
 mod registry;
+mod unlocking;
 mod watchdog;
 
-pub(crate) use guard::{FinishOnDrop, Unlocking};
+pub(crate) use acquisition::{Acquisition, begin_acquire};
 pub use guard::{LockGuard, LostSignal};
 pub(crate) use observer::Hooks;
 pub use observer::{LayerOutcome, LockEvent, LockObserver};
 use registry::Registry;
+pub(crate) use unlocking::{FinishOnDrop, Unlocking};
 
 /// The watchdog lease when none is configured: 30 s, as Redisson's
 /// `lockWatchdogTimeout`. Held locks are renewed every 10 s; a crashed holder's lock is

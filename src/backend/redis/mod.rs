@@ -393,7 +393,9 @@ impl Inner {
         parse_acquire("acquire", &reply)
     }
 
-    /// One exclusive acquisition of `req`, alone, with a deadline of its own.
+    /// One exclusive acquisition of `req`, alone, with a deadline of its own (a
+    /// cluster's, which does not group-commit).
+    #[cfg(feature = "cluster")]
     async fn acquire_req(&self, req: &LockRequest) -> Result<Acquire> {
         let deadline = self.attempt_deadline().await?;
         self.acquire_one(
