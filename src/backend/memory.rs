@@ -109,15 +109,7 @@ use crate::error::Result;
 use crate::key::LockKey;
 use crate::owner::Owner;
 
-/// How long a queued waiter (fair, read, write) may go without polling before it loses
-/// its place: 5 s. (Redisson's `threadWaitTime` plays this part and defaults to 5
-/// minutes; a vanished waiter should not stall a queue that long.) Live waiters poll at least every
-/// third of it.
-pub const DEFAULT_WAITER_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// The shortest waiter timeout accepted: 3 ms, so that waiters poll at least every
-/// millisecond.
-pub const MIN_WAITER_TIMEOUT: Duration = Duration::from_millis(3);
+pub use super::limits::{DEFAULT_WAITER_TIMEOUT, MIN_WAITER_TIMEOUT};
 
 /// An in-process lock store. See the [module docs](self).
 #[derive(Clone)]
@@ -207,9 +199,9 @@ impl MemoryBackendBuilder {
     /// [`MIN_WAITER_TIMEOUT`] or longer than [`MAX_LEASE`](crate::MAX_LEASE).
     pub fn build(self) -> Result<MemoryBackend> {
         if let Some(lease) = self.watchdog_lease {
-            crate::lock::validate_watchdog_lease(lease)?;
+            super::limits::validate_watchdog_lease(lease)?;
         }
-        super::validate_waiter_timeout(self.waiter_timeout)?;
+        super::limits::validate_waiter_timeout(self.waiter_timeout)?;
         Ok(MemoryBackend {
             shared: Shared::new(self.watchdog_lease, self.waiter_timeout),
         })

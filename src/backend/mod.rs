@@ -81,6 +81,7 @@ use crate::owner::Owner;
 #[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) mod clock;
 mod intercept;
+pub(crate) mod limits;
 pub mod memory;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
@@ -91,6 +92,7 @@ mod profile;
 pub mod redis;
 
 pub use intercept::{Intercept, Intercepted};
+pub use limits::{DEFAULT_WAITER_TIMEOUT, MIN_WAITER_TIMEOUT};
 pub use profile::{ClockDrift, StoreProfile};
 
 /// A boxed, `Send` future: what every [`LockBackend`] method returns.
@@ -503,18 +505,6 @@ pub enum Wake {
     Notified,
     /// The deadline passed without a notification.
     Deadline,
-}
-
-/// Checks a backend's waiter timeout: between
-/// [`MIN_WAITER_TIMEOUT`](memory::MIN_WAITER_TIMEOUT) and [`MAX_LEASE`](crate::MAX_LEASE).
-pub(crate) fn validate_waiter_timeout(timeout: Duration) -> Result<()> {
-    if timeout < memory::MIN_WAITER_TIMEOUT || timeout > crate::MAX_LEASE {
-        return Err(crate::Error::invalid_config(
-            "waiter_timeout",
-            format!("must be between 3 ms and 365 days (got {timeout:?})"),
-        ));
-    }
-    Ok(())
 }
 
 /// The in-process wake-up behind every [`Subscription`] of the built-in backends: a

@@ -106,7 +106,7 @@ pub const DEFAULT_SCHEMA: &str = "public";
 /// unreachable.
 pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 
-pub use crate::backend::memory::DEFAULT_WAITER_TIMEOUT;
+pub use crate::backend::limits::DEFAULT_WAITER_TIMEOUT;
 
 /// A lock store on PostgreSQL. See the [module docs](self).
 ///
@@ -507,7 +507,7 @@ impl PostgresBackendBuilder {
     pub async fn build(self) -> Result<PostgresBackend> {
         validate_identifier("schema", &self.schema)?;
         validate_identifier("table", &self.table)?;
-        super::validate_waiter_timeout(self.waiter_timeout)?;
+        super::limits::validate_waiter_timeout(self.waiter_timeout)?;
         if self.response_timeout.is_zero() {
             return Err(Error::invalid_config(
                 "response_timeout",
@@ -515,7 +515,7 @@ impl PostgresBackendBuilder {
             ));
         }
         if let Some(lease) = self.watchdog_lease {
-            crate::lock::validate_watchdog_lease(lease)?;
+            crate::backend::limits::validate_watchdog_lease(lease)?;
         }
         if self.migrate {
             PostgresBackend::migrate(&self.pool, &self.schema, &self.table).await?;

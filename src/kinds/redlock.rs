@@ -279,7 +279,7 @@ impl RedLockBuilder {
     /// it is zero.
     pub fn build(self) -> Result<RedLock> {
         if let Some(lease) = self.watchdog_lease {
-            crate::lock::validate_watchdog_lease(lease)?;
+            crate::backend::limits::validate_watchdog_lease(lease)?;
         }
         let total = self.nodes.len();
         if total == 0 {

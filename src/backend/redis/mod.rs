@@ -157,7 +157,7 @@ pub const DEFAULT_PUBSUB_KEEPALIVE: Duration = Duration::from_secs(5);
 /// behind a long retry chain; the next command tries again.
 pub const DEFAULT_RECONNECT_RETRIES: usize = 2;
 
-pub use crate::backend::memory::{DEFAULT_WAITER_TIMEOUT, MIN_WAITER_TIMEOUT};
+pub use crate::backend::limits::{DEFAULT_WAITER_TIMEOUT, MIN_WAITER_TIMEOUT};
 
 /// Renewals per script call in a watchdog batch: a bound on how long one call keeps
 /// Redis busy (about a millisecond), not on the batch size; a larger batch is several
@@ -1059,7 +1059,7 @@ impl RedisBackendBuilder {
                 ));
             }
         }
-        crate::backend::validate_waiter_timeout(self.waiter_timeout)?;
+        crate::backend::limits::validate_waiter_timeout(self.waiter_timeout)?;
         if self.pubsub_keepalive < Duration::from_millis(10)
             || self.pubsub_keepalive > Duration::from_secs(3600)
         {
@@ -1072,7 +1072,7 @@ impl RedisBackendBuilder {
             ));
         }
         if let Some(lease) = self.watchdog_lease {
-            crate::lock::validate_watchdog_lease(lease)?;
+            crate::backend::limits::validate_watchdog_lease(lease)?;
         }
         let (conn, pubsub_nodes, store_id) = match self.target {
             Target::Single(client) => {
