@@ -67,7 +67,6 @@
 
 use std::fmt;
 use std::future::Future;
-use std::num::NonZeroU32;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -83,6 +82,7 @@ pub(crate) mod clock;
 mod intercept;
 pub(crate) mod limits;
 pub mod memory;
+mod mode;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
@@ -93,45 +93,11 @@ pub mod redis;
 
 pub use intercept::{Intercept, Intercepted};
 pub use limits::{DEFAULT_WAITER_TIMEOUT, MIN_WAITER_TIMEOUT};
+pub use mode::LockMode;
 pub use profile::{ClockDrift, StoreProfile};
 
 /// A boxed, `Send` future: what every [`LockBackend`] method returns.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-
-/// How a lock is held. Backends return
-/// [`Error::Unsupported`](crate::Error::Unsupported) for modes they do not implement.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum LockMode {
-    /// One owner at a time, reentrant, no ordering among waiters (Redisson `RLock`).
-    Exclusive,
-    /// One owner at a time, reentrant, waiters served in arrival order (Redisson
-    /// `RFairLock`).
-    Fair,
-    /// Shared with other readers, excluded by a writer (Redisson `RReadWriteLock`'s
-    /// read lock).
-    Read,
-    /// Exclusive against readers and writers (Redisson `RReadWriteLock`'s write lock).
-    Write,
-    /// One of at most `max` leased permits (a semaphore, like Redisson's
-    /// `RPermitExpirableSemaphore`).
-    Permits {
-        /// Most owners that may hold the key at once.
-        max: NonZeroU32,
-    },
-}
-
-impl fmt::Display for LockMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            LockMode::Exclusive => f.write_str("exclusive"),
-            LockMode::Fair => f.write_str("fair"),
-            LockMode::Read => f.write_str("read"),
-            LockMode::Write => f.write_str("write"),
-            LockMode::Permits { max } => write!(f, "permits({max})"),
-        }
-    }
-}
 
 /// The wall clock in microseconds since the Unix epoch: the floor of every fencing token a
 /// built-in backend issues (0 if the clock is before the epoch).

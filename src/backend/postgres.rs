@@ -29,7 +29,7 @@
 //!   `<table>_fence` table): strictly increasing per name, as on every backend.
 //! - **Modes**: every [`LockMode`]. Fair, read and write waiters queue in
 //!   `<table>_queue` in arrival order, with the same rules and eviction as the other
-//!   backends (see [`memory`](super::memory)).
+//!   backends (see [`LockMode`](super::LockMode#rules)).
 //! - **The watchdog** renews all of a client's holds in one statement per period.
 //!
 //! Tables (in the configured schema, named after the configured table, default
