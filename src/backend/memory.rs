@@ -67,8 +67,8 @@ use tokio::time::Instant;
 
 use super::{
     Acquire, BoxFuture, ClientNames, FencingToken, Grant, Holder, LocalStore, LockBackend,
-    LockMode, LockRequest, LockState, Release, Signal, StoreProfile, Subscription, WaiterScope,
-    Waiters, Wake,
+    LockMode, LockRequest, LockState, QUEUED_MODES, Release, Signal, StoreProfile, Subscription,
+    WaiterScope, Waiters, Wake, queued,
 };
 use crate::error::Result;
 use crate::key::LockKey;
@@ -251,14 +251,6 @@ fn family(mode: LockMode) -> Family {
         LockMode::Read | LockMode::Write => Family::Shared,
         LockMode::Permits { .. } => Family::Permits,
     }
-}
-
-/// Modes whose busy waiters queue in the store.
-const QUEUED_MODES: [LockMode; 3] = [LockMode::Fair, LockMode::Read, LockMode::Write];
-
-/// Whether `mode` is one of [`QUEUED_MODES`].
-fn is_queued(mode: LockMode) -> bool {
-    matches!(mode, LockMode::Fair | LockMode::Read | LockMode::Write)
 }
 
 /// The longest of several remaining leases; `None` (no expiry) wins.
@@ -750,7 +742,7 @@ impl MemoryBackend {
         let newest = holders.iter().filter_map(|h| h.token).max();
         // Queued modes wait in the queue; the others only subscribe. Either way every
         // waiter of this store is in this process.
-        let waiting = if is_queued(mode) {
+        let waiting = if queued(mode) {
             entry.queue.len()
         } else {
             entry.subscribers
@@ -803,7 +795,7 @@ impl MemoryBackend {
         let mut table = self.table();
         table.maybe_sweep(now);
         let entry = table.map.entry(req.key.clone()).or_insert_with(Entry::new);
-        let queued = is_queued(req.mode);
+        let queued = queued(req.mode);
 
         if let Some(hold) = entry.holds.own_mut(&req.owner, req.mode, now) {
             hold.holds = hold.holds.saturating_add(1);
@@ -978,7 +970,7 @@ impl LockBackend for MemoryBackend {
     fn abandon<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             self.apply_release(req);
-            if is_queued(req.mode) {
+            if queued(req.mode) {
                 self.cancel_wait_now(req);
             }
             Ok(())
@@ -986,7 +978,7 @@ impl LockBackend for MemoryBackend {
     }
 
     fn has_local_waiters(&self, req: &LockRequest) -> bool {
-        !is_queued(req.mode)
+        !queued(req.mode)
             && self
                 .table()
                 .map
@@ -1002,7 +994,7 @@ impl LockBackend for MemoryBackend {
             let mut table = self.table();
             let entry = table.map.entry(req.key.clone()).or_insert_with(Entry::new);
             entry.subscribers += 1;
-            let (owner, notify) = if is_queued(req.mode) {
+            let (owner, notify) = if queued(req.mode) {
                 let sub = entry
                     .owner_subs
                     .entry((req.owner.clone(), req.mode))

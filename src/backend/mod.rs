@@ -94,6 +94,7 @@ pub mod redis;
 pub use intercept::{Intercept, Intercepted};
 pub use limits::{DEFAULT_WAITER_TIMEOUT, MIN_WAITER_TIMEOUT};
 pub use mode::LockMode;
+pub(crate) use mode::{QUEUED_MODES, queued};
 pub use profile::{ClockDrift, StoreProfile};
 
 /// A boxed, `Send` future: what every [`LockBackend`] method returns.

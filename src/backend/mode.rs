@@ -78,3 +78,12 @@ impl fmt::Display for LockMode {
         }
     }
 }
+
+/// The modes whose busy waiters queue in the built-in stores (fair, read, write); the
+/// waiters of the others (exclusive, permits) race for a release.
+pub(crate) const QUEUED_MODES: [LockMode; 3] = [LockMode::Fair, LockMode::Read, LockMode::Write];
+
+/// Whether `mode` is one of [`QUEUED_MODES`].
+pub(crate) fn queued(mode: LockMode) -> bool {
+    matches!(mode, LockMode::Fair | LockMode::Read | LockMode::Write)
+}

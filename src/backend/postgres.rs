@@ -84,8 +84,8 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{
     Acquire, BoxFuture, ClientNames, FencingToken, Grant, Holder, LockBackend, LockMode,
-    LockRequest, LockState, Release, Signal, StoreProfile, Subscription, WaiterScope, Waiters,
-    Wake,
+    LockRequest, LockState, QUEUED_MODES, Release, Signal, StoreProfile, Subscription, WaiterScope,
+    Waiters, Wake, queued,
 };
 use crate::backend::clock::StoreClock;
 use crate::error::{Error, Result};
@@ -912,14 +912,6 @@ impl ClientNames for PostgresBackend {
                 .collect())
         })
     }
-}
-
-/// Modes whose busy waiters queue in the database (`<table>_queue`).
-const QUEUED_MODES: [LockMode; 3] = [LockMode::Fair, LockMode::Read, LockMode::Write];
-
-/// Whether `mode` is one of [`QUEUED_MODES`].
-fn queued(mode: LockMode) -> bool {
-    matches!(mode, LockMode::Fair | LockMode::Read | LockMode::Write)
 }
 
 impl fmt::Debug for PostgresBackend {

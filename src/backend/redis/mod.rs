@@ -128,7 +128,8 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{
     Acquire, BoxFuture, ClientNames, FencingToken, Grant, Holder, LockBackend, LockMode,
-    LockRequest, LockState, Release, StoreProfile, Subscription, WaiterScope, Waiters,
+    LockRequest, LockState, QUEUED_MODES, Release, StoreProfile, Subscription, WaiterScope,
+    Waiters, queued,
 };
 use crate::backend::clock::{COMPENSATION_MARGIN, StoreClock};
 use crate::error::{Error, Result};
@@ -1298,14 +1299,6 @@ impl ClientNames for RedisBackend {
             Ok(names)
         })
     }
-}
-
-/// Modes whose busy waiters queue in Redis.
-const QUEUED_MODES: [LockMode; 3] = [LockMode::Fair, LockMode::Read, LockMode::Write];
-
-/// Whether `mode` is one of [`QUEUED_MODES`].
-fn queued(mode: LockMode) -> bool {
-    matches!(mode, LockMode::Fair | LockMode::Read | LockMode::Write)
 }
 
 /// Modes held as a plain `RLock` hash field (exclusive and fair), renewed alike.
