@@ -19,9 +19,10 @@
 //! [`LockMode`](crate::LockMode#rules); every backend implements the same rules.
 
 mod multi;
-pub mod redlock;
 mod rwlock;
 
+// RedLock is a backend: its home is `backend::redlock`; these paths stay for its users.
+pub use crate::backend::redlock;
+pub use crate::backend::redlock::{Quorum, RedLock, RedLockBuilder};
 pub use multi::{MultiGuard, MultiLock};
-pub use redlock::{Quorum, RedLock, RedLockBuilder};
 pub use rwlock::ReadWriteLock;

@@ -279,7 +279,7 @@ impl RedLockBuilder {
     /// it is zero.
     pub fn build(self) -> Result<RedLock> {
         if let Some(lease) = self.watchdog_lease {
-            crate::backend::limits::validate_watchdog_lease(lease)?;
+            super::limits::validate_watchdog_lease(lease)?;
         }
         let total = self.nodes.len();
         if total == 0 {
