@@ -144,7 +144,7 @@
 //! - **Memory**: the store is the process; it ends with its holders.
 //! - **RedLock**: a grant survives while a majority of nodes keep it; a node that
 //!   restarts without its grants should stay out for longer than the longest lease
-//!   (see [`RedLock`](kinds::RedLock)).
+//!   (see [`RedLock`](backend::redlock::RedLock)).
 
 #![warn(missing_docs, rust_2018_idioms)]
 #![deny(unreachable_pub, unsafe_code)]

@@ -148,7 +148,7 @@ pub(crate) fn clock_floor_us() -> u64 {
 ///   Java `RFencedLock` and tower-lock locking the same name share one fence. One small
 ///   string key per fenced name ever locked (about 70 bytes plus the name); plain locks
 ///   keep none. A Redisson client increments it by one without the clock floor.
-/// - RedLock: per node; see [`RedLock`](crate::kinds::RedLock) — not a fencing token.
+/// - RedLock: per node; see [`RedLock`](redlock::RedLock) — not a fencing token.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct FencingToken(u64);
 

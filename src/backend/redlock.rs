@@ -86,7 +86,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use tower_lock::kinds::RedLock;
+//! use tower_lock::backend::redlock::RedLock;
 //! use tower_lock::{Lease, LockClient, MemoryBackend};
 //!
 //! # #[tokio::main(flavor = "current_thread")]

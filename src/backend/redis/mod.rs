@@ -1019,7 +1019,7 @@ impl RedisBackendBuilder {
     /// Connect on first use instead of in [`build`](Self::build) (default: `false`,
     /// so an application learns at start that its Redis is unreachable). A lazy backend
     /// builds while its server is down, and every call fails with a connection error
-    /// until the server is back: what a [`RedLock`](crate::kinds::RedLock) node needs,
+    /// until the server is back: what a [`RedLock`](crate::backend::redlock::RedLock) node needs,
     /// where a node that is down is a failed vote, not a failed client. Not for clusters
     /// (feature `cluster`), whose topology is discovered when connecting.
     pub fn lazy_connect(mut self, lazy: bool) -> Self {
