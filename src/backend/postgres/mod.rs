@@ -93,7 +93,7 @@ use crate::key::LockKey;
 use crate::owner::Owner;
 
 /// The schema and functions, with `__S__` / `__T__` for the schema and table.
-const SCHEMA_SQL: &str = include_str!("../../sql/postgres.sql");
+const SCHEMA_SQL: &str = include_str!("../../../sql/postgres.sql");
 
 /// The table when none is configured: `tower_lock`.
 pub const DEFAULT_TABLE: &str = "tower_lock";
