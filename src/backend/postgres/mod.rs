@@ -75,25 +75,27 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
-use tokio::time::Instant;
-use tokio_util::sync::{CancellationToken, DropGuard};
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use tokio_util::sync::DropGuard;
 
 use super::{
-    Acquire, BoxFuture, ClientNames, FencingToken, Grant, Holder, LockBackend, LockMode,
-    LockRequest, LockState, QUEUED_MODES, Release, Signal, StoreProfile, Subscription, WaiterScope,
-    Waiters, Wake, queued,
+    Acquire, BoxFuture, ClientNames, LockBackend, LockMode, LockRequest, LockState, Release,
+    Signal, StoreProfile, Subscription, queued,
 };
 use crate::backend::clock::StoreClock;
 use crate::error::{Error, Result};
 use crate::key::LockKey;
-use crate::owner::Owner;
 
-/// The schema and functions, with `__S__` / `__T__` for the schema and table.
-const SCHEMA_SQL: &str = include_str!("../../../sql/postgres.sql");
+mod builder;
+mod listener;
+mod statements;
+
+pub use builder::PostgresBackendBuilder;
+use listener::{KeyWaiters, PgSubscription, waiters_of};
+use statements::{Statements, millis, mode_char};
 
 /// The table when none is configured: `tower_lock`.
 pub const DEFAULT_TABLE: &str = "tower_lock";
@@ -136,36 +138,6 @@ struct Inner {
     _stop_listener: DropGuard,
 }
 
-/// The statements every acquisition, release and renewal sends, with the schema and
-/// table filled in once at build (not formatted per call).
-struct Statements {
-    acquire: String,
-    release: String,
-    renew: String,
-}
-
-/// The waiters of one key in this process.
-struct KeyWaiters {
-    /// Waiters of exclusive locks and permits: one is woken per release.
-    one: Arc<Signal>,
-    ones: usize,
-    /// Waiters of the queued modes: all are woken, the queue decides.
-    all: Arc<Signal>,
-    alls: usize,
-}
-
-/// Configures a [`PostgresBackend`].
-#[must_use]
-pub struct PostgresBackendBuilder {
-    pool: PgPool,
-    schema: String,
-    table: String,
-    waiter_timeout: Duration,
-    response_timeout: Duration,
-    watchdog_lease: Option<Duration>,
-    migrate: bool,
-}
-
 impl PostgresBackend {
     /// A backend on a new pool for `url` (`postgres://user:password@host:port/db`), with
     /// the default schema and table, created if missing.
@@ -191,15 +163,7 @@ impl PostgresBackend {
 
     /// Configures a backend on `pool`, the application's own.
     pub fn builder(pool: PgPool) -> PostgresBackendBuilder {
-        PostgresBackendBuilder {
-            pool,
-            schema: DEFAULT_SCHEMA.to_owned(),
-            table: DEFAULT_TABLE.to_owned(),
-            waiter_timeout: DEFAULT_WAITER_TIMEOUT,
-            response_timeout: DEFAULT_RESPONSE_TIMEOUT,
-            watchdog_lease: None,
-            migrate: true,
-        }
+        PostgresBackendBuilder::new(pool)
     }
 
     /// Creates the tables and functions of `schema`.`table` in the database of `pool`
@@ -217,7 +181,9 @@ impl PostgresBackend {
         // lock: concurrent CREATE ... IF NOT EXISTS from two processes can collide.
         let sql = [
             "SELECT pg_advisory_xact_lock(hashtext('tower_lock migrate'));\n",
-            &SCHEMA_SQL.replace("__S__", schema).replace("__T__", table),
+            &statements::SCHEMA_SQL
+                .replace("__S__", schema)
+                .replace("__T__", table),
         ]
         .concat();
         sqlx::raw_sql(&sql).execute(pool).await.map_err(map_error)?;
@@ -245,472 +211,6 @@ impl PostgresBackend {
         waiters_of(&self.inner.waiters)
             .get(key)
             .map_or(0, |w| w.ones + w.alls)
-    }
-
-    fn sql(&self, body: &str) -> String {
-        fill(body, &self.inner.qualified)
-    }
-
-    /// Runs `call` within the response timeout.
-    async fn timed<T>(&self, call: impl Future<Output = Result<T, sqlx::Error>>) -> Result<T> {
-        match tokio::time::timeout(self.inner.response_timeout, call).await {
-            Ok(result) => result.map_err(map_error),
-            Err(_) => Err(Error::Backend(
-                format!(
-                    "PostgreSQL did not answer within {:?}",
-                    self.inner.response_timeout
-                )
-                .into(),
-            )),
-        }
-    }
-
-    /// The deadline, on the database's clock in microseconds, of an attempt sent now:
-    /// its response times out when the database's clock has passed it (see
-    /// [`clock`](crate::backend::clock)). Samples the database's clock first when the
-    /// last sample is too old.
-    async fn attempt_deadline(&self) -> Result<i64> {
-        let window = self.inner.response_timeout;
-        if let Some(deadline) = self.inner.clock.deadline(window) {
-            return Ok(i64::try_from(deadline).unwrap_or(i64::MAX));
-        }
-        let now_us: i64 = self
-            .timed(
-                sqlx::query_scalar(
-                    "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
-                )
-                .fetch_one(&self.inner.pool),
-            )
-            .await?;
-        let received = std::time::Instant::now();
-        self.inner
-            .clock
-            .record(u64::try_from(now_us).unwrap_or(0), received);
-        let deadline = self.inner.clock.deadline(window).unwrap_or(u64::MAX);
-        Ok(i64::try_from(deadline).unwrap_or(i64::MAX))
-    }
-
-    async fn acquire_now(&self, req: &LockRequest) -> Result<Acquire> {
-        let max = match req.mode {
-            LockMode::Permits { max } => i32::try_from(max.get()).unwrap_or(i32::MAX),
-            _ => 0,
-        };
-        let deadline = self.attempt_deadline().await?;
-        let (acquired, holds, token, ttl_ms): (bool, i32, Option<i64>, Option<i64>) = self
-            .timed(
-                sqlx::query_as(&self.inner.statements.acquire)
-                    .bind(req.key.as_str())
-                    .bind(req.owner.as_str())
-                    .bind(mode_char(req.mode))
-                    .bind(max)
-                    .bind(millis(req.lease))
-                    .bind(req.fenced)
-                    .bind(req.writer.as_ref().map(Owner::as_str))
-                    .bind(millis(self.inner.waiter_timeout))
-                    .bind(deadline)
-                    .fetch_one(&self.inner.pool),
-            )
-            .await?;
-        if ttl_ms == Some(-2) {
-            return Err(Error::Backend(
-                "the lock attempt reached PostgreSQL after its deadline and was refused".into(),
-            ));
-        }
-        if acquired {
-            let token = token.map(|t| FencingToken::new(t.unsigned_abs()));
-            return Ok(Acquire::Acquired(Grant::new(
-                u32::try_from(holds).unwrap_or(1),
-                token,
-            )));
-        }
-        let ttl = match ttl_ms {
-            Some(ms) if ms >= 0 => Some(Duration::from_millis(ms.unsigned_abs())),
-            _ => None,
-        };
-        Ok(Acquire::Busy { ttl })
-    }
-
-    async fn release_now(&self, req: &LockRequest) -> Result<Release> {
-        let left: i32 = self
-            .timed(
-                sqlx::query_scalar(&self.inner.statements.release)
-                    .bind(req.key.as_str())
-                    .bind(req.owner.as_str())
-                    .bind(mode_char(req.mode))
-                    .bind(millis(req.lease))
-                    .bind(&self.inner.origin)
-                    .fetch_one(&self.inner.pool),
-            )
-            .await?;
-        Ok(match left {
-            -1 => Release::NotHeld,
-            0 => {
-                // This process's waiters hear it now, not a NOTIFY round trip later: a
-                // releaser that asks again at once must find them ahead of it (no
-                // barging). The NOTIFY names this backend, whose listener skips it.
-                if let Some(w) = waiters_of(&self.inner.waiters).get(&req.key) {
-                    w.one.notify_one();
-                    w.all.notify_all();
-                }
-                Release::Released
-            }
-            n => Release::Decremented {
-                holds: u32::try_from(n).unwrap_or(u32::MAX),
-            },
-        })
-    }
-
-    async fn renew_all(&self, reqs: &[LockRequest]) -> Result<Vec<bool>> {
-        let names: Vec<&str> = reqs.iter().map(|r| r.key.as_str()).collect();
-        let owners: Vec<&str> = reqs.iter().map(|r| r.owner.as_str()).collect();
-        let modes: Vec<i8> = reqs.iter().map(|r| mode_char(r.mode)).collect();
-        let leases: Vec<i64> = reqs.iter().map(|r| millis(r.lease)).collect();
-        let renewed: Vec<i32> = self
-            .timed(
-                sqlx::query_scalar(&self.inner.statements.renew)
-                    .bind(names)
-                    .bind(owners)
-                    .bind(modes)
-                    .bind(leases)
-                    .fetch_all(&self.inner.pool),
-            )
-            .await?;
-        let mut out = vec![false; reqs.len()];
-        for i in renewed {
-            // `WITH ORDINALITY` counts from 1.
-            if let Some(slot) = usize::try_from(i - 1).ok().and_then(|i| out.get_mut(i)) {
-                *slot = true;
-            }
-        }
-        Ok(out)
-    }
-
-    async fn state_of(&self, key: &LockKey, mode: LockMode) -> Result<LockState> {
-        let holds_sql = self.sql(
-            "SELECT owner, mode, holds, \
-                    ceil(extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint, token \
-               FROM __F__ WHERE name = $1 AND expires_at > clock_timestamp() ORDER BY owner",
-        );
-        let rows: Vec<(String, i8, i32, i64, Option<i64>)> = self
-            .timed(
-                sqlx::query_as(&holds_sql)
-                    .bind(key.as_str())
-                    .fetch_all(&self.inner.pool),
-            )
-            .await?;
-        let fence_sql = self.sql("SELECT token FROM __F___fence WHERE name = $1");
-        let fence: Option<i64> = self
-            .timed(
-                sqlx::query_scalar(&fence_sql)
-                    .bind(key.as_str())
-                    .fetch_optional(&self.inner.pool),
-            )
-            .await?;
-        let waiters = if queued(mode) {
-            let queue_sql = self.sql(
-                "SELECT count(*) FROM __F___queue WHERE name = $1 AND evict_at > clock_timestamp()",
-            );
-            let queued: i64 = self
-                .timed(
-                    sqlx::query_scalar(&queue_sql)
-                        .bind(key.as_str())
-                        .fetch_one(&self.inner.pool),
-                )
-                .await?;
-            Waiters::new(usize::try_from(queued).unwrap_or(0), WaiterScope::Store)
-        } else {
-            let here = waiters_of(&self.inner.waiters)
-                .get(key)
-                .map_or(0, |w| w.ones);
-            Waiters::new(here, WaiterScope::Process)
-        };
-        let mut holders = Vec::with_capacity(rows.len());
-        for (owner, held, holds, ttl_ms, token) in rows {
-            let owner = Owner::from_raw(&owner).map_err(|_| {
-                Error::UnexpectedReply(format!("a hold with an invalid owner {owner:?}"))
-            })?;
-            let held = match u8::try_from(held).unwrap_or(b'x') {
-                b'f' => LockMode::Fair,
-                b'r' => LockMode::Read,
-                b'w' => LockMode::Write,
-                b'p' => match mode {
-                    LockMode::Permits { .. } => mode,
-                    _ => LockMode::Permits {
-                        max: std::num::NonZeroU32::MAX,
-                    },
-                },
-                _ => LockMode::Exclusive,
-            };
-            let ttl = Duration::from_millis(ttl_ms.max(0).unsigned_abs());
-            holders.push(
-                Holder::new(owner, held, u32::try_from(holds).unwrap_or(1), Some(ttl))
-                    .with_token(token.map(|t| FencingToken::new(t.unsigned_abs()))),
-            );
-        }
-        Ok(LockState::new(holders, waiters)
-            .with_fencing_token(fence.map(|t| FencingToken::new(t.unsigned_abs()))))
-    }
-}
-
-impl PostgresBackendBuilder {
-    /// The schema of the tables (default [`DEFAULT_SCHEMA`]); must exist. A plain
-    /// identifier: lowercase ASCII letters, digits and `_`, not starting with a digit,
-    /// at most 40 bytes.
-    pub fn schema(mut self, schema: impl Into<String>) -> Self {
-        self.schema = schema.into();
-        self
-    }
-
-    /// The name of the holds table and the prefix of its companions (default
-    /// [`DEFAULT_TABLE`]); the same rules as [`schema`](Self::schema). Backends on
-    /// different tables share nothing: not a lock, not a fencing token.
-    pub fn table(mut self, table: impl Into<String>) -> Self {
-        self.table = table.into();
-        self
-    }
-
-    /// How long a queued waiter may go without polling before it is evicted. Default
-    /// [`DEFAULT_WAITER_TIMEOUT`]; at least 3 ms.
-    pub fn waiter_timeout(mut self, timeout: Duration) -> Self {
-        self.waiter_timeout = timeout;
-        self
-    }
-
-    /// How long one call may take before it fails as an outage. Default
-    /// [`DEFAULT_RESPONSE_TIMEOUT`].
-    pub fn response_timeout(mut self, timeout: Duration) -> Self {
-        self.response_timeout = timeout;
-        self
-    }
-
-    /// The watchdog lease clients of this backend use unless told otherwise.
-    pub fn watchdog_lease(mut self, lease: Duration) -> Self {
-        self.watchdog_lease = Some(lease);
-        self
-    }
-
-    /// Whether [`build`](Self::build) creates the tables and functions (default `true`).
-    /// Turn it off when migrations run elsewhere ([`PostgresBackend::migrate`]) or the
-    /// application's role may not create objects.
-    pub fn migrate(mut self, migrate: bool) -> Self {
-        self.migrate = migrate;
-        self
-    }
-
-    /// Builds the backend: creates the schema objects (unless turned off) and starts
-    /// listening for releases. Must run inside a tokio runtime.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidConfig`] naming the bad setting; backend errors when the server
-    /// cannot be reached.
-    pub async fn build(self) -> Result<PostgresBackend> {
-        validate_identifier("schema", &self.schema)?;
-        validate_identifier("table", &self.table)?;
-        super::limits::validate_waiter_timeout(self.waiter_timeout)?;
-        if self.response_timeout.is_zero() {
-            return Err(Error::invalid_config(
-                "response_timeout",
-                "must be positive (got 0)",
-            ));
-        }
-        if let Some(lease) = self.watchdog_lease {
-            crate::backend::limits::validate_watchdog_lease(lease)?;
-        }
-        if self.migrate {
-            PostgresBackend::migrate(&self.pool, &self.schema, &self.table).await?;
-        }
-        let mut listener = PgListener::connect_with(&self.pool)
-            .await
-            .map_err(map_error)?;
-        listener.listen(&self.table).await.map_err(map_error)?;
-        let waiters: Arc<Mutex<HashMap<LockKey, KeyWaiters>>> = Arc::default();
-        let stop = CancellationToken::new();
-        let origin = uuid::Uuid::new_v4().simple().to_string();
-        tokio::spawn(listen(
-            listener,
-            origin.clone(),
-            self.pool.clone(),
-            self.table.clone(),
-            Arc::clone(&waiters),
-            stop.clone(),
-        ));
-        let options = self.pool.connect_options();
-        let store_id = format!(
-            "postgres://{}:{}/{}/{}.{}",
-            options.get_host(),
-            options.get_port(),
-            options.get_database().unwrap_or(""),
-            self.schema,
-            self.table
-        );
-        let qualified = format!("{}.{}", self.schema, self.table);
-        let statements = Statements {
-            acquire: fill(
-                "SELECT acquired, holds, token, ttl_ms FROM __F___acquire($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-                &qualified,
-            ),
-            release: fill("SELECT __F___release($1, $2, $3, $4, $5)", &qualified),
-            renew: fill("SELECT * FROM __F___renew($1, $2, $3, $4)", &qualified),
-        };
-        Ok(PostgresBackend {
-            inner: Arc::new(Inner {
-                qualified,
-                statements,
-                clock: StoreClock::default(),
-                pool: self.pool,
-                waiter_timeout: self.waiter_timeout,
-                response_timeout: self.response_timeout,
-                profile: StoreProfile::new("postgres")
-                    .with_store_id(store_id)
-                    .with_queued_modes(QUEUED_MODES)
-                    .with_watchdog_lease(self.watchdog_lease),
-                origin,
-                waiters,
-                _stop_listener: stop.drop_guard(),
-            }),
-        })
-    }
-}
-
-/// The listening connection's task: wakes the waiters a notification names. After a
-/// lost connection it wakes them all once listening again (a release meanwhile was not
-/// heard): when `PgListener` reconnected by itself (`Ok(None)`), and when it could not
-/// and a new listener is made here.
-async fn listen(
-    mut listener: PgListener,
-    origin: String,
-    pool: PgPool,
-    channel: String,
-    waiters: Arc<Mutex<HashMap<LockKey, KeyWaiters>>>,
-    stop: CancellationToken,
-) {
-    let mut backoff = Duration::from_millis(50);
-    loop {
-        let next = tokio::select! {
-            _ = stop.cancelled() => return,
-            next = listener.try_recv() => next,
-        };
-        match next {
-            Ok(Some(notification)) => {
-                backoff = Duration::from_millis(50);
-                let payload = notification.payload();
-                let (all, rest) = match payload.split_at_checked(1) {
-                    Some(("1", rest)) => (true, rest),
-                    Some((_, rest)) => (false, rest),
-                    None => continue,
-                };
-                // `<origin>|<name>`: a release by this backend woke its waiters already.
-                let Some((from, name)) = rest.split_once('|') else {
-                    continue;
-                };
-                if from == origin {
-                    continue;
-                }
-                let Ok(key) = LockKey::new(name) else {
-                    continue;
-                };
-                if let Some(w) = waiters_of(&waiters).get(&key) {
-                    if all {
-                        w.one.notify_all();
-                    } else {
-                        w.one.notify_one();
-                    }
-                    w.all.notify_all();
-                }
-            }
-            Ok(None) => {
-                // The connection was lost; the next call reconnects and listens again.
-                // Notifications meanwhile are lost: everyone tries again.
-                tracing::warn!("PostgreSQL listening connection lost; reconnecting");
-                wake_everyone(&waiters);
-            }
-            Err(error) => {
-                tracing::warn!(%error, "PostgreSQL listening connection failed; reconnecting");
-                wake_everyone(&waiters);
-                // A new listener, until one listens; `try_recv` would reconnect without a
-                // word, and a release between now and then would go unheard.
-                loop {
-                    let jittered = backoff / 2 + backoff.mul_f64(fastrand::f64() / 2.0);
-                    tokio::select! {
-                        _ = stop.cancelled() => return,
-                        _ = tokio::time::sleep(jittered) => {}
-                    }
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
-                    match relisten(&pool, &channel).await {
-                        Ok(fresh) => {
-                            listener = fresh;
-                            tracing::info!("PostgreSQL listening connection re-established");
-                            wake_everyone(&waiters);
-                            break;
-                        }
-                        Err(error) => {
-                            tracing::debug!(%error, retry_in_ms = backoff.as_millis() as u64, "PostgreSQL listening connection failed");
-                        }
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// `body` with `__F__` replaced by the qualified table.
-fn fill(body: &str, qualified: &str) -> String {
-    body.replace("__F__", qualified)
-}
-
-async fn relisten(pool: &PgPool, channel: &str) -> Result<PgListener, sqlx::Error> {
-    let mut listener = PgListener::connect_with(pool).await?;
-    listener.listen(channel).await?;
-    Ok(listener)
-}
-
-fn wake_everyone(waiters: &Mutex<HashMap<LockKey, KeyWaiters>>) {
-    for w in waiters_of(waiters).values() {
-        w.one.notify_all();
-        w.all.notify_all();
-    }
-}
-
-fn waiters_of(
-    waiters: &Mutex<HashMap<LockKey, KeyWaiters>>,
-) -> MutexGuard<'_, HashMap<LockKey, KeyWaiters>> {
-    waiters.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-struct PgSubscription {
-    waiters: Arc<Mutex<HashMap<LockKey, KeyWaiters>>>,
-    key: LockKey,
-    queued: bool,
-    signal: Arc<Signal>,
-    seen: u64,
-}
-
-impl Subscription for PgSubscription {
-    fn wait(&mut self, deadline: Instant) -> BoxFuture<'_, Wake> {
-        self.signal.wait(&mut self.seen, deadline)
-    }
-
-    fn pass_on(&mut self) {
-        if !self.queued {
-            self.signal.notify_one();
-        }
-    }
-}
-
-impl Drop for PgSubscription {
-    fn drop(&mut self) {
-        let mut map = waiters_of(&self.waiters);
-        if let Some(w) = map.get_mut(&self.key) {
-            if self.queued {
-                w.alls = w.alls.saturating_sub(1);
-            } else {
-                w.ones = w.ones.saturating_sub(1);
-            }
-            if w.ones == 0 && w.alls == 0 {
-                map.remove(&self.key);
-            }
-        }
     }
 }
 
@@ -923,22 +423,6 @@ impl fmt::Debug for PostgresBackend {
     }
 }
 
-/// A mode as the functions take it: one byte (PostgreSQL's `"char"`).
-fn mode_char(mode: LockMode) -> i8 {
-    let c = match mode {
-        LockMode::Exclusive => b'x',
-        LockMode::Fair => b'f',
-        LockMode::Read => b'r',
-        LockMode::Write => b'w',
-        LockMode::Permits { .. } => b'p',
-    };
-    c as i8
-}
-
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX).max(1)
-}
-
 fn validate_identifier(name: &'static str, value: &str) -> Result<()> {
     let ok = !value.is_empty()
         && value.len() <= 40
@@ -997,27 +481,5 @@ mod tests {
         ] {
             assert!(validate_identifier("table", bad).is_err(), "{bad:?}");
         }
-    }
-
-    #[test]
-    fn modes_are_one_byte_each() {
-        let modes = [
-            LockMode::Exclusive,
-            LockMode::Fair,
-            LockMode::Read,
-            LockMode::Write,
-            LockMode::Permits {
-                max: std::num::NonZeroU32::MIN,
-            },
-        ];
-        let chars: std::collections::HashSet<i8> = modes.into_iter().map(mode_char).collect();
-        assert_eq!(chars.len(), 5);
-    }
-
-    #[test]
-    fn the_schema_has_every_placeholder_filled() {
-        let sql = SCHEMA_SQL.replace("__S__", "s").replace("__T__", "t");
-        assert!(!sql.contains("__"), "a placeholder is left");
-        assert!(sql.contains("s.t_acquire("));
     }
 }
