@@ -1034,6 +1034,34 @@ impl RedisBackendBuilder {
     /// [`Error::InvalidConfig`] naming the bad setting; [`Error::Redis`] when the URL is
     /// invalid or (unless [lazy](Self::lazy_connect)) the server cannot be reached.
     pub async fn build(self) -> Result<RedisBackend> {
+        self.validate()?;
+        let Connected {
+            conn,
+            pubsub_nodes,
+            store_id,
+        } = self.connect().await?;
+        let shutdown = CancellationToken::new();
+        let hub = pubsub::Hub::start(pubsub_nodes, self.pubsub_keepalive, shutdown.clone());
+        Ok(RedisBackend {
+            inner: Arc::new(Inner {
+                conn,
+                profile: StoreProfile::new("redis")
+                    .with_store_id(store_id)
+                    .with_queued_modes(QUEUED_MODES)
+                    .with_watchdog_lease(self.watchdog_lease),
+                prefix: self.key_prefix,
+                hub,
+                waiter_timeout: self.waiter_timeout,
+                batcher: batch::Batcher::default(),
+                clock: StoreClock::default(),
+                attempt_window: self.response_timeout,
+                _stop_hub: shutdown.drop_guard(),
+            }),
+        })
+    }
+
+    /// Checks every setting but the target, in the order of their errors.
+    fn validate(&self) -> Result<()> {
         if self.key_prefix.contains(['{', '}']) || self.key_prefix.chars().any(char::is_control) {
             return Err(Error::invalid_config(
                 "key_prefix",
@@ -1075,86 +1103,92 @@ impl RedisBackendBuilder {
         if let Some(lease) = self.watchdog_lease {
             crate::backend::limits::validate_watchdog_lease(lease)?;
         }
-        let (conn, pubsub_nodes, store_id) = match self.target {
-            Target::Single(client) => {
-                let client = client?;
-                let info = client.get_connection_info();
-                let store_id = format!(
-                    "redis:{}/{}:{}",
-                    info.addr(),
-                    info.redis_settings().db(),
-                    self.key_prefix
-                );
-                let config = ConnectionManagerConfig::new()
-                    .set_response_timeout(Some(self.response_timeout))
-                    .set_connection_timeout(Some(self.connection_timeout))
-                    .set_number_of_retries(self.reconnect_retries)
-                    .set_min_delay(Duration::from_millis(50));
-                let conn = if self.lazy {
-                    ConnectionManager::new_lazy_with_config(client.clone(), config.clone())?
-                } else {
-                    ConnectionManager::new_with_config(client.clone(), config.clone()).await?
-                };
-                (
-                    Conn::Single(Box::new(SingleConn::new(client.clone(), config, conn))),
-                    vec![client],
-                    store_id,
-                )
-            }
+        Ok(())
+    }
+
+    /// Connects to the target (unless lazy, for a single server).
+    async fn connect(&self) -> Result<Connected> {
+        match &self.target {
+            Target::Single(client) => self.connect_single(client.clone()?).await,
             #[cfg(feature = "cluster")]
-            Target::Cluster(nodes) => {
-                if self.lazy {
-                    return Err(Error::invalid_config(
-                        "lazy_connect",
-                        "is not supported for a cluster, which connects to discover its topology (got true)",
-                    ));
-                }
-                let nodes = nodes?;
-                if nodes.is_empty() {
-                    return Err(Error::invalid_config(
-                        "cluster nodes",
-                        "must name at least one node (got none)",
-                    ));
-                }
-                let pubsub_nodes = nodes
-                    .iter()
-                    .cloned()
-                    .map(Client::open)
-                    .collect::<RedisResult<Vec<_>>>()?;
-                let client = redis::cluster::ClusterClient::builder(nodes)
-                    .response_timeout(self.response_timeout)
-                    .connection_timeout(self.connection_timeout)
-                    .retries(u32::try_from(self.reconnect_retries).unwrap_or(u32::MAX))
-                    .build()?;
-                let conn = client.get_async_connection().await?;
-                let mut addrs: Vec<String> = pubsub_nodes
-                    .iter()
-                    .map(|c| c.get_connection_info().addr().to_string())
-                    .collect();
-                addrs.sort();
-                let store_id = format!("redis-cluster:{}:{}", addrs.join(","), self.key_prefix);
-                (Conn::Cluster(Box::new(conn)), pubsub_nodes, store_id)
-            }
+            Target::Cluster(nodes) => self.connect_cluster(nodes).await,
+        }
+    }
+
+    async fn connect_single(&self, client: Client) -> Result<Connected> {
+        let info = client.get_connection_info();
+        let store_id = format!(
+            "redis:{}/{}:{}",
+            info.addr(),
+            info.redis_settings().db(),
+            self.key_prefix
+        );
+        let config = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(self.response_timeout))
+            .set_connection_timeout(Some(self.connection_timeout))
+            .set_number_of_retries(self.reconnect_retries)
+            .set_min_delay(Duration::from_millis(50));
+        let conn = if self.lazy {
+            ConnectionManager::new_lazy_with_config(client.clone(), config.clone())?
+        } else {
+            ConnectionManager::new_with_config(client.clone(), config.clone()).await?
         };
-        let shutdown = CancellationToken::new();
-        let hub = pubsub::Hub::start(pubsub_nodes, self.pubsub_keepalive, shutdown.clone());
-        Ok(RedisBackend {
-            inner: Arc::new(Inner {
-                conn,
-                profile: StoreProfile::new("redis")
-                    .with_store_id(store_id)
-                    .with_queued_modes(QUEUED_MODES)
-                    .with_watchdog_lease(self.watchdog_lease),
-                prefix: self.key_prefix,
-                hub,
-                waiter_timeout: self.waiter_timeout,
-                batcher: batch::Batcher::default(),
-                clock: StoreClock::default(),
-                attempt_window: self.response_timeout,
-                _stop_hub: shutdown.drop_guard(),
-            }),
+        Ok(Connected {
+            conn: Conn::Single(Box::new(SingleConn::new(client.clone(), config, conn))),
+            pubsub_nodes: vec![client],
+            store_id,
         })
     }
+
+    #[cfg(feature = "cluster")]
+    async fn connect_cluster(
+        &self,
+        nodes: &RedisResult<Vec<redis::ConnectionInfo>>,
+    ) -> Result<Connected> {
+        if self.lazy {
+            return Err(Error::invalid_config(
+                "lazy_connect",
+                "is not supported for a cluster, which connects to discover its topology (got true)",
+            ));
+        }
+        let nodes = nodes.clone()?;
+        if nodes.is_empty() {
+            return Err(Error::invalid_config(
+                "cluster nodes",
+                "must name at least one node (got none)",
+            ));
+        }
+        let pubsub_nodes = nodes
+            .iter()
+            .cloned()
+            .map(Client::open)
+            .collect::<RedisResult<Vec<_>>>()?;
+        let client = redis::cluster::ClusterClient::builder(nodes)
+            .response_timeout(self.response_timeout)
+            .connection_timeout(self.connection_timeout)
+            .retries(u32::try_from(self.reconnect_retries).unwrap_or(u32::MAX))
+            .build()?;
+        let conn = client.get_async_connection().await?;
+        let mut addrs: Vec<String> = pubsub_nodes
+            .iter()
+            .map(|c| c.get_connection_info().addr().to_string())
+            .collect();
+        addrs.sort();
+        let store_id = format!("redis-cluster:{}:{}", addrs.join(","), self.key_prefix);
+        Ok(Connected {
+            conn: Conn::Cluster(Box::new(conn)),
+            pubsub_nodes,
+            store_id,
+        })
+    }
+}
+
+/// What [`RedisBackendBuilder::build`] connected: the command connection, the nodes
+/// the pub/sub connection may use, and the store's identity.
+struct Connected {
+    conn: Conn,
+    pubsub_nodes: Vec<Client>,
+    store_id: String,
 }
 
 impl LockBackend for RedisBackend {
