@@ -672,33 +672,7 @@ impl RedisBackend {
         // All batches are sent at once; the multiplexed connection pipelines them, so a
         // period costs one round trip per connection.
         let calls = batches.iter().map(|batch| async move {
-            let prefix = &self.inner.prefix;
-            let invocation = if mixed {
-                let mut invocation = modes::MODE_SCRIPTS.renew_many_modes.prepare_invoke();
-                for &i in *batch {
-                    invocation
-                        .key(Names::lock(prefix, &reqs[i].key).as_ref())
-                        .key(modes::batch_companion(prefix, &reqs[i]));
-                }
-                for &i in *batch {
-                    invocation.arg(modes::batch_tag(reqs[i].mode));
-                    invocation
-                        .arg(lease_ms(reqs[i].lease))
-                        .arg(reqs[i].owner.as_str());
-                }
-                invocation
-            } else {
-                let mut invocation = SCRIPTS.renew_many.prepare_invoke();
-                for &i in *batch {
-                    invocation.key(Names::lock(prefix, &reqs[i].key).as_ref());
-                }
-                for &i in *batch {
-                    invocation
-                        .arg(lease_ms(reqs[i].lease))
-                        .arg(reqs[i].owner.as_str());
-                }
-                invocation
-            };
+            let invocation = renewal_script(&self.inner.prefix, reqs, batch, mixed);
             let reply: Result<Vec<i64>> = self.invoke(&invocation).await;
             reply
         });
@@ -727,6 +701,42 @@ impl RedisBackend {
         out.into_iter()
             .map(|r| r.unwrap_or_else(|| Err(Error::UnexpectedReply("renewal not sent".into()))))
             .collect()
+    }
+}
+
+/// The script call that renews the holds `batch` picks out of `reqs`: the one for every
+/// mode when `mixed`, else the lighter one for plain (exclusive and fair) holds.
+fn renewal_script(
+    prefix: &str,
+    reqs: &[LockRequest],
+    batch: &[usize],
+    mixed: bool,
+) -> redis::ScriptInvocation<'static> {
+    if mixed {
+        let mut invocation = modes::MODE_SCRIPTS.renew_many_modes.prepare_invoke();
+        for &i in batch {
+            invocation
+                .key(Names::lock(prefix, &reqs[i].key).as_ref())
+                .key(modes::batch_companion(prefix, &reqs[i]));
+        }
+        for &i in batch {
+            invocation.arg(modes::batch_tag(reqs[i].mode));
+            invocation
+                .arg(lease_ms(reqs[i].lease))
+                .arg(reqs[i].owner.as_str());
+        }
+        invocation
+    } else {
+        let mut invocation = SCRIPTS.renew_many.prepare_invoke();
+        for &i in batch {
+            invocation.key(Names::lock(prefix, &reqs[i].key).as_ref());
+        }
+        for &i in batch {
+            invocation
+                .arg(lease_ms(reqs[i].lease))
+                .arg(reqs[i].owner.as_str());
+        }
+        invocation
     }
 }
 
