@@ -8,7 +8,7 @@ use sqlx::postgres::{PgListener, PgPool};
 use tokio_util::sync::CancellationToken;
 
 use super::listener::{KeyWaiters, listen};
-use super::statements::{Statements, fill};
+use super::statements::Statements;
 use super::{
     DEFAULT_RESPONSE_TIMEOUT, DEFAULT_SCHEMA, DEFAULT_TABLE, DEFAULT_WAITER_TIMEOUT, Inner,
     PostgresBackend, map_error, validate_identifier,
@@ -96,18 +96,7 @@ impl PostgresBackendBuilder {
     /// [`Error::InvalidConfig`] naming the bad setting; backend errors when the server
     /// cannot be reached.
     pub async fn build(self) -> Result<PostgresBackend> {
-        validate_identifier("schema", &self.schema)?;
-        validate_identifier("table", &self.table)?;
-        crate::backend::limits::validate_waiter_timeout(self.waiter_timeout)?;
-        if self.response_timeout.is_zero() {
-            return Err(Error::invalid_config(
-                "response_timeout",
-                "must be positive (got 0)",
-            ));
-        }
-        if let Some(lease) = self.watchdog_lease {
-            crate::backend::limits::validate_watchdog_lease(lease)?;
-        }
+        self.validate()?;
         if self.migrate {
             PostgresBackend::migrate(&self.pool, &self.schema, &self.table).await?;
         }
@@ -126,40 +115,53 @@ impl PostgresBackendBuilder {
             Arc::clone(&waiters),
             stop.clone(),
         ));
+        let qualified = format!("{}.{}", self.schema, self.table);
+        Ok(PostgresBackend {
+            inner: Arc::new(Inner {
+                statements: Statements::new(&qualified),
+                qualified,
+                clock: StoreClock::default(),
+                profile: StoreProfile::new("postgres")
+                    .with_store_id(self.store_id())
+                    .with_queued_modes(QUEUED_MODES)
+                    .with_watchdog_lease(self.watchdog_lease),
+                pool: self.pool,
+                waiter_timeout: self.waiter_timeout,
+                response_timeout: self.response_timeout,
+                origin,
+                waiters,
+                _stop_listener: stop.drop_guard(),
+            }),
+        })
+    }
+
+    /// Checks every setting, in the order of their errors.
+    fn validate(&self) -> Result<()> {
+        validate_identifier("schema", &self.schema)?;
+        validate_identifier("table", &self.table)?;
+        crate::backend::limits::validate_waiter_timeout(self.waiter_timeout)?;
+        if self.response_timeout.is_zero() {
+            return Err(Error::invalid_config(
+                "response_timeout",
+                "must be positive (got 0)",
+            ));
+        }
+        if let Some(lease) = self.watchdog_lease {
+            crate::backend::limits::validate_watchdog_lease(lease)?;
+        }
+        Ok(())
+    }
+
+    /// The store's identity: `postgres://<host>:<port>/<database>/<schema>.<table>`.
+    fn store_id(&self) -> String {
         let options = self.pool.connect_options();
-        let store_id = format!(
+        format!(
             "postgres://{}:{}/{}/{}.{}",
             options.get_host(),
             options.get_port(),
             options.get_database().unwrap_or(""),
             self.schema,
             self.table
-        );
-        let qualified = format!("{}.{}", self.schema, self.table);
-        let statements = Statements {
-            acquire: fill(
-                "SELECT acquired, holds, token, ttl_ms FROM __F___acquire($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-                &qualified,
-            ),
-            release: fill("SELECT __F___release($1, $2, $3, $4, $5)", &qualified),
-            renew: fill("SELECT * FROM __F___renew($1, $2, $3, $4)", &qualified),
-        };
-        Ok(PostgresBackend {
-            inner: Arc::new(Inner {
-                qualified,
-                statements,
-                clock: StoreClock::default(),
-                pool: self.pool,
-                waiter_timeout: self.waiter_timeout,
-                response_timeout: self.response_timeout,
-                profile: StoreProfile::new("postgres")
-                    .with_store_id(store_id)
-                    .with_queued_modes(QUEUED_MODES)
-                    .with_watchdog_lease(self.watchdog_lease),
-                origin,
-                waiters,
-                _stop_listener: stop.drop_guard(),
-            }),
-        })
+        )
     }
 }

@@ -19,9 +19,23 @@ pub(super) const SCHEMA_SQL: &str = include_str!("../../../sql/postgres.sql");
 /// The statements every acquisition, release and renewal sends, with the schema and
 /// table filled in once at build (not formatted per call).
 pub(super) struct Statements {
-    pub(super) acquire: String,
-    pub(super) release: String,
-    pub(super) renew: String,
+    acquire: String,
+    release: String,
+    renew: String,
+}
+
+impl Statements {
+    /// The statements for the functions of `qualified` (`<schema>.<table>`).
+    pub(super) fn new(qualified: &str) -> Self {
+        Statements {
+            acquire: fill(
+                "SELECT acquired, holds, token, ttl_ms FROM __F___acquire($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+                qualified,
+            ),
+            release: fill("SELECT __F___release($1, $2, $3, $4, $5)", qualified),
+            renew: fill("SELECT * FROM __F___renew($1, $2, $3, $4)", qualified),
+        }
+    }
 }
 
 impl PostgresBackend {
@@ -234,7 +248,7 @@ impl PostgresBackend {
 }
 
 /// `body` with `__F__` replaced by the qualified table.
-pub(super) fn fill(body: &str, qualified: &str) -> String {
+fn fill(body: &str, qualified: &str) -> String {
     body.replace("__F__", qualified)
 }
 
