@@ -186,7 +186,7 @@ impl PostgresBackend {
                     ceil(extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint, token \
                FROM __F__ WHERE name = $1 AND expires_at > clock_timestamp() ORDER BY owner",
         );
-        let rows: Vec<(String, i8, i32, i64, Option<i64>)> = self
+        let rows: Vec<HoldRow> = self
             .timed(
                 sqlx::query_as(&holds_sql)
                     .bind(key.as_str())
@@ -201,50 +201,67 @@ impl PostgresBackend {
                     .fetch_optional(&self.inner.pool),
             )
             .await?;
-        let waiters = if queued(mode) {
-            let queue_sql = self.sql(
-                "SELECT count(*) FROM __F___queue WHERE name = $1 AND evict_at > clock_timestamp()",
-            );
-            let queued: i64 = self
-                .timed(
-                    sqlx::query_scalar(&queue_sql)
-                        .bind(key.as_str())
-                        .fetch_one(&self.inner.pool),
-                )
-                .await?;
-            Waiters::new(usize::try_from(queued).unwrap_or(0), WaiterScope::Store)
-        } else {
-            let here = waiters_of(&self.inner.waiters)
-                .get(key)
-                .map_or(0, |w| w.ones);
-            Waiters::new(here, WaiterScope::Process)
-        };
-        let mut holders = Vec::with_capacity(rows.len());
-        for (owner, held, holds, ttl_ms, token) in rows {
-            let owner = Owner::from_raw(&owner).map_err(|_| {
-                Error::UnexpectedReply(format!("a hold with an invalid owner {owner:?}"))
-            })?;
-            let held = match u8::try_from(held).unwrap_or(b'x') {
-                b'f' => LockMode::Fair,
-                b'r' => LockMode::Read,
-                b'w' => LockMode::Write,
-                b'p' => match mode {
-                    LockMode::Permits { .. } => mode,
-                    _ => LockMode::Permits {
-                        max: std::num::NonZeroU32::MAX,
-                    },
-                },
-                _ => LockMode::Exclusive,
-            };
-            let ttl = Duration::from_millis(ttl_ms.max(0).unsigned_abs());
-            holders.push(
-                Holder::new(owner, held, u32::try_from(holds).unwrap_or(1), Some(ttl))
-                    .with_token(token.map(|t| FencingToken::new(t.unsigned_abs()))),
-            );
-        }
+        let waiters = self.waiters_for(key, mode).await?;
+        let holders = rows
+            .into_iter()
+            .map(|row| holder_of(row, mode))
+            .collect::<Result<Vec<_>>>()?;
         Ok(LockState::new(holders, waiters)
             .with_fencing_token(fence.map(|t| FencingToken::new(t.unsigned_abs()))))
     }
+
+    /// The waiters of `key` in `mode`: those in the queue table for a queued mode, else
+    /// those of this process (the database keeps no other record of them).
+    async fn waiters_for(&self, key: &LockKey, mode: LockMode) -> Result<Waiters> {
+        if !queued(mode) {
+            let here = waiters_of(&self.inner.waiters)
+                .get(key)
+                .map_or(0, |w| w.ones);
+            return Ok(Waiters::new(here, WaiterScope::Process));
+        }
+        let queue_sql = self.sql(
+            "SELECT count(*) FROM __F___queue WHERE name = $1 AND evict_at > clock_timestamp()",
+        );
+        let queued: i64 = self
+            .timed(
+                sqlx::query_scalar(&queue_sql)
+                    .bind(key.as_str())
+                    .fetch_one(&self.inner.pool),
+            )
+            .await?;
+        Ok(Waiters::new(
+            usize::try_from(queued).unwrap_or(0),
+            WaiterScope::Store,
+        ))
+    }
+}
+
+/// A row of the holds table as [`state_of`](PostgresBackend::state_of) reads it: owner,
+/// mode, holds, milliseconds left, token.
+type HoldRow = (String, i8, i32, i64, Option<i64>);
+
+/// The [`Holder`] a row of the holds table describes; `mode` is the one inspected, whose
+/// `max` a permit hold reports.
+fn holder_of((owner, held, holds, ttl_ms, token): HoldRow, mode: LockMode) -> Result<Holder> {
+    let owner = Owner::from_raw(&owner)
+        .map_err(|_| Error::UnexpectedReply(format!("a hold with an invalid owner {owner:?}")))?;
+    let held = match u8::try_from(held).unwrap_or(b'x') {
+        b'f' => LockMode::Fair,
+        b'r' => LockMode::Read,
+        b'w' => LockMode::Write,
+        b'p' => match mode {
+            LockMode::Permits { .. } => mode,
+            _ => LockMode::Permits {
+                max: std::num::NonZeroU32::MAX,
+            },
+        },
+        _ => LockMode::Exclusive,
+    };
+    let ttl = Duration::from_millis(ttl_ms.max(0).unsigned_abs());
+    Ok(
+        Holder::new(owner, held, u32::try_from(holds).unwrap_or(1), Some(ttl))
+            .with_token(token.map(|t| FencingToken::new(t.unsigned_abs()))),
+    )
 }
 
 /// `body` with `__F__` replaced by the qualified table.
