@@ -43,30 +43,7 @@ pub(super) async fn listen(
         match next {
             Ok(Some(notification)) => {
                 backoff = Duration::from_millis(50);
-                let payload = notification.payload();
-                let (all, rest) = match payload.split_at_checked(1) {
-                    Some(("1", rest)) => (true, rest),
-                    Some((_, rest)) => (false, rest),
-                    None => continue,
-                };
-                // `<origin>|<name>`: a release by this backend woke its waiters already.
-                let Some((from, name)) = rest.split_once('|') else {
-                    continue;
-                };
-                if from == origin {
-                    continue;
-                }
-                let Ok(key) = LockKey::new(name) else {
-                    continue;
-                };
-                if let Some(w) = waiters_of(&waiters).get(&key) {
-                    if all {
-                        w.one.notify_all();
-                    } else {
-                        w.one.notify_one();
-                    }
-                    w.all.notify_all();
-                }
+                wake_named(&waiters, notification.payload(), &origin);
             }
             Ok(None) => {
                 // The connection was lost; the next call reconnects and listens again.
@@ -79,25 +56,65 @@ pub(super) async fn listen(
                 wake_everyone(&waiters);
                 // A new listener, until one listens; `try_recv` would reconnect without a
                 // word, and a release between now and then would go unheard.
-                loop {
-                    let jittered = backoff / 2 + backoff.mul_f64(fastrand::f64() / 2.0);
-                    tokio::select! {
-                        _ = stop.cancelled() => return,
-                        _ = tokio::time::sleep(jittered) => {}
-                    }
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
-                    match relisten(&pool, &channel).await {
-                        Ok(fresh) => {
-                            listener = fresh;
-                            tracing::info!("PostgreSQL listening connection re-established");
-                            wake_everyone(&waiters);
-                            break;
-                        }
-                        Err(error) => {
-                            tracing::debug!(%error, retry_in_ms = backoff.as_millis() as u64, "PostgreSQL listening connection failed");
-                        }
-                    }
-                }
+                let Some(fresh) = listen_again(&pool, &channel, &stop, &mut backoff).await else {
+                    return;
+                };
+                listener = fresh;
+                tracing::info!("PostgreSQL listening connection re-established");
+                wake_everyone(&waiters);
+            }
+        }
+    }
+}
+
+/// Wakes the waiters of the key a notification names. Its payload is
+/// `<0|1><origin>|<name>`: `0` wakes one waiter of an exclusive lock or a permit, `1`
+/// all of them; the queued modes' waiters all wake either way (their queue decides). A
+/// release by this backend (`origin`) woke its waiters already.
+fn wake_named(waiters: &Mutex<HashMap<LockKey, KeyWaiters>>, payload: &str, origin: &str) {
+    let (all, rest) = match payload.split_at_checked(1) {
+        Some(("1", rest)) => (true, rest),
+        Some((_, rest)) => (false, rest),
+        None => return,
+    };
+    let Some((from, name)) = rest.split_once('|') else {
+        return;
+    };
+    if from == origin {
+        return;
+    }
+    let Ok(key) = LockKey::new(name) else {
+        return;
+    };
+    if let Some(w) = waiters_of(waiters).get(&key) {
+        if all {
+            w.one.notify_all();
+        } else {
+            w.one.notify_one();
+        }
+        w.all.notify_all();
+    }
+}
+
+/// Makes a new listening connection, backing off (jittered, doubling up to 2 s) between
+/// tries, until one listens; `None` when the backend stops first.
+async fn listen_again(
+    pool: &PgPool,
+    channel: &str,
+    stop: &CancellationToken,
+    backoff: &mut Duration,
+) -> Option<PgListener> {
+    loop {
+        let jittered = *backoff / 2 + backoff.mul_f64(fastrand::f64() / 2.0);
+        tokio::select! {
+            _ = stop.cancelled() => return None,
+            _ = tokio::time::sleep(jittered) => {}
+        }
+        *backoff = (*backoff * 2).min(Duration::from_secs(2));
+        match relisten(pool, channel).await {
+            Ok(fresh) => return Some(fresh),
+            Err(error) => {
+                tracing::debug!(%error, retry_in_ms = backoff.as_millis() as u64, "PostgreSQL listening connection failed");
             }
         }
     }
