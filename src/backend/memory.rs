@@ -253,6 +253,28 @@ fn family(mode: LockMode) -> Family {
     }
 }
 
+/// Whether `req` must wait, and if so the holder's remaining lease (`None`: no expiry)
+/// or, behind a queued waiter, when that waiter would be evicted; `None` when it may
+/// take the lock now.
+fn blocked(entry: &mut Entry, req: &LockRequest, now: Instant) -> Option<Option<Duration>> {
+    if let Some(holder_ttl) = entry.holds.conflict(req.write_holder(), req.mode, now) {
+        return Some(holder_ttl);
+    }
+    if !queued(req.mode) {
+        return None;
+    }
+    // The write holder's reads go without queueing (downgrade); anyone else waits for
+    // the waiters ahead of it that it cannot share with.
+    let bypass = req.mode == LockMode::Read && entry.holds.holds_write(req.write_holder(), now);
+    let seq = entry.queue.seq_of(&req.owner, req.mode);
+    match entry.queue.blocker(seq, req.mode, now) {
+        Some(_) if bypass => None,
+        // Ask again when the blocker would be evicted, if not woken before.
+        Some(blocker) => Some(Some(blocker.evict_at.saturating_duration_since(now))),
+        None => None,
+    }
+}
+
 /// The longest of several remaining leases; `None` (no expiry) wins.
 fn longest(ttls: impl IntoIterator<Item = Option<Duration>>) -> Option<Duration> {
     let mut max = Some(Duration::ZERO);
@@ -796,41 +818,10 @@ impl MemoryBackend {
         table.maybe_sweep(now);
         let entry = table.map.entry(req.key.clone()).or_insert_with(Entry::new);
         let queued = queued(req.mode);
-
-        if let Some(hold) = entry.holds.own_mut(&req.owner, req.mode, now) {
-            hold.holds = hold.holds.saturating_add(1);
-            // Re-entering never shortens the lease the hold already has.
-            hold.expires_at = later(hold.expires_at, expires_at);
-            // A fenced re-entry takes the next token, as Redisson's `RFencedLock` does.
-            if req.fenced {
-                hold.token = Some(self.next_token());
-            }
-            let grant = Grant::new(hold.holds, if req.fenced { hold.token } else { None });
-            if queued {
-                entry.queue.remove(&req.owner, req.mode);
-            }
-            return Acquire::Acquired(grant);
+        if let Some(reentered) = self.reenter(entry, req, now, expires_at) {
+            return reentered;
         }
-
-        let busy = match entry.holds.conflict(req.write_holder(), req.mode, now) {
-            Some(holder_ttl) => Some(holder_ttl),
-            None if queued => {
-                // The write holder's reads go without queueing (downgrade); anyone
-                // else waits for the waiters ahead of it that it cannot share with.
-                let bypass =
-                    req.mode == LockMode::Read && entry.holds.holds_write(req.write_holder(), now);
-                let seq = entry.queue.seq_of(&req.owner, req.mode);
-                match entry.queue.blocker(seq, req.mode, now) {
-                    Some(_) if bypass => None,
-                    // Ask again when the blocker would be evicted, if not woken before.
-                    Some(blocker) => Some(Some(blocker.evict_at.saturating_duration_since(now))),
-                    None => None,
-                }
-            }
-            None => None,
-        };
-
-        match busy {
+        match blocked(entry, req, now) {
             None => {
                 let token = self.token_for(req);
                 entry.holds.grant(Hold {
@@ -860,6 +851,29 @@ impl MemoryBackend {
             }
             Some(ttl) => Acquire::Busy { ttl },
         }
+    }
+
+    /// Re-enters the hold `req`'s owner has in its mode, if any: one hold more.
+    fn reenter(
+        &self,
+        entry: &mut Entry,
+        req: &LockRequest,
+        now: Instant,
+        expires_at: Option<Instant>,
+    ) -> Option<Acquire> {
+        let hold = entry.holds.own_mut(&req.owner, req.mode, now)?;
+        hold.holds = hold.holds.saturating_add(1);
+        // Re-entering never shortens the lease the hold already has.
+        hold.expires_at = later(hold.expires_at, expires_at);
+        // A fenced re-entry takes the next token, as Redisson's `RFencedLock` does.
+        if req.fenced {
+            hold.token = Some(self.next_token());
+        }
+        let grant = Grant::new(hold.holds, if req.fenced { hold.token } else { None });
+        if queued(req.mode) {
+            entry.queue.remove(&req.owner, req.mode);
+        }
+        Some(Acquire::Acquired(grant))
     }
 
     fn renew_now(table: &mut Table, req: &LockRequest, now: Instant) -> bool {
