@@ -20,43 +20,8 @@
 //!
 //! # Modes
 //!
-//! Every [`LockMode`] is implemented. A key is meant to be used in one family of modes —
-//! exclusive/fair, read/write, or permits; holds of another family simply make the key
-//! busy (as a Redisson `RLock` finds a read-write lock's hash busy).
-//!
-//! - [`LockMode::Exclusive`]: one owner; waiters race for a release (one is woken).
-//! - [`LockMode::Fair`]: one owner; waiters acquire in arrival order. A busy attempt
-//!   puts the owner at the tail of the key's queue; only the head may take a free lock.
-//!   A queued owner must poll again within the
-//!   [waiter timeout](MemoryBackendBuilder::waiter_timeout) (Redisson's
-//!   `threadWaitTime`, [`DEFAULT_WAITER_TIMEOUT`]) or it is evicted, so a waiter that
-//!   vanished without [`cancel_wait`](LockBackend::cancel_wait) cannot block the queue
-//!   for longer than that. To keep live waiters polling, a queued owner's
-//!   [`Acquire::Busy`] ttl is never more than a third of the waiter timeout. A release
-//!   wakes the head waiter only.
-//! - [`LockMode::Read`] / [`LockMode::Write`] on one key: many readers or one writer.
-//!   The writer's owner — or a request naming it as its
-//!   [`writer`](LockRequest::writer) — may also take read holds (downgrade: take read,
-//!   release write).
-//!   A reader that asks to write waits like any writer — until every read hold,
-//!   including its own, is released; a caller that holds a read lock and waits for the
-//!   write lock of the same key without releasing deadlocks on itself until its wait
-//!   runs out, as in Redisson.
-//!
-//!   Blocked readers and writers queue in arrival order (the same queue and eviction
-//!   as fair locks), and the queue decides who goes next: a writer goes when it is at
-//!   the head and no read hold is left; a reader goes when no writer holds the lock and
-//!   no writer waits ahead of it. So once a writer waits, new readers queue behind it
-//!   (readers that already hold a read lock, and the writer's own owner, re-enter
-//!   without queueing). **Bound**: a waiting writer acquires as soon as the read holds
-//!   present when it arrived are released (or their leases end) and the waiters ahead
-//!   of it have had their turn; a stream of new readers cannot delay it. Readers are
-//!   not starved by writers either: readers queued before the next writer are admitted
-//!   together when a write lock is released.
-//! - [`LockMode::Permits`]: at most `max` distinct owners hold the key at once, each
-//!   with its own lease (a crashed holder's permit returns when its lease ends); an
-//!   owner that already holds a permit re-enters it. `max` is taken from each request;
-//!   callers of one key should agree on it. A release wakes one waiter.
+//! Every [`LockMode`] is implemented, with the rules its docs give; a queued waiter
+//! must poll again within the [waiter timeout](MemoryBackendBuilder::waiter_timeout).
 //!
 //! # Example
 //!
@@ -102,22 +67,14 @@ use tokio::time::Instant;
 
 use super::{
     Acquire, BoxFuture, ClientNames, FencingToken, Grant, Holder, LocalStore, LockBackend,
-    LockMode, LockRequest, LockState, Release, Signal, StoreProfile, Subscription, WaiterScope,
-    Waiters, Wake,
+    LockMode, LockRequest, LockState, QUEUED_MODES, Release, Signal, StoreProfile, Subscription,
+    WaiterScope, Waiters, Wake, queued,
 };
 use crate::error::Result;
 use crate::key::LockKey;
 use crate::owner::Owner;
 
-/// How long a queued waiter (fair, read, write) may go without polling before it loses
-/// its place: 5 s. (Redisson's `threadWaitTime` plays this part and defaults to 5
-/// minutes; a vanished waiter should not stall a queue that long.) Live waiters poll at least every
-/// third of it.
-pub const DEFAULT_WAITER_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// The shortest waiter timeout accepted: 3 ms, so that waiters poll at least every
-/// millisecond.
-pub const MIN_WAITER_TIMEOUT: Duration = Duration::from_millis(3);
+pub use super::limits::{DEFAULT_WAITER_TIMEOUT, MIN_WAITER_TIMEOUT};
 
 /// An in-process lock store. See the [module docs](self).
 #[derive(Clone)]
@@ -207,9 +164,9 @@ impl MemoryBackendBuilder {
     /// [`MIN_WAITER_TIMEOUT`] or longer than [`MAX_LEASE`](crate::MAX_LEASE).
     pub fn build(self) -> Result<MemoryBackend> {
         if let Some(lease) = self.watchdog_lease {
-            crate::lock::validate_watchdog_lease(lease)?;
+            super::limits::validate_watchdog_lease(lease)?;
         }
-        super::validate_waiter_timeout(self.waiter_timeout)?;
+        super::limits::validate_waiter_timeout(self.waiter_timeout)?;
         Ok(MemoryBackend {
             shared: Shared::new(self.watchdog_lease, self.waiter_timeout),
         })
@@ -296,12 +253,26 @@ fn family(mode: LockMode) -> Family {
     }
 }
 
-/// Modes whose busy waiters queue in the store.
-const QUEUED_MODES: [LockMode; 3] = [LockMode::Fair, LockMode::Read, LockMode::Write];
-
-/// Whether `mode` is one of [`QUEUED_MODES`].
-fn is_queued(mode: LockMode) -> bool {
-    matches!(mode, LockMode::Fair | LockMode::Read | LockMode::Write)
+/// Whether `req` must wait, and if so the holder's remaining lease (`None`: no expiry)
+/// or, behind a queued waiter, when that waiter would be evicted; `None` when it may
+/// take the lock now.
+fn blocked(entry: &mut Entry, req: &LockRequest, now: Instant) -> Option<Option<Duration>> {
+    if let Some(holder_ttl) = entry.holds.conflict(req.write_holder(), req.mode, now) {
+        return Some(holder_ttl);
+    }
+    if !queued(req.mode) {
+        return None;
+    }
+    // The write holder's reads go without queueing (downgrade); anyone else waits for
+    // the waiters ahead of it that it cannot share with.
+    let bypass = req.mode == LockMode::Read && entry.holds.holds_write(req.write_holder(), now);
+    let seq = entry.queue.seq_of(&req.owner, req.mode);
+    match entry.queue.blocker(seq, req.mode, now) {
+        Some(_) if bypass => None,
+        // Ask again when the blocker would be evicted, if not woken before.
+        Some(blocker) => Some(Some(blocker.evict_at.saturating_duration_since(now))),
+        None => None,
+    }
 }
 
 /// The longest of several remaining leases; `None` (no expiry) wins.
@@ -793,7 +764,7 @@ impl MemoryBackend {
         let newest = holders.iter().filter_map(|h| h.token).max();
         // Queued modes wait in the queue; the others only subscribe. Either way every
         // waiter of this store is in this process.
-        let waiting = if is_queued(mode) {
+        let waiting = if queued(mode) {
             entry.queue.len()
         } else {
             entry.subscribers
@@ -846,42 +817,11 @@ impl MemoryBackend {
         let mut table = self.table();
         table.maybe_sweep(now);
         let entry = table.map.entry(req.key.clone()).or_insert_with(Entry::new);
-        let queued = is_queued(req.mode);
-
-        if let Some(hold) = entry.holds.own_mut(&req.owner, req.mode, now) {
-            hold.holds = hold.holds.saturating_add(1);
-            // Re-entering never shortens the lease the hold already has.
-            hold.expires_at = later(hold.expires_at, expires_at);
-            // A fenced re-entry takes the next token, as Redisson's `RFencedLock` does.
-            if req.fenced {
-                hold.token = Some(self.next_token());
-            }
-            let grant = Grant::new(hold.holds, if req.fenced { hold.token } else { None });
-            if queued {
-                entry.queue.remove(&req.owner, req.mode);
-            }
-            return Acquire::Acquired(grant);
+        let queued = queued(req.mode);
+        if let Some(reentered) = self.reenter(entry, req, now, expires_at) {
+            return reentered;
         }
-
-        let busy = match entry.holds.conflict(req.write_holder(), req.mode, now) {
-            Some(holder_ttl) => Some(holder_ttl),
-            None if queued => {
-                // The write holder's reads go without queueing (downgrade); anyone
-                // else waits for the waiters ahead of it that it cannot share with.
-                let bypass =
-                    req.mode == LockMode::Read && entry.holds.holds_write(req.write_holder(), now);
-                let seq = entry.queue.seq_of(&req.owner, req.mode);
-                match entry.queue.blocker(seq, req.mode, now) {
-                    Some(_) if bypass => None,
-                    // Ask again when the blocker would be evicted, if not woken before.
-                    Some(blocker) => Some(Some(blocker.evict_at.saturating_duration_since(now))),
-                    None => None,
-                }
-            }
-            None => None,
-        };
-
-        match busy {
+        match blocked(entry, req, now) {
             None => {
                 let token = self.token_for(req);
                 entry.holds.grant(Hold {
@@ -911,6 +851,29 @@ impl MemoryBackend {
             }
             Some(ttl) => Acquire::Busy { ttl },
         }
+    }
+
+    /// Re-enters the hold `req`'s owner has in its mode, if any: one hold more.
+    fn reenter(
+        &self,
+        entry: &mut Entry,
+        req: &LockRequest,
+        now: Instant,
+        expires_at: Option<Instant>,
+    ) -> Option<Acquire> {
+        let hold = entry.holds.own_mut(&req.owner, req.mode, now)?;
+        hold.holds = hold.holds.saturating_add(1);
+        // Re-entering never shortens the lease the hold already has.
+        hold.expires_at = later(hold.expires_at, expires_at);
+        // A fenced re-entry takes the next token, as Redisson's `RFencedLock` does.
+        if req.fenced {
+            hold.token = Some(self.next_token());
+        }
+        let grant = Grant::new(hold.holds, if req.fenced { hold.token } else { None });
+        if queued(req.mode) {
+            entry.queue.remove(&req.owner, req.mode);
+        }
+        Some(Acquire::Acquired(grant))
     }
 
     fn renew_now(table: &mut Table, req: &LockRequest, now: Instant) -> bool {
@@ -1021,7 +984,7 @@ impl LockBackend for MemoryBackend {
     fn abandon<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             self.apply_release(req);
-            if is_queued(req.mode) {
+            if queued(req.mode) {
                 self.cancel_wait_now(req);
             }
             Ok(())
@@ -1029,7 +992,7 @@ impl LockBackend for MemoryBackend {
     }
 
     fn has_local_waiters(&self, req: &LockRequest) -> bool {
-        !is_queued(req.mode)
+        !queued(req.mode)
             && self
                 .table()
                 .map
@@ -1045,7 +1008,7 @@ impl LockBackend for MemoryBackend {
             let mut table = self.table();
             let entry = table.map.entry(req.key.clone()).or_insert_with(Entry::new);
             entry.subscribers += 1;
-            let (owner, notify) = if is_queued(req.mode) {
+            let (owner, notify) = if queued(req.mode) {
                 let sub = entry
                     .owner_subs
                     .entry((req.owner.clone(), req.mode))

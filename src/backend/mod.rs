@@ -67,7 +67,6 @@
 
 use std::fmt;
 use std::future::Future;
-use std::num::NonZeroU32;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -81,7 +80,9 @@ use crate::owner::Owner;
 #[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) mod clock;
 mod intercept;
+pub(crate) mod limits;
 pub mod memory;
+mod mode;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
@@ -89,47 +90,16 @@ mod profile;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
+pub mod redlock;
 
 pub use intercept::{Intercept, Intercepted};
+pub use limits::{DEFAULT_WAITER_TIMEOUT, MIN_WAITER_TIMEOUT};
+pub use mode::LockMode;
+pub(crate) use mode::{QUEUED_MODES, queued};
 pub use profile::{ClockDrift, StoreProfile};
 
 /// A boxed, `Send` future: what every [`LockBackend`] method returns.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-
-/// How a lock is held. Backends return
-/// [`Error::Unsupported`](crate::Error::Unsupported) for modes they do not implement.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum LockMode {
-    /// One owner at a time, reentrant, no ordering among waiters (Redisson `RLock`).
-    Exclusive,
-    /// One owner at a time, reentrant, waiters served in arrival order (Redisson
-    /// `RFairLock`).
-    Fair,
-    /// Shared with other readers, excluded by a writer (Redisson `RReadWriteLock`'s
-    /// read lock).
-    Read,
-    /// Exclusive against readers and writers (Redisson `RReadWriteLock`'s write lock).
-    Write,
-    /// One of at most `max` leased permits (a semaphore, like Redisson's
-    /// `RPermitExpirableSemaphore`).
-    Permits {
-        /// Most owners that may hold the key at once.
-        max: NonZeroU32,
-    },
-}
-
-impl fmt::Display for LockMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            LockMode::Exclusive => f.write_str("exclusive"),
-            LockMode::Fair => f.write_str("fair"),
-            LockMode::Read => f.write_str("read"),
-            LockMode::Write => f.write_str("write"),
-            LockMode::Permits { max } => write!(f, "permits({max})"),
-        }
-    }
-}
 
 /// The wall clock in microseconds since the Unix epoch: the floor of every fencing token a
 /// built-in backend issues (0 if the clock is before the epoch).
@@ -178,7 +148,7 @@ pub(crate) fn clock_floor_us() -> u64 {
 ///   Java `RFencedLock` and tower-lock locking the same name share one fence. One small
 ///   string key per fenced name ever locked (about 70 bytes plus the name); plain locks
 ///   keep none. A Redisson client increments it by one without the clock floor.
-/// - RedLock: per node; see [`RedLock`](crate::kinds::RedLock) — not a fencing token.
+/// - RedLock: per node; see [`RedLock`](redlock::RedLock) — not a fencing token.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct FencingToken(u64);
 
@@ -503,18 +473,6 @@ pub enum Wake {
     Notified,
     /// The deadline passed without a notification.
     Deadline,
-}
-
-/// Checks a backend's waiter timeout: between
-/// [`MIN_WAITER_TIMEOUT`](memory::MIN_WAITER_TIMEOUT) and [`MAX_LEASE`](crate::MAX_LEASE).
-pub(crate) fn validate_waiter_timeout(timeout: Duration) -> Result<()> {
-    if timeout < memory::MIN_WAITER_TIMEOUT || timeout > crate::MAX_LEASE {
-        return Err(crate::Error::invalid_config(
-            "waiter_timeout",
-            format!("must be between 3 ms and 365 days (got {timeout:?})"),
-        ));
-    }
-    Ok(())
 }
 
 /// The in-process wake-up behind every [`Subscription`] of the built-in backends: a

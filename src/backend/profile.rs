@@ -122,7 +122,7 @@ impl StoreProfile {
 
     /// How much of a `lease` granted or renewed the client must not count on: the
     /// allowance for clocks that run at different rates, which a quorum of independent
-    /// stores needs ([`RedLock`](crate::kinds::RedLock)). A hold is believed until
+    /// stores needs ([`RedLock`](super::redlock::RedLock)). A hold is believed until
     /// `sent + lease − clock_drift(lease)`. Zero for one store: its lease is counted
     /// from before the request was sent, which is already on the safe side.
     pub fn clock_drift(&self, lease: Duration) -> Duration {

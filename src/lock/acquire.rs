@@ -525,28 +525,11 @@ async fn run(
     let mut ttl = None;
     let mut answered = false;
     if !line_up {
-        let mut retried = false;
-        loop {
-            match attempt(client, pending.store()).await {
-                Ok(Outcome::Acquired(acquired)) => return Ok(acquired),
-                Ok(Outcome::Busy(holder_ttl)) => {
-                    ttl = holder_ttl;
-                    answered = true;
-                    break;
-                }
-                Err(error) => {
-                    compensate_later(client, pending.store());
-                    // A connection that died while idle (the store restarted) fails the
-                    // first command sent over it, and the backend reconnects: one more
-                    // try, at once, as a new hold, so a restart costs no caller an
-                    // error. Any other failure is the caller's to know at once.
-                    if retried || !error.is_connection_lost() {
-                        return Err(error);
-                    }
-                    tracing::debug!(%error, "lock store connection lost; trying once more");
-                    retried = true;
-                    pending.reidentify(client);
-                }
+        match first_attempt(client, pending).await? {
+            Outcome::Acquired(acquired) => return Ok(acquired),
+            Outcome::Busy(holder_ttl) => {
+                ttl = holder_ttl;
+                answered = true;
             }
         }
     }
@@ -574,6 +557,28 @@ async fn run(
                 line_up = false;
                 ttl = None;
                 answered = false;
+            }
+        }
+    }
+}
+
+/// The attempt before any waiting. Its failures are the caller's to know at once, but
+/// for one: a connection that died while idle (the store restarted) fails the first
+/// command sent over it, and the backend reconnects, so that one is tried once more, at
+/// once, as a new hold; a restart costs no caller an error.
+async fn first_attempt(client: &LockClient, pending: &mut Pending<'_>) -> Result<Outcome> {
+    let mut retried = false;
+    loop {
+        match attempt(client, pending.store()).await {
+            Ok(outcome) => return Ok(outcome),
+            Err(error) => {
+                compensate_later(client, pending.store());
+                if retried || !error.is_connection_lost() {
+                    return Err(error);
+                }
+                tracing::debug!(%error, "lock store connection lost; trying once more");
+                retried = true;
+                pending.reidentify(client);
             }
         }
     }
@@ -618,8 +623,7 @@ async fn wait(
     failing: &mut Failing,
 ) -> Waited {
     let expired = |now: Instant| deadline.is_some_and(|d| now >= d);
-    let backend = client.backend();
-    let queued_mode = backend.profile().queues_waiters(req.mode);
+    let queued_mode = client.backend().profile().queues_waiters(req.mode);
     // From the first busy answer on, a queueing backend keeps this owner in line; every
     // way out below (giving up at once, a failed subscribe, cancellation) leaves it.
     let mut in_line = InLine {
@@ -632,21 +636,13 @@ async fn wait(
         return Waited::Failed(Error::Busy { holder_ttl: ttl });
     }
     let _reported = WaitReport::start(client, req, owner);
-
-    // Subscribing may wait for the store to confirm; never past the caller's deadline.
-    let sub = match deadline {
-        Some(at) => match tokio::time::timeout_at(at, backend.subscribe(req)).await {
-            Ok(Ok(sub)) => sub,
-            Ok(Err(error)) => return Waited::Failed(error),
-            Err(_) => {
-                in_line.give_up().await;
-                return Waited::Failed(Error::Busy { holder_ttl: ttl });
-            }
-        },
-        None => match backend.subscribe(req).await {
-            Ok(sub) => sub,
-            Err(error) => return Waited::Failed(error),
-        },
+    let sub = match subscribe_until(client, req, deadline).await {
+        Ok(Some(sub)) => sub,
+        Ok(None) => {
+            in_line.give_up().await;
+            return Waited::Failed(Error::Busy { holder_ttl: ttl });
+        }
+        Err(error) => return Waited::Failed(error),
     };
     let mut waiting = Waiting {
         sub,
@@ -656,54 +652,13 @@ async fn wait(
         in_line,
     };
     if line_up {
-        // Wait for our turn; a release, or a waiter ahead giving up, wakes us. Should
-        // neither come (a holder's lease lapsed silently), try anyway after a while.
-        let now = Instant::now();
-        let until = deadline.map_or(now + LINE_UP_MAX, |d| d.min(now + LINE_UP_MAX));
-        waiting.woken = waiting.sub.wait(until).await == Wake::Notified;
+        waiting.woken = wait_for_turn(&mut waiting, deadline).await;
     }
     loop {
-        let outcome = match attempt(client, req).await {
-            Ok(outcome) => {
-                *failing = Failing::default();
-                outcome
-            }
-            Err(error) if error.is_retryable() => {
-                // No answer: the attempt may still land. Whatever it does, this identity
-                // takes back (now, and once the attempt can only be refused).
-                compensate_later(client, req);
-                waiting.in_line.queued = false;
-                let now = Instant::now();
-                let since = *failing.since.get_or_insert(now);
-                // Without a deadline, give up once the store has failed for a whole lease:
-                // by then no lock it held for anyone is still valid either.
-                let out_of_patience = deadline.is_none() && now - since >= client.watchdog_lease();
-                if expired(now) || out_of_patience {
-                    return Waited::Failed(error);
-                }
-                let backoff = failing.backoff;
-                tracing::warn!(%error, retry_in_ms = backoff.as_millis() as u64, "lock store failed while waiting; retrying");
-                let until = deadline.map_or(now + backoff, |d| d.min(now + backoff));
-                failing.backoff = (backoff * 2).min(MAX_ERROR_BACKOFF);
-                // A reconnect notification cuts the backoff short.
-                waiting.woken = waiting.sub.wait(until).await == Wake::Notified;
-                return Waited::Unanswered;
-            }
-            Err(error) => {
-                compensate_later(client, req);
-                waiting.in_line.queued = false;
-                return Waited::Failed(error);
-            }
-        };
-        // The wake-up, if any, has been used by this attempt.
-        waiting.woken = false;
-        let ttl = match outcome {
-            Outcome::Acquired(acquired) => {
-                waiting.in_line.queued = false;
-                waiting.settled = true;
-                return Waited::Acquired(acquired);
-            }
-            Outcome::Busy(ttl) => ttl,
+        let attempted = attempt_while_waiting(client, req, deadline, &mut waiting, failing).await;
+        let ttl = match attempted {
+            std::ops::ControlFlow::Break(waited) => return waited,
+            std::ops::ControlFlow::Continue(ttl) => ttl,
         };
         waiting.in_line.queued = queued_mode;
         let now = Instant::now();
@@ -711,21 +666,128 @@ async fn wait(
             waiting.in_line.give_up().await;
             return Waited::Failed(Error::Busy { holder_ttl: ttl });
         }
-        tracing::trace!(
-            holder_ttl_ms = ttl.map(|t| t.as_millis() as u64),
-            "lock busy; waiting for a release"
-        );
-        let recheck = ttl.unwrap_or(NO_TTL_RECHECK).max(MIN_RECHECK);
-        let until = match (now.checked_add(recheck), deadline) {
-            (Some(at), Some(deadline)) => at.min(deadline),
-            (Some(at), None) => at,
-            (None, Some(deadline)) => deadline,
-            (None, None) => now + NO_TTL_RECHECK,
-        };
-        if waiting.sub.wait(until).await == Wake::Notified {
-            waiting.woken = true;
-            tracing::trace!("woken by a release; retrying");
+        sleep_until_retry(&mut waiting, ttl, now, deadline).await;
+    }
+}
+
+/// One attempt of a subscribed waiter: `Continue` with the holder's remaining lease when
+/// busy, `Break` with how the wait ends otherwise (acquired, failed, or unanswered and
+/// backed off from).
+async fn attempt_while_waiting(
+    client: &LockClient,
+    req: &LockRequest,
+    deadline: Option<Instant>,
+    waiting: &mut Waiting<'_>,
+    failing: &mut Failing,
+) -> std::ops::ControlFlow<Waited, Option<Duration>> {
+    use std::ops::ControlFlow;
+    let outcome = match attempt(client, req).await {
+        Ok(outcome) => {
+            *failing = Failing::default();
+            outcome
         }
+        Err(error) if error.is_retryable() => {
+            return ControlFlow::Break(
+                back_off(client, req, deadline, waiting, failing, error).await,
+            );
+        }
+        Err(error) => {
+            compensate_later(client, req);
+            waiting.in_line.queued = false;
+            return ControlFlow::Break(Waited::Failed(error));
+        }
+    };
+    // The wake-up, if any, has been used by this attempt.
+    waiting.woken = false;
+    match outcome {
+        Outcome::Acquired(acquired) => {
+            waiting.in_line.queued = false;
+            waiting.settled = true;
+            ControlFlow::Break(Waited::Acquired(acquired))
+        }
+        Outcome::Busy(ttl) => ControlFlow::Continue(ttl),
+    }
+}
+
+/// Subscribes to releases of `req`'s key. Subscribing may wait for the store to
+/// confirm, never past the caller's deadline: `Ok(None)` when that passed first.
+async fn subscribe_until(
+    client: &LockClient,
+    req: &LockRequest,
+    deadline: Option<Instant>,
+) -> Result<Option<Box<dyn Subscription>>> {
+    let backend = client.backend();
+    match deadline {
+        Some(at) => match tokio::time::timeout_at(at, backend.subscribe(req)).await {
+            Ok(subscribed) => subscribed.map(Some),
+            Err(_) => Ok(None),
+        },
+        None => backend.subscribe(req).await.map(Some),
+    }
+}
+
+/// A new acquirer lined up behind local waiters waits for its turn; a release, or a
+/// waiter ahead giving up, wakes it. Should neither come (a holder's lease lapsed
+/// silently), it tries anyway after a while. Whether it was woken.
+async fn wait_for_turn(waiting: &mut Waiting<'_>, deadline: Option<Instant>) -> bool {
+    let now = Instant::now();
+    let until = deadline.map_or(now + LINE_UP_MAX, |d| d.min(now + LINE_UP_MAX));
+    waiting.sub.wait(until).await == Wake::Notified
+}
+
+/// An attempt got no answer (`error`, retryable): it may still land. Whatever it does,
+/// its identity takes it back (now, and once the attempt can only be refused); then
+/// the waiter backs off before the wait goes on under a new identity — unless it is
+/// out of time, or of patience.
+async fn back_off(
+    client: &LockClient,
+    req: &LockRequest,
+    deadline: Option<Instant>,
+    waiting: &mut Waiting<'_>,
+    failing: &mut Failing,
+    error: Error,
+) -> Waited {
+    compensate_later(client, req);
+    waiting.in_line.queued = false;
+    let now = Instant::now();
+    let since = *failing.since.get_or_insert(now);
+    // Without a deadline, give up once the store has failed for a whole lease: by then
+    // no lock it held for anyone is still valid either.
+    let out_of_patience = deadline.is_none() && now - since >= client.watchdog_lease();
+    if deadline.is_some_and(|d| now >= d) || out_of_patience {
+        return Waited::Failed(error);
+    }
+    let backoff = failing.backoff;
+    tracing::warn!(%error, retry_in_ms = backoff.as_millis() as u64, "lock store failed while waiting; retrying");
+    let until = deadline.map_or(now + backoff, |d| d.min(now + backoff));
+    failing.backoff = (backoff * 2).min(MAX_ERROR_BACKOFF);
+    // A reconnect notification cuts the backoff short.
+    waiting.woken = waiting.sub.wait(until).await == Wake::Notified;
+    Waited::Unanswered
+}
+
+/// After a busy answer at `now`: sleeps until a release wakes this waiter or the
+/// holder's lease (`ttl`) would end, bounded by the deadline.
+async fn sleep_until_retry(
+    waiting: &mut Waiting<'_>,
+    ttl: Option<Duration>,
+    now: Instant,
+    deadline: Option<Instant>,
+) {
+    tracing::trace!(
+        holder_ttl_ms = ttl.map(|t| t.as_millis() as u64),
+        "lock busy; waiting for a release"
+    );
+    let recheck = ttl.unwrap_or(NO_TTL_RECHECK).max(MIN_RECHECK);
+    let until = match (now.checked_add(recheck), deadline) {
+        (Some(at), Some(deadline)) => at.min(deadline),
+        (Some(at), None) => at,
+        (None, Some(deadline)) => deadline,
+        (None, None) => now + NO_TTL_RECHECK,
+    };
+    if waiting.sub.wait(until).await == Wake::Notified {
+        waiting.woken = true;
+        tracing::trace!("woken by a release; retrying");
     }
 }
 

@@ -91,21 +91,8 @@ pub use observer::{LayerOutcome, LockEvent, LockObserver};
 use registry::Registry;
 pub(crate) use unlocking::{FinishOnDrop, Unlocking};
 
-/// The watchdog lease when none is configured: 30 s, as Redisson's
-/// `lockWatchdogTimeout`. Held locks are renewed every 10 s; a crashed holder's lock is
-/// free again at most 30 s later.
-pub const DEFAULT_WATCHDOG_LEASE: Duration = Duration::from_secs(30);
-
-/// The shortest watchdog lease accepted: 30 ms (a renewal every 10 ms). Shorter leases
-/// leave less time for a renewal round trip than a loaded machine needs.
-pub const MIN_WATCHDOG_LEASE: Duration = Duration::from_millis(30);
-
-/// The shortest explicit lease accepted: 1 ms, the resolution of Redis `PEXPIRE`.
-pub const MIN_LEASE: Duration = Duration::from_millis(1);
-
-/// The longest lease accepted: 365 days. Anything longer is a mistake (a unit mix-up or
-/// `Duration::MAX`); a lock that must be held indefinitely should use the watchdog.
-pub const MAX_LEASE: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+use crate::backend::limits::DEFAULT_WATCHDOG_LEASE;
+pub(crate) use crate::backend::limits::{validate_lease, validate_watchdog_lease};
 
 /// How a lock's lease is kept.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,7 +100,8 @@ pub enum Lease {
     /// The client's watchdog lease, renewed every third of it while the guard lives.
     Watchdog,
     /// A fixed lease: the lock is freed when it ends, whether or not the guard lives
-    /// (Redisson's `leaseTime`). Between [`MIN_LEASE`] and [`MAX_LEASE`].
+    /// (Redisson's `leaseTime`). Between [`MIN_LEASE`](crate::MIN_LEASE) and
+    /// [`MAX_LEASE`](crate::MAX_LEASE).
     Fixed(Duration),
 }
 
@@ -121,38 +109,6 @@ impl From<Duration> for Lease {
     fn from(lease: Duration) -> Self {
         Lease::Fixed(lease)
     }
-}
-
-pub(crate) fn validate_lease(name: &'static str, lease: Duration) -> Result<Duration> {
-    if lease < MIN_LEASE {
-        return Err(Error::invalid_config(
-            name,
-            format!("must be at least 1 ms (got {lease:?})"),
-        ));
-    }
-    if lease > MAX_LEASE {
-        return Err(Error::invalid_config(
-            name,
-            format!(
-                "must be at most 365 days (got {lease:?}); use the watchdog to hold a lock indefinitely"
-            ),
-        ));
-    }
-    // The stores count in whole milliseconds (Redis `PEXPIRE`): so does the client, or
-    // it would believe in a lease up to a millisecond longer than the store's.
-    Ok(Duration::from_millis(
-        u64::try_from(lease.as_millis()).unwrap_or(u64::MAX),
-    ))
-}
-
-pub(crate) fn validate_watchdog_lease(lease: Duration) -> Result<Duration> {
-    if lease < MIN_WATCHDOG_LEASE {
-        return Err(Error::invalid_config(
-            "watchdog_lease",
-            format!("must be at least 30 ms (got {lease:?})"),
-        ));
-    }
-    validate_lease("watchdog_lease", lease)
 }
 
 /// How long a client's name stays registered in the store after its last registration:
@@ -561,7 +517,7 @@ impl LockClientBuilder {
 
     /// The lease of locks held without an explicit one; renewed every third of it.
     /// Default: the backend's, else [`DEFAULT_WATCHDOG_LEASE`]. At least
-    /// [`MIN_WATCHDOG_LEASE`].
+    /// [`MIN_WATCHDOG_LEASE`](crate::MIN_WATCHDOG_LEASE).
     pub fn watchdog_lease(mut self, lease: Duration) -> Self {
         self.watchdog_lease = Some(lease);
         self
@@ -710,7 +666,7 @@ impl Lock {
     /// # Errors
     ///
     /// [`Error::Busy`] when the wait runs out, [`Error::InvalidConfig`] for a lease
-    /// outside [`MIN_LEASE`]..=[`MAX_LEASE`].
+    /// outside [`MIN_LEASE`](crate::MIN_LEASE)..=[`MAX_LEASE`](crate::MAX_LEASE).
     pub async fn try_lock_for(&self, wait: Duration, lease: impl Into<Lease>) -> Result<LockGuard> {
         acquire::acquire(self, Some(wait), lease.into()).await
     }

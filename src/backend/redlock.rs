@@ -86,7 +86,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use tower_lock::kinds::RedLock;
+//! use tower_lock::backend::redlock::RedLock;
 //! use tower_lock::{Lease, LockClient, MemoryBackend};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
@@ -279,7 +279,7 @@ impl RedLockBuilder {
     /// it is zero.
     pub fn build(self) -> Result<RedLock> {
         if let Some(lease) = self.watchdog_lease {
-            crate::lock::validate_watchdog_lease(lease)?;
+            super::limits::validate_watchdog_lease(lease)?;
         }
         let total = self.nodes.len();
         if total == 0 {
@@ -388,6 +388,62 @@ enum Vote<T> {
     Answer(T),
     /// An error or no answer within the node timeout.
     Failed,
+}
+
+/// The nodes' answers to one acquisition.
+struct Tally {
+    granted: Vec<Grant>,
+    /// The busy nodes' holders' remaining leases.
+    busy: Vec<Option<Duration>>,
+    /// The nodes that answered busy, and those that failed, by index.
+    busy_nodes: Vec<usize>,
+    failed_nodes: Vec<usize>,
+}
+
+impl Tally {
+    fn of(votes: Vec<Vote<Acquire>>) -> Self {
+        let mut tally = Tally {
+            granted: Vec::new(),
+            busy: Vec::new(),
+            busy_nodes: Vec::new(),
+            failed_nodes: Vec::new(),
+        };
+        for (i, vote) in votes.into_iter().enumerate() {
+            match vote {
+                Vote::Answer(Acquire::Acquired(grant)) => tally.granted.push(grant),
+                Vote::Answer(Acquire::Busy { ttl }) => {
+                    tally.busy.push(ttl);
+                    tally.busy_nodes.push(i);
+                }
+                Vote::Failed => tally.failed_nodes.push(i),
+            }
+        }
+        tally
+    }
+
+    /// The grant of a won acquisition, valid for `valid_for`: the most holds any node
+    /// counts, and the highest token (see the module docs on tokens).
+    fn grant(&self, valid_for: Duration) -> Grant {
+        let holds = self.granted.iter().map(Grant::holds).max().unwrap_or(1);
+        let token = self.granted.iter().filter_map(Grant::token).max();
+        Grant::new(holds, token).with_valid_for(valid_for)
+    }
+}
+
+/// The drift allowance for `req`'s lease, which must be longer: a lease within it
+/// could never leave validity.
+fn checked_drift(req: &LockRequest) -> Result<Duration> {
+    let drift = drift(req.lease);
+    if req.lease <= drift {
+        return Err(Error::invalid_config(
+            "lease",
+            format!(
+                "must be longer than the RedLock clock-drift allowance of {drift:?} (got {:?})",
+                req.lease
+            ),
+        ));
+    }
+    Ok(drift)
 }
 
 impl Inner {
@@ -579,16 +635,7 @@ impl Inner {
     }
 
     async fn acquire(self: &Arc<Self>, req: &LockRequest) -> Result<Acquire> {
-        let drift = drift(req.lease);
-        if req.lease <= drift {
-            return Err(Error::invalid_config(
-                "lease",
-                format!(
-                    "must be longer than the RedLock clock-drift allowance of {drift:?} (got {:?})",
-                    req.lease
-                ),
-            ));
-        }
+        let drift = checked_drift(req)?;
         let key = wait_key(req);
         if let Some(until) = self.backoff_until(&key) {
             let now = Instant::now();
@@ -601,25 +648,12 @@ impl Inner {
 
         let started = Instant::now();
         let votes = self.on_all("acquire", |node| node.acquire(req)).await;
-
-        let mut granted: Vec<Grant> = Vec::new();
-        let mut busy: Vec<Option<Duration>> = Vec::new();
-        let (mut busy_nodes, mut failed_nodes) = (Vec::new(), Vec::new());
-        for (i, vote) in votes.into_iter().enumerate() {
-            match vote {
-                Vote::Answer(Acquire::Acquired(grant)) => granted.push(grant),
-                Vote::Answer(Acquire::Busy { ttl }) => {
-                    busy.push(ttl);
-                    busy_nodes.push(i);
-                }
-                Vote::Failed => failed_nodes.push(i),
-            }
-        }
-        let total = self.nodes.len();
+        let tally = Tally::of(votes);
         let quorum = self.quorum_for(req.mode);
-        let won = granted.len() >= quorum;
+        let won = tally.granted.len() >= quorum;
         if won {
-            self.leave_queues(req, &busy_nodes, &failed_nodes).await;
+            self.leave_queues(req, &tally.busy_nodes, &tally.failed_nodes)
+                .await;
         }
         // Validity counts from the start of the attempt to now, when the grant is
         // handed over.
@@ -631,48 +665,48 @@ impl Inner {
                 .filter(|v| !v.is_zero())
         {
             self.clear_backoff(&key);
-            let holds = granted.iter().map(Grant::holds).max().unwrap_or(1);
-            let token = granted.iter().filter_map(Grant::token).max();
-            return Ok(Acquire::Acquired(
-                Grant::new(holds, token).with_valid_for(valid_for),
-            ));
+            return Ok(Acquire::Acquired(tally.grant(valid_for)));
         }
 
         self.undo(req).await;
-        if granted.len() + busy.len() < quorum {
+        self.not_won(key, tally, quorum, elapsed)
+    }
+
+    /// What an attempt that did not win (and was undone) answers, `elapsed` after it
+    /// started: no quorum answered, held elsewhere, or a split vote to back off from.
+    fn not_won(
+        &self,
+        key: WaitKey,
+        mut tally: Tally,
+        quorum: usize,
+        elapsed: Duration,
+    ) -> Result<Acquire> {
+        let total = self.nodes.len();
+        let (granted, busy) = (tally.granted.len(), tally.busy.len());
+        if granted + busy < quorum {
             self.clear_backoff(&key);
-            tracing::debug!(
-                granted = granted.len(),
-                busy = busy.len(),
-                total,
-                "redlock: too few nodes answered"
-            );
-            return Err(self.no_quorum(granted.len(), quorum));
+            tracing::debug!(granted, busy, total, "redlock: too few nodes answered");
+            return Err(self.no_quorum(granted, quorum));
         }
-        if busy.len() >= quorum {
+        if busy >= quorum {
             self.clear_backoff(&key);
             // Held elsewhere: come back when enough busy nodes could be free for a
             // quorum (if every other node granted).
-            busy.sort_by(|a, b| match (a, b) {
+            tally.busy.sort_by(|a, b| match (a, b) {
                 (Some(a), Some(b)) => a.cmp(b),
                 (None, None) => CmpOrdering::Equal,
                 (None, Some(_)) => CmpOrdering::Greater,
                 (Some(_), None) => CmpOrdering::Less,
             });
-            let need = quorum.saturating_sub(total - busy.len()).max(1);
-            let ttl = busy.get(need - 1).copied().flatten();
+            let need = quorum.saturating_sub(total - busy).max(1);
+            let ttl = tally.busy.get(need - 1).copied().flatten();
             return Ok(Acquire::Busy { ttl });
         }
         // A split vote (or too slow to leave validity): back off for a random while so
         // contenders do not retry in lockstep.
         let backoff = elapsed + self.jitter();
         self.set_backoff(key, Instant::now() + backoff);
-        tracing::debug!(
-            granted = granted.len(),
-            busy = busy.len(),
-            ?backoff,
-            "redlock: no winner; backing off"
-        );
+        tracing::debug!(granted, busy, ?backoff, "redlock: no winner; backing off");
         Ok(Acquire::Busy {
             ttl: Some(backoff.max(Duration::from_millis(1))),
         })
