@@ -525,7 +525,7 @@ async fn run(
     let mut ttl = None;
     let mut answered = false;
     if !line_up {
-        match first_attempt(client, pending).await? {
+        match first_attempt(client, pending, deadline).await? {
             Outcome::Acquired(acquired) => return Ok(acquired),
             Outcome::Busy(holder_ttl) => {
                 ttl = holder_ttl;
@@ -563,17 +563,26 @@ async fn run(
 }
 
 /// The attempt before any waiting. Its failures are the caller's to know at once, but
-/// for one: a connection that died while idle (the store restarted) fails the first
-/// command sent over it, and the backend reconnects, so that one is tried once more, at
-/// once, as a new hold; a restart costs no caller an error.
-async fn first_attempt(client: &LockClient, pending: &mut Pending<'_>) -> Result<Outcome> {
+/// for a connection that had to be replaced: one that died while idle (the store
+/// restarted) fails the first command sent over it, and one to a primary that failed
+/// over times out or is refused as read-only; the backend then reconnects, to the
+/// primary as it is now. So an attempt whose connection broke under it is tried once
+/// more, at once, as a new hold — and so is any outage while the caller still has time
+/// to wait (`deadline`). A restart or a failover then costs no caller an error.
+async fn first_attempt(
+    client: &LockClient,
+    pending: &mut Pending<'_>,
+    deadline: Option<Instant>,
+) -> Result<Outcome> {
     let mut retried = false;
     loop {
         match attempt(client, pending.store()).await {
             Ok(outcome) => return Ok(outcome),
             Err(error) => {
                 compensate_later(client, pending.store());
-                if retried || !error.is_connection_lost() {
+                let time_left = deadline.is_some_and(|d| Instant::now() < d);
+                let worth_it = error.is_connection_lost() || (time_left && error.is_unavailable());
+                if retried || !worth_it {
                     return Err(error);
                 }
                 tracing::debug!(%error, "lock store connection lost; trying once more");
