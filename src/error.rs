@@ -133,6 +133,9 @@ impl Error {
                     || e.is_connection_refusal()
                     || e.is_timeout()
                     || e.is_cluster_error()
+                    // A primary demoted to a replica (a failover): the next command goes
+                    // to the new primary.
+                    || e.code() == Some("READONLY")
             }
             Error::InvalidKey { .. }
             | Error::InvalidConfig { .. }
@@ -178,7 +181,9 @@ impl Error {
     pub(crate) fn is_connection_lost(&self) -> bool {
         match self {
             #[cfg(feature = "redis")]
-            Error::Redis(e) => e.is_connection_dropped() && !e.is_timeout(),
+            Error::Redis(e) => {
+                (e.is_connection_dropped() && !e.is_timeout()) || e.code() == Some("READONLY")
+            }
             _ => false,
         }
     }

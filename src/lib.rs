@@ -79,7 +79,9 @@
 //! - **`unlock` reports loss** ([`Error::Lost`]) instead of silently succeeding.
 //!
 //! Redis replication is asynchronous: a primary that fails over before replicating a lock
-//! can let a second owner in. RedLock (a majority of independent nodes) narrows that
+//! can let a second owner in. Replica acknowledgement (`WAIT` after every grant, the
+//! default behind Sentinel) closes that window for grants a client saw, though `WAIT`
+//! is not consensus. RedLock (a majority of independent nodes) narrows that
 //! window but still assumes bounded clock drift and pauses shorter than the lease; it
 //! gives no fencing guarantee across nodes. Use fencing tokens where correctness matters.
 //!
@@ -137,10 +139,11 @@
 //! - **Redis**: a single server keeps every grant across a crash only with AOF and
 //!   `appendfsync always`. With `appendfsync everysec` the last second or so of grants
 //!   can be lost, and with RDB snapshots alone or no persistence every grant since the
-//!   last snapshot. A failover keeps a grant only if the replica had it; the backend
-//!   does not wait for replicas to acknowledge (`WAIT`), so with replication a grant is
-//!   as durable as Redis' asynchronous replication. Fencing tokens still increase
-//!   across such a loss.
+//!   last snapshot. A failover keeps a grant only if the replica had it: with replica
+//!   acknowledgement (`RedisBackendBuilder::synced_replicas`, the default behind
+//!   Sentinel) every grant a client saw had reached that many replicas; without it, a
+//!   grant is as durable as Redis' asynchronous replication. Fencing tokens still
+//!   increase across such a loss.
 //! - **Memory**: the store is the process; it ends with its holders.
 //! - **RedLock**: a grant survives while a majority of nodes keep it; a node that
 //!   restarts without its grants should stay out for longer than the longest lease

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::proxy::FaultProxy;
 use super::redis_server::RedisServer;
 
 /// The name the Sentinels monitor the primary under.
@@ -114,12 +115,27 @@ pub struct SentinelSet {
     /// Every data node; `nodes[0]` was the primary at the start.
     pub nodes: Vec<RedisServer>,
     pub sentinels: Vec<Sentinel>,
+    /// With [`SentinelSet::start_behind_proxies`]: the proxy each replica replicates
+    /// through (in the order of `nodes[1..]`), so a test can hold back or drop the
+    /// replication stream (`Direction::Down` carries it to the replica).
+    pub replication: Vec<FaultProxy>,
 }
 
 impl SentinelSet {
     /// A primary with `replicas` replicas and `sentinels` Sentinels (quorum: a
     /// majority of them), all in sync and known to each other.
     pub async fn start(replicas: usize, sentinels: usize) -> Self {
+        Self::start_inner(replicas, sentinels, false).await
+    }
+
+    /// The same, with each replica replicating from the primary through a
+    /// [`FaultProxy`] of its own ([`SentinelSet::replication`]). Once the Sentinels
+    /// promote a replica, the others follow it directly.
+    pub async fn start_behind_proxies(replicas: usize, sentinels: usize) -> Self {
+        Self::start_inner(replicas, sentinels, true).await
+    }
+
+    async fn start_inner(replicas: usize, sentinels: usize, proxied: bool) -> Self {
         let fast_sync = [
             "--repl-diskless-sync",
             "yes",
@@ -127,11 +143,20 @@ impl SentinelSet {
             "0",
         ];
         let primary = RedisServer::start_with(&fast_sync).await;
-        let primary_port = primary.port().to_string();
         let mut nodes = vec![primary];
+        let mut replication = Vec::new();
         for _ in 0..replicas {
+            let upstream = if proxied {
+                let proxy = FaultProxy::start(([127, 0, 0, 1], nodes[0].port()).into()).await;
+                let port = proxy.port();
+                replication.push(proxy);
+                port
+            } else {
+                nodes[0].port()
+            };
+            let upstream = upstream.to_string();
             let mut args = fast_sync.to_vec();
-            args.extend(["--replicaof", "127.0.0.1", primary_port.as_str()]);
+            args.extend(["--replicaof", "127.0.0.1", upstream.as_str()]);
             nodes.push(RedisServer::start_with(&args).await);
         }
         let base = std::env::temp_dir().join(format!(
@@ -143,7 +168,11 @@ impl SentinelSet {
         let sentinels = (0..sentinels)
             .map(|i| Sentinel::start(base.join(i.to_string()), nodes[0].port(), quorum))
             .collect();
-        let set = SentinelSet { nodes, sentinels };
+        let set = SentinelSet {
+            nodes,
+            sentinels,
+            replication,
+        };
         set.wait_until_ready(replicas, Duration::from_secs(30))
             .await;
         set

@@ -218,15 +218,20 @@ async fn send(inner: &Inner, mut batch: Vec<Queued>) {
         };
         invocation.arg(tag).arg(q.lease_ms).arg(q.owner.as_str());
     }
-    let reply: Result<Vec<Value>> = inner.invoke(&invocation).await;
+    // With replica acknowledgement the batch waits once; a grant of it that too few
+    // replicas acknowledged is an outage (its lock core gives it up, which releases it).
+    let reply: Result<(Vec<Value>, super::Replicated)> = inner.write(&invocation).await;
     match reply {
-        Ok(values) if values.len() == 3 * batch.len() => {
+        Ok((values, replicated)) if values.len() == 3 * batch.len() => {
             for (q, triple) in batch.into_iter().zip(values.chunks_exact(3)) {
-                let outcome = parse(q.op, triple);
+                let outcome = parse(q.op, triple).and_then(|outcome| match outcome {
+                    Outcome::Acquire(Acquire::Acquired(_)) => replicated.check().map(|()| outcome),
+                    other => Ok(other),
+                });
                 let _ = q.reply.send(outcome);
             }
         }
-        Ok(values) => {
+        Ok((values, _)) => {
             let message = format!(
                 "lock batch of {} answered {} values",
                 batch.len(),

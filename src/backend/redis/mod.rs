@@ -124,6 +124,8 @@ use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Client, FromRedisValue, IntoConnectionInfo, RedisError, RedisResult, Script};
+
+use self::primary::Primary;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{
@@ -137,6 +139,7 @@ use crate::key::LockKey;
 
 mod batch;
 mod modes;
+mod primary;
 mod pubsub;
 
 /// Per-command response timeout when none is configured: 1 s. Lock scripts take
@@ -225,26 +228,38 @@ impl Conn {
     }
 }
 
-/// One server's self-reconnecting connection, replaced when a command times out.
+/// The primary's self-reconnecting connection, replaced when a command shows it cannot
+/// serve any more.
 ///
 /// `ConnectionManager` reconnects when a connection breaks, but a reply that never comes
 /// (a connection that died without a word: a partition, a NAT that dropped it) is to it
 /// a timeout to retry on the same connection — every later command would time out too,
-/// until the operating system gives up on the socket, hours later. So a timeout swaps in
-/// a fresh, lazily connecting manager; the generation makes concurrent timeouts on one
-/// dead connection replace it once.
+/// until the operating system gives up on the socket, hours later. And it reconnects to
+/// the address it started with, which after a Sentinel failover is no longer the
+/// primary. So a command whose failure [calls for it](Primary::calls_for_new_connection)
+/// swaps in a fresh, lazily connecting manager for the primary as it is now; the
+/// generation makes concurrent failures on one dead connection replace it once.
 struct SingleConn {
-    client: Client,
+    primary: Primary,
     config: ConnectionManagerConfig,
-    current: std::sync::RwLock<(u64, ConnectionManager)>,
+    /// How long asking the Sentinels for the primary may take.
+    connection_timeout: Duration,
+    /// The connection, its generation and the address it goes to.
+    current: std::sync::RwLock<(u64, ConnectionManager, String)>,
 }
 
 impl SingleConn {
-    fn new(client: Client, config: ConnectionManagerConfig, conn: ConnectionManager) -> Self {
+    fn new(
+        primary: Primary,
+        config: ConnectionManagerConfig,
+        connection_timeout: Duration,
+        (conn, addr): (ConnectionManager, String),
+    ) -> Self {
         SingleConn {
-            client,
+            primary,
             config,
-            current: std::sync::RwLock::new((0, conn)),
+            connection_timeout,
+            current: std::sync::RwLock::new((0, conn, addr)),
         }
     }
 
@@ -263,37 +278,113 @@ impl SingleConn {
     ) -> RedisResult<T> {
         let (generation, mut conn) = self.current();
         let result = invocation.invoke_async(&mut conn).await;
-        self.after(generation, result)
+        self.after(generation, result).await
     }
 
     async fn query<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> RedisResult<T> {
         let (generation, mut conn) = self.current();
         let result = cmd.query_async(&mut conn).await;
-        self.after(generation, result)
+        self.after(generation, result).await
     }
 
-    /// Replaces the connection of `generation` when `result` is a timeout.
-    fn after<T>(&self, generation: u64, result: RedisResult<T>) -> RedisResult<T> {
-        if result.as_ref().is_err_and(RedisError::is_timeout) {
-            self.replace(generation);
+    /// `invocation` followed by `then` in one write on one connection: `then` (a
+    /// `WAIT`) covers the script's writes, also when the connection is replaced right
+    /// after. A script the server does not have yet is loaded, and the pair sent again.
+    async fn invoke_then<T: FromRedisValue, U: FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+        then: &redis::Cmd,
+    ) -> RedisResult<(T, U)> {
+        let (generation, mut conn) = self.current();
+        let mut pipe = redis::pipe();
+        pipe.invoke_script(invocation).add_command(then.clone());
+        let mut result = pipe.query_async(&mut conn).await;
+        if let Err(error) = &result
+            && error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
+        {
+            result = match invocation.load_async(&mut conn).await {
+                Ok(_) => pipe.query_async(&mut conn).await,
+                Err(error) => Err(error),
+            };
+        }
+        self.after(generation, result).await
+    }
+
+    /// Replaces the connection of `generation` when `result` calls for it.
+    async fn after<T>(&self, generation: u64, result: RedisResult<T>) -> RedisResult<T> {
+        if let Err(error) = &result
+            && self.primary.calls_for_new_connection(error)
+        {
+            self.replace(generation, error).await;
         }
         result
     }
 
-    fn replace(&self, generation: u64) {
+    async fn replace(&self, generation: u64, why: &RedisError) {
+        if self.current().0 != generation {
+            return;
+        }
+        if let Some(client) = self.primary_now().await {
+            self.swap(generation, client, &why.to_string());
+        }
+    }
+
+    /// Behind Sentinel, moves to the primary the Sentinels name, if the connection is
+    /// not there: a write that too few replicas acknowledged may mean this server lost
+    /// them in a failover, and a primary that was replaced keeps taking writes until the
+    /// Sentinels demote it.
+    async fn follow_primary(&self) {
+        if !self.primary.follows_failovers() {
+            return;
+        }
+        let (generation, here) = {
+            let current = self
+                .current
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            (current.0, current.2.clone())
+        };
+        let Some(client) = self.primary_now().await else {
+            return;
+        };
+        if client.get_connection_info().addr().to_string() != here {
+            self.swap(generation, client, "the Sentinels name another primary");
+        }
+    }
+
+    /// A client for the primary now, within the connection timeout.
+    async fn primary_now(&self) -> Option<Client> {
+        match tokio::time::timeout(self.connection_timeout, self.primary.client()).await {
+            Ok(Ok(client)) => Some(client),
+            Ok(Err(error)) => {
+                tracing::warn!(%error, "could not find the Redis primary; keeping the connection");
+                None
+            }
+            Err(_) => {
+                tracing::warn!("finding the Redis primary timed out; keeping the connection");
+                None
+            }
+        }
+    }
+
+    /// Swaps in a lazily connecting manager for `client` if the connection is still of
+    /// `generation`.
+    fn swap(&self, generation: u64, client: Client, why: &str) {
+        let addr = client.get_connection_info().addr().to_string();
+        let fresh = match ConnectionManager::new_lazy_with_config(client, self.config.clone()) {
+            Ok(fresh) => fresh,
+            Err(error) => {
+                tracing::warn!(%error, "could not replace the Redis command connection");
+                return;
+            }
+        };
         let mut current = self
             .current
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if current.0 != generation {
-            return;
-        }
-        match ConnectionManager::new_lazy_with_config(self.client.clone(), self.config.clone()) {
-            Ok(fresh) => {
-                tracing::warn!("a Redis command timed out; replacing the command connection");
-                *current = (generation + 1, fresh);
-            }
-            Err(error) => tracing::warn!(%error, "could not replace the Redis command connection"),
+        if current.0 == generation {
+            tracing::warn!(why, to = %addr, "replacing the Redis command connection");
+            *current = (generation + 1, fresh, addr);
         }
     }
 }
@@ -304,6 +395,11 @@ enum Target {
     Single(RedisResult<Client>),
     #[cfg(feature = "cluster")]
     Cluster(RedisResult<Vec<redis::ConnectionInfo>>),
+    #[cfg(feature = "sentinel")]
+    Sentinel {
+        master: String,
+        sentinels: RedisResult<Vec<redis::ConnectionInfo>>,
+    },
 }
 
 struct Inner {
@@ -322,7 +418,41 @@ struct Inner {
     /// An attempt's deadline is this long after it is sent: the response timeout, so
     /// that a reply that timed out leaves no attempt that could still take a lock.
     attempt_window: Duration,
+    /// Replica acknowledgement of writes, when configured.
+    synced: Option<Synced>,
     _stop_hub: DropGuard,
+}
+
+/// Whether enough replicas acknowledged a write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Replicated {
+    /// As many as configured (or acknowledgement is off).
+    Enough,
+    /// Fewer: `acked` of `wanted` within `timeout`.
+    Short {
+        acked: i64,
+        wanted: u32,
+        timeout: Duration,
+    },
+}
+
+impl Replicated {
+    /// An outage when too few replicas acknowledged.
+    fn check(self) -> Result<()> {
+        match self {
+            Replicated::Enough => Ok(()),
+            Replicated::Short {
+                acked,
+                wanted,
+                timeout,
+            } => Err(Error::Backend(
+                format!(
+                    "only {acked} of {wanted} Redis replicas acknowledged the lock's write within {timeout:?}"
+                )
+                .into(),
+            )),
+        }
+    }
 }
 
 impl Inner {
@@ -337,6 +467,67 @@ impl Inner {
     async fn query<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T> {
         let result = self.conn.query(cmd).await;
         self.checked(result)
+    }
+
+    /// Runs `invocation`, a write. With replica acknowledgement, `WAIT` follows it in
+    /// the same write on the same connection, and the answer says whether enough
+    /// replicas acknowledged (a cluster does not wait: its builder refuses the setting).
+    async fn write<T: FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<(T, Replicated)> {
+        let (Conn::Single(single), Some(synced)) = (&self.conn, self.synced) else {
+            return Ok((self.invoke(invocation).await?, Replicated::Enough));
+        };
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(synced.replicas).arg(lease_ms(synced.timeout));
+        let result = single.invoke_then::<T, i64>(invocation, &wait).await;
+        let (value, acked) = self.checked(result)?;
+        let replicated = if acked >= i64::from(synced.replicas) {
+            Replicated::Enough
+        } else {
+            single.follow_primary().await;
+            Replicated::Short {
+                acked,
+                wanted: synced.replicas,
+                timeout: synced.timeout,
+            }
+        };
+        Ok((value, replicated))
+    }
+
+    /// A write that must reach the replicas (a renewal): an outage when it did not.
+    async fn write_strict<T: FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<T> {
+        let (value, replicated) = self.write(invocation).await?;
+        replicated.check()?;
+        Ok(value)
+    }
+
+    /// A write waited for but not failed (a release: one lost in a failover leaves the
+    /// hold until its lease ends, never a second holder).
+    async fn write_waited<T: FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<T> {
+        let (value, replicated) = self.write(invocation).await?;
+        if let Err(error) = replicated.check() {
+            tracing::debug!(%error, "a lock release reached too few replicas");
+        }
+        Ok(value)
+    }
+
+    /// An acquisition: a grant too few replicas acknowledged is an outage (the lock core
+    /// then gives the attempt up, which releases it); a busy answer stands.
+    async fn write_grant(&self, invocation: &redis::ScriptInvocation<'_>) -> Result<Acquire> {
+        let (reply, replicated): (Vec<i64>, _) = self.write(invocation).await?;
+        let acquire = parse_acquire("acquire", &reply)?;
+        if matches!(acquire, Acquire::Acquired(_)) {
+            replicated.check()?;
+        }
+        Ok(acquire)
     }
 
     /// A command's result as this crate's; a timeout also puts the server's clock in
@@ -379,19 +570,17 @@ impl Inner {
         fenced: bool,
         deadline: u64,
     ) -> Result<Acquire> {
-        let reply: Vec<i64> = self
-            .invoke(
-                SCRIPTS
-                    .acquire
-                    .key(lock)
-                    .key(fence)
-                    .arg(lease_ms)
-                    .arg(owner)
-                    .arg(if fenced { "1" } else { "0" })
-                    .arg(deadline),
-            )
-            .await?;
-        parse_acquire("acquire", &reply)
+        self.write_grant(
+            SCRIPTS
+                .acquire
+                .key(lock)
+                .key(fence)
+                .arg(lease_ms)
+                .arg(owner)
+                .arg(if fenced { "1" } else { "0" })
+                .arg(deadline),
+        )
+        .await
     }
 
     /// One exclusive acquisition of `req`, alone, with a deadline of its own (a
@@ -420,7 +609,7 @@ impl Inner {
         owner: &str,
     ) -> Result<Release> {
         let reply: i64 = self
-            .invoke(
+            .write_waited(
                 SCRIPTS
                     .release
                     .key(lock)
@@ -452,6 +641,17 @@ pub struct RedisBackendBuilder {
     reconnect_retries: usize,
     pubsub_keepalive: Duration,
     lazy: bool,
+    /// Replica acknowledgement: `None` for the target's default.
+    synced: Option<Synced>,
+    #[cfg(feature = "sentinel")]
+    sentinel_node: Option<redis::sentinel::SentinelNodeConnectionInfo>,
+}
+
+/// Writes wait until this many replicas have them, for at most this long.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Synced {
+    replicas: u32,
+    timeout: Duration,
 }
 
 impl RedisBackend {
@@ -491,6 +691,49 @@ impl RedisBackend {
         Self::builder_with(Target::Cluster(nodes))
     }
 
+    /// Configures a backend for the primary that the Sentinels at `sentinels` monitor as
+    /// `master` (any subset of them; the first that answers is asked). The backend asks
+    /// them again whenever its connection cannot serve any more — a timeout, a
+    /// connection gone or refused, a write refused as `READONLY` — so it follows a
+    /// failover without a restart: commands, the batcher, the watchdog and the pub/sub
+    /// connection move to the new primary.
+    ///
+    /// Locks wait for [replica acknowledgement](RedisBackendBuilder::synced_replicas)
+    /// by default here: one replica, within half the response timeout.
+    ///
+    /// The Sentinels' own password and TLS go in their URLs
+    /// (`redis://:secret@sentinel-1:26379`); the primary's in
+    /// [`sentinel_node`](RedisBackendBuilder::sentinel_node).
+    ///
+    /// ```no_run
+    /// use tower_lock::RedisBackend;
+    ///
+    /// # async fn demo() -> Result<(), tower_lock::Error> {
+    /// let backend = RedisBackend::sentinel(
+    ///     "mymaster",
+    ///     ["redis://10.0.0.1:26379", "redis://10.0.0.2:26379", "redis://10.0.0.3:26379"],
+    /// )
+    /// .build()
+    /// .await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[cfg(feature = "sentinel")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "sentinel")))]
+    pub fn sentinel<T: IntoConnectionInfo>(
+        master: impl Into<String>,
+        sentinels: impl IntoIterator<Item = T>,
+    ) -> RedisBackendBuilder {
+        let sentinels = sentinels
+            .into_iter()
+            .map(IntoConnectionInfo::into_connection_info)
+            .collect::<RedisResult<Vec<_>>>();
+        Self::builder_with(Target::Sentinel {
+            master: master.into(),
+            sentinels,
+        })
+    }
+
     fn builder_with(target: Target) -> RedisBackendBuilder {
         RedisBackendBuilder {
             target,
@@ -502,6 +745,9 @@ impl RedisBackend {
             reconnect_retries: DEFAULT_RECONNECT_RETRIES,
             pubsub_keepalive: DEFAULT_PUBSUB_KEEPALIVE,
             lazy: false,
+            synced: None,
+            #[cfg(feature = "sentinel")]
+            sentinel_node: None,
         }
     }
 
@@ -675,7 +921,7 @@ impl RedisBackend {
         // period costs one round trip per connection.
         let calls = batches.iter().map(|batch| async move {
             let invocation = renewal_script(&self.inner.prefix, reqs, batch, mixed);
-            let reply: Result<Vec<i64>> = self.invoke(&invocation).await;
+            let reply: Result<Vec<i64>> = self.inner.write_strict(&invocation).await;
             reply
         });
         let replies = futures_util::future::join_all(calls).await;
@@ -1039,6 +1285,40 @@ impl RedisBackendBuilder {
         self
     }
 
+    /// Replica acknowledgement, as Redisson's synced eval: every acquisition, renewal
+    /// and release is followed, in the same write on the same connection, by
+    /// `WAIT replicas timeout`. An acquisition or renewal that fewer replicas
+    /// acknowledged in time fails as an outage (retryable): the lock core gives the
+    /// attempt up, which releases the grant, and the watchdog counts the renewal as
+    /// failed. A release is waited for, not failed (one lost in a failover leaves the
+    /// hold until its lease ends, never a second holder). A batch of grouped
+    /// operations waits once. `replicas` 0 turns it off.
+    ///
+    /// Default: off for a single server and a cluster; 1 replica within half the
+    /// response timeout behind [Sentinel](RedisBackend::sentinel).
+    ///
+    /// What it promises: a grant the client was told about had reached `replicas`
+    /// replicas, so a failover that promotes one of them keeps it. What it does not:
+    /// replication stays asynchronous and `WAIT` is not consensus — a failover may
+    /// promote a replica that had not acknowledged, and a write the primary applied but
+    /// failed to replicate in time stays on the primary until the release undoes it.
+    /// Fencing tokens remain the protection a store that must never take a stale write
+    /// should use.
+    pub fn synced_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.synced = Some(Synced { replicas, timeout });
+        self
+    }
+
+    /// How to reach the primary the Sentinels name: its password, user, database and
+    /// TLS (redis-rs's [`SentinelNodeConnectionInfo`](redis::sentinel::SentinelNodeConnectionInfo)).
+    /// Default: no password, database 0, no TLS.
+    #[cfg(feature = "sentinel")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "sentinel")))]
+    pub fn sentinel_node(mut self, node: redis::sentinel::SentinelNodeConnectionInfo) -> Self {
+        self.sentinel_node = Some(node);
+        self
+    }
+
     /// Validates the settings, connects, and starts the pub/sub task.
     ///
     /// # Errors
@@ -1052,6 +1332,7 @@ impl RedisBackendBuilder {
             pubsub_nodes,
             store_id,
         } = self.connect().await?;
+        let synced = self.synced();
         let shutdown = CancellationToken::new();
         let hub = pubsub::Hub::start(pubsub_nodes, self.pubsub_keepalive, shutdown.clone());
         Ok(RedisBackend {
@@ -1067,13 +1348,49 @@ impl RedisBackendBuilder {
                 batcher: batch::Batcher::default(),
                 clock: StoreClock::default(),
                 attempt_window: self.response_timeout,
+                synced,
                 _stop_hub: shutdown.drop_guard(),
             }),
         })
     }
 
+    /// Replica acknowledgement as configured, or the target's default: one replica
+    /// within half the response timeout behind Sentinel, none elsewhere.
+    fn synced(&self) -> Option<Synced> {
+        let configured = match self.synced {
+            Some(synced) => Some(synced),
+            #[cfg(feature = "sentinel")]
+            None if matches!(self.target, Target::Sentinel { .. }) => Some(Synced {
+                replicas: 1,
+                timeout: self.response_timeout / 2,
+            }),
+            None => None,
+        };
+        configured.filter(|s| s.replicas > 0)
+    }
+
     /// Checks every setting but the target, in the order of their errors.
     fn validate(&self) -> Result<()> {
+        if let Some(synced) = self.synced
+            && synced.replicas > 0
+        {
+            if synced.timeout.is_zero() || synced.timeout >= self.response_timeout {
+                return Err(Error::invalid_config(
+                    "synced_replicas",
+                    format!(
+                        "timeout must be above zero and below the response timeout of {:?}, which bounds the write and its WAIT together (got {:?})",
+                        self.response_timeout, synced.timeout
+                    ),
+                ));
+            }
+            #[cfg(feature = "cluster")]
+            if matches!(self.target, Target::Cluster(_)) {
+                return Err(Error::invalid_config(
+                    "synced_replicas",
+                    "is not supported on a cluster yet (got replicas > 0)",
+                ));
+            }
+        }
         if self.key_prefix.contains(['{', '}']) || self.key_prefix.chars().any(char::is_control) {
             return Err(Error::invalid_config(
                 "key_prefix",
@@ -1121,35 +1438,91 @@ impl RedisBackendBuilder {
     /// Connects to the target (unless lazy, for a single server).
     async fn connect(&self) -> Result<Connected> {
         match &self.target {
-            Target::Single(client) => self.connect_single(client.clone()?).await,
+            Target::Single(client) => {
+                let client = client.clone()?;
+                let info = client.get_connection_info();
+                let store_id = format!(
+                    "redis:{}/{}:{}",
+                    info.addr(),
+                    info.redis_settings().db(),
+                    self.key_prefix
+                );
+                self.connect_single(Primary::Fixed(client), store_id).await
+            }
             #[cfg(feature = "cluster")]
             Target::Cluster(nodes) => self.connect_cluster(nodes).await,
+            #[cfg(feature = "sentinel")]
+            Target::Sentinel { master, sentinels } => {
+                self.connect_sentinel(master, sentinels).await
+            }
         }
     }
 
-    async fn connect_single(&self, client: Client) -> Result<Connected> {
-        let info = client.get_connection_info();
-        let store_id = format!(
-            "redis:{}/{}:{}",
-            info.addr(),
-            info.redis_settings().db(),
-            self.key_prefix
-        );
+    /// Connects to `primary` (unless lazy).
+    async fn connect_single(&self, primary: Primary, store_id: String) -> Result<Connected> {
         let config = ConnectionManagerConfig::new()
             .set_response_timeout(Some(self.response_timeout))
             .set_connection_timeout(Some(self.connection_timeout))
             .set_number_of_retries(self.reconnect_retries)
             .set_min_delay(Duration::from_millis(50));
+        let client = tokio::time::timeout(self.connection_timeout, primary.client())
+            .await
+            .map_err(|_| {
+                Error::from(RedisError::from(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "finding the Redis primary timed out",
+                )))
+            })??;
+        let addr = client.get_connection_info().addr().to_string();
         let conn = if self.lazy {
-            ConnectionManager::new_lazy_with_config(client.clone(), config.clone())?
+            ConnectionManager::new_lazy_with_config(client, config.clone())?
         } else {
-            ConnectionManager::new_with_config(client.clone(), config.clone()).await?
+            ConnectionManager::new_with_config(client, config.clone()).await?
         };
         Ok(Connected {
-            conn: Conn::Single(Box::new(SingleConn::new(client.clone(), config, conn))),
-            pubsub_nodes: vec![client],
+            conn: Conn::Single(Box::new(SingleConn::new(
+                primary.clone(),
+                config,
+                self.connection_timeout,
+                (conn, addr),
+            ))),
+            pubsub_nodes: vec![primary],
             store_id,
         })
+    }
+
+    /// Connects to the primary the Sentinels name (it must be found now, also when
+    /// lazy).
+    #[cfg(feature = "sentinel")]
+    async fn connect_sentinel(
+        &self,
+        master: &str,
+        sentinels: &RedisResult<Vec<redis::ConnectionInfo>>,
+    ) -> Result<Connected> {
+        let sentinels = sentinels.clone()?;
+        if sentinels.is_empty() {
+            return Err(Error::invalid_config(
+                "sentinels",
+                "must name at least one Sentinel (got none)",
+            ));
+        }
+        let mut addrs: Vec<String> = sentinels.iter().map(|i| i.addr().to_string()).collect();
+        addrs.sort();
+        // (The database the node info names is not readable here; two backends on one
+        // primary's different databases share the id, which only orders MultiLocks.)
+        let store_id = format!(
+            "redis-sentinel:{master}@{}:{}",
+            addrs.join(","),
+            self.key_prefix
+        );
+        let client = redis::sentinel::SentinelClient::build(
+            sentinels,
+            String::from(master),
+            self.sentinel_node.clone(),
+            redis::sentinel::SentinelServerType::Master,
+        )?;
+        let primary = Primary::Sentinel(Arc::new(tokio::sync::Mutex::new(client)));
+        self.connect_single(primary, store_id).await
     }
 
     #[cfg(feature = "cluster")]
@@ -1189,7 +1562,7 @@ impl RedisBackendBuilder {
         let store_id = format!("redis-cluster:{}:{}", addrs.join(","), self.key_prefix);
         Ok(Connected {
             conn: Conn::Cluster(Box::new(conn)),
-            pubsub_nodes,
+            pubsub_nodes: pubsub_nodes.into_iter().map(Primary::Fixed).collect(),
             store_id,
         })
     }
@@ -1199,7 +1572,7 @@ impl RedisBackendBuilder {
 /// the pub/sub connection may use, and the store's identity.
 struct Connected {
     conn: Conn,
-    pubsub_nodes: Vec<Client>,
+    pubsub_nodes: Vec<Primary>,
     store_id: String,
 }
 
@@ -1223,7 +1596,8 @@ impl LockBackend for RedisBackend {
                 return self.renew_mode(req).await;
             }
             let renewed: i64 = self
-                .invoke(
+                .inner
+                .write_strict(
                     SCRIPTS
                         .renew
                         .key(Names::lock(&self.inner.prefix, &req.key).as_ref())

@@ -22,7 +22,7 @@ use std::sync::LazyLock;
 
 use redis::Script;
 
-use super::{Names, RedisBackend, fenced_arg, lease_ms, parse_acquire};
+use super::{Names, RedisBackend, fenced_arg, lease_ms};
 use crate::backend::{Acquire, LockMode, LockRequest, Release};
 use crate::error::Result;
 use crate::key::LockKey;
@@ -122,8 +122,7 @@ impl RedisBackend {
         let Some(invocation) = self.acquire_script(req, deadline) else {
             return self.acquire_exclusive(req).await;
         };
-        let reply: Vec<i64> = self.invoke(&invocation).await?;
-        parse_acquire("acquire", &reply)
+        self.inner.write_grant(&invocation).await
     }
 
     /// The script call that acquires `req` in its (queued or permits) mode, refused by
@@ -194,44 +193,47 @@ impl RedisBackend {
         let lock = Names::lock(p, key);
         let reply: i64 = match req.mode {
             LockMode::Fair => {
-                self.invoke(
-                    MODE_SCRIPTS
-                        .fair_release
-                        .key(lock.as_ref())
-                        .key(Names::queue(p, key))
-                        .key(Names::queue_timeouts(p, key))
-                        .key(Names::channel(p, key))
-                        .arg(lease_ms(req.lease))
-                        .arg(req.owner.as_str()),
-                )
-                .await?
+                self.inner
+                    .write_waited(
+                        MODE_SCRIPTS
+                            .fair_release
+                            .key(lock.as_ref())
+                            .key(Names::queue(p, key))
+                            .key(Names::queue_timeouts(p, key))
+                            .key(Names::channel(p, key))
+                            .arg(lease_ms(req.lease))
+                            .arg(req.owner.as_str()),
+                    )
+                    .await?
             }
             LockMode::Read | LockMode::Write => {
-                self.invoke(
-                    MODE_SCRIPTS
-                        .rw_release
-                        .key(lock.as_ref())
-                        .key(Names::lease_prefix(p, key))
-                        .key(Names::queue(p, key))
-                        .key(Names::queue_timeouts(p, key))
-                        .key(Names::rw_channel(p, key))
-                        .arg(lease_ms(req.lease))
-                        .arg(req.owner.as_str())
-                        .arg(rw_arg(req.mode)),
-                )
-                .await?
+                self.inner
+                    .write_waited(
+                        MODE_SCRIPTS
+                            .rw_release
+                            .key(lock.as_ref())
+                            .key(Names::lease_prefix(p, key))
+                            .key(Names::queue(p, key))
+                            .key(Names::queue_timeouts(p, key))
+                            .key(Names::rw_channel(p, key))
+                            .arg(lease_ms(req.lease))
+                            .arg(req.owner.as_str())
+                            .arg(rw_arg(req.mode)),
+                    )
+                    .await?
             }
             LockMode::Permits { .. } => {
-                self.invoke(
-                    MODE_SCRIPTS
-                        .permits_release
-                        .key(lock.as_ref())
-                        .key(Names::permits(p, key))
-                        .key(Names::channel(p, key))
-                        .arg(lease_ms(req.lease))
-                        .arg(req.owner.as_str()),
-                )
-                .await?
+                self.inner
+                    .write_waited(
+                        MODE_SCRIPTS
+                            .permits_release
+                            .key(lock.as_ref())
+                            .key(Names::permits(p, key))
+                            .key(Names::channel(p, key))
+                            .arg(lease_ms(req.lease))
+                            .arg(req.owner.as_str()),
+                    )
+                    .await?
             }
             _ => return self.release_exclusive(req).await,
         };
@@ -246,27 +248,29 @@ impl RedisBackend {
         let lock = Names::lock(p, key);
         let renewed: i64 = match req.mode {
             LockMode::Permits { .. } => {
-                self.invoke(
-                    MODE_SCRIPTS
-                        .permits_renew
-                        .key(lock.as_ref())
-                        .key(Names::permits(p, key))
-                        .arg(lease_ms(req.lease))
-                        .arg(req.owner.as_str()),
-                )
-                .await?
+                self.inner
+                    .write_strict(
+                        MODE_SCRIPTS
+                            .permits_renew
+                            .key(lock.as_ref())
+                            .key(Names::permits(p, key))
+                            .arg(lease_ms(req.lease))
+                            .arg(req.owner.as_str()),
+                    )
+                    .await?
             }
             _ => {
-                self.invoke(
-                    MODE_SCRIPTS
-                        .rw_renew
-                        .key(lock.as_ref())
-                        .key(Names::lease_prefix(p, key))
-                        .arg(lease_ms(req.lease))
-                        .arg(req.owner.as_str())
-                        .arg(rw_arg(req.mode)),
-                )
-                .await?
+                self.inner
+                    .write_strict(
+                        MODE_SCRIPTS
+                            .rw_renew
+                            .key(lock.as_ref())
+                            .key(Names::lease_prefix(p, key))
+                            .arg(lease_ms(req.lease))
+                            .arg(req.owner.as_str())
+                            .arg(rw_arg(req.mode)),
+                    )
+                    .await?
             }
         };
         Ok(renewed == 1)

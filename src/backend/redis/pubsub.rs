@@ -23,11 +23,11 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use redis::Client;
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::primary::Primary;
 use crate::backend::{BoxFuture, Signal, Subscription, Wake};
 
 /// How long a new waiter waits for its `SUBSCRIBE` to be confirmed, while the connection
@@ -90,7 +90,7 @@ impl Hub {
     /// cluster: a release published on any node reaches subscribers on every node, so
     /// any one will do, and the task moves to the next when one fails).
     pub(super) fn start(
-        nodes: Vec<Client>,
+        nodes: Vec<Primary>,
         keepalive: Duration,
         shutdown: CancellationToken,
     ) -> Self {
@@ -249,7 +249,7 @@ impl Drop for RedisSubscription {
 /// connection until it ends, and connects again, until `shutdown`.
 async fn run(
     shared: Arc<Shared>,
-    nodes: Vec<Client>,
+    nodes: Vec<Primary>,
     keepalive_every: Duration,
     shutdown: CancellationToken,
 ) {
@@ -310,11 +310,16 @@ enum Connecting {
     Shutdown,
 }
 
-/// Connects the pub/sub connection to `client`'s node, within [`CONNECT_TIMEOUT`].
-async fn connect(client: &Client, shutdown: &CancellationToken) -> Connecting {
+/// Connects the pub/sub connection to `node` (behind Sentinel: the primary it names
+/// now), within [`CONNECT_TIMEOUT`].
+async fn connect(node: &Primary, shutdown: &CancellationToken) -> Connecting {
+    let connect = async {
+        let client = node.client().await?;
+        client.get_async_pubsub().await
+    };
     let connecting = tokio::select! {
         _ = shutdown.cancelled() => return Connecting::Shutdown,
-        connecting = tokio::time::timeout(CONNECT_TIMEOUT, client.get_async_pubsub()) => connecting,
+        connecting = tokio::time::timeout(CONNECT_TIMEOUT, connect) => connecting,
     };
     match connecting {
         Ok(Ok(pubsub)) => Connecting::Up(pubsub),
