@@ -224,7 +224,8 @@ impl Conn {
     }
 }
 
-/// One server's self-reconnecting connection, replaced when a command times out.
+/// One server's self-reconnecting connection, replaced when a command times out or the
+/// connection is poisoned.
 ///
 /// `ConnectionManager` reconnects when a connection breaks, but a reply that never comes
 /// (a connection that died without a word: a partition, a NAT that dropped it) is to it
@@ -232,6 +233,13 @@ impl Conn {
 /// until the operating system gives up on the socket, hours later. So a timeout swaps in
 /// a fresh, lazily connecting manager; the generation makes concurrent timeouts on one
 /// dead connection replace it once.
+///
+/// A manager's connecting, with its timers, belongs to the tokio runtime that polls it
+/// first. When a backend is shared by several runtimes and that one shuts down while the
+/// manager is still connecting (or backing off between attempts), every later poll of
+/// the manager panics, on every runtime, for good: it is poisoned. A command that
+/// panics is therefore a connection that broke — an error, retryable as a dropped
+/// connection — and the manager is replaced, as after a timeout.
 struct SingleConn {
     client: Client,
     config: ConnectionManagerConfig,
@@ -261,18 +269,36 @@ impl SingleConn {
         invocation: &redis::ScriptInvocation<'_>,
     ) -> RedisResult<T> {
         let (generation, mut conn) = self.current();
-        let result = invocation.invoke_async(&mut conn).await;
+        let result = Unpoisoned::new(invocation.invoke_async(&mut conn)).await;
         self.after(generation, result)
     }
 
     async fn query<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> RedisResult<T> {
         let (generation, mut conn) = self.current();
-        let result = cmd.query_async(&mut conn).await;
+        let result = Unpoisoned::new(cmd.query_async(&mut conn)).await;
         self.after(generation, result)
     }
 
-    /// Replaces the connection of `generation` when `result` is a timeout.
-    fn after<T>(&self, generation: u64, result: RedisResult<T>) -> RedisResult<T> {
+    /// Replaces the connection of `generation` when `result` is a timeout or the
+    /// connection panicked (see the type's docs).
+    fn after<T>(
+        &self,
+        generation: u64,
+        result: Result<RedisResult<T>, Poisoned>,
+    ) -> RedisResult<T> {
+        let result = match result {
+            Ok(result) => result,
+            Err(Poisoned) => {
+                tracing::warn!(
+                    "the Redis command connection panicked (a runtime it was tied to has shut down); replacing it"
+                );
+                self.replace(generation);
+                return Err(RedisError::from(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionAborted,
+                    "the Redis command connection was poisoned (a runtime it was tied to has shut down) and was replaced",
+                )));
+            }
+        };
         if result.as_ref().is_err_and(RedisError::is_timeout) {
             self.replace(generation);
         }
@@ -293,6 +319,40 @@ impl SingleConn {
                 *current = (generation + 1, fresh);
             }
             Err(error) => tracing::warn!(%error, "could not replace the Redis command connection"),
+        }
+    }
+}
+
+/// A command whose connection panicked (see [`SingleConn`]).
+struct Poisoned;
+
+/// Polls a command, turning a panic out of it into [`Poisoned`].
+#[pin_project::pin_project]
+struct Unpoisoned<F> {
+    #[pin]
+    command: F,
+}
+
+impl<F> Unpoisoned<F> {
+    fn new(command: F) -> Self {
+        Unpoisoned { command }
+    }
+}
+
+impl<F: std::future::Future> std::future::Future for Unpoisoned<F> {
+    type Output = Result<F::Output, Poisoned>;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let command = self.project().command;
+        // The connection is dropped after a panic, never polled again: whatever state
+        // the panic left inside it cannot be observed.
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| command.poll(cx))) {
+            Ok(std::task::Poll::Ready(out)) => std::task::Poll::Ready(Ok(out)),
+            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
+            Err(_) => std::task::Poll::Ready(Err(Poisoned)),
         }
     }
 }
