@@ -6,6 +6,7 @@
 pub mod conformance;
 pub mod history;
 pub mod kinds;
+pub mod nemesis;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 pub mod proxy;
