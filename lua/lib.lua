@@ -46,7 +46,7 @@ end
 
 -- Whether an attempt arrived after its deadline (server clock in microseconds; '0' or
 -- absent: none), at `now_us`. Its sender has given up on it by then: it must change
--- nothing (src/backend/redis/clock.rs says how the deadline is set).
+-- nothing (src/backend/clock.rs says how the deadline is set).
 local function late(deadline, now_us)
     deadline = tonumber(deadline) or 0
     return deadline > 0 and now_us > deadline
@@ -178,8 +178,9 @@ local function drop_leases(P, field, count)
     end
 end
 
--- Sets the existing hash's lease to at least `ms`: never shortens it, and a hash
--- without expiry keeps none.
+-- Sets the existing key's lease to at least `ms`: never shortens it, and a key without
+-- expiry keeps none. Every renewal, re-entry and partial release writes leases through
+-- this (or its max), so no reordering of them can end a lease early.
 local function extend(H, ms)
     local pttl = redis.call('pttl', H)
     if pttl >= 0 and pttl < ms then
@@ -292,8 +293,8 @@ end
 
 
 -- Renews one read or write hold if the owner still holds it: 1, else 0. A read hold's
--- lease keys get the new lease; a write hold's lease is the hash's (never shorter than
--- the owner's own read holds).
+-- lease keys are extended to the lease; a write hold's lease is the hash's (never
+-- shorter than the owner's own read holds). Nothing is shortened.
 local function renew_rw(H, P, lease, owner, reading)
     if reading then
         local count = tonumber(redis.call('hget', H, owner) or '0') or 0
@@ -301,7 +302,7 @@ local function renew_rw(H, P, lease, owner, reading)
             return 0
         end
         for i = 1, count do
-            redis.call('pexpire', lease_key(P, owner, i), lease)
+            extend(lease_key(P, owner, i), lease)
         end
         extend(H, lease)
         return 1
@@ -314,7 +315,7 @@ local function renew_rw(H, P, lease, owner, reading)
     if own then
         ms = math.max(ms, reader_pttl(P, owner, tonumber(own) or 0))
     end
-    redis.call('pexpire', H, ms)
+    extend(H, ms)
     return 1
 end
 
@@ -350,13 +351,14 @@ local function fit_permits(H, E, now)
     redis.call('pexpire', E, ms)
 end
 
--- Permits: renews the owner's permit if it still holds one: 1, else 0.
+-- Permits: renews the owner's permit if it still holds one: 1, else 0. Its end moves
+-- later, never earlier.
 local function renew_permit(H, E, lease, owner, now)
     local at = redis.call('zscore', E, owner)
     if not at or tonumber(at) < now then
         return 0
     end
-    redis.call('zadd', E, now + lease, owner)
+    redis.call('zadd', E, math.max(tonumber(at), now + lease), owner)
     fit_permits(H, E, now)
     return 1
 end

@@ -2,7 +2,7 @@
 --
 -- Used only when every key lives on one node (standalone Redis, or one cluster slot).
 -- A key holding another type counts as not held (pcall), so one bad key cannot fail the
--- whole batch.
+-- whole batch. Each lease is extended, never shortened, as lock_renew.lua does.
 --
 -- KEYS[i]      lock name of hold i (hash)
 -- ARGV[2i-1]   lease in milliseconds for hold i
@@ -13,7 +13,10 @@ local renewed = {}
 for i = 1, #KEYS do
     local held = redis.pcall('hexists', KEYS[i], ARGV[2 * i])
     if held == 1 then
-        redis.call('pexpire', KEYS[i], ARGV[2 * i - 1])
+        local pttl = redis.call('pttl', KEYS[i])
+        if pttl >= 0 and pttl < tonumber(ARGV[2 * i - 1]) then
+            redis.call('pexpire', KEYS[i], ARGV[2 * i - 1])
+        end
         renewed[i] = 1
     else
         renewed[i] = 0

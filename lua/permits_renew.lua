@@ -1,4 +1,5 @@
--- Renew (watchdog) one permit, only if the owner still holds it; with lib.lua.
+-- Renew (watchdog) one permit, only if the owner still holds it; with lib.lua. Its
+-- lease is extended, never shortened.
 --
 -- KEYS[1]  lock name (hash)
 -- KEYS[2]  holders (zset, tower_lock_permits:{NAME})

@@ -3,7 +3,7 @@
 --
 -- Used only when every key lives on one node (standalone Redis, or one cluster slot).
 -- A key holding another type than its mode expects counts as not held, so one bad key
--- cannot fail the whole batch.
+-- cannot fail the whole batch. Each lease is extended, never shortened.
 --
 -- KEYS[2i-1]   lock name of hold i (hash)
 -- KEYS[2i]     its companion: the lease-key prefix (read, write), the holders zset
@@ -22,7 +22,7 @@ for i = 1, #KEYS / 2 do
     if redis.call('type', H).ok == 'hash' then
         if mode == 'x' then
             if redis.call('hexists', H, owner) == 1 then
-                redis.call('pexpire', H, lease)
+                extend(H, lease)
                 ok = 1
             end
         elseif mode == 'p' then

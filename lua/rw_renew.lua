@@ -1,5 +1,5 @@
 -- Renew (watchdog) one read or write hold, only if the owner still holds it; with
--- lib.lua.
+-- lib.lua. Its lease is extended, never shortened.
 --
 -- KEYS[1]  lock name (hash)
 -- KEYS[2]  lease-key prefix P

@@ -6,7 +6,8 @@
 -- Every state change is one function call: one statement, one transaction. A
 -- transaction-scoped advisory lock on (hash of the table, hash of the lock name)
 -- serializes the operations on one name; the database's clock decides every lease
--- (clock_timestamp()), never the client's.
+-- (clock_timestamp()), never the client's. Grants, renewals and abandonments commit
+-- synchronously whatever the session's `synchronous_commit`; releases do not.
 --
 -- Modes, as one letter: 'x' exclusive, 'f' fair, 'r' read, 'w' write, 'p' permit.
 
@@ -74,6 +75,22 @@ BEGIN
     END IF;
 END $$;
 
+-- Makes this transaction commit synchronously whatever the session says: a grant, a
+-- renewal or an abandonment the client is told about must survive a crash of the
+-- server, or after the restart a second owner is granted a lock the first still
+-- believes it holds. A session with `synchronous_commit = off` (a common pool setting
+-- for speed) would otherwise hear "acquired" before the grant is on disk. Every other
+-- setting already waits for the local flush, and is kept (stronger ones wait for
+-- standbys too). Local to the transaction, i.e. the one statement that called the
+-- function: it holds at that statement's commit, and the session keeps its setting.
+CREATE OR REPLACE FUNCTION __S__.__T___durable() RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF current_setting('synchronous_commit') = 'off' THEN
+        PERFORM set_config('synchronous_commit', 'on', true);
+    END IF;
+END $$;
+
 -- The next fencing token of `p_name`: from the sequence, at least the clock in
 -- microseconds (as every backend promises) and above the name's last token.
 CREATE OR REPLACE FUNCTION __S__.__T___next_token(p_name text) RETURNS bigint
@@ -95,10 +112,15 @@ END $$;
 
 -- One attempt to take `p_name` for `p_owner` in `p_mode`.
 -- Returns (acquired, holds, token, ttl_ms): holds and token of the grant, or the
--- remaining lease of what blocks (ttl_ms -1: none to tell).
+-- remaining lease of what blocks (ttl_ms -1: none to tell; -2: refused, the attempt
+-- ran after `p_deadline_us`, the database clock in microseconds since the epoch after
+-- which its sender has given up on it (0: none) — a statement delayed on its way, or
+-- kept waiting for the name's advisory lock, takes nothing then). A grant commits
+-- synchronously (`_durable`); a busy attempt keeps the session's setting (a queue
+-- place lost in a crash is taken again at the next poll).
 CREATE OR REPLACE FUNCTION __S__.__T___acquire(
     p_name text, p_owner text, p_mode "char", p_max integer, p_lease_ms bigint,
-    p_fenced boolean, p_writer text, p_waiter_ms bigint,
+    p_fenced boolean, p_writer text, p_waiter_ms bigint, p_deadline_us bigint,
     OUT acquired boolean, OUT holds integer, OUT token bigint, OUT ttl_ms bigint)
 LANGUAGE plpgsql
 -- Index scans, not bitmap scans: they mark the dead entries every acquisition leaves
@@ -122,7 +144,14 @@ BEGIN
         DELETE FROM __S__.__T___queue q WHERE q.name = p_name AND q.evict_at <= now_ts;
     END IF;
 
-    -- An owner given up for good: a late attempt of it takes nothing and queues nowhere.
+    -- Past its deadline (its sender gave up), or of an owner given up for good: a late
+    -- attempt takes nothing and queues nowhere.
+    IF p_deadline_us > 0 AND (extract(epoch FROM now_ts) * 1000000)::bigint > p_deadline_us THEN
+        acquired := false;
+        holds := 0;
+        ttl_ms := -2;
+        RETURN;
+    END IF;
     IF EXISTS (SELECT 1 FROM __S__.__T___gone g
                 WHERE g.name = p_name AND g.owner = p_owner AND g.until > now_ts) THEN
         acquired := false;
@@ -139,6 +168,7 @@ BEGIN
      WHERE t.name = p_name AND t.owner = p_owner AND t.mode = p_mode
     RETURNING t.holds, CASE WHEN p_fenced THEN t.token END INTO holds, token;
     IF FOUND THEN
+        PERFORM __S__.__T___durable();
         IF queued THEN
             DELETE FROM __S__.__T___queue q
              WHERE q.name = p_name AND q.owner = p_owner AND q.mode = p_mode;
@@ -181,6 +211,7 @@ BEGIN
     END IF;
 
     IF NOT blocked THEN
+        PERFORM __S__.__T___durable();
         holds := 1;
         token := CASE WHEN p_fenced THEN __S__.__T___next_token(p_name) END;
         INSERT INTO __S__.__T__ (name, owner, mode, holds, expires_at, token)
@@ -230,7 +261,8 @@ DECLARE
 BEGIN
     PERFORM __S__.__T___read_committed();
     -- A release need not wait for its commit to reach disk: lost in a crash, the hold
-    -- ends with its lease, and the next durable commit (an acquisition) flushes it.
+    -- ends with its lease (the holder is told nothing it could count on), and the next
+    -- durable commit (a grant, a renewal) flushes it.
     PERFORM set_config('synchronous_commit', 'off', true);
     PERFORM pg_advisory_xact_lock(hashtext('__S__.__T__'), hashtext(p_name));
     now_ts := clock_timestamp();
@@ -257,13 +289,28 @@ BEGIN
     RETURN 0;
 END $$;
 
--- Renews many holds at once (the watchdog): which of them are still held.
+-- The previous version's signature, for its processes during a rolling upgrade: an
+-- attempt without a deadline.
+CREATE OR REPLACE FUNCTION __S__.__T___acquire(
+    p_name text, p_owner text, p_mode "char", p_max integer, p_lease_ms bigint,
+    p_fenced boolean, p_writer text, p_waiter_ms bigint,
+    OUT acquired boolean, OUT holds integer, OUT token bigint, OUT ttl_ms bigint)
+LANGUAGE sql AS $$
+    SELECT * FROM __S__.__T___acquire(p_name, p_owner, p_mode, p_max, p_lease_ms,
+                                      p_fenced, p_writer, p_waiter_ms, 0)
+$$;
+
+-- Renews many holds at once (the watchdog): which of them are still held. A lease is
+-- extended, never shortened, so renewals that arrive out of order (over different
+-- connections of a pool) never end a hold before a longer lease already granted. It
+-- commits synchronously (`_durable`).
 CREATE OR REPLACE FUNCTION __S__.__T___renew(
     p_names text[], p_owners text[], p_modes "char"[], p_lease_ms bigint[])
 RETURNS SETOF integer
 LANGUAGE sql AS $$
+    SELECT __S__.__T___durable();
     UPDATE __S__.__T__ t
-       SET expires_at = clock_timestamp() + r.ms * interval '1 millisecond'
+       SET expires_at = greatest(t.expires_at, clock_timestamp() + r.ms * interval '1 millisecond')
       FROM unnest(p_names, p_owners, p_modes, p_lease_ms) WITH ORDINALITY
            AS r(name, owner, mode, ms, i)
      WHERE t.name = r.name AND t.owner = r.owner AND t.mode = r.mode
@@ -272,7 +319,8 @@ LANGUAGE sql AS $$
 $$;
 
 -- Gives `p_owner` up for good: releases its hold (all of it) and its place in the
--- queue, and refuses its late attempts for `p_keep_ms`.
+-- queue, and refuses its late attempts for `p_keep_ms`. It commits synchronously
+-- (`_durable`): the record must outlive a crash as long as a late attempt could come.
 CREATE OR REPLACE FUNCTION __S__.__T___abandon(
     p_name text, p_owner text, p_mode "char", p_keep_ms bigint) RETURNS void
 LANGUAGE plpgsql
@@ -282,6 +330,7 @@ DECLARE
     now_ts timestamptz;
 BEGIN
     PERFORM __S__.__T___read_committed();
+    PERFORM __S__.__T___durable();
     PERFORM pg_advisory_xact_lock(hashtext('__S__.__T__'), hashtext(p_name));
     now_ts := clock_timestamp();
     INSERT INTO __S__.__T___gone (name, owner, until)

@@ -82,6 +82,69 @@
 //! can let a second owner in. RedLock (a majority of independent nodes) narrows that
 //! window but still assumes bounded clock drift and pauses shorter than the lease; it
 //! gives no fencing guarantee across nodes. Use fencing tokens where correctness matters.
+//!
+//! # Cancel safety and faults in transit
+//!
+//! A lock call can be cancelled at any await point, a write can reach the store late
+//! (a retransmission, a connection the client replaced), twice, or never, and a future
+//! can be parked forever. The rules the crate keeps, and what each store needs for them:
+//!
+//! - **A given-up attempt can never take a lock later.** Every acquisition carries a
+//!   deadline on the store's clock, one response timeout after it is sent; the store
+//!   refuses it once that has passed (Redis: the scripts read `TIME`; PostgreSQL:
+//!   `clock_timestamp()`), so a reply that timed out leaves nothing that could still
+//!   land. The client maps its clock to the store's from a sample, as a lower bound
+//!   network delays cannot break; the store's clock must not step back. An attempt
+//!   cancelled or failed before its answer is *given up* with
+//!   [`LockBackend::abandon`](backend::LockBackend::abandon): whatever it took is
+//!   released at once, and once more after its deadline on Redis (PostgreSQL also records
+//!   the owner as gone). Its hold identity is never used again: a wait goes on under a new
+//!   one, so no release ever races an attempt of its own identity. Memory answers in the
+//!   call itself.
+//! - **Leases only move later** (see Durability below), so no reordered renewal, re-entry
+//!   or MultiLock pin ends a lease before a guard's belief.
+//! - **No operation depends on its caller being polled.** Redis operations are sent by a
+//!   task of the backend's, renewals by the watchdog's, releases from `Drop` by a spawned
+//!   task; a parked or leaked future costs only itself (a lock it was granted but never
+//!   saw stays until its lease, or until the future is dropped and gives it up).
+//! - **Renewals outlive the runtime that re-entered a hold**: a watched hold is renewed
+//!   while any runtime that took or re-entered it lives.
+//! - **A connection that broke under an attempt** (a store restarted while the connection
+//!   was idle) costs no caller an error: the attempt is tried once more, at once, as a
+//!   new hold. Timeouts and refused connections still fail fast.
+//!
+//! What is left when the store cannot be reached to take an attempt back: a hold until
+//! its lease ends, a place in a fair or read-write queue until the waiter timeout. Each
+//! rule is a test against real servers through a fault-injecting proxy
+//! (`tests/transit_faults.rs`), and the history checker runs with that proxy as a
+//! nemesis.
+//!
+//! # Durability
+//!
+//! A lease only ever moves later in the store: every renewal, re-entry and partial
+//! release writes the later of the current and the requested end, computed by the store,
+//! so no reordering of them can end a lease before a guard's belief. A grant or renewal
+//! the client was told about must also survive a crash of the store, or after the
+//! restart a second owner is granted a lock the first still believes it holds. What each
+//! backend needs from its store for that:
+//!
+//! - **PostgreSQL**: synchronous commit of grants and renewals. The backend's functions
+//!   force it for their own transaction when a session runs `synchronous_commit = off`,
+//!   so a pool tuned for speed keeps the promise. Releases commit asynchronously: one
+//!   lost in a crash leaves the hold until its lease ends, never a second holder. A
+//!   failover keeps only what the standby had: synchronous replication keeps every
+//!   grant. See `docs/postgres.md`.
+//! - **Redis**: a single server keeps every grant across a crash only with AOF and
+//!   `appendfsync always`. With `appendfsync everysec` the last second or so of grants
+//!   can be lost, and with RDB snapshots alone or no persistence every grant since the
+//!   last snapshot. A failover keeps a grant only if the replica had it; the backend
+//!   does not wait for replicas to acknowledge (`WAIT`), so with replication a grant is
+//!   as durable as Redis' asynchronous replication. Fencing tokens still increase
+//!   across such a loss.
+//! - **Memory**: the store is the process; it ends with its holders.
+//! - **RedLock**: a grant survives while a majority of nodes keep it; a node that
+//!   restarts without its grants should stay out for longer than the longest lease
+//!   (see [`RedLock`](kinds::RedLock)).
 
 #![warn(missing_docs, rust_2018_idioms)]
 #![deny(unreachable_pub, unsafe_code)]

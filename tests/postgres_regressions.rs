@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use common::postgres::PgDatabase;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tokio::time::Instant;
 use tower_lock::backend::{Acquire, LockBackend, LockMode, LockRequest, Release};
-use tower_lock::{LockKey, Owner, PostgresBackend};
+use tower_lock::{LockClient, LockKey, Owner, PostgresBackend};
 
 fn req(key: &str, owner: &str, mode: LockMode) -> LockRequest {
     LockRequest::new(
@@ -223,4 +224,57 @@ async fn a_late_attempt_of_an_abandoned_owner_takes_nothing() {
         backend.acquire(&other).await.unwrap(),
         Acquire::Acquired(_)
     ));
+}
+
+/// Issue 20, item 1: an owner holds a key with a fixed 1 s lease; two of its tasks
+/// re-enter at once with `try_lock_for(0, 4 s)` and `try_lock_for(0, 2 s)`. Both renew,
+/// and `_renew` set `expires_at` outright, so the database kept whichever landed last
+/// while the client kept the longer belief: once 2 s had passed, another client got the
+/// lock while the 4 s guard still believed in it. The pool has two connections, one of
+/// which listens, so the two renewals queue for the other in the order they were sent
+/// (4 s, then 2 s) every time, as on one busy connection. The database must keep the
+/// longest lease.
+#[tokio::test]
+async fn concurrent_reentries_keep_the_longest_lease_in_the_database() {
+    let db = PgDatabase::create().await;
+    let backend = PostgresBackend::builder(db.pool(2).await)
+        .build()
+        .await
+        .unwrap();
+    let client = LockClient::new(backend.clone());
+    let intruder = LockClient::new(on(&db).await);
+    let key = LockKey::new("reentries-with-different-leases").unwrap();
+    let lock = client
+        .get_lock(&key)
+        .unwrap()
+        .with_owner(client.new_owner());
+    let outer = lock
+        .try_lock_for(Duration::ZERO, Duration::from_secs(1))
+        .await
+        .unwrap();
+    let sent = Instant::now();
+    // Polled in this order on one thread: the 4 s renewal is sent, then the 2 s one.
+    let (long, short) = tokio::join!(
+        lock.try_lock_for(Duration::ZERO, Duration::from_secs(4)),
+        lock.try_lock_for(Duration::ZERO, Duration::from_secs(2)),
+    );
+    let (long, short) = (long.unwrap(), short.unwrap());
+    assert_eq!((long.hold_count(), short.hold_count()), (2, 3));
+    // Past the 2 s lease, and for half a second more, well inside the 4 s one.
+    tokio::time::sleep_until(sent + Duration::from_millis(2500)).await;
+    let other = intruder.get_lock(&key).unwrap();
+    while sent.elapsed() < Duration::from_secs(3) {
+        assert!(!long.is_lost(), "the 4 s guard gave up on its own");
+        match other.try_lock().await {
+            Err(e) if e.is_busy() => {}
+            Ok(_) => panic!(
+                "another client got the lock {:?} after the 4 s re-entry, while its guard believed in it",
+                sent.elapsed()
+            ),
+            Err(e) => panic!("{e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop((outer, short));
+    long.unlock().await.unwrap();
 }

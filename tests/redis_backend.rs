@@ -8,7 +8,7 @@ mod common;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::redis_server::RedisServer;
+use common::redis_server::{RedisServer, command_calls};
 use common::wait_until;
 use futures_util::StreamExt;
 use redis::aio::MultiplexedConnection;
@@ -103,31 +103,6 @@ async fn numsub(conn: &mut MultiplexedConnection, channel: &str) -> i64 {
         .await
         .unwrap();
     reply.1
-}
-
-/// Successful calls of `commands` the server has executed so far, from `INFO
-/// commandstats` (a call that failed, such as a NOSCRIPT miss before redis-rs loads a
-/// script, is left out).
-async fn command_calls(conn: &mut MultiplexedConnection, commands: &[&str]) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(conn)
-        .await
-        .unwrap();
-    let stat = |line: &str, name: &str| -> u64 {
-        line.split(',')
-            .find_map(|kv| kv.rsplit_once(&format!("{name}=")).map(|(_, v)| v))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
-    info.lines()
-        .filter(|l| {
-            l.strip_prefix("cmdstat_")
-                .and_then(|l| l.split_once(':'))
-                .is_some_and(|(name, _)| commands.contains(&name))
-        })
-        .map(|l| stat(l, "calls") - stat(l, "failed_calls"))
-        .sum()
 }
 
 /// Successful script calls (EVALSHA + EVAL) the server has executed so far.

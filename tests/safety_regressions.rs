@@ -42,6 +42,30 @@ struct Faults {
     /// The next release waits this long before it reaches the store (so a release sent
     /// after it can overtake it, as on another connection).
     delay_next_release: Option<Duration>,
+    /// Every renew reaches the store and takes effect there, then its reply is held
+    /// back this long.
+    renew_reply_delay: Option<Duration>,
+    /// The next `renew_many` (the watchdog's) reaches the store and takes effect there,
+    /// then its reply waits until this gate opens.
+    hold_next_renewals_reply: Option<Gate>,
+}
+
+/// A gate a call waits at until the test opens it.
+#[derive(Clone)]
+struct Gate(Arc<tokio::sync::watch::Sender<bool>>);
+
+impl Gate {
+    fn new() -> Self {
+        Gate(Arc::new(tokio::sync::watch::Sender::new(false)))
+    }
+
+    fn open(&self) {
+        self.0.send_replace(true);
+    }
+
+    async fn pass(&self) {
+        let _ = self.0.subscribe().wait_for(|&open| open).await;
+    }
 }
 
 /// What a [`Faulty`] backend has seen, so tests can check that a fault really hit.
@@ -55,6 +79,8 @@ struct Seen {
     failed_unsent: AtomicUsize,
     releases_started: AtomicUsize,
     releases_finished: AtomicUsize,
+    /// Watchdog renewals applied by the store whose reply is held at a gate.
+    held_renewal_replies: AtomicUsize,
 }
 
 /// A real backend with faults injected around its calls. Every call is delegated to the
@@ -90,6 +116,10 @@ impl Faulty {
     #[cfg_attr(not(feature = "axum"), allow(dead_code))]
     fn failed_unsent(&self) -> usize {
         self.seen.failed_unsent.load(Ordering::SeqCst)
+    }
+
+    fn held_renewal_replies(&self) -> usize {
+        self.seen.held_renewal_replies.load(Ordering::SeqCst)
     }
 
     /// Releases started (spawned ones included) that have not finished.
@@ -139,11 +169,28 @@ impl LockBackend for Faulty {
     }
 
     fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>> {
-        self.inner.renew(req)
+        Box::pin(async move {
+            let delay = self.faults.lock().unwrap().renew_reply_delay;
+            let renewed = self.inner.renew(req).await;
+            if let Some(delay) = delay {
+                tokio::time::sleep(delay).await;
+            }
+            renewed
+        })
     }
 
     fn renew_many<'a>(&'a self, reqs: &'a [LockRequest]) -> BoxFuture<'a, Vec<Result<bool>>> {
-        self.inner.renew_many(reqs)
+        Box::pin(async move {
+            let gate = self.faults.lock().unwrap().hold_next_renewals_reply.take();
+            let renewed = self.inner.renew_many(reqs).await;
+            if let Some(gate) = gate {
+                self.seen
+                    .held_renewal_replies
+                    .fetch_add(1, Ordering::SeqCst);
+                gate.pass().await;
+            }
+            renewed
+        })
     }
 
     fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>> {
@@ -1775,4 +1822,174 @@ async fn force_unlock_never_frees_a_hold_of_another_kind_memory() {
 #[tokio::test]
 async fn force_unlock_never_frees_a_hold_of_another_kind_redis() {
     force_unlock_of_another_kind(&Redis::start().await).await;
+}
+
+// ---------------------------------------------------------------------------------------
+// 8. A renewal shortens the store's lease below a guard's belief (issue 20, item 1)
+// ---------------------------------------------------------------------------------------
+
+/// An owner holds `key` with a fixed 1 s lease; two of its tasks re-enter at once with
+/// `try_lock_for(0, 4 s)` and `try_lock_for(0, 2 s)`, so both renewals are sent before
+/// either answers, the 4 s one first. The store kept whichever landed last (2 s) while
+/// the client kept the longer belief: once 2 s had passed, another client got the lock
+/// while the 4 s guard still believed in it. The store must keep the longest lease.
+async fn concurrent_reentries_with_different_leases(store: &impl Store) {
+    let client = store.client();
+    let intruder = store.client();
+    let key = key("reentries-with-different-leases");
+    let lock = client
+        .get_lock(&key)
+        .unwrap()
+        .with_owner(client.new_owner());
+    let outer = lock
+        .try_lock_for(Duration::ZERO, Duration::from_secs(1))
+        .await
+        .unwrap();
+    // Both renewals are sent before either answers (polled in this order on one
+    // thread: the 4 s one first), however fast the store answers.
+    store
+        .faulty()
+        .arm(|f| f.renew_reply_delay = Some(Duration::from_millis(10)));
+    let sent = Instant::now();
+    let (long, short) = tokio::join!(
+        lock.try_lock_for(Duration::ZERO, Duration::from_secs(4)),
+        lock.try_lock_for(Duration::ZERO, Duration::from_secs(2)),
+    );
+    let (long, short) = (long.unwrap(), short.unwrap());
+    assert_eq!((long.hold_count(), short.hold_count()), (2, 3));
+    // Past the 2 s lease, and for half a second more, well inside the 4 s one.
+    tokio::time::sleep_until(sent + Duration::from_millis(2500)).await;
+    let violations = held_exclusively(
+        store.faulty(),
+        &intruder,
+        &long,
+        Duration::from_millis(500),
+        "past the 2 s lease",
+    )
+    .await;
+    drop((outer, long, short));
+    store.wait_clear(&key, "at the end").await;
+    assert_none(violations);
+}
+
+// Sequence 8 (two re-entries with different fixed leases at once).
+#[tokio::test(start_paused = true)]
+async fn concurrent_reentries_keep_the_longest_lease_in_the_store_memory() {
+    concurrent_reentries_with_different_leases(&Memory::new()).await;
+}
+
+// Sequence 8 (two re-entries with different fixed leases at once).
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn concurrent_reentries_keep_the_longest_lease_in_the_store_redis() {
+    concurrent_reentries_with_different_leases(&Redis::start().await).await;
+}
+
+/// A MultiLock with a fixed 100 ms lease holds `a` and waits for `b`; meanwhile its
+/// owner re-enters `a` with the watchdog (3 s lease, renewed every second). Then the
+/// MultiLock takes `b` and pins both locks to 100 ms.
+///
+/// `crossing`: the watchdog's first renewal reaches the store, and its answer is held
+/// back until the pin is done — a renewal that crossed the pin on the way. The pin set
+/// the store's lease to 100 ms outright, the watchdog's late answer kept the watched
+/// guard believing in seconds, and another owner got `a` before the watchdog's next
+/// renewal found it gone.
+///
+/// Not `crossing`: the pin comes before the watchdog's first renewal. Once the store
+/// kept the longer lease, the pin still set the hold's belief to exactly 100 ms, so the
+/// watched guard reported its lock lost while the store held it for it.
+async fn multilock_pin_against_a_watched_reentry(store: &impl Store, crossing: bool) {
+    let faulty = store.faulty();
+    let client = LockClient::builder(faulty.clone())
+        .watchdog_lease(Duration::from_secs(3))
+        .build()
+        .unwrap();
+    let other = store.client();
+    let owner = client.new_owner();
+    let (a, b) = (key("pin-a"), key("pin-b"));
+    let blocker = other
+        .get_lock(&b)
+        .unwrap()
+        .try_lock_for(Duration::ZERO, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let multi = MultiLock::new([client.get_lock(&a).unwrap(), client.get_lock(&b).unwrap()])
+        .with_owner(owner.clone());
+    let pinned = tokio::spawn(async move {
+        multi
+            .try_lock_for(Duration::from_secs(5), Duration::from_millis(100))
+            .await
+    });
+    wait_until(
+        Duration::from_secs(5),
+        "the MultiLock holds a and waits for b",
+        || async { store.waiters(&b) == 1 },
+    )
+    .await;
+    let gate = Gate::new();
+    if crossing {
+        faulty.arm(|f| f.hold_next_renewals_reply = Some(gate.clone()));
+    }
+    let watched = client
+        .get_lock(&a)
+        .unwrap()
+        .with_owner(owner)
+        .lock()
+        .await
+        .unwrap();
+    assert!(watched.is_watched());
+    assert_eq!(
+        watched.hold_count(),
+        2,
+        "a watched re-entry of the MultiLock's hold"
+    );
+    if crossing {
+        wait_until(
+            Duration::from_secs(5),
+            "the watchdog's renewal of a reached the store",
+            || async { faulty.held_renewal_replies() == 1 },
+        )
+        .await;
+    }
+    blocker.unlock().await.unwrap();
+    let both = pinned.await.unwrap().unwrap();
+    gate.open();
+    let violations = held_exclusively(
+        faulty,
+        &other,
+        &watched,
+        Duration::from_secs(1),
+        "after the pin",
+    )
+    .await;
+    drop((watched, both));
+    store.wait_clear(&a, "a at the end").await;
+    store.wait_clear(&b, "b at the end").await;
+    assert_none(violations);
+}
+
+// Sequence 8b (a MultiLock's lease pin crossing a watched re-entry's renewal).
+#[tokio::test(start_paused = true)]
+async fn a_multilock_pin_never_shortens_a_watched_reentrys_lease_memory() {
+    multilock_pin_against_a_watched_reentry(&Memory::new(), true).await;
+}
+
+// Sequence 8b (a MultiLock's lease pin crossing a watched re-entry's renewal).
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_multilock_pin_never_shortens_a_watched_reentrys_lease_redis() {
+    multilock_pin_against_a_watched_reentry(&Redis::start().await, true).await;
+}
+
+// Sequence 8c (a MultiLock's lease pin before a watched re-entry's first renewal).
+#[tokio::test(start_paused = true)]
+async fn a_multilock_pin_never_cuts_a_watched_guards_belief_memory() {
+    multilock_pin_against_a_watched_reentry(&Memory::new(), false).await;
+}
+
+// Sequence 8c (a MultiLock's lease pin before a watched re-entry's first renewal).
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_multilock_pin_never_cuts_a_watched_guards_belief_redis() {
+    multilock_pin_against_a_watched_reentry(&Redis::start().await, false).await;
 }

@@ -22,6 +22,8 @@
 //!   and a compensating release sent after `t + w` lands after the attempt, on any
 //!   connection.
 //!
+//! Redis scripts read `TIME`, PostgreSQL functions `clock_timestamp()`.
+//!
 //! A store whose clock steps back (an administrator setting it, a failover to a server
 //! whose clock is behind) can accept a late attempt for as long as the step; NTP-slewed
 //! clocks never step.

@@ -905,7 +905,8 @@ impl MemoryBackend {
         };
         match entry.holds.own_mut(&req.owner, req.mode, now) {
             Some(hold) => {
-                hold.expires_at = now.checked_add(req.lease);
+                // A renewal extends the lease, never shortens it.
+                hold.expires_at = later(hold.expires_at, now.checked_add(req.lease));
                 true
             }
             None => {

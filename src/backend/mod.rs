@@ -18,7 +18,9 @@
 //! # Implementing a backend
 //!
 //! Every state change must be atomic in the store (one script, one transaction, one
-//! critical section). The conformance suite in `tests/` runs the same cases against every
+//! critical section). A hold's lease only ever moves later: every renewal, re-entry and
+//! partial release writes the later of the current and the requested end, computed in
+//! the store. The conformance suite in `tests/` runs the same cases against every
 //! backend; a new backend should pass it unchanged.
 //!
 //! # Example
@@ -64,7 +66,7 @@ use crate::error::Result;
 use crate::key::LockKey;
 use crate::owner::Owner;
 
-#[cfg(feature = "redis")]
+#[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) mod clock;
 pub mod memory;
 #[cfg(feature = "postgres")]
@@ -191,8 +193,8 @@ pub struct LockRequest {
     pub owner: Owner,
     /// How the lock is held.
     pub mode: LockMode,
-    /// The lease: set on a fresh acquisition and on renew; on a re-entry, and on a
-    /// release that leaves holds in place, the hold's lease is extended to it but never
+    /// The lease: set on a fresh acquisition; on a renewal, a re-entry and a release
+    /// that leaves holds in place, the hold's lease is extended to it but never
     /// shortened (a hold without expiry keeps none). Always at least 1 ms, in whole
     /// milliseconds.
     pub lease: Duration,
@@ -505,7 +507,9 @@ pub(crate) fn validate_waiter_timeout(timeout: Duration) -> Result<()> {
 /// releases arriving while two waiters are between their attempt and their sleep would
 /// wake only one — for permits, the other then sleeps with a permit free. Here a waiter
 /// also remembers the count it last saw, and does not park when it has moved: no release
-/// is lost, and parked waiters are still woken one per release.
+/// is lost, and parked waiters are still woken one per release. The other way round, a
+/// wake-up the `Notify` kept from a release before a waiter registered is not that
+/// waiter's (it has seen that count), so it waits on instead of taking another's turn.
 pub(crate) struct Signal {
     notify: tokio::sync::Notify,
     releases: std::sync::atomic::AtomicU64,
@@ -541,22 +545,24 @@ impl Signal {
     /// Waits until a release after `seen` or `deadline`, and updates `seen`.
     pub(crate) fn wait<'a>(&'a self, seen: &'a mut u64, deadline: Instant) -> BoxFuture<'a, Wake> {
         Box::pin(async move {
-            let notified = self.notify.notified();
-            tokio::pin!(notified);
-            // Registered before the count is read: a release between the two still wakes
-            // us through the `Notify`.
-            notified.as_mut().enable();
-            let now = self.seen();
-            if now != *seen {
-                *seen = now;
-                return Wake::Notified;
-            }
-            match tokio::time::timeout_at(deadline, notified).await {
-                Ok(()) => {
-                    *seen = self.seen();
-                    Wake::Notified
+            loop {
+                let notified = self.notify.notified();
+                tokio::pin!(notified);
+                // Registered before the count is read: a release between the two still
+                // wakes us through the `Notify`.
+                notified.as_mut().enable();
+                let now = self.seen();
+                if now != *seen {
+                    *seen = now;
+                    return Wake::Notified;
                 }
-                Err(_) => Wake::Deadline,
+                if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                    return Wake::Deadline;
+                }
+                // Woken: by a release after `seen` (the count moved, and the check above
+                // says so), or by a wake-up the `Notify` kept from a release before we
+                // registered, when nobody was parked. That one is not ours: the waiters
+                // registered then see the count moved; wait on.
             }
         })
     }
@@ -614,11 +620,20 @@ pub trait LockBackend: Send + Sync + 'static {
     /// lease counts as free.
     fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>>;
 
-    /// Resets the lease of `req.owner`'s hold to `req.lease` if the owner still holds
-    /// the key in `req.mode`; returns whether it does. Never changes the hold count.
+    /// Extends the lease of `req.owner`'s hold to at least `req.lease` from now if the
+    /// owner still holds the key in `req.mode`; returns whether it does. Never changes
+    /// the hold count.
+    ///
+    /// Never shortens the lease: a hold with more left keeps it, and a hold without
+    /// expiry keeps none. The store computes the new end itself, as the later of the
+    /// current and the requested one, in the same atomic step as the owner check. So
+    /// renewals that reach the store out of order (over two connections of a pool, or a
+    /// watchdog renewal that crosses a re-entry with a longer fixed lease) never end a
+    /// hold before a lease the store already confirmed to one of its guards.
     fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>>;
 
-    /// [`renew`](LockBackend::renew) for many holds at once, results in the same order.
+    /// [`renew`](LockBackend::renew) for many holds at once, results in the same order:
+    /// each hold's lease is extended to at least its request's lease, never shortened.
     /// The watchdog calls this once per period with every lock it keeps alive;
     /// backends batch it into as few round trips as they can (one pipeline or script per
     /// connection). The default renews one by one.
@@ -707,12 +722,18 @@ pub trait LockBackend: Send + Sync + 'static {
         Box::pin(async { Ok(()) })
     }
 
-    /// The caller gave up on `req` for good — an attempt dropped in flight, or a wait
-    /// that failed — and its owner (the hold's own identity) will never be used again:
-    /// undo whatever its attempts did, or will do when one still in flight arrives
-    /// late. The default releases the owner's hold and leaves the queue, which covers
-    /// attempts already applied; a store whose requests can overtake each other (a pool
-    /// of connections) should also refuse late attempts of `req.owner`.
+    /// The caller gave up on `req` for good — an attempt dropped in flight or left
+    /// unanswered, or a wait that failed — and its owner (the hold's own identity) will
+    /// never be used again: undo whatever its attempts did, or will do when one still in
+    /// flight arrives late. The lock core spawns it and does not wait for it.
+    ///
+    /// The default releases the owner's hold and leaves the queue, which covers attempts
+    /// already applied: right for a store that applies an attempt within the call
+    /// (memory). A store whose requests can overtake each other (a pool of connections,
+    /// a connection replaced after a timeout) must also make sure a late attempt of
+    /// `req.owner` takes nothing: refuse attempts past a deadline on the store's clock,
+    /// record the owner as gone, or release again once no attempt can still land (the
+    /// built-in Redis and PostgreSQL backends do the first and one of the others).
     fn abandon<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             let released = self.release(req).await.map(|_| ());
@@ -856,3 +877,42 @@ macro_rules! forward_backend {
 }
 
 forward_backend!(Arc<T>, Box<T>);
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use tokio::time::Instant;
+
+    use super::{Signal, Wake};
+
+    /// A release while nobody was parked is seen by the waiters that were registered
+    /// then (their count moved), and never by one that registered after it: that one
+    /// would take the turn of the waiter the release was for. CI saw it as a releaser
+    /// barging past the local waiter it should line up behind (PostgreSQL
+    /// `no_barging_past_local_waiters`): the `Notify` kept the release's wake-up for a
+    /// waiter not parked yet, and the releaser's new wait took it.
+    #[tokio::test(start_paused = true)]
+    async fn a_release_before_a_waiter_registered_never_wakes_it() {
+        let signal = Arc::new(Signal::new());
+        let mut earlier = signal.seen();
+        // A release while the earlier waiter is between attempts (not parked).
+        signal.notify_one();
+        let mut later = signal.seen();
+        let soon = Instant::now() + Duration::from_millis(50);
+        assert_eq!(signal.wait(&mut later, soon).await, Wake::Deadline);
+        assert_eq!(signal.wait(&mut earlier, soon).await, Wake::Notified);
+        // The next release wakes the later one, parked.
+        let waiter = tokio::spawn({
+            let signal = Arc::clone(&signal);
+            async move {
+                let deadline = Instant::now() + Duration::from_secs(5);
+                signal.wait(&mut later, deadline).await
+            }
+        });
+        tokio::task::yield_now().await;
+        signal.notify_one();
+        assert_eq!(waiter.await.unwrap(), Wake::Notified);
+    }
+}

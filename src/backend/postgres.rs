@@ -86,6 +86,7 @@ use super::{
     Acquire, BoxFuture, FencingToken, Grant, Holder, LockBackend, LockMode, LockRequest, LockState,
     Release, Signal, Subscription, WaiterScope, Waiters, Wake,
 };
+use crate::backend::clock::StoreClock;
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::owner::Owner;
@@ -121,6 +122,8 @@ struct Inner {
     qualified: String,
     /// The hot path's statements, formatted once.
     statements: Statements,
+    /// The database's clock, for the deadlines of attempts.
+    clock: StoreClock,
     waiter_timeout: Duration,
     response_timeout: Duration,
     watchdog_lease: Option<Duration>,
@@ -260,11 +263,37 @@ impl PostgresBackend {
         }
     }
 
+    /// The deadline, on the database's clock in microseconds, of an attempt sent now:
+    /// its response times out when the database's clock has passed it (see
+    /// [`clock`](crate::backend::clock)). Samples the database's clock first when the
+    /// last sample is too old.
+    async fn attempt_deadline(&self) -> Result<i64> {
+        let window = self.inner.response_timeout;
+        if let Some(deadline) = self.inner.clock.deadline(window) {
+            return Ok(i64::try_from(deadline).unwrap_or(i64::MAX));
+        }
+        let now_us: i64 = self
+            .timed(
+                sqlx::query_scalar(
+                    "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
+                )
+                .fetch_one(&self.inner.pool),
+            )
+            .await?;
+        let received = std::time::Instant::now();
+        self.inner
+            .clock
+            .record(u64::try_from(now_us).unwrap_or(0), received);
+        let deadline = self.inner.clock.deadline(window).unwrap_or(u64::MAX);
+        Ok(i64::try_from(deadline).unwrap_or(i64::MAX))
+    }
+
     async fn acquire_now(&self, req: &LockRequest) -> Result<Acquire> {
         let max = match req.mode {
             LockMode::Permits { max } => i32::try_from(max.get()).unwrap_or(i32::MAX),
             _ => 0,
         };
+        let deadline = self.attempt_deadline().await?;
         let (acquired, holds, token, ttl_ms): (bool, i32, Option<i64>, Option<i64>) = self
             .timed(
                 sqlx::query_as(&self.inner.statements.acquire)
@@ -276,9 +305,15 @@ impl PostgresBackend {
                     .bind(req.fenced)
                     .bind(req.writer.as_ref().map(Owner::as_str))
                     .bind(millis(self.inner.waiter_timeout))
+                    .bind(deadline)
                     .fetch_one(&self.inner.pool),
             )
             .await?;
+        if ttl_ms == Some(-2) {
+            return Err(Error::Backend(
+                "the lock attempt reached PostgreSQL after its deadline and was refused".into(),
+            ));
+        }
         if acquired {
             let token = token.map(|t| FencingToken::new(t.unsigned_abs()));
             return Ok(Acquire::Acquired(Grant::new(
@@ -510,7 +545,7 @@ impl PostgresBackendBuilder {
         let qualified = format!("{}.{}", self.schema, self.table);
         let statements = Statements {
             acquire: fill(
-                "SELECT acquired, holds, token, ttl_ms FROM __F___acquire($1, $2, $3, $4, $5, $6, $7, $8)",
+                "SELECT acquired, holds, token, ttl_ms FROM __F___acquire($1, $2, $3, $4, $5, $6, $7, $8, $9)",
                 &qualified,
             ),
             release: fill("SELECT __F___release($1, $2, $3, $4, $5)", &qualified),
@@ -520,6 +555,7 @@ impl PostgresBackendBuilder {
             inner: Arc::new(Inner {
                 qualified,
                 statements,
+                clock: StoreClock::default(),
                 pool: self.pool,
                 waiter_timeout: self.waiter_timeout,
                 response_timeout: self.response_timeout,

@@ -26,8 +26,13 @@ use crate::owner::Owner;
 ///   the current [`Owner::scope`], else a fresh one.
 /// - One deadline bounds the whole acquisition and one lease applies to every lock. With
 ///   a fixed lease, each lock is first taken with the lease plus the wait left, so none
-///   runs out while later ones are waited for, then all are set to exactly the lease
-///   once every lock is held (Redisson does the same).
+///   runs out while later ones are waited for, then each is extended to last at least
+///   the lease once every lock is held. Stores never shorten a lease (see
+///   [`LockBackend::renew`](crate::backend::LockBackend::renew)), so a fixed lease means
+///   *at least* the lease: a lock taken early keeps what is left of the lease plus the
+///   wait (a crashed holder's locks may stay that long), and a lock an outer guard of
+///   the same owner held longer keeps its longer lease. (Redisson sets every lock to
+///   exactly the lease, which can cut a lease another guard still counts on.)
 /// - If any lock cannot be taken before the deadline, those already taken are released
 ///   before the error is returned.
 ///
@@ -165,7 +170,7 @@ impl MultiLock {
         let deadline = deadline_after(wait);
         // With a fixed lease, a lock taken early must not run out while the later ones
         // are waited for: each is taken with the lease plus the wait left (Redisson's
-        // approach), and all are pinned to exactly the lease once held.
+        // approach), and all are extended to at least the lease once held.
         let pinned = match lease {
             Lease::Fixed(exact) if self.locks.len() > 1 => Some(exact),
             _ => None,
@@ -193,10 +198,7 @@ impl MultiLock {
             };
             let mut all_held = true;
             for guard in &mut guards {
-                // A re-entered hold keeps the (longer) lease of the hold it re-entered.
-                if guard.hold_count() > 1 {
-                    continue;
-                }
+                // Extends only: a re-entered hold keeps its longer lease, if it has one.
                 match guard.pin_lease(exact).await {
                     Ok(true) => {}
                     Ok(false) => all_held = false,

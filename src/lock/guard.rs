@@ -215,9 +215,14 @@ impl LockGuard {
         }
     }
 
-    /// Sets the lease of this guard's hold to exactly `lease` from now (owner-checked);
-    /// returns whether the hold was still there. MultiLock uses it to give every lock
-    /// the same lease once all are held; only for a hold with no other guard.
+    /// Extends the lease of this guard's hold to at least `lease` from now
+    /// (owner-checked); returns whether the hold was still there. MultiLock uses it to
+    /// make every lock last at least the lease once all are held.
+    ///
+    /// The store never shortens a lease, and the hold's belief only moves later too: it
+    /// already was within what the store keeps, and the store now keeps at least
+    /// `lease` from before this renewal was sent. So the belief never outgrows the
+    /// store's lease, and other guards of the hold (a watched re-entry) keep theirs.
     pub(crate) async fn pin_lease(&mut self, lease: Duration) -> Result<bool> {
         let Some(held) = self.inner.as_mut() else {
             return Ok(false);
@@ -229,7 +234,7 @@ impl LockGuard {
         let renewed = backend.renew(&req).await?;
         if renewed {
             let valid = lease.saturating_sub(backend.clock_drift(lease));
-            held.hold.expiry.set(sent_at.checked_add(valid));
+            held.hold.expiry.extend_to(sent_at.checked_add(valid));
             held.lease = lease;
         } else {
             held.client.registry().mark_lost(&held.hold);

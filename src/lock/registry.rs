@@ -89,8 +89,8 @@ impl LostFlag {
     }
 }
 
-/// When a hold's last confirmed lease ends. Moves only later, except when a lease is
-/// pinned to an exact length ([`Expiry::set`]).
+/// When a hold's last confirmed lease ends. Moves only later once the hold is granted
+/// ([`Expiry::set`] only starts it).
 pub(crate) struct Expiry {
     base: Instant,
     /// Nanoseconds after `base`; `u64::MAX`: never.
@@ -126,7 +126,7 @@ impl Expiry {
         self.at.fetch_max(self.encode(at), Ordering::AcqRel);
     }
 
-    /// Sets the end, earlier or later (a lease pinned to an exact length).
+    /// Sets the end, earlier or later: the first one, when the hold is granted.
     pub(crate) fn set(&self, at: Option<Instant>) {
         self.at.store(self.encode(at), Ordering::Release);
     }

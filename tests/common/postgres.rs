@@ -182,8 +182,32 @@ impl PgServer {
     }
 
     fn run(&mut self) {
-        let child = self
-            .command("postgres")
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let mut child = self.spawn();
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            let log = || std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
+            assert!(
+                std::time::Instant::now() < deadline,
+                "PostgreSQL did not start: {}",
+                log()
+            );
+            // A backend of the killed server that was being forked as the kill went out
+            // can outlive the process group's SIGKILL; it exits once it sees the
+            // postmaster gone, and until then keeps the old shared memory, which stops
+            // the new server. Start again once it has.
+            if child.try_wait().ok().flatten().is_some()
+                && log().contains("pre-existing shared memory block")
+            {
+                std::thread::sleep(Duration::from_millis(100));
+                child = self.spawn();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.child = Some(child);
+    }
+
+    fn spawn(&self) -> std::process::Child {
+        self.command("postgres")
             .arg("-D")
             .arg(self.data())
             .args(["-p", &self.port.to_string(), "-k"])
@@ -192,17 +216,7 @@ impl PgServer {
             .stdout(std::process::Stdio::null())
             .stderr(std::fs::File::create(self.dir.join("server.log")).unwrap())
             .spawn()
-            .unwrap();
-        self.child = Some(child);
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "PostgreSQL did not start: {}",
-                std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            .unwrap()
     }
 
     /// `postgres://root@127.0.0.1:<port>/postgres`.

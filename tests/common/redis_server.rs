@@ -18,6 +18,31 @@ use tokio::time::Instant;
 
 static NEXT_DIR: AtomicUsize = AtomicUsize::new(0);
 
+/// Successful calls of `commands` the server has executed so far, from `INFO
+/// commandstats` (a call that failed, such as a NOSCRIPT miss before redis-rs loads a
+/// script, is left out).
+pub async fn command_calls(conn: &mut MultiplexedConnection, commands: &[&str]) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .unwrap();
+    let stat = |line: &str, name: &str| -> u64 {
+        line.split(',')
+            .find_map(|kv| kv.rsplit_once(&format!("{name}=")).map(|(_, v)| v))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    info.lines()
+        .filter(|l| {
+            l.strip_prefix("cmdstat_")
+                .and_then(|l| l.split_once(':'))
+                .is_some_and(|(name, _)| commands.contains(&name))
+        })
+        .map(|l| stat(l, "calls") - stat(l, "failed_calls"))
+        .sum()
+}
+
 pub struct RedisServer {
     child: Option<Child>,
     port: u16,
