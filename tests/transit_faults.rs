@@ -244,6 +244,50 @@ fn a_runtime_that_ends_never_breaks_the_redis_connection_for_others() {
     drop(proxy);
 }
 
+/// Found by the history checker's nemesis (`nemesis_redis`, seed 2536 of 3,000): Redis
+/// restarted between redis-rs's answer to a script Redis did not know (`SCRIPT LOAD`,
+/// then `EVALSHA` once more) and that second `EVALSHA`, which found the script cache
+/// empty again. The acquisition failed with `NoScript`, an error that is neither an
+/// outage nor retried, though the script had never run. Here the cache is flushed at
+/// that moment (`SCRIPT FLUSH`, as a restart or a failover to a replica empties it):
+/// the acquisition must still be taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_script_cache_lost_between_load_and_run_costs_no_acquisition_redis() {
+    let server = RedisServer::start().await;
+    let proxy = FaultProxy::start(([127, 0, 0, 1], server.port()).into()).await;
+    let backend = RedisBackend::builder(format!("redis://127.0.0.1:{}", proxy.port()))
+        .build()
+        .await
+        .unwrap();
+    let client = LockClient::new(backend);
+    let mut direct = server.conn().await;
+    let flush = || redis::cmd("SCRIPT").arg("FLUSH").to_owned();
+    let () = flush().query_async(&mut direct).await.unwrap();
+
+    // The first EVALSHA finds no script; redis-rs loads it, and its second EVALSHA is
+    // held until the cache is empty again.
+    let load = proxy.trap(Direction::Up, b"LOAD");
+    let lock = client.get_lock("script-cache-lost").unwrap();
+    let acquiring = tokio::spawn(async move { lock.try_lock().await });
+    load.caught().await;
+    let again = proxy.trap(Direction::Up, b"EVALSHA");
+    load.release();
+    again.caught().await;
+    let () = flush().query_async(&mut direct).await.unwrap();
+    again.release();
+
+    let guard = tokio::time::timeout(Duration::from_secs(5), acquiring)
+        .await
+        .expect("the acquisition never returned")
+        .unwrap()
+        .expect("a script cache emptied between its load and its run failed the acquisition");
+    guard.unlock().await.unwrap();
+    assert_eq!(
+        server.keys("script-cache-lost*").await,
+        Vec::<String>::new()
+    );
+}
+
 /// Sequence 3: an acquisition whose reply timed out — the write held back on its way,
 /// like a resent packet — and that reaches Redis after the client replaced its
 /// connection. The compensating release had gone over the new connection and found

@@ -264,12 +264,24 @@ impl SingleConn {
         (current.0, current.1.clone())
     }
 
+    /// Runs a script. redis-rs loads a script Redis does not know and runs it once more;
+    /// if the script cache was emptied in between (a restart, a failover to a replica,
+    /// `SCRIPT FLUSH`), that second run finds no script either. It never ran, so it is
+    /// loaded and run once more here.
     async fn invoke<T: FromRedisValue>(
         &self,
         invocation: &redis::ScriptInvocation<'_>,
     ) -> RedisResult<T> {
         let (generation, mut conn) = self.current();
         let result = Unpoisoned::new(invocation.invoke_async(&mut conn)).await;
+        let no_script = redis::ErrorKind::Server(redis::ServerErrorKind::NoScript);
+        let result = match result {
+            Ok(Err(error)) if error.kind() == no_script => {
+                tracing::debug!("the Redis script cache was emptied while a script loaded; again");
+                Unpoisoned::new(invocation.invoke_async(&mut conn)).await
+            }
+            result => result,
+        };
         self.after(generation, result)
     }
 
