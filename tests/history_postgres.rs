@@ -135,13 +135,7 @@ impl Postgres {
         let mut backends = Vec::new();
         let mut clients = Vec::new();
         for client_pool in &pools {
-            let mut builder = PostgresBackend::builder(client_pool.clone())
-                .table(table)
-                .waiter_timeout(timing.waiter_timeout());
-            if let Some(n) = &timing.nemesis {
-                builder = builder.response_timeout(n.response_timeout());
-            }
-            let backend = builder.build().await.unwrap();
+            let backend = build_backend(client_pool, table, timing).await;
             clients.push(
                 LockClient::builder(backend.clone())
                     .watchdog_lease(timing.watchdog_lease())
@@ -178,6 +172,30 @@ impl Postgres {
             .iter()
             .flat_map(|b| self.keys.iter().map(move |k| b.local_waiters(k)))
             .sum()
+    }
+}
+
+/// A backend on `pool` and `table` with `timing`'s settings. With a nemesis, its short
+/// response timeout can run out while the machine is busy before any fault has begun: a
+/// build that fails is tried again, a few times.
+async fn build_backend(pool: &PgPool, table: &str, timing: &Timing) -> PostgresBackend {
+    let mut tries = 0;
+    loop {
+        let mut builder = PostgresBackend::builder(pool.clone())
+            .table(table)
+            .waiter_timeout(timing.waiter_timeout());
+        if let Some(n) = &timing.nemesis {
+            builder = builder.response_timeout(n.response_timeout());
+        }
+        match builder.build().await {
+            Ok(backend) => return backend,
+            Err(e) if tries < 5 && timing.nemesis.is_some() => {
+                tries += 1;
+                eprintln!("building a backend failed ({e}); again");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("building a backend: {e}"),
+        }
     }
 }
 

@@ -204,14 +204,7 @@ impl Redis {
         let mut backends = Vec::new();
         let mut clients = Vec::new();
         for _ in 0..history.clients {
-            let mut builder =
-                RedisBackend::builder(backend_url).waiter_timeout(timing.waiter_timeout());
-            if let Some(n) = &timing.nemesis {
-                builder = builder
-                    .response_timeout(n.response_timeout())
-                    .connection_timeout(n.response_timeout());
-            }
-            let backend = builder.build().await.unwrap();
+            let backend = build_backend(backend_url, timing).await;
             clients.push(
                 LockClient::builder(backend.clone())
                     .watchdog_lease(timing.watchdog_lease())
@@ -341,6 +334,28 @@ impl Redis {
             out.push(left);
         }
         Ok(out)
+    }
+}
+
+/// A backend for `url` with `timing`'s settings. With a nemesis, its short response
+/// timeout can run out while the machine is busy before any fault has begun: a build
+/// that fails is tried again, a few times.
+async fn build_backend(url: &str, timing: &Timing) -> RedisBackend {
+    let mut tries = 0;
+    loop {
+        let mut builder = RedisBackend::builder(url).waiter_timeout(timing.waiter_timeout());
+        if let Some(n) = &timing.nemesis {
+            builder = builder.response_timeout(n.response_timeout());
+        }
+        match builder.build().await {
+            Ok(backend) => return backend,
+            Err(e) if tries < 5 && timing.nemesis.is_some() => {
+                tries += 1;
+                eprintln!("building a backend failed ({e}); again");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("building a backend: {e}"),
+        }
     }
 }
 
