@@ -401,12 +401,8 @@ impl NemesisWorker {
             .unwrap();
         let namespace = format!("n{}r{}", self.id, self.runs);
         runtime.block_on(async {
-            let pool = PgPoolOptions::new()
-                .max_connections(2)
-                .acquire_timeout(Duration::from_secs(2))
-                .connect(&self.url)
-                .await
-                .unwrap();
+            let direct: PgConnectOptions = self.url.parse().unwrap();
+            let pool = connect_when_ready(direct, 2, Duration::from_secs(2)).await;
             let proxy = FaultProxy::start(([127, 0, 0, 1], self.port).into()).await;
             let via_proxy: PgConnectOptions =
                 format!("postgres://root@127.0.0.1:{}/postgres", proxy.port())
@@ -418,14 +414,7 @@ impl NemesisWorker {
                 if history.relaxed.get(c) == Some(&true) {
                     options = options.options([("synchronous_commit", "off")]);
                 }
-                pools.push(
-                    PgPoolOptions::new()
-                        .max_connections(4)
-                        .acquire_timeout(Duration::from_secs(1))
-                        .connect_with(options)
-                        .await
-                        .unwrap(),
-                );
+                pools.push(connect_when_ready(options, 4, Duration::from_secs(1)).await);
             }
             let mut store =
                 Postgres::with_pools(pool, pools, "nemesis", &namespace, history, &NEMESIS_TIMING)
@@ -448,6 +437,29 @@ impl NemesisWorker {
             }
             outcome
         })
+    }
+}
+
+/// A pool on `options` once the server answers. `PgServer` is up when its port accepts
+/// connections, but a server just started (or restarted by the last history's crash)
+/// answers "the database system is starting up" for a while: that is no finding, and
+/// no fault has begun yet.
+async fn connect_when_ready(options: PgConnectOptions, max: u32, acquire: Duration) -> PgPool {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let pool = PgPoolOptions::new()
+            .max_connections(max)
+            .acquire_timeout(acquire)
+            .connect_with(options.clone())
+            .await;
+        match pool {
+            Ok(pool) => return pool,
+            Err(e) if Instant::now() < deadline => {
+                tracing::debug!(%e, "PostgreSQL not ready yet");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("PostgreSQL did not answer within 30 s: {e}"),
+        }
     }
 }
 
