@@ -72,9 +72,7 @@ use serde::Serialize;
 use serde::ser::{SerializeMap, Serializer};
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 use sqlx::{Connection, Row};
-use tower_lock::backend::{
-    Acquire, BoxFuture, LockBackend, LockMode, LockRequest, Release, Subscription,
-};
+use tower_lock::backend::{BoxFuture, Intercept, Intercepted, LockBackend, LockRequest};
 use tower_lock::{Lease, LockClient, LockKey, MemoryBackend, PostgresBackend, RedisBackend};
 
 /// Counts heap allocations (and reallocations) of the whole process, for
@@ -1316,53 +1314,23 @@ async fn w3(args: &Args) -> Result<W3Line, String> {
     })
 }
 
-/// Counts watchdog batches on their way to the real backend.
+/// Counts watchdog batches on their way to the real backend; every other call reaches
+/// it unchanged.
+#[derive(Default)]
 struct Counting {
-    inner: Arc<dyn LockBackend>,
     batches: AtomicU64,
     renewed: AtomicU64,
 }
 
-impl LockBackend for Counting {
-    fn name(&self) -> &'static str {
-        "counting"
-    }
-    fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, tower_lock::Result<Acquire>> {
-        self.inner.acquire(req)
-    }
-    fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, tower_lock::Result<bool>> {
-        self.inner.renew(req)
-    }
+impl<B: LockBackend> Intercept<B> for Counting {
     fn renew_many<'a>(
         &'a self,
+        inner: &'a B,
         reqs: &'a [LockRequest],
     ) -> BoxFuture<'a, Vec<tower_lock::Result<bool>>> {
         self.batches.fetch_add(1, Ordering::Relaxed);
         self.renewed.fetch_add(reqs.len() as u64, Ordering::Relaxed);
-        self.inner.renew_many(reqs)
-    }
-    fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, tower_lock::Result<Release>> {
-        self.inner.release(req)
-    }
-    fn subscribe<'a>(
-        &'a self,
-        req: &'a LockRequest,
-    ) -> BoxFuture<'a, tower_lock::Result<Box<dyn Subscription>>> {
-        self.inner.subscribe(req)
-    }
-    fn force_release<'a>(
-        &'a self,
-        key: &'a LockKey,
-        mode: LockMode,
-    ) -> BoxFuture<'a, tower_lock::Result<bool>> {
-        self.inner.force_release(key, mode)
-    }
-    fn inspect<'a>(
-        &'a self,
-        key: &'a LockKey,
-        mode: LockMode,
-    ) -> BoxFuture<'a, tower_lock::Result<tower_lock::LockState>> {
-        self.inner.inspect(key, mode)
+        inner.renew_many(reqs)
     }
 }
 
@@ -1392,11 +1360,7 @@ async fn w4(args: &Args) -> Result<W4Line, String> {
     let redis = RedisBackend::connect(args.url.as_str())
         .await
         .map_err(|e| e.to_string())?;
-    let counting = Arc::new(Counting {
-        inner: Arc::new(redis),
-        batches: AtomicU64::new(0),
-        renewed: AtomicU64::new(0),
-    });
+    let counting = Arc::new(Intercepted::new(redis, Counting::default()));
     let client = LockClient::builder(counting.clone())
         .watchdog_lease(args.watchdog)
         .build()
@@ -1427,15 +1391,15 @@ async fn w4(args: &Args) -> Result<W4Line, String> {
     }
     let acquire_s = acquiring.elapsed().as_secs_f64();
     let period = args.watchdog / 3;
-    let batches_before = counting.batches.load(Ordering::Relaxed);
-    let renewed_before = counting.renewed.load(Ordering::Relaxed);
+    let batches_before = counting.intercept().batches.load(Ordering::Relaxed);
+    let renewed_before = counting.intercept().renewed.load(Ordering::Relaxed);
     let (client_before, all_before) = command_counts(&mut stats).await?;
     let cpu_before = cpu_time();
     tokio::time::sleep(period * 3).await;
     let cpu = cpu_time() - cpu_before;
     let (client_after, all_after) = command_counts(&mut stats).await?;
-    let batches = counting.batches.load(Ordering::Relaxed) - batches_before;
-    let renewed = counting.renewed.load(Ordering::Relaxed) - renewed_before;
+    let batches = counting.intercept().batches.load(Ordering::Relaxed) - batches_before;
+    let renewed = counting.intercept().renewed.load(Ordering::Relaxed) - renewed_before;
     let lost = guards.iter().filter(|g| g.is_lost()).count();
     for g in guards {
         let _ = g.unlock().await;

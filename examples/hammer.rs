@@ -49,7 +49,7 @@ use clap::{CommandFactory, Parser, ValueEnum};
 use redis::AsyncCommands;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use tower_lock::backend::LockBackend;
-use tower_lock::kinds::RedLock;
+use tower_lock::backend::redlock::RedLock;
 use tower_lock::{Lease, Lock, LockClient, PostgresBackend, RedisBackend};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -56,7 +56,7 @@
 //!   client's own clock — is never re-entered or brought back: the owner's next lock is
 //!   a new hold, and the old guards report [`Error::Lost`];
 //! - a hold is believed from *before* the request that granted or renewed it was sent,
-//!   for its lease less the backend's [drift allowance](backend::LockBackend::clock_drift),
+//!   for its lease less the backend's [drift allowance](backend::StoreProfile::clock_drift),
 //!   so no guard believes in a hold the store has already let go of (on one machine's
 //!   clock rate).
 //!
@@ -144,7 +144,7 @@
 //! - **Memory**: the store is the process; it ends with its holders.
 //! - **RedLock**: a grant survives while a majority of nodes keep it; a node that
 //!   restarts without its grants should stay out for longer than the longest lease
-//!   (see [`RedLock`](kinds::RedLock)).
+//!   (see [`RedLock`](backend::redlock::RedLock)).
 
 #![warn(missing_docs, rust_2018_idioms)]
 #![deny(unreachable_pub, unsafe_code)]
@@ -162,7 +162,11 @@ mod lock;
 pub mod metrics;
 mod owner;
 mod scratch;
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub mod testing;
 
+pub use backend::limits::{DEFAULT_WATCHDOG_LEASE, MAX_LEASE, MIN_LEASE, MIN_WATCHDOG_LEASE};
 pub use backend::memory::MemoryBackend;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
@@ -175,9 +179,8 @@ pub use error::{BoxError, Error, Result};
 pub use key::{IntoLockKey, LockKey, MAX_KEY_LEN};
 pub use layer::LockLayer;
 pub use lock::{
-    CLIENT_NAME_TTL, DEFAULT_WATCHDOG_LEASE, LayerOutcome, Lease, Lock, LockClient,
-    LockClientBuilder, LockEvent, LockGuard, LockObserver, LostSignal, MAX_CLIENT_NAME_LEN,
-    MAX_LEASE, MIN_LEASE, MIN_WATCHDOG_LEASE,
+    CLIENT_NAME_TTL, LayerOutcome, Lease, Lock, LockClient, LockClientBuilder, LockEvent,
+    LockGuard, LockObserver, LostSignal, MAX_CLIENT_NAME_LEN,
 };
 pub use owner::{MAX_OWNER_LEN, Owner};
 

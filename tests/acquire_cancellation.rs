@@ -9,7 +9,8 @@ use std::time::Duration;
 use common::wait_until;
 use tokio::time::Instant;
 use tower_lock::backend::{
-    Acquire, BoxFuture, LockBackend, LockMode, LockRequest, Release, Subscription,
+    Acquire, BoxFuture, ClockDrift, Intercept, Intercepted, LockBackend, LockRequest, Release,
+    StoreProfile, Subscription,
 };
 use tower_lock::{Lease, LockClient, LockKey, MemoryBackend, Result};
 
@@ -31,28 +32,66 @@ struct Stalls {
     reply_delay: Option<Duration>,
     /// The next acquire fails without ever reaching the store.
     fail_next_unsent: bool,
-    /// The backend's clock-drift allowance (as a quorum backend has).
-    drift: Duration,
+}
+
+impl Stalls {
+    /// Whether the next acquire is stalled or failed: it then goes the async way.
+    fn acquire_armed(&self) -> bool {
+        self.before > 0
+            || self.after
+            || self.lose_next_reply
+            || self.reply_delay.is_some()
+            || self.fail_next_unsent
+    }
+}
+
+/// A memory store whose calls can be stalled; every call not stalled reaches it through
+/// the path production takes (the fast path included).
+type Gated = Intercepted<MemoryBackend, Staller>;
+
+fn gated() -> Gated {
+    Gated::default()
+}
+
+/// A [`gated`] store with a clock-drift allowance, as a quorum backend has.
+fn gated_with_drift(drift: Duration) -> Gated {
+    let inner = MemoryBackend::new();
+    let profile = inner
+        .profile()
+        .clone()
+        .with_clock_drift(ClockDrift::new(0, drift));
+    Intercepted::new(
+        inner,
+        Staller {
+            profile: Some(Arc::new(profile)),
+            ..Staller::default()
+        },
+    )
 }
 
 #[derive(Clone, Default)]
-struct Gated {
-    inner: MemoryBackend,
+struct Staller {
     stalls: Arc<Mutex<Stalls>>,
+    /// The profile, where it differs from the store's.
+    profile: Option<Arc<StoreProfile>>,
 }
 
-impl Gated {
+impl Staller {
     fn stall(&self, f: impl FnOnce(&mut Stalls)) {
         f(&mut self.stalls.lock().unwrap());
     }
 }
 
-impl LockBackend for Gated {
-    fn name(&self) -> &'static str {
-        "gated"
+impl Intercept<MemoryBackend> for Staller {
+    fn profile<'a>(&'a self, inner: &'a MemoryBackend) -> &'a StoreProfile {
+        self.profile.as_deref().unwrap_or(inner.profile())
     }
 
-    fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
+    fn acquire<'a>(
+        &'a self,
+        inner: &'a MemoryBackend,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, Result<Acquire>> {
         Box::pin(async move {
             let stalls = {
                 let mut stalls = self.stalls.lock().unwrap();
@@ -70,7 +109,7 @@ impl LockBackend for Gated {
                     "connection reset before sending".into(),
                 ));
             }
-            let outcome = self.inner.acquire(req).await;
+            let outcome = inner.acquire(req).await;
             if stalls.after {
                 std::future::pending::<()>().await;
             }
@@ -84,26 +123,62 @@ impl LockBackend for Gated {
         })
     }
 
-    fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>> {
+    fn acquire_now(&self, inner: &MemoryBackend, req: &LockRequest) -> Option<Result<Acquire>> {
+        if self.stalls.lock().unwrap().acquire_armed() {
+            return None;
+        }
+        inner.local()?.acquire_now(req)
+    }
+
+    fn renew<'a>(
+        &'a self,
+        inner: &'a MemoryBackend,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             if self.stalls.lock().unwrap().renew {
                 std::future::pending::<()>().await;
             }
-            self.inner.renew(req).await
+            inner.renew(req).await
         })
     }
 
-    fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>> {
+    fn renew_many<'a>(
+        &'a self,
+        inner: &'a MemoryBackend,
+        reqs: &'a [LockRequest],
+    ) -> BoxFuture<'a, Vec<Result<bool>>> {
+        Box::pin(async move {
+            if self.stalls.lock().unwrap().renew {
+                std::future::pending::<()>().await;
+            }
+            inner.renew_many(reqs).await
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        inner: &'a MemoryBackend,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, Result<Release>> {
         Box::pin(async move {
             while self.stalls.lock().unwrap().release {
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
-            self.inner.release(req).await
+            inner.release(req).await
         })
+    }
+
+    fn release_now(&self, inner: &MemoryBackend, req: &LockRequest) -> Option<Result<Release>> {
+        if self.stalls.lock().unwrap().release {
+            return None;
+        }
+        inner.local()?.release_now(req)
     }
 
     fn subscribe<'a>(
         &'a self,
+        inner: &'a MemoryBackend,
         req: &'a LockRequest,
     ) -> BoxFuture<'a, Result<Box<dyn Subscription>>> {
         Box::pin(async move {
@@ -111,27 +186,8 @@ impl LockBackend for Gated {
             if stall {
                 std::future::pending::<()>().await;
             }
-            self.inner.subscribe(req).await
+            inner.subscribe(req).await
         })
-    }
-
-    fn force_release<'a>(
-        &'a self,
-        key: &'a LockKey,
-        mode: LockMode,
-    ) -> BoxFuture<'a, Result<bool>> {
-        self.inner.force_release(key, mode)
-    }
-    fn inspect<'a>(
-        &'a self,
-        key: &'a LockKey,
-        mode: LockMode,
-    ) -> BoxFuture<'a, Result<tower_lock::LockState>> {
-        self.inner.inspect(key, mode)
-    }
-
-    fn clock_drift(&self, _lease: Duration) -> Duration {
-        self.stalls.lock().unwrap().drift
     }
 }
 
@@ -139,7 +195,7 @@ impl LockBackend for Gated {
 /// must pass to W2, which otherwise would sleep out the holder's 30 s lease.
 #[tokio::test]
 async fn cancelled_woken_waiter_passes_the_wakeup_on() {
-    let backend = Gated::default();
+    let backend = gated();
     let client = LockClient::new(backend.clone());
     let key = LockKey::new("pass-on").unwrap();
     let holder = client.get_lock(&key).unwrap().lock().await.unwrap();
@@ -147,7 +203,7 @@ async fn cancelled_woken_waiter_passes_the_wakeup_on() {
     let w1_lock = client.get_lock(&key).unwrap();
     let w1 = tokio::spawn(async move { w1_lock.lock().await.map(|_| ()) });
     wait_until(Duration::from_secs(5), "W1 waits", || async {
-        backend.inner.waiters(&key) == 1
+        backend.inner().waiters(&key) == 1
     })
     .await;
     let w2_lock = client.get_lock(&key).unwrap();
@@ -160,12 +216,12 @@ async fn cancelled_woken_waiter_passes_the_wakeup_on() {
         Ok::<_, tower_lock::Error>(at)
     });
     wait_until(Duration::from_secs(5), "W2 waits", || async {
-        backend.inner.waiters(&key) == 2
+        backend.inner().waiters(&key) == 2
     })
     .await;
 
     // W1 (first in line) gets the release, and its retry hangs in flight.
-    backend.stall(|s| s.before = 1);
+    backend.intercept().stall(|s| s.before = 1);
     let released_at = Instant::now();
     holder.unlock().await.unwrap();
     tokio::task::yield_now().await;
@@ -179,7 +235,7 @@ async fn cancelled_woken_waiter_passes_the_wakeup_on() {
         "W2 slept through the release: {handoff:?}"
     );
     wait_until(Duration::from_secs(5), "no entries left", || async {
-        backend.inner.is_empty()
+        backend.inner().is_empty()
     })
     .await;
 }
@@ -188,15 +244,15 @@ async fn cancelled_woken_waiter_passes_the_wakeup_on() {
 /// the lock must be released at once, not held until its 30 s lease ends.
 #[tokio::test]
 async fn attempt_cancelled_in_flight_is_released() {
-    let backend = Gated::default();
+    let backend = gated();
     let client = LockClient::new(backend.clone());
     let key = LockKey::new("in-flight").unwrap();
     let lock = client.get_lock(&key).unwrap();
 
-    backend.stall(|s| s.after = true);
+    backend.intercept().stall(|s| s.after = true);
     let stuck = tokio::time::timeout(Duration::from_millis(50), lock.try_lock()).await;
     assert!(stuck.is_err(), "the reply was stalled");
-    backend.stall(|s| s.after = false);
+    backend.intercept().stall(|s| s.after = false);
 
     let started = Instant::now();
     let guard = lock
@@ -209,14 +265,14 @@ async fn attempt_cancelled_in_flight_is_released() {
         started.elapsed()
     );
     guard.unlock().await.unwrap();
-    assert!(backend.inner.is_empty());
+    assert!(backend.inner().is_empty());
 }
 
 /// A scoped owner re-enters its hold without the store: with every store call hanging,
 /// the re-entry completes at once, and leaving it leaves the outer hold as it was.
 #[tokio::test]
 async fn scoped_owner_reenters_without_the_store() {
-    let backend = Gated::default();
+    let backend = gated();
     let client = LockClient::new(backend.clone());
     let key = LockKey::new("scoped").unwrap();
     let lock = client.get_lock(&key).unwrap();
@@ -224,7 +280,7 @@ async fn scoped_owner_reenters_without_the_store() {
     owner
         .scope(async {
             let outer = lock.lock().await.unwrap();
-            backend.stall(|s| s.before = usize::MAX);
+            backend.intercept().stall(|s| s.before = usize::MAX);
             let inner = tokio::time::timeout(Duration::from_millis(50), lock.try_lock())
                 .await
                 .expect("a re-entry does not ask the store")
@@ -232,23 +288,23 @@ async fn scoped_owner_reenters_without_the_store() {
             assert_eq!(inner.hold_count(), 2);
             assert_eq!(inner.holder(), outer.holder(), "one hold");
             inner.unlock().await.unwrap();
-            backend.stall(|s| *s = Stalls::default());
+            backend.intercept().stall(|s| *s = Stalls::default());
             assert!(!outer.is_lost());
-            assert_eq!(backend.inner.holders(&key).len(), 1);
+            assert_eq!(backend.inner().holders(&key).len(), 1);
             outer.unlock().await.unwrap();
         })
         .await;
-    assert!(backend.inner.is_empty());
+    assert!(backend.inner().is_empty());
 }
 
 /// A subscription that never completes must not hold a waiter past its deadline.
 #[tokio::test(start_paused = true)]
 async fn a_stalled_subscribe_does_not_outlast_the_wait() {
-    let backend = Gated::default();
+    let backend = gated();
     let client = LockClient::new(backend.clone());
     let key = LockKey::new("slow-subscribe").unwrap();
     let held = client.get_lock(&key).unwrap().lock().await.unwrap();
-    backend.stall(|s| s.subscribe = true);
+    backend.intercept().stall(|s| s.subscribe = true);
     let wait = Duration::from_millis(100);
     let started = Instant::now();
     let err = client
@@ -267,14 +323,14 @@ async fn a_stalled_subscribe_does_not_outlast_the_wait() {
 /// or two later when the watchdog notices.
 #[tokio::test(start_paused = true)]
 async fn lost_fires_when_the_lease_ends_though_renewals_hang() {
-    let backend = Gated::default();
+    let backend = gated();
     let lease = Duration::from_millis(300);
     let client = LockClient::builder(backend.clone())
         .watchdog_lease(lease)
         .build()
         .unwrap();
     let key = LockKey::new("hang").unwrap();
-    backend.stall(|s| s.renew = true);
+    backend.intercept().stall(|s| s.renew = true);
     let acquired_at = Instant::now();
     let guard = client.get_lock(&key).unwrap().lock().await.unwrap();
     tokio::time::sleep_until(acquired_at + lease - Duration::from_millis(1)).await;
@@ -287,7 +343,7 @@ async fn lost_fires_when_the_lease_ends_though_renewals_hang() {
         "lost exactly when the lease ended"
     );
     assert!(guard.is_lost());
-    backend.stall(|s| s.renew = false);
+    backend.intercept().stall(|s| s.renew = false);
 }
 
 /// A renewal counts for the lease less the backend's clock-drift allowance, from when it
@@ -295,8 +351,7 @@ async fn lost_fires_when_the_lease_ends_though_renewals_hang() {
 /// first renewal + lease − drift.
 #[tokio::test(start_paused = true)]
 async fn renewals_count_the_lease_less_the_backends_clock_drift() {
-    let backend = Gated::default();
-    backend.stall(|s| s.drift = Duration::from_millis(50));
+    let backend = gated_with_drift(Duration::from_millis(50));
     let lease = Duration::from_millis(300);
     let client = LockClient::builder(backend.clone())
         .watchdog_lease(lease)
@@ -308,38 +363,38 @@ async fn renewals_count_the_lease_less_the_backends_clock_drift() {
     // The first renewal (at t0 + 100 ms) goes through; the later ones hang.
     tokio::time::sleep_until(t0 + Duration::from_millis(150)).await;
     assert!(!guard.is_lost());
-    backend.stall(|s| s.renew = true);
+    backend.intercept().stall(|s| s.renew = true);
     guard.lost().wait().await;
     assert_eq!(
         Instant::now() - t0,
         Duration::from_millis(100 + 300 - 50),
         "believed past the first renewal's lease less the drift"
     );
-    backend.stall(|s| s.renew = false);
+    backend.intercept().stall(|s| s.renew = false);
 }
 
 /// `unlock` dropped before the store answers: the release still happens.
 #[tokio::test]
 async fn an_unlock_dropped_mid_flight_still_releases() {
-    let backend = Gated::default();
+    let backend = gated();
     let client = LockClient::new(backend.clone());
     let key = LockKey::new("unlock-dropped").unwrap();
     let guard = client.get_lock(&key).unwrap().lock().await.unwrap();
-    backend.stall(|s| s.release = true);
+    backend.intercept().stall(|s| s.release = true);
     assert!(
         tokio::time::timeout(Duration::from_millis(20), guard.unlock())
             .await
             .is_err()
     );
     assert!(
-        backend.inner.contains_key(&key),
+        backend.inner().contains_key(&key),
         "the stalled release has not happened yet"
     );
-    backend.stall(|s| s.release = false);
+    backend.intercept().stall(|s| s.release = false);
     wait_until(
         Duration::from_secs(2),
         "the dropped unlock's release completed",
-        || async { !backend.inner.contains_key(&key) },
+        || async { !backend.inner().contains_key(&key) },
     )
     .await;
 }
@@ -350,7 +405,7 @@ async fn an_unlock_dropped_mid_flight_still_releases() {
 /// ends.
 #[tokio::test]
 async fn a_lost_reply_leaves_no_phantom_hold() {
-    let backend = Gated::default();
+    let backend = gated();
     let client = LockClient::new(backend.clone());
     let key = LockKey::new("phantom").unwrap();
     let holder = client.get_lock(&key).unwrap().lock().await.unwrap();
@@ -364,10 +419,10 @@ async fn a_lost_reply_leaves_no_phantom_hold() {
             .await
     });
     wait_until(Duration::from_secs(5), "the waiter waits", || async {
-        backend.inner.waiters(&key) == 1
+        backend.inner().waiters(&key) == 1
     })
     .await;
-    backend.stall(|s| s.lose_next_reply = true);
+    backend.intercept().stall(|s| s.lose_next_reply = true);
     holder.unlock().await.unwrap();
     let guard = waiter
         .await
@@ -376,11 +431,11 @@ async fn a_lost_reply_leaves_no_phantom_hold() {
     assert_eq!(guard.hold_count(), 1, "one guard");
     // The unanswered attempt was taken back before the retry (its hold is the
     // acquisition's own, so that is always safe): the store counts one hold.
-    let holders = backend.inner.holders(&key);
+    let holders = backend.inner().holders(&key);
     assert_eq!((holders.len(), holders[0].holds), (1, 1));
     guard.unlock().await.unwrap();
     assert!(
-        !backend.inner.contains_key(&key),
+        !backend.inner().contains_key(&key),
         "a phantom hold kept the key locked"
     );
     let next = client.get_lock(&key).unwrap().try_lock().await;
@@ -392,13 +447,15 @@ async fn a_lost_reply_leaves_no_phantom_hold() {
 /// not one of them at its deadline.
 #[tokio::test]
 async fn two_releases_in_the_window_wake_two_waiters() {
-    let backend = Gated::default();
+    let backend = gated();
     let client = LockClient::new(backend.clone());
     let key = LockKey::new("permit-window").unwrap();
     let permits = client.get_permits(&key, 2).unwrap();
     let h1 = permits.try_lock().await.unwrap();
     let h2 = permits.try_lock().await.unwrap();
-    backend.stall(|s| s.reply_delay = Some(Duration::from_millis(50)));
+    backend
+        .intercept()
+        .stall(|s| s.reply_delay = Some(Duration::from_millis(50)));
     let started = Instant::now();
     let waiters: Vec<_> = (0..2)
         .map(|_| {
@@ -416,7 +473,7 @@ async fn two_releases_in_the_window_wake_two_waiters() {
     wait_until(
         Duration::from_secs(5),
         "both waiters subscribed",
-        || async { backend.inner.waiters(&key) == 2 },
+        || async { backend.inner().waiters(&key) == 2 },
     )
     .await;
     h1.unlock().await.unwrap();
@@ -442,7 +499,7 @@ async fn two_releases_in_the_window_wake_two_waiters() {
 /// release free it behind the new holder's back.
 #[tokio::test]
 async fn a_late_compensation_never_frees_the_retry_s_lock() {
-    let backend = Gated::default();
+    let backend = gated();
     let client = LockClient::new(backend.clone());
     let key = LockKey::new("compensation-race").unwrap();
     let holder = client.get_lock(&key).unwrap().lock().await.unwrap();
@@ -452,15 +509,15 @@ async fn a_late_compensation_never_frees_the_retry_s_lock() {
             .await
     });
     wait_until(Duration::from_secs(5), "the waiter waits", || async {
-        backend.inner.waiters(&key) == 1
+        backend.inner().waiters(&key) == 1
     })
     .await;
-    backend.stall(|s| s.fail_next_unsent = true);
+    backend.intercept().stall(|s| s.fail_next_unsent = true);
     holder.unlock().await.unwrap();
     // From now on releases are slow: the waiter's compensation among them.
-    backend.stall(|s| s.release = true);
+    backend.intercept().stall(|s| s.release = true);
     tokio::time::sleep(Duration::from_millis(100)).await;
-    backend.stall(|s| s.release = false);
+    backend.intercept().stall(|s| s.release = false);
     let guard = waiter.await.unwrap().expect("the waiter retried and won");
     tokio::time::sleep(Duration::from_millis(50)).await;
     let intruder = client.get_lock(&key).unwrap().try_lock().await;

@@ -1,11 +1,9 @@
 //! The conformance suite against the in-memory backend, on a paused clock.
 
-mod common;
-
 use std::time::Duration;
 
-use common::conformance::Fixture;
 use tower_lock::backend::{LockBackend, LockMode};
+use tower_lock::testing::Fixture;
 use tower_lock::{LockClient, LockKey, MemoryBackend};
 
 struct Memory(MemoryBackend);
@@ -36,4 +34,4 @@ impl Fixture for Memory {
     }
 }
 
-conformance_tests!(paused: async { Memory(MemoryBackend::new()) });
+tower_lock::testing::conformance_tests!(paused: async { Memory(MemoryBackend::new()) });

@@ -7,9 +7,9 @@ mod common;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::conformance::Fixture;
 use common::postgres::PgDatabase;
 use tower_lock::backend::{LockBackend, LockMode};
+use tower_lock::testing::Fixture;
 use tower_lock::{LockClient, LockKey, PostgresBackend};
 
 struct Postgres {
@@ -73,7 +73,7 @@ impl Fixture for Postgres {
     }
 }
 
-conformance_tests!(Postgres::start());
+tower_lock::testing::conformance_tests!(Postgres::start());
 
 #[test]
 fn database_urls() {

@@ -6,8 +6,8 @@ mod common;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::conformance::Fixture;
 use common::redis_server::RedisServer;
+use tower_lock::testing::Fixture;
 use tower_lock::{LockClient, LockKey, RedisBackend};
 
 struct Redis {
@@ -66,4 +66,4 @@ impl Fixture for Redis {
     }
 }
 
-conformance_tests!(Redis::start());
+tower_lock::testing::conformance_tests!(Redis::start());

@@ -5,10 +5,10 @@ mod common;
 
 use std::time::Duration;
 
-use common::conformance::Fixture;
 use common::kinds::KindFixture;
 use tower_lock::backend::{LockBackend, LockMode};
 use tower_lock::kinds::RedLock;
+use tower_lock::testing::Fixture;
 use tower_lock::{LockClient, LockKey, MemoryBackend};
 
 struct Red {
@@ -81,7 +81,7 @@ impl Fixture for Red {
     }
 }
 
-conformance_tests!(paused: async { Red::new(Duration::from_secs(30)) });
+tower_lock::testing::conformance_tests!(paused: async { Red::new(Duration::from_secs(30)) });
 
 async fn kinds_fixture() -> Red {
     Red::new(Duration::from_secs(30))

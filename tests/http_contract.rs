@@ -46,7 +46,7 @@ use tokio::time::Instant;
 use tower::limit::ConcurrencyLimitLayer;
 use tower::{Layer, Service, ServiceExt, service_fn};
 use tower_lock::backend::{
-    Acquire, BoxFuture, LockBackend, LockMode, LockRequest, Release, Subscription,
+    Acquire, BoxFuture, Intercept, Intercepted, LockBackend, LockRequest, Release,
 };
 use tower_lock::extract::{HeldLock, Locks};
 use tower_lock::layer::{
@@ -71,16 +71,28 @@ const WINDOW: Duration = Duration::from_millis(400);
 // A real store with a gate on its releases
 // ---------------------------------------------------------------------------------------
 
-/// A real store (`MemoryBackend`, `RedisBackend`) that delegates every call and only
-/// adds: a count of acquisitions, and a gate that holds releases back (a slow store) so
-/// that what the client has while a release is under way can be observed.
-#[derive(Clone)]
-struct Gated<B> {
-    inner: B,
-    gate: Arc<Gate>,
+/// A real store (`MemoryBackend`, `RedisBackend`) whose calls all reach it as they are,
+/// through the same paths as in production (the in-process fast path included), and a
+/// [`Gate`] that only adds: a count of acquisitions, and a hold on releases (a slow
+/// store) so that what the client has while a release is under way can be observed.
+type Gated<B> = Intercepted<B, Gate>;
+
+fn gated<B: LockBackend>(inner: B) -> Gated<B> {
+    Intercepted::new(
+        inner,
+        Gate(Arc::new(GateState {
+            open: tokio::sync::watch::Sender::new(true),
+            acquires: AtomicUsize::new(0),
+            releases_started: AtomicUsize::new(0),
+            releases_done: AtomicUsize::new(0),
+        })),
+    )
 }
 
-struct Gate {
+#[derive(Clone)]
+struct Gate(Arc<GateState>);
+
+struct GateState {
     /// Releases wait while this is false.
     open: tokio::sync::watch::Sender<bool>,
     acquires: AtomicUsize,
@@ -88,117 +100,74 @@ struct Gate {
     releases_done: AtomicUsize,
 }
 
-impl<B> Gated<B> {
-    fn new(inner: B) -> Self {
-        Gated {
-            inner,
-            gate: Arc::new(Gate {
-                open: tokio::sync::watch::Sender::new(true),
-                acquires: AtomicUsize::new(0),
-                releases_started: AtomicUsize::new(0),
-                releases_done: AtomicUsize::new(0),
-            }),
-        }
-    }
-
+impl Gate {
     /// Releases started from now on wait until [`open`](Self::open).
     fn close(&self) {
-        self.gate.open.send_replace(false);
+        self.0.open.send_replace(false);
     }
 
     fn open(&self) {
-        self.gate.open.send_replace(true);
+        self.0.open.send_replace(true);
+    }
+
+    fn is_open(&self) -> bool {
+        *self.0.open.borrow()
     }
 
     fn acquires(&self) -> usize {
-        self.gate.acquires.load(Ordering::SeqCst)
+        self.0.acquires.load(Ordering::SeqCst)
     }
 
     fn releases_started(&self) -> usize {
-        self.gate.releases_started.load(Ordering::SeqCst)
+        self.0.releases_started.load(Ordering::SeqCst)
     }
 
     fn releases_done(&self) -> usize {
-        self.gate.releases_done.load(Ordering::SeqCst)
+        self.0.releases_done.load(Ordering::SeqCst)
     }
 }
 
-impl<B: LockBackend> LockBackend for Gated<B> {
-    fn name(&self) -> &'static str {
-        "gated"
-    }
-
-    fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, tower_lock::Result<Acquire>> {
-        self.gate.acquires.fetch_add(1, Ordering::SeqCst);
-        self.inner.acquire(req)
-    }
-
-    fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, tower_lock::Result<bool>> {
-        self.inner.renew(req)
-    }
-
-    fn renew_many<'a>(
+impl<B: LockBackend> Intercept<B> for Gate {
+    fn acquire<'a>(
         &'a self,
-        reqs: &'a [LockRequest],
-    ) -> BoxFuture<'a, Vec<tower_lock::Result<bool>>> {
-        self.inner.renew_many(reqs)
+        inner: &'a B,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, tower_lock::Result<Acquire>> {
+        self.0.acquires.fetch_add(1, Ordering::SeqCst);
+        inner.acquire(req)
     }
 
-    fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, tower_lock::Result<Release>> {
+    fn acquire_now(&self, inner: &B, req: &LockRequest) -> Option<tower_lock::Result<Acquire>> {
+        let answer = inner.local()?.acquire_now(req)?;
+        self.0.acquires.fetch_add(1, Ordering::SeqCst);
+        Some(answer)
+    }
+
+    fn release<'a>(
+        &'a self,
+        inner: &'a B,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, tower_lock::Result<Release>> {
         Box::pin(async move {
-            self.gate.releases_started.fetch_add(1, Ordering::SeqCst);
-            let mut open = self.gate.open.subscribe();
+            self.0.releases_started.fetch_add(1, Ordering::SeqCst);
+            let mut open = self.0.open.subscribe();
             let _ = open.wait_for(|open| *open).await;
-            let released = self.inner.release(req).await;
-            self.gate.releases_done.fetch_add(1, Ordering::SeqCst);
+            let released = inner.release(req).await;
+            self.0.releases_done.fetch_add(1, Ordering::SeqCst);
             released
         })
     }
 
-    fn subscribe<'a>(
-        &'a self,
-        req: &'a LockRequest,
-    ) -> BoxFuture<'a, tower_lock::Result<Box<dyn Subscription>>> {
-        self.inner.subscribe(req)
-    }
-
-    fn has_local_waiters(&self, req: &LockRequest) -> bool {
-        self.inner.has_local_waiters(req)
-    }
-
-    fn queues_waiters(&self, mode: LockMode) -> bool {
-        self.inner.queues_waiters(mode)
-    }
-
-    fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, tower_lock::Result<()>> {
-        self.inner.cancel_wait(req)
-    }
-
-    fn force_release<'a>(
-        &'a self,
-        key: &'a LockKey,
-        mode: LockMode,
-    ) -> BoxFuture<'a, tower_lock::Result<bool>> {
-        self.inner.force_release(key, mode)
-    }
-    fn inspect<'a>(
-        &'a self,
-        key: &'a LockKey,
-        mode: LockMode,
-    ) -> BoxFuture<'a, tower_lock::Result<tower_lock::LockState>> {
-        self.inner.inspect(key, mode)
-    }
-
-    fn watchdog_lease(&self) -> Option<Duration> {
-        self.inner.watchdog_lease()
-    }
-
-    fn clock_drift(&self, lease: Duration) -> Duration {
-        self.inner.clock_drift(lease)
-    }
-
-    fn store_id(&self) -> String {
-        self.inner.store_id()
+    /// On the spot while the gate is open; a closed gate sends the release the async
+    /// way, to wait there.
+    fn release_now(&self, inner: &B, req: &LockRequest) -> Option<tower_lock::Result<Release>> {
+        if !self.is_open() {
+            return None;
+        }
+        let answer = inner.local()?.release_now(req)?;
+        self.0.releases_started.fetch_add(1, Ordering::SeqCst);
+        self.0.releases_done.fetch_add(1, Ordering::SeqCst);
+        Some(answer)
     }
 }
 
@@ -444,7 +413,7 @@ fn chunk_stream() -> impl futures_util::Stream<Item = Result<Bytes, Infallible>>
 /// - `/stream`: a streamed body of unknown length (chunked on HTTP/1.1);
 /// - `/stream-with-length`: a streamed body whose handler sets `Content-Length` itself.
 async fn body_end_server() -> (Server, Gated<MemoryBackend>, LockKey) {
-    let store = Gated::new(MemoryBackend::new());
+    let store = gated(MemoryBackend::new());
     let key = key("body-end");
     let k = key.clone();
     let layer = LockLayer::builder(store.clone(), key_fn(move |_| k.clone()))
@@ -502,7 +471,7 @@ fn read_body(
         while let Some(frame) = body.frame().await {
             let frame = frame.expect("the body failed");
             if let Ok(data) = frame.into_data() {
-                let held = store.inner.contains_key(&key);
+                let held = store.inner().contains_key(&key);
                 r.bytes.lock().unwrap().extend_from_slice(&data);
                 let total = r.received.fetch_add(data.len(), Ordering::SeqCst) + data.len();
                 if total >= expected && r.free_when_complete.lock().unwrap().is_none() {
@@ -511,7 +480,7 @@ fn read_body(
                 }
             }
         }
-        *r.free_at_end.lock().unwrap() = Some(!store.inner.contains_key(&key));
+        *r.free_at_end.lock().unwrap() = Some(!store.inner().contains_key(&key));
         r.ended.store(true, Ordering::SeqCst);
     });
     (reading, task)
@@ -522,18 +491,18 @@ fn read_body(
 /// end); once the release is let through, the client's last byte finds the lock free.
 async fn last_byte_only_after_the_release(proto: Proto, path: &str, expected: &[u8]) {
     let (server, store, key) = body_end_server().await;
-    store.close();
+    store.intercept().close();
     let res = send(server.addr, proto, Method::GET, path, &[]).await;
     let head_at = Instant::now();
     assert_eq!(res.status(), StatusCode::OK);
     assert!(
-        store.inner.contains_key(&key),
+        store.inner().contains_key(&key),
         "the lock is held while the body is on its way"
     );
     let (reading, task) = read_body(res, expected.len(), store.clone(), key.clone());
 
     wait_until(DEADLINE, "the body's release to start", || async {
-        store.releases_started() == 1
+        store.intercept().releases_started() == 1
     })
     .await;
     if path == "/stream" {
@@ -554,10 +523,10 @@ async fn last_byte_only_after_the_release(proto: Proto, path: &str, expected: &[
         !reading.ended.load(Ordering::SeqCst),
         "{proto:?} {path}: the client saw the body's end while the release was still under way"
     );
-    assert!(store.inner.contains_key(&key), "the release is held back");
+    assert!(store.inner().contains_key(&key), "the release is held back");
 
     let opened_at = Instant::now();
-    store.open();
+    store.intercept().open();
     tokio::time::timeout(DEADLINE, task)
         .await
         .expect("the body did not end after the release")
@@ -585,8 +554,8 @@ async fn last_byte_only_after_the_release(proto: Proto, path: &str, expected: &[
             completed_at - head_at
         );
     }
-    assert_eq!(store.releases_done(), 1);
-    assert_eq!(store.acquires(), 1);
+    assert_eq!(store.intercept().releases_done(), 1);
+    assert_eq!(store.intercept().acquires(), 1);
 }
 
 /// HTTP/1.1 with `Content-Length`: hyper stops polling a body once it has written the
@@ -645,11 +614,11 @@ async fn body_end_http1_chunked_stream_ends_after_release() {
 async fn body_end_head_request_releases_before_the_head() {
     for proto in [Proto::Http1, Proto::Http2] {
         let (server, store, key) = body_end_server().await;
-        store.close();
+        store.intercept().close();
         let addr = server.addr;
         let head = tokio::spawn(async move { send(addr, proto, Method::HEAD, "/full", &[]).await });
         wait_until(DEADLINE, "the HEAD request's release to start", || async {
-            store.releases_started() == 1
+            store.intercept().releases_started() == 1
         })
         .await;
         tokio::time::sleep(WINDOW).await;
@@ -657,18 +626,18 @@ async fn body_end_head_request_releases_before_the_head() {
             !head.is_finished(),
             "{proto:?}: the client had the HEAD response's head while the release was under way"
         );
-        store.open();
+        store.intercept().open();
         let res = tokio::time::timeout(DEADLINE, head)
             .await
             .expect("no head after the release")
             .unwrap();
         assert!(
-            !store.inner.contains_key(&key),
+            !store.inner().contains_key(&key),
             "{proto:?}: the lock was held when the client had the head"
         );
         assert_eq!(res.status(), StatusCode::OK);
         assert_eq!(text(res).await, "", "no body to a HEAD");
-        assert_eq!(store.releases_done(), 1);
+        assert_eq!(store.intercept().releases_done(), 1);
     }
 }
 
@@ -806,7 +775,7 @@ async fn a_waiting_request_holds_no_inner_capacity() {
 /// which `/orders` uses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_layer_leaves_404_and_405_to_axum_unlocked() {
-    let store = Gated::new(MemoryBackend::new());
+    let store = gated(MemoryBackend::new());
     let layer = LockLayer::new(
         store.clone(),
         HeaderKey::new(header::HeaderName::from_static("x-user")),
@@ -838,14 +807,14 @@ async fn route_layer_leaves_404_and_405_to_axum_unlocked() {
         );
         text(res).await;
     }
-    assert_eq!(store.acquires(), 0, "a 405 was locked");
+    assert_eq!(store.intercept().acquires(), 0, "a 405 was locked");
 
     for path in ["/orders", "/carts"] {
         let res = send1(Method::POST, path, &[]).await;
         assert_eq!(res.status(), StatusCode::BAD_REQUEST, "{path}");
         assert_eq!(text(res).await, "missing header `x-user`");
     }
-    assert_eq!(store.acquires(), 0);
+    assert_eq!(store.intercept().acquires(), 0);
 
     // The routes themselves are locked (the count above is not blind).
     let res = send1(Method::POST, "/orders", &[("x-user", "7")]).await;
@@ -854,8 +823,8 @@ async fn route_layer_leaves_404_and_405_to_axum_unlocked() {
     let res = send1(Method::POST, "/carts", &[("x-user", "7")]).await;
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(text(res).await, "carted");
-    assert_eq!(store.acquires(), 2);
-    assert!(store.inner.is_empty());
+    assert_eq!(store.intercept().acquires(), 2);
+    assert!(store.inner().is_empty());
 }
 
 // ---------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ use http_body_util::{BodyExt, Full};
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt, service_fn};
 use tower_lock::backend::{
-    Acquire, BoxFuture, LockBackend, LockMode, LockRequest, Release, Subscription,
+    Acquire, BoxFuture, Intercept, Intercepted, LockBackend, LockMode, LockRequest, Release,
 };
 use tower_lock::extract::{HeldLock, Locks};
 use tower_lock::layer::{HeaderKey, KeyError, LockBody, LockLayer, Rejection, key_fn};
@@ -433,13 +433,14 @@ async fn the_inner_services_error_passes_through_unchanged() {
 
 /// Records the modes asked for and, like a backend without the lock kinds, answers
 /// `Unsupported` for everything but exclusive locks.
+type ExclusiveOnly = Intercepted<MemoryBackend, ModeCheck>;
+
 #[derive(Clone, Default)]
-struct ExclusiveOnly {
-    inner: MemoryBackend,
+struct ModeCheck {
     modes: Arc<Mutex<Vec<LockMode>>>,
 }
 
-impl ExclusiveOnly {
+impl ModeCheck {
     fn check(&self, req: &LockRequest) -> Result<()> {
         self.modes.lock().unwrap().push(req.mode);
         match req.mode {
@@ -452,41 +453,23 @@ impl ExclusiveOnly {
     }
 }
 
-impl LockBackend for ExclusiveOnly {
-    fn name(&self) -> &'static str {
-        "exclusive-only"
-    }
-    fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
+impl Intercept<MemoryBackend> for ModeCheck {
+    fn acquire<'a>(
+        &'a self,
+        inner: &'a MemoryBackend,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, Result<Acquire>> {
         Box::pin(async move {
             self.check(req)?;
-            self.inner.acquire(req).await
+            inner.acquire(req).await
         })
     }
-    fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>> {
-        self.inner.renew(req)
-    }
-    fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>> {
-        self.inner.release(req)
-    }
-    fn subscribe<'a>(
-        &'a self,
-        req: &'a LockRequest,
-    ) -> BoxFuture<'a, Result<Box<dyn Subscription>>> {
-        self.inner.subscribe(req)
-    }
-    fn force_release<'a>(
-        &'a self,
-        key: &'a LockKey,
-        mode: LockMode,
-    ) -> BoxFuture<'a, Result<bool>> {
-        self.inner.force_release(key, mode)
-    }
-    fn inspect<'a>(
-        &'a self,
-        key: &'a LockKey,
-        mode: LockMode,
-    ) -> BoxFuture<'a, Result<tower_lock::LockState>> {
-        self.inner.inspect(key, mode)
+
+    fn acquire_now(&self, inner: &MemoryBackend, req: &LockRequest) -> Option<Result<Acquire>> {
+        if let Err(error) = self.check(req) {
+            return Some(Err(error));
+        }
+        inner.local()?.acquire_now(req)
     }
 }
 
@@ -534,7 +517,7 @@ async fn modes_are_chosen_as_configured_and_unsupported_ones_are_500() {
     }
     let three = std::num::NonZeroU32::new(3).unwrap();
     assert_eq!(
-        *backend.modes.lock().unwrap(),
+        *backend.intercept().modes.lock().unwrap(),
         [
             LockMode::Read,
             LockMode::Read,
@@ -546,7 +529,7 @@ async fn modes_are_chosen_as_configured_and_unsupported_ones_are_500() {
         ]
     );
     assert_eq!(calls.load(Ordering::SeqCst), 0);
-    assert!(backend.inner.is_empty());
+    assert!(backend.inner().is_empty());
 
     // Fail-open is for outages, not for configuration the backend cannot serve.
     let open = LockLayer::builder(backend.clone(), by_user())
@@ -641,50 +624,34 @@ async fn dropped_futures_leave_no_lock_and_no_waiter() {
 }
 
 /// Holds every release until the gate opens, as a slow store would.
+type SlowRelease = Intercepted<MemoryBackend, ReleaseGate>;
+
 #[derive(Clone, Default)]
-struct SlowRelease {
-    inner: MemoryBackend,
+struct ReleaseGate {
     gate: Arc<tokio::sync::Notify>,
     open: Arc<std::sync::atomic::AtomicBool>,
 }
 
-impl LockBackend for SlowRelease {
-    fn name(&self) -> &'static str {
-        "slow-release"
-    }
-    fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
-        self.inner.acquire(req)
-    }
-    fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>> {
-        self.inner.renew(req)
-    }
-    fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>> {
+impl Intercept<MemoryBackend> for ReleaseGate {
+    fn release<'a>(
+        &'a self,
+        inner: &'a MemoryBackend,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, Result<Release>> {
         Box::pin(async move {
             while !self.open.load(Ordering::SeqCst) {
                 self.gate.notified().await;
             }
-            self.inner.release(req).await
+            inner.release(req).await
         })
     }
-    fn subscribe<'a>(
-        &'a self,
-        req: &'a LockRequest,
-    ) -> BoxFuture<'a, Result<Box<dyn Subscription>>> {
-        self.inner.subscribe(req)
-    }
-    fn force_release<'a>(
-        &'a self,
-        key: &'a LockKey,
-        mode: LockMode,
-    ) -> BoxFuture<'a, Result<bool>> {
-        self.inner.force_release(key, mode)
-    }
-    fn inspect<'a>(
-        &'a self,
-        key: &'a LockKey,
-        mode: LockMode,
-    ) -> BoxFuture<'a, Result<tower_lock::LockState>> {
-        self.inner.inspect(key, mode)
+
+    /// A closed gate sends the release the async way, to wait there.
+    fn release_now(&self, inner: &MemoryBackend, req: &LockRequest) -> Option<Result<Release>> {
+        if !self.open.load(Ordering::SeqCst) {
+            return None;
+        }
+        inner.local()?.release_now(req)
     }
 }
 
@@ -699,15 +666,15 @@ async fn a_response_dropped_mid_release_still_releases() {
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran");
     let key = LockKey::namespaced("user", "7").unwrap();
     assert!(
-        backend.inner.contains_key(&key),
+        backend.inner().contains_key(&key),
         "still held: the release is stalled"
     );
-    backend.open.store(true, Ordering::SeqCst);
-    backend.gate.notify_waiters();
+    backend.intercept().open.store(true, Ordering::SeqCst);
+    backend.intercept().gate.notify_waiters();
     wait_until(
         Duration::from_secs(2),
         "the dropped response's release completed",
-        || async { !backend.inner.contains_key(&key) },
+        || async { !backend.inner().contains_key(&key) },
     )
     .await;
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::postgres::PgDatabase;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::time::Instant;
-use tower_lock::backend::{Acquire, LockBackend, LockMode, LockRequest, Release};
+use tower_lock::backend::{Acquire, ClientNames, LockBackend, LockMode, LockRequest, Release};
 use tower_lock::{LockClient, LockKey, Owner, PostgresBackend};
 
 fn req(key: &str, owner: &str, mode: LockMode) -> LockRequest {
@@ -152,7 +152,7 @@ async fn expired_rows_do_not_pile_up() {
         backend.acquire(&r).await.unwrap();
     }
     backend
-        .register_client("old", "gone-pod", Duration::from_millis(20))
+        .register("old", "gone-pod", Duration::from_millis(20))
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_millis(60)).await;
@@ -171,7 +171,7 @@ async fn expired_rows_do_not_pile_up() {
         0
     );
     backend
-        .register_client("new", "pod", Duration::from_secs(60))
+        .register("new", "pod", Duration::from_secs(60))
         .await
         .unwrap();
     assert_eq!(rows("SELECT count(*) FROM tower_lock").await, 0, "swept");

@@ -9,11 +9,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::conformance::Fixture;
 use common::kinds::{self, Kind, KindFixture};
 use common::redis_server::RedisCluster;
 use redis::cluster_async::ClusterConnection;
 use tower_lock::backend::{LockBackend, LockMode};
+use tower_lock::testing::Fixture;
 use tower_lock::{LockClient, LockKey, RedisBackend};
 
 struct Cluster {
@@ -161,7 +161,7 @@ async fn conformance_suite_on_a_three_master_cluster() {
         assert!(slots.windows(2).all(|w| w[0] == w[1]), "{name}: {slots:?}");
     }
 
-    run_conformance_cases!(&fixture);
+    tower_lock::testing::run_all(&fixture).await;
 
     // The lock kinds: the cases that between them run every fair, read-write and permit
     // script (the read holds' lease keys are named inside the scripts, so this is also

@@ -4,13 +4,13 @@
 mod common;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use common::wait_until;
 use tokio::time::Instant;
 use tower_lock::backend::{
-    Acquire, BoxFuture, LockBackend, LockMode, LockRequest, Release, Subscription,
+    Acquire, BoxFuture, LockBackend, LockMode, LockRequest, Release, StoreProfile, Subscription,
 };
 use tower_lock::kinds::RedLock;
 use tower_lock::{Error, Lease, LockClient, LockKey, MemoryBackend, Owner, Result};
@@ -65,9 +65,19 @@ impl Node {
     }
 }
 
+/// A node is a store of its own, not a wrapper: its memory store can be swapped for an
+/// empty one (a restart) and it answers only over the "network" (no fast path).
 impl LockBackend for Node {
-    fn name(&self) -> &'static str {
-        "node"
+    fn profile(&self) -> &StoreProfile {
+        static PROFILE: LazyLock<StoreProfile> = LazyLock::new(|| {
+            // Queues waiters where the memory store behind it does.
+            StoreProfile::new("node").with_queued_modes([
+                LockMode::Fair,
+                LockMode::Read,
+                LockMode::Write,
+            ])
+        });
+        &PROFILE
     }
 
     fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
@@ -92,16 +102,16 @@ impl LockBackend for Node {
         Box::pin(async move { self.reach().await?.subscribe(req).await })
     }
 
-    fn queues_waiters(&self, mode: LockMode) -> bool {
-        self.store().queues_waiters(mode)
-    }
-
     fn has_local_waiters(&self, req: &LockRequest) -> bool {
         self.store().has_local_waiters(req)
     }
 
     fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move { self.reach().await?.cancel_wait(req).await })
+    }
+
+    fn abandon<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move { self.reach().await?.abandon(req).await })
     }
 
     fn force_release<'a>(
@@ -117,6 +127,28 @@ impl LockBackend for Node {
         mode: LockMode,
     ) -> BoxFuture<'a, Result<tower_lock::LockState>> {
         Box::pin(async move { self.reach().await?.inspect(key, mode).await })
+    }
+}
+
+/// A node's profile queues waiters exactly where the memory store behind it does.
+#[test]
+fn a_node_queues_where_its_store_does() {
+    let (node, store) = (Node::new(), MemoryBackend::new());
+    let permits = LockMode::Permits {
+        max: std::num::NonZeroU32::MIN,
+    };
+    for mode in [
+        LockMode::Exclusive,
+        LockMode::Fair,
+        LockMode::Read,
+        LockMode::Write,
+        permits,
+    ] {
+        assert_eq!(
+            node.profile().queues_waiters(mode),
+            store.profile().queues_waiters(mode),
+            "{mode}"
+        );
     }
 }
 

@@ -8,11 +8,11 @@ mod common;
 
 use std::time::Duration;
 
-use common::conformance::Fixture;
 use common::redis_server::RedisServer;
 use tokio::time::Instant;
 use tower_lock::backend::{LockBackend, LockMode};
 use tower_lock::kinds::RedLock;
+use tower_lock::testing::Fixture;
 use tower_lock::{Error, Lease, LockClient, LockKey, RedisBackend};
 
 struct Red {
@@ -136,7 +136,7 @@ impl Fixture for Red {
     }
 }
 
-conformance_tests!(Red::start());
+tower_lock::testing::conformance_tests!(Red::start());
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_nodes_killed_is_a_clean_quorum_error_within_the_wait() {

@@ -20,7 +20,7 @@ use std::time::Duration;
 use common::{spawn_acquire, wait_until};
 use tokio::time::Instant;
 use tower_lock::backend::{
-    Acquire, BoxFuture, LockBackend, LockMode, LockRequest, Release, Subscription,
+    Acquire, BoxFuture, Intercept, Intercepted, LockBackend, LockMode, LockRequest, Release,
 };
 use tower_lock::kinds::MultiLock;
 use tower_lock::{Error, Lease, LockClient, LockGuard, LockKey, MemoryBackend, Owner, Result};
@@ -83,24 +83,23 @@ struct Seen {
     held_renewal_replies: AtomicUsize,
 }
 
-/// A real backend with faults injected around its calls. Every call is delegated to the
-/// wrapped store.
-#[derive(Clone)]
-struct Faulty {
-    inner: Arc<dyn LockBackend>,
+/// A real backend with faults injected around its calls by an [`Injector`]. Every call
+/// reaches the wrapped store through the path production takes (the in-process fast
+/// path, the store's own `abandon`), delayed or failed only where a fault is armed.
+type Faulty = Intercepted<Arc<dyn LockBackend>, Injector>;
+
+fn faulty(inner: impl LockBackend) -> Faulty {
+    Intercepted::new(Arc::new(inner), Injector::default())
+}
+
+/// The faults armed on a [`Faulty`] backend, and what they hit.
+#[derive(Clone, Default)]
+struct Injector {
     faults: Arc<Mutex<Faults>>,
     seen: Arc<Seen>,
 }
 
-impl Faulty {
-    fn new(inner: impl LockBackend) -> Self {
-        Faulty {
-            inner: Arc::new(inner),
-            faults: Arc::default(),
-            seen: Arc::default(),
-        }
-    }
-
+impl Injector {
     fn arm(&self, f: impl FnOnce(&mut Faults)) {
         f(&mut self.faults.lock().unwrap());
     }
@@ -122,10 +121,35 @@ impl Faulty {
         self.seen.held_renewal_replies.load(Ordering::SeqCst)
     }
 
-    /// Releases started (spawned ones included) that have not finished.
+    /// Releases started (spawned ones and the store's own `abandon` included) that have
+    /// not finished.
     fn releases_in_flight(&self) -> usize {
         self.seen.releases_started.load(Ordering::SeqCst)
             - self.seen.releases_finished.load(Ordering::SeqCst)
+    }
+
+    /// Whether an acquire fault is armed: the next acquisition then goes the async way.
+    fn acquire_armed(&self) -> bool {
+        let faults = self.faults.lock().unwrap();
+        faults.delay_next_reply.is_some() || faults.fail_next_unsent
+    }
+
+    /// The delay armed for the next release, taken.
+    fn release_delay(&self) -> Option<Duration> {
+        let mut faults = self.faults.lock().unwrap();
+        faults.delay_next_release.take().or(faults.release_delay)
+    }
+
+    /// Whether a release delay is armed: the next release then goes the async way.
+    fn release_armed(&self) -> bool {
+        let faults = self.faults.lock().unwrap();
+        faults.delay_next_release.is_some() || faults.release_delay.is_some()
+    }
+
+    /// A release starts: counted finished when the returned value is dropped.
+    fn release_started(&self) -> ReleaseInFlight {
+        self.seen.releases_started.fetch_add(1, Ordering::SeqCst);
+        ReleaseInFlight(Arc::clone(&self.seen))
     }
 }
 
@@ -138,12 +162,14 @@ impl Drop for ReleaseInFlight {
     }
 }
 
-impl LockBackend for Faulty {
-    fn name(&self) -> &'static str {
-        "faulty"
-    }
+type Inner = Arc<dyn LockBackend>;
 
-    fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
+impl Intercept<Inner> for Injector {
+    fn acquire<'a>(
+        &'a self,
+        inner: &'a Inner,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, Result<Acquire>> {
         Box::pin(async move {
             let (delay, fail) = {
                 let mut faults = self.faults.lock().unwrap();
@@ -158,7 +184,7 @@ impl LockBackend for Faulty {
                     "connection reset before the request was sent (injected)".into(),
                 ));
             }
-            let outcome = self.inner.acquire(req).await;
+            let outcome = inner.acquire(req).await;
             self.seen.acquires.fetch_add(1, Ordering::SeqCst);
             if let Some(delay) = delay {
                 self.seen.delayed_replies.fetch_add(1, Ordering::SeqCst);
@@ -168,10 +194,19 @@ impl LockBackend for Faulty {
         })
     }
 
-    fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>> {
+    fn acquire_now(&self, inner: &Inner, req: &LockRequest) -> Option<Result<Acquire>> {
+        if self.acquire_armed() {
+            return None;
+        }
+        let answer = inner.local()?.acquire_now(req)?;
+        self.seen.acquires.fetch_add(1, Ordering::SeqCst);
+        Some(answer)
+    }
+
+    fn renew<'a>(&'a self, inner: &'a Inner, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let delay = self.faults.lock().unwrap().renew_reply_delay;
-            let renewed = self.inner.renew(req).await;
+            let renewed = inner.renew(req).await;
             if let Some(delay) = delay {
                 tokio::time::sleep(delay).await;
             }
@@ -179,10 +214,14 @@ impl LockBackend for Faulty {
         })
     }
 
-    fn renew_many<'a>(&'a self, reqs: &'a [LockRequest]) -> BoxFuture<'a, Vec<Result<bool>>> {
+    fn renew_many<'a>(
+        &'a self,
+        inner: &'a Inner,
+        reqs: &'a [LockRequest],
+    ) -> BoxFuture<'a, Vec<Result<bool>>> {
         Box::pin(async move {
             let gate = self.faults.lock().unwrap().hold_next_renewals_reply.take();
-            let renewed = self.inner.renew_many(reqs).await;
+            let renewed = inner.renew_many(reqs).await;
             if let Some(gate) = gate {
                 self.seen
                     .held_renewal_replies
@@ -193,58 +232,41 @@ impl LockBackend for Faulty {
         })
     }
 
-    fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>> {
-        self.seen.releases_started.fetch_add(1, Ordering::SeqCst);
-        let in_flight = ReleaseInFlight(Arc::clone(&self.seen));
+    fn release<'a>(
+        &'a self,
+        inner: &'a Inner,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, Result<Release>> {
+        let in_flight = self.release_started();
         Box::pin(async move {
             let _in_flight = in_flight;
-            let delay = {
-                let mut faults = self.faults.lock().unwrap();
-                faults.delay_next_release.take().or(faults.release_delay)
-            };
-            if let Some(delay) = delay {
+            if let Some(delay) = self.release_delay() {
                 tokio::time::sleep(delay).await;
             }
-            self.inner.release(req).await
+            inner.release(req).await
         })
     }
 
-    fn subscribe<'a>(
-        &'a self,
-        req: &'a LockRequest,
-    ) -> BoxFuture<'a, Result<Box<dyn Subscription>>> {
-        self.inner.subscribe(req)
+    fn release_now(&self, inner: &Inner, req: &LockRequest) -> Option<Result<Release>> {
+        if self.release_armed() {
+            return None;
+        }
+        let answer = inner.local()?.release_now(req)?;
+        drop(self.release_started());
+        Some(answer)
     }
 
-    fn has_local_waiters(&self, req: &LockRequest) -> bool {
-        self.inner.has_local_waiters(req)
-    }
-
-    fn queues_waiters(&self, mode: LockMode) -> bool {
-        self.inner.queues_waiters(mode)
-    }
-
-    fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
-        self.inner.cancel_wait(req)
-    }
-
-    fn force_release<'a>(
-        &'a self,
-        key: &'a LockKey,
-        mode: LockMode,
-    ) -> BoxFuture<'a, Result<bool>> {
-        self.inner.force_release(key, mode)
-    }
-    fn inspect<'a>(
-        &'a self,
-        key: &'a LockKey,
-        mode: LockMode,
-    ) -> BoxFuture<'a, Result<tower_lock::LockState>> {
-        self.inner.inspect(key, mode)
-    }
-
-    fn watchdog_lease(&self) -> Option<Duration> {
-        self.inner.watchdog_lease()
+    /// The store's own `abandon`, held back by the release delays as a release is: a
+    /// slow store is slow to take back too.
+    fn abandon<'a>(&'a self, inner: &'a Inner, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
+        let in_flight = self.release_started();
+        Box::pin(async move {
+            let _in_flight = in_flight;
+            if let Some(delay) = self.release_delay() {
+                tokio::time::sleep(delay).await;
+            }
+            inner.abandon(req).await
+        })
     }
 }
 
@@ -297,7 +319,7 @@ impl Memory {
     fn new() -> Self {
         let backend = MemoryBackend::new();
         Memory {
-            faulty: Faulty::new(backend.clone()),
+            faulty: faulty(backend.clone()),
             backend,
         }
     }
@@ -340,7 +362,7 @@ impl Redis {
             .await
             .unwrap();
         Redis {
-            faulty: Faulty::new(backend.clone()),
+            faulty: faulty(backend.clone()),
             backend,
             server,
         }
@@ -423,7 +445,7 @@ async fn held_exclusively(
             Err(e) => return vec![format!("{what}: the other owner's try_lock failed: {e}")],
         }
         let elapsed = started.elapsed();
-        if elapsed >= window && faulty.releases_in_flight() == 0 {
+        if elapsed >= window && faulty.intercept().releases_in_flight() == 0 {
             return Vec::new();
         }
         assert!(
@@ -910,20 +932,21 @@ async fn cancelled_queued_attempt(
 
     store
         .faulty()
+        .intercept()
         .arm(|f| f.delay_next_reply = Some(Duration::from_secs(2)));
     let attempt = tokio::time::timeout(Duration::from_millis(100), lock(cancelled).lock()).await;
     assert!(attempt.is_err(), "the attempt's reply was held back");
     assert_eq!(
-        store.faulty().delayed_replies(),
+        store.faulty().intercept().delayed_replies(),
         1,
         "the store applied the cancelled attempt"
     );
 
     // The waiter is asleep once it has subscribed and tried again after subscribing.
-    let attempts = store.faulty().acquires();
+    let attempts = store.faulty().intercept().acquires();
     let waiter = spawn_acquire(lock(next), Duration::from_secs(20));
     wait_until(Duration::from_secs(5), "the next waiter waits", || async {
-        store.waiters(&key) == 1 && store.faulty().acquires() >= attempts + 2
+        store.waiters(&key) == 1 && store.faulty().intercept().acquires() >= attempts + 2
     })
     .await;
     let queued = store.queue_len(&key).await;
@@ -1033,6 +1056,7 @@ async fn cancelled_fixed_owner_attempt(store: &impl Store) {
     let owner = client.new_owner();
     store
         .faulty()
+        .intercept()
         .arm(|f| f.delay_next_reply = Some(Duration::from_secs(2)));
     let attempt = tokio::time::timeout(
         Duration::from_millis(100),
@@ -1045,7 +1069,7 @@ async fn cancelled_fixed_owner_attempt(store: &impl Store) {
     .await;
     assert!(attempt.is_err(), "the attempt's reply was held back");
     assert_eq!(
-        store.faulty().delayed_replies(),
+        store.faulty().intercept().delayed_replies(),
         1,
         "the store applied the cancelled attempt"
     );
@@ -1129,14 +1153,14 @@ async fn fail_open_then_lock_in_the_handler(store: &impl Store) {
         .unwrap();
     let app = Router::new().route("/", post(handler)).layer(layer);
 
-    store.faulty().arm(|f| {
+    store.faulty().intercept().arm(|f| {
         f.fail_next_unsent = true;
         f.release_delay = Some(Duration::from_millis(300));
     });
     let (status, body) = web::call(&app).await;
-    store.faulty().arm(|f| f.release_delay = None);
+    store.faulty().intercept().arm(|f| f.release_delay = None);
     assert_eq!(
-        store.faulty().failed_unsent(),
+        store.faulty().intercept().failed_unsent(),
         1,
         "the layer's attempt failed"
     );
@@ -1211,6 +1235,7 @@ async fn concurrent_unlocks(store: &impl Store) {
                 Together::JoinedOutOfOrder => {
                     store
                         .faulty()
+                        .intercept()
                         .arm(|f| f.delay_next_release = Some(Duration::from_millis(20)));
                     tokio::join!(g1.unlock(), g2.unlock())
                 }
@@ -1849,6 +1874,7 @@ async fn concurrent_reentries_with_different_leases(store: &impl Store) {
     // thread: the 4 s one first), however fast the store answers.
     store
         .faulty()
+        .intercept()
         .arm(|f| f.renew_reply_delay = Some(Duration::from_millis(10)));
     let sent = Instant::now();
     let (long, short) = tokio::join!(
@@ -1928,7 +1954,9 @@ async fn multilock_pin_against_a_watched_reentry(store: &impl Store, crossing: b
     .await;
     let gate = Gate::new();
     if crossing {
-        faulty.arm(|f| f.hold_next_renewals_reply = Some(gate.clone()));
+        faulty
+            .intercept()
+            .arm(|f| f.hold_next_renewals_reply = Some(gate.clone()));
     }
     let watched = client
         .get_lock(&a)
@@ -1947,7 +1975,7 @@ async fn multilock_pin_against_a_watched_reentry(store: &impl Store, crossing: b
         wait_until(
             Duration::from_secs(5),
             "the watchdog's renewal of a reached the store",
-            || async { faulty.held_renewal_replies() == 1 },
+            || async { faulty.intercept().held_renewal_replies() == 1 },
         )
         .await;
     }

@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 /// [`COMPENSATION_MARGIN`].
 pub(crate) const MAX_SAMPLE_AGE: Duration = Duration::from_secs(30);
 
+#[cfg(feature = "redis")]
 /// What a compensation waits beyond an attempt's window before it counts the attempt
 /// settled: room for the clocks' drift since the sample, and for the store's clock
 /// granularity.
@@ -63,6 +64,7 @@ impl StoreClock {
             Some(Sample { received, store_us });
     }
 
+    #[cfg(feature = "redis")]
     /// Forgets the sample (the connection now reaches another server, or its clock is
     /// in doubt): the next attempt takes a new one.
     pub(crate) fn forget(&self) {
@@ -106,6 +108,13 @@ mod tests {
         // At least sample + window, and no more than the time that passed since.
         assert!(deadline >= 6_000_000, "{deadline}");
         assert!(deadline <= 6_000_000 + age + 1, "{deadline}");
+    }
+
+    #[cfg(feature = "redis")]
+    #[test]
+    fn a_forgotten_sample_gives_no_deadline() {
+        let clock = StoreClock::default();
+        clock.record(5_000_000, Instant::now());
         clock.forget();
         assert_eq!(clock.deadline(Duration::from_secs(1)), None);
     }

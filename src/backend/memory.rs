@@ -20,43 +20,8 @@
 //!
 //! # Modes
 //!
-//! Every [`LockMode`] is implemented. A key is meant to be used in one family of modes —
-//! exclusive/fair, read/write, or permits; holds of another family simply make the key
-//! busy (as a Redisson `RLock` finds a read-write lock's hash busy).
-//!
-//! - [`LockMode::Exclusive`]: one owner; waiters race for a release (one is woken).
-//! - [`LockMode::Fair`]: one owner; waiters acquire in arrival order. A busy attempt
-//!   puts the owner at the tail of the key's queue; only the head may take a free lock.
-//!   A queued owner must poll again within the
-//!   [waiter timeout](MemoryBackendBuilder::waiter_timeout) (Redisson's
-//!   `threadWaitTime`, [`DEFAULT_WAITER_TIMEOUT`]) or it is evicted, so a waiter that
-//!   vanished without [`cancel_wait`](LockBackend::cancel_wait) cannot block the queue
-//!   for longer than that. To keep live waiters polling, a queued owner's
-//!   [`Acquire::Busy`] ttl is never more than a third of the waiter timeout. A release
-//!   wakes the head waiter only.
-//! - [`LockMode::Read`] / [`LockMode::Write`] on one key: many readers or one writer.
-//!   The writer's owner — or a request naming it as its
-//!   [`writer`](LockRequest::writer) — may also take read holds (downgrade: take read,
-//!   release write).
-//!   A reader that asks to write waits like any writer — until every read hold,
-//!   including its own, is released; a caller that holds a read lock and waits for the
-//!   write lock of the same key without releasing deadlocks on itself until its wait
-//!   runs out, as in Redisson.
-//!
-//!   Blocked readers and writers queue in arrival order (the same queue and eviction
-//!   as fair locks), and the queue decides who goes next: a writer goes when it is at
-//!   the head and no read hold is left; a reader goes when no writer holds the lock and
-//!   no writer waits ahead of it. So once a writer waits, new readers queue behind it
-//!   (readers that already hold a read lock, and the writer's own owner, re-enter
-//!   without queueing). **Bound**: a waiting writer acquires as soon as the read holds
-//!   present when it arrived are released (or their leases end) and the waiters ahead
-//!   of it have had their turn; a stream of new readers cannot delay it. Readers are
-//!   not starved by writers either: readers queued before the next writer are admitted
-//!   together when a write lock is released.
-//! - [`LockMode::Permits`]: at most `max` distinct owners hold the key at once, each
-//!   with its own lease (a crashed holder's permit returns when its lease ends); an
-//!   owner that already holds a permit re-enters it. `max` is taken from each request;
-//!   callers of one key should agree on it. A release wakes one waiter.
+//! Every [`LockMode`] is implemented, with the rules its docs give; a queued waiter
+//! must poll again within the [waiter timeout](MemoryBackendBuilder::waiter_timeout).
 //!
 //! # Example
 //!
@@ -101,25 +66,18 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
-    Acquire, BoxFuture, FencingToken, Grant, Holder, LockBackend, LockMode, LockRequest, LockState,
-    Release, Signal, Subscription, WaiterScope, Waiters, Wake,
+    Acquire, BoxFuture, ClientNames, FencingToken, Grant, Holder, LocalStore, LockBackend,
+    LockMode, LockRequest, LockState, QUEUED_MODES, Release, Signal, StoreProfile, Subscription,
+    WaiterScope, Waiters, Wake, queued,
 };
 use crate::error::Result;
 use crate::key::LockKey;
 use crate::owner::Owner;
 
-/// How long a queued waiter (fair, read, write) may go without polling before it loses
-/// its place: 5 s. (Redisson's `threadWaitTime` plays this part and defaults to 5
-/// minutes; a vanished waiter should not stall a queue that long.) Live waiters poll at least every
-/// third of it.
-pub const DEFAULT_WAITER_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// The shortest waiter timeout accepted: 3 ms, so that waiters poll at least every
-/// millisecond.
-pub const MIN_WAITER_TIMEOUT: Duration = Duration::from_millis(3);
+pub use super::limits::{DEFAULT_WAITER_TIMEOUT, MIN_WAITER_TIMEOUT};
 
 /// An in-process lock store. See the [module docs](self).
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct MemoryBackend {
     shared: Arc<Shared>,
 }
@@ -127,20 +85,34 @@ pub struct MemoryBackend {
 struct Shared {
     table: Mutex<Table>,
     fence: AtomicU64,
-    watchdog_lease: Option<Duration>,
+    /// `memory:<address of this>`, the watchdog lease, the queued modes.
+    profile: StoreProfile,
     waiter_timeout: Duration,
     /// Registered client names: id → (name, until).
     clients: Mutex<HashMap<String, (String, Option<Instant>)>>,
 }
 
-impl Default for Shared {
-    fn default() -> Self {
-        Shared {
+impl Shared {
+    /// A store whose identity is its own address: one store per backend and its clones,
+    /// in this process only.
+    fn new(watchdog_lease: Option<Duration>, waiter_timeout: Duration) -> Arc<Shared> {
+        Arc::new_cyclic(|this| Shared {
             table: Mutex::default(),
             clients: Mutex::default(),
             fence: AtomicU64::new(0),
-            watchdog_lease: None,
-            waiter_timeout: DEFAULT_WAITER_TIMEOUT,
+            profile: StoreProfile::new("memory")
+                .with_store_id(format!("memory:{:p}", this.as_ptr()))
+                .with_queued_modes(QUEUED_MODES)
+                .with_watchdog_lease(watchdog_lease),
+            waiter_timeout,
+        })
+    }
+}
+
+impl Default for MemoryBackend {
+    fn default() -> Self {
+        MemoryBackend {
+            shared: Shared::new(None, DEFAULT_WAITER_TIMEOUT),
         }
     }
 }
@@ -192,15 +164,11 @@ impl MemoryBackendBuilder {
     /// [`MIN_WAITER_TIMEOUT`] or longer than [`MAX_LEASE`](crate::MAX_LEASE).
     pub fn build(self) -> Result<MemoryBackend> {
         if let Some(lease) = self.watchdog_lease {
-            crate::lock::validate_watchdog_lease(lease)?;
+            super::limits::validate_watchdog_lease(lease)?;
         }
-        super::validate_waiter_timeout(self.waiter_timeout)?;
+        super::limits::validate_waiter_timeout(self.waiter_timeout)?;
         Ok(MemoryBackend {
-            shared: Arc::new(Shared {
-                watchdog_lease: self.watchdog_lease,
-                waiter_timeout: self.waiter_timeout,
-                ..Shared::default()
-            }),
+            shared: Shared::new(self.watchdog_lease, self.waiter_timeout),
         })
     }
 }
@@ -285,9 +253,26 @@ fn family(mode: LockMode) -> Family {
     }
 }
 
-/// Modes whose busy waiters queue in the store.
-fn is_queued(mode: LockMode) -> bool {
-    matches!(mode, LockMode::Fair | LockMode::Read | LockMode::Write)
+/// Whether `req` must wait, and if so the holder's remaining lease (`None`: no expiry)
+/// or, behind a queued waiter, when that waiter would be evicted; `None` when it may
+/// take the lock now.
+fn blocked(entry: &mut Entry, req: &LockRequest, now: Instant) -> Option<Option<Duration>> {
+    if let Some(holder_ttl) = entry.holds.conflict(req.write_holder(), req.mode, now) {
+        return Some(holder_ttl);
+    }
+    if !queued(req.mode) {
+        return None;
+    }
+    // The write holder's reads go without queueing (downgrade); anyone else waits for
+    // the waiters ahead of it that it cannot share with.
+    let bypass = req.mode == LockMode::Read && entry.holds.holds_write(req.write_holder(), now);
+    let seq = entry.queue.seq_of(&req.owner, req.mode);
+    match entry.queue.blocker(seq, req.mode, now) {
+        Some(_) if bypass => None,
+        // Ask again when the blocker would be evicted, if not woken before.
+        Some(blocker) => Some(Some(blocker.evict_at.saturating_duration_since(now))),
+        None => None,
+    }
 }
 
 /// The longest of several remaining leases; `None` (no expiry) wins.
@@ -779,7 +764,7 @@ impl MemoryBackend {
         let newest = holders.iter().filter_map(|h| h.token).max();
         // Queued modes wait in the queue; the others only subscribe. Either way every
         // waiter of this store is in this process.
-        let waiting = if is_queued(mode) {
+        let waiting = if queued(mode) {
             entry.queue.len()
         } else {
             entry.subscribers
@@ -788,7 +773,7 @@ impl MemoryBackend {
             .with_fencing_token(newest)
     }
 
-    fn clients(&self) -> MutexGuard<'_, HashMap<String, (String, Option<Instant>)>> {
+    fn client_table(&self) -> MutexGuard<'_, HashMap<String, (String, Option<Instant>)>> {
         self.shared
             .clients
             .lock()
@@ -826,48 +811,17 @@ impl MemoryBackend {
         (self.shared.waiter_timeout / 3).max(Duration::from_millis(1))
     }
 
-    fn acquire_now(&self, req: &LockRequest) -> Acquire {
+    fn apply_acquire(&self, req: &LockRequest) -> Acquire {
         let now = Instant::now();
         let expires_at = now.checked_add(req.lease);
         let mut table = self.table();
         table.maybe_sweep(now);
         let entry = table.map.entry(req.key.clone()).or_insert_with(Entry::new);
-        let queued = is_queued(req.mode);
-
-        if let Some(hold) = entry.holds.own_mut(&req.owner, req.mode, now) {
-            hold.holds = hold.holds.saturating_add(1);
-            // Re-entering never shortens the lease the hold already has.
-            hold.expires_at = later(hold.expires_at, expires_at);
-            // A fenced re-entry takes the next token, as Redisson's `RFencedLock` does.
-            if req.fenced {
-                hold.token = Some(self.next_token());
-            }
-            let grant = Grant::new(hold.holds, if req.fenced { hold.token } else { None });
-            if queued {
-                entry.queue.remove(&req.owner, req.mode);
-            }
-            return Acquire::Acquired(grant);
+        let queued = queued(req.mode);
+        if let Some(reentered) = self.reenter(entry, req, now, expires_at) {
+            return reentered;
         }
-
-        let busy = match entry.holds.conflict(req.write_holder(), req.mode, now) {
-            Some(holder_ttl) => Some(holder_ttl),
-            None if queued => {
-                // The write holder's reads go without queueing (downgrade); anyone
-                // else waits for the waiters ahead of it that it cannot share with.
-                let bypass =
-                    req.mode == LockMode::Read && entry.holds.holds_write(req.write_holder(), now);
-                let seq = entry.queue.seq_of(&req.owner, req.mode);
-                match entry.queue.blocker(seq, req.mode, now) {
-                    Some(_) if bypass => None,
-                    // Ask again when the blocker would be evicted, if not woken before.
-                    Some(blocker) => Some(Some(blocker.evict_at.saturating_duration_since(now))),
-                    None => None,
-                }
-            }
-            None => None,
-        };
-
-        match busy {
+        match blocked(entry, req, now) {
             None => {
                 let token = self.token_for(req);
                 entry.holds.grant(Hold {
@@ -899,6 +853,29 @@ impl MemoryBackend {
         }
     }
 
+    /// Re-enters the hold `req`'s owner has in its mode, if any: one hold more.
+    fn reenter(
+        &self,
+        entry: &mut Entry,
+        req: &LockRequest,
+        now: Instant,
+        expires_at: Option<Instant>,
+    ) -> Option<Acquire> {
+        let hold = entry.holds.own_mut(&req.owner, req.mode, now)?;
+        hold.holds = hold.holds.saturating_add(1);
+        // Re-entering never shortens the lease the hold already has.
+        hold.expires_at = later(hold.expires_at, expires_at);
+        // A fenced re-entry takes the next token, as Redisson's `RFencedLock` does.
+        if req.fenced {
+            hold.token = Some(self.next_token());
+        }
+        let grant = Grant::new(hold.holds, if req.fenced { hold.token } else { None });
+        if queued(req.mode) {
+            entry.queue.remove(&req.owner, req.mode);
+        }
+        Some(Acquire::Acquired(grant))
+    }
+
     fn renew_now(table: &mut Table, req: &LockRequest, now: Instant) -> bool {
         let Some(entry) = table.map.get_mut(&req.key) else {
             return false;
@@ -916,7 +893,7 @@ impl MemoryBackend {
         }
     }
 
-    fn release_now(&self, req: &LockRequest) -> Release {
+    fn apply_release(&self, req: &LockRequest) -> Release {
         let now = Instant::now();
         let mut table = self.table();
         let Some(entry) = table.map.get_mut(&req.key) else {
@@ -974,12 +951,14 @@ impl Table {
 }
 
 impl LockBackend for MemoryBackend {
-    fn name(&self) -> &'static str {
-        "memory"
+    /// `memory`, whose identity is `memory:<address>`: one store per backend and its
+    /// clones, in this process only.
+    fn profile(&self) -> &StoreProfile {
+        &self.shared.profile
     }
 
     fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
-        Box::pin(async move { Ok(self.acquire_now(req)) })
+        Box::pin(async move { Ok(self.apply_acquire(req)) })
     }
 
     fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>> {
@@ -997,23 +976,23 @@ impl LockBackend for MemoryBackend {
     }
 
     fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>> {
-        Box::pin(async move { Ok(self.release_now(req)) })
+        Box::pin(async move { Ok(self.apply_release(req)) })
     }
 
-    fn answers_now(&self) -> bool {
-        true
-    }
-
-    fn try_acquire_now(&self, req: &LockRequest) -> Option<Result<Acquire>> {
-        Some(Ok(self.acquire_now(req)))
-    }
-
-    fn try_release_now(&self, req: &LockRequest) -> Option<Result<Release>> {
-        Some(Ok(self.release_now(req)))
+    /// Releases the owner's hold and leaves the queue: an attempt is applied within
+    /// its call, so none can arrive late.
+    fn abandon<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            self.apply_release(req);
+            if queued(req.mode) {
+                self.cancel_wait_now(req);
+            }
+            Ok(())
+        })
     }
 
     fn has_local_waiters(&self, req: &LockRequest) -> bool {
-        !is_queued(req.mode)
+        !queued(req.mode)
             && self
                 .table()
                 .map
@@ -1029,7 +1008,7 @@ impl LockBackend for MemoryBackend {
             let mut table = self.table();
             let entry = table.map.entry(req.key.clone()).or_insert_with(Entry::new);
             entry.subscribers += 1;
-            let (owner, notify) = if is_queued(req.mode) {
+            let (owner, notify) = if queued(req.mode) {
                 let sub = entry
                     .owner_subs
                     .entry((req.owner.clone(), req.mode))
@@ -1054,10 +1033,6 @@ impl LockBackend for MemoryBackend {
             });
             Ok(sub)
         })
-    }
-
-    fn queues_waiters(&self, mode: LockMode) -> bool {
-        is_queued(mode)
     }
 
     fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
@@ -1098,7 +1073,28 @@ impl LockBackend for MemoryBackend {
         Box::pin(async move { Ok(self.state_of(key, mode)) })
     }
 
-    fn register_client<'a>(
+    fn local(&self) -> Option<&dyn LocalStore> {
+        Some(self)
+    }
+
+    fn clients(&self) -> Option<&dyn ClientNames> {
+        Some(self)
+    }
+}
+
+/// Answers every call on the spot: memory is the store the fast path is for.
+impl LocalStore for MemoryBackend {
+    fn acquire_now(&self, req: &LockRequest) -> Option<Result<Acquire>> {
+        Some(Ok(self.apply_acquire(req)))
+    }
+
+    fn release_now(&self, req: &LockRequest) -> Option<Result<Release>> {
+        Some(Ok(self.apply_release(req)))
+    }
+}
+
+impl ClientNames for MemoryBackend {
+    fn register<'a>(
         &'a self,
         id: &'a str,
         name: &'a str,
@@ -1106,20 +1102,17 @@ impl LockBackend for MemoryBackend {
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             let now = Instant::now();
-            let mut clients = self.clients();
+            let mut clients = self.client_table();
             clients.retain(|_, (_, until)| until.is_none_or(|at| at > now));
             clients.insert(id.to_owned(), (name.to_owned(), now.checked_add(ttl)));
             Ok(())
         })
     }
 
-    fn client_names<'a>(
-        &'a self,
-        ids: &'a [&'a str],
-    ) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
+    fn names<'a>(&'a self, ids: &'a [&'a str]) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
         Box::pin(async move {
             let now = Instant::now();
-            let clients = self.clients();
+            let clients = self.client_table();
             Ok(ids
                 .iter()
                 .map(|id| {
@@ -1130,15 +1123,6 @@ impl LockBackend for MemoryBackend {
                 })
                 .collect())
         })
-    }
-
-    fn watchdog_lease(&self) -> Option<Duration> {
-        self.shared.watchdog_lease
-    }
-
-    /// `memory:<address>`: one store per backend and its clones, in this process only.
-    fn store_id(&self) -> String {
-        format!("memory:{:p}", Arc::as_ptr(&self.shared))
     }
 }
 

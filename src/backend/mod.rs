@@ -20,8 +20,20 @@
 //! Every state change must be atomic in the store (one script, one transaction, one
 //! critical section). A hold's lease only ever moves later: every renewal, re-entry and
 //! partial release writes the later of the current and the requested end, computed in
-//! the store. The conformance suite in `tests/` runs the same cases against every
-//! backend; a new backend should pass it unchanged.
+//! the store. The conformance suite runs the same cases against every backend; a new
+//! backend should pass it unchanged: it ships behind the `testing` feature, see
+//! `tower_lock::testing`.
+//!
+//! The contract is [`LockBackend`]: the operations and a [`StoreProfile`], all
+//! required, plus an optional in-process fast path ([`LocalStore`]) and an optional
+//! record of client names ([`ClientNames`]).
+//!
+//! # Wrapping a backend
+//!
+//! A backend that adds something around another one — counting, tracing, injecting
+//! faults — is an [`Intercepted`] backend: an [`Intercept`] changes the calls it means
+//! to, and every other call, the profile and the fast path included, reaches the inner
+//! backend unchanged.
 //!
 //! # Example
 //!
@@ -55,7 +67,6 @@
 
 use std::fmt;
 use std::future::Future;
-use std::num::NonZeroU32;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -68,51 +79,27 @@ use crate::owner::Owner;
 
 #[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) mod clock;
+mod intercept;
+pub(crate) mod limits;
 pub mod memory;
+mod mode;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
+mod profile;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
+pub mod redlock;
+
+pub use intercept::{Intercept, Intercepted};
+pub use limits::{DEFAULT_WAITER_TIMEOUT, MIN_WAITER_TIMEOUT};
+pub use mode::LockMode;
+pub(crate) use mode::{QUEUED_MODES, queued};
+pub use profile::{ClockDrift, StoreProfile};
 
 /// A boxed, `Send` future: what every [`LockBackend`] method returns.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-
-/// How a lock is held. Backends return
-/// [`Error::Unsupported`](crate::Error::Unsupported) for modes they do not implement.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum LockMode {
-    /// One owner at a time, reentrant, no ordering among waiters (Redisson `RLock`).
-    Exclusive,
-    /// One owner at a time, reentrant, waiters served in arrival order (Redisson
-    /// `RFairLock`).
-    Fair,
-    /// Shared with other readers, excluded by a writer (Redisson `RReadWriteLock`'s
-    /// read lock).
-    Read,
-    /// Exclusive against readers and writers (Redisson `RReadWriteLock`'s write lock).
-    Write,
-    /// One of at most `max` leased permits (a semaphore, like Redisson's
-    /// `RPermitExpirableSemaphore`).
-    Permits {
-        /// Most owners that may hold the key at once.
-        max: NonZeroU32,
-    },
-}
-
-impl fmt::Display for LockMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            LockMode::Exclusive => f.write_str("exclusive"),
-            LockMode::Fair => f.write_str("fair"),
-            LockMode::Read => f.write_str("read"),
-            LockMode::Write => f.write_str("write"),
-            LockMode::Permits { max } => write!(f, "permits({max})"),
-        }
-    }
-}
 
 /// The wall clock in microseconds since the Unix epoch: the floor of every fencing token a
 /// built-in backend issues (0 if the clock is before the epoch).
@@ -161,7 +148,7 @@ pub(crate) fn clock_floor_us() -> u64 {
 ///   Java `RFencedLock` and tower-lock locking the same name share one fence. One small
 ///   string key per fenced name ever locked (about 70 bytes plus the name); plain locks
 ///   keep none. A Redisson client increments it by one without the clock floor.
-/// - RedLock: per node; see [`RedLock`](crate::kinds::RedLock) — not a fencing token.
+/// - RedLock: per node; see [`RedLock`](redlock::RedLock) — not a fencing token.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct FencingToken(u64);
 
@@ -488,18 +475,6 @@ pub enum Wake {
     Deadline,
 }
 
-/// Checks a backend's waiter timeout: between
-/// [`MIN_WAITER_TIMEOUT`](memory::MIN_WAITER_TIMEOUT) and [`MAX_LEASE`](crate::MAX_LEASE).
-pub(crate) fn validate_waiter_timeout(timeout: Duration) -> Result<()> {
-    if timeout < memory::MIN_WAITER_TIMEOUT || timeout > crate::MAX_LEASE {
-        return Err(crate::Error::invalid_config(
-            "waiter_timeout",
-            format!("must be between 3 ms and 365 days (got {timeout:?})"),
-        ));
-    }
-    Ok(())
-}
-
 /// The in-process wake-up behind every [`Subscription`] of the built-in backends: a
 /// `Notify` for waiters that are parked, and a release counter for those that are not.
 ///
@@ -594,9 +569,19 @@ pub trait Subscription: Send {
 /// Every method is owner-checked where it changes state: nobody renews or releases a
 /// lock another owner holds. Every method that changes state is atomic in the store.
 /// Implementations must be cheap to call concurrently from many tasks.
+///
+/// Nine methods are required — the operations, and the [`StoreProfile`] — because each
+/// carries a rule a default could not keep for every store. The four provided ones
+/// ([`renew_many`](LockBackend::renew_many),
+/// [`has_local_waiters`](LockBackend::has_local_waiters), [`local`](LockBackend::local),
+/// [`clients`](LockBackend::clients)) are right for any store, only slower or less
+/// informative. A backend that wraps another one should not implement this trait by
+/// hand but with [`Intercepted`], which forwards everything it does not change.
 pub trait LockBackend: Send + Sync + 'static {
-    /// A short name for messages and traces (`"memory"`, `"redis"`).
-    fn name(&self) -> &'static str;
+    /// What the store is: its name and identity, the modes it queues waiters in, its
+    /// watchdog lease and its clock-drift allowance. The same value on every call (the
+    /// lock core reads it on hot paths: return a reference to a field).
+    fn profile(&self) -> &StoreProfile;
 
     /// Tries once to take `req.key` for `req.owner` in `req.mode`.
     ///
@@ -613,7 +598,8 @@ pub trait LockBackend: Send + Sync + 'static {
     ///   holds the write lock: granted as a fresh read hold of `req.owner`, past that
     ///   write hold (downgrade).
     /// - Another owner holds it: nothing changes → [`Acquire::Busy`] with the holder's
-    ///   remaining lease.
+    ///   remaining lease; in a mode the [profile](StoreProfile::queues_waiters) says
+    ///   the store queues, the owner takes (or keeps) its place in the queue.
     ///
     /// A fenced request ([`LockRequest::fenced`]) takes the key's next [`FencingToken`]
     /// with every acquisition, re-entries included; an unfenced one none. An expired
@@ -636,7 +622,7 @@ pub trait LockBackend: Send + Sync + 'static {
     /// each hold's lease is extended to at least its request's lease, never shortened.
     /// The watchdog calls this once per period with every lock it keeps alive;
     /// backends batch it into as few round trips as they can (one pipeline or script per
-    /// connection). The default renews one by one.
+    /// connection). The default renews one by one, which is correct for every store.
     fn renew_many<'a>(&'a self, reqs: &'a [LockRequest]) -> BoxFuture<'a, Vec<Result<bool>>> {
         Box::pin(async move {
             let mut out = Vec::with_capacity(reqs.len());
@@ -657,28 +643,21 @@ pub trait LockBackend: Send + Sync + 'static {
     /// waiters in at once (a write unlock, readers), all are woken.
     fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>>;
 
-    /// Whether this store answers [`try_acquire_now`](LockBackend::try_acquire_now) and
-    /// [`try_release_now`](LockBackend::try_release_now) on the spot, without I/O (a
-    /// store in this process). The lock core then takes a free lock and releases a hold
-    /// without a boxed future or a task. The default is `false`.
-    fn answers_now(&self) -> bool {
-        false
-    }
-
-    /// [`acquire`](LockBackend::acquire), answered on the spot: called only when
-    /// [`answers_now`](LockBackend::answers_now), and then it must answer (`Some`),
-    /// exactly as `acquire` would. The default is `None`.
-    fn try_acquire_now(&self, req: &LockRequest) -> Option<Result<Acquire>> {
-        let _ = req;
-        None
-    }
-
-    /// [`release`](LockBackend::release), answered on the spot, as
-    /// [`try_acquire_now`](LockBackend::try_acquire_now).
-    fn try_release_now(&self, req: &LockRequest) -> Option<Result<Release>> {
-        let _ = req;
-        None
-    }
+    /// The caller gave up on `req` for good — an attempt dropped in flight or left
+    /// unanswered, or a wait that failed — and its owner (the hold's own identity) will
+    /// never be used again: undo whatever its attempts did, or will do when one still in
+    /// flight arrives late. The lock core spawns it and does not wait for it.
+    ///
+    /// Required, because what it takes depends on the store. Releasing the owner's hold
+    /// and, in a [queued mode](StoreProfile::queues_waiters), leaving the queue covers
+    /// attempts already applied: enough for a store that applies an attempt within the
+    /// call (memory). A store whose requests can overtake each other (a pool of
+    /// connections, a connection replaced after a timeout) must also make sure a late
+    /// attempt of `req.owner` takes nothing: refuse attempts past a deadline on the
+    /// store's clock, record the owner as gone, or release again once no attempt can
+    /// still land (the built-in Redis and PostgreSQL backends do the first and one of
+    /// the others).
+    fn abandon<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>>;
 
     /// Registers interest in releases of `req.key` as seen by `req.owner` in
     /// `req.mode`, before the caller's next attempt, so no release between that attempt
@@ -694,55 +673,23 @@ pub trait LockBackend: Send + Sync + 'static {
     /// instance in this process, are waiting right now. The acquire loop then lines a
     /// new acquirer up behind them instead of letting it barge in on every release (no
     /// starvation among one process's waiters; across processes a plain lock still
-    /// barges — use a fair lock for strict order). Must be cheap when nobody waits. The
-    /// default is `false`.
+    /// barges — use a fair lock for strict order). Must be cheap when nobody waits.
+    ///
+    /// The default is `false`: a new acquirer barges, as one from another process
+    /// would. Fairness among one process's waiters, not safety, depends on it.
     fn has_local_waiters(&self, req: &LockRequest) -> bool {
         let _ = req;
         false
     }
 
-    /// Whether [`acquire`](LockBackend::acquire) records a busy owner in the store as a
-    /// waiter (a fair or read-write queue) in `mode`, so that callers must call
-    /// [`cancel_wait`](LockBackend::cancel_wait) when they give up — also when they give
-    /// up after a single busy attempt, as `try_lock` does. Such a backend should evict
-    /// waiters that stop polling (a caller that vanished without `cancel_wait`) and
-    /// keep the [`Acquire::Busy`] ttl of a queued owner below that eviction time. The
-    /// default is `false`.
-    fn queues_waiters(&self, mode: LockMode) -> bool {
-        let _ = mode;
-        false
-    }
-
-    /// The caller stopped waiting for `req` (deadline passed, or it was cancelled).
-    /// Backends that keep waiters in the store (a fair queue) remove the owner's place
-    /// here, and wake whoever that lets go next; the default does nothing. Only called when
-    /// [`queues_waiters`](LockBackend::queues_waiters) says so.
-    fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
-        let _ = req;
-        Box::pin(async { Ok(()) })
-    }
-
-    /// The caller gave up on `req` for good — an attempt dropped in flight or left
-    /// unanswered, or a wait that failed — and its owner (the hold's own identity) will
-    /// never be used again: undo whatever its attempts did, or will do when one still in
-    /// flight arrives late. The lock core spawns it and does not wait for it.
+    /// The caller stopped waiting for `req` (deadline passed, or it was cancelled):
+    /// remove the owner's place in the store's queue, and wake whoever that lets go
+    /// next. Only called in modes the [profile](StoreProfile::queues_waiters) says the
+    /// store queues; a store that queues in no mode answers `Ok(())`.
     ///
-    /// The default releases the owner's hold and leaves the queue, which covers attempts
-    /// already applied: right for a store that applies an attempt within the call
-    /// (memory). A store whose requests can overtake each other (a pool of connections,
-    /// a connection replaced after a timeout) must also make sure a late attempt of
-    /// `req.owner` takes nothing: refuse attempts past a deadline on the store's clock,
-    /// record the owner as gone, or release again once no attempt can still land (the
-    /// built-in Redis and PostgreSQL backends do the first and one of the others).
-    fn abandon<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            let released = self.release(req).await.map(|_| ());
-            if self.queues_waiters(req.mode) {
-                self.cancel_wait(req).await?;
-            }
-            released
-        })
-    }
+    /// Required: a queue place nobody leaves blocks every waiter behind it until the
+    /// store evicts it.
+    fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>>;
 
     /// Removes every hold on `key` in `mode` whoever the owner, and wakes waiters; returns
     /// whether anything was held. An administrative escape hatch (Redisson's
@@ -757,63 +704,59 @@ pub trait LockBackend: Send + Sync + 'static {
     /// and fills in the `max` of permit holds.
     fn inspect<'a>(&'a self, key: &'a LockKey, mode: LockMode) -> BoxFuture<'a, Result<LockState>>;
 
+    /// The in-process fast path, for a store that answers without I/O (a store in this
+    /// process): the lock core then takes a free lock and releases a hold without a
+    /// boxed future or a task. The default is `None`: every call goes through the async
+    /// methods, which is always correct.
+    fn local(&self) -> Option<&dyn LocalStore> {
+        None
+    }
+
+    /// The store's record of client names, if it keeps one; see [`ClientNames`]. The
+    /// default is `None`: inspections show no names of other processes' clients.
+    fn clients(&self) -> Option<&dyn ClientNames> {
+        None
+    }
+}
+
+/// A store in this process that answers on the spot: the fast path of a
+/// [`LockBackend`], from [`LockBackend::local`].
+///
+/// Each method answers exactly as the backend's async method would, or returns `None`
+/// having done nothing, and the caller then takes the async way. The lock core asks it
+/// only for modes the store does not queue in.
+pub trait LocalStore: Send + Sync {
+    /// [`LockBackend::acquire`], on the spot.
+    fn acquire_now(&self, req: &LockRequest) -> Option<Result<Acquire>>;
+
+    /// [`LockBackend::release`], on the spot.
+    fn release_now(&self, req: &LockRequest) -> Option<Result<Release>>;
+}
+
+/// The client names a store records, so that any process inspecting a lock can say
+/// which process holds it ([`LockClientBuilder::name`](crate::LockClientBuilder::name)).
+/// An extension of [`LockBackend`], found through [`LockBackend::clients`]: a store that
+/// keeps no names does not implement it.
+pub trait ClientNames: Send + Sync {
     /// Records in the store that the client `id` (the UUID part of its owners) is named
-    /// `name`, for `ttl`, so that any process inspecting a lock can say which process
-    /// holds it ([`client_names`](LockBackend::client_names)). The default records
-    /// nothing.
-    fn register_client<'a>(
+    /// `name`, for `ttl`.
+    fn register<'a>(
         &'a self,
         id: &'a str,
         name: &'a str,
         ttl: Duration,
-    ) -> BoxFuture<'a, Result<()>> {
-        let _ = (id, name, ttl);
-        Box::pin(async { Ok(()) })
-    }
+    ) -> BoxFuture<'a, Result<()>>;
 
     /// The names registered for client `ids`, in the same order (`None`: none
-    /// registered, or expired). The default knows none.
-    fn client_names<'a>(
-        &'a self,
-        ids: &'a [&'a str],
-    ) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
-        Box::pin(async move { Ok(vec![None; ids.len()]) })
-    }
-
-    /// The watchdog lease this backend was configured with, if any; a
-    /// [`LockClient`](crate::LockClient) built on this backend uses it unless told
-    /// otherwise.
-    fn watchdog_lease(&self) -> Option<Duration> {
-        None
-    }
-
-    /// How much of a `lease` granted or renewed the client must not count on: the
-    /// allowance for clocks that run at different rates, which a quorum of independent
-    /// stores needs ([`RedLock`](crate::kinds::RedLock)). A hold is believed until
-    /// `sent + lease − clock_drift(lease)`. The default is zero: one store's lease is
-    /// counted from before the request was sent, which is already on the safe side.
-    fn clock_drift(&self, lease: Duration) -> Duration {
-        let _ = lease;
-        Duration::ZERO
-    }
-
-    /// An identity of the store that is the same in every process using it (a server's
-    /// address, not a connection's): two [`Lock`](crate::Lock)s with the same key and
-    /// mode on stores with the same identity are the same lock. MultiLock orders and
-    /// de-duplicates its locks by key, mode and this, so that two processes taking the
-    /// same locks take them in the same order. The default is the backend's
-    /// [`name`](LockBackend::name), right for a store of which a process can reach only
-    /// one; the built-in backends say more.
-    fn store_id(&self) -> String {
-        self.name().to_owned()
-    }
+    /// registered, or expired).
+    fn names<'a>(&'a self, ids: &'a [&'a str]) -> BoxFuture<'a, Result<Vec<Option<String>>>>;
 }
 
 macro_rules! forward_backend {
     ($($ptr:ty),*) => {$(
         impl<T: LockBackend + ?Sized> LockBackend for $ptr {
-            fn name(&self) -> &'static str {
-                (**self).name()
+            fn profile(&self) -> &StoreProfile {
+                (**self).profile()
             }
             fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
                 (**self).acquire(req)
@@ -827,20 +770,11 @@ macro_rules! forward_backend {
             fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>> {
                 (**self).release(req)
             }
-            fn answers_now(&self) -> bool {
-                (**self).answers_now()
-            }
-            fn try_acquire_now(&self, req: &LockRequest) -> Option<Result<Acquire>> {
-                (**self).try_acquire_now(req)
-            }
-            fn try_release_now(&self, req: &LockRequest) -> Option<Result<Release>> {
-                (**self).try_release_now(req)
+            fn abandon<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
+                (**self).abandon(req)
             }
             fn subscribe<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Box<dyn Subscription>>> {
                 (**self).subscribe(req)
-            }
-            fn queues_waiters(&self, mode: LockMode) -> bool {
-                (**self).queues_waiters(mode)
             }
             fn has_local_waiters(&self, req: &LockRequest) -> bool {
                 (**self).has_local_waiters(req)
@@ -848,29 +782,17 @@ macro_rules! forward_backend {
             fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
                 (**self).cancel_wait(req)
             }
-            fn abandon<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
-                (**self).abandon(req)
-            }
             fn force_release<'a>(&'a self, key: &'a LockKey, mode: LockMode) -> BoxFuture<'a, Result<bool>> {
                 (**self).force_release(key, mode)
             }
             fn inspect<'a>(&'a self, key: &'a LockKey, mode: LockMode) -> BoxFuture<'a, Result<LockState>> {
                 (**self).inspect(key, mode)
             }
-            fn register_client<'a>(&'a self, id: &'a str, name: &'a str, ttl: Duration) -> BoxFuture<'a, Result<()>> {
-                (**self).register_client(id, name, ttl)
+            fn local(&self) -> Option<&dyn LocalStore> {
+                (**self).local()
             }
-            fn client_names<'a>(&'a self, ids: &'a [&'a str]) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
-                (**self).client_names(ids)
-            }
-            fn watchdog_lease(&self) -> Option<Duration> {
-                (**self).watchdog_lease()
-            }
-            fn clock_drift(&self, lease: Duration) -> Duration {
-                (**self).clock_drift(lease)
-            }
-            fn store_id(&self) -> String {
-                (**self).store_id()
+            fn clients(&self) -> Option<&dyn ClientNames> {
+                (**self).clients()
             }
         }
     )*};

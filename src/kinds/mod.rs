@@ -15,13 +15,14 @@
 //! Backends implement the modes — both built-in backends, memory and Redis, implement
 //! every one; a backend that does not answers
 //! [`Error::Unsupported`](crate::Error::Unsupported). The modes' exact semantics — queue
-//! order, the read-write starvation policy, permits' leases — are described with the
-//! [memory backend](crate::backend::memory); every backend implements the same rules.
+//! order, the read-write starvation policy, permits' leases — are described with
+//! [`LockMode`](crate::LockMode#rules); every backend implements the same rules.
 
 mod multi;
-pub mod redlock;
 mod rwlock;
 
+// RedLock is a backend: its home is `backend::redlock`; these paths stay for its users.
+pub use crate::backend::redlock;
+pub use crate::backend::redlock::{Quorum, RedLock, RedLockBuilder};
 pub use multi::{MultiGuard, MultiLock};
-pub use redlock::{Quorum, RedLock, RedLockBuilder};
 pub use rwlock::ReadWriteLock;

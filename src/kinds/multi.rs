@@ -85,7 +85,7 @@ fn order(a: &Lock, b: &Lock) -> Ordering {
             if std::sync::Arc::ptr_eq(sa, sb) {
                 Ordering::Equal
             } else {
-                sa.store_id().cmp(&sb.store_id())
+                sa.profile().store_id().cmp(sb.profile().store_id())
             }
         })
         .then_with(|| a.is_fenced().cmp(&b.is_fenced()))
@@ -93,7 +93,7 @@ fn order(a: &Lock, b: &Lock) -> Ordering {
 
 impl MultiLock {
     /// All of `locks`, in their canonical order: by key, then mode, then the store's
-    /// [identity](crate::backend::LockBackend::store_id), so every process takes the
+    /// [identity](crate::backend::StoreProfile::store_id), so every process takes the
     /// same locks in the same order. Locks equal in all three are one lock, taken once.
     /// Each lock's own owner, if it has one, is ignored: the MultiLock acts as one owner.
     pub fn new(locks: impl IntoIterator<Item = Lock>) -> Self {
@@ -347,7 +347,7 @@ mod tests {
             multi
                 .locks()
                 .iter()
-                .map(|l| l.client().backend().store_id())
+                .map(|l| l.client().backend().profile().store_id().to_owned())
                 .collect()
         };
         let mut seen = Vec::new();

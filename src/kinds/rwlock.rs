@@ -20,7 +20,7 @@ use crate::lock::{Lock, LockClient};
 /// - No starvation: blocked readers and writers queue in arrival order. Once a writer
 ///   waits, new readers queue behind it, so it gets in as soon as the readers it found
 ///   are done; the readers queued behind it are admitted together when it releases.
-///   The [memory backend](crate::backend::memory) docs give the exact rules.
+///   [`LockMode`](crate::LockMode#rules) gives the exact rules.
 ///
 /// # Example
 ///

@@ -8,7 +8,7 @@ use bytes::{Buf, Bytes};
 use http_body::{Body, Frame, SizeHint};
 use pin_project::pin_project;
 
-use super::policy::RejectionBody;
+use super::rejection::RejectionBody;
 use super::release::Release;
 use crate::error::BoxError;
 

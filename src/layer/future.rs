@@ -14,9 +14,10 @@ use pin_project::pin_project;
 use tower::Service;
 
 use super::body::LockBody;
+use super::config::{OnLost, ReleaseOn};
 use super::keys::{Extracted, KeyError, Keys};
 use super::layer::Core;
-use super::policy::{OnLost, Rejection, RejectionBody, ReleaseOn};
+use super::rejection::{Rejection, RejectionBody};
 use super::release::Release;
 use crate::backend::BoxFuture;
 use crate::error::Result;
@@ -24,7 +25,8 @@ use crate::extract::HeldLock;
 use crate::key::LockKey;
 use crate::kinds::{MultiGuard, MultiLock};
 use crate::lock::LayerOutcome;
-use crate::lock::acquire::{acquire_as, deadline_after, try_acquire_now};
+use crate::lock::acquire::deadline_after;
+use crate::lock::{Acquisition, begin_acquire};
 use crate::owner::Owner;
 
 /// The response future of [`LockService`](super::LockService).
@@ -34,7 +36,7 @@ use crate::owner::Owner;
 /// service to be ready (so a request waiting for a lock holds none of its capacity),
 /// calls it with the request's owner made [current](Owner::scope), and releases once the
 /// response is ready (or hands the locks to the [body](LockBody)). A failed derivation or
-/// acquisition ends in `Rejected`, answered by the rejection handler.
+/// acquisition ends at once with the rejection handler's answer.
 ///
 /// # Cancel safety
 ///
@@ -49,12 +51,9 @@ where
 {
     #[pin]
     state: State<S, B, KF>,
-    core: Arc<Core>,
-    owner: Owner,
-    /// The request was a `HEAD`: no body follows the response head.
-    head: bool,
-    /// The request's first key, once derived: for the observer's reports.
-    key: Option<LockKey>,
+    /// Declared after `state`, so that the inner future is dropped before the locks it
+    /// ran under.
+    request: Handling<S, B>,
     /// `tower_lock.layer`, entered while polled: the key namespace and the decision.
     span: tracing::Span,
 }
@@ -68,43 +67,64 @@ fn layer_span() -> tracing::Span {
     )
 }
 
-#[pin_project(project = StateProj, project_replace = StateOwn)]
+/// Where the request is. Each state holds only what is polled in it; what the request
+/// carries from one state to the next is in [`Handling`].
+#[pin_project(project = StateProj)]
 enum State<S, B, KF>
 where
     S: Service<Request<B>>,
 {
+    /// Deriving the keys from the request's head; the body waits here.
     Keying {
         #[pin]
         keys: KF,
         body: Option<B>,
-        svc: S,
     },
+    /// Waiting for the locks.
     Acquiring {
         acquire: BoxFuture<'static, Result<MultiGuard>>,
-        svc: S,
-        req: Request<B>,
     },
-    Ready {
-        svc: S,
-        req: Option<Request<B>>,
-        release: Release,
-        lost: Option<BoxFuture<'static, ()>>,
-    },
+    /// Locked, or passing through unlocked: waiting for the inner service's readiness.
+    Ready,
+    /// The inner service handles the request, as the request's owner.
     Calling {
         #[pin]
         future: S::Future,
-        release: Release,
-        /// Fires when the lock is lost, if the policy cancels then.
-        lost: Option<BoxFuture<'static, ()>>,
     },
+    /// The response is ready; its locks are released before it is handed on.
     Releasing {
-        release: Release,
         result: Option<std::result::Result<S::Response, S::Error>>,
     },
-    Rejected {
-        response: Option<Response<RejectionBody>>,
-    },
     Done,
+}
+
+/// A request on its way through the layer: what the steps of [`ResponseFuture`] carry
+/// from one state to the next.
+struct Handling<S, B> {
+    core: Arc<Core>,
+    owner: Owner,
+    /// The inner service's clone: readied and called once the locks are held, then
+    /// dropped.
+    svc: Option<S>,
+    /// The request, from when its keys are derived until the inner service takes it.
+    req: Option<Request<B>>,
+    /// The request was a `HEAD`: no body follows the response head.
+    head: bool,
+    /// The request's first key, once derived: for the observer's reports.
+    key: Option<LockKey>,
+    /// The request's locks, from their acquisition until released or handed to the body.
+    release: Release,
+    /// Fires when the locks are lost, if the configuration cancels the handler then.
+    lost: Option<BoxFuture<'static, ()>>,
+}
+
+/// What a step leads to: another state to poll, or the future's output.
+enum Next<S, B, KF, O>
+where
+    S: Service<Request<B>>,
+{
+    State(State<S, B, KF>),
+    Done(O),
 }
 
 impl<S, B, KF> ResponseFuture<S, B, KF>
@@ -116,132 +136,23 @@ where
             state: State::Keying {
                 keys,
                 body: Some(body),
-                svc,
             },
-            core,
-            owner,
-            head: false,
-            key: None,
+            request: Handling::new(core, owner, svc, None),
             span: layer_span(),
         }
     }
 
     /// Calls the inner service without a lock (once it is ready).
     pub(crate) fn unlocked(core: Arc<Core>, owner: Owner, svc: S, req: Request<B>) -> Self {
+        let mut request = Handling::new(core, owner, svc, None);
+        request.head = req.method() == Method::HEAD;
+        request.req = Some(req);
         ResponseFuture {
-            head: req.method() == Method::HEAD,
-            state: State::Ready {
-                svc,
-                req: Some(req),
-                release: Release::none(),
-                lost: None,
-            },
-            core,
-            owner,
-            key: None,
+            state: State::Ready,
+            request,
             span: tracing::Span::none(),
         }
     }
-}
-
-/// The request's locks, taken as its owner: one lock directly (on the spot when the
-/// backend answers without I/O), several as one MultiLock.
-fn acquire(core: &Arc<Core>, owner: &Owner, keys: Keys, method: &Method) -> Acquisition {
-    let mode = core.policy.mode.for_method(method);
-    let fenced = core.policy.fenced;
-    let lock = |key| {
-        let lock = core.client.lock_on(key, mode);
-        if fenced { lock.fenced() } else { lock }
-    };
-    let (wait, lease) = (core.policy.wait, core.policy.lease);
-    let owner = owner.clone();
-    let keys = match keys.into_one() {
-        Ok(key) => {
-            // The common case: no MultiLock and no vectors.
-            let lock = lock(key);
-            if let Some(outcome) = try_acquire_now(&lock, Some(owner.clone()), lease) {
-                return Acquisition::Now(outcome.map(MultiGuard::one));
-            }
-            return Acquisition::Later(Box::pin(async move {
-                let deadline = deadline_after(Some(wait));
-                acquire_as(&lock, Some(owner), deadline, lease)
-                    .await
-                    .map(MultiGuard::one)
-            }));
-        }
-        Err(keys) => keys,
-    };
-    let locks = MultiLock::new(keys.into_iter().map(lock));
-    Acquisition::Later(Box::pin(async move {
-        locks.acquire_as(owner, Some(wait), lease).await
-    }))
-}
-
-enum Acquisition {
-    Now(Result<MultiGuard>),
-    Later(BoxFuture<'static, Result<MultiGuard>>),
-}
-
-/// The state after the acquisition's `outcome`: ready to call the inner service with
-/// the locks held (or, failing open, without them), or rejected.
-fn acquired<S, B, KF>(
-    core: &Core,
-    owner: &Owner,
-    key: Option<&LockKey>,
-    outcome: Result<MultiGuard>,
-    svc: S,
-    mut req: Request<B>,
-) -> State<S, B, KF>
-where
-    S: Service<Request<B>>,
-{
-    let (release, lost) = match outcome {
-        Ok(guard) => {
-            tracing::Span::current().record("decision", "locked");
-            if let Some(held) = HeldLock::new(&guard) {
-                req.extensions_mut().insert(held);
-            }
-            let lost = (core.policy.on_lost == OnLost::Cancel).then(|| {
-                let lost: BoxFuture<'static, ()> = Box::pin(guard.lost().wait());
-                lost
-            });
-            (Release::new(guard, core.client.clone()), lost)
-        }
-        Err(error) => match core.policy.rejection_for(error) {
-            Rejection::Unavailable { error, .. } if core.policy.fail_open => {
-                tracing::warn!(
-                    %error,
-                    owner = %owner,
-                    "lock store failed; serving the request without its lock (fail-open)"
-                );
-                core.outcome(key, LayerOutcome::FailOpen);
-                (Release::none(), None)
-            }
-            rejection => {
-                if let Rejection::Misconfigured(error) = &rejection {
-                    tracing::error!(%error, "request rejected: the lock is misconfigured");
-                } else {
-                    tracing::debug!(?rejection, "request rejected by LockLayer");
-                }
-                return State::Rejected {
-                    response: Some(core.reject(rejection, key)),
-                };
-            }
-        },
-    };
-    State::Ready {
-        svc,
-        req: Some(req),
-        release,
-        lost,
-    }
-}
-
-/// Statuses whose responses carry no body, whatever the body says.
-fn bodiless(status: StatusCode) -> bool {
-    status.is_informational()
-        || status == StatusCode::NO_CONTENT
-        || status == StatusCode::NOT_MODIFIED
 }
 
 impl<S, B, KF, ResB> Future for ResponseFuture<S, B, KF>
@@ -255,170 +166,295 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         let _entered = this.span.enter();
+        let request = this.request;
         loop {
-            match this.state.as_mut().project() {
-                StateProj::Keying { keys, .. } => {
-                    let (parts, keys) = ready!(keys.poll(cx));
-                    let StateOwn::Keying { body, svc, .. } =
-                        this.state.as_mut().project_replace(State::Done)
-                    else {
-                        continue; // not reached: the state was `Keying`
-                    };
-                    let Some(body) = body else {
-                        return Poll::Ready(Ok(internal_error()));
-                    };
-                    *this.head = parts.method == Method::HEAD;
-                    let req = Request::from_parts(parts, body);
-                    match keys.and_then(|keys| this.core.prefixed(keys)) {
-                        Ok(keys) if keys.is_empty() => {
-                            this.span.record("decision", "unlocked");
-                            this.state.set(State::Ready {
-                                svc,
-                                req: Some(req),
-                                release: Release::none(),
-                                lost: None,
-                            });
-                        }
-                        Ok(keys) => {
-                            if let Some(first) = keys.as_slice().first() {
-                                this.span.record("namespace", first.namespace());
-                                *this.key = Some(first.clone());
-                            }
-                            let key = this.key.as_ref();
-                            match acquire(this.core, this.owner, keys, req.method()) {
-                                Acquisition::Later(acquire) => {
-                                    this.state.set(State::Acquiring { acquire, svc, req });
-                                }
-                                Acquisition::Now(outcome) => {
-                                    let next =
-                                        acquired(this.core, this.owner, key, outcome, svc, req);
-                                    this.state.set(next);
-                                }
-                            }
-                        }
-                        Err(error) => {
-                            let response = reject_bad_key(this.core, error);
-                            this.state.set(State::Rejected {
-                                response: Some(response),
-                            });
-                        }
-                    }
+            let next = match this.state.as_mut().project() {
+                StateProj::Keying { keys, body } => {
+                    let extracted = ready!(keys.poll(cx));
+                    request.keyed(extracted, body.take(), this.span)
                 }
-                StateProj::Acquiring { acquire, .. } => {
+                StateProj::Acquiring { acquire } => {
                     let outcome = ready!(acquire.as_mut().poll(cx));
-                    let StateOwn::Acquiring { svc, req, .. } =
-                        this.state.as_mut().project_replace(State::Done)
-                    else {
-                        continue; // not reached: the state was `Acquiring`
-                    };
-                    let next =
-                        acquired(this.core, this.owner, this.key.as_ref(), outcome, svc, req);
-                    this.state.set(next);
+                    request.acquired(outcome)
                 }
-                StateProj::Ready {
-                    svc, req, release, ..
-                } => {
-                    // The locks are held: now ask the inner service for its capacity.
-                    if let Err(error) = ready!(svc.poll_ready(cx)) {
-                        release.drop_now();
-                        this.state.set(State::Done);
-                        return Poll::Ready(Err(error));
-                    }
-                    let Some(req) = req.take() else {
-                        return Poll::Ready(Ok(internal_error()));
-                    };
-                    let future = this.owner.clone().sync_scope(|| svc.call(req));
-                    let StateOwn::Ready { release, lost, .. } =
-                        this.state.as_mut().project_replace(State::Done)
-                    else {
-                        continue; // not reached: the state was `Ready`
-                    };
-                    this.state.set(State::Calling {
-                        future,
-                        release,
-                        lost,
-                    });
+                StateProj::Ready => ready!(request.poll_call(cx)),
+                StateProj::Calling { future } => ready!(request.poll_response(future, cx)),
+                StateProj::Releasing { result } => {
+                    ready!(request.release.poll_released(cx));
+                    Next::Done(released(result.take()))
                 }
-                StateProj::Calling {
-                    future,
-                    release,
-                    lost,
-                } => {
-                    let polled = this.owner.clone().sync_scope(|| future.poll(cx));
-                    let result = match polled {
-                        Poll::Ready(result) => result,
-                        Poll::Pending => {
-                            if let Some(lost) = lost
-                                && lost.as_mut().poll(cx).is_ready()
-                            {
-                                tracing::error!(
-                                    owner = %this.owner,
-                                    "the request's lock was lost while it was being handled; cancelling it"
-                                );
-                                let rejection = Rejection::Lost {
-                                    retry_after: this.core.policy.unavailable_retry_after,
-                                };
-                                // Drops the inner future and the guards (released in
-                                // spawned tasks).
-                                this.state.set(State::Rejected {
-                                    response: Some(this.core.reject(rejection, this.key.as_ref())),
-                                });
-                                continue;
-                            }
-                            return Poll::Pending;
-                        }
-                    };
-                    let mut release = std::mem::replace(release, Release::none());
-                    let result = match result {
-                        // The body holds the locks and releases them before its last
-                        // byte; a response that will send no body (to a HEAD, a 204 or
-                        // 304, an empty body) releases them with its head instead.
-                        Ok(response)
-                            if this.core.policy.release_on == ReleaseOn::BodyEnd
-                                && !*this.head
-                                && !bodiless(response.status())
-                                && !response.body().is_end_stream() =>
-                        {
-                            this.state.set(State::Done);
-                            let length = response
-                                .headers()
-                                .get(http::header::CONTENT_LENGTH)
-                                .and_then(|v| v.to_str().ok()?.parse().ok());
-                            return Poll::Ready(Ok(
-                                response.map(|b| LockBody::with_length(b, release, length))
-                            ));
-                        }
-                        result => result,
-                    };
-                    release.start();
-                    this.state.set(State::Releasing {
-                        release,
-                        result: Some(result),
-                    });
-                }
-                StateProj::Releasing { release, result } => {
-                    ready!(release.poll_released(cx));
-                    let result = result.take();
+                StateProj::Done => Next::Done(Ok(internal_error())),
+            };
+            match next {
+                Next::State(state) => this.state.set(state),
+                Next::Done(output) => {
+                    // The inner future goes first, then the locks it ran under (their
+                    // guards release in spawned tasks).
                     this.state.set(State::Done);
-                    return Poll::Ready(match result {
-                        Some(result) => {
-                            result.map(|res| res.map(|b| LockBody::new(b, Release::none())))
-                        }
-                        None => Ok(internal_error()),
-                    });
+                    request.finish();
+                    return Poll::Ready(output);
                 }
-                StateProj::Rejected { response } => {
-                    let response = response.take();
-                    this.state.set(State::Done);
-                    return Poll::Ready(Ok(match response {
-                        Some(response) => response.map(LockBody::rejection),
-                        None => internal_error(),
-                    }));
-                }
-                StateProj::Done => return Poll::Ready(Ok(internal_error())),
             }
         }
     }
+}
+
+/// What [`ResponseFuture`] resolves to, for an inner service `S` whose body is `ResB`.
+type Answer<S, B, ResB> =
+    std::result::Result<Response<LockBody<ResB>>, <S as Service<Request<B>>>::Error>;
+
+/// What a step of [`ResponseFuture`] leads to.
+type Step<S, B, KF, ResB> = Next<S, B, KF, Answer<S, B, ResB>>;
+
+impl<S, B> Handling<S, B> {
+    fn new(core: Arc<Core>, owner: Owner, svc: S, req: Option<Request<B>>) -> Self {
+        Handling {
+            core,
+            owner,
+            svc: Some(svc),
+            req,
+            head: false,
+            key: None,
+            release: Release::none(),
+            lost: None,
+        }
+    }
+
+    /// Done: drops the locks not handed on (their guards release in spawned tasks), and
+    /// the service and the request if they were not called.
+    fn finish(&mut self) {
+        self.release.drop_now();
+        self.lost = None;
+        self.svc = None;
+        self.req = None;
+    }
+}
+
+impl<S, B, ResB> Handling<S, B>
+where
+    S: Service<Request<B>, Response = Response<ResB>>,
+    ResB: Body,
+{
+    /// The keys are derived: pass the request through unlocked (no keys), reject it (a
+    /// bad key), or take its locks.
+    fn keyed<KF>(
+        &mut self,
+        (parts, keys): Extracted,
+        body: Option<B>,
+        span: &tracing::Span,
+    ) -> Step<S, B, KF, ResB> {
+        let Some(body) = body else {
+            return Next::Done(Ok(internal_error()));
+        };
+        self.head = parts.method == Method::HEAD;
+        let req = Request::from_parts(parts, body);
+        let keys = match keys.and_then(|keys| self.core.prefixed(keys)) {
+            Ok(keys) => keys,
+            Err(error) => return rejected(reject_bad_key(&self.core, error)),
+        };
+        let Some(first) = keys.as_slice().first() else {
+            span.record("decision", "unlocked");
+            self.req = Some(req);
+            return Next::State(State::Ready);
+        };
+        span.record("namespace", first.namespace());
+        self.key = Some(first.clone());
+        let locking = acquire(&self.core, &self.owner, keys, req.method());
+        self.req = Some(req);
+        match locking {
+            Acquisition::Now(outcome) => self.acquired(outcome),
+            Acquisition::Later(acquire) => Next::State(State::Acquiring { acquire }),
+        }
+    }
+
+    /// The acquisition's outcome: ready to call the inner service with the locks held
+    /// (or, failing open, without them), or rejected.
+    fn acquired<KF>(&mut self, outcome: Result<MultiGuard>) -> Step<S, B, KF, ResB> {
+        let error = match outcome {
+            Ok(guard) => {
+                self.hold(guard);
+                return Next::State(State::Ready);
+            }
+            Err(error) => error,
+        };
+        let config = &self.core.config;
+        match config.rejection_for(error) {
+            Rejection::Unavailable { error, .. } if config.fail_open => {
+                tracing::warn!(
+                    %error,
+                    owner = %self.owner,
+                    "lock store failed; serving the request without its lock (fail-open)"
+                );
+                self.core.outcome(self.key.as_ref(), LayerOutcome::FailOpen);
+                Next::State(State::Ready)
+            }
+            rejection => {
+                if let Rejection::Misconfigured(error) = &rejection {
+                    tracing::error!(%error, "request rejected: the lock is misconfigured");
+                } else {
+                    tracing::debug!(?rejection, "request rejected by LockLayer");
+                }
+                rejected(self.core.reject(rejection, self.key.as_ref()))
+            }
+        }
+    }
+
+    /// The locks are held: the request carries them (for the extractors), and so does
+    /// the future, until they are released.
+    fn hold(&mut self, guard: MultiGuard) {
+        tracing::Span::current().record("decision", "locked");
+        if let (Some(held), Some(req)) = (HeldLock::new(&guard), self.req.as_mut()) {
+            req.extensions_mut().insert(held);
+        }
+        if self.core.config.on_lost == OnLost::Cancel {
+            self.lost = Some(Box::pin(guard.lost().wait()));
+        }
+        self.release = Release::new(guard, self.core.client.clone());
+    }
+
+    /// Waits for the inner service's readiness (the locks are held by now), then calls
+    /// it as the request's owner.
+    fn poll_call<KF>(&mut self, cx: &mut Context<'_>) -> Poll<Step<S, B, KF, ResB>> {
+        let Some(svc) = self.svc.as_mut() else {
+            return Poll::Ready(Next::Done(Ok(internal_error())));
+        };
+        if let Err(error) = ready!(svc.poll_ready(cx)) {
+            return Poll::Ready(Next::Done(Err(error)));
+        }
+        let Some(req) = self.req.take() else {
+            return Poll::Ready(Next::Done(Ok(internal_error())));
+        };
+        let future = self.owner.clone().sync_scope(|| svc.call(req));
+        // The clone has served its purpose; dropped now, as `call` takes `&mut self`.
+        self.svc = None;
+        Poll::Ready(Next::State(State::Calling { future }))
+    }
+
+    /// Polls the inner future as the request's owner. Its response is handed on; if the
+    /// locks are lost first and the configuration cancels then, the answer is
+    /// [`Rejection::Lost`] and the inner future is dropped.
+    fn poll_response<KF>(
+        &mut self,
+        future: Pin<&mut S::Future>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Step<S, B, KF, ResB>> {
+        if let Poll::Ready(result) = self.owner.clone().sync_scope(|| future.poll(cx)) {
+            return Poll::Ready(self.respond(result));
+        }
+        let Some(lost) = self.lost.as_mut() else {
+            return Poll::Pending;
+        };
+        ready!(lost.as_mut().poll(cx));
+        tracing::error!(
+            owner = %self.owner,
+            "the request's lock was lost while it was being handled; cancelling it"
+        );
+        let rejection = Rejection::Lost {
+            retry_after: self.core.config.unavailable_retry_after,
+        };
+        Poll::Ready(rejected(self.core.reject(rejection, self.key.as_ref())))
+    }
+
+    /// The inner service answered: the response is handed on with the locks in its body,
+    /// or once they are released.
+    fn respond<KF>(
+        &mut self,
+        result: std::result::Result<S::Response, S::Error>,
+    ) -> Step<S, B, KF, ResB> {
+        self.lost = None;
+        match result {
+            Ok(response) if self.body_holds_locks(&response) => {
+                let release = std::mem::replace(&mut self.release, Release::none());
+                Next::Done(Ok(with_locks_in_body(response, release)))
+            }
+            result => {
+                self.release.start();
+                Next::State(State::Releasing {
+                    result: Some(result),
+                })
+            }
+        }
+    }
+
+    /// With [`ReleaseOn::BodyEnd`] the body holds the locks and releases them before its
+    /// last byte; a response that will send no body (to a HEAD, a 204 or 304, an empty
+    /// body) releases them with its head instead.
+    fn body_holds_locks(&self, response: &Response<ResB>) -> bool {
+        self.core.config.release_on == ReleaseOn::BodyEnd
+            && !self.head
+            && !bodiless(response.status())
+            && !response.body().is_end_stream()
+    }
+}
+
+/// The request's locks, taken as its owner: one lock through the lock core's entry
+/// point (answered on the spot when the store can, with no future to box), several as
+/// one MultiLock.
+fn acquire(core: &Core, owner: &Owner, keys: Keys, method: &Method) -> Locking {
+    let config = &core.config;
+    let mode = config.mode.for_method(method);
+    let lock = |key| {
+        let lock = core.client.lock_on(key, mode);
+        if config.fenced { lock.fenced() } else { lock }
+    };
+    let (owner, wait, lease) = (owner.clone(), config.wait, config.lease);
+    let keys = match keys.into_one() {
+        Ok(key) => {
+            // The common case: no MultiLock and no vectors.
+            let deadline = deadline_after(Some(wait));
+            return match begin_acquire(lock(key), Some(owner), deadline, lease) {
+                Acquisition::Now(outcome) => Acquisition::Now(outcome.map(MultiGuard::one)),
+                Acquisition::Later(waiting) => {
+                    Acquisition::Later(Box::pin(async move { waiting.await.map(MultiGuard::one) }))
+                }
+            };
+        }
+        Err(keys) => keys,
+    };
+    let locks = MultiLock::new(keys.into_iter().map(lock));
+    Acquisition::Later(Box::pin(async move {
+        locks.acquire_as(owner, Some(wait), lease).await
+    }))
+}
+
+/// A request's locks, taken on the spot or still to wait for.
+type Locking = Acquisition<MultiGuard, BoxFuture<'static, Result<MultiGuard>>>;
+
+/// `response` with the locks in its body, which releases them before its last byte.
+fn with_locks_in_body<ResB: Body>(
+    response: Response<ResB>,
+    release: Release,
+) -> Response<LockBody<ResB>> {
+    let length = response
+        .headers()
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    response.map(|b| LockBody::with_length(b, release, length))
+}
+
+/// The inner service's answer, its locks released.
+fn released<ResB: Body, E>(
+    result: Option<std::result::Result<Response<ResB>, E>>,
+) -> std::result::Result<Response<LockBody<ResB>>, E> {
+    match result {
+        Some(result) => result.map(|res| res.map(|b| LockBody::new(b, Release::none()))),
+        None => Ok(internal_error()),
+    }
+}
+
+/// A step's end with the rejection handler's `response`.
+fn rejected<S, B, KF, ResB>(response: Response<RejectionBody>) -> Step<S, B, KF, ResB>
+where
+    S: Service<Request<B>>,
+{
+    Next::Done(Ok(response.map(LockBody::rejection)))
+}
+
+/// Statuses whose responses carry no body, whatever the body says.
+fn bodiless(status: StatusCode) -> bool {
+    status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
 }
 
 /// The rejection of a request whose key could not be derived; a server-side fault is
@@ -437,7 +473,8 @@ fn internal_error<B>() -> Response<LockBody<B>> {
     let body = http_body_util::Full::new(Bytes::from_static(
         b"tower-lock: response future polled after completion",
     ));
-    let mut response = super::policy::boxed_response(Response::new(body)).map(LockBody::rejection);
+    let mut response =
+        super::rejection::boxed_response(Response::new(body)).map(LockBody::rejection);
     *response.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
     response
 }
@@ -450,15 +487,14 @@ where
         let state = match &self.state {
             State::Keying { .. } => "Keying",
             State::Acquiring { .. } => "Acquiring",
-            State::Ready { .. } => "Ready",
+            State::Ready => "Ready",
             State::Calling { .. } => "Calling",
             State::Releasing { .. } => "Releasing",
-            State::Rejected { .. } => "Rejected",
             State::Done => "Done",
         };
         f.debug_struct("ResponseFuture")
             .field("state", &state)
-            .field("owner", &self.owner)
+            .field("owner", &self.request.owner)
             .finish()
     }
 }
@@ -537,6 +573,44 @@ mod tests {
         assert!(
             !backend.contains_key(&key()),
             "released once the body was read"
+        );
+    }
+
+    /// A response future dropped while the handler runs drops the handler first, then
+    /// releases the lock: what the handler's destructors do (a rollback) is still done
+    /// under the lock.
+    #[tokio::test]
+    async fn the_handler_is_dropped_before_its_lock_is_released() {
+        struct Probe(MemoryBackend, Arc<std::sync::Mutex<Option<bool>>>);
+        impl Drop for Probe {
+            fn drop(&mut self) {
+                *self.1.lock().unwrap() = Some(self.0.contains_key(&key()));
+            }
+        }
+        let backend = MemoryBackend::new();
+        let held_at_drop = Arc::new(std::sync::Mutex::new(None));
+        let (store, seen) = (backend.clone(), held_at_drop.clone());
+        let handler = service_fn(move |_: Request<()>| {
+            let probe = Probe(store.clone(), seen.clone());
+            async move {
+                let _probe = probe;
+                std::future::pending::<()>().await;
+                Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+            }
+        });
+        let svc = LockLayer::new(backend.clone(), |_: &Parts| key()).layer(handler);
+        let mut future = Box::pin(svc.oneshot(Request::new(())));
+        assert!(futures_util::FutureExt::now_or_never(&mut future).is_none());
+        assert!(backend.contains_key(&key()), "held while the handler runs");
+        drop(future);
+        assert_eq!(
+            *held_at_drop.lock().unwrap(),
+            Some(true),
+            "dropped under the lock"
+        );
+        assert!(
+            !backend.contains_key(&key()),
+            "released once the handler was dropped"
         );
     }
 

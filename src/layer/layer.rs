@@ -8,8 +8,9 @@ use std::time::Duration;
 use http::{Method, Response, StatusCode};
 use tower::Layer;
 
+use super::config::{Config, ModeSelect, OnLost, ReleaseOn};
 use super::keys::{KeyError, KeyExtractor, Keys};
-use super::policy::{ModeSelect, OnLost, OnRejection, Policy, Rejection, RejectionBody, ReleaseOn};
+use super::rejection::{OnRejection, Rejection, RejectionBody};
 use super::service::LockService;
 use crate::backend::LockMode;
 use crate::error::{Error, Result};
@@ -19,7 +20,7 @@ use crate::lock::{LayerOutcome, Lease, LockClient};
 /// What every clone of a layer, its services and their futures share.
 pub(crate) struct Core {
     pub(crate) client: LockClient,
-    pub(crate) policy: Policy,
+    pub(crate) config: Config,
 }
 
 impl Core {
@@ -38,7 +39,7 @@ impl Core {
             _ => LayerOutcome::Misconfigured,
         };
         self.outcome(key, outcome);
-        self.policy.on_rejection.on_rejection(rejection)
+        self.config.on_rejection.on_rejection(rejection)
     }
 
     /// Reports a request not served under its lock to the observer and the layer's span.
@@ -51,7 +52,7 @@ impl Core {
 
     /// Puts the configured prefix in front of every key.
     pub(crate) fn prefixed(&self, keys: Keys) -> Result<Keys, KeyError> {
-        match &self.policy.key_prefix {
+        match &self.config.key_prefix {
             None => Ok(keys),
             Some(prefix) => {
                 keys.try_map(|k| LockKey::new(format!("{prefix}:{k}")).map_err(KeyError::from))
@@ -82,7 +83,7 @@ impl<K: KeyExtractor> LockLayer<K> {
     ///
     /// `client` is a [`LockClient`] or a backend (a client is made for it).
     pub fn new(client: impl Into<LockClient>, keys: K) -> Self {
-        LockLayer::from_parts(client.into(), keys, Policy::default())
+        LockLayer::from_parts(client.into(), keys, Config::default())
     }
 
     /// Configures a layer; see [`LockLayerBuilder`].
@@ -90,16 +91,16 @@ impl<K: KeyExtractor> LockLayer<K> {
         LockLayerBuilder {
             client: client.into(),
             keys,
-            policy: Policy::default(),
+            config: Config::default(),
             mode: Ok(ModeSelect::Fixed(LockMode::Exclusive)),
             mode_setter: None,
         }
     }
 
-    fn from_parts(client: LockClient, keys: K, policy: Policy) -> Self {
+    fn from_parts(client: LockClient, keys: K, config: Config) -> Self {
         LockLayer {
             shared: Arc::new(Shared {
-                core: Arc::new(Core { client, policy }),
+                core: Arc::new(Core { client, config }),
                 keys,
             }),
         }
@@ -133,7 +134,7 @@ impl<K> fmt::Debug for LockLayer<K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LockLayer")
             .field("client", &self.shared.core.client)
-            .field("policy", &self.shared.core.policy)
+            .field("config", &self.shared.core.config)
             .finish_non_exhaustive()
     }
 }
@@ -168,7 +169,7 @@ impl<K> fmt::Debug for LockLayer<K> {
 pub struct LockLayerBuilder<K> {
     client: LockClient,
     keys: K,
-    policy: Policy,
+    config: Config,
     mode: Result<ModeSelect>,
     /// The setter that chose the mode, to name both when another one conflicts.
     mode_setter: Option<&'static str>,
@@ -179,7 +180,7 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
     /// one attempt. Default [`DEFAULT_WAIT`](super::DEFAULT_WAIT); at most
     /// [`MAX_WAIT`](super::MAX_WAIT).
     pub fn max_wait(mut self, wait: Duration) -> Self {
-        self.policy.wait = wait;
+        self.config.wait = wait;
         self
     }
 
@@ -188,7 +189,7 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
     /// and the request is then treated as having lost it (see
     /// [`on_lost`](Self::on_lost)).
     pub fn lease(mut self, lease: impl Into<Lease>) -> Self {
-        self.policy.lease = lease.into();
+        self.config.lease = lease.into();
         self
     }
 
@@ -197,7 +198,7 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
     /// are the usual alternatives. Must be 4xx or 5xx. `Retry-After` is sent whatever
     /// the status.
     pub fn busy_status(mut self, status: StatusCode) -> Self {
-        self.policy.busy_status = status;
+        self.config.busy_status = status;
         self
     }
 
@@ -207,7 +208,7 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
     /// it is sooner (it is a real bound then; under the watchdog it is not). Rounded up
     /// to whole seconds; at most [`MAX_RETRY_AFTER`](super::MAX_RETRY_AFTER).
     pub fn busy_retry_after(mut self, retry_after: Duration) -> Self {
-        self.policy.busy_retry_after = retry_after;
+        self.config.busy_retry_after = retry_after;
         self
     }
 
@@ -216,7 +217,7 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
     /// `handler(rejection)`: with the `axum` feature, a closure returning anything
     /// `IntoResponse`.
     pub fn on_rejection(mut self, handler: impl OnRejection) -> Self {
-        self.policy.on_rejection = Arc::new(handler);
+        self.config.on_rejection = Arc::new(handler);
         self
     }
 
@@ -226,7 +227,7 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
     /// per route, knowingly. A misconfiguration (a key holding another type of data, an
     /// unsupported mode, no runtime) always fails closed.
     pub fn fail_open(mut self, fail_open: bool) -> Self {
-        self.policy.fail_open = fail_open;
+        self.config.fail_open = fail_open;
         self
     }
 
@@ -234,7 +235,7 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
     /// [`DEFAULT_UNAVAILABLE_RETRY_AFTER`](super::DEFAULT_UNAVAILABLE_RETRY_AFTER);
     /// rounded up to whole seconds.
     pub fn unavailable_retry_after(mut self, retry_after: Duration) -> Self {
-        self.policy.unavailable_retry_after = retry_after;
+        self.config.unavailable_retry_after = retry_after;
         self
     }
 
@@ -250,28 +251,28 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
     /// Work the body does under the lock should carry the fencing token
     /// ([`HeldLock`](crate::extract::HeldLock)) to the storage it writes to.
     pub fn release_on(mut self, release_on: ReleaseOn) -> Self {
-        self.policy.release_on = release_on;
+        self.config.release_on = release_on;
         self
     }
 
     /// What to do when the lock is lost while the inner service runs. Default
     /// [`OnLost::Cancel`].
     pub fn on_lost(mut self, on_lost: OnLost) -> Self {
-        self.policy.on_lost = on_lost;
+        self.config.on_lost = on_lost;
         self
     }
 
     /// Lock only requests with these methods; others pass through unlocked (they still
     /// get an owner, so [`Locks`](crate::extract::Locks) works). Default: all methods.
     pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
-        self.policy.methods = Some(methods.into_iter().collect());
+        self.config.methods = Some(methods.into_iter().collect());
         self
     }
 
     /// Puts `prefix:` in front of every key (`lock:order` + `{42}` →
     /// `lock:order:{42}`). No braces or control characters.
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.policy.key_prefix = Some(prefix.into());
+        self.config.key_prefix = Some(prefix.into());
         self
     }
 
@@ -283,7 +284,7 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
     /// the key): with a key per user, one per user who ever came. Unfenced locks leave
     /// nothing behind.
     pub fn fenced(mut self, fenced: bool) -> Self {
-        self.policy.fenced = fenced;
+        self.config.fenced = fenced;
         self
     }
 
@@ -339,10 +340,10 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
     /// [`MAX_RETRY_AFTER`](super::MAX_RETRY_AFTER), `methods` empty, `key_prefix` empty
     /// or with braces or control characters, `permits` zero, `mode` set twice.
     pub fn build(self) -> Result<LockLayer<K>> {
-        let mut policy = self.policy;
-        policy.mode = self.mode?;
-        policy.validate()?;
-        Ok(LockLayer::from_parts(self.client, self.keys, policy))
+        let mut config = self.config;
+        config.mode = self.mode?;
+        config.validate()?;
+        Ok(LockLayer::from_parts(self.client, self.keys, config))
     }
 }
 
@@ -350,7 +351,7 @@ impl<K> fmt::Debug for LockLayerBuilder<K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LockLayerBuilder")
             .field("client", &self.client)
-            .field("policy", &self.policy)
+            .field("config", &self.config)
             .finish_non_exhaustive()
     }
 }

@@ -131,15 +131,17 @@
 //! (the process died, the store was unreachable) is free when its lease ends.
 
 mod body;
+mod config;
 mod future;
 mod keys;
 #[allow(clippy::module_inception)]
 mod layer;
-mod policy;
+mod rejection;
 mod release;
 mod service;
 
 pub use body::LockBody;
+pub use config::{DEFAULT_WAIT, MAX_WAIT, OnLost, ReleaseOn};
 pub use future::ResponseFuture;
 pub use keys::{
     ExtensionKey, Extracted, HeaderKey, IntoKeys, KeyError, KeyExtractor, Keys, key_fn,
@@ -147,9 +149,9 @@ pub use keys::{
 #[cfg(feature = "axum")]
 pub use keys::{ExtractorKey, PathParamKey, key_from};
 pub use layer::{LockLayer, LockLayerBuilder};
-pub use policy::{
-    DEFAULT_BUSY_RETRY_AFTER, DEFAULT_BUSY_STATUS, DEFAULT_UNAVAILABLE_RETRY_AFTER, DEFAULT_WAIT,
-    DefaultRejection, IntoRejectionResponse, MAX_RETRY_AFTER, MAX_WAIT, OnLost, OnRejection,
-    Rejection, RejectionBody, ReleaseOn,
+pub use rejection::{
+    DEFAULT_BUSY_RETRY_AFTER, DEFAULT_BUSY_STATUS, DEFAULT_UNAVAILABLE_RETRY_AFTER,
+    DefaultRejection, IntoRejectionResponse, MAX_RETRY_AFTER, OnRejection, Rejection,
+    RejectionBody,
 };
 pub use service::LockService;

@@ -93,7 +93,7 @@ where
         req.extensions_mut()
             .insert(Locks::new(core.client.clone(), owner.clone()));
 
-        if !core.policy.locks_method(req.method()) {
+        if !core.config.locks_method(req.method()) {
             return ResponseFuture::unlocked(core, owner, svc, req);
         }
         let (parts, body) = req.into_parts();

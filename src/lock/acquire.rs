@@ -18,6 +18,7 @@ use tokio::runtime::Handle;
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use super::acquisition::{Acquisition, begin_acquire};
 use super::guard::LockGuard;
 use super::registry::{Entered, Hold, Registry, Slot};
 use super::{Lease, Lock, LockClient, LockEvent};
@@ -172,7 +173,7 @@ impl Start {
         // validity, counted from when its answer came.
         let valid = self
             .lease_len
-            .saturating_sub(client.backend().clock_drift(self.lease_len));
+            .saturating_sub(client.backend().profile().clock_drift(self.lease_len));
         let mut expires_at = attempt.sent_at.checked_add(valid);
         if let Some(valid_for) = attempt.grant.valid_for() {
             let limit = attempt.answered_at.checked_add(valid_for);
@@ -232,7 +233,8 @@ pub(crate) fn try_acquire_now(
     let backend = client.backend();
     // A busy attempt in a queued mode would queue this owner: only the waiting path
     // undoes that.
-    if !backend.answers_now() || backend.queues_waiters(lock.mode) {
+    let local = backend.local()?;
+    if backend.profile().queues_waiters(lock.mode) {
         return None;
     }
     let start = match start(lock, owner, lease) {
@@ -265,7 +267,7 @@ pub(crate) fn try_acquire_now(
         return None;
     }
     let sent_at = Instant::now();
-    let outcome = backend.try_acquire_now(req)?;
+    let outcome = local.acquire_now(req)?;
     let answered_at = Instant::now();
     let span = start.span(client, req);
     let waited = started.elapsed();
@@ -302,9 +304,19 @@ pub(crate) async fn acquire_as(
     deadline: Option<Instant>,
     lease: Lease,
 ) -> Result<LockGuard> {
-    if let Some(done) = try_acquire_now(lock, owner.clone(), lease) {
-        return done;
+    match begin_acquire(lock, owner, deadline, lease) {
+        Acquisition::Now(done) => done,
+        Acquisition::Later(waiting) => waiting.await,
     }
+}
+
+/// [`acquire_as`] past the fast path, which [`begin_acquire`] has just tried.
+pub(crate) async fn acquire_waiting(
+    lock: &Lock,
+    owner: Option<Owner>,
+    deadline: Option<Instant>,
+    lease: Lease,
+) -> Result<LockGuard> {
     let client = &lock.client;
     let start = start(lock, owner, lease)?;
     let started = Instant::now();
@@ -369,7 +381,7 @@ async fn reenter(client: &LockClient, guard: LockGuard, started: Instant) -> Res
             drop(guard);
             return Err(Error::Lost);
         }
-        let valid = lease.saturating_sub(backend.clock_drift(lease));
+        let valid = lease.saturating_sub(backend.profile().clock_drift(lease));
         hold.expiry.extend_to(sent_at.checked_add(valid));
     }
     reentered(client, guard, started)
@@ -503,7 +515,7 @@ async fn run(
 ) -> Result<Attempted> {
     let expired = |now: Instant| deadline.is_some_and(|d| now >= d);
     let backend = client.backend();
-    let queued_mode = backend.queues_waiters(pending.store().mode);
+    let queued_mode = backend.profile().queues_waiters(pending.store().mode);
 
     // No barging within a process: when others here already wait for this key, a new
     // acquirer lines up behind them (they are woken first to last) instead of snatching
@@ -513,28 +525,11 @@ async fn run(
     let mut ttl = None;
     let mut answered = false;
     if !line_up {
-        let mut retried = false;
-        loop {
-            match attempt(client, pending.store()).await {
-                Ok(Outcome::Acquired(acquired)) => return Ok(acquired),
-                Ok(Outcome::Busy(holder_ttl)) => {
-                    ttl = holder_ttl;
-                    answered = true;
-                    break;
-                }
-                Err(error) => {
-                    compensate_later(client, pending.store());
-                    // A connection that died while idle (the store restarted) fails the
-                    // first command sent over it, and the backend reconnects: one more
-                    // try, at once, as a new hold, so a restart costs no caller an
-                    // error. Any other failure is the caller's to know at once.
-                    if retried || !error.is_connection_lost() {
-                        return Err(error);
-                    }
-                    tracing::debug!(%error, "lock store connection lost; trying once more");
-                    retried = true;
-                    pending.reidentify(client);
-                }
+        match first_attempt(client, pending).await? {
+            Outcome::Acquired(acquired) => return Ok(acquired),
+            Outcome::Busy(holder_ttl) => {
+                ttl = holder_ttl;
+                answered = true;
             }
         }
     }
@@ -562,6 +557,28 @@ async fn run(
                 line_up = false;
                 ttl = None;
                 answered = false;
+            }
+        }
+    }
+}
+
+/// The attempt before any waiting. Its failures are the caller's to know at once, but
+/// for one: a connection that died while idle (the store restarted) fails the first
+/// command sent over it, and the backend reconnects, so that one is tried once more, at
+/// once, as a new hold; a restart costs no caller an error.
+async fn first_attempt(client: &LockClient, pending: &mut Pending<'_>) -> Result<Outcome> {
+    let mut retried = false;
+    loop {
+        match attempt(client, pending.store()).await {
+            Ok(outcome) => return Ok(outcome),
+            Err(error) => {
+                compensate_later(client, pending.store());
+                if retried || !error.is_connection_lost() {
+                    return Err(error);
+                }
+                tracing::debug!(%error, "lock store connection lost; trying once more");
+                retried = true;
+                pending.reidentify(client);
             }
         }
     }
@@ -606,8 +623,7 @@ async fn wait(
     failing: &mut Failing,
 ) -> Waited {
     let expired = |now: Instant| deadline.is_some_and(|d| now >= d);
-    let backend = client.backend();
-    let queued_mode = backend.queues_waiters(req.mode);
+    let queued_mode = client.backend().profile().queues_waiters(req.mode);
     // From the first busy answer on, a queueing backend keeps this owner in line; every
     // way out below (giving up at once, a failed subscribe, cancellation) leaves it.
     let mut in_line = InLine {
@@ -620,21 +636,13 @@ async fn wait(
         return Waited::Failed(Error::Busy { holder_ttl: ttl });
     }
     let _reported = WaitReport::start(client, req, owner);
-
-    // Subscribing may wait for the store to confirm; never past the caller's deadline.
-    let sub = match deadline {
-        Some(at) => match tokio::time::timeout_at(at, backend.subscribe(req)).await {
-            Ok(Ok(sub)) => sub,
-            Ok(Err(error)) => return Waited::Failed(error),
-            Err(_) => {
-                in_line.give_up().await;
-                return Waited::Failed(Error::Busy { holder_ttl: ttl });
-            }
-        },
-        None => match backend.subscribe(req).await {
-            Ok(sub) => sub,
-            Err(error) => return Waited::Failed(error),
-        },
+    let sub = match subscribe_until(client, req, deadline).await {
+        Ok(Some(sub)) => sub,
+        Ok(None) => {
+            in_line.give_up().await;
+            return Waited::Failed(Error::Busy { holder_ttl: ttl });
+        }
+        Err(error) => return Waited::Failed(error),
     };
     let mut waiting = Waiting {
         sub,
@@ -644,54 +652,13 @@ async fn wait(
         in_line,
     };
     if line_up {
-        // Wait for our turn; a release, or a waiter ahead giving up, wakes us. Should
-        // neither come (a holder's lease lapsed silently), try anyway after a while.
-        let now = Instant::now();
-        let until = deadline.map_or(now + LINE_UP_MAX, |d| d.min(now + LINE_UP_MAX));
-        waiting.woken = waiting.sub.wait(until).await == Wake::Notified;
+        waiting.woken = wait_for_turn(&mut waiting, deadline).await;
     }
     loop {
-        let outcome = match attempt(client, req).await {
-            Ok(outcome) => {
-                *failing = Failing::default();
-                outcome
-            }
-            Err(error) if error.is_retryable() => {
-                // No answer: the attempt may still land. Whatever it does, this identity
-                // takes back (now, and once the attempt can only be refused).
-                compensate_later(client, req);
-                waiting.in_line.queued = false;
-                let now = Instant::now();
-                let since = *failing.since.get_or_insert(now);
-                // Without a deadline, give up once the store has failed for a whole lease:
-                // by then no lock it held for anyone is still valid either.
-                let out_of_patience = deadline.is_none() && now - since >= client.watchdog_lease();
-                if expired(now) || out_of_patience {
-                    return Waited::Failed(error);
-                }
-                let backoff = failing.backoff;
-                tracing::warn!(%error, retry_in_ms = backoff.as_millis() as u64, "lock store failed while waiting; retrying");
-                let until = deadline.map_or(now + backoff, |d| d.min(now + backoff));
-                failing.backoff = (backoff * 2).min(MAX_ERROR_BACKOFF);
-                // A reconnect notification cuts the backoff short.
-                waiting.woken = waiting.sub.wait(until).await == Wake::Notified;
-                return Waited::Unanswered;
-            }
-            Err(error) => {
-                compensate_later(client, req);
-                waiting.in_line.queued = false;
-                return Waited::Failed(error);
-            }
-        };
-        // The wake-up, if any, has been used by this attempt.
-        waiting.woken = false;
-        let ttl = match outcome {
-            Outcome::Acquired(acquired) => {
-                waiting.in_line.queued = false;
-                waiting.settled = true;
-                return Waited::Acquired(acquired);
-            }
-            Outcome::Busy(ttl) => ttl,
+        let attempted = attempt_while_waiting(client, req, deadline, &mut waiting, failing).await;
+        let ttl = match attempted {
+            std::ops::ControlFlow::Break(waited) => return waited,
+            std::ops::ControlFlow::Continue(ttl) => ttl,
         };
         waiting.in_line.queued = queued_mode;
         let now = Instant::now();
@@ -699,21 +666,128 @@ async fn wait(
             waiting.in_line.give_up().await;
             return Waited::Failed(Error::Busy { holder_ttl: ttl });
         }
-        tracing::trace!(
-            holder_ttl_ms = ttl.map(|t| t.as_millis() as u64),
-            "lock busy; waiting for a release"
-        );
-        let recheck = ttl.unwrap_or(NO_TTL_RECHECK).max(MIN_RECHECK);
-        let until = match (now.checked_add(recheck), deadline) {
-            (Some(at), Some(deadline)) => at.min(deadline),
-            (Some(at), None) => at,
-            (None, Some(deadline)) => deadline,
-            (None, None) => now + NO_TTL_RECHECK,
-        };
-        if waiting.sub.wait(until).await == Wake::Notified {
-            waiting.woken = true;
-            tracing::trace!("woken by a release; retrying");
+        sleep_until_retry(&mut waiting, ttl, now, deadline).await;
+    }
+}
+
+/// One attempt of a subscribed waiter: `Continue` with the holder's remaining lease when
+/// busy, `Break` with how the wait ends otherwise (acquired, failed, or unanswered and
+/// backed off from).
+async fn attempt_while_waiting(
+    client: &LockClient,
+    req: &LockRequest,
+    deadline: Option<Instant>,
+    waiting: &mut Waiting<'_>,
+    failing: &mut Failing,
+) -> std::ops::ControlFlow<Waited, Option<Duration>> {
+    use std::ops::ControlFlow;
+    let outcome = match attempt(client, req).await {
+        Ok(outcome) => {
+            *failing = Failing::default();
+            outcome
         }
+        Err(error) if error.is_retryable() => {
+            return ControlFlow::Break(
+                back_off(client, req, deadline, waiting, failing, error).await,
+            );
+        }
+        Err(error) => {
+            compensate_later(client, req);
+            waiting.in_line.queued = false;
+            return ControlFlow::Break(Waited::Failed(error));
+        }
+    };
+    // The wake-up, if any, has been used by this attempt.
+    waiting.woken = false;
+    match outcome {
+        Outcome::Acquired(acquired) => {
+            waiting.in_line.queued = false;
+            waiting.settled = true;
+            ControlFlow::Break(Waited::Acquired(acquired))
+        }
+        Outcome::Busy(ttl) => ControlFlow::Continue(ttl),
+    }
+}
+
+/// Subscribes to releases of `req`'s key. Subscribing may wait for the store to
+/// confirm, never past the caller's deadline: `Ok(None)` when that passed first.
+async fn subscribe_until(
+    client: &LockClient,
+    req: &LockRequest,
+    deadline: Option<Instant>,
+) -> Result<Option<Box<dyn Subscription>>> {
+    let backend = client.backend();
+    match deadline {
+        Some(at) => match tokio::time::timeout_at(at, backend.subscribe(req)).await {
+            Ok(subscribed) => subscribed.map(Some),
+            Err(_) => Ok(None),
+        },
+        None => backend.subscribe(req).await.map(Some),
+    }
+}
+
+/// A new acquirer lined up behind local waiters waits for its turn; a release, or a
+/// waiter ahead giving up, wakes it. Should neither come (a holder's lease lapsed
+/// silently), it tries anyway after a while. Whether it was woken.
+async fn wait_for_turn(waiting: &mut Waiting<'_>, deadline: Option<Instant>) -> bool {
+    let now = Instant::now();
+    let until = deadline.map_or(now + LINE_UP_MAX, |d| d.min(now + LINE_UP_MAX));
+    waiting.sub.wait(until).await == Wake::Notified
+}
+
+/// An attempt got no answer (`error`, retryable): it may still land. Whatever it does,
+/// its identity takes it back (now, and once the attempt can only be refused); then
+/// the waiter backs off before the wait goes on under a new identity — unless it is
+/// out of time, or of patience.
+async fn back_off(
+    client: &LockClient,
+    req: &LockRequest,
+    deadline: Option<Instant>,
+    waiting: &mut Waiting<'_>,
+    failing: &mut Failing,
+    error: Error,
+) -> Waited {
+    compensate_later(client, req);
+    waiting.in_line.queued = false;
+    let now = Instant::now();
+    let since = *failing.since.get_or_insert(now);
+    // Without a deadline, give up once the store has failed for a whole lease: by then
+    // no lock it held for anyone is still valid either.
+    let out_of_patience = deadline.is_none() && now - since >= client.watchdog_lease();
+    if deadline.is_some_and(|d| now >= d) || out_of_patience {
+        return Waited::Failed(error);
+    }
+    let backoff = failing.backoff;
+    tracing::warn!(%error, retry_in_ms = backoff.as_millis() as u64, "lock store failed while waiting; retrying");
+    let until = deadline.map_or(now + backoff, |d| d.min(now + backoff));
+    failing.backoff = (backoff * 2).min(MAX_ERROR_BACKOFF);
+    // A reconnect notification cuts the backoff short.
+    waiting.woken = waiting.sub.wait(until).await == Wake::Notified;
+    Waited::Unanswered
+}
+
+/// After a busy answer at `now`: sleeps until a release wakes this waiter or the
+/// holder's lease (`ttl`) would end, bounded by the deadline.
+async fn sleep_until_retry(
+    waiting: &mut Waiting<'_>,
+    ttl: Option<Duration>,
+    now: Instant,
+    deadline: Option<Instant>,
+) {
+    tracing::trace!(
+        holder_ttl_ms = ttl.map(|t| t.as_millis() as u64),
+        "lock busy; waiting for a release"
+    );
+    let recheck = ttl.unwrap_or(NO_TTL_RECHECK).max(MIN_RECHECK);
+    let until = match (now.checked_add(recheck), deadline) {
+        (Some(at), Some(deadline)) => at.min(deadline),
+        (Some(at), None) => at,
+        (None, Some(deadline)) => deadline,
+        (None, None) => now + NO_TTL_RECHECK,
+    };
+    if waiting.sub.wait(until).await == Wake::Notified {
+        waiting.woken = true;
+        tracing::trace!("woken by a release; retrying");
     }
 }
 
@@ -749,11 +823,7 @@ async fn attempt(client: &LockClient, req: &LockRequest) -> Result<Outcome> {
         armed: true,
     };
     let backend = client.backend();
-    let now = if backend.answers_now() {
-        backend.try_acquire_now(req)
-    } else {
-        None
-    };
+    let now = backend.local().and_then(|local| local.acquire_now(req));
     let outcome = match now {
         Some(outcome) => outcome,
         None => backend.acquire(req).await,

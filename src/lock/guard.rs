@@ -11,6 +11,7 @@ use tokio::runtime::Handle;
 use tokio::time::Instant;
 
 use super::registry::{Hold, Left};
+use super::unlocking::{FinishOnDrop, Unlocking};
 use super::{LockClient, LockEvent};
 use crate::backend::{FencingToken, LockMode, LockRequest, Release};
 use crate::error::{Error, Result};
@@ -233,7 +234,7 @@ impl LockGuard {
         let sent_at = Instant::now();
         let renewed = backend.renew(&req).await?;
         if renewed {
-            let valid = lease.saturating_sub(backend.clock_drift(lease));
+            let valid = lease.saturating_sub(backend.profile().clock_drift(lease));
             held.hold.expiry.extend_to(sent_at.checked_add(valid));
             held.lease = lease;
         } else {
@@ -358,13 +359,6 @@ impl LockGuard {
     }
 }
 
-/// A guard's unlock, begun: see [`LockGuard::start_unlock`].
-pub(crate) enum Unlocking {
-    Done(Result<()>),
-    /// Cancel-safe: dropped before it finishes, the release goes on in a task.
-    Pending(FinishOnDrop<Result<()>>),
-}
-
 /// The most releases spent on holds the store counts beyond one.
 const MAX_REPAIRS: u32 = 1024;
 
@@ -373,10 +367,8 @@ fn release_fully_now(
     backend: &dyn crate::backend::LockBackend,
     req: &LockRequest,
 ) -> Option<Result<Release>> {
-    if !backend.answers_now() {
-        return None;
-    }
-    let first = backend.try_release_now(req)?;
+    let local = backend.local()?;
+    let first = local.release_now(req)?;
     let Ok(Release::Decremented { holds }) = first else {
         return Some(first);
     };
@@ -385,11 +377,11 @@ fn release_fully_now(
         "releasing holds of an acquisition whose reply was lost"
     );
     for _ in 0..holds.min(MAX_REPAIRS) {
-        match backend.try_release_now(req) {
+        match local.release_now(req) {
             Some(Ok(Release::Decremented { .. })) => {}
             Some(Ok(_)) => return Some(Ok(Release::Released)),
             Some(Err(error)) => return Some(Err(error)),
-            // Against the trait's contract; the holds left end with their lease.
+            // Not on the spot after all: the holds left end with their lease.
             None => break,
         }
     }
@@ -418,48 +410,6 @@ async fn release_fully(
         }
     }
     Ok(first)
-}
-
-/// A future that, dropped before it finishes, finishes in a task on `runtime` (or,
-/// without one, is dropped: for futures made of parts that finish on their own).
-pub(crate) struct FinishOnDrop<T: Send + 'static> {
-    future: Option<Pin<Box<dyn Future<Output = T> + Send>>>,
-    runtime: Option<Handle>,
-}
-
-impl<T: Send + 'static> FinishOnDrop<T> {
-    pub(crate) fn new(
-        runtime: Option<Handle>,
-        future: impl Future<Output = T> + Send + 'static,
-    ) -> Self {
-        FinishOnDrop {
-            future: Some(Box::pin(future)),
-            runtime,
-        }
-    }
-}
-
-impl<T: Send + 'static> Future for FinishOnDrop<T> {
-    type Output = T;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<T> {
-        let Some(future) = self.future.as_mut() else {
-            return Poll::Pending;
-        };
-        let output = std::task::ready!(future.as_mut().poll(cx));
-        self.future = None;
-        Poll::Ready(output)
-    }
-}
-
-impl<T: Send + 'static> Drop for FinishOnDrop<T> {
-    fn drop(&mut self) {
-        if let (Some(future), Some(runtime)) = (self.future.take(), self.runtime.as_ref()) {
-            runtime.spawn(async move {
-                let _ = future.await;
-            });
-        }
-    }
 }
 
 impl Held {

@@ -77,32 +77,22 @@ use crate::kinds::ReadWriteLock;
 use crate::owner::Owner;
 
 pub(crate) mod acquire;
+mod acquisition;
 mod guard;
 mod observer;
 mod registry;
+mod unlocking;
 mod watchdog;
 
-pub(crate) use guard::{FinishOnDrop, Unlocking};
+pub(crate) use acquisition::{Acquisition, begin_acquire};
 pub use guard::{LockGuard, LostSignal};
 pub(crate) use observer::Hooks;
 pub use observer::{LayerOutcome, LockEvent, LockObserver};
 use registry::Registry;
+pub(crate) use unlocking::{FinishOnDrop, Unlocking};
 
-/// The watchdog lease when none is configured: 30 s, as Redisson's
-/// `lockWatchdogTimeout`. Held locks are renewed every 10 s; a crashed holder's lock is
-/// free again at most 30 s later.
-pub const DEFAULT_WATCHDOG_LEASE: Duration = Duration::from_secs(30);
-
-/// The shortest watchdog lease accepted: 30 ms (a renewal every 10 ms). Shorter leases
-/// leave less time for a renewal round trip than a loaded machine needs.
-pub const MIN_WATCHDOG_LEASE: Duration = Duration::from_millis(30);
-
-/// The shortest explicit lease accepted: 1 ms, the resolution of Redis `PEXPIRE`.
-pub const MIN_LEASE: Duration = Duration::from_millis(1);
-
-/// The longest lease accepted: 365 days. Anything longer is a mistake (a unit mix-up or
-/// `Duration::MAX`); a lock that must be held indefinitely should use the watchdog.
-pub const MAX_LEASE: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+use crate::backend::limits::DEFAULT_WATCHDOG_LEASE;
+pub(crate) use crate::backend::limits::{validate_lease, validate_watchdog_lease};
 
 /// How a lock's lease is kept.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -110,7 +100,8 @@ pub enum Lease {
     /// The client's watchdog lease, renewed every third of it while the guard lives.
     Watchdog,
     /// A fixed lease: the lock is freed when it ends, whether or not the guard lives
-    /// (Redisson's `leaseTime`). Between [`MIN_LEASE`] and [`MAX_LEASE`].
+    /// (Redisson's `leaseTime`). Between [`MIN_LEASE`](crate::MIN_LEASE) and
+    /// [`MAX_LEASE`](crate::MAX_LEASE).
     Fixed(Duration),
 }
 
@@ -118,38 +109,6 @@ impl From<Duration> for Lease {
     fn from(lease: Duration) -> Self {
         Lease::Fixed(lease)
     }
-}
-
-pub(crate) fn validate_lease(name: &'static str, lease: Duration) -> Result<Duration> {
-    if lease < MIN_LEASE {
-        return Err(Error::invalid_config(
-            name,
-            format!("must be at least 1 ms (got {lease:?})"),
-        ));
-    }
-    if lease > MAX_LEASE {
-        return Err(Error::invalid_config(
-            name,
-            format!(
-                "must be at most 365 days (got {lease:?}); use the watchdog to hold a lock indefinitely"
-            ),
-        ));
-    }
-    // The stores count in whole milliseconds (Redis `PEXPIRE`): so does the client, or
-    // it would believe in a lease up to a millisecond longer than the store's.
-    Ok(Duration::from_millis(
-        u64::try_from(lease.as_millis()).unwrap_or(u64::MAX),
-    ))
-}
-
-pub(crate) fn validate_watchdog_lease(lease: Duration) -> Result<Duration> {
-    if lease < MIN_WATCHDOG_LEASE {
-        return Err(Error::invalid_config(
-            "watchdog_lease",
-            format!("must be at least 30 ms (got {lease:?})"),
-        ));
-    }
-    validate_lease("watchdog_lease", lease)
 }
 
 /// How long a client's name stays registered in the store after its last registration:
@@ -189,10 +148,14 @@ impl LockClient {
     /// [`DEFAULT_WATCHDOG_LEASE`].
     pub fn new(backend: impl LockBackend) -> Self {
         let backend: Arc<dyn LockBackend> = Arc::new(backend);
-        let lease = match backend.watchdog_lease().map(validate_watchdog_lease) {
+        let lease = match backend
+            .profile()
+            .watchdog_lease()
+            .map(validate_watchdog_lease)
+        {
             Some(Ok(lease)) => lease,
             Some(Err(error)) => {
-                tracing::warn!(%error, backend = backend.name(), "ignoring the backend's watchdog lease");
+                tracing::warn!(%error, backend = backend.profile().name(), "ignoring the backend's watchdog lease");
                 DEFAULT_WATCHDOG_LEASE
             }
             None => DEFAULT_WATCHDOG_LEASE,
@@ -217,7 +180,7 @@ impl LockClient {
         hooks: Hooks,
         name: Option<Arc<str>>,
     ) -> Self {
-        let hooks = hooks.on_backend(backend.name());
+        let hooks = hooks.on_backend(backend.profile().name());
         let client = LockClient {
             inner: Arc::new(ClientInner {
                 registry: Registry::new(Arc::clone(&backend), watchdog_lease, hooks.clone()),
@@ -235,7 +198,7 @@ impl LockClient {
             tracing::info!(
                 client.id = %client.id(),
                 client.name = name,
-                backend = client.backend().name(),
+                backend = client.backend().profile().name(),
                 "lock client ready"
             );
         }
@@ -367,9 +330,10 @@ impl LockClient {
             return Ok(());
         };
         self.mark_name_registered();
-        self.backend()
-            .register_client(self.id(), &name, CLIENT_NAME_TTL)
-            .await
+        match self.backend().clients() {
+            Some(clients) => clients.register(self.id(), &name, CLIENT_NAME_TTL).await,
+            None => Ok(()),
+        }
     }
 
     fn mark_name_registered(&self) {
@@ -435,7 +399,10 @@ impl LockClient {
         if others.is_empty() {
             return;
         }
-        let names = match self.backend().client_names(&others).await {
+        let Some(clients) = self.backend().clients() else {
+            return;
+        };
+        let names = match clients.names(&others).await {
             Ok(names) => names,
             Err(error) => {
                 tracing::debug!(%error, "could not read client names for an inspection");
@@ -488,7 +455,7 @@ impl std::fmt::Debug for LockClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LockClient")
             .field("id", &self.inner.id)
-            .field("backend", &self.inner.backend.name())
+            .field("backend", &self.inner.backend.profile().name())
             .field("watchdog_lease", &self.inner.watchdog_lease)
             .finish()
     }
@@ -550,7 +517,7 @@ impl LockClientBuilder {
 
     /// The lease of locks held without an explicit one; renewed every third of it.
     /// Default: the backend's, else [`DEFAULT_WATCHDOG_LEASE`]. At least
-    /// [`MIN_WATCHDOG_LEASE`].
+    /// [`MIN_WATCHDOG_LEASE`](crate::MIN_WATCHDOG_LEASE).
     pub fn watchdog_lease(mut self, lease: Duration) -> Self {
         self.watchdog_lease = Some(lease);
         self
@@ -592,7 +559,7 @@ impl LockClientBuilder {
     pub fn build(self) -> Result<LockClient> {
         let lease = self
             .watchdog_lease
-            .or_else(|| self.backend.watchdog_lease())
+            .or_else(|| self.backend.profile().watchdog_lease())
             .unwrap_or(DEFAULT_WATCHDOG_LEASE);
         let lease = validate_watchdog_lease(lease)?;
         let name = self.name.as_deref().map(validate_name).transpose()?;
@@ -699,7 +666,7 @@ impl Lock {
     /// # Errors
     ///
     /// [`Error::Busy`] when the wait runs out, [`Error::InvalidConfig`] for a lease
-    /// outside [`MIN_LEASE`]..=[`MAX_LEASE`].
+    /// outside [`MIN_LEASE`](crate::MIN_LEASE)..=[`MAX_LEASE`](crate::MAX_LEASE).
     pub async fn try_lock_for(&self, wait: Duration, lease: impl Into<Lease>) -> Result<LockGuard> {
         acquire::acquire(self, Some(wait), lease.into()).await
     }

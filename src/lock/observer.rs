@@ -31,7 +31,7 @@ pub struct LockEvent<'a> {
     pub mode: LockMode,
     /// Who holds (or tried to take) it.
     pub owner: &'a Owner,
-    /// The backend's [`name`](crate::backend::LockBackend::name): `memory`, `redis`,
+    /// The backend's [`name`](crate::backend::StoreProfile::name): `memory`, `redis`,
     /// `redlock`, ...
     pub backend: &'static str,
 }

@@ -25,7 +25,7 @@
 //!
 //! A renewal extends a hold's [expiry](super::registry::Expiry) to the renewal's send
 //! time plus its lease, less the backend's [clock
-//! drift](crate::backend::LockBackend::clock_drift). A renewal that says "not held"
+//! drift](crate::backend::StoreProfile::clock_drift). A renewal that says "not held"
 //! marks the hold lost at once; renewals that fail mark it lost when its expiry passes.
 
 use std::collections::HashMap;
@@ -37,7 +37,9 @@ use tokio::runtime::{Handle, Id};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::registry::Inner;
+use super::registry::{Hold, Inner};
+use crate::backend::LockRequest;
+use crate::error::Result;
 
 /// The shortest pause before retrying a failed renewal.
 const MIN_RETRY: Duration = Duration::from_millis(5);
@@ -75,6 +77,8 @@ impl Tasks {
     }
 }
 
+/// The renewal task of `runtime`: renews its due holds every period (sooner after a
+/// failure), until it has none left to watch.
 async fn run(inner: Arc<Inner>, runtime: Id) {
     let period = inner.lease / 3;
     let retry = (period / 4).max(MIN_RETRY);
@@ -99,69 +103,8 @@ async fn run(inner: Arc<Inner>, runtime: Id) {
         let results = tokio::time::timeout(period, inner.backend.renew_many(&reqs))
             .await
             .unwrap_or_default();
-        let now = Instant::now();
-        let mut events: Vec<(usize, bool)> = Vec::new();
-        let mut failures = 0usize;
-        for (i, hold) in holds.iter().enumerate() {
-            if !inner.still_watched(hold) {
-                continue;
-            }
-            let shown = inner.hooks.key(&hold.slot.key);
-            let lost = match results.get(i) {
-                Some(Ok(true)) => {
-                    // A renewal answered after the hold was seen lost does not bring it
-                    // back: its guards may have stopped trusting it already.
-                    if hold.is_lost_at(now) {
-                        tracing::error!(key = %shown, owner = %hold.slot.owner, "lock lost: renewed only after its lease had run out");
-                        true
-                    } else {
-                        let lease = reqs[i].lease;
-                        let valid = lease.saturating_sub(inner.backend.clock_drift(lease));
-                        hold.expiry.extend_to(sent_at.checked_add(valid));
-                        false
-                    }
-                }
-                Some(Ok(false)) => {
-                    tracing::error!(key = %shown, owner = %hold.slot.owner, "lock lost: renewal found it no longer held");
-                    true
-                }
-                Some(Err(_)) | None => {
-                    failures += 1;
-                    events.push((i, false));
-                    let lost = hold.is_lost_at(now);
-                    if lost {
-                        tracing::error!(key = %shown, owner = %hold.slot.owner, "lock lost: renewals failed until the lease ran out");
-                    }
-                    lost
-                }
-            };
-            if lost {
-                inner.mark_lost(hold);
-                events.push((i, true));
-            }
-        }
-        if let Some(observer) = inner.hooks.observer() {
-            for (i, lost) in events {
-                let hold = &holds[i];
-                let event = inner
-                    .hooks
-                    .event(&hold.slot.key, hold.slot.mode, &hold.slot.owner);
-                // The observer is user code; a panic there must not stop renewals.
-                let reported = catch_unwind(AssertUnwindSafe(|| {
-                    if lost {
-                        if hold.claim_loss_report() {
-                            observer.lost(event);
-                        }
-                    } else {
-                        observer
-                            .renewal_failed(event, results.get(i).and_then(|r| r.as_ref().err()));
-                    }
-                }));
-                if reported.is_err() {
-                    tracing::error!("a LockObserver panicked; the watchdog carries on");
-                }
-            }
-        }
+        let (events, failures) = apply(&inner, &holds, &reqs, &results, sent_at);
+        report(&inner, &holds, &results, events);
         if failures > 0 {
             let first_error = results.iter().find_map(|r| r.as_ref().err());
             tracing::warn!(
@@ -174,6 +117,92 @@ async fn run(inner: Arc<Inner>, runtime: Id) {
         } else {
             tracing::trace!(renewed = reqs.len(), "watchdog renewed locks");
             next = sent_at + period;
+        }
+    }
+}
+
+/// Applies the renewals sent at `sent_at` to the holds still watched: extends the
+/// renewed, marks lost the ones that are. Returns the observer's events (a hold's
+/// index, and whether it was lost rather than failed to renew) and how many renewals
+/// failed.
+fn apply(
+    inner: &Inner,
+    holds: &[Arc<Hold>],
+    reqs: &[LockRequest],
+    results: &[Result<bool>],
+    sent_at: Instant,
+) -> (Vec<(usize, bool)>, usize) {
+    let now = Instant::now();
+    let mut events: Vec<(usize, bool)> = Vec::new();
+    let mut failures = 0usize;
+    for (i, hold) in holds.iter().enumerate() {
+        if !inner.still_watched(hold) {
+            continue;
+        }
+        let shown = inner.hooks.key(&hold.slot.key);
+        let lost = match results.get(i) {
+            Some(Ok(true)) => {
+                // A renewal answered after the hold was seen lost does not bring it
+                // back: its guards may have stopped trusting it already.
+                if hold.is_lost_at(now) {
+                    tracing::error!(key = %shown, owner = %hold.slot.owner, "lock lost: renewed only after its lease had run out");
+                    true
+                } else {
+                    let lease = reqs[i].lease;
+                    let valid = lease.saturating_sub(inner.backend.profile().clock_drift(lease));
+                    hold.expiry.extend_to(sent_at.checked_add(valid));
+                    false
+                }
+            }
+            Some(Ok(false)) => {
+                tracing::error!(key = %shown, owner = %hold.slot.owner, "lock lost: renewal found it no longer held");
+                true
+            }
+            Some(Err(_)) | None => {
+                failures += 1;
+                events.push((i, false));
+                let lost = hold.is_lost_at(now);
+                if lost {
+                    tracing::error!(key = %shown, owner = %hold.slot.owner, "lock lost: renewals failed until the lease ran out");
+                }
+                lost
+            }
+        };
+        if lost {
+            inner.mark_lost(hold);
+            events.push((i, true));
+        }
+    }
+    (events, failures)
+}
+
+/// Tells the observer, if any, of each event [`apply`] returned.
+fn report(
+    inner: &Inner,
+    holds: &[Arc<Hold>],
+    results: &[Result<bool>],
+    events: Vec<(usize, bool)>,
+) {
+    let Some(observer) = inner.hooks.observer() else {
+        return;
+    };
+    for (i, lost) in events {
+        let hold = &holds[i];
+        let event = inner
+            .hooks
+            .event(&hold.slot.key, hold.slot.mode, &hold.slot.owner);
+        // The observer is user code; a panic there must not stop renewals.
+        let reported = catch_unwind(AssertUnwindSafe(|| {
+            if lost {
+                if hold.claim_loss_report() {
+                    observer.lost(event);
+                }
+            } else {
+                observer.renewal_failed(event, results.get(i).and_then(|r| r.as_ref().err()));
+            }
+        }));
+        if reported.is_err() {
+            tracing::error!("a LockObserver panicked; the watchdog carries on");
         }
     }
 }

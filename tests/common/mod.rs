@@ -1,9 +1,10 @@
-//! Shared test support: the backend conformance suite and helpers.
+//! Shared test support: the redis-server and PostgreSQL harnesses, the lock-kind suite
+//! and helpers. (The backend conformance suite is `tower_lock::testing`, behind the
+//! `testing` feature, as a backend outside the crate reaches it.)
 //!
 //! Each integration test binary compiles this module and uses part of it.
 #![allow(dead_code, unreachable_pub)]
 
-pub mod conformance;
 pub mod history;
 pub mod kinds;
 pub mod nemesis;
@@ -11,6 +12,7 @@ pub mod nemesis;
 pub mod postgres;
 pub mod proxy;
 pub mod redis_server;
+pub mod sentinel;
 
 use std::future::Future;
 use std::time::Duration;
@@ -58,8 +60,10 @@ fn down() -> tower_lock::Error {
 }
 
 impl tower_lock::backend::LockBackend for DownBackend {
-    fn name(&self) -> &'static str {
-        "down"
+    fn profile(&self) -> &tower_lock::backend::StoreProfile {
+        static PROFILE: tower_lock::backend::StoreProfile =
+            tower_lock::backend::StoreProfile::new("down");
+        &PROFILE
     }
     fn acquire<'a>(
         &'a self,
@@ -79,6 +83,12 @@ impl tower_lock::backend::LockBackend for DownBackend {
     ) -> tower_lock::backend::BoxFuture<'a, tower_lock::Result<tower_lock::backend::Release>> {
         Box::pin(async { Err(down()) })
     }
+    fn abandon<'a>(
+        &'a self,
+        _: &'a tower_lock::backend::LockRequest,
+    ) -> tower_lock::backend::BoxFuture<'a, tower_lock::Result<()>> {
+        Box::pin(async { Err(down()) })
+    }
     fn subscribe<'a>(
         &'a self,
         _: &'a tower_lock::backend::LockRequest,
@@ -86,6 +96,12 @@ impl tower_lock::backend::LockBackend for DownBackend {
         'a,
         tower_lock::Result<Box<dyn tower_lock::backend::Subscription>>,
     > {
+        Box::pin(async { Err(down()) })
+    }
+    fn cancel_wait<'a>(
+        &'a self,
+        _: &'a tower_lock::backend::LockRequest,
+    ) -> tower_lock::backend::BoxFuture<'a, tower_lock::Result<()>> {
         Box::pin(async { Err(down()) })
     }
     fn force_release<'a>(
@@ -124,6 +140,7 @@ pub fn example_binary(name: &str) -> std::path::PathBuf {
             ("tls", cfg!(feature = "tls")),
             ("axum", cfg!(feature = "axum")),
             ("metrics", cfg!(feature = "metrics")),
+            ("testing", cfg!(feature = "testing")),
         ];
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut build = std::process::Command::new(cargo);

@@ -221,7 +221,7 @@ fn builder_validates_the_waiter_timeout() {
         .build()
         .unwrap();
     assert_eq!(b.waiter_timeout(), Duration::from_millis(300));
-    assert_eq!(b.watchdog_lease(), Some(Duration::from_secs(1)));
+    assert_eq!(b.profile().watchdog_lease(), Some(Duration::from_secs(1)));
 }
 
 // ---- fair ----
@@ -559,31 +559,60 @@ async fn a_wake_up_for_one_queue_entry_does_not_wake_the_same_owners_other_entry
 }
 
 /// The on-the-spot answers are the async ones, and a backend behind `Arc<dyn _>` or
-/// `Box<_>` (how `LockClient` holds it) keeps them: the forwarding once dropped them.
+/// `Box<_>` (how `LockClient` holds it), or in an `Intercepted` wrapper, keeps them and
+/// its profile: the forwarding once dropped them.
 #[tokio::test]
 async fn on_the_spot_answers_survive_wrapping_and_match_the_async_ones() {
     let backend = MemoryBackend::new();
     let wrapped: Vec<Box<dyn LockBackend>> = vec![
         Box::new(backend.clone()),
         Box::new(Arc::new(backend.clone()) as Arc<dyn LockBackend>),
+        Box::new(crate::backend::Intercepted::new(backend.clone(), ())),
     ];
     for (i, b) in wrapped.iter().enumerate() {
-        assert!(b.answers_now(), "wrapper {i} hides the fast path");
+        let local = b
+            .local()
+            .unwrap_or_else(|| panic!("wrapper {i} hides the fast path"));
+        assert_eq!(
+            b.profile(),
+            backend.profile(),
+            "wrapper {i} changes the profile"
+        );
+        assert!(b.clients().is_some(), "wrapper {i} hides the client names");
         let key = format!("spot-{i}");
         let a = req(&key, "a:1", 1000);
         let other = req(&key, "b:1", 1000);
         assert!(matches!(
-            b.try_acquire_now(&a),
+            local.acquire_now(&a),
             Some(Ok(Acquire::Acquired(_)))
         ));
         assert!(matches!(
-            b.try_acquire_now(&other),
+            local.acquire_now(&other),
             Some(Ok(Acquire::Busy { .. }))
         ));
         assert!(matches!(b.acquire(&other).await, Ok(Acquire::Busy { .. })));
-        assert!(matches!(b.try_release_now(&a), Some(Ok(Release::Released))));
-        assert!(matches!(b.try_release_now(&a), Some(Ok(Release::NotHeld))));
+        assert!(matches!(local.release_now(&a), Some(Ok(Release::Released))));
+        assert!(matches!(local.release_now(&a), Some(Ok(Release::NotHeld))));
         assert!(matches!(b.acquire(&other).await, Ok(Acquire::Acquired(_))));
         assert!(matches!(b.release(&other).await, Ok(Release::Released)));
     }
+}
+
+/// The identity is the store's address: shared by clones, different for another store.
+#[test]
+fn the_profile_names_this_store() {
+    let (a, b) = (MemoryBackend::new(), MemoryBackend::new());
+    let id = format!("memory:{:p}", Arc::as_ptr(&a.shared));
+    assert_eq!(a.profile().store_id(), id);
+    assert_eq!(a.clone().profile().store_id(), id);
+    assert_ne!(b.profile().store_id(), id);
+    assert_eq!(a.profile().name(), "memory");
+    for mode in [LockMode::Fair, LockMode::Read, LockMode::Write] {
+        assert!(a.profile().queues_waiters(mode), "{mode}");
+    }
+    assert!(!a.profile().queues_waiters(LockMode::Exclusive));
+    assert_eq!(
+        a.profile().clock_drift(Duration::from_secs(1)),
+        Duration::ZERO
+    );
 }

@@ -127,8 +127,9 @@ use redis::{Client, FromRedisValue, IntoConnectionInfo, RedisError, RedisResult,
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{
-    Acquire, BoxFuture, FencingToken, Grant, Holder, LockBackend, LockMode, LockRequest, LockState,
-    Release, Subscription, WaiterScope, Waiters,
+    Acquire, BoxFuture, ClientNames, FencingToken, Grant, Holder, LockBackend, LockMode,
+    LockRequest, LockState, QUEUED_MODES, Release, StoreProfile, Subscription, WaiterScope,
+    Waiters, queued,
 };
 use crate::backend::clock::{COMPENSATION_MARGIN, StoreClock};
 use crate::error::{Error, Result};
@@ -157,7 +158,7 @@ pub const DEFAULT_PUBSUB_KEEPALIVE: Duration = Duration::from_secs(5);
 /// behind a long retry chain; the next command tries again.
 pub const DEFAULT_RECONNECT_RETRIES: usize = 2;
 
-pub use crate::backend::memory::{DEFAULT_WAITER_TIMEOUT, MIN_WAITER_TIMEOUT};
+pub use crate::backend::limits::{DEFAULT_WAITER_TIMEOUT, MIN_WAITER_TIMEOUT};
 
 /// Renewals per script call in a watchdog batch: a bound on how long one call keeps
 /// Redis busy (about a millisecond), not on the batch size; a larger batch is several
@@ -380,10 +381,11 @@ enum Target {
 struct Inner {
     conn: Conn,
     prefix: String,
-    /// The server (or cluster) and key prefix: the same in every process.
-    store_id: String,
+    /// `redis`; its identity is the server (or cluster) and key prefix, the same in
+    /// every process: `redis:<host>:<port>/<db>:<key prefix>`
+    /// (`redis-cluster:<nodes>:<prefix>`).
+    profile: StoreProfile,
     hub: pubsub::Hub,
-    watchdog_lease: Option<Duration>,
     waiter_timeout: Duration,
     /// Group commit of exclusive acquisitions and releases (single server only).
     batcher: batch::Batcher,
@@ -464,7 +466,9 @@ impl Inner {
         parse_acquire("acquire", &reply)
     }
 
-    /// One exclusive acquisition of `req`, alone, with a deadline of its own.
+    /// One exclusive acquisition of `req`, alone, with a deadline of its own (a
+    /// cluster's, which does not group-commit).
+    #[cfg(feature = "cluster")]
     async fn acquire_req(&self, req: &LockRequest) -> Result<Acquire> {
         let deadline = self.attempt_deadline().await?;
         self.acquire_one(
@@ -665,7 +669,7 @@ impl RedisBackend {
     /// Releases `req`'s hold and leaves its queue; returns whether it held the lock.
     async fn take_back(&self, req: &LockRequest) -> Result<bool> {
         let released = self.release(req).await;
-        if self.queues_waiters(req.mode) {
+        if queued(req.mode) {
             self.cancel_wait_mode(req).await?;
         }
         Ok(!matches!(released?, Release::NotHeld))
@@ -684,7 +688,7 @@ impl RedisBackend {
                     .key(Names::lease_prefix(prefix, key)),
             )
             .await?;
-        let waiters = if !self.queues_waiters(mode) {
+        let waiters = if !queued(mode) {
             // Nobody records these waiters in Redis: they sleep on the release channel.
             let channel = Names::channel(prefix, key);
             let here = self.inner.hub.waiters_where(|c| c == channel);
@@ -742,33 +746,7 @@ impl RedisBackend {
         // All batches are sent at once; the multiplexed connection pipelines them, so a
         // period costs one round trip per connection.
         let calls = batches.iter().map(|batch| async move {
-            let prefix = &self.inner.prefix;
-            let invocation = if mixed {
-                let mut invocation = modes::MODE_SCRIPTS.renew_many_modes.prepare_invoke();
-                for &i in *batch {
-                    invocation
-                        .key(Names::lock(prefix, &reqs[i].key).as_ref())
-                        .key(modes::batch_companion(prefix, &reqs[i]));
-                }
-                for &i in *batch {
-                    invocation.arg(modes::batch_tag(reqs[i].mode));
-                    invocation
-                        .arg(lease_ms(reqs[i].lease))
-                        .arg(reqs[i].owner.as_str());
-                }
-                invocation
-            } else {
-                let mut invocation = SCRIPTS.renew_many.prepare_invoke();
-                for &i in *batch {
-                    invocation.key(Names::lock(prefix, &reqs[i].key).as_ref());
-                }
-                for &i in *batch {
-                    invocation
-                        .arg(lease_ms(reqs[i].lease))
-                        .arg(reqs[i].owner.as_str());
-                }
-                invocation
-            };
+            let invocation = renewal_script(&self.inner.prefix, reqs, batch, mixed);
             let reply: Result<Vec<i64>> = self.invoke(&invocation).await;
             reply
         });
@@ -797,6 +775,42 @@ impl RedisBackend {
         out.into_iter()
             .map(|r| r.unwrap_or_else(|| Err(Error::UnexpectedReply("renewal not sent".into()))))
             .collect()
+    }
+}
+
+/// The script call that renews the holds `batch` picks out of `reqs`: the one for every
+/// mode when `mixed`, else the lighter one for plain (exclusive and fair) holds.
+fn renewal_script(
+    prefix: &str,
+    reqs: &[LockRequest],
+    batch: &[usize],
+    mixed: bool,
+) -> redis::ScriptInvocation<'static> {
+    if mixed {
+        let mut invocation = modes::MODE_SCRIPTS.renew_many_modes.prepare_invoke();
+        for &i in batch {
+            invocation
+                .key(Names::lock(prefix, &reqs[i].key).as_ref())
+                .key(modes::batch_companion(prefix, &reqs[i]));
+        }
+        for &i in batch {
+            invocation.arg(modes::batch_tag(reqs[i].mode));
+            invocation
+                .arg(lease_ms(reqs[i].lease))
+                .arg(reqs[i].owner.as_str());
+        }
+        invocation
+    } else {
+        let mut invocation = SCRIPTS.renew_many.prepare_invoke();
+        for &i in batch {
+            invocation.key(Names::lock(prefix, &reqs[i].key).as_ref());
+        }
+        for &i in batch {
+            invocation
+                .arg(lease_ms(reqs[i].lease))
+                .arg(reqs[i].owner.as_str());
+        }
+        invocation
     }
 }
 
@@ -1089,7 +1103,7 @@ impl RedisBackendBuilder {
     /// Connect on first use instead of in [`build`](Self::build) (default: `false`,
     /// so an application learns at start that its Redis is unreachable). A lazy backend
     /// builds while its server is down, and every call fails with a connection error
-    /// until the server is back: what a [`RedLock`](crate::kinds::RedLock) node needs,
+    /// until the server is back: what a [`RedLock`](crate::backend::redlock::RedLock) node needs,
     /// where a node that is down is a failed vote, not a failed client. Not for clusters
     /// (feature `cluster`), whose topology is discovered when connecting.
     pub fn lazy_connect(mut self, lazy: bool) -> Self {
@@ -1104,6 +1118,34 @@ impl RedisBackendBuilder {
     /// [`Error::InvalidConfig`] naming the bad setting; [`Error::Redis`] when the URL is
     /// invalid or (unless [lazy](Self::lazy_connect)) the server cannot be reached.
     pub async fn build(self) -> Result<RedisBackend> {
+        self.validate()?;
+        let Connected {
+            conn,
+            pubsub_nodes,
+            store_id,
+        } = self.connect().await?;
+        let shutdown = CancellationToken::new();
+        let hub = pubsub::Hub::start(pubsub_nodes, self.pubsub_keepalive, shutdown.clone());
+        Ok(RedisBackend {
+            inner: Arc::new(Inner {
+                conn,
+                profile: StoreProfile::new("redis")
+                    .with_store_id(store_id)
+                    .with_queued_modes(QUEUED_MODES)
+                    .with_watchdog_lease(self.watchdog_lease),
+                prefix: self.key_prefix,
+                hub,
+                waiter_timeout: self.waiter_timeout,
+                batcher: batch::Batcher::default(),
+                clock: StoreClock::default(),
+                attempt_window: self.response_timeout,
+                _stop_hub: shutdown.drop_guard(),
+            }),
+        })
+    }
+
+    /// Checks every setting but the target, in the order of their errors.
+    fn validate(&self) -> Result<()> {
         if self.key_prefix.contains(['{', '}']) || self.key_prefix.chars().any(char::is_control) {
             return Err(Error::invalid_config(
                 "key_prefix",
@@ -1130,7 +1172,7 @@ impl RedisBackendBuilder {
                 ));
             }
         }
-        crate::backend::validate_waiter_timeout(self.waiter_timeout)?;
+        crate::backend::limits::validate_waiter_timeout(self.waiter_timeout)?;
         if self.pubsub_keepalive < Duration::from_millis(10)
             || self.pubsub_keepalive > Duration::from_secs(3600)
         {
@@ -1143,91 +1185,99 @@ impl RedisBackendBuilder {
             ));
         }
         if let Some(lease) = self.watchdog_lease {
-            crate::lock::validate_watchdog_lease(lease)?;
+            crate::backend::limits::validate_watchdog_lease(lease)?;
         }
-        let (conn, pubsub_nodes, store_id) = match self.target {
-            Target::Single(client) => {
-                let client = client?;
-                let info = client.get_connection_info();
-                let store_id = format!(
-                    "redis:{}/{}:{}",
-                    info.addr(),
-                    info.redis_settings().db(),
-                    self.key_prefix
-                );
-                let config = ConnectionManagerConfig::new()
-                    .set_response_timeout(Some(self.response_timeout))
-                    .set_connection_timeout(Some(self.connection_timeout))
-                    .set_number_of_retries(self.reconnect_retries)
-                    .set_min_delay(Duration::from_millis(50));
-                let conn = if self.lazy {
-                    ConnectionManager::new_lazy_with_config(client.clone(), config.clone())?
-                } else {
-                    ConnectionManager::new_with_config(client.clone(), config.clone()).await?
-                };
-                (
-                    Conn::Single(Box::new(SingleConn::new(client.clone(), config, conn))),
-                    vec![client],
-                    store_id,
-                )
-            }
+        Ok(())
+    }
+
+    /// Connects to the target (unless lazy, for a single server).
+    async fn connect(&self) -> Result<Connected> {
+        match &self.target {
+            Target::Single(client) => self.connect_single(client.clone()?).await,
             #[cfg(feature = "cluster")]
-            Target::Cluster(nodes) => {
-                if self.lazy {
-                    return Err(Error::invalid_config(
-                        "lazy_connect",
-                        "is not supported for a cluster, which connects to discover its topology (got true)",
-                    ));
-                }
-                let nodes = nodes?;
-                if nodes.is_empty() {
-                    return Err(Error::invalid_config(
-                        "cluster nodes",
-                        "must name at least one node (got none)",
-                    ));
-                }
-                let pubsub_nodes = nodes
-                    .iter()
-                    .cloned()
-                    .map(Client::open)
-                    .collect::<RedisResult<Vec<_>>>()?;
-                let client = redis::cluster::ClusterClient::builder(nodes)
-                    .response_timeout(self.response_timeout)
-                    .connection_timeout(self.connection_timeout)
-                    .retries(u32::try_from(self.reconnect_retries).unwrap_or(u32::MAX))
-                    .build()?;
-                let conn = client.get_async_connection().await?;
-                let mut addrs: Vec<String> = pubsub_nodes
-                    .iter()
-                    .map(|c| c.get_connection_info().addr().to_string())
-                    .collect();
-                addrs.sort();
-                let store_id = format!("redis-cluster:{}:{}", addrs.join(","), self.key_prefix);
-                (Conn::Cluster(Box::new(conn)), pubsub_nodes, store_id)
-            }
+            Target::Cluster(nodes) => self.connect_cluster(nodes).await,
+        }
+    }
+
+    async fn connect_single(&self, client: Client) -> Result<Connected> {
+        let info = client.get_connection_info();
+        let store_id = format!(
+            "redis:{}/{}:{}",
+            info.addr(),
+            info.redis_settings().db(),
+            self.key_prefix
+        );
+        let config = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(self.response_timeout))
+            .set_connection_timeout(Some(self.connection_timeout))
+            .set_number_of_retries(self.reconnect_retries)
+            .set_min_delay(Duration::from_millis(50));
+        let conn = if self.lazy {
+            ConnectionManager::new_lazy_with_config(client.clone(), config.clone())?
+        } else {
+            ConnectionManager::new_with_config(client.clone(), config.clone()).await?
         };
-        let shutdown = CancellationToken::new();
-        let hub = pubsub::Hub::start(pubsub_nodes, self.pubsub_keepalive, shutdown.clone());
-        Ok(RedisBackend {
-            inner: Arc::new(Inner {
-                conn,
-                prefix: self.key_prefix,
-                store_id,
-                hub,
-                watchdog_lease: self.watchdog_lease,
-                waiter_timeout: self.waiter_timeout,
-                batcher: batch::Batcher::default(),
-                clock: StoreClock::default(),
-                attempt_window: self.response_timeout,
-                _stop_hub: shutdown.drop_guard(),
-            }),
+        Ok(Connected {
+            conn: Conn::Single(Box::new(SingleConn::new(client.clone(), config, conn))),
+            pubsub_nodes: vec![client],
+            store_id,
+        })
+    }
+
+    #[cfg(feature = "cluster")]
+    async fn connect_cluster(
+        &self,
+        nodes: &RedisResult<Vec<redis::ConnectionInfo>>,
+    ) -> Result<Connected> {
+        if self.lazy {
+            return Err(Error::invalid_config(
+                "lazy_connect",
+                "is not supported for a cluster, which connects to discover its topology (got true)",
+            ));
+        }
+        let nodes = nodes.clone()?;
+        if nodes.is_empty() {
+            return Err(Error::invalid_config(
+                "cluster nodes",
+                "must name at least one node (got none)",
+            ));
+        }
+        let pubsub_nodes = nodes
+            .iter()
+            .cloned()
+            .map(Client::open)
+            .collect::<RedisResult<Vec<_>>>()?;
+        let client = redis::cluster::ClusterClient::builder(nodes)
+            .response_timeout(self.response_timeout)
+            .connection_timeout(self.connection_timeout)
+            .retries(u32::try_from(self.reconnect_retries).unwrap_or(u32::MAX))
+            .build()?;
+        let conn = client.get_async_connection().await?;
+        let mut addrs: Vec<String> = pubsub_nodes
+            .iter()
+            .map(|c| c.get_connection_info().addr().to_string())
+            .collect();
+        addrs.sort();
+        let store_id = format!("redis-cluster:{}:{}", addrs.join(","), self.key_prefix);
+        Ok(Connected {
+            conn: Conn::Cluster(Box::new(conn)),
+            pubsub_nodes,
+            store_id,
         })
     }
 }
 
+/// What [`RedisBackendBuilder::build`] connected: the command connection, the nodes
+/// the pub/sub connection may use, and the store's identity.
+struct Connected {
+    conn: Conn,
+    pubsub_nodes: Vec<Client>,
+    store_id: String,
+}
+
 impl LockBackend for RedisBackend {
-    fn name(&self) -> &'static str {
-        "redis"
+    fn profile(&self) -> &StoreProfile {
+        &self.inner.profile
     }
 
     fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
@@ -1276,7 +1326,7 @@ impl LockBackend for RedisBackend {
     fn has_local_waiters(&self, req: &LockRequest) -> bool {
         // Queued modes keep their order in the store; the others wait on the lock's
         // shared channel. The atomic check keeps the uncontended path free of names.
-        !self.queues_waiters(req.mode)
+        !queued(req.mode)
             && self.inner.hub.anyone_waits()
             && self
                 .inner
@@ -1293,10 +1343,6 @@ impl LockBackend for RedisBackend {
             let channel = Names::wait_channel(&self.inner.prefix, req);
             Ok(self.inner.hub.subscribe(channel).await)
         })
-    }
-
-    fn queues_waiters(&self, mode: LockMode) -> bool {
-        matches!(mode, LockMode::Fair | LockMode::Read | LockMode::Write)
     }
 
     fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
@@ -1336,7 +1382,14 @@ impl LockBackend for RedisBackend {
         Box::pin(self.inspect_state(key, mode))
     }
 
-    fn register_client<'a>(
+    fn clients(&self) -> Option<&dyn ClientNames> {
+        Some(self)
+    }
+}
+
+/// Names live at `<prefix>client:<id>`, a string key with a TTL.
+impl ClientNames for RedisBackend {
+    fn register<'a>(
         &'a self,
         id: &'a str,
         name: &'a str,
@@ -1352,10 +1405,7 @@ impl LockBackend for RedisBackend {
         })
     }
 
-    fn client_names<'a>(
-        &'a self,
-        ids: &'a [&'a str],
-    ) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
+    fn names<'a>(&'a self, ids: &'a [&'a str]) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
         Box::pin(async move {
             let mut names = Vec::with_capacity(ids.len());
             // One GET each: on a cluster the names live in different slots.
@@ -1366,15 +1416,6 @@ impl LockBackend for RedisBackend {
             }
             Ok(names)
         })
-    }
-
-    fn watchdog_lease(&self) -> Option<Duration> {
-        self.inner.watchdog_lease
-    }
-
-    /// `redis:<host>:<port>/<db>:<key prefix>` (`redis-cluster:<nodes>:<prefix>`).
-    fn store_id(&self) -> String {
-        self.inner.store_id.clone()
     }
 }
 

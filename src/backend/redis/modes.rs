@@ -115,69 +115,77 @@ impl RedisBackend {
     }
 
     pub(super) async fn acquire_mode(&self, req: &LockRequest) -> Result<Acquire> {
-        let p = self.prefix();
-        let key = &req.key;
-        let lock = Names::lock(p, key);
         if req.mode == LockMode::Exclusive {
             return self.acquire_exclusive(req).await;
         }
         let deadline = self.inner.attempt_deadline().await?;
-        let reply: Vec<i64> = match req.mode {
+        let Some(invocation) = self.acquire_script(req, deadline) else {
+            return self.acquire_exclusive(req).await;
+        };
+        let reply: Vec<i64> = self.invoke(&invocation).await?;
+        parse_acquire("acquire", &reply)
+    }
+
+    /// The script call that acquires `req` in its (queued or permits) mode, refused by
+    /// the server after `deadline`; `None` for a mode acquired as an exclusive lock.
+    fn acquire_script(
+        &self,
+        req: &LockRequest,
+        deadline: u64,
+    ) -> Option<redis::ScriptInvocation<'static>> {
+        let p = self.prefix();
+        let key = &req.key;
+        let lock = Names::lock(p, key);
+        let invocation = match req.mode {
             LockMode::Fair => {
-                self.invoke(
-                    MODE_SCRIPTS
-                        .fair_acquire
-                        .key(lock.as_ref())
-                        .key(Names::queue(p, key))
-                        .key(Names::queue_timeouts(p, key))
-                        .key(Names::fence(p, key))
-                        .key(Names::channel(p, key))
-                        .arg(lease_ms(req.lease))
-                        .arg(req.owner.as_str())
-                        .arg(self.waiter_timeout_ms())
-                        .arg(fenced_arg(req))
-                        .arg(deadline),
-                )
-                .await?
+                let mut invocation = MODE_SCRIPTS.fair_acquire.prepare_invoke();
+                invocation
+                    .key(lock.as_ref())
+                    .key(Names::queue(p, key))
+                    .key(Names::queue_timeouts(p, key))
+                    .key(Names::fence(p, key))
+                    .key(Names::channel(p, key))
+                    .arg(lease_ms(req.lease))
+                    .arg(req.owner.as_str())
+                    .arg(self.waiter_timeout_ms())
+                    .arg(fenced_arg(req))
+                    .arg(deadline);
+                invocation
             }
             LockMode::Read | LockMode::Write => {
-                self.invoke(
-                    MODE_SCRIPTS
-                        .rw_acquire
-                        .key(lock.as_ref())
-                        .key(Names::lease_prefix(p, key))
-                        .key(Names::queue(p, key))
-                        .key(Names::queue_timeouts(p, key))
-                        .key(Names::fence(p, key))
-                        .key(Names::rw_channel(p, key))
-                        .arg(lease_ms(req.lease))
-                        .arg(req.owner.as_str())
-                        .arg(rw_arg(req.mode))
-                        .arg(self.waiter_timeout_ms())
-                        .arg(fenced_arg(req))
-                        .arg(req.write_holder().as_str())
-                        .arg(deadline),
-                )
-                .await?
+                let mut invocation = MODE_SCRIPTS.rw_acquire.prepare_invoke();
+                invocation
+                    .key(lock.as_ref())
+                    .key(Names::lease_prefix(p, key))
+                    .key(Names::queue(p, key))
+                    .key(Names::queue_timeouts(p, key))
+                    .key(Names::fence(p, key))
+                    .key(Names::rw_channel(p, key))
+                    .arg(lease_ms(req.lease))
+                    .arg(req.owner.as_str())
+                    .arg(rw_arg(req.mode))
+                    .arg(self.waiter_timeout_ms())
+                    .arg(fenced_arg(req))
+                    .arg(req.write_holder().as_str())
+                    .arg(deadline);
+                invocation
             }
             LockMode::Permits { max } => {
-                self.invoke(
-                    MODE_SCRIPTS
-                        .permits_acquire
-                        .key(lock.as_ref())
-                        .key(Names::permits(p, key))
-                        .key(Names::fence(p, key))
-                        .arg(lease_ms(req.lease))
-                        .arg(req.owner.as_str())
-                        .arg(max.get())
-                        .arg(fenced_arg(req))
-                        .arg(deadline),
-                )
-                .await?
+                let mut invocation = MODE_SCRIPTS.permits_acquire.prepare_invoke();
+                invocation
+                    .key(lock.as_ref())
+                    .key(Names::permits(p, key))
+                    .key(Names::fence(p, key))
+                    .arg(lease_ms(req.lease))
+                    .arg(req.owner.as_str())
+                    .arg(max.get())
+                    .arg(fenced_arg(req))
+                    .arg(deadline);
+                invocation
             }
-            _ => return self.acquire_exclusive(req).await,
+            _ => return None,
         };
-        parse_acquire("acquire", &reply)
+        Some(invocation)
     }
 
     pub(super) async fn release_mode(&self, req: &LockRequest) -> Result<Release> {

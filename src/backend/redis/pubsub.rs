@@ -8,9 +8,9 @@
 //! unsubscribed while someone waits on it.
 //!
 //! A message on a channel wakes waiters of that channel in this process: `0` (an unlock)
-//! wakes one, `1` (a read unlock) wakes all. A wake-up that finds nobody parked is kept
-//! for the next waiter to park, so a release between a waiter's attempt and its sleep is
-//! not lost. After a reconnect every channel is subscribed again and every waiter is
+//! wakes one, `1` (a read unlock) wakes all. A message that finds nobody parked still
+//! moves the channel's release count, so a waiter between its attempt and its sleep does
+//! not sleep through it (and one that subscribes after it is not woken by it). After a reconnect every channel is subscribed again and every waiter is
 //! woken to retry, since messages may have been missed meanwhile.
 //!
 //! Reconnecting waits a random delay between [`MIN_BACKOFF`] and [`MAX_BACKOFF`] (see
@@ -245,6 +245,8 @@ impl Drop for RedisSubscription {
     }
 }
 
+/// The connection task: connects (moving to the next node when one fails), serves the
+/// connection until it ends, and connects again, until `shutdown`.
 async fn run(
     shared: Arc<Shared>,
     nodes: Vec<Client>,
@@ -260,17 +262,10 @@ async fn run(
         let Some(client) = nodes.get(node % nodes.len().max(1)) else {
             return;
         };
-        let connecting = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            connecting = tokio::time::timeout(CONNECT_TIMEOUT, client.get_async_pubsub()) => connecting,
-        };
-        let pubsub = match connecting {
-            Ok(Ok(pubsub)) => pubsub,
-            failed => {
-                let error = match failed {
-                    Ok(Err(error)) => error.to_string(),
-                    _ => "timed out".to_owned(),
-                };
+        let pubsub = match connect(client, &shutdown).await {
+            Connecting::Up(pubsub) => pubsub,
+            Connecting::Shutdown => return,
+            Connecting::Failed(error) => {
                 let delay = reconnect_delay(backoff);
                 // Said once per outage (a RedLock node can be down for long), then quietly.
                 if std::mem::take(&mut warn_next_failure) {
@@ -293,63 +288,113 @@ async fn run(
         }
         shared.connected.store(true, Ordering::Release);
         warn_next_failure = true;
-        let (mut sink, mut stream) = pubsub.split();
-        let mut subscribed = HashSet::new();
-        {
-            let mut state = shared.state();
-            let all: Vec<String> = state.channels.keys().cloned().collect();
-            state.dirty.extend(all);
+        // After a reconnect, messages may have been missed: every waiter tries again.
+        let wake_all = std::mem::replace(&mut connected_before, true);
+        match serve(&shared, pubsub, keepalive_every, wake_all, &shutdown).await {
+            Served::Shutdown => return,
+            Served::Unresponsive => node = node.wrapping_add(1),
+            Served::Lost => {}
         }
-        let mut wake_all_pending = connected_before;
-        connected_before = true;
-        // A connection can die without a word (a partition, a NAT dropping it): a PING
-        // now and then finds out, and the task reconnects instead of waiting forever.
-        let mut keepalive =
-            tokio::time::interval_at(Instant::now() + keepalive_every, keepalive_every);
-        keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            if let Err(error) = reconcile(&shared, &mut sink, &mut subscribed).await {
-                tracing::warn!(%error, "pub/sub (un)subscribe failed; reconnecting");
-                break;
-            }
-            if std::mem::take(&mut wake_all_pending) {
-                wake_everyone(&shared);
-            }
-            tokio::select! {
-                biased;
-                _ = shutdown.cancelled() => return,
-                msg = stream.next() => match msg {
-                    Some(msg) => dispatch(&shared, msg.get_channel_name(), msg.get_payload_bytes()),
-                    None => {
-                        tracing::warn!("pub/sub connection lost; reconnecting");
-                        break;
-                    }
-                },
-                _ = shared.changed.notified() => {}
-                _ = keepalive.tick() => {
-                    let patience = keepalive_every / KEEPALIVE_TIMEOUT_SHARE;
-                    let pong = tokio::time::timeout(patience, sink.ping::<redis::Value>()).await;
-                    if !matches!(pong, Ok(Ok(_))) {
-                        tracing::warn!("pub/sub connection unresponsive; reconnecting");
-                        node = node.wrapping_add(1);
-                        break;
-                    }
-                }
-            }
-        }
-        shared.connected.store(false, Ordering::Release);
-        {
-            let state = shared.state();
-            for channel in state.channels.values() {
-                channel.confirmed.send_replace(false);
-            }
-        }
-        // Waiters must not sleep out a holder's lease on a channel nobody listens to.
-        wake_everyone(&shared);
+        disconnected(&shared);
         if sleep_or_shutdown(reconnect_delay(FIRST_BACKOFF), &shutdown).await {
             return;
         }
     }
+}
+
+/// How connecting to a node ended.
+enum Connecting {
+    Up(redis::aio::PubSub),
+    /// Why not, for the log.
+    Failed(String),
+    Shutdown,
+}
+
+/// Connects the pub/sub connection to `client`'s node, within [`CONNECT_TIMEOUT`].
+async fn connect(client: &Client, shutdown: &CancellationToken) -> Connecting {
+    let connecting = tokio::select! {
+        _ = shutdown.cancelled() => return Connecting::Shutdown,
+        connecting = tokio::time::timeout(CONNECT_TIMEOUT, client.get_async_pubsub()) => connecting,
+    };
+    match connecting {
+        Ok(Ok(pubsub)) => Connecting::Up(pubsub),
+        Ok(Err(error)) => Connecting::Failed(error.to_string()),
+        Err(_) => Connecting::Failed("timed out".to_owned()),
+    }
+}
+
+/// How serving one connection ended.
+enum Served {
+    /// The connection dropped, or (un)subscribing failed on it.
+    Lost,
+    /// A keepalive PING went unanswered: the next node is tried.
+    Unresponsive,
+    Shutdown,
+}
+
+/// Serves one connection: subscribes every channel of the registry (and keeps the
+/// server's subscriptions in line with it), wakes every waiter once that is done if
+/// `wake_all`, and dispatches messages, until the connection ends or `shutdown`.
+async fn serve(
+    shared: &Shared,
+    pubsub: redis::aio::PubSub,
+    keepalive_every: Duration,
+    mut wake_all: bool,
+    shutdown: &CancellationToken,
+) -> Served {
+    let (mut sink, mut stream) = pubsub.split();
+    let mut subscribed = HashSet::new();
+    {
+        let mut state = shared.state();
+        let all: Vec<String> = state.channels.keys().cloned().collect();
+        state.dirty.extend(all);
+    }
+    // A connection can die without a word (a partition, a NAT dropping it): a PING
+    // now and then finds out, and the task reconnects instead of waiting forever.
+    let mut keepalive = tokio::time::interval_at(Instant::now() + keepalive_every, keepalive_every);
+    keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        if let Err(error) = reconcile(shared, &mut sink, &mut subscribed).await {
+            tracing::warn!(%error, "pub/sub (un)subscribe failed; reconnecting");
+            return Served::Lost;
+        }
+        if std::mem::take(&mut wake_all) {
+            wake_everyone(shared);
+        }
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return Served::Shutdown,
+            msg = stream.next() => match msg {
+                Some(msg) => dispatch(shared, msg.get_channel_name(), msg.get_payload_bytes()),
+                None => {
+                    tracing::warn!("pub/sub connection lost; reconnecting");
+                    return Served::Lost;
+                }
+            },
+            _ = shared.changed.notified() => {}
+            _ = keepalive.tick() => {
+                let patience = keepalive_every / KEEPALIVE_TIMEOUT_SHARE;
+                let pong = tokio::time::timeout(patience, sink.ping::<redis::Value>()).await;
+                if !matches!(pong, Ok(Ok(_))) {
+                    tracing::warn!("pub/sub connection unresponsive; reconnecting");
+                    return Served::Unresponsive;
+                }
+            }
+        }
+    }
+}
+
+/// The connection is gone: no subscription is confirmed any more, and waiters must not
+/// sleep out a holder's lease on a channel nobody listens to.
+fn disconnected(shared: &Shared) {
+    shared.connected.store(false, Ordering::Release);
+    {
+        let state = shared.state();
+        for channel in state.channels.values() {
+            channel.confirmed.send_replace(false);
+        }
+    }
+    wake_everyone(shared);
 }
 
 /// Brings the server's subscriptions in line with the registry for every dirty channel.

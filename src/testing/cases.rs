@@ -1,50 +1,41 @@
-//! The backend conformance suite: the same cases, each asserting an outcome, run against
-//! every backend through a [`Fixture`]. A backend file instantiates them all with
-//! [`conformance_tests!`](crate::conformance_tests).
+//! The conformance cases, one `async fn` each, run against a [`Fixture`]. The
+//! [`conformance_tests!`](super::conformance_tests) macro makes a test of each; a test
+//! of your own can also run one by hand:
+//!
+//! ```no_run
+//! # use std::time::Duration;
+//! # use tower_lock::testing::Fixture;
+//! # use tower_lock::{LockClient, LockKey, MemoryBackend};
+//! # struct MyFixture(MemoryBackend);
+//! # impl Fixture for MyFixture {
+//! #     fn client(&self, lease: Duration) -> LockClient {
+//! #         LockClient::builder(self.0.clone()).watchdog_lease(lease).build().unwrap()
+//! #     }
+//! #     async fn sabotage(&self, _: &LockKey) {}
+//! #     async fn waiters(&self, key: &LockKey) -> usize { self.0.waiters(key) }
+//! #     async fn residue(&self, key: &LockKey) -> bool { self.0.contains_key(key) }
+//! # }
+//! #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+//! async fn reentrancy() {
+//!     let fixture = MyFixture(MemoryBackend::new());
+//!     tower_lock::testing::cases::reentrancy(&fixture).await;
+//! }
+//! # fn main() {}
+//! ```
+//!
+//! Each case uses keys of its own (`conformance:<case>...`), so cases may share one
+//! store, and each asserts what it needs with a message that says what went wrong.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
-use tower_lock::backend::{Acquire, LockMode, LockRequest, Release};
-use tower_lock::kinds::MultiLock;
-use tower_lock::{Error, Lease, LockClient, LockKey, Owner};
 
-use super::wait_until;
-use std::future::Future;
-
-/// One backend under test.
-pub trait Fixture: Send + Sync {
-    /// A new client (a new identity) on the shared store, with this watchdog lease.
-    fn client(&self, watchdog_lease: Duration) -> LockClient;
-
-    /// Removes the lock at `key` behind its holder's back, the way an operator or an
-    /// expired-then-retaken lease would, without going through the client API.
-    fn sabotage(&self, key: &LockKey) -> impl Future<Output = ()> + Send;
-
-    /// Waiters (subscriptions) this process has registered for `key`.
-    fn waiters(&self, key: &LockKey) -> impl Future<Output = usize> + Send;
-
-    /// Whether the store still keeps any state for `key` (apart from durable fencing
-    /// counters, which must outlive holders).
-    fn residue(&self, key: &LockKey) -> impl Future<Output = bool> + Send;
-
-    /// Whether a waiter in this process is always served before a new local acquirer.
-    /// True for single stores. A quorum of stores can't promise it: a waiter woken by the
-    /// first node's release may meet a split vote and back off while the others are
-    /// still being released.
-    fn local_order_is_strict(&self) -> bool {
-        true
-    }
-
-    /// Iterations per task in [`mutual_exclusion`]: 500, fewer for a store where every
-    /// contended cycle costs many round trips (RedLock over real servers), whose
-    /// exclusion is also checked elsewhere.
-    fn contention_iters(&self) -> u64 {
-        500
-    }
-}
+use super::{Fixture, spawn_acquire, wait_until};
+use crate::backend::{Acquire, LockMode, LockRequest, Release};
+use crate::kinds::MultiLock;
+use crate::{Error, Lease, LockClient, LockKey, Owner};
 
 const LONG: Duration = Duration::from_secs(30);
 
@@ -551,7 +542,7 @@ pub async fn leaving_waiter_passes_its_turn(f: &impl Fixture) {
         f.waiters(&k).await == 1
     })
     .await;
-    let second = super::spawn_acquire(lock.clone(), Duration::from_secs(5));
+    let second = spawn_acquire(lock.clone(), Duration::from_secs(5));
     assert!(first.await.unwrap().unwrap_err().is_busy());
     let (acquired_at, g) = second.await.unwrap().unwrap();
     let after = acquired_at.duration_since(held_at);
@@ -902,84 +893,4 @@ pub async fn inspection_shows_holders_tokens_and_waiters(f: &impl Fixture) {
     assert!(!lock_b.is_locked().await.unwrap());
     // Inspecting left nothing behind.
     assert!(!f.residue(&k).await);
-}
-
-/// Calls `$callback!($($args)*; case, case, ...)` with every conformance case: the one
-/// list of cases.
-#[macro_export]
-macro_rules! with_conformance_cases {
-    ($callback:ident! ($($args:tt)*)) => {
-        $crate::$callback!($($args)*;
-            mutual_exclusion,
-            reentrancy,
-            foreign_owner_cannot_release_or_renew,
-            lease_expiry_frees_leaked_guard,
-            watchdog_keeps_lock,
-            lost_signal_fires,
-            try_lock_for_gives_up_on_time,
-            fencing_tokens_increase,
-            release_wakes_waiter,
-            dropped_waiter_leaves_nothing,
-            dropped_guard_releases,
-            bad_input_is_rejected,
-            multi_lock_all_or_nothing,
-            multi_lock_orders_keys,
-            multi_lock_unlock_reports_loss,
-            no_barging_past_local_waiters,
-            leaving_waiter_passes_its_turn,
-            multi_lock_fixed_lease_outlasts_the_wait,
-            reentry_never_shortens_the_lease,
-            a_shorter_renewal_never_shortens_the_lease,
-            concurrent_acquisitions_by_one_owner_share_one_hold,
-            inspection_shows_holders_tokens_and_waiters,
-        );
-    };
-}
-
-/// Instantiates every conformance case as a test, given an async expression that builds
-/// the fixture (a fresh one per test).
-#[macro_export]
-macro_rules! conformance_tests {
-    // An in-process store: every case on a paused clock, so time bounds are exact and
-    // a loaded machine cannot break them.
-    (paused: $fixture:expr) => {
-        $crate::with_conformance_cases!(conformance_tests!(@paused $fixture));
-    };
-    ($fixture:expr) => {
-        $crate::with_conformance_cases!(conformance_tests!(@each $fixture));
-    };
-    (@paused $fixture:expr; $($case:ident),* $(,)?) => {
-        $(
-            #[tokio::test(start_paused = true)]
-            async fn $case() {
-                let fixture = $fixture.await;
-                common::conformance::$case(&fixture).await;
-            }
-        )*
-    };
-    (@each $fixture:expr; $($case:ident),* $(,)?) => {
-        $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn $case() {
-                let fixture = $fixture.await;
-                common::conformance::$case(&fixture).await;
-            }
-        )*
-    };
-}
-
-/// Runs every conformance case in turn against one fixture (for fixtures too costly to
-/// build per case, such as a cluster). Cases use distinct keys, so they do not interfere.
-#[macro_export]
-macro_rules! run_conformance_cases {
-    ($fixture:expr) => {
-        $crate::with_conformance_cases!(run_conformance_cases!(@all $fixture))
-    };
-    (@all $fixture:expr; $($case:ident),* $(,)?) => {{
-        let fixture = $fixture;
-        $(
-            eprintln!("conformance case {}", stringify!($case));
-            common::conformance::$case(fixture).await;
-        )*
-    }};
 }

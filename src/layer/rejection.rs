@@ -1,31 +1,18 @@
-//! What the layer does in each case: how long to wait, how to hold, which requests to
-//! lock, and how every failure becomes a response ([`Rejection`], [`OnRejection`]).
+//! How the layer answers when it does not call the inner service: [`Rejection`], the
+//! handler that turns it into a response ([`OnRejection`]), and the defaults of those
+//! answers.
 
 use std::borrow::Cow;
-use std::fmt;
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderValue, Method, Response, StatusCode, header};
+use http::{HeaderValue, Response, StatusCode, header};
 use http_body::Body;
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full};
 
 use super::keys::KeyError;
-use crate::backend::LockMode;
 use crate::error::{BoxError, Error};
-use crate::lock::Lease;
-
-/// How long a request waits for a busy lock by default: 5 s. Long enough for the
-/// request ahead of it (usually the same user's double click or retry) to finish, short
-/// enough that the client gets an answer well before common 30–60 s client and proxy
-/// timeouts.
-pub const DEFAULT_WAIT: Duration = Duration::from_secs(5);
-
-/// The longest wait accepted: 10 minutes. No HTTP client waits longer; a larger value
-/// is a unit mix-up.
-pub const MAX_WAIT: Duration = Duration::from_secs(10 * 60);
 
 /// The status for a lock still busy when the wait ran out: `429 Too Many Requests`.
 ///
@@ -53,53 +40,6 @@ pub const DEFAULT_BUSY_RETRY_AFTER: Duration = Duration::from_secs(1);
 /// The longest `Retry-After` the layer is configured to send: 1 hour. Longer is a unit
 /// mix-up.
 pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(60 * 60);
-
-/// When a request's lock is released.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ReleaseOn {
-    /// When the inner service's response (its head) is ready: the default. The body is
-    /// sent unlocked; right for handlers that build the whole response before returning.
-    Response,
-    /// When the response body has been sent to the end (or dropped): for streaming
-    /// responses whose body does the protected work.
-    BodyEnd,
-}
-
-/// What happens when a held lock is lost while the inner service is still working on
-/// the request (its lease ran out, renewals failed, or it was force-released).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum OnLost {
-    /// Drop the inner future — the work stops at its next `.await` — and answer
-    /// [`Rejection::Lost`]: the default, because the work is no longer protected.
-    Cancel,
-    /// Let the inner service finish; the loss is only logged (the lost signal in
-    /// [`HeldLock`](crate::extract::HeldLock) still fires for handlers that check it).
-    Continue,
-}
-
-/// Which kind of lock the layer takes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum ModeSelect {
-    Fixed(LockMode),
-    ReadWriteByMethod,
-}
-
-impl ModeSelect {
-    pub(crate) fn for_method(self, method: &Method) -> LockMode {
-        match self {
-            ModeSelect::Fixed(mode) => mode,
-            ModeSelect::ReadWriteByMethod => {
-                if method == Method::GET || method == Method::HEAD || method == Method::OPTIONS {
-                    LockMode::Read
-                } else {
-                    LockMode::Write
-                }
-            }
-        }
-    }
-}
 
 /// The body of a rejection's response: any body, boxed (what an axum `IntoResponse`
 /// produces, or bytes).
@@ -153,7 +93,8 @@ pub enum Rejection {
     /// sent).
     Misconfigured(Error),
     /// The lock was lost while the inner service worked, and the layer cancelled it
-    /// ([`OnLost::Cancel`]). Default: `503 Service Unavailable` with `Retry-After`.
+    /// ([`OnLost::Cancel`](super::OnLost::Cancel)). Default: `503 Service Unavailable`
+    /// with `Retry-After`.
     Lost {
         /// `Retry-After` to send.
         retry_after: Duration,
@@ -314,157 +255,6 @@ impl OnRejection for DefaultRejection {
     }
 }
 
-/// The layer's validated configuration.
-#[derive(Clone)]
-pub(crate) struct Policy {
-    pub(crate) wait: Duration,
-    pub(crate) lease: Lease,
-    pub(crate) busy_status: StatusCode,
-    pub(crate) busy_retry_after: Duration,
-    pub(crate) fail_open: bool,
-    pub(crate) unavailable_retry_after: Duration,
-    pub(crate) release_on: ReleaseOn,
-    pub(crate) on_lost: OnLost,
-    /// `None`: every method is locked.
-    pub(crate) methods: Option<Vec<Method>>,
-    pub(crate) key_prefix: Option<String>,
-    pub(crate) mode: ModeSelect,
-    /// Whether requests' locks carry fencing tokens.
-    pub(crate) fenced: bool,
-    pub(crate) on_rejection: Arc<dyn OnRejection>,
-}
-
-impl Default for Policy {
-    fn default() -> Self {
-        Policy {
-            wait: DEFAULT_WAIT,
-            lease: Lease::Watchdog,
-            busy_status: DEFAULT_BUSY_STATUS,
-            busy_retry_after: DEFAULT_BUSY_RETRY_AFTER,
-            fail_open: false,
-            unavailable_retry_after: DEFAULT_UNAVAILABLE_RETRY_AFTER,
-            release_on: ReleaseOn::Response,
-            on_lost: OnLost::Cancel,
-            methods: None,
-            key_prefix: None,
-            mode: ModeSelect::Fixed(LockMode::Exclusive),
-            fenced: false,
-            on_rejection: Arc::new(DefaultRejection),
-        }
-    }
-}
-
-impl Policy {
-    pub(crate) fn locks_method(&self, method: &Method) -> bool {
-        self.methods.as_ref().is_none_or(|m| m.contains(method))
-    }
-
-    /// Classifies an acquisition error: only a store that could not answer is
-    /// "unavailable" (and may fail open); anything else the server got wrong is
-    /// "misconfigured" and fails closed.
-    pub(crate) fn rejection_for(&self, error: Error) -> Rejection {
-        match error {
-            Error::Busy { holder_ttl } => Rejection::Busy {
-                status: self.busy_status,
-                holder_ttl,
-                retry_after: self.busy_retry_after(holder_ttl),
-            },
-            Error::InvalidKey { .. } => Rejection::BadKey(KeyError::from(error)),
-            error if error.is_unavailable() => Rejection::Unavailable {
-                error,
-                retry_after: self.unavailable_retry_after,
-            },
-            error => Rejection::Misconfigured(error),
-        }
-    }
-
-    /// When a busy request should retry: the configured value, or sooner when the layer
-    /// holds with a fixed lease (then the holder's remaining lease is a real bound).
-    fn busy_retry_after(&self, holder_ttl: Option<Duration>) -> Duration {
-        match (self.lease, holder_ttl) {
-            (Lease::Fixed(_), Some(ttl)) => ttl.min(self.busy_retry_after),
-            _ => self.busy_retry_after,
-        }
-    }
-
-    pub(crate) fn validate(&self) -> Result<(), Error> {
-        if self.wait > MAX_WAIT {
-            return Err(Error::invalid_config(
-                "max_wait",
-                format!("must be at most {MAX_WAIT:?} (got {:?})", self.wait),
-            ));
-        }
-        if let Lease::Fixed(lease) = self.lease {
-            crate::lock::validate_lease("lease", lease)?;
-        }
-        if !(self.busy_status.is_client_error() || self.busy_status.is_server_error()) {
-            return Err(Error::invalid_config(
-                "busy_status",
-                format!(
-                    "must be a 4xx or 5xx status (got {})",
-                    self.busy_status.as_u16()
-                ),
-            ));
-        }
-        if self.busy_retry_after.is_zero() || self.busy_retry_after > MAX_RETRY_AFTER {
-            return Err(Error::invalid_config(
-                "busy_retry_after",
-                format!(
-                    "must be between 1 ns and {MAX_RETRY_AFTER:?} (got {:?})",
-                    self.busy_retry_after
-                ),
-            ));
-        }
-        if self.unavailable_retry_after.is_zero() || self.unavailable_retry_after > MAX_RETRY_AFTER
-        {
-            return Err(Error::invalid_config(
-                "unavailable_retry_after",
-                format!(
-                    "must be between 1 ns and {MAX_RETRY_AFTER:?} (got {:?})",
-                    self.unavailable_retry_after
-                ),
-            ));
-        }
-        if self.methods.as_ref().is_some_and(Vec::is_empty) {
-            return Err(Error::invalid_config(
-                "methods",
-                "must name at least one method (got none); to lock nothing, do not add the layer",
-            ));
-        }
-        if let Some(prefix) = &self.key_prefix
-            && (prefix.is_empty()
-                || prefix.contains(['{', '}'])
-                || prefix.chars().any(char::is_control)
-                || prefix.len() > crate::key::MAX_KEY_LEN / 2)
-        {
-            return Err(Error::invalid_config(
-                "key_prefix",
-                format!(
-                    "must be 1 to {} bytes without braces or control characters (got {prefix:?})",
-                    crate::key::MAX_KEY_LEN / 2
-                ),
-            ));
-        }
-        Ok(())
-    }
-}
-
-impl fmt::Debug for Policy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Policy")
-            .field("wait", &self.wait)
-            .field("lease", &self.lease)
-            .field("busy_status", &self.busy_status)
-            .field("fail_open", &self.fail_open)
-            .field("release_on", &self.release_on)
-            .field("on_lost", &self.on_lost)
-            .field("methods", &self.methods)
-            .field("key_prefix", &self.key_prefix)
-            .field("mode", &self.mode)
-            .finish_non_exhaustive()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -490,28 +280,6 @@ mod tests {
         assert_eq!(res.headers()[header::RETRY_AFTER], "3");
     }
 
-    #[test]
-    fn busy_retry_after_uses_the_holders_lease_only_when_fixed_and_sooner() {
-        let ttl = Some(Duration::from_secs(29));
-        let watchdog = Policy::default();
-        assert_eq!(watchdog.busy_retry_after(ttl), DEFAULT_BUSY_RETRY_AFTER);
-        let fixed = Policy {
-            lease: Lease::Fixed(Duration::from_millis(300)),
-            busy_retry_after: Duration::from_secs(5),
-            ..Policy::default()
-        };
-        assert_eq!(
-            fixed.busy_retry_after(Some(Duration::from_millis(200))),
-            Duration::from_millis(200)
-        );
-        assert_eq!(
-            fixed.busy_retry_after(ttl),
-            Duration::from_secs(5),
-            "capped"
-        );
-        assert_eq!(fixed.busy_retry_after(None), Duration::from_secs(5));
-    }
-
     #[tokio::test]
     async fn server_side_faults_send_no_internal_text() {
         let bad = Rejection::BadKey(KeyError::new("missing header `x`")).into_response();
@@ -528,49 +296,5 @@ mod tests {
             .into_response();
         assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
         assert!(!text(res).await.contains("secret"));
-    }
-
-    #[test]
-    fn a_type_collision_fails_closed_and_an_outage_is_unavailable() {
-        let p = Policy {
-            fail_open: true,
-            ..Policy::default()
-        };
-        for misconfigured in [
-            Error::WrongType,
-            Error::UnexpectedReply("?".into()),
-            Error::Unsupported {
-                backend: "x",
-                mode: LockMode::Fair,
-            },
-        ] {
-            assert!(matches!(
-                p.rejection_for(misconfigured),
-                Rejection::Misconfigured(_)
-            ));
-        }
-        assert!(matches!(
-            p.rejection_for(Error::Backend("connection refused".into())),
-            Rejection::Unavailable { .. }
-        ));
-        assert!(matches!(
-            p.rejection_for(Error::NoQuorum {
-                acquired: 1,
-                needed: 3,
-                total: 5
-            }),
-            Rejection::Unavailable { .. }
-        ));
-    }
-
-    #[test]
-    fn read_write_by_method() {
-        let m = ModeSelect::ReadWriteByMethod;
-        for read in [Method::GET, Method::HEAD, Method::OPTIONS] {
-            assert_eq!(m.for_method(&read), LockMode::Read);
-        }
-        for write in [Method::POST, Method::PUT, Method::PATCH, Method::DELETE] {
-            assert_eq!(m.for_method(&write), LockMode::Write);
-        }
     }
 }

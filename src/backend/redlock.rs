@@ -44,7 +44,7 @@
 //!   deny it or do not answer — since the holder can no longer show a quorum; a lock
 //!   lost as a whole (force-released, expired everywhere) is never taken back behind
 //!   the back of whoever released it. Each renewal counts for lease − drift from when it
-//!   was sent ([`LockBackend::clock_drift`]).
+//!   was sent ([`StoreProfile::clock_drift`]).
 //! - **Release**: on every node. [`Release::Released`] when a quorum still held it,
 //!   [`Release::NotHeld`] (the guard reports [`Error::Lost`]) when no quorum can have.
 //! - **Waiting**: one subscription per reachable node; the first notification wakes the
@@ -86,7 +86,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use tower_lock::kinds::RedLock;
+//! use tower_lock::backend::redlock::RedLock;
 //! use tower_lock::{Lease, LockClient, MemoryBackend};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
@@ -131,8 +131,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::backend::{
-    Acquire, BoxFuture, Grant, Holder, LockBackend, LockMode, LockRequest, LockState, Release,
-    Subscription, WaiterScope, Waiters, Wake,
+    Acquire, BoxFuture, ClientNames, ClockDrift, Grant, Holder, LockBackend, LockMode, LockRequest,
+    LockState, Release, StoreProfile, Subscription, WaiterScope, Waiters, Wake,
 };
 use crate::error::{Error, Result};
 use crate::key::LockKey;
@@ -176,10 +176,12 @@ pub struct RedLock {
 struct Inner {
     nodes: Vec<Arc<dyn LockBackend>>,
     quorum: usize,
-    name: &'static str,
+    /// `redlock` or `all-of`, identified by its nodes (`redlock(<node>,<node>,...)`, in
+    /// the nodes' order); queues waiters where any node does; 1% of the lease plus
+    /// 2 ms of clock drift ([`CLOCK_DRIFT_FACTOR`]).
+    profile: StoreProfile,
     node_timeout: Duration,
     retry_jitter: Duration,
-    watchdog_lease: Option<Duration>,
     backoffs: Mutex<Backoffs>,
 }
 
@@ -277,7 +279,7 @@ impl RedLockBuilder {
     /// it is zero.
     pub fn build(self) -> Result<RedLock> {
         if let Some(lease) = self.watchdog_lease {
-            crate::lock::validate_watchdog_lease(lease)?;
+            super::limits::validate_watchdog_lease(lease)?;
         }
         let total = self.nodes.len();
         if total == 0 {
@@ -296,14 +298,21 @@ impl RedLockBuilder {
             Quorum::Majority => (total / 2 + 1, "redlock"),
             Quorum::All => (total, "all-of"),
         };
+        let ids: Vec<&str> = self.nodes.iter().map(|n| n.profile().store_id()).collect();
+        let profile = self.nodes.iter().fold(
+            StoreProfile::new(name)
+                .with_store_id(format!("{name}({})", ids.join(",")))
+                .with_watchdog_lease(self.watchdog_lease)
+                .with_clock_drift(DRIFT),
+            |profile, node| profile.queueing_as_well_as(node.profile()),
+        );
         Ok(RedLock {
             inner: Arc::new(Inner {
                 nodes: self.nodes,
                 quorum,
-                name,
+                profile,
                 node_timeout: self.node_timeout,
                 retry_jitter: self.retry_jitter,
-                watchdog_lease: self.watchdog_lease,
                 backoffs: Mutex::default(),
             }),
         })
@@ -366,9 +375,12 @@ impl RedLock {
     }
 }
 
+/// [`CLOCK_DRIFT_FACTOR`] (in millionths) plus [`CLOCK_DRIFT_MIN`].
+const DRIFT: ClockDrift = ClockDrift::new(10_000, CLOCK_DRIFT_MIN);
+
 /// The clock drift allowed for over `lease`.
 fn drift(lease: Duration) -> Duration {
-    lease.mul_f64(CLOCK_DRIFT_FACTOR) + CLOCK_DRIFT_MIN
+    DRIFT.allowance(lease)
 }
 
 /// One node's answer.
@@ -376,6 +388,62 @@ enum Vote<T> {
     Answer(T),
     /// An error or no answer within the node timeout.
     Failed,
+}
+
+/// The nodes' answers to one acquisition.
+struct Tally {
+    granted: Vec<Grant>,
+    /// The busy nodes' holders' remaining leases.
+    busy: Vec<Option<Duration>>,
+    /// The nodes that answered busy, and those that failed, by index.
+    busy_nodes: Vec<usize>,
+    failed_nodes: Vec<usize>,
+}
+
+impl Tally {
+    fn of(votes: Vec<Vote<Acquire>>) -> Self {
+        let mut tally = Tally {
+            granted: Vec::new(),
+            busy: Vec::new(),
+            busy_nodes: Vec::new(),
+            failed_nodes: Vec::new(),
+        };
+        for (i, vote) in votes.into_iter().enumerate() {
+            match vote {
+                Vote::Answer(Acquire::Acquired(grant)) => tally.granted.push(grant),
+                Vote::Answer(Acquire::Busy { ttl }) => {
+                    tally.busy.push(ttl);
+                    tally.busy_nodes.push(i);
+                }
+                Vote::Failed => tally.failed_nodes.push(i),
+            }
+        }
+        tally
+    }
+
+    /// The grant of a won acquisition, valid for `valid_for`: the most holds any node
+    /// counts, and the highest token (see the module docs on tokens).
+    fn grant(&self, valid_for: Duration) -> Grant {
+        let holds = self.granted.iter().map(Grant::holds).max().unwrap_or(1);
+        let token = self.granted.iter().filter_map(Grant::token).max();
+        Grant::new(holds, token).with_valid_for(valid_for)
+    }
+}
+
+/// The drift allowance for `req`'s lease, which must be longer: a lease within it
+/// could never leave validity.
+fn checked_drift(req: &LockRequest) -> Result<Duration> {
+    let drift = drift(req.lease);
+    if req.lease <= drift {
+        return Err(Error::invalid_config(
+            "lease",
+            format!(
+                "must be longer than the RedLock clock-drift allowance of {drift:?} (got {:?})",
+                req.lease
+            ),
+        ));
+    }
+    Ok(drift)
 }
 
 impl Inner {
@@ -518,7 +586,7 @@ impl Inner {
                     true
                 }
                 Ok(Ok(Acquire::Busy { .. })) => {
-                    if node.queues_waiters(req.mode) {
+                    if node.profile().queues_waiters(req.mode) {
                         let _ =
                             tokio::time::timeout(self.node_timeout, node.cancel_wait(req)).await;
                     }
@@ -539,7 +607,7 @@ impl Inner {
             nodes
                 .iter()
                 .filter_map(|&i| self.nodes.get(i))
-                .filter(|node| node.queues_waiters(req.mode))
+                .filter(|node| node.profile().queues_waiters(req.mode))
                 .cloned()
                 .collect()
         };
@@ -567,16 +635,7 @@ impl Inner {
     }
 
     async fn acquire(self: &Arc<Self>, req: &LockRequest) -> Result<Acquire> {
-        let drift = drift(req.lease);
-        if req.lease <= drift {
-            return Err(Error::invalid_config(
-                "lease",
-                format!(
-                    "must be longer than the RedLock clock-drift allowance of {drift:?} (got {:?})",
-                    req.lease
-                ),
-            ));
-        }
+        let drift = checked_drift(req)?;
         let key = wait_key(req);
         if let Some(until) = self.backoff_until(&key) {
             let now = Instant::now();
@@ -589,25 +648,12 @@ impl Inner {
 
         let started = Instant::now();
         let votes = self.on_all("acquire", |node| node.acquire(req)).await;
-
-        let mut granted: Vec<Grant> = Vec::new();
-        let mut busy: Vec<Option<Duration>> = Vec::new();
-        let (mut busy_nodes, mut failed_nodes) = (Vec::new(), Vec::new());
-        for (i, vote) in votes.into_iter().enumerate() {
-            match vote {
-                Vote::Answer(Acquire::Acquired(grant)) => granted.push(grant),
-                Vote::Answer(Acquire::Busy { ttl }) => {
-                    busy.push(ttl);
-                    busy_nodes.push(i);
-                }
-                Vote::Failed => failed_nodes.push(i),
-            }
-        }
-        let total = self.nodes.len();
+        let tally = Tally::of(votes);
         let quorum = self.quorum_for(req.mode);
-        let won = granted.len() >= quorum;
+        let won = tally.granted.len() >= quorum;
         if won {
-            self.leave_queues(req, &busy_nodes, &failed_nodes).await;
+            self.leave_queues(req, &tally.busy_nodes, &tally.failed_nodes)
+                .await;
         }
         // Validity counts from the start of the attempt to now, when the grant is
         // handed over.
@@ -619,48 +665,48 @@ impl Inner {
                 .filter(|v| !v.is_zero())
         {
             self.clear_backoff(&key);
-            let holds = granted.iter().map(Grant::holds).max().unwrap_or(1);
-            let token = granted.iter().filter_map(Grant::token).max();
-            return Ok(Acquire::Acquired(
-                Grant::new(holds, token).with_valid_for(valid_for),
-            ));
+            return Ok(Acquire::Acquired(tally.grant(valid_for)));
         }
 
         self.undo(req).await;
-        if granted.len() + busy.len() < quorum {
+        self.not_won(key, tally, quorum, elapsed)
+    }
+
+    /// What an attempt that did not win (and was undone) answers, `elapsed` after it
+    /// started: no quorum answered, held elsewhere, or a split vote to back off from.
+    fn not_won(
+        &self,
+        key: WaitKey,
+        mut tally: Tally,
+        quorum: usize,
+        elapsed: Duration,
+    ) -> Result<Acquire> {
+        let total = self.nodes.len();
+        let (granted, busy) = (tally.granted.len(), tally.busy.len());
+        if granted + busy < quorum {
             self.clear_backoff(&key);
-            tracing::debug!(
-                granted = granted.len(),
-                busy = busy.len(),
-                total,
-                "redlock: too few nodes answered"
-            );
-            return Err(self.no_quorum(granted.len(), quorum));
+            tracing::debug!(granted, busy, total, "redlock: too few nodes answered");
+            return Err(self.no_quorum(granted, quorum));
         }
-        if busy.len() >= quorum {
+        if busy >= quorum {
             self.clear_backoff(&key);
             // Held elsewhere: come back when enough busy nodes could be free for a
             // quorum (if every other node granted).
-            busy.sort_by(|a, b| match (a, b) {
+            tally.busy.sort_by(|a, b| match (a, b) {
                 (Some(a), Some(b)) => a.cmp(b),
                 (None, None) => CmpOrdering::Equal,
                 (None, Some(_)) => CmpOrdering::Greater,
                 (Some(_), None) => CmpOrdering::Less,
             });
-            let need = quorum.saturating_sub(total - busy.len()).max(1);
-            let ttl = busy.get(need - 1).copied().flatten();
+            let need = quorum.saturating_sub(total - busy).max(1);
+            let ttl = tally.busy.get(need - 1).copied().flatten();
             return Ok(Acquire::Busy { ttl });
         }
         // A split vote (or too slow to leave validity): back off for a random while so
         // contenders do not retry in lockstep.
         let backoff = elapsed + self.jitter();
         self.set_backoff(key, Instant::now() + backoff);
-        tracing::debug!(
-            granted = granted.len(),
-            busy = busy.len(),
-            ?backoff,
-            "redlock: no winner; backing off"
-        );
+        tracing::debug!(granted, busy, ?backoff, "redlock: no winner; backing off");
         Ok(Acquire::Busy {
             ttl: Some(backoff.max(Duration::from_millis(1))),
         })
@@ -695,8 +741,8 @@ impl Inner {
 }
 
 impl LockBackend for RedLock {
-    fn name(&self) -> &'static str {
-        self.inner.name
+    fn profile(&self) -> &StoreProfile {
+        &self.inner.profile
     }
 
     fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
@@ -810,13 +856,6 @@ impl LockBackend for RedLock {
         })
     }
 
-    fn queues_waiters(&self, mode: LockMode) -> bool {
-        self.inner
-            .nodes
-            .iter()
-            .any(|node| node.queues_waiters(mode))
-    }
-
     fn has_local_waiters(&self, req: &LockRequest) -> bool {
         // A RedLock waiter subscribes on every reachable node, so any node sees it.
         self.inner
@@ -879,7 +918,14 @@ impl LockBackend for RedLock {
         })
     }
 
-    fn register_client<'a>(
+    fn clients(&self) -> Option<&dyn ClientNames> {
+        Some(self)
+    }
+}
+
+/// Names go to every node and are read from the first that has one.
+impl ClientNames for RedLock {
+    fn register<'a>(
         &'a self,
         id: &'a str,
         name: &'a str,
@@ -889,7 +935,7 @@ impl LockBackend for RedLock {
             let votes = self
                 .inner
                 .on_all("register the client", |node| {
-                    node.register_client(id, name, ttl)
+                    node_names(node).register(id, name, ttl)
                 })
                 .await;
             if votes.iter().any(|v| matches!(v, Vote::Answer(()))) {
@@ -901,14 +947,11 @@ impl LockBackend for RedLock {
     }
 
     /// The first name any node has for each client.
-    fn client_names<'a>(
-        &'a self,
-        ids: &'a [&'a str],
-    ) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
+    fn names<'a>(&'a self, ids: &'a [&'a str]) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
         Box::pin(async move {
             let votes = self
                 .inner
-                .on_all("read client names", |node| node.client_names(ids))
+                .on_all("read client names", |node| node_names(node).names(ids))
                 .await;
             let mut names = vec![None; ids.len()];
             for vote in votes {
@@ -923,20 +966,23 @@ impl LockBackend for RedLock {
             Ok(names)
         })
     }
+}
 
-    fn watchdog_lease(&self) -> Option<Duration> {
-        self.inner.watchdog_lease
+/// A node's record of client names; a node without one records nothing and knows none.
+fn node_names(node: &dyn LockBackend) -> &dyn ClientNames {
+    node.clients().unwrap_or(&NoNames)
+}
+
+/// The record of a store that keeps no client names.
+struct NoNames;
+
+impl ClientNames for NoNames {
+    fn register<'a>(&'a self, _: &'a str, _: &'a str, _: Duration) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async { Ok(()) })
     }
 
-    /// 1% of the lease plus 2 ms: see [`CLOCK_DRIFT_FACTOR`].
-    fn clock_drift(&self, lease: Duration) -> Duration {
-        drift(lease)
-    }
-
-    /// `redlock(<node>,<node>,...)` (`all-of(...)`), in the nodes' order.
-    fn store_id(&self) -> String {
-        let ids: Vec<String> = self.inner.nodes.iter().map(|n| n.store_id()).collect();
-        format!("{}({})", self.inner.name, ids.join(","))
+    fn names<'a>(&'a self, ids: &'a [&'a str]) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
+        Box::pin(async move { Ok(vec![None; ids.len()]) })
     }
 }
 
@@ -949,7 +995,7 @@ impl std::fmt::Debug for RedLock {
                     .inner
                     .nodes
                     .iter()
-                    .map(|n| n.name())
+                    .map(|n| n.profile().name())
                     .collect::<Vec<_>>(),
             )
             .field("quorum", &self.inner.quorum)

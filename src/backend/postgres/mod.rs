@@ -1,0 +1,485 @@
+//! The PostgreSQL backend: leased locks of every kind in a few tables, for services that
+//! already run PostgreSQL and would rather not add Redis for locks (feature `postgres`).
+//!
+//! [`PostgresBackend`] works with the [`sqlx::PgPool`] the application already has (or
+//! makes one from a URL). sqlx because it is what most axum services use for
+//! PostgreSQL, and its `PgListener` re-`LISTEN`s by itself after a reconnect.
+//!
+//! # How it works
+//!
+//! - **Leases, not sessions.** A hold is a row `(name, owner, mode, holds, expires_at,
+//!   token)`; the database's clock (`clock_timestamp()`) sets and checks every
+//!   `expires_at`, never the client's. A crashed or paused holder's lock ends with its
+//!   lease, whatever becomes of its connections, and any session can release it
+//!   ([`force_release`](LockBackend::force_release)). No session-bound advisory lock
+//!   holds a lock.
+//! - **One statement per operation.** Every state change is one call of a PL/pgSQL
+//!   function (`sql/postgres.sql`), which serializes the operations on one name with a
+//!   transaction-scoped advisory lock on (the table, the name) — held for microseconds,
+//!   never across a client round trip.
+//! - **Waiting** is `LISTEN`/`NOTIFY` on one listening connection per backend: a
+//!   release that frees a lock notifies the table's channel with the name, at commit;
+//!   in each process one waiter of an exclusive lock or a permit is woken per release
+//!   (all waiters of the queued modes, whose order the queue enforces). Waiters also
+//!   wake when the holder's lease would end. After the listening connection drops, it
+//!   reconnects, listens again and wakes every waiter (notifications may have been
+//!   missed).
+//! - **Fencing tokens** come from a sequence, raised to the database clock in
+//!   microseconds and above the name's last token (the newest per name is kept in the
+//!   `<table>_fence` table): strictly increasing per name, as on every backend.
+//! - **Modes**: every [`LockMode`]. Fair, read and write waiters queue in
+//!   `<table>_queue` in arrival order, with the same rules and eviction as the other
+//!   backends (see [`LockMode`](super::LockMode#rules)).
+//! - **The watchdog** renews all of a client's holds in one statement per period.
+//!
+//! Tables (in the configured schema, named after the configured table, default
+//! `tower_lock`): `tower_lock` (holds), `tower_lock_queue`, `tower_lock_fence`,
+//! `tower_lock_clients`, the sequence `tower_lock_token` and the functions
+//! `tower_lock_*`. They are created when the backend is built (unless
+//! [`migrate(false)`](PostgresBackendBuilder::migrate)), or by
+//! [`PostgresBackend::migrate`]; creating them is idempotent and safe from several
+//! processes at once.
+//!
+//! The listening connection is one of the pool's connections, held for the backend's
+//! life: size the pool one larger, and drop the backend before `PgPool::close`, which
+//! waits for every connection to come back.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use tower_lock::{LockClient, PostgresBackend};
+//!
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::PgPool::connect("postgres://app@127.0.0.1/app").await?;
+//! let backend = PostgresBackend::builder(pool).table("app_locks").build().await?;
+//! let client = LockClient::new(backend);
+//! let guard = client.get_fenced_lock("lock:order:{42}")?.lock().await?;
+//! // UPDATE orders SET ..., last_token = $token WHERE id = 42 AND last_token < $token
+//! guard.unlock().await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Errors
+//!
+//! Connection failures, timeouts and a server shutting down surface as
+//! [`Error::Backend`] (retryable: an outage); a schema that is missing or not this
+//! crate's (an undefined function or table, a permission error) as
+//! [`Error::UnexpectedReply`], so a misconfiguration fails closed.
+//!
+//! # Cancel safety
+//!
+//! A call dropped after it was sent may still run on the server; the client side
+//! compensates (see [`Lock`](crate::Lock)). Dropping a subscription unregisters the
+//! waiter at once.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use tokio_util::sync::DropGuard;
+
+use super::{
+    Acquire, BoxFuture, ClientNames, LockBackend, LockMode, LockRequest, LockState, Release,
+    Signal, StoreProfile, Subscription, queued,
+};
+use crate::backend::clock::StoreClock;
+use crate::error::{Error, Result};
+use crate::key::LockKey;
+
+mod builder;
+mod listener;
+mod statements;
+
+pub use builder::PostgresBackendBuilder;
+use listener::{KeyWaiters, PgSubscription, waiters_of};
+use statements::{Statements, millis, mode_char};
+
+/// The table when none is configured: `tower_lock`.
+pub const DEFAULT_TABLE: &str = "tower_lock";
+
+/// The schema when none is configured: `public`.
+pub const DEFAULT_SCHEMA: &str = "public";
+
+/// How long one call may take before it fails as an outage: 2 s. A lock statement takes
+/// well under a millisecond; one that takes seconds means the server is stalled or
+/// unreachable.
+pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
+
+pub use crate::backend::limits::DEFAULT_WAITER_TIMEOUT;
+
+/// A lock store on PostgreSQL. See the [module docs](self).
+///
+/// Cheap to clone: clones share the pool and the listening task, which ends with the
+/// last clone.
+#[derive(Clone)]
+pub struct PostgresBackend {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: PgPool,
+    /// `<schema>.<table>`, the prefix of every function.
+    qualified: String,
+    /// The hot path's statements, formatted once.
+    statements: Statements,
+    /// The database's clock, for the deadlines of attempts.
+    clock: StoreClock,
+    waiter_timeout: Duration,
+    response_timeout: Duration,
+    /// `postgres`; its identity is
+    /// `postgres://<host>:<port>/<database>/<schema>.<table>`.
+    profile: StoreProfile,
+    /// This backend's name in its release notifications: its listener skips them.
+    origin: String,
+    waiters: Arc<Mutex<HashMap<LockKey, KeyWaiters>>>,
+    _stop_listener: DropGuard,
+}
+
+impl PostgresBackend {
+    /// A backend on a new pool for `url` (`postgres://user:password@host:port/db`), with
+    /// the default schema and table, created if missing.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] for a URL that is not one; [`Error::Backend`] when the
+    /// server cannot be reached.
+    pub async fn connect(url: &str) -> Result<Self> {
+        let pool = PgPoolOptions::new()
+            .max_connections(10)
+            .acquire_timeout(DEFAULT_RESPONSE_TIMEOUT)
+            .connect(url)
+            .await
+            .map_err(|e| match e {
+                sqlx::Error::Configuration(e) => {
+                    Error::invalid_config("url", format!("is not a PostgreSQL URL: {e}"))
+                }
+                e => map_error(e),
+            })?;
+        Self::builder(pool).build().await
+    }
+
+    /// Configures a backend on `pool`, the application's own.
+    pub fn builder(pool: PgPool) -> PostgresBackendBuilder {
+        PostgresBackendBuilder::new(pool)
+    }
+
+    /// Creates the tables and functions of `schema`.`table` in the database of `pool`
+    /// if they are missing (and replaces the functions with this version's). Safe to run
+    /// from several processes at once.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] for a schema or table name that is not a plain
+    /// identifier; backend errors.
+    pub async fn migrate(pool: &PgPool, schema: &str, table: &str) -> Result<()> {
+        validate_identifier("schema", schema)?;
+        validate_identifier("table", table)?;
+        // One script, one implicit transaction, behind a transaction-scoped advisory
+        // lock: concurrent CREATE ... IF NOT EXISTS from two processes can collide.
+        let sql = [
+            "SELECT pg_advisory_xact_lock(hashtext('tower_lock migrate'));\n",
+            &statements::SCHEMA_SQL
+                .replace("__S__", schema)
+                .replace("__T__", table),
+        ]
+        .concat();
+        sqlx::raw_sql(&sql).execute(pool).await.map_err(map_error)?;
+        Ok(())
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.inner.pool
+    }
+
+    /// The table of holds, qualified: `<schema>.<table>`; its companions add `_queue`,
+    /// `_fence`, `_clients`.
+    pub fn qualified_table(&self) -> &str {
+        &self.inner.qualified
+    }
+
+    /// The configured waiter timeout; see [`PostgresBackendBuilder::waiter_timeout`].
+    pub fn waiter_timeout(&self) -> Duration {
+        self.inner.waiter_timeout
+    }
+
+    /// Waiters registered for `key` in this process, in every mode (a diagnostic).
+    pub fn local_waiters(&self, key: &LockKey) -> usize {
+        waiters_of(&self.inner.waiters)
+            .get(key)
+            .map_or(0, |w| w.ones + w.alls)
+    }
+}
+
+impl LockBackend for PostgresBackend {
+    fn profile(&self) -> &StoreProfile {
+        &self.inner.profile
+    }
+
+    fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
+        Box::pin(self.acquire_now(req))
+    }
+
+    fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let renewed = self.renew_all(std::slice::from_ref(req)).await?;
+            Ok(renewed.first().copied().unwrap_or(false))
+        })
+    }
+
+    /// One statement for every hold.
+    fn renew_many<'a>(&'a self, reqs: &'a [LockRequest]) -> BoxFuture<'a, Vec<Result<bool>>> {
+        Box::pin(async move {
+            match self.renew_all(reqs).await {
+                Ok(renewed) => renewed.into_iter().map(Ok).collect(),
+                Err(error) => {
+                    let message = error.to_string();
+                    reqs.iter()
+                        .map(|_| Err(Error::Backend(message.clone().into())))
+                        .collect()
+                }
+            }
+        })
+    }
+
+    fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>> {
+        Box::pin(self.release_now(req))
+    }
+
+    fn subscribe<'a>(
+        &'a self,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, Result<Box<dyn Subscription>>> {
+        Box::pin(async move {
+            let queued = queued(req.mode);
+            let mut map = waiters_of(&self.inner.waiters);
+            let w = map.entry(req.key.clone()).or_insert_with(|| KeyWaiters {
+                one: Arc::new(Signal::new()),
+                ones: 0,
+                all: Arc::new(Signal::new()),
+                alls: 0,
+            });
+            let signal = if queued {
+                w.alls += 1;
+                Arc::clone(&w.all)
+            } else {
+                w.ones += 1;
+                Arc::clone(&w.one)
+            };
+            let seen = signal.seen();
+            drop(map);
+            let sub: Box<dyn Subscription> = Box::new(PgSubscription {
+                waiters: Arc::clone(&self.inner.waiters),
+                key: req.key.clone(),
+                queued,
+                signal,
+                seen,
+            });
+            Ok(sub)
+        })
+    }
+
+    fn has_local_waiters(&self, req: &LockRequest) -> bool {
+        !queued(req.mode)
+            && waiters_of(&self.inner.waiters)
+                .get(&req.key)
+                .is_some_and(|w| w.ones > 0)
+    }
+
+    fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let sql = self.sql("SELECT __F___cancel($1, $2, $3)");
+            self.timed(
+                sqlx::query(&sql)
+                    .bind(req.key.as_str())
+                    .bind(req.owner.as_str())
+                    .bind(mode_char(req.mode))
+                    .execute(&self.inner.pool),
+            )
+            .await?;
+            Ok(())
+        })
+    }
+
+    /// Releases and dequeues the owner, and refuses its late attempts: one of them may
+    /// still be on its way over another of the pool's connections, and must not take
+    /// a hold or a place in the queue nobody stands for.
+    fn abandon<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            // Long enough that an attempt still arriving is one the response timeout
+            // already gave up on, and past the lease of anything it could have taken.
+            let keep = self.inner.response_timeout * 2 + req.lease;
+            let sql = self.sql("SELECT __F___abandon($1, $2, $3, $4)");
+            self.timed(
+                sqlx::query(&sql)
+                    .bind(req.key.as_str())
+                    .bind(req.owner.as_str())
+                    .bind(mode_char(req.mode))
+                    .bind(millis(keep))
+                    .execute(&self.inner.pool),
+            )
+            .await?;
+            Ok(())
+        })
+    }
+
+    fn force_release<'a>(
+        &'a self,
+        key: &'a LockKey,
+        mode: LockMode,
+    ) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let sql = self.sql("SELECT __F___force($1, $2)");
+            self.timed(
+                sqlx::query_scalar(&sql)
+                    .bind(key.as_str())
+                    .bind(mode_char(mode))
+                    .fetch_one(&self.inner.pool),
+            )
+            .await
+        })
+    }
+
+    fn inspect<'a>(&'a self, key: &'a LockKey, mode: LockMode) -> BoxFuture<'a, Result<LockState>> {
+        Box::pin(self.state_of(key, mode))
+    }
+
+    fn clients(&self) -> Option<&dyn ClientNames> {
+        Some(self)
+    }
+}
+
+/// Names live in `<table>_clients`, swept of expired rows by every registration.
+impl ClientNames for PostgresBackend {
+    fn register<'a>(
+        &'a self,
+        id: &'a str,
+        name: &'a str,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let sql = self.sql(
+                "INSERT INTO __F___clients (id, name, expires_at) \
+                 VALUES ($1, $2, clock_timestamp() + $3 * interval '1 millisecond') \
+                 ON CONFLICT (id) DO UPDATE SET name = excluded.name, expires_at = excluded.expires_at",
+            );
+            self.timed(
+                sqlx::query(&sql)
+                    .bind(id)
+                    .bind(name)
+                    .bind(millis(ttl))
+                    .execute(&self.inner.pool),
+            )
+            .await?;
+            // Every client registers now and then: it sweeps what expired, so names
+            // locked once (a crashed holder, a vanished waiter) leave no rows behind.
+            // Expired rows count as absent everywhere, so deleting them changes nothing.
+            let sweep = self.sql(
+                "DELETE FROM __F__ WHERE expires_at <= clock_timestamp(); \
+                 DELETE FROM __F___queue WHERE evict_at <= clock_timestamp(); \
+                 DELETE FROM __F___clients WHERE expires_at <= clock_timestamp(); \
+                 DELETE FROM __F___gone WHERE until <= clock_timestamp();",
+            );
+            self.timed(sqlx::raw_sql(&sweep).execute(&self.inner.pool))
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn names<'a>(&'a self, ids: &'a [&'a str]) -> BoxFuture<'a, Result<Vec<Option<String>>>> {
+        Box::pin(async move {
+            let sql = self.sql(
+                "SELECT id, name FROM __F___clients \
+                  WHERE id = ANY($1) AND expires_at > clock_timestamp()",
+            );
+            let rows: Vec<(String, String)> = self
+                .timed(
+                    sqlx::query_as(&sql)
+                        .bind(ids.to_vec())
+                        .fetch_all(&self.inner.pool),
+                )
+                .await?;
+            Ok(ids
+                .iter()
+                .map(|id| {
+                    rows.iter()
+                        .find(|(k, _)| k == id)
+                        .map(|(_, name)| name.clone())
+                })
+                .collect())
+        })
+    }
+}
+
+impl fmt::Debug for PostgresBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresBackend")
+            .field("store", &self.inner.profile.store_id())
+            .field("waiter_timeout", &self.inner.waiter_timeout)
+            .finish()
+    }
+}
+
+fn validate_identifier(name: &'static str, value: &str) -> Result<()> {
+    let ok = !value.is_empty()
+        && value.len() <= 40
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        && !value.as_bytes()[0].is_ascii_digit();
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::invalid_config(
+            name,
+            format!(
+                "must be a plain identifier: 1 to 40 of a-z, 0-9 and _, not starting with a digit (got {value:?})"
+            ),
+        ))
+    }
+}
+
+/// sqlx's error → the crate's. A store set up wrong is a misconfiguration, which
+/// fails closed: undefined objects, syntax, permissions (SQLSTATE classes 42, 28), a
+/// schema that is not there (3F), an isolation level the functions refuse or another
+/// unsupported feature (0A), bad data (22), a read-only standby (25006). Anything else
+/// (I/O, timeouts, a server shutting down or not accepting connections, a cancelled
+/// statement) is an outage.
+fn map_error(error: sqlx::Error) -> Error {
+    if let sqlx::Error::Database(db) = &error
+        && let Some(code) = db.code()
+        && (["42", "28", "3F", "0A", "22"]
+            .iter()
+            .any(|class| code.starts_with(class))
+            || code == "25006")
+    {
+        return Error::UnexpectedReply(format!("PostgreSQL refused a lock statement: {db}"));
+    }
+    Error::Backend(Box::new(error))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers_are_checked() {
+        for ok in ["tower_lock", "a", "locks_2", "public"] {
+            assert!(validate_identifier("table", ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "",
+            "Locks",
+            "2locks",
+            "a-b",
+            "a;drop table x",
+            "a.b",
+            &"x".repeat(41),
+        ] {
+            assert!(validate_identifier("table", bad).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,313 @@
+//! The statements the backend sends: the schema, the hot path's statements (formatted
+//! once), and the calls that send them within the response timeout.
+
+use std::time::Duration;
+
+use super::listener::waiters_of;
+use super::{PostgresBackend, map_error};
+use crate::backend::{
+    Acquire, FencingToken, Grant, Holder, LockMode, LockRequest, LockState, Release, WaiterScope,
+    Waiters, queued,
+};
+use crate::error::{Error, Result};
+use crate::key::LockKey;
+use crate::owner::Owner;
+
+/// The schema and functions, with `__S__` / `__T__` for the schema and table.
+pub(super) const SCHEMA_SQL: &str = include_str!("../../../sql/postgres.sql");
+
+/// The statements every acquisition, release and renewal sends, with the schema and
+/// table filled in once at build (not formatted per call).
+pub(super) struct Statements {
+    acquire: String,
+    release: String,
+    renew: String,
+}
+
+impl Statements {
+    /// The statements for the functions of `qualified` (`<schema>.<table>`).
+    pub(super) fn new(qualified: &str) -> Self {
+        Statements {
+            acquire: fill(
+                "SELECT acquired, holds, token, ttl_ms FROM __F___acquire($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+                qualified,
+            ),
+            release: fill("SELECT __F___release($1, $2, $3, $4, $5)", qualified),
+            renew: fill("SELECT * FROM __F___renew($1, $2, $3, $4)", qualified),
+        }
+    }
+}
+
+impl PostgresBackend {
+    pub(super) fn sql(&self, body: &str) -> String {
+        fill(body, &self.inner.qualified)
+    }
+
+    /// Runs `call` within the response timeout.
+    pub(super) async fn timed<T>(
+        &self,
+        call: impl Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<T> {
+        match tokio::time::timeout(self.inner.response_timeout, call).await {
+            Ok(result) => result.map_err(map_error),
+            Err(_) => Err(Error::Backend(
+                format!(
+                    "PostgreSQL did not answer within {:?}",
+                    self.inner.response_timeout
+                )
+                .into(),
+            )),
+        }
+    }
+
+    /// The deadline, on the database's clock in microseconds, of an attempt sent now:
+    /// its response times out when the database's clock has passed it (see
+    /// [`clock`](crate::backend::clock)). Samples the database's clock first when the
+    /// last sample is too old.
+    pub(super) async fn attempt_deadline(&self) -> Result<i64> {
+        let window = self.inner.response_timeout;
+        if let Some(deadline) = self.inner.clock.deadline(window) {
+            return Ok(i64::try_from(deadline).unwrap_or(i64::MAX));
+        }
+        let now_us: i64 = self
+            .timed(
+                sqlx::query_scalar(
+                    "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
+                )
+                .fetch_one(&self.inner.pool),
+            )
+            .await?;
+        let received = std::time::Instant::now();
+        self.inner
+            .clock
+            .record(u64::try_from(now_us).unwrap_or(0), received);
+        let deadline = self.inner.clock.deadline(window).unwrap_or(u64::MAX);
+        Ok(i64::try_from(deadline).unwrap_or(i64::MAX))
+    }
+
+    pub(super) async fn acquire_now(&self, req: &LockRequest) -> Result<Acquire> {
+        let max = match req.mode {
+            LockMode::Permits { max } => i32::try_from(max.get()).unwrap_or(i32::MAX),
+            _ => 0,
+        };
+        let deadline = self.attempt_deadline().await?;
+        let (acquired, holds, token, ttl_ms): (bool, i32, Option<i64>, Option<i64>) = self
+            .timed(
+                sqlx::query_as(&self.inner.statements.acquire)
+                    .bind(req.key.as_str())
+                    .bind(req.owner.as_str())
+                    .bind(mode_char(req.mode))
+                    .bind(max)
+                    .bind(millis(req.lease))
+                    .bind(req.fenced)
+                    .bind(req.writer.as_ref().map(Owner::as_str))
+                    .bind(millis(self.inner.waiter_timeout))
+                    .bind(deadline)
+                    .fetch_one(&self.inner.pool),
+            )
+            .await?;
+        if ttl_ms == Some(-2) {
+            return Err(Error::Backend(
+                "the lock attempt reached PostgreSQL after its deadline and was refused".into(),
+            ));
+        }
+        if acquired {
+            let token = token.map(|t| FencingToken::new(t.unsigned_abs()));
+            return Ok(Acquire::Acquired(Grant::new(
+                u32::try_from(holds).unwrap_or(1),
+                token,
+            )));
+        }
+        let ttl = match ttl_ms {
+            Some(ms) if ms >= 0 => Some(Duration::from_millis(ms.unsigned_abs())),
+            _ => None,
+        };
+        Ok(Acquire::Busy { ttl })
+    }
+
+    pub(super) async fn release_now(&self, req: &LockRequest) -> Result<Release> {
+        let left: i32 = self
+            .timed(
+                sqlx::query_scalar(&self.inner.statements.release)
+                    .bind(req.key.as_str())
+                    .bind(req.owner.as_str())
+                    .bind(mode_char(req.mode))
+                    .bind(millis(req.lease))
+                    .bind(&self.inner.origin)
+                    .fetch_one(&self.inner.pool),
+            )
+            .await?;
+        Ok(match left {
+            -1 => Release::NotHeld,
+            0 => {
+                // This process's waiters hear it now, not a NOTIFY round trip later: a
+                // releaser that asks again at once must find them ahead of it (no
+                // barging). The NOTIFY names this backend, whose listener skips it.
+                if let Some(w) = waiters_of(&self.inner.waiters).get(&req.key) {
+                    w.one.notify_one();
+                    w.all.notify_all();
+                }
+                Release::Released
+            }
+            n => Release::Decremented {
+                holds: u32::try_from(n).unwrap_or(u32::MAX),
+            },
+        })
+    }
+
+    pub(super) async fn renew_all(&self, reqs: &[LockRequest]) -> Result<Vec<bool>> {
+        let names: Vec<&str> = reqs.iter().map(|r| r.key.as_str()).collect();
+        let owners: Vec<&str> = reqs.iter().map(|r| r.owner.as_str()).collect();
+        let modes: Vec<i8> = reqs.iter().map(|r| mode_char(r.mode)).collect();
+        let leases: Vec<i64> = reqs.iter().map(|r| millis(r.lease)).collect();
+        let renewed: Vec<i32> = self
+            .timed(
+                sqlx::query_scalar(&self.inner.statements.renew)
+                    .bind(names)
+                    .bind(owners)
+                    .bind(modes)
+                    .bind(leases)
+                    .fetch_all(&self.inner.pool),
+            )
+            .await?;
+        let mut out = vec![false; reqs.len()];
+        for i in renewed {
+            // `WITH ORDINALITY` counts from 1.
+            if let Some(slot) = usize::try_from(i - 1).ok().and_then(|i| out.get_mut(i)) {
+                *slot = true;
+            }
+        }
+        Ok(out)
+    }
+
+    pub(super) async fn state_of(&self, key: &LockKey, mode: LockMode) -> Result<LockState> {
+        let holds_sql = self.sql(
+            "SELECT owner, mode, holds, \
+                    ceil(extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint, token \
+               FROM __F__ WHERE name = $1 AND expires_at > clock_timestamp() ORDER BY owner",
+        );
+        let rows: Vec<HoldRow> = self
+            .timed(
+                sqlx::query_as(&holds_sql)
+                    .bind(key.as_str())
+                    .fetch_all(&self.inner.pool),
+            )
+            .await?;
+        let fence_sql = self.sql("SELECT token FROM __F___fence WHERE name = $1");
+        let fence: Option<i64> = self
+            .timed(
+                sqlx::query_scalar(&fence_sql)
+                    .bind(key.as_str())
+                    .fetch_optional(&self.inner.pool),
+            )
+            .await?;
+        let waiters = self.waiters_for(key, mode).await?;
+        let holders = rows
+            .into_iter()
+            .map(|row| holder_of(row, mode))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(LockState::new(holders, waiters)
+            .with_fencing_token(fence.map(|t| FencingToken::new(t.unsigned_abs()))))
+    }
+
+    /// The waiters of `key` in `mode`: those in the queue table for a queued mode, else
+    /// those of this process (the database keeps no other record of them).
+    async fn waiters_for(&self, key: &LockKey, mode: LockMode) -> Result<Waiters> {
+        if !queued(mode) {
+            let here = waiters_of(&self.inner.waiters)
+                .get(key)
+                .map_or(0, |w| w.ones);
+            return Ok(Waiters::new(here, WaiterScope::Process));
+        }
+        let queue_sql = self.sql(
+            "SELECT count(*) FROM __F___queue WHERE name = $1 AND evict_at > clock_timestamp()",
+        );
+        let queued: i64 = self
+            .timed(
+                sqlx::query_scalar(&queue_sql)
+                    .bind(key.as_str())
+                    .fetch_one(&self.inner.pool),
+            )
+            .await?;
+        Ok(Waiters::new(
+            usize::try_from(queued).unwrap_or(0),
+            WaiterScope::Store,
+        ))
+    }
+}
+
+/// A row of the holds table as [`state_of`](PostgresBackend::state_of) reads it: owner,
+/// mode, holds, milliseconds left, token.
+type HoldRow = (String, i8, i32, i64, Option<i64>);
+
+/// The [`Holder`] a row of the holds table describes; `mode` is the one inspected, whose
+/// `max` a permit hold reports.
+fn holder_of((owner, held, holds, ttl_ms, token): HoldRow, mode: LockMode) -> Result<Holder> {
+    let owner = Owner::from_raw(&owner)
+        .map_err(|_| Error::UnexpectedReply(format!("a hold with an invalid owner {owner:?}")))?;
+    let held = match u8::try_from(held).unwrap_or(b'x') {
+        b'f' => LockMode::Fair,
+        b'r' => LockMode::Read,
+        b'w' => LockMode::Write,
+        b'p' => match mode {
+            LockMode::Permits { .. } => mode,
+            _ => LockMode::Permits {
+                max: std::num::NonZeroU32::MAX,
+            },
+        },
+        _ => LockMode::Exclusive,
+    };
+    let ttl = Duration::from_millis(ttl_ms.max(0).unsigned_abs());
+    Ok(
+        Holder::new(owner, held, u32::try_from(holds).unwrap_or(1), Some(ttl))
+            .with_token(token.map(|t| FencingToken::new(t.unsigned_abs()))),
+    )
+}
+
+/// `body` with `__F__` replaced by the qualified table.
+fn fill(body: &str, qualified: &str) -> String {
+    body.replace("__F__", qualified)
+}
+
+/// A mode as the functions take it: one byte (PostgreSQL's `"char"`).
+pub(super) fn mode_char(mode: LockMode) -> i8 {
+    let c = match mode {
+        LockMode::Exclusive => b'x',
+        LockMode::Fair => b'f',
+        LockMode::Read => b'r',
+        LockMode::Write => b'w',
+        LockMode::Permits { .. } => b'p',
+    };
+    c as i8
+}
+
+pub(super) fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_are_one_byte_each() {
+        let modes = [
+            LockMode::Exclusive,
+            LockMode::Fair,
+            LockMode::Read,
+            LockMode::Write,
+            LockMode::Permits {
+                max: std::num::NonZeroU32::MIN,
+            },
+        ];
+        let chars: std::collections::HashSet<i8> = modes.into_iter().map(mode_char).collect();
+        assert_eq!(chars.len(), 5);
+    }
+
+    #[test]
+    fn the_schema_has_every_placeholder_filled() {
+        let sql = SCHEMA_SQL.replace("__S__", "s").replace("__T__", "t");
+        assert!(!sql.contains("__"), "a placeholder is left");
+        assert!(sql.contains("s.t_acquire("));
+    }
+}

@@ -1,0 +1,98 @@
+//! [`PathParamKey`]: keys a request by an axum path parameter (feature `axum`).
+
+use std::borrow::Cow;
+
+use axum::extract::FromRequestParts;
+use http::request::Parts;
+
+use super::{Extracted, KeyError, KeyExtractor, Keys, checked_namespace, namespaced};
+use crate::backend::BoxFuture;
+use crate::error::Error;
+
+/// Keys a request by an axum path parameter (`/vouchers/{id}` → `id`):
+/// `<namespace>:{<value>}`, percent-decoded as axum decodes it.
+///
+/// **Put the layer on the handler with `MethodRouter::route_layer`** (or add it with
+/// `Router::route_layer`). The parameters exist only once axum has matched a route.
+/// `Router::layer` also wraps the fallback, which has no parameters, so a request for
+/// an unknown path would get this extractor's 500 instead of axum's 404; and a layer
+/// wrapped around the whole router from outside runs before routing and never sees a
+/// parameter. A route without the named parameter is a 500 too (a wiring bug). For a
+/// typed parameter, use [`key_from`](super::key_from) with `Path<T>`.
+///
+/// Paths are set by the client: see the warning on [`KeyExtractor`].
+///
+/// ```
+/// use axum::{Router, routing::post};
+/// use tower_lock::layer::{LockLayer, PathParamKey};
+/// use tower_lock::MemoryBackend;
+///
+/// let layer = LockLayer::new(MemoryBackend::new(), PathParamKey::new("id").namespace("account")?);
+/// let app: Router =
+///     Router::new().route("/accounts/{id}/transfers", post(|| async { "ok" }).route_layer(layer));
+/// # Ok::<(), tower_lock::Error>(())
+/// ```
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+#[derive(Clone, Debug)]
+pub struct PathParamKey {
+    name: Cow<'static, str>,
+    namespace: Cow<'static, str>,
+}
+
+impl PathParamKey {
+    /// Keys by the path parameter `name`.
+    pub fn new(name: impl Into<Cow<'static, str>>) -> Self {
+        PathParamKey {
+            name: name.into(),
+            namespace: Cow::Borrowed(""),
+        }
+    }
+
+    /// Puts the value under `namespace` (`<namespace>:{<value>}`).
+    ///
+    /// # Errors
+    ///
+    /// As [`HeaderKey::namespace`](super::HeaderKey::namespace).
+    pub fn namespace(mut self, namespace: impl Into<Cow<'static, str>>) -> Result<Self, Error> {
+        self.namespace = checked_namespace(namespace.into())?;
+        Ok(self)
+    }
+
+    fn no_params(&self) -> KeyError {
+        KeyError::server(format!(
+            "no path parameters on this request (an unmatched path, or a layer outside routing); put `LockLayer` on the handler with `MethodRouter::route_layer` to key by path parameter `{}`",
+            self.name
+        ))
+    }
+}
+
+impl KeyExtractor for PathParamKey {
+    type Future = BoxFuture<'static, Extracted>;
+
+    fn extract(&self, mut parts: Parts) -> Self::Future {
+        use axum::extract::RawPathParams;
+        use axum::extract::rejection::RawPathParamsRejection;
+
+        let this = self.clone();
+        Box::pin(async move {
+            let keys = match RawPathParams::from_request_parts(&mut parts, &()).await {
+                Ok(params) => match params.iter().find(|(name, _)| *name == this.name) {
+                    Some((_, value)) => {
+                        let what = format!("path parameter `{}`", this.name);
+                        namespaced(&this.namespace, &what, value).map(Keys::from)
+                    }
+                    None if params.iter().next().is_none() => Err(this.no_params()),
+                    None => Err(KeyError::server(format!(
+                        "this route has no path parameter `{}`",
+                        this.name
+                    ))),
+                },
+                Err(RawPathParamsRejection::InvalidUtf8InPathParam(_)) => Err(KeyError::new(
+                    format!("path parameter `{}` is not valid UTF-8", this.name),
+                )),
+                Err(_) => Err(this.no_params()),
+            };
+            (parts, keys)
+        })
+    }
+}

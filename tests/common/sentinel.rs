@@ -1,0 +1,281 @@
+//! A Redis primary with replicas, watched by Sentinels: real `redis-server` processes
+//! (`--replicaof`, `--sentinel`) on free loopback ports, gone when the value is dropped.
+//!
+//! [`SentinelSet::start`] starts a primary, its replicas and the Sentinels, and returns
+//! once every replica is in sync and every Sentinel knows every replica and every other
+//! Sentinel, so a failover can be asked for (`SENTINEL FAILOVER`) or provoked (SIGKILL or
+//! SIGSTOP of the primary) at once. Sentinels declare a primary down after
+//! [`DOWN_AFTER`] without an answer.
+
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::redis_server::RedisServer;
+
+/// The name the Sentinels monitor the primary under.
+pub const MASTER: &str = "tower-lock-primary";
+
+/// How long a primary may not answer before a Sentinel calls it down.
+pub const DOWN_AFTER: Duration = Duration::from_millis(1000);
+
+/// One Sentinel process.
+pub struct Sentinel {
+    child: Option<Child>,
+    port: u16,
+    dir: PathBuf,
+}
+
+impl Sentinel {
+    fn start(dir: PathBuf, primary_port: u16, quorum: usize) -> Self {
+        std::fs::create_dir_all(&dir).expect("the Sentinel's directory");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        let config = format!(
+            "port {port}\nbind 127.0.0.1\ndir {dir}\nlogfile {dir}/sentinel.log\n\
+             sentinel resolve-hostnames no\n\
+             sentinel monitor {MASTER} 127.0.0.1 {primary_port} {quorum}\n\
+             sentinel down-after-milliseconds {MASTER} {down}\n\
+             sentinel failover-timeout {MASTER} 4000\n\
+             sentinel parallel-syncs {MASTER} 2\n",
+            dir = dir.display(),
+            down = DOWN_AFTER.as_millis(),
+        );
+        let file = dir.join("sentinel.conf");
+        std::fs::write(&file, config).expect("write sentinel.conf");
+        let mut cmd = Command::new("redis-server");
+        cmd.arg(&file)
+            .arg("--sentinel")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        // SAFETY: prctl in the child before exec; if the test process dies, so does it.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().expect("redis-server on PATH");
+        Sentinel {
+            child: Some(child),
+            port,
+            dir,
+        }
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    async fn conn(&self) -> Option<redis::aio::MultiplexedConnection> {
+        let client = redis::Client::open(self.url()).ok()?;
+        tokio::time::timeout(
+            Duration::from_millis(500),
+            client.get_multiplexed_async_connection(),
+        )
+        .await
+        .ok()?
+        .ok()
+    }
+
+    /// `SENTINEL <args>` on this Sentinel; `None` when it does not answer.
+    async fn ask<T: redis::FromRedisValue>(&self, args: &[&str]) -> Option<T> {
+        let mut conn = self.conn().await?;
+        redis::cmd("SENTINEL")
+            .arg(args)
+            .query_async(&mut conn)
+            .await
+            .ok()
+    }
+}
+
+impl Drop for Sentinel {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A primary, its replicas and the Sentinels that watch them.
+pub struct SentinelSet {
+    /// Every data node; `nodes[0]` was the primary at the start.
+    pub nodes: Vec<RedisServer>,
+    pub sentinels: Vec<Sentinel>,
+}
+
+impl SentinelSet {
+    /// A primary with `replicas` replicas and `sentinels` Sentinels (quorum: a
+    /// majority of them), all in sync and known to each other.
+    pub async fn start(replicas: usize, sentinels: usize) -> Self {
+        let fast_sync = [
+            "--repl-diskless-sync",
+            "yes",
+            "--repl-diskless-sync-delay",
+            "0",
+        ];
+        let primary = RedisServer::start_with(&fast_sync).await;
+        let primary_port = primary.port().to_string();
+        let mut nodes = vec![primary];
+        for _ in 0..replicas {
+            let mut args = fast_sync.to_vec();
+            args.extend(["--replicaof", "127.0.0.1", primary_port.as_str()]);
+            nodes.push(RedisServer::start_with(&args).await);
+        }
+        let base = std::env::temp_dir().join(format!(
+            "tower-lock-sentinel-{}-{}",
+            std::process::id(),
+            nodes[0].port()
+        ));
+        let quorum = sentinels / 2 + 1;
+        let sentinels = (0..sentinels)
+            .map(|i| Sentinel::start(base.join(i.to_string()), nodes[0].port(), quorum))
+            .collect();
+        let set = SentinelSet { nodes, sentinels };
+        set.wait_until_ready(replicas, Duration::from_secs(30))
+            .await;
+        set
+    }
+
+    /// The Sentinels' addresses, as `redis://` URLs.
+    pub fn sentinel_urls(&self) -> Vec<String> {
+        self.sentinels.iter().map(Sentinel::url).collect()
+    }
+
+    /// The primary's port as the first Sentinel that answers reports it.
+    pub async fn primary_port(&self) -> u16 {
+        for sentinel in &self.sentinels {
+            if let Some((_, port)) = sentinel
+                .ask::<(String, u16)>(&["GET-MASTER-ADDR-BY-NAME", MASTER])
+                .await
+            {
+                return port;
+            }
+        }
+        panic!("no Sentinel answered");
+    }
+
+    /// The data node listening on `port`.
+    pub fn node(&mut self, port: u16) -> &mut RedisServer {
+        self.nodes
+            .iter_mut()
+            .find(|n| n.port() == port)
+            .expect("a node on that port")
+    }
+
+    /// Asks a Sentinel for a failover and waits until the Sentinels name another primary
+    /// and it accepts writes; returns its port.
+    pub async fn failover(&self) -> u16 {
+        let old = self.primary_port().await;
+        let asked: Option<String> = self.sentinels[0].ask(&["FAILOVER", MASTER]).await;
+        assert_eq!(asked.as_deref(), Some("OK"), "SENTINEL FAILOVER refused");
+        self.wait_for_new_primary(old, Duration::from_secs(30))
+            .await
+    }
+
+    /// Waits until every Sentinel that answers names a primary other than `old`, and
+    /// that primary accepts writes; returns its port.
+    pub async fn wait_for_new_primary(&self, old: u16, within: Duration) -> u16 {
+        let deadline = Instant::now() + within;
+        loop {
+            let mut named = Vec::new();
+            for sentinel in &self.sentinels {
+                if let Some((_, port)) = sentinel
+                    .ask::<(String, u16)>(&["GET-MASTER-ADDR-BY-NAME", MASTER])
+                    .await
+                {
+                    named.push(port);
+                }
+            }
+            if let Some(&port) = named.first()
+                && port != old
+                && named.iter().all(|&p| p == port)
+                && accepts_writes(port).await
+            {
+                return port;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no new primary within {within:?} (Sentinels name {named:?}, old {old})"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits until every replica is linked to the primary and every Sentinel knows all
+    /// replicas and all other Sentinels.
+    async fn wait_until_ready(&self, replicas: usize, within: Duration) {
+        let deadline = Instant::now() + within;
+        let others = self.sentinels.len() - 1;
+        loop {
+            let mut ready = replication_links(self.nodes[0].port()).await == Some(replicas);
+            for sentinel in &self.sentinels {
+                let known_replicas: Option<Vec<redis::Value>> =
+                    sentinel.ask(&["REPLICAS", MASTER]).await;
+                let known_sentinels: Option<Vec<redis::Value>> =
+                    sentinel.ask(&["SENTINELS", MASTER]).await;
+                ready &= known_replicas.map(|r| r.len()) == Some(replicas)
+                    && known_sentinels.map(|s| s.len()) == Some(others);
+            }
+            if ready {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the Sentinel set was not ready within {within:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// How many replicas are linked to the node on `port` and online, from `INFO
+/// replication`; `None` when it does not answer or is not a primary.
+pub async fn replication_links(port: u16) -> Option<usize> {
+    let info = info_replication(port).await?;
+    if !info.contains("role:master") {
+        return None;
+    }
+    Some(
+        info.lines()
+            .filter(|l| l.starts_with("slave") && l.contains("state=online"))
+            .count(),
+    )
+}
+
+/// `INFO replication` of the node on `port`.
+pub async fn info_replication(port: u16) -> Option<String> {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).ok()?;
+    let mut conn = tokio::time::timeout(
+        Duration::from_millis(500),
+        client.get_multiplexed_async_connection(),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    redis::cmd("INFO")
+        .arg("replication")
+        .query_async(&mut conn)
+        .await
+        .ok()
+}
+
+/// Whether the node on `port` answers as a primary (a promoted replica takes writes from
+/// then on).
+async fn accepts_writes(port: u16) -> bool {
+    info_replication(port)
+        .await
+        .is_some_and(|info| info.contains("role:master"))
+}
