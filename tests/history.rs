@@ -67,6 +67,7 @@ const TIMING: Timing = Timing {
     small_pass_ms: (1, 40),
     big_pass_ms: (310, 700),
     big_pass_percent: 12,
+    nemesis: None,
 };
 
 /// One history's store: clones of one `MemoryBackend` under 2–3 clients.
@@ -118,8 +119,9 @@ impl Fixture for Memory {
         tokio::time::advance(Duration::ZERO).await;
     }
 
-    async fn view(&self) -> StoreView {
-        self.keys
+    async fn view(&self) -> Option<StoreView> {
+        let view = self
+            .keys
             .iter()
             .map(|k| {
                 self.backend
@@ -131,7 +133,8 @@ impl Fixture for Memory {
                     })
                     .collect()
             })
-            .collect()
+            .collect();
+        Some(view)
     }
 
     async fn drained(&self) -> Result<(), (Finding, String)> {

@@ -15,9 +15,10 @@ use std::pin::pin;
 use std::task::Poll;
 use std::time::Duration;
 
-use common::proxy::{Direction, FaultProxy, Trap};
+use common::proxy::{Direction, FaultProxy, Flow, Trap};
 use common::redis_server::RedisServer;
 use common::wait_until;
+use tokio::time::Instant;
 use tower_lock::backend::{Acquire, LockBackend, LockMode, LockRequest, Release};
 use tower_lock::{Error, Lease, Lock, LockClient, LockKey, Owner, RedisBackend};
 
@@ -163,6 +164,128 @@ async fn the_first_lock_after_a_store_restart_succeeds_redis() {
         .expect("the first try_lock after the restart failed");
     guard.unlock().await.unwrap();
     assert_eq!(server.keys("*").await, Vec::<String>::new());
+}
+
+/// Found by the history checker's nemesis (`nemesis_redis`): an attempt on a short-lived
+/// runtime timed out, so the backend replaced its command connection — from that
+/// runtime, which then owned the replacement's connecting and its timers. The runtime
+/// shut down while the replacement was still connecting (new connections were refused,
+/// so it was backing off), and from then on every command of the backend, on every
+/// runtime, panicked ("inner future panicked during poll"): a poisoned connection that
+/// nothing ever replaced, and a panic out of `unlock()`.
+#[test]
+fn a_runtime_that_ends_never_breaks_the_redis_connection_for_others() {
+    let a = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (server, proxy, client) = a.block_on(async {
+        let server = RedisServer::start().await;
+        let proxy = FaultProxy::start(([127, 0, 0, 1], server.port()).into()).await;
+        let backend = RedisBackend::builder(format!("redis://127.0.0.1:{}", proxy.port()))
+            .response_timeout(Duration::from_millis(200))
+            .build()
+            .await
+            .unwrap();
+        (server, proxy, LockClient::new(backend))
+    });
+    let key = LockKey::new("short-lived-runtime").unwrap();
+    // Answers stop coming, and new connections are turned away.
+    proxy.set_flow(Direction::Down, Flow::Hold);
+    proxy.refuse(true);
+    let lock = client.get_lock(&key).unwrap();
+    std::thread::spawn(move || {
+        let b = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        b.block_on(async {
+            let timed_out = lock.try_lock().await;
+            assert!(timed_out.is_err(), "{timed_out:?}");
+            // The replacement connection is trying to connect, from this runtime.
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        });
+        drop(b);
+    })
+    .join()
+    .unwrap();
+    proxy.refuse(false);
+    proxy.set_flow(Direction::Down, Flow::Pass);
+
+    // The other runtime's locks and unlocks work again, promptly.
+    a.block_on(async {
+        let other = LockKey::new("after-the-runtime-ended").unwrap();
+        let lock = client.get_lock(&other).unwrap();
+        let guard = tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            loop {
+                match lock.try_lock().await {
+                    Ok(guard) => return guard,
+                    Err(e) if Instant::now() < deadline => {
+                        tracing::debug!(%e, "not yet");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                    Err(e) => panic!("no lock within 5 s after the runtime ended: {e}"),
+                }
+            }
+        })
+        .await
+        .expect("a lock after the short-lived runtime ended panicked");
+        tokio::spawn(guard.unlock())
+            .await
+            .expect("an unlock after the short-lived runtime ended panicked")
+            .unwrap();
+        assert_eq!(
+            server.keys("after-the-runtime-ended*").await,
+            Vec::<String>::new()
+        );
+    });
+    drop(proxy);
+}
+
+/// Found by the history checker's nemesis (`nemesis_redis`, seed 2536 of 3,000): Redis
+/// restarted between redis-rs's answer to a script Redis did not know (`SCRIPT LOAD`,
+/// then `EVALSHA` once more) and that second `EVALSHA`, which found the script cache
+/// empty again. The acquisition failed with `NoScript`, an error that is neither an
+/// outage nor retried, though the script had never run. Here the cache is flushed at
+/// that moment (`SCRIPT FLUSH`, as a restart or a failover to a replica empties it):
+/// the acquisition must still be taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_script_cache_lost_between_load_and_run_costs_no_acquisition_redis() {
+    let server = RedisServer::start().await;
+    let proxy = FaultProxy::start(([127, 0, 0, 1], server.port()).into()).await;
+    let backend = RedisBackend::builder(format!("redis://127.0.0.1:{}", proxy.port()))
+        .build()
+        .await
+        .unwrap();
+    let client = LockClient::new(backend);
+    let mut direct = server.conn().await;
+    let flush = || redis::cmd("SCRIPT").arg("FLUSH").to_owned();
+    let () = flush().query_async(&mut direct).await.unwrap();
+
+    // The first EVALSHA finds no script; redis-rs loads it, and its second EVALSHA is
+    // held until the cache is empty again.
+    let load = proxy.trap(Direction::Up, b"LOAD");
+    let lock = client.get_lock("script-cache-lost").unwrap();
+    let acquiring = tokio::spawn(async move { lock.try_lock().await });
+    load.caught().await;
+    let again = proxy.trap(Direction::Up, b"EVALSHA");
+    load.release();
+    again.caught().await;
+    let () = flush().query_async(&mut direct).await.unwrap();
+    again.release();
+
+    let guard = tokio::time::timeout(Duration::from_secs(5), acquiring)
+        .await
+        .expect("the acquisition never returned")
+        .unwrap()
+        .expect("a script cache emptied between its load and its run failed the acquisition");
+    guard.unlock().await.unwrap();
+    assert_eq!(
+        server.keys("script-cache-lost*").await,
+        Vec::<String>::new()
+    );
 }
 
 /// Sequence 3: an acquisition whose reply timed out — the write held back on its way,

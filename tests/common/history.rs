@@ -56,7 +56,18 @@
 //! Besides, an acquisition or unlock that fails with anything but `Busy` / `Lost` is a
 //! finding ([`Finding::UnexpectedError`]), and so is a task that loops without ever
 //! yielding ([`Finding::Livelock`]): on a current-thread runtime it would stall the run
-//! for good, so a [`SpinBreaker`] notices it and unwinds that task.
+//! for good, so a [`SpinBreaker`] notices it and unwinds that task. A panic out of an
+//! acquisition, an unlock or the run is a finding too ([`Finding::Panicked`]).
+//!
+//! # With a nemesis
+//!
+//! A [`Timing`] with [`nemesis`](Timing::nemesis) set makes histories with faults in
+//! transit and store crashes ([`Op::Fault`]), concurrent re-entries ([`Call::Twin`]),
+//! acquisitions on runtimes that end ([`On::ShortLived`]) and relaxed sessions
+//! ([`History::relaxed`]), for a fixture whose clients go through a fault proxy
+//! ([`Fixture::nemesis`]). What the oracle then allows and adds — failures to reach the
+//! store, holds a crashed store lost, a residue check after every step — is in the
+//! [`nemesis`](super::nemesis) module's docs.
 //!
 //! A run does not stop at its first finding: it records the first occurrence of each
 //! [`Finding`] and carries on, so one run can show several distinct failures.
@@ -83,8 +94,11 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant as StdInstant};
 
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 use tower_lock::kinds::{MultiGuard, MultiLock};
 use tower_lock::{Error, Lease, Lock, LockClient, LockGuard, LockKey, LockMode, Owner};
+
+use super::nemesis::{Crashed, Fault, Nemesis, NemesisTiming};
 
 /// `max` of every permits lock in a history (`get_permits(key, PERMITS)`).
 pub const PERMITS: u32 = 2;
@@ -126,6 +140,9 @@ pub struct Timing {
     pub big_pass_ms: (u64, u64),
     /// How often (in percent) a time step is a big one.
     pub big_pass_percent: u8,
+    /// Faults, concurrent re-entries, short-lived runtimes and relaxed sessions (see
+    /// [`nemesis`](super::nemesis)); `None` for none of them.
+    pub nemesis: Option<NemesisTiming>,
 }
 
 impl Timing {
@@ -135,6 +152,28 @@ impl Timing {
 
     pub fn waiter_timeout(&self) -> Duration {
         Duration::from_millis(self.waiter_timeout_ms)
+    }
+
+    /// The longest lease a hold may have: the watchdog's, a fixed one, a twin's.
+    pub fn longest_lease(&self) -> Duration {
+        let fixed = self.fixed_leases_ms.iter().copied().max().unwrap_or(0);
+        let twins = self.nemesis.as_ref().map_or(0, |n| {
+            n.twin_leases_ms
+                .iter()
+                .flatten()
+                .copied()
+                .max()
+                .unwrap_or(0)
+        });
+        Duration::from_millis(fixed.max(twins).max(self.watchdog_lease_ms))
+    }
+
+    /// With a nemesis: how long after a key's last activity the store may still keep
+    /// something for it ([`NemesisTiming::residue_bound`]).
+    pub fn residue_bound(&self) -> Option<Duration> {
+        self.nemesis
+            .as_ref()
+            .map(|n| n.residue_bound(self.longest_lease(), self.waiter_timeout()))
     }
 
     /// Longer than every lease and the waiter timeout together.
@@ -228,6 +267,24 @@ pub enum Call {
     TryLockFor { wait_ms: u64, lease_ms: Option<u64> },
     /// `lock()` under an outer `tokio::time::timeout`.
     Lock { timeout_ms: u64 },
+    /// Two `try_lock_for(0, lease)` of one key by one owner at once (`tokio::join!`),
+    /// with these leases (`None`: the watchdog); both guards go to the slot. Single
+    /// keys and explicit owners only (nemesis).
+    Twin {
+        first: Option<u64>,
+        second: Option<u64>,
+    },
+}
+
+/// The runtime an acquisition runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum On {
+    /// The history's own.
+    Main,
+    /// A current-thread runtime on a thread of its own, shut down this many ms after
+    /// the acquisition started, whether it is still running or its guard lives on
+    /// (nemesis).
+    ShortLived(u64),
 }
 
 /// How an acquisition may be cancelled, besides an [`Op::Abort`] of its task.
@@ -257,6 +314,8 @@ pub struct Acquire {
     pub cancel: Cancel,
     /// `yield_now`s after spawning it (0: the next op runs before it is first polled).
     pub yields: u8,
+    /// The runtime it runs on.
+    pub on: On,
 }
 
 /// One step of a history.
@@ -274,6 +333,8 @@ pub enum Op {
     Pass(u64),
     /// Let tasks run: this many `yield_now`s, then the fixture's settle.
     Settle(u8),
+    /// A fault (nemesis).
+    Fault(Fault),
 }
 
 /// A history: its shape and its ops.
@@ -284,6 +345,9 @@ pub struct History {
     pub keys: u8,
     /// Explicit owners per client.
     pub owners: u8,
+    /// Per client: its sessions trade durability for speed (PostgreSQL:
+    /// `synchronous_commit = off`). Drawn with a nemesis only; empty otherwise.
+    pub relaxed: Vec<bool>,
     pub ops: Vec<Op>,
 }
 
@@ -301,6 +365,14 @@ impl History {
             next_slot: 0,
             singles: Vec::new(),
         };
+        // Drawn after the shape, and only with a nemesis: histories without one stay
+        // what their seeds always were.
+        let relaxed = match &timing.nemesis {
+            Some(n) => (0..g.clients)
+                .map(|_| g.rng.u8(0..100) < n.relaxed_percent)
+                .collect(),
+            None => Vec::new(),
+        };
         while g.ops.len() < len {
             g.step();
         }
@@ -310,6 +382,7 @@ impl History {
             clients: g.clients,
             keys: g.keys,
             owners: g.owners,
+            relaxed,
             ops: g.ops,
         }
     }
@@ -325,13 +398,22 @@ impl History {
 
 impl fmt::Display for History {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let relaxed: Vec<String> = (0..self.clients)
+            .filter(|&c| self.relaxed.get(usize::from(c)) == Some(&true))
+            .map(|c| format!("c{c}"))
+            .collect();
         writeln!(
             f,
-            "history seed={} clients={} keys={} owners/client={} ({} ops)",
+            "history seed={} clients={} keys={} owners/client={}{} ({} ops)",
             self.seed,
             self.clients,
             self.keys,
             self.owners,
+            if relaxed.is_empty() {
+                String::new()
+            } else {
+                format!(" relaxed sessions: {}", relaxed.join(","))
+            },
             self.ops.len()
         )?;
         for (i, op) in self.ops.iter().enumerate() {
@@ -347,7 +429,7 @@ impl Op {
         match self {
             Op::Acquire(a) => Some(a.slot),
             Op::Unlock(s) | Op::Drop(s) | Op::Abort(s) => Some(*s),
-            Op::Pass(_) | Op::Settle(_) => None,
+            Op::Pass(_) | Op::Settle(_) | Op::Fault(_) => None,
         }
     }
 }
@@ -361,6 +443,7 @@ impl fmt::Display for Op {
             Op::Abort(s) => write!(f, "abort s{s}'s acquisition"),
             Op::Pass(ms) => write!(f, "pass {ms}ms"),
             Op::Settle(n) => write!(f, "settle ({n} yields)"),
+            Op::Fault(fault) => write!(f, "{fault}"),
         }
     }
 }
@@ -392,15 +475,28 @@ impl fmt::Display for Acquire {
                 lease_ms.map_or("watchdog".to_owned(), |ms| format!("{ms}ms"))
             ),
             Call::Lock { timeout_ms } => format!("lock() within {timeout_ms}ms"),
+            Call::Twin { first, second } => {
+                let lease =
+                    |ms: Option<u64>| ms.map_or("watchdog".to_owned(), |ms| format!("{ms}ms"));
+                format!(
+                    "twice at once: try_lock_for(0ms, {}) + try_lock_for(0ms, {})",
+                    lease(first),
+                    lease(second)
+                )
+            }
         };
         let cancel = match self.cancel {
             Cancel::Never => String::new(),
             Cancel::AfterPolls(n) => format!(", dropped after {n} polls"),
             Cancel::Timeout(ms) => format!(", timeout {ms}ms"),
         };
+        let on = match self.on {
+            On::Main => String::new(),
+            On::ShortLived(ms) => format!(" on a runtime that ends after {ms}ms"),
+        };
         write!(
             f,
-            "s{} <- {who} {what} {}{} {call}{cancel}; {} yields",
+            "s{} <- {who} {what} {}{} {call}{cancel}{on}; {} yields",
             self.slot,
             self.kind,
             if self.fenced { " fenced" } else { "" },
@@ -502,6 +598,27 @@ impl Gen<'_> {
             call: self.call(),
             cancel: self.cancel(),
             yields: self.rng.u8(0..=3),
+            on: On::Main,
+        }
+    }
+
+    /// With a nemesis: perhaps runs `a` on a short-lived runtime, and (for a single key
+    /// of an explicit owner, `twin_percent` of the time) as two concurrent re-entries.
+    fn nemesis_acquire(&mut self, a: &mut Acquire, twin_percent: u8) {
+        let Some(n) = self.t.nemesis.as_ref() else {
+            return;
+        };
+        if a.keys.len() == 1
+            && matches!(a.who, Who::Owner { .. })
+            && self.rng.u8(0..100) < twin_percent
+        {
+            a.call = Call::Twin {
+                first: self.pick(n.twin_leases_ms),
+                second: self.pick(n.twin_leases_ms),
+            };
+        }
+        if self.rng.u8(0..100) < n.short_lived_percent {
+            a.on = On::ShortLived(self.pick_ms(n.short_lived_ms));
         }
     }
 
@@ -523,7 +640,7 @@ impl Gen<'_> {
             70..90 => prev.kind.sibling(),
             _ => self.pick(&KINDS),
         };
-        let again = Acquire {
+        let mut again = Acquire {
             slot: self.slot(),
             who: Who::Owner { idx, via },
             kind,
@@ -538,8 +655,11 @@ impl Gen<'_> {
             } else {
                 self.rng.u8(1..=3)
             },
+            on: On::Main,
             ..prev.clone()
         };
+        let twins = self.t.nemesis.as_ref().map_or(0, |n| n.twin_percent);
+        self.nemesis_acquire(&mut again, twins);
         let release = if self.rng.bool() {
             Op::Drop(prev.slot)
         } else {
@@ -566,13 +686,26 @@ impl Gen<'_> {
     /// them a re-lock by an owner of a recent one, when there is one), 5% a MultiLock,
     /// 12% an unlock, 11% a drop, 3% an abort (of a recent slot), 19% a time step, 16% a
     /// settle.
+    ///
+    /// With a nemesis, `fault_percent` of the steps are a [`Fault`] instead, and
+    /// acquisitions may be twins or run on short-lived runtimes (see
+    /// [`Gen::nemesis_acquire`]).
     fn step(&mut self) {
+        if let Some(n) = self.t.nemesis.as_ref()
+            && self.rng.u8(0..100) < n.fault_percent
+        {
+            let fault = Fault::draw(&mut self.rng, n, self.keys);
+            self.ops.push(Op::Fault(fault));
+            return;
+        }
         match self.rng.u8(0..100) {
             0..34 => {
                 if !self.singles.is_empty() && self.rng.u8(0..100) < 40 {
                     self.relock();
                 } else {
-                    let a = self.fresh_acquire(1);
+                    let mut a = self.fresh_acquire(1);
+                    // A first acquisition as twins races the owner's two tasks for it.
+                    self.nemesis_acquire(&mut a, 8);
                     if matches!(a.who, Who::Owner { .. }) {
                         self.singles.push(a.clone());
                     }
@@ -580,7 +713,8 @@ impl Gen<'_> {
                 }
             }
             34..39 => {
-                let a = self.fresh_acquire(2);
+                let mut a = self.fresh_acquire(2);
+                self.nemesis_acquire(&mut a, 0);
                 self.ops.push(Op::Acquire(a));
             }
             39..51 => match self.recent_slot() {
@@ -651,11 +785,29 @@ pub trait Fixture {
     fn pass(&self, d: Duration) -> impl Future<Output = ()>;
     /// Lets spawned tasks run (after the driver's own `yield_now`s).
     fn settle(&self) -> impl Future<Output = ()>;
-    /// What the store holds right now (check 3).
-    fn view(&self) -> impl Future<Output = StoreView>;
+    /// What the store holds right now (check 3); `None` when it cannot be read right
+    /// now (a nemesis took it down).
+    fn view(&self) -> impl Future<Output = Option<StoreView>>;
     /// Called when every guard is released and tasks have settled: `Ok` once the store
     /// is empty, else the finding and what is left (check 4).
     fn drained(&self) -> impl Future<Output = Result<(), (Finding, String)>>;
+
+    /// The faults of the proxy between the clients and the store, with a nemesis.
+    fn nemesis(&self) -> Option<&Nemesis> {
+        None
+    }
+
+    /// Kills the store (SIGKILL), leaves it down for `down`, restarts it; says which
+    /// holds it lost (with a nemesis).
+    fn crash(&self, down: Duration) -> impl Future<Output = Crashed> {
+        async move { panic!("this store cannot crash (asked to stay down {down:?})") }
+    }
+
+    /// What the store keeps for each key (holds, queue entries; not fencing counters),
+    /// described; `None` when it cannot be read right now (a nemesis's residue check).
+    fn residue(&self) -> impl Future<Output = Option<Vec<Vec<String>>>> {
+        async { None }
+    }
 }
 
 // ───────────────────────────── findings ─────────────────────────────
@@ -689,11 +841,19 @@ pub enum Finding {
     ResidueAfterRelease,
     /// Check 4: state left in the store (or local waiters) after every lease ended.
     ResidueAfterLeases,
+    /// Nemesis: the store keeps something for a key that nothing has touched for
+    /// [`NemesisTiming::residue_bound`] (no acquisition running, no guard believed).
+    ResidueAfterLastGuard,
+    /// Nemesis: a guard of a hold the store lost in a crash is still believed one
+    /// longest lease after the crash.
+    BelievedAfterStoreLost,
     /// An acquire or unlock failed with an error the oracle does not allow.
     UnexpectedError,
     /// A task looped without ever returning `Pending`: the runtime stalled (on a paused
     /// clock, time stands still and nothing else runs). See [`SpinBreaker`].
     Livelock,
+    /// An acquisition or unlock panicked (or the run did).
+    Panicked,
 }
 
 impl Finding {
@@ -726,10 +886,17 @@ impl Finding {
             Finding::ResidueAfterLeases => {
                 "store state or waiters left after every lease and the waiter timeout ended"
             }
+            Finding::ResidueAfterLastGuard => {
+                "the store keeps a hold or queue entry of a key one lease after its last guard ended"
+            }
+            Finding::BelievedAfterStoreLost => {
+                "a guard of a hold the store lost in a crash is believed past its lease"
+            }
             Finding::UnexpectedError => "an acquire or unlock failed unexpectedly",
             Finding::Livelock => {
                 "livelock: an acquisition looped without yielding and stalled the runtime"
             }
+            Finding::Panicked => "an acquisition, an unlock or the run panicked",
         }
     }
 }
@@ -795,6 +962,45 @@ impl<F: Future> Future for AtMostPolls<F> {
         }
         Poll::Pending
     }
+}
+
+/// Polls a future, catching a panic out of it as `Err(message)` — except the
+/// [`SpinBreaker`]'s, which goes on unwinding the task it broke.
+pub struct CatchPanic<F> {
+    inner: Pin<Box<F>>,
+}
+
+impl<F: Future> CatchPanic<F> {
+    pub fn new(inner: F) -> Self {
+        CatchPanic {
+            inner: Box::pin(inner),
+        }
+    }
+}
+
+impl<F: Future> Future for CatchPanic<F> {
+    type Output = Result<F::Output, String>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let inner = self.inner.as_mut();
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| inner.poll(cx))) {
+            Ok(Poll::Ready(out)) => Poll::Ready(Ok(out)),
+            Ok(Poll::Pending) => Poll::Pending,
+            Err(payload) if payload.downcast_ref::<&str>() == Some(&SPIN_PANIC) => {
+                std::panic::resume_unwind(payload)
+            }
+            Err(payload) => Poll::Ready(Err(panic_message(payload.as_ref()))),
+        }
+    }
+}
+
+/// A panic's message, as far as it has one.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(a panic without a message)".to_owned())
 }
 
 // ───────────────────────────── livelock detection ─────────────────────────────
@@ -913,14 +1119,17 @@ impl tracing::Subscriber for SpinBreaker {
 
 // ───────────────────────────── the driver ─────────────────────────────
 
-/// A guard's place: its slot and its index among the slot's guards (a MultiLock has
-/// two). Slots are used once per history, so this names one guard for the whole run.
+/// A guard's place: its slot and its index among the slot's guards (a MultiLock and a
+/// pair of twins have two). Slots are used once per history, so this names one guard for
+/// the whole run.
 type GuardId = (usize, usize);
 
 /// What a slot holds.
 enum Holding {
     One(LockGuard),
     Multi(MultiGuard),
+    /// What a pair of concurrent re-entries got (one guard or two).
+    Twin(Vec<LockGuard>),
 }
 
 impl Holding {
@@ -928,6 +1137,7 @@ impl Holding {
         match self {
             Holding::One(g) => std::slice::from_ref(g),
             Holding::Multi(m) => m.guards(),
+            Holding::Twin(gs) => gs,
         }
     }
 }
@@ -952,6 +1162,12 @@ struct Shared {
     names: Names,
     /// Per key: the last fenced exclusive-family hold believed, and its token (check 5).
     last_token: HashMap<LockKey, (Holder, u64)>,
+    /// A nemesis is at work: failures to reach the store are not findings.
+    nemesis: bool,
+    /// Hold identities a crashed store lost, and when it was killed.
+    lost_in_crash: HashMap<String, Instant>,
+    /// The longest lease any hold may have.
+    longest_lease: Duration,
 }
 
 impl Shared {
@@ -970,6 +1186,13 @@ impl Shared {
                 detail,
             });
         }
+    }
+
+    /// Whether an acquisition or unlock may fail with `e` without a finding: under a
+    /// nemesis, when the store could not answer, and (an acquisition) when a re-entry
+    /// found its hold gone.
+    fn allows(&self, e: &Error, acquiring: bool) -> bool {
+        self.nemesis && (e.is_unavailable() || (acquiring && matches!(e, Error::Lost)))
     }
 }
 
@@ -1027,10 +1250,14 @@ impl Names {
 enum Attempt {
     Got(Holding),
     Failed(Error),
+    /// What each of a pair of concurrent re-entries got.
+    Twins(Vec<LockGuard>, Vec<Error>),
     /// `lock()`'s outer timeout ran out.
     GaveUp,
     /// Cancelled by its [`Cancel`].
     Cancelled,
+    /// Panicked, with this message.
+    Panicked(String),
 }
 
 /// Runs `history` against `fx` and checks the oracle after every op and at the end.
@@ -1065,12 +1292,22 @@ pub async fn run<F: Fixture>(fx: &F, history: &History) -> Outcome {
     let spin = SpinBreaker::default();
     // This thread runs the runtime (current-thread): every task's events come here.
     let _default = tracing::subscriber::set_default(spin.clone());
+    let activity = fx.nemesis().map(|n| Activity {
+        bound: n.residue_bound(),
+        last: vec![Instant::now(); fx.keys().len()],
+        running: HashSet::new(),
+        believed: HashSet::new(),
+        touched: HashSet::new(),
+    });
     let mut driver = Driver {
         fx,
         owners,
         spin,
         pending: BTreeMap::new(),
         task_slots: HashMap::new(),
+        slot_keys: HashMap::new(),
+        threads: Vec::new(),
+        activity,
         shared: Arc::new(Mutex::new(Shared {
             held: BTreeMap::new(),
             trace: Vec::new(),
@@ -1079,6 +1316,9 @@ pub async fn run<F: Fixture>(fx: &F, history: &History) -> Outcome {
             reported: HashSet::new(),
             names,
             last_token: HashMap::new(),
+            nemesis: fx.nemesis().is_some(),
+            lost_in_crash: HashMap::new(),
+            longest_lease: fx.nemesis().map_or(Duration::ZERO, Nemesis::longest_lease),
         })),
     };
     for (i, op) in history.ops.iter().enumerate() {
@@ -1099,6 +1339,21 @@ pub async fn run<F: Fixture>(fx: &F, history: &History) -> Outcome {
     }
 }
 
+/// When each key was last touched, for the nemesis's residue check: an acquisition of
+/// it running, a guard of it believed, an op on one of its slots.
+struct Activity {
+    /// How long after its last activity a key must have nothing left in the store.
+    bound: Duration,
+    /// Per key: the last check that saw it active (or the one right after).
+    last: Vec<Instant>,
+    /// Slots whose acquisition ran at the last check.
+    running: HashSet<usize>,
+    /// Keys with a believed guard at the last check.
+    believed: HashSet<usize>,
+    /// Keys the op being run touched.
+    touched: HashSet<usize>,
+}
+
 struct Driver<'f, F> {
     fx: &'f F,
     owners: Vec<Vec<Owner>>,
@@ -1107,6 +1362,12 @@ struct Driver<'f, F> {
     pending: BTreeMap<usize, JoinHandle<()>>,
     /// Which slot each acquisition task serves.
     task_slots: HashMap<tokio::task::Id, usize>,
+    /// The keys (indices) of each slot's acquisition.
+    slot_keys: HashMap<usize, Vec<usize>>,
+    /// The threads of short-lived runtimes, waited for at the end.
+    threads: Vec<std::thread::JoinHandle<()>>,
+    /// With a nemesis: when each key was last touched.
+    activity: Option<Activity>,
     shared: Arc<Mutex<Shared>>,
 }
 
@@ -1115,9 +1376,22 @@ impl<F: Fixture> Driver<'_, F> {
         self.shared.lock().unwrap().trace.push(line);
     }
 
+    /// The op being run touches `slot`'s keys.
+    fn touch(&mut self, slot: usize) {
+        if let (Some(activity), Some(keys)) = (self.activity.as_mut(), self.slot_keys.get(&slot)) {
+            activity.touched.extend(keys.iter().copied());
+        }
+    }
+
     async fn apply(&mut self, op: &Op) {
+        if let Some(slot) = op.slot() {
+            self.touch(slot);
+        }
         match op {
             Op::Acquire(a) => {
+                self.slot_keys
+                    .insert(a.slot, a.keys.iter().map(|&k| usize::from(k)).collect());
+                self.touch(a.slot);
                 let task = self.spawn_acquire(a);
                 self.task_slots.insert(task.id(), a.slot);
                 self.pending.insert(a.slot, task);
@@ -1148,6 +1422,27 @@ impl<F: Fixture> Driver<'_, F> {
                 }
                 self.fx.settle().await;
             }
+            Op::Fault(Fault::Crash { down_ms }) => {
+                let crashed = self.fx.crash(Duration::from_millis(*down_ms)).await;
+                let mut sh = self.shared.lock().unwrap();
+                let lost: Vec<String> = crashed.lost.iter().map(|h| sh.names.owner(h)).collect();
+                sh.trace.push(format!(
+                    "    store restarted; it lost {}",
+                    if lost.is_empty() {
+                        "nothing".to_owned()
+                    } else {
+                        lost.join(", ")
+                    }
+                ));
+                for holder in crashed.lost {
+                    sh.lost_in_crash.insert(holder, crashed.killed_at);
+                }
+            }
+            Op::Fault(fault) => self
+                .fx
+                .nemesis()
+                .expect("a fault op needs a fixture with a nemesis")
+                .apply(fault),
         }
     }
 
@@ -1156,37 +1451,72 @@ impl<F: Fixture> Driver<'_, F> {
         let Some(held) = self.shared.lock().unwrap().held.remove(&slot) else {
             return;
         };
-        // Seen lost before, or lost right now (read just before the call).
-        let seen_lost = held
-            .holding
-            .guards()
-            .iter()
-            .zip(&held.seen_lost)
-            .any(|(g, seen)| *seen || g.is_lost());
-        let result = match held.holding {
-            Holding::One(g) => g.unlock().await,
-            Holding::Multi(m) => m.unlock().await,
-        };
+        match held.holding {
+            Holding::Twin(guards) => {
+                // Each twin is a guard of its own: unlocked, and judged, one by one.
+                for (i, (g, seen)) in guards.into_iter().zip(held.seen_lost).enumerate() {
+                    let seen_lost = seen || g.is_lost();
+                    let result = CatchPanic::new(g.unlock()).await;
+                    self.judge_unlock(&format!("s{slot}[{i}]"), seen_lost, result);
+                }
+            }
+            holding => {
+                // Seen lost before, or lost right now (read just before the call).
+                let seen_lost = holding
+                    .guards()
+                    .iter()
+                    .zip(&held.seen_lost)
+                    .any(|(g, seen)| *seen || g.is_lost());
+                let result = match holding {
+                    Holding::One(g) => CatchPanic::new(g.unlock()).await,
+                    Holding::Multi(m) => CatchPanic::new(m.unlock()).await,
+                    Holding::Twin(_) => unreachable!("handled above"),
+                };
+                self.judge_unlock(&format!("s{slot}"), seen_lost, result);
+            }
+        }
+    }
+
+    /// Check 2 for one unlock: a guard seen lost must be told `Lost`, whatever else
+    /// went wrong with the release.
+    fn judge_unlock(&self, what: &str, seen_lost: bool, result: Result<Result<(), Error>, String>) {
         let mut sh = self.shared.lock().unwrap();
+        let result = match result {
+            Ok(result) => result,
+            Err(message) => {
+                sh.trace
+                    .push(format!("    {what} unlock panicked: {message}"));
+                sh.report(
+                    Finding::Panicked,
+                    format!("unlock of {what} panicked: {message}"),
+                );
+                return;
+            }
+        };
         sh.trace.push(format!(
-            "    s{slot} unlock -> {result:?}{}",
+            "    {what} unlock -> {result:?}{}",
             if seen_lost { " (seen lost)" } else { "" }
         ));
         match result {
             Err(Error::Lost) => {}
             Ok(()) if seen_lost => sh.report(
                 Finding::LostUnlockNotLost,
-                format!("unlock of s{slot}, seen lost, returned Ok(())"),
+                format!("unlock of {what}, seen lost, returned Ok(())"),
             ),
             Ok(()) => {}
+            Err(e) if seen_lost => sh.report(
+                Finding::LostUnlockNotLost,
+                format!("unlock of {what}, seen lost, failed with {e} instead of Lost"),
+            ),
+            Err(e) if sh.allows(&e, false) => {}
             Err(e) => sh.report(
                 Finding::UnexpectedError,
-                format!("unlock of s{slot} failed: {e}"),
+                format!("unlock of {what} failed: {e}"),
             ),
         }
     }
 
-    fn spawn_acquire(&self, a: &Acquire) -> JoinHandle<()> {
+    fn spawn_acquire(&mut self, a: &Acquire) -> JoinHandle<()> {
         let client = self.fx.clients()[usize::from(a.client)].clone();
         let locks: Vec<Lock> = a
             .keys
@@ -1205,61 +1535,47 @@ impl<F: Fixture> Driver<'_, F> {
         };
         let (slot, call, cancel) = (a.slot, a.call, a.cancel);
         let shared = Arc::clone(&self.shared);
-        tokio::spawn(async move {
-            let acquire = acquire(locks, owner, call);
+        let body = async move {
+            let acquire = CatchPanic::new(acquire(locks, owner, call));
             let attempt = match cancel {
                 Cancel::Never => acquire.await,
                 Cancel::AfterPolls(n) => AtMostPolls::new(acquire, n)
                     .await
-                    .unwrap_or(Attempt::Cancelled),
+                    .unwrap_or(Ok(Attempt::Cancelled)),
                 Cancel::Timeout(ms) => tokio::time::timeout(Duration::from_millis(ms), acquire)
                     .await
-                    .unwrap_or(Attempt::Cancelled),
+                    .unwrap_or(Ok(Attempt::Cancelled)),
             };
+            let attempt = attempt.unwrap_or_else(Attempt::Panicked);
             // In the same poll as the acquisition's return: the guard is in its slot
             // before anything else runs.
             let mut sh = shared.lock().unwrap();
-            let line = match attempt {
-                Attempt::Got(holding) => {
-                    let guards: Vec<String> = holding
-                        .guards()
-                        .iter()
-                        .enumerate()
-                        .map(|(i, g)| sh.names.guard((slot, i), g))
-                        .collect();
-                    let n = holding.guards().len();
-                    sh.held.insert(
-                        slot,
-                        Held {
-                            holding,
-                            seen_lost: vec![false; n],
-                        },
-                    );
-                    format!("    acquired {}", guards.join(" + "))
-                }
-                Attempt::Failed(Error::Busy { .. }) => format!("    s{slot} busy"),
-                Attempt::Failed(e) => {
-                    let line = format!("    s{slot} failed: {e}");
-                    sh.report(
-                        Finding::UnexpectedError,
-                        format!("acquisition of s{slot}: {e}"),
-                    );
-                    line
-                }
-                Attempt::GaveUp => format!("    s{slot} lock() timed out"),
-                Attempt::Cancelled => format!("    s{slot} cancelled"),
-            };
-            sh.trace.push(line);
-        })
+            settle_attempt(&mut sh, slot, attempt);
+        };
+        match a.on {
+            On::Main => tokio::spawn(body),
+            On::ShortLived(ms) => {
+                let (task, thread) = spawn_short_lived(body, Duration::from_millis(ms));
+                self.threads.push(thread);
+                task
+            }
+        }
     }
 
     /// Checks 1–3 after a step: read the guards, take the store's snapshot, read them
-    /// again; a guard believed both times must be in the snapshot.
+    /// again; a guard believed both times must be in the snapshot. With a nemesis, then
+    /// the residue check.
     async fn check(&mut self) {
         self.livelock();
         let before = self.observe(None);
-        let view = self.fx.view().await;
-        self.observe(Some((&before, &view)));
+        let after = match self.fx.view().await {
+            Some(view) => self.observe(Some((&before, &view))),
+            None => {
+                self.log("    (the store cannot be read now: no snapshot)".to_owned());
+                self.observe(None)
+            }
+        };
+        self.residue(&before, &after).await;
     }
 
     /// Reports a task the [`SpinBreaker`] had to break, with its slot.
@@ -1280,9 +1596,13 @@ impl<F: Fixture> Driver<'_, F> {
     /// One synchronous pass over every guard: check 2 (lost stays lost), check 1
     /// (exclusion among believed holders), and with a snapshot check 3. Returns the
     /// believed guards.
+    ///
+    /// Guards of holds a crashed store lost are left out of checks 1, 3 and 5; each
+    /// must be lost one longest lease after the crash.
     fn observe(&self, store: Option<(&HashSet<GuardId>, &StoreView)>) -> HashSet<GuardId> {
         let mut sh = self.shared.lock().unwrap();
         let sh = &mut *sh;
+        let now = Instant::now();
         let mut believed = HashSet::new();
         // Per key: the believed holders and, for messages, their guards.
         let mut holders: BTreeMap<LockKey, Vec<(Holder, String)>> = BTreeMap::new();
@@ -1305,6 +1625,24 @@ impl<F: Fixture> Driver<'_, F> {
                     continue;
                 }
                 believed.insert(id);
+                if let Some(&killed_at) = sh.lost_in_crash.get(g.holder().as_str()) {
+                    // The store lost this hold: the guard may go on believing only as
+                    // long as the lease it was last confirmed for.
+                    let limit = sh.longest_lease + Duration::from_millis(100);
+                    if now.saturating_duration_since(killed_at) > limit {
+                        reports.push((
+                            Finding::BelievedAfterStoreLost,
+                            format!(
+                                "{} is believed {:?} after the store that held it was killed \
+                                 (longest lease {:?})",
+                                sh.names.guard(id, g),
+                                now - killed_at,
+                                sh.longest_lease
+                            ),
+                        ));
+                    }
+                    continue;
+                }
                 let holder = holder_of(g);
                 // Check 5: exclusive-family holds of one key are never believed at once
                 // (check 1), so the order they are believed in is the order they were
@@ -1371,6 +1709,67 @@ impl<F: Fixture> Driver<'_, F> {
         believed
     }
 
+    /// The nemesis's residue check: a key nothing has touched for the residue bound (no
+    /// acquisition of it running, no guard of it believed, no op on its slots, at this
+    /// check or the one before) must have nothing left in the store.
+    async fn residue(&mut self, before: &HashSet<GuardId>, after: &HashSet<GuardId>) {
+        let Some(activity) = self.activity.as_mut() else {
+            return;
+        };
+        let now = Instant::now();
+        let running: HashSet<usize> = self
+            .pending
+            .iter()
+            .filter(|(_, task)| !task.is_finished())
+            .map(|(&slot, _)| slot)
+            .collect();
+        let believed: HashSet<usize> = {
+            let sh = self.shared.lock().unwrap();
+            before
+                .union(after)
+                .filter_map(|&(slot, i)| {
+                    let g = sh.held.get(&slot)?.holding.guards().get(i)?;
+                    self.fx.keys().iter().position(|k| k == g.key())
+                })
+                .collect()
+        };
+        let mut active = std::mem::take(&mut activity.touched);
+        for slot in running.union(&activity.running) {
+            active.extend(self.slot_keys.get(slot).into_iter().flatten().copied());
+        }
+        active.extend(believed.union(&activity.believed).copied());
+        for &k in &active {
+            activity.last[k] = now;
+        }
+        activity.running = running;
+        activity.believed = believed;
+        let overdue: Vec<usize> = (0..self.fx.keys().len())
+            .filter(|&k| now.saturating_duration_since(activity.last[k]) > activity.bound)
+            .collect();
+        if overdue.is_empty() {
+            return;
+        }
+        let (bound, last) = (activity.bound, activity.last.clone());
+        let Some(left) = self.fx.residue().await else {
+            return;
+        };
+        let mut sh = self.shared.lock().unwrap();
+        for k in overdue {
+            if !left[k].is_empty() {
+                let detail = format!(
+                    "k{k}: nothing touched it for {:?} (bound {bound:?}), and the store keeps {}",
+                    now - last[k],
+                    left[k]
+                        .iter()
+                        .map(|l| name_owners(&sh.names, l))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+                sh.report(Finding::ResidueAfterLastGuard, detail);
+            }
+        }
+    }
+
     /// Check 4: abort what is pending, unlock everything, settle, then the store must
     /// drain.
     async fn finish(&mut self, step: usize) {
@@ -1381,6 +1780,9 @@ impl<F: Fixture> Driver<'_, F> {
                 .push(format!("#{step:<3} end: abort, unlock everything, settle"));
         }
         self.spin.step();
+        if let Some(nemesis) = self.fx.nemesis() {
+            nemesis.calm();
+        }
         for task in self.pending.values() {
             task.abort();
         }
@@ -1395,6 +1797,15 @@ impl<F: Fixture> Driver<'_, F> {
         for slot in slots {
             self.unlock(slot).await;
         }
+        // Short-lived runtimes end by themselves, soon.
+        for thread in std::mem::take(&mut self.threads) {
+            while !thread.is_finished() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            if thread.join().is_err() {
+                self.log("    a short-lived runtime's thread panicked".to_owned());
+            }
+        }
         for _ in 0..3 {
             for _ in 0..5 {
                 tokio::task::yield_now().await;
@@ -1408,6 +1819,127 @@ impl<F: Fixture> Driver<'_, F> {
             self.shared.lock().unwrap().report(finding, detail);
         }
     }
+}
+
+/// Puts what an acquisition got into its slot, in the trace, and judges its errors.
+fn settle_attempt(sh: &mut Shared, slot: usize, attempt: Attempt) {
+    let line = match attempt {
+        Attempt::Got(holding) => {
+            let guards: Vec<String> = holding
+                .guards()
+                .iter()
+                .enumerate()
+                .map(|(i, g)| sh.names.guard((slot, i), g))
+                .collect();
+            let n = holding.guards().len();
+            sh.held.insert(
+                slot,
+                Held {
+                    holding,
+                    seen_lost: vec![false; n],
+                },
+            );
+            format!("    acquired {}", guards.join(" + "))
+        }
+        Attempt::Twins(guards, errors) => {
+            let mut parts: Vec<String> = guards
+                .iter()
+                .enumerate()
+                .map(|(i, g)| format!("acquired {}", sh.names.guard((slot, i), g)))
+                .collect();
+            for e in &errors {
+                parts.push(judge_acquire_error(sh, slot, e));
+            }
+            if !guards.is_empty() {
+                let n = guards.len();
+                sh.held.insert(
+                    slot,
+                    Held {
+                        holding: Holding::Twin(guards),
+                        seen_lost: vec![false; n],
+                    },
+                );
+            }
+            format!("    twins: {}", parts.join("; "))
+        }
+        Attempt::Failed(e) => format!("    {}", judge_acquire_error(sh, slot, &e)),
+        Attempt::GaveUp => format!("    s{slot} lock() timed out"),
+        Attempt::Cancelled => format!("    s{slot} cancelled"),
+        Attempt::Panicked(message) => {
+            sh.report(
+                Finding::Panicked,
+                format!("acquisition of s{slot} panicked: {message}"),
+            );
+            format!("    s{slot} panicked: {message}")
+        }
+    };
+    sh.trace.push(line);
+}
+
+/// Describes a failed acquisition and reports it unless it is allowed.
+fn judge_acquire_error(sh: &mut Shared, slot: usize, e: &Error) -> String {
+    if let Error::Busy { .. } = e {
+        return format!("s{slot} busy");
+    }
+    if sh.allows(e, true) {
+        return format!("s{slot} failed (allowed under the nemesis): {e}");
+    }
+    sh.report(
+        Finding::UnexpectedError,
+        format!("acquisition of s{slot}: {e}"),
+    );
+    format!("s{slot} failed: {e}")
+}
+
+/// `line` with every hold identity in it named as the trace names owners.
+fn name_owners(names: &Names, line: &str) -> String {
+    line.split(' ')
+        .map(|word| names.owner(word))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Runs `body` on a current-thread runtime of its own thread, which shuts down `lives`
+/// after it started (dropping `body` if it is still running). Returns a task of the
+/// calling runtime that ends when that runtime has (aborting it aborts `body`), and the
+/// thread.
+fn spawn_short_lived(
+    body: impl Future<Output = ()> + Send + 'static,
+    lives: Duration,
+) -> (JoinHandle<()>, std::thread::JoinHandle<()>) {
+    /// Aborts the task on the short-lived runtime when the calling runtime's task goes.
+    struct AbortOnDrop(Option<tokio::task::AbortHandle>);
+    impl Drop for AbortOnDrop {
+        fn drop(&mut self) {
+            if let Some(handle) = &self.0 {
+                handle.abort();
+            }
+        }
+    }
+    let (started, started_rx) = tokio::sync::oneshot::channel();
+    let (ended, ended_rx) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::spawn(move || {
+        let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
+            return;
+        };
+        runtime.block_on(async move {
+            let task = tokio::spawn(body);
+            let _ = started.send(task.abort_handle());
+            tokio::time::sleep(lives).await;
+        });
+        // Shuts down: the acquisition, if still running, is dropped here, and the tasks
+        // this runtime runs for its guards (releases, renewals) with it.
+        drop(runtime);
+        let _ = ended.send(());
+    });
+    let task = tokio::spawn(async move {
+        let _abort = AbortOnDrop(started_rx.await.ok());
+        let _ = ended_rx.await;
+    });
+    (task, thread)
 }
 
 /// Builds the acquisition future: one lock or a MultiLock, as `owner` (if any), with
@@ -1444,6 +1976,20 @@ fn acquire(
                         Err(_) => return Attempt::GaveUp,
                     }
                 }
+                Call::Twin { first, second } => {
+                    let (a, b) = tokio::join!(
+                        lock.try_lock_for(Duration::ZERO, lease(first)),
+                        lock.try_lock_for(Duration::ZERO, lease(second))
+                    );
+                    let (mut guards, mut errors) = (Vec::new(), Vec::new());
+                    for r in [a, b] {
+                        match r {
+                            Ok(g) => guards.push(g),
+                            Err(e) => errors.push(e),
+                        }
+                    }
+                    return Attempt::Twins(guards, errors);
+                }
             };
             match result {
                 Ok(g) => Attempt::Got(Holding::One(g)),
@@ -1471,6 +2017,7 @@ fn acquire(
                         Err(_) => return Attempt::GaveUp,
                     }
                 }
+                Call::Twin { .. } => unreachable!("twins are drawn for single keys only"),
             };
             match result {
                 Ok(m) => Attempt::Got(Holding::Multi(m)),
@@ -1581,12 +2128,14 @@ fn exclusion(key: &str, guards: &[(Holder, String)]) -> Vec<(Finding, String)> {
 // ───────────────────────────── the campaign: search, shrink, report ─────────────────────────────
 
 /// The environment knobs: `HISTORY_SEED` (run exactly that seed), `HISTORY_COUNT`
-/// (seeds `0..count`), `HISTORY_LEN` (ops per history).
+/// (seeds `0..count`), `HISTORY_LEN` (ops per history), `HISTORY_TRACE` (set: print
+/// every run's history and trace, failing or not).
 #[derive(Clone, Debug)]
 pub struct Knobs {
     pub seed: Option<u64>,
     pub count: u64,
     pub len: usize,
+    pub trace: bool,
 }
 
 impl Knobs {
@@ -1608,6 +2157,7 @@ impl Knobs {
             seed: var("HISTORY_SEED"),
             count: var("HISTORY_COUNT").unwrap_or(default_count),
             len: var("HISTORY_LEN").unwrap_or(default_len),
+            trace: std::env::var_os("HISTORY_TRACE").is_some(),
         }
     }
 
@@ -1660,7 +2210,10 @@ where
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some(&seed) = seeds.get(i) else { break };
                     let history = History::generate(seed, c.knobs.len, &c.timing);
-                    let outcome = run(&history);
+                    let outcome = run_caught(&mut run, &history);
+                    if c.knobs.trace {
+                        eprintln!("{history}trace:\n  {}\n", outcome.trace.join("\n  "));
+                    }
                     if !outcome.violations.is_empty() {
                         failures.lock().unwrap().push((seed, outcome));
                     }
@@ -1754,7 +2307,7 @@ where
                 if c.exact {
                     // A second replay must do exactly the same (one runtime per run,
                     // paused clock).
-                    let again = run(&small);
+                    let again = run_caught(&mut run, &small);
                     if again.trace != outcome.trace {
                         let _ =
                             writeln!(text, "NOTE: a second replay differed (not deterministic)");
@@ -1790,6 +2343,24 @@ where
     panic!("{message}");
 }
 
+/// Runs one history; a panic out of the run (the driver, the fixture) is a
+/// [`Finding::Panicked`] of its own, not the end of the campaign.
+fn run_caught<W: FnMut(&History) -> Outcome>(run: &mut W, history: &History) -> Outcome {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(history))).unwrap_or_else(
+        |payload| {
+            let detail = format!("the run panicked: {}", panic_message(payload.as_ref()));
+            Outcome {
+                violations: vec![Violation {
+                    finding: Finding::Panicked,
+                    step: history.ops.len(),
+                    detail: detail.clone(),
+                }],
+                trace: vec![detail],
+            }
+        },
+    )
+}
+
 /// Shrinks `original` (which showed `finding`): the shortest failing prefix first, then
 /// deletions while it still shows `finding` — whole slots (an acquisition and every op
 /// naming its slot), then single ops — repeated until none works or `budget` is spent.
@@ -1806,7 +2377,7 @@ fn shrink<W: FnMut(&History) -> Outcome>(
     let mut replays = 0;
     let mut fails = |h: &History, replays: &mut usize| -> Option<Outcome> {
         *replays += 1;
-        let outcome = run(h);
+        let outcome = run_caught(run, h);
         outcome.find(finding).is_some().then_some(outcome)
     };
     // The prefix up to the step that showed it (the end check: the whole history).

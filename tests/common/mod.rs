@@ -7,6 +7,7 @@
 
 pub mod history;
 pub mod kinds;
+pub mod nemesis;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 pub mod proxy;

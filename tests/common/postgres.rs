@@ -115,14 +115,23 @@ pub struct PgServer {
 }
 
 impl PgServer {
-    /// Initializes and starts a server; `None` when the PostgreSQL server binaries are not
-    /// installed (`.ci/run` installs them).
-    pub fn start() -> Option<Self> {
-        let bin = std::fs::read_dir("/usr/lib/postgresql")
+    /// Whether the PostgreSQL server binaries are installed (`.ci/run` installs them).
+    pub fn available() -> bool {
+        Self::bin().is_some()
+    }
+
+    fn bin() -> Option<std::path::PathBuf> {
+        std::fs::read_dir("/usr/lib/postgresql")
             .ok()?
             .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
             .filter(|p| p.join("initdb").exists())
-            .max()?;
+            .max()
+    }
+
+    /// Initializes and starts a server; `None` when the PostgreSQL server binaries are not
+    /// installed (`.ci/run` installs them).
+    pub fn start() -> Option<Self> {
+        let bin = Self::bin()?;
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let dir = std::env::temp_dir().join(format!(
             "tower-lock-pg-{}-{}",

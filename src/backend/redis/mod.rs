@@ -239,6 +239,13 @@ impl Conn {
 /// primary. So a command whose failure [calls for it](Primary::calls_for_new_connection)
 /// swaps in a fresh, lazily connecting manager for the primary as it is now; the
 /// generation makes concurrent failures on one dead connection replace it once.
+///
+/// A manager's connecting, with its timers, belongs to the tokio runtime that polls it
+/// first. When a backend is shared by several runtimes and that one shuts down while the
+/// manager is still connecting (or backing off between attempts), every later poll of
+/// the manager panics, on every runtime, for good: it is poisoned. A command that
+/// panics is therefore a connection that broke — an error, retryable as a dropped
+/// connection — and the manager is replaced, as after a timeout.
 struct SingleConn {
     primary: Primary,
     config: ConnectionManagerConfig,
@@ -272,18 +279,30 @@ impl SingleConn {
         (current.0, current.1.clone())
     }
 
+    /// Runs a script. redis-rs loads a script Redis does not know and runs it once more;
+    /// if the script cache was emptied in between (a restart, a failover to a replica,
+    /// `SCRIPT FLUSH`), that second run finds no script either. It never ran, so it is
+    /// loaded and run once more here.
     async fn invoke<T: FromRedisValue>(
         &self,
         invocation: &redis::ScriptInvocation<'_>,
     ) -> RedisResult<T> {
         let (generation, mut conn) = self.current();
-        let result = invocation.invoke_async(&mut conn).await;
+        let result = Unpoisoned::new(invocation.invoke_async(&mut conn)).await;
+        let no_script = redis::ErrorKind::Server(redis::ServerErrorKind::NoScript);
+        let result = match result {
+            Ok(Err(error)) if error.kind() == no_script => {
+                tracing::debug!("the Redis script cache was emptied while a script loaded; again");
+                Unpoisoned::new(invocation.invoke_async(&mut conn)).await
+            }
+            result => result,
+        };
         self.after(generation, result).await
     }
 
     async fn query<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> RedisResult<T> {
         let (generation, mut conn) = self.current();
-        let result = cmd.query_async(&mut conn).await;
+        let result = Unpoisoned::new(cmd.query_async(&mut conn)).await;
         self.after(generation, result).await
     }
 
@@ -298,20 +317,41 @@ impl SingleConn {
         let (generation, mut conn) = self.current();
         let mut pipe = redis::pipe();
         pipe.invoke_script(invocation).add_command(then.clone());
-        let mut result = pipe.query_async(&mut conn).await;
-        if let Err(error) = &result
-            && error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
-        {
-            result = match invocation.load_async(&mut conn).await {
-                Ok(_) => pipe.query_async(&mut conn).await,
-                Err(error) => Err(error),
+        let no_script = redis::ErrorKind::Server(redis::ServerErrorKind::NoScript);
+        let mut result = Unpoisoned::new(pipe.query_async(&mut conn)).await;
+        // Loaded and sent again; twice, should the cache be emptied in between.
+        for _ in 0..2 {
+            let Ok(Err(error)) = &result else { break };
+            if error.kind() != no_script {
+                break;
+            }
+            result = match Unpoisoned::new(invocation.load_async(&mut conn)).await {
+                Ok(Ok(_)) => Unpoisoned::new(pipe.query_async(&mut conn)).await,
+                Ok(Err(error)) => Ok(Err(error)),
+                Err(poisoned) => Err(poisoned),
             };
         }
         self.after(generation, result).await
     }
 
-    /// Replaces the connection of `generation` when `result` calls for it.
-    async fn after<T>(&self, generation: u64, result: RedisResult<T>) -> RedisResult<T> {
+    /// Replaces the connection of `generation` when `result` calls for it, or the
+    /// connection panicked (see the type's docs).
+    async fn after<T>(
+        &self,
+        generation: u64,
+        result: Result<RedisResult<T>, Poisoned>,
+    ) -> RedisResult<T> {
+        let result = match result {
+            Ok(result) => result,
+            Err(Poisoned) => {
+                let error = RedisError::from(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionAborted,
+                    "the Redis command connection was poisoned (a runtime it was tied to has shut down) and was replaced",
+                ));
+                self.replace(generation, &error).await;
+                return Err(error);
+            }
+        };
         if let Err(error) = &result
             && self.primary.calls_for_new_connection(error)
         {
@@ -385,6 +425,40 @@ impl SingleConn {
         if current.0 == generation {
             tracing::warn!(why, to = %addr, "replacing the Redis command connection");
             *current = (generation + 1, fresh, addr);
+        }
+    }
+}
+
+/// A command whose connection panicked (see [`SingleConn`]).
+struct Poisoned;
+
+/// Polls a command, turning a panic out of it into [`Poisoned`].
+#[pin_project::pin_project]
+struct Unpoisoned<F> {
+    #[pin]
+    command: F,
+}
+
+impl<F> Unpoisoned<F> {
+    fn new(command: F) -> Self {
+        Unpoisoned { command }
+    }
+}
+
+impl<F: std::future::Future> std::future::Future for Unpoisoned<F> {
+    type Output = Result<F::Output, Poisoned>;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let command = self.project().command;
+        // The connection is dropped after a panic, never polled again: whatever state
+        // the panic left inside it cannot be observed.
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| command.poll(cx))) {
+            Ok(std::task::Poll::Ready(out)) => std::task::Poll::Ready(Ok(out)),
+            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
+            Err(_) => std::task::Poll::Ready(Err(Poisoned)),
         }
     }
 }
