@@ -74,6 +74,13 @@ impl Sentinel {
         self.port
     }
 
+    /// The last `lines` lines of this Sentinel's log.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let log = std::fs::read_to_string(self.dir.join("sentinel.log")).unwrap_or_default();
+        let all: Vec<&str> = log.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
     }
@@ -214,8 +221,8 @@ impl SentinelSet {
             .await
     }
 
-    /// Waits until every Sentinel that answers names a primary other than `old`, and
-    /// that primary accepts writes; returns its port.
+    /// Waits until a majority of the Sentinels name a primary other than `old`, and that
+    /// primary accepts writes; returns its port.
     pub async fn wait_for_new_primary(&self, old: u16, within: Duration) -> u16 {
         let deadline = Instant::now() + within;
         loop {
@@ -228,16 +235,21 @@ impl SentinelSet {
                     named.push(port);
                 }
             }
-            if let Some(&port) = named.first()
-                && port != old
-                && named.iter().all(|&p| p == port)
-                && accepts_writes(port).await
-            {
-                return port;
+            // A majority agrees (a Sentinel that missed the news catches up from the
+            // others' hello messages, in its own time) on a primary that is one now.
+            let majority = self.sentinels.len() / 2 + 1;
+            for &port in &named {
+                if port != old
+                    && named.iter().filter(|&&p| p == port).count() >= majority
+                    && accepts_writes(port).await
+                {
+                    return port;
+                }
             }
             assert!(
                 Instant::now() < deadline,
-                "no new primary within {within:?} (Sentinels name {named:?}, old {old})"
+                "no new primary within {within:?} (Sentinels name {named:?}, old {old}); the first Sentinel's log ends:\n{}",
+                self.sentinels[0].log_tail(30)
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
