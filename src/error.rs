@@ -3,8 +3,19 @@
 //! Every fallible operation returns [`Result<T>`](Result), whose error is [`Error`]. The
 //! variants keep the cases a caller handles differently apart: the lock was busy (try
 //! again later), the lock was lost while held (the critical section is compromised), the
-//! input was invalid (fix the caller), the backend failed (the store is unreachable or
-//! answered something unexpected).
+//! input was invalid (fix the caller), the store failed ([`Error::Store`]).
+//!
+//! # Store failures by kind
+//!
+//! What the crate does about a store failure follows its [`StoreErrorKind`], whichever
+//! backend reported it and however: [unavailable](StoreErrorKind::Unavailable) (an
+//! outage: retried while a lock call waits, and let through by a layer that fails open),
+//! [misconfigured](StoreErrorKind::Misconfigured) or
+//! [unexpected](StoreErrorKind::Unexpected) (both fail closed). [`Error::store_kind`],
+//! [`Error::is_unavailable`], [`Error::is_retryable`] and [`Error::is_backend`] read it.
+//! The store driver's own error is the [`source`](std::error::Error::source) of a
+//! [`StoreError`], never a type in this crate's API: downcast it for a code of its own
+//! (PostgreSQL's SQLSTATE, which the message also carries; a Redis error code).
 //!
 //! # Example
 //!
@@ -28,6 +39,8 @@
 //! # }
 //! ```
 
+use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// A type-erased error, as tower uses it.
@@ -97,19 +110,13 @@ pub enum Error {
         total: usize,
     },
 
-    /// The store answered something this crate does not understand.
-    #[error("unexpected reply from the lock store: {0}")]
-    UnexpectedReply(String),
-
-    /// A Redis command failed (connection refused or lost, timeout, script error).
-    #[cfg(feature = "redis")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
-    #[error("redis error: {0}")]
-    Redis(#[from] redis::RedisError),
-
-    /// Any other backend failure, for backends outside this crate.
-    #[error("lock backend error: {0}")]
-    Backend(#[source] BoxError),
+    /// The lock store failed: it could not be reached, refused the operation, or
+    /// answered something this crate does not understand. Its
+    /// [kind](StoreError::kind) says which, and decides what the crate does about it;
+    /// the store driver's own error (redis-rs, sqlx, I/O) is its
+    /// [`source`](std::error::Error::source).
+    #[error(transparent)]
+    Store(#[from] StoreError),
 }
 
 fn fmt_ttl(ttl: Option<Duration>) -> String {
@@ -120,39 +127,40 @@ fn fmt_ttl(ttl: Option<Duration>) -> String {
 }
 
 impl Error {
-    /// Whether trying the same operation again later may succeed: the lock was busy, the
-    /// store was unreachable or a quorum was not reached. Invalid input, a lost lock and
-    /// unsupported modes are not retryable.
-    pub fn is_retryable(&self) -> bool {
+    /// What kind of store failure this is: [`Error::Store`]'s kind, and the two store
+    /// failures with variants of their own — [`Error::NoQuorum`] (unavailable: too few
+    /// nodes answered) and [`Error::WrongType`] (misconfigured: the key holds other
+    /// data). `None` for an error that is not the store's (the lock's state, the
+    /// caller's input).
+    pub fn store_kind(&self) -> Option<StoreErrorKind> {
         match self {
-            Error::Busy { .. } | Error::NoQuorum { .. } | Error::Backend(_) => true,
-            #[cfg(feature = "redis")]
-            Error::Redis(e) => {
-                e.is_io_error()
-                    || e.is_connection_dropped()
-                    || e.is_connection_refusal()
-                    || e.is_timeout()
-                    || e.is_cluster_error()
-                    // A primary demoted to a replica (a failover): the next command goes
-                    // to the new primary.
-                    || e.code() == Some("READONLY")
-            }
+            Error::Store(error) => Some(error.kind()),
+            Error::NoQuorum { .. } => Some(StoreErrorKind::Unavailable),
+            Error::WrongType => Some(StoreErrorKind::Misconfigured),
             Error::InvalidKey { .. }
             | Error::InvalidConfig { .. }
+            | Error::Busy { .. }
             | Error::Lost
-            | Error::Unsupported { .. }
-            | Error::WrongType
-            | Error::UnexpectedReply(_) => false,
+            | Error::Unsupported { .. } => None,
         }
+    }
+
+    /// Whether trying the same operation again later may succeed: the lock was busy, or
+    /// the store was [unavailable](StoreErrorKind::Unavailable) (unreachable, timed out,
+    /// no quorum). Invalid input, a lost lock, unsupported modes and a store that is
+    /// misconfigured or answers something unexpected are not retryable.
+    pub fn is_retryable(&self) -> bool {
+        self.is_busy() || self.is_unavailable()
     }
 
     /// Whether the lock store could not answer: unreachable, timed out, a connection
     /// dropped, no quorum of nodes — an outage, which retrying (or failing open) is right
-    /// for. A store that answered something the crate cannot use (a key of another type,
-    /// a reply it does not understand) and a mode the backend does not implement are
+    /// for: its [kind](Error::store_kind) is [`StoreErrorKind::Unavailable`]. A store
+    /// that answered something the crate cannot use (a key of another type, a reply it
+    /// does not understand, a refusal) and a mode the backend does not implement are
     /// misconfigurations, not outages.
     pub fn is_unavailable(&self) -> bool {
-        !self.is_busy() && self.is_retryable()
+        self.store_kind() == Some(StoreErrorKind::Unavailable)
     }
 
     /// Whether this is [`Error::Busy`]: another owner holds the lock.
@@ -160,32 +168,51 @@ impl Error {
         matches!(self, Error::Busy { .. })
     }
 
-    /// Whether the error comes from the lock store (unreachable, failed command,
-    /// unexpected data) rather than from the lock's state or the caller's input.
+    /// Whether the error comes from the lock store (unreachable, refused, unexpected
+    /// data: any [kind](Error::store_kind)) rather than from the lock's state or the
+    /// caller's input.
     pub fn is_backend(&self) -> bool {
+        self.store_kind().is_some()
+    }
+
+    /// Whether the store's connection broke under the operation: see
+    /// [`StoreError::is_connection_lost`].
+    pub(crate) fn is_connection_lost(&self) -> bool {
+        matches!(self, Error::Store(error) if error.is_connection_lost())
+    }
+
+    /// The same error again, for each of several operations that failed together (a
+    /// batch of renewals): every variant's data is cloneable, a store error's source
+    /// shared.
+    pub(crate) fn duplicate(&self) -> Error {
         match self {
-            Error::Backend(_)
-            | Error::WrongType
-            | Error::UnexpectedReply(_)
-            | Error::NoQuorum { .. } => true,
-            #[cfg(feature = "redis")]
-            Error::Redis(_) => true,
-            _ => false,
+            Error::InvalidKey { reason } => Error::invalid_key(reason.clone()),
+            Error::InvalidConfig { name, reason } => Error::invalid_config(name, reason.clone()),
+            Error::Busy { holder_ttl } => Error::Busy {
+                holder_ttl: *holder_ttl,
+            },
+            Error::Lost => Error::Lost,
+            Error::Unsupported { backend, mode } => Error::Unsupported {
+                backend,
+                mode: *mode,
+            },
+            Error::WrongType => Error::WrongType,
+            Error::NoQuorum {
+                acquired,
+                needed,
+                total,
+            } => Error::NoQuorum {
+                acquired: *acquired,
+                needed: *needed,
+                total: *total,
+            },
+            Error::Store(error) => Error::Store(error.clone()),
         }
     }
 
-    /// Whether the store's connection broke under the operation (a store that
-    /// restarted, a connection reset), as opposed to a store that did not answer in
-    /// time or refused to connect: the backend is reconnecting, and trying again at once
-    /// may well work.
-    pub(crate) fn is_connection_lost(&self) -> bool {
-        match self {
-            #[cfg(feature = "redis")]
-            Error::Redis(e) => {
-                (e.is_connection_dropped() && !e.is_timeout()) || e.code() == Some("READONLY")
-            }
-            _ => false,
-        }
+    /// A store failure of `kind`, described by `message` (no driver error behind it).
+    pub(crate) fn store(kind: StoreErrorKind, message: impl Into<String>) -> Self {
+        Error::Store(StoreError::msg(kind, message))
     }
 
     pub(crate) fn invalid_key(reason: impl Into<String>) -> Self {
@@ -199,6 +226,168 @@ impl Error {
             name,
             reason: reason.into(),
         }
+    }
+}
+
+/// What kind of failure a lock store had. Behaviour follows the kind, whichever backend
+/// reported it: whether a lock call retries, and whether a layer configured to fail open
+/// lets a request through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum StoreErrorKind {
+    /// The store could not answer: unreachable, refused the connection, timed out, a
+    /// connection that dropped, an operation never sent or refused for arriving after
+    /// its deadline. An outage: retrying later may work ([`Error::is_retryable`]), a
+    /// waiting lock call retries until its deadline, and a layer configured to fail open
+    /// serves the request unlocked.
+    Unavailable,
+    /// The store answered, refusing the operation for a reason retrying will not fix —
+    /// almost always how it is set up: a missing schema, table or function, missing
+    /// permissions, a wrong password, a read-only replica, a script the server rejects.
+    /// Fails closed, even where the layer fails open.
+    Misconfigured,
+    /// The store answered something this crate does not understand: a reply of another
+    /// shape, a hold with an identity that is not one. Fails closed.
+    Unexpected,
+}
+
+impl fmt::Display for StoreErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            StoreErrorKind::Unavailable => "unavailable",
+            StoreErrorKind::Misconfigured => "misconfigured",
+            StoreErrorKind::Unexpected => "answered unexpectedly",
+        })
+    }
+}
+
+/// A failure of the lock store: its [kind](StoreErrorKind), a message, and the store
+/// driver's own error as its [`source`](std::error::Error::source) (a
+/// `redis::RedisError`, a `sqlx::Error`, an `std::io::Error`), so that no driver's type
+/// is part of this crate's API and none is lost either. Cheap to clone (the source is
+/// shared).
+///
+/// A backend outside the crate reports its failures as one of these, choosing the kind:
+/// `Err(StoreError::new(StoreErrorKind::Unavailable, io_error).into())`.
+///
+/// # Example
+///
+/// The driver's error, for a code of its own (PostgreSQL's SQLSTATE, a Redis error
+/// code), by downcasting the source:
+///
+/// ```
+/// use tower_lock::{Error, StoreError, StoreErrorKind};
+///
+/// let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+/// let error = Error::from(StoreError::new(StoreErrorKind::Unavailable, io));
+/// assert!(error.is_unavailable() && error.is_retryable());
+/// assert_eq!(error.to_string(), "lock store unavailable: refused");
+///
+/// let Error::Store(store) = &error else { unreachable!() };
+/// let io = store.downcast_ref::<std::io::Error>().unwrap();
+/// assert_eq!(io.kind(), std::io::ErrorKind::ConnectionRefused);
+/// // The same through `std::error::Error::source`, on the crate's `Error` itself:
+/// let source = std::error::Error::source(&error).unwrap();
+/// assert!(source.downcast_ref::<std::io::Error>().is_some());
+/// ```
+#[derive(Clone)]
+pub struct StoreError {
+    kind: StoreErrorKind,
+    message: String,
+    source: Option<Arc<dyn std::error::Error + Send + Sync + 'static>>,
+    connection_lost: bool,
+}
+
+impl StoreError {
+    /// A failure of `kind`, caused by the driver's error `source`; the message is the
+    /// source's.
+    pub fn new(kind: StoreErrorKind, source: impl Into<BoxError>) -> Self {
+        let source: BoxError = source.into();
+        StoreError {
+            kind,
+            message: source.to_string(),
+            source: Some(Arc::from(source)),
+            connection_lost: false,
+        }
+    }
+
+    /// A failure of `kind` that no driver error stands behind (a reply of the wrong
+    /// shape, a deadline that passed), described by `message`.
+    pub fn msg(kind: StoreErrorKind, message: impl Into<String>) -> Self {
+        StoreError {
+            kind,
+            message: message.into(),
+            source: None,
+            connection_lost: false,
+        }
+    }
+
+    /// An [unavailable](StoreErrorKind::Unavailable) store whose connection broke under
+    /// the operation (a store that restarted while the connection was idle, a reset
+    /// connection), as opposed to one that timed out or refused to connect: the backend
+    /// is reconnecting, and trying again at once may well work. The lock core does, once,
+    /// for a first attempt (see [`StoreError::is_connection_lost`]).
+    pub fn connection_lost(source: impl Into<BoxError>) -> Self {
+        StoreError {
+            connection_lost: true,
+            ..StoreError::new(StoreErrorKind::Unavailable, source)
+        }
+    }
+
+    /// The same failure, described by `message` instead of the source's own (which
+    /// stays the [`source`](std::error::Error::source)).
+    #[must_use]
+    pub fn with_message(mut self, message: impl Into<String>) -> Self {
+        self.message = message.into();
+        self
+    }
+
+    /// What kind of failure this is.
+    pub fn kind(&self) -> StoreErrorKind {
+        self.kind
+    }
+
+    /// Whether the store's connection broke under the operation (see
+    /// [`StoreError::connection_lost`]). A first acquisition attempt that fails so is
+    /// tried once more, at once, as a new hold: a store restart costs no caller an
+    /// error.
+    pub fn is_connection_lost(&self) -> bool {
+        self.connection_lost
+    }
+
+    /// The driver's error behind this one, if it is an `E`: a `redis::RedisError` (its
+    /// `code()`), a `sqlx::Error` (a `Database` error's `code()` is the SQLSTATE), an
+    /// `std::io::Error`.
+    pub fn downcast_ref<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        self.source.as_deref()?.downcast_ref::<E>()
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "lock store {}: {}", self.kind, self.message)
+    }
+}
+
+impl fmt::Debug for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("StoreError");
+        d.field("kind", &self.kind).field("message", &self.message);
+        if let Some(source) = &self.source {
+            d.field("source", source);
+        }
+        if self.connection_lost {
+            d.field("connection_lost", &true);
+        }
+        d.finish()
+    }
+}
+
+impl std::error::Error for StoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|source| source as &(dyn std::error::Error + 'static))
     }
 }
 
@@ -217,6 +406,7 @@ mod tests {
             Error::Busy { holder_ttl: None },
             Error::Lost,
             Error::WrongType,
+            Error::store(StoreErrorKind::Unavailable, "connection refused"),
             Error::NoQuorum {
                 acquired: 2,
                 needed: 3,
@@ -238,15 +428,66 @@ mod tests {
     }
 
     #[test]
-    fn retryable_classification() {
+    fn behaviour_follows_the_kind() {
         assert!(Error::Busy { holder_ttl: None }.is_retryable());
-        assert!(!Error::Lost.is_retryable());
-        assert!(!Error::invalid_key("x").is_retryable());
-        assert!(Error::Backend("down".into()).is_retryable());
-        assert!(Error::Backend("down".into()).is_backend());
-        assert!(!Error::Lost.is_backend());
-        assert!(Error::Backend("down".into()).is_unavailable());
-        assert!(!Error::WrongType.is_unavailable());
         assert!(!Error::Busy { holder_ttl: None }.is_unavailable());
+        assert!(!Error::Busy { holder_ttl: None }.is_backend());
+        assert!(!Error::Lost.is_retryable());
+        assert!(!Error::Lost.is_backend());
+        assert!(!Error::invalid_key("x").is_retryable());
+
+        let down = Error::store(StoreErrorKind::Unavailable, "down");
+        assert!(down.is_retryable() && down.is_unavailable() && down.is_backend());
+        assert!(!down.is_connection_lost());
+        for fails_closed in [
+            Error::store(StoreErrorKind::Misconfigured, "no such table"),
+            Error::store(StoreErrorKind::Unexpected, "a reply of another shape"),
+            Error::WrongType,
+        ] {
+            assert!(fails_closed.is_backend(), "{fails_closed}");
+            assert!(!fails_closed.is_retryable(), "{fails_closed}");
+            assert!(!fails_closed.is_unavailable(), "{fails_closed}");
+        }
+        let no_quorum = Error::NoQuorum {
+            acquired: 1,
+            needed: 2,
+            total: 3,
+        };
+        assert_eq!(no_quorum.store_kind(), Some(StoreErrorKind::Unavailable));
+        assert_eq!(Error::Lost.store_kind(), None);
+    }
+
+    #[test]
+    fn a_store_error_keeps_the_drivers_error_as_its_source() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset by peer");
+        let error = Error::from(StoreError::connection_lost(io));
+        assert_eq!(error.to_string(), "lock store unavailable: reset by peer");
+        assert!(error.is_unavailable() && error.is_connection_lost());
+        let source = std::error::Error::source(&error).expect("the driver's error");
+        let io = source
+            .downcast_ref::<std::io::Error>()
+            .expect("an io::Error");
+        assert_eq!(io.kind(), std::io::ErrorKind::ConnectionReset);
+
+        let Error::Store(store) = error.duplicate() else {
+            unreachable!()
+        };
+        assert!(store.is_connection_lost());
+        assert!(store.downcast_ref::<std::io::Error>().is_some(), "shared");
+        assert!(store.downcast_ref::<std::fmt::Error>().is_none());
+
+        let refused = StoreError::new(StoreErrorKind::Misconfigured, std::fmt::Error)
+            .with_message("relation \"locks\" does not exist (SQLSTATE 42P01)");
+        assert_eq!(
+            refused.to_string(),
+            "lock store misconfigured: relation \"locks\" does not exist (SQLSTATE 42P01)"
+        );
+        assert!(std::error::Error::source(&refused).is_some());
+        let plain = StoreError::msg(StoreErrorKind::Unexpected, "inspect answered [1]");
+        assert_eq!(
+            plain.to_string(),
+            "lock store answered unexpectedly: inspect answered [1]"
+        );
+        assert!(std::error::Error::source(&plain).is_none());
     }
 }

@@ -40,6 +40,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
+use crate::namespace::Namespace;
 
 /// The longest key accepted, in bytes (1 KiB). Redis allows far longer keys, but every
 /// lock operation sends the key, and a key this long is almost always a bug (a whole
@@ -72,21 +73,26 @@ impl LockKey {
     /// `part` is wrapped in a hash tag, so every companion key of the lock lands in the
     /// same Redis Cluster slot, and `%`, `{`, `}` and control characters in it are
     /// percent-escaped, so it can neither close the tag nor inject another one. The
-    /// escaping is one-to-one: different parts give different keys.
+    /// escaping is one-to-one: different parts give different keys. An empty namespace
+    /// gives `{<part>}`.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidKey`] when `namespace` contains braces or control characters,
-    /// `part` is empty, or the result is longer than [`MAX_KEY_LEN`] bytes.
+    /// [`Error::InvalidKey`] when `namespace` breaks the [`Namespace`] rule (longer than
+    /// [`MAX_NAMESPACE_LEN`](crate::MAX_NAMESPACE_LEN) bytes, braces, control
+    /// characters), `part` is empty, or the result is longer than [`MAX_KEY_LEN`] bytes.
     pub fn namespaced(namespace: &str, part: &str) -> Result<Self> {
-        if namespace.contains(['{', '}']) {
-            return Err(Error::invalid_key("namespace must not contain `{` or `}`"));
-        }
-        if namespace.chars().any(char::is_control) {
-            return Err(Error::invalid_key(
-                "namespace must not contain control characters",
-            ));
-        }
+        crate::namespace::check(namespace)
+            .map_err(|reason| Error::invalid_key(format!("namespace {reason}")))?;
+        Self::build_namespaced(namespace, part)
+    }
+
+    /// [`LockKey::namespaced`] in a namespace already checked.
+    pub(crate) fn in_namespace(namespace: &Namespace, part: &str) -> Result<Self> {
+        Self::build_namespaced(namespace.as_str(), part)
+    }
+
+    fn build_namespaced(namespace: &str, part: &str) -> Result<Self> {
         if part.is_empty() {
             return Err(Error::invalid_key("key part is empty"));
         }
@@ -417,6 +423,11 @@ mod tests {
         assert!(LockKey::namespaced("ns", "").is_err());
         assert!(LockKey::namespaced("n{s", "a").is_err());
         assert!(LockKey::namespaced("n\ts", "a").is_err());
+        let long = "n".repeat(crate::MAX_NAMESPACE_LEN + 1);
+        assert!(matches!(
+            LockKey::namespaced(&long, "a"),
+            Err(Error::InvalidKey { reason }) if reason.starts_with("namespace must be at most")
+        ));
         assert!(LockKey::namespaced("ns", &"}".repeat(400)).is_err());
     }
 

@@ -43,9 +43,9 @@
 //! # The one rule
 //!
 //! **A guard's release only ever affects the hold that guard created, and a lost guard
-//! stays lost.** Every acquisition that reaches the store takes a *hold* under an owner
-//! string of its own, `<client uuid>:<n>` ([`LockGuard::holder`]), that no other hold
-//! ever uses — not a later hold of the same [`Owner`], not a hold of another kind on the
+//! stays lost.** Every acquisition that reaches the store takes a *hold* under an
+//! identity of its own, a [`HoldId`] `<client uuid>:<n>` ([`LockGuard::hold_id`]), that
+//! no other hold ever uses — not a later hold of the same [`Owner`], not a hold of another kind on the
 //! same name. The owner only decides, in the [`LockClient`], which guards share a hold
 //! (re-entry). So:
 //!
@@ -156,6 +156,7 @@
 pub mod backend;
 mod error;
 pub mod extract;
+mod hold_id;
 mod key;
 pub mod kinds;
 pub mod layer;
@@ -163,12 +164,15 @@ mod lock;
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub mod metrics;
+mod namespace;
 mod owner;
 mod scratch;
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
 
+#[allow(deprecated)]
+pub use backend::Holder;
 pub use backend::limits::{DEFAULT_WATCHDOG_LEASE, MAX_LEASE, MIN_LEASE, MIN_WATCHDOG_LEASE};
 pub use backend::memory::MemoryBackend;
 #[cfg(feature = "postgres")]
@@ -177,14 +181,16 @@ pub use backend::postgres::PostgresBackend;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use backend::redis::RedisBackend;
-pub use backend::{FencingToken, Holder, LockMode, LockState, WaiterScope, Waiters};
-pub use error::{BoxError, Error, Result};
+pub use backend::{FencingToken, HoldInfo, LockMode, LockState, WaiterScope, Waiters};
+pub use error::{BoxError, Error, Result, StoreError, StoreErrorKind};
+pub use hold_id::HoldId;
 pub use key::{IntoLockKey, LockKey, MAX_KEY_LEN};
 pub use layer::LockLayer;
 pub use lock::{
     CLIENT_NAME_TTL, LayerOutcome, Lease, Lock, LockClient, LockClientBuilder, LockEvent,
     LockGuard, LockObserver, LostSignal, MAX_CLIENT_NAME_LEN,
 };
+pub use namespace::{MAX_NAMESPACE_LEN, Namespace};
 pub use owner::{MAX_OWNER_LEN, Owner};
 
 /// The README's examples, compiled and run as doc tests.

@@ -1,14 +1,16 @@
 //! Lock owners and the per-request current owner.
 //!
 //! A lock is held by an [`Owner`], written `<client uuid>:<n>` like Redisson's
-//! `<client uuid>:<thread id>`. Ownership decides reentrancy: the same owner locking the
+//! `<client uuid>:<thread id>`, or a string of your own. Ownership decides reentrancy: the same owner locking the
 //! same key again (in the same mode, through the same [`LockClient`](crate::LockClient))
 //! adds a guard to the hold it has instead of waiting for itself.
 //!
-//! In the store each hold has an identity of its own, also `<client uuid>:<n>` and used by
-//! no other hold ([`LockGuard::holder`](crate::LockGuard::holder)): the owner decides
-//! which guards share a hold, the hold's identity makes sure a guard's release, renewal
-//! or late compensation only ever touches that hold.
+//! In the store each hold has an identity of its own, a [`HoldId`](crate::HoldId), also
+//! `<client uuid>:<n>` and used by no other hold
+//! ([`LockGuard::hold_id`](crate::LockGuard::hold_id)): the owner decides which guards
+//! share a hold, the hold's identity makes sure a guard's release, renewal or late
+//! compensation only ever touches that hold. The two are different types, so one is
+//! never passed where the other is meant.
 //!
 //! Ownership is per *request*, never per task or thread: HTTP/2 runs many requests on
 //! one task, and a tokio task hops between threads. [`Owner::scope`] makes an owner
@@ -51,14 +53,16 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 
-/// The longest raw owner accepted by [`Owner::from_raw`], in bytes.
+/// The longest raw owner accepted by [`Owner::from_raw`], in bytes; the same for a
+/// [`HoldId`](crate::HoldId).
 pub const MAX_OWNER_LEN: usize = 256;
 
 tokio::task_local! {
     static CURRENT: Owner;
 }
 
-/// Who holds a lock: `<client uuid>:<n>`. Cheap to clone.
+/// Who holds a lock, on the client side: a request, a scope, or an owner of your own.
+/// `<client uuid>:<n>` when the client makes it. Cheap to clone.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Owner(Arc<str>);
 
@@ -74,41 +78,33 @@ impl Owner {
         }))
     }
 
-    /// Uses `raw` as an owner identity: a logical owner of your own (a job id) for
-    /// [`Lock::with_owner`](crate::Lock::with_owner), or a store identity when driving a
-    /// [`LockBackend`](crate::backend::LockBackend) directly (for example a Redisson
-    /// owner `<uuid>:<thread id>`), or for tests. An owner belongs to one
-    /// [`LockClient`](crate::LockClient): re-entry is counted by the client that holds
-    /// the lock.
+    /// Uses `raw` as a logical owner of your own (a job id) for
+    /// [`Lock::with_owner`](crate::Lock::with_owner), or for tests. An owner belongs to
+    /// one [`LockClient`](crate::LockClient): re-entry is counted by the client that
+    /// holds the lock. (A store's identity of one hold, such as a Redisson
+    /// `<uuid>:<thread id>`, is a [`HoldId`](crate::HoldId).)
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] when `raw` is empty, longer than [`MAX_OWNER_LEN`]
-    /// bytes, contains control characters, or ends in `:read` or `:write` (the suffixes
-    /// a read-write lock's queue entries and write holds carry).
+    /// [`Error::InvalidConfig`] naming `owner` when `raw` is empty, longer than
+    /// [`MAX_OWNER_LEN`] bytes, contains control characters, or ends in `:read` or
+    /// `:write` (the suffixes a read-write lock's queue entries and write holds carry).
     pub fn from_raw(raw: impl AsRef<str>) -> Result<Self> {
         let raw = raw.as_ref();
-        if raw.is_empty() || raw.len() > MAX_OWNER_LEN || raw.chars().any(char::is_control) {
-            return Err(Error::invalid_config(
-                "owner",
-                format!(
-                    "must be 1 to {MAX_OWNER_LEN} bytes without control characters (got {} bytes)",
-                    raw.len()
-                ),
-            ));
-        }
-        if raw.ends_with(":read") || raw.ends_with(":write") {
-            return Err(Error::invalid_config(
-                "owner",
-                format!(
-                    "must not end in `:read` or `:write`, which read-write locks use as suffixes (got {raw:?})"
-                ),
-            ));
-        }
+        validate_identity("owner", raw)?;
         Ok(Owner(Arc::from(raw)))
     }
 
-    /// The owner as text, exactly as stored in the backend.
+    /// The owner's string, shared: a fresh owner's is its hold's identity as well.
+    pub(crate) fn shared(&self) -> Arc<str> {
+        Arc::clone(&self.0)
+    }
+
+    pub(crate) fn into_shared(self) -> Arc<str> {
+        self.0
+    }
+
+    /// The owner as text.
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -128,6 +124,28 @@ impl Owner {
     pub fn sync_scope<R>(self, f: impl FnOnce() -> R) -> R {
         CURRENT.sync_scope(self, f)
     }
+}
+
+/// The rules an owner and a hold identity share, the error naming `setting`.
+pub(crate) fn validate_identity(setting: &'static str, raw: &str) -> Result<()> {
+    if raw.is_empty() || raw.len() > MAX_OWNER_LEN || raw.chars().any(char::is_control) {
+        return Err(Error::invalid_config(
+            setting,
+            format!(
+                "must be 1 to {MAX_OWNER_LEN} bytes without control characters (got {} bytes)",
+                raw.len()
+            ),
+        ));
+    }
+    if raw.ends_with(":read") || raw.ends_with(":write") {
+        return Err(Error::invalid_config(
+            setting,
+            format!(
+                "must not end in `:read` or `:write`, which read-write locks use as suffixes (got {raw:?})"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 impl fmt::Debug for Owner {

@@ -12,7 +12,7 @@ use tower_lock::backend::{
     Acquire, BoxFuture, ClockDrift, Intercept, Intercepted, LockBackend, LockRequest, Release,
     StoreProfile, Subscription,
 };
-use tower_lock::{Lease, LockClient, LockKey, MemoryBackend, Result};
+use tower_lock::{Lease, LockClient, LockKey, MemoryBackend, Result, StoreError, StoreErrorKind};
 
 #[derive(Clone, Default)]
 struct Stalls {
@@ -48,6 +48,11 @@ impl Stalls {
 /// A memory store whose calls can be stalled; every call not stalled reaches it through
 /// the path production takes (the fast path included).
 type Gated = Intercepted<MemoryBackend, Staller>;
+
+/// An injected failure of the store: an outage, as a lost reply or reset connection is.
+fn unavailable(what: &str) -> tower_lock::Error {
+    StoreError::msg(StoreErrorKind::Unavailable, what).into()
+}
 
 fn gated() -> Gated {
     Gated::default()
@@ -105,9 +110,7 @@ impl Intercept<MemoryBackend> for Staller {
                 std::future::pending::<()>().await;
             }
             if std::mem::take(&mut self.stalls.lock().unwrap().fail_next_unsent) {
-                return Err(tower_lock::Error::Backend(
-                    "connection reset before sending".into(),
-                ));
+                return Err(unavailable("connection reset before sending"));
             }
             let outcome = inner.acquire(req).await;
             if stalls.after {
@@ -117,7 +120,7 @@ impl Intercept<MemoryBackend> for Staller {
                 tokio::time::sleep(delay).await;
             }
             if std::mem::take(&mut self.stalls.lock().unwrap().lose_next_reply) {
-                return Err(tower_lock::Error::Backend("reply lost in flight".into()));
+                return Err(unavailable("reply lost in flight"));
             }
             outcome
         })
@@ -286,7 +289,7 @@ async fn scoped_owner_reenters_without_the_store() {
                 .expect("a re-entry does not ask the store")
                 .unwrap();
             assert_eq!(inner.hold_count(), 2);
-            assert_eq!(inner.holder(), outer.holder(), "one hold");
+            assert_eq!(inner.hold_id(), outer.hold_id(), "one hold");
             inner.unlock().await.unwrap();
             backend.intercept().stall(|s| *s = Stalls::default());
             assert!(!outer.is_lost());

@@ -124,7 +124,7 @@ async fn bad_configuration_is_refused_by_name() {
         .unwrap();
     let req = tower_lock::backend::LockRequest::new(
         LockKey::new("k").unwrap(),
-        tower_lock::Owner::from_raw("me:1").unwrap(),
+        tower_lock::HoldId::from_raw("me:1").unwrap(),
         LockMode::Exclusive,
         Duration::from_secs(1),
     );

@@ -128,7 +128,7 @@ impl Fixture for Memory {
                     .holders(k)
                     .into_iter()
                     .map(|h| StoreHold {
-                        owner: h.owner.as_str().to_owned(),
+                        owner: h.hold_id.as_str().to_owned(),
                         mode: StoreMode::Exact(h.mode),
                     })
                     .collect()

@@ -558,6 +558,11 @@ fn the_builder_names_bad_values() {
         (b().methods([]).build(), "`methods`"),
         (b().key_prefix("a{b").build(), "`key_prefix`"),
         (b().key_prefix("").build(), "`key_prefix`"),
+        (
+            b().key_prefix("p".repeat(tower_lock::MAX_NAMESPACE_LEN + 1))
+                .build(),
+            "`key_prefix`",
+        ),
         (b().permits(0).build(), "`permits`"),
         (
             b().unavailable_retry_after(Duration::ZERO).build(),

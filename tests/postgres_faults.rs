@@ -85,7 +85,7 @@ async fn killing_the_holders_connections_keeps_a_watched_lock() {
         .await
         .unwrap();
     assert_eq!(state.holders.len(), 1);
-    assert_eq!(state.holders[0].owner, *guard.holder());
+    assert_eq!(state.holders[0].hold_id, *guard.hold_id());
     guard.unlock().await.unwrap();
     let next = waiter.await.unwrap().unwrap();
     next.unlock().await.unwrap();
@@ -249,7 +249,7 @@ async fn guard_release(
     use tower_lock::backend::{LockBackend, LockMode, LockRequest};
     let req = LockRequest::new(
         key.clone(),
-        guard.holder().clone(),
+        guard.hold_id().clone(),
         LockMode::Exclusive,
         Duration::from_millis(1),
     );

@@ -10,12 +10,12 @@ use common::postgres::PgDatabase;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::time::Instant;
 use tower_lock::backend::{Acquire, ClientNames, LockBackend, LockMode, LockRequest, Release};
-use tower_lock::{LockClient, LockKey, Owner, PostgresBackend};
+use tower_lock::{HoldId, LockClient, LockKey, PostgresBackend};
 
 fn req(key: &str, owner: &str, mode: LockMode) -> LockRequest {
     LockRequest::new(
         LockKey::new(key).unwrap(),
-        Owner::from_raw(owner).unwrap(),
+        HoldId::from_raw(owner).unwrap(),
         mode,
         Duration::from_secs(30),
     )
@@ -75,6 +75,17 @@ async fn a_missing_schema_fails_closed() {
         .await
         .unwrap_err();
     assert!(!err.is_unavailable(), "{err:?}");
+    // The kind says what to do; the SQLSTATE stays reachable, in the message and in
+    // sqlx's error as the source.
+    let tower_lock::Error::Store(store) = &err else {
+        panic!("a store error: {err:?}")
+    };
+    assert_eq!(store.kind(), tower_lock::StoreErrorKind::Misconfigured);
+    assert!(err.to_string().contains("(SQLSTATE 3F000)"), "{err}");
+    match store.downcast_ref::<sqlx::Error>() {
+        Some(sqlx::Error::Database(db)) => assert_eq!(db.code().as_deref(), Some("3F000")),
+        other => panic!("sqlx's database error as the source: {other:?}"),
+    }
 }
 
 /// Force-releasing the read lock while a writer holds the key removed the writer too
@@ -213,7 +224,7 @@ async fn a_late_attempt_of_an_abandoned_owner_takes_nothing() {
             .await
             .unwrap();
         assert!(
-            state.holders.iter().all(|h| h.owner.as_str() != "gone:1"),
+            state.holders.iter().all(|h| h.hold_id.as_str() != "gone:1"),
             "{state:?}"
         );
         assert_eq!(state.waiters.count, 0, "{state:?}");

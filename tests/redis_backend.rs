@@ -14,7 +14,7 @@ use futures_util::StreamExt;
 use redis::aio::MultiplexedConnection;
 use tokio::time::Instant;
 use tower_lock::backend::{Acquire, LockBackend, LockMode, LockRequest, Release};
-use tower_lock::{Error, Lease, LockClient, LockKey, Owner, RedisBackend};
+use tower_lock::{Error, HoldId, Lease, LockClient, LockKey, RedisBackend, StoreErrorKind};
 
 /// Redisson 3.x `RedissonLock.tryLockInnerAsync`, verbatim in behaviour: nil when
 /// acquired, else the holder's PTTL.
@@ -143,12 +143,12 @@ async fn redisson_and_tower_lock_exclude_each_other() {
     let state = lock.inspect().await.unwrap();
     assert_eq!(state.holders.len(), 1, "{state:?}");
     let h = &state.holders[0];
-    assert_eq!(h.owner.as_str(), redisson.field(1));
+    assert_eq!(h.hold_id.as_str(), redisson.field(1));
     assert_eq!((h.holds, h.mode), (1, tower_lock::LockMode::Exclusive));
     assert!(h.ttl.is_some_and(|t| t > Duration::from_secs(25)), "{h:?}");
     assert_eq!(h.client_id(), Some(redisson.id));
     assert_eq!(h.client, None, "Redisson registers no name");
-    assert_eq!(lock.hold_count(&h.owner).await.unwrap(), 1);
+    assert_eq!(lock.hold_count_in_store(&h.hold_id).await.unwrap(), 1);
     match lock.try_lock().await {
         Err(Error::Busy {
             holder_ttl: Some(ttl),
@@ -179,9 +179,9 @@ async fn redisson_and_tower_lock_exclude_each_other() {
     let fields = hgetall(&mut raw, name).await;
     assert_eq!(
         fields,
-        HashMap::from([(guard.holder().to_string(), "1".to_owned())])
+        HashMap::from([(guard.hold_id().to_string(), "1".to_owned())])
     );
-    assert!(guard.holder().as_str().starts_with(client.id()));
+    assert!(guard.hold_id().as_str().starts_with(client.id()));
     let ttl = pttl(&mut raw, name).await;
     assert!(
         ttl > 25_000 && ttl <= 30_000,
@@ -225,12 +225,12 @@ async fn redisson_and_tower_lock_exclude_each_other() {
             assert_eq!(b.owner(), &owner);
             assert_eq!(
                 hgetall(&mut raw, name).await,
-                HashMap::from([(a.holder().to_string(), "1".to_owned())])
+                HashMap::from([(a.hold_id().to_string(), "1".to_owned())])
             );
             b.unlock().await.unwrap();
             assert_eq!(
                 hgetall(&mut raw, name).await,
-                HashMap::from([(a.holder().to_string(), "1".to_owned())])
+                HashMap::from([(a.hold_id().to_string(), "1".to_owned())])
             );
             a.unlock().await.unwrap();
             assert!(hgetall(&mut raw, name).await.is_empty());
@@ -477,7 +477,7 @@ async fn watchdog_renews_locks_of_every_kind_in_one_call_per_period() {
             2 => {
                 pttl(
                     &mut raw,
-                    &format!("{{{name}}}:{}:rwlock_timeout:1", g.holder()),
+                    &format!("{{{name}}}:{}:rwlock_timeout:1", g.hold_id()),
                 )
                 .await
             }
@@ -568,8 +568,14 @@ async fn connection_refused_is_a_typed_error() {
     drop(server);
     let started = Instant::now();
     match RedisBackend::connect(url.as_str()).await {
-        Err(Error::Redis(e)) => assert!(e.is_connection_refusal() || e.is_io_error(), "{e}"),
-        Err(other) => panic!("expected a redis error, got {other}"),
+        Err(Error::Store(e)) => {
+            assert_eq!(e.kind(), StoreErrorKind::Unavailable, "{e}");
+            let e = e
+                .downcast_ref::<redis::RedisError>()
+                .expect("redis-rs's error");
+            assert!(e.is_connection_refusal() || e.is_io_error(), "{e}");
+        }
+        Err(other) => panic!("expected a store error, got {other}"),
         Ok(_) => panic!("connected to a stopped server"),
     }
     assert!(
@@ -577,10 +583,11 @@ async fn connection_refused_is_a_typed_error() {
         "{:?}",
         started.elapsed()
     );
-    assert!(matches!(
-        RedisBackend::connect("not a url").await,
-        Err(Error::Redis(_))
-    ));
+    let not_a_url = RedisBackend::connect("not a url").await;
+    assert!(
+        matches!(&not_a_url, Err(e) if e.store_kind() == Some(StoreErrorKind::Misconfigured)),
+        "{not_a_url:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -608,11 +615,18 @@ async fn password_in_url_and_prefix() {
     guard.unlock().await.unwrap();
 
     let wrong = format!("redis://:nope@127.0.0.1:{}", server.port());
-    assert!(matches!(
-        RedisBackend::connect(wrong.as_str()).await,
-        Err(Error::Redis(_))
-    ));
-    for bad in ["a{b", "x}", "tab\t"] {
+    match RedisBackend::connect(wrong.as_str()).await {
+        Err(Error::Store(e)) => {
+            assert_eq!(e.kind(), StoreErrorKind::Misconfigured, "{e}: fails closed");
+            let e = e
+                .downcast_ref::<redis::RedisError>()
+                .expect("redis-rs's error");
+            assert_eq!(e.kind(), redis::ErrorKind::AuthenticationFailed, "{e}");
+        }
+        other => panic!("a wrong password: {other:?}"),
+    }
+    let long = "p".repeat(tower_lock::MAX_NAMESPACE_LEN + 1);
+    for bad in ["a{b", "x}", "tab\t", long.as_str()] {
         match RedisBackend::builder(url.as_str())
             .key_prefix(bad)
             .build()
@@ -657,7 +671,10 @@ async fn tls_with_a_private_ca() {
 
     // Without the CA, the server's certificate is refused.
     let untrusted = RedisBackend::connect(server.url().as_str()).await;
-    assert!(matches!(untrusted, Err(Error::Redis(_))), "{untrusted:?}");
+    assert!(
+        matches!(&untrusted, Err(Error::Store(e)) if e.downcast_ref::<redis::RedisError>().is_some()),
+        "{untrusted:?}"
+    );
 }
 
 /// The fencing counter vanished (evicted, flushed, a restart without persistence) or went
@@ -701,7 +718,7 @@ async fn a_vanished_fence_counter_never_sends_tokens_back() {
 fn exclusive(key: &LockKey, n: usize) -> LockRequest {
     LockRequest::new(
         key.clone(),
-        Owner::from_raw(format!("batch-owner:{n}")).unwrap(),
+        HoldId::from_raw(format!("batch-owner:{n}")).unwrap(),
         LockMode::Exclusive,
         Duration::from_secs(30),
     )

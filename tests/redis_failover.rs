@@ -78,7 +78,7 @@ async fn the_backend_follows_a_failover_with_its_holds_and_waiters() {
         .unwrap();
     assert_eq!(
         on_new.keys().collect::<Vec<_>>(),
-        vec![guard.holder().as_str()],
+        vec![guard.hold_id().as_str()],
         "the new primary has the hold"
     );
     let released = tokio::time::Instant::now();

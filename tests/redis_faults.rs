@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::redis_server::{FreezableProxy, RedisServer};
 use common::wait_until;
 use tokio::time::Instant;
-use tower_lock::{Error, Lease, LockClient, LockKey, RedisBackend};
+use tower_lock::{Error, Lease, LockClient, LockKey, RedisBackend, StoreErrorKind};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_under_held_locks_and_waiters() {
@@ -121,7 +121,15 @@ async fn frozen_server_times_out_with_a_retryable_error_then_recovers() {
     let err = lock.try_lock().await.unwrap_err();
     let took = started.elapsed();
     server.resume();
-    assert!(matches!(err, Error::Redis(_)), "{err:?}");
+    assert!(
+        matches!(&err, Error::Store(e) if e.downcast_ref::<redis::RedisError>().is_some()),
+        "{err:?}"
+    );
+    assert_eq!(
+        err.store_kind(),
+        Some(StoreErrorKind::Unavailable),
+        "{err:?}"
+    );
     assert!(err.is_retryable(), "{err:?}");
     assert!(err.is_backend());
     assert!(

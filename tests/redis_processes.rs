@@ -173,7 +173,7 @@ mod imp {
             };
             let guard = lock.unwrap().fenced().lock().await.expect("lock");
             let token = guard.fencing_token().expect("a fenced lock has a token");
-            println!("LOCKED {token} {}", guard.holder());
+            println!("LOCKED {token} {}", guard.hold_id());
             guard.lost().wait().await;
             println!("LOST");
             match guard.unlock().await {
@@ -354,7 +354,7 @@ mod imp {
             .await
             .unwrap();
         assert_eq!(
-            fields.get(guard.holder().as_str()).map(String::as_str),
+            fields.get(guard.hold_id().as_str()).map(String::as_str),
             Some("1")
         );
         assert_eq!(fields.len(), 1);
@@ -752,7 +752,7 @@ mod imp {
         for (i, node) in nodes.iter().enumerate() {
             let held: i64 = redis::cmd("HEXISTS")
                 .arg("redlock")
-                .arg(guard.holder().as_str())
+                .arg(guard.hold_id().as_str())
                 .query_async(&mut node.conn().await)
                 .await
                 .unwrap();
@@ -994,7 +994,7 @@ mod imp {
         // The other permit was never touched.
         let req = tower_lock::backend::LockRequest::new(
             key.clone(),
-            mine.holder().clone(),
+            mine.hold_id().clone(),
             mine.mode(),
             mine.lease(),
         );

@@ -390,7 +390,7 @@ async fn redisson_read_write_lock_and_tower_lock_share_one_lock() {
         HashMap::from([
             ("mode".to_owned(), "read".to_owned()),
             (redisson.field(1), "1".to_owned()),
-            (ours.holder().to_string(), "1".to_owned()),
+            (ours.hold_id().to_string(), "1".to_owned()),
         ])
     );
     // Inspection reads both read holds, each with its own lease key's ttl.
@@ -404,9 +404,9 @@ async fn redisson_read_write_lock_and_tower_lock_share_one_lock() {
         state
             .holders
             .iter()
-            .any(|h| h.owner.as_str() == redisson.field(1))
+            .any(|h| h.hold_id.as_str() == redisson.field(1))
     );
-    let our_lease_key = format!("{{doc}}:{}:rwlock_timeout:1", ours.holder());
+    let our_lease_key = format!("{{doc}}:{}:rwlock_timeout:1", ours.hold_id());
     let lease_left = pttl(&mut raw, &our_lease_key).await;
     assert!(
         lease_left > 25_000 && lease_left <= 30_000,
@@ -445,7 +445,7 @@ async fn redisson_read_write_lock_and_tower_lock_share_one_lock() {
         hgetall(&mut raw, name).await,
         HashMap::from([
             ("mode".to_owned(), "write".to_owned()),
-            (format!("{}:write", writer.holder()), "1".to_owned()),
+            (format!("{}:write", writer.hold_id()), "1".to_owned()),
         ])
     );
     assert!(redisson.read_lock(name, 3).await.is_some_and(|t| t > 0));
@@ -551,7 +551,7 @@ async fn redisson_fair_lock_and_tower_lock_share_one_queue() {
     );
     assert_eq!(
         hgetall(&mut raw, name).await,
-        HashMap::from([(guard.holder().to_string(), "1".to_owned())])
+        HashMap::from([(guard.hold_id().to_string(), "1".to_owned())])
     );
 
     // The Redisson newcomer is next, and hears our unlock.
@@ -675,7 +675,7 @@ async fn with_redissons_default_thread_wait_time_a_handoff_sends_our_waiters_to_
         .expect("our waiter gets the lock in the end");
     assert_eq!(
         hgetall(&mut raw, name).await,
-        HashMap::from([(guard.holder().to_string(), "1".to_owned())])
+        HashMap::from([(guard.hold_id().to_string(), "1".to_owned())])
     );
     guard.unlock().await.unwrap();
     assert_eq!(llen(&mut raw, queue).await, 0);

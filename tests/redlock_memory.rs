@@ -13,7 +13,9 @@ use tower_lock::backend::{
     Acquire, BoxFuture, LockBackend, LockMode, LockRequest, Release, StoreProfile, Subscription,
 };
 use tower_lock::kinds::RedLock;
-use tower_lock::{Error, Lease, LockClient, LockKey, MemoryBackend, Owner, Result};
+use tower_lock::{
+    Error, HoldId, Lease, LockClient, LockKey, MemoryBackend, Result, StoreError, StoreErrorKind,
+};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
@@ -59,7 +61,7 @@ impl Node {
         let state = *self.state.lock().unwrap();
         match state {
             State::Up => Ok(self.store()),
-            State::Down => Err(Error::Backend("node is down".into())),
+            State::Down => Err(StoreError::msg(StoreErrorKind::Unavailable, "node is down").into()),
             State::Stalled => std::future::pending().await,
         }
     }
@@ -424,7 +426,7 @@ async fn split_vote_is_undone_and_backs_off_then_resolves_in_the_wait() {
     // nodes 3 and 4 — no quorum, and no quorum of busy nodes either.
     let other = LockRequest::new(
         k.clone(),
-        Owner::from_raw("other:1").unwrap(),
+        HoldId::from_raw("other:1").unwrap(),
         LockMode::Exclusive,
         LONG,
     );
@@ -443,7 +445,7 @@ async fn split_vote_is_undone_and_backs_off_then_resolves_in_the_wait() {
         .unwrap();
     let me = LockRequest::new(
         k.clone(),
-        Owner::from_raw("me:1").unwrap(),
+        HoldId::from_raw("me:1").unwrap(),
         LockMode::Exclusive,
         LONG,
     );
@@ -568,7 +570,7 @@ async fn a_win_leaves_the_queues_of_nodes_that_were_busy() {
     // until evicted).
     let other = LockRequest::new(
         k.clone(),
-        Owner::from_raw("other:1").unwrap(),
+        HoldId::from_raw("other:1").unwrap(),
         LockMode::Fair,
         LONG,
     );

@@ -237,7 +237,7 @@ async fn two_nodes_down_from_the_start_do_not_keep_a_client_from_locking() {
         .await
         .expect("three of five nodes are a quorum");
     assert_eq!(
-        nodes_holding(&servers, &key, guard.holder().as_str()).await,
+        nodes_holding(&servers, &key, guard.hold_id().as_str()).await,
         3
     );
     let err = other.try_lock().await.unwrap_err();
@@ -252,7 +252,7 @@ async fn two_nodes_down_from_the_start_do_not_keep_a_client_from_locking() {
         .await
         .unwrap();
     common::wait_until(Duration::from_secs(5), "all five nodes hold it", || async {
-        nodes_holding(&servers, &key, guard.holder().as_str()).await == 5
+        nodes_holding(&servers, &key, guard.hold_id().as_str()).await == 5
     })
     .await;
     guard.unlock().await.unwrap();
@@ -277,7 +277,7 @@ async fn rolling_restarts_of_every_node_keep_a_watched_lock() {
         .lock()
         .await
         .unwrap();
-    let field = holder.holder().to_string();
+    let field = holder.hold_id().to_string();
     let other = client(&other, Duration::from_secs(30))
         .get_lock(&key)
         .unwrap();

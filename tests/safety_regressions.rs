@@ -23,7 +23,10 @@ use tower_lock::backend::{
     Acquire, BoxFuture, Intercept, Intercepted, LockBackend, LockMode, LockRequest, Release,
 };
 use tower_lock::kinds::MultiLock;
-use tower_lock::{Error, Lease, LockClient, LockGuard, LockKey, MemoryBackend, Owner, Result};
+use tower_lock::{
+    Error, Lease, LockClient, LockGuard, LockKey, MemoryBackend, Owner, Result, StoreError,
+    StoreErrorKind,
+};
 
 // ---------------------------------------------------------------------------------------
 // The fault-injecting wrapper
@@ -180,9 +183,11 @@ impl Intercept<Inner> for Injector {
             };
             if fail {
                 self.seen.failed_unsent.fetch_add(1, Ordering::SeqCst);
-                return Err(Error::Backend(
-                    "connection reset before the request was sent (injected)".into(),
-                ));
+                return Err(StoreError::msg(
+                    StoreErrorKind::Unavailable,
+                    "connection reset before the request was sent (injected)",
+                )
+                .into());
             }
             let outcome = inner.acquire(req).await;
             self.seen.acquires.fetch_add(1, Ordering::SeqCst);
@@ -334,7 +339,7 @@ impl Store for Memory {
         self.backend
             .holders(key)
             .into_iter()
-            .map(|h| format!("{} {} x{}", h.owner, h.mode, h.holds))
+            .map(|h| format!("{} {} x{}", h.hold_id, h.mode, h.holds))
             .collect()
     }
 
@@ -1627,7 +1632,7 @@ async fn reentry_keeps_a_hold_without_expiry_without_expiry_redis() {
     let key = key("persisted");
     let req = LockRequest::new(
         key.clone(),
-        Owner::from_raw("persisted-owner:1").unwrap(),
+        tower_lock::HoldId::from_raw("persisted-owner:1").unwrap(),
         LockMode::Exclusive,
         Duration::from_secs(30),
     );
@@ -1690,7 +1695,7 @@ async fn a_permit_outlives_its_holders_belief_redis() {
             .unwrap();
         let intruder = LockRequest::new(
             key.clone(),
-            Owner::from_raw(format!("intruder:{round}")).unwrap(),
+            tower_lock::HoldId::from_raw(format!("intruder:{round}")).unwrap(),
             LockMode::Permits {
                 max: std::num::NonZeroU32::new(1).unwrap(),
             },

@@ -20,7 +20,7 @@ use common::redis_server::RedisServer;
 use common::wait_until;
 use tokio::time::Instant;
 use tower_lock::backend::{Acquire, LockBackend, LockMode, LockRequest, Release};
-use tower_lock::{Error, Lease, Lock, LockClient, LockKey, Owner, RedisBackend};
+use tower_lock::{Error, HoldId, Lease, Lock, LockClient, LockKey, RedisBackend};
 
 /// The response timeout of every backend behind the proxy: short, so the tests are.
 const TIMEOUT: Duration = Duration::from_millis(200);
@@ -371,7 +371,7 @@ async fn a_wait_that_runs_out_after_an_unanswered_attempt(
 ) {
     let holder = LockRequest::new(
         LockKey::new(key).unwrap(),
-        Owner::from_raw("holder:1").unwrap(),
+        HoldId::from_raw("holder:1").unwrap(),
         LockMode::Exclusive,
         Duration::from_millis(500),
     );

@@ -101,7 +101,7 @@ pub fn describe(key: &LockKey, state: &LockState) -> serde_json::Value {
         .iter()
         .map(|h| {
             serde_json::json!({
-                "owner": h.owner.as_str(),
+                "hold_id": h.hold_id.as_str(),
                 "client_id": h.client_id(),
                 "client": h.client,
                 "mode": h.mode.to_string(),

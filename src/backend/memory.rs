@@ -5,7 +5,7 @@
 //! Redis backend, so code tested against it behaves the same in production:
 //!
 //! - leases really expire (tokio time, so `tokio::time::pause` works in tests);
-//! - reentrant holds are counted, per owner and mode;
+//! - reentrant holds are counted, per hold identity and mode;
 //! - fenced acquisitions take tokens from one counter for the whole backend, floored by
 //!   the wall clock (see [`FencingToken`]), so they are strictly increasing per key
 //!   across holders (and across keys);
@@ -66,13 +66,13 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
-    Acquire, BoxFuture, ClientNames, FencingToken, Grant, Holder, LocalStore, LockBackend,
+    Acquire, BoxFuture, ClientNames, FencingToken, Grant, HoldInfo, LocalStore, LockBackend,
     LockMode, LockRequest, LockState, QUEUED_MODES, Release, Signal, StoreProfile, Subscription,
     WaiterScope, Waiters, Wake, queued,
 };
 use crate::error::Result;
+use crate::hold_id::HoldId;
 use crate::key::LockKey;
-use crate::owner::Owner;
 
 pub use super::limits::{DEFAULT_WAITER_TIMEOUT, MIN_WAITER_TIMEOUT};
 
@@ -188,15 +188,15 @@ struct Entry {
     notify: Option<Arc<Signal>>,
     /// Subscriptions sharing `notify`.
     shared_subs: usize,
-    /// One wake-up per queue entry — an owner waiting in a queued mode (fair, read,
+    /// One wake-up per queue entry — a hold waiting in a queued mode (fair, read,
     /// write) — so that a release wakes exactly the waiters the queue admits, and an
-    /// owner waiting in two modes is not woken in one for the other's turn.
-    owner_subs: HashMap<(Owner, LockMode), OwnerSub>,
+    /// hold waiting in two modes is not woken in one for the other's turn.
+    hold_subs: HashMap<(HoldId, LockMode), HoldSub>,
     /// All subscriptions of the key.
     subscribers: usize,
 }
 
-struct OwnerSub {
+struct HoldSub {
     notify: Arc<Signal>,
     count: usize,
 }
@@ -206,20 +206,20 @@ struct OwnerSub {
 enum Holds {
     #[default]
     Free,
-    /// Exclusive or fair: one owner.
+    /// Exclusive or fair: one hold.
     Sole(Hold),
     /// Read-write: at most one writer and any number of readers; readers besides the
-    /// writer's own owner only when there is no writer.
+    /// writer's own identity only when there is no writer.
     Shared {
         writer: Option<Hold>,
-        readers: HashMap<Owner, Hold>,
+        readers: HashMap<HoldId, Hold>,
     },
-    /// Permits: at most `max` owners, each with its own lease.
-    Permits(HashMap<Owner, Hold>),
+    /// Permits: at most `max` holds, each with its own lease.
+    Permits(HashMap<HoldId, Hold>),
 }
 
 struct Hold {
-    owner: Owner,
+    hold_id: HoldId,
     mode: LockMode,
     holds: u32,
     /// The last token issued to this hold (fenced acquisitions only).
@@ -257,7 +257,7 @@ fn family(mode: LockMode) -> Family {
 /// or, behind a queued waiter, when that waiter would be evicted; `None` when it may
 /// take the lock now.
 fn blocked(entry: &mut Entry, req: &LockRequest, now: Instant) -> Option<Option<Duration>> {
-    if let Some(holder_ttl) = entry.holds.conflict(req.write_holder(), req.mode, now) {
+    if let Some(holder_ttl) = entry.holds.conflict(req.write_hold_id(), req.mode, now) {
         return Some(holder_ttl);
     }
     if !queued(req.mode) {
@@ -265,8 +265,8 @@ fn blocked(entry: &mut Entry, req: &LockRequest, now: Instant) -> Option<Option<
     }
     // The write holder's reads go without queueing (downgrade); anyone else waits for
     // the waiters ahead of it that it cannot share with.
-    let bypass = req.mode == LockMode::Read && entry.holds.holds_write(req.write_holder(), now);
-    let seq = entry.queue.seq_of(&req.owner, req.mode);
+    let bypass = req.mode == LockMode::Read && entry.holds.holds_write(req.write_hold_id(), now);
+    let seq = entry.queue.seq_of(&req.hold_id, req.mode);
     match entry.queue.blocker(seq, req.mode, now) {
         Some(_) if bypass => None,
         // Ask again when the blocker would be evicted, if not woken before.
@@ -362,31 +362,31 @@ impl Holds {
         }
     }
 
-    /// `owner`'s live hold in exactly `mode`.
-    fn own_mut(&mut self, owner: &Owner, mode: LockMode, now: Instant) -> Option<&mut Hold> {
+    /// `hold_id`'s live hold in exactly `mode`.
+    fn own_mut(&mut self, hold_id: &HoldId, mode: LockMode, now: Instant) -> Option<&mut Hold> {
         let hold = match (self, mode) {
-            (Holds::Sole(hold), _) if hold.owner == *owner && hold.mode == mode => Some(hold),
+            (Holds::Sole(hold), _) if hold.hold_id == *hold_id && hold.mode == mode => Some(hold),
             (Holds::Shared { writer, .. }, LockMode::Write) => {
-                writer.as_mut().filter(|w| w.owner == *owner)
+                writer.as_mut().filter(|w| w.hold_id == *hold_id)
             }
-            (Holds::Shared { readers, .. }, LockMode::Read) => readers.get_mut(owner),
-            (Holds::Permits(holders), LockMode::Permits { .. }) => holders.get_mut(owner),
+            (Holds::Shared { readers, .. }, LockMode::Read) => readers.get_mut(hold_id),
+            (Holds::Permits(holders), LockMode::Permits { .. }) => holders.get_mut(hold_id),
             _ => None,
         };
         hold.filter(|h| h.live(now))
     }
 
-    fn holds_write(&self, owner: &Owner, now: Instant) -> bool {
-        matches!(self, Holds::Shared { writer: Some(w), .. } if w.owner == *owner && w.live(now))
+    fn holds_write(&self, hold_id: &HoldId, now: Instant) -> bool {
+        matches!(self, Holds::Shared { writer: Some(w), .. } if w.hold_id == *hold_id && w.live(now))
     }
 
     /// Whether the holds let a new hold in `mode` in: `None` if they do, else
-    /// `Some(ttl)`, how long until they might. `owner` is the write holder a read may go
+    /// `Some(ttl)`, how long until they might. `hold_id` is the write hold a read may go
     /// past (the reader itself, or the writer it belongs with). Own holds in the same
     /// mode are re-entries, handled before this is asked.
     fn conflict(
         &mut self,
-        owner: &Owner,
+        hold_id: &HoldId,
         mode: LockMode,
         now: Instant,
     ) -> Option<Option<Duration>> {
@@ -402,7 +402,7 @@ impl Holds {
         match (&mut *self, mode) {
             (Holds::Sole(hold), _) => Some(hold.ttl(now)),
             (Holds::Shared { writer, .. }, LockMode::Read) => match writer {
-                Some(w) if w.owner != *owner => Some(w.ttl(now)),
+                Some(w) if w.hold_id != *hold_id => Some(w.ttl(now)),
                 _ => None,
             },
             (Holds::Shared { .. }, _) => {
@@ -434,15 +434,15 @@ impl Holds {
         match (&mut *self, hold.mode) {
             (Holds::Shared { writer, .. }, LockMode::Write) => *writer = Some(hold),
             (Holds::Shared { readers, .. }, LockMode::Read) => {
-                readers.insert(hold.owner.clone(), hold);
+                readers.insert(hold.hold_id.clone(), hold);
             }
             (Holds::Permits(holders), LockMode::Permits { .. }) => {
-                holders.insert(hold.owner.clone(), hold);
+                holders.insert(hold.hold_id.clone(), hold);
             }
             (_, LockMode::Read) => {
                 *self = Holds::Shared {
                     writer: None,
-                    readers: HashMap::from([(hold.owner.clone(), hold)]),
+                    readers: HashMap::from([(hold.hold_id.clone(), hold)]),
                 }
             }
             (_, LockMode::Write) => {
@@ -452,20 +452,20 @@ impl Holds {
                 }
             }
             (_, LockMode::Permits { .. }) => {
-                *self = Holds::Permits(HashMap::from([(hold.owner.clone(), hold)]))
+                *self = Holds::Permits(HashMap::from([(hold.hold_id.clone(), hold)]))
             }
             (_, LockMode::Exclusive | LockMode::Fair) => *self = Holds::Sole(hold),
         }
     }
 
-    /// Removes `owner`'s hold in `mode`.
-    fn remove(&mut self, owner: &Owner, mode: LockMode) {
+    /// Removes `hold_id`'s hold in `mode`.
+    fn remove(&mut self, hold_id: &HoldId, mode: LockMode) {
         match (&mut *self, mode) {
             (Holds::Sole(_), _) => *self = Holds::Free,
             (Holds::Shared { writer, .. }, LockMode::Write) => *writer = None,
             (Holds::Shared { readers, .. }, LockMode::Read)
             | (Holds::Permits(readers), LockMode::Permits { .. }) => {
-                readers.remove(owner);
+                readers.remove(hold_id);
             }
             _ => {}
         }
@@ -515,14 +515,14 @@ impl Holds {
 #[derive(Default)]
 struct Queue {
     order: BTreeMap<u64, Waiter>,
-    index: HashMap<(Owner, LockMode), u64>,
+    index: HashMap<(HoldId, LockMode), u64>,
     /// The waiters that exclude everyone behind them (fair, write).
     exclusive: BTreeSet<u64>,
     next: u64,
 }
 
 struct Waiter {
-    owner: Owner,
+    hold_id: HoldId,
     mode: LockMode,
     /// Evicted when it has not polled by then.
     evict_at: Instant,
@@ -537,13 +537,13 @@ impl Queue {
         self.order.len()
     }
 
-    fn seq_of(&self, owner: &Owner, mode: LockMode) -> Option<u64> {
-        self.index.get(&(owner.clone(), mode)).copied()
+    fn seq_of(&self, hold_id: &HoldId, mode: LockMode) -> Option<u64> {
+        self.index.get(&(hold_id.clone(), mode)).copied()
     }
 
-    /// Puts the owner at the tail, or refreshes its place.
-    fn touch(&mut self, owner: &Owner, mode: LockMode, evict_at: Instant) {
-        if let Some(seq) = self.seq_of(owner, mode) {
+    /// Puts the hold at the tail, or refreshes its place.
+    fn touch(&mut self, hold_id: &HoldId, mode: LockMode, evict_at: Instant) {
+        if let Some(seq) = self.seq_of(hold_id, mode) {
             if let Some(waiter) = self.order.get_mut(&seq) {
                 waiter.evict_at = evict_at;
             }
@@ -554,12 +554,12 @@ impl Queue {
         self.order.insert(
             seq,
             Waiter {
-                owner: owner.clone(),
+                hold_id: hold_id.clone(),
                 mode,
                 evict_at,
             },
         );
-        self.index.insert((owner.clone(), mode), seq);
+        self.index.insert((hold_id.clone(), mode), seq);
         if mode != LockMode::Read {
             self.exclusive.insert(seq);
         }
@@ -567,13 +567,13 @@ impl Queue {
 
     fn remove_seq(&mut self, seq: u64) {
         if let Some(waiter) = self.order.remove(&seq) {
-            self.index.remove(&(waiter.owner, waiter.mode));
+            self.index.remove(&(waiter.hold_id, waiter.mode));
             self.exclusive.remove(&seq);
         }
     }
 
-    fn remove(&mut self, owner: &Owner, mode: LockMode) -> bool {
-        match self.seq_of(owner, mode) {
+    fn remove(&mut self, hold_id: &HoldId, mode: LockMode) -> bool {
+        match self.seq_of(hold_id, mode) {
             Some(seq) => {
                 self.remove_seq(seq);
                 true
@@ -622,7 +622,7 @@ impl Entry {
             queue: Queue::default(),
             notify: None,
             shared_subs: 0,
-            owner_subs: HashMap::new(),
+            hold_subs: HashMap::new(),
             subscribers: 0,
         }
     }
@@ -644,18 +644,18 @@ impl Entry {
             }
             if self
                 .holds
-                .conflict(&waiter.owner, waiter.mode, now)
+                .conflict(&waiter.hold_id, waiter.mode, now)
                 .is_some()
             {
                 break;
             }
-            woken.push((waiter.owner.clone(), waiter.mode));
+            woken.push((waiter.hold_id.clone(), waiter.mode));
             if !reader {
                 break;
             }
         }
         for entry in woken {
-            if let Some(sub) = self.owner_subs.get(&entry) {
+            if let Some(sub) = self.hold_subs.get(&entry) {
                 sub.notify.notify_one();
             }
         }
@@ -726,7 +726,7 @@ impl MemoryBackend {
         self.table().map.get(key).map_or(0, |e| e.subscribers)
     }
 
-    /// How many owners wait in `key`'s queue (fair, read and write waiters), including
+    /// How many holds wait in `key`'s queue (fair, read and write waiters), including
     /// any that stopped polling and are not evicted yet.
     pub fn queue_len(&self, key: &LockKey) -> usize {
         self.table().map.get(key).map_or(0, |e| e.queue.len())
@@ -735,7 +735,7 @@ impl MemoryBackend {
     /// Every live hold of `key`, in no particular order: what the store has right now,
     /// without changing it. For diagnostics and tests; [`LockBackend::inspect`] says
     /// more.
-    pub fn holders(&self, key: &LockKey) -> Vec<Holder> {
+    pub fn holders(&self, key: &LockKey) -> Vec<HoldInfo> {
         self.state_of(key, LockMode::Exclusive).holders
     }
 
@@ -747,7 +747,7 @@ impl MemoryBackend {
             return LockState::new(Vec::new(), Waiters::new(0, WaiterScope::Store));
         };
         let describe = |hold: &Hold| {
-            Holder::new(hold.owner.clone(), hold.mode, hold.holds, hold.ttl(now))
+            HoldInfo::new(hold.hold_id.clone(), hold.mode, hold.holds, hold.ttl(now))
                 .with_token(hold.token)
         };
         let holds: Vec<&Hold> = match &entry.holds {
@@ -756,7 +756,7 @@ impl MemoryBackend {
             Holds::Shared { writer, readers } => writer.iter().chain(readers.values()).collect(),
             Holds::Permits(holders) => holders.values().collect(),
         };
-        let holders: Vec<Holder> = holds
+        let holders: Vec<HoldInfo> = holds
             .into_iter()
             .filter(|h| h.live(now))
             .map(describe)
@@ -825,14 +825,14 @@ impl MemoryBackend {
             None => {
                 let token = self.token_for(req);
                 entry.holds.grant(Hold {
-                    owner: req.owner.clone(),
+                    hold_id: req.hold_id.clone(),
                     mode: req.mode,
                     holds: 1,
                     token,
                     expires_at,
                 });
                 if queued {
-                    entry.queue.remove(&req.owner, req.mode);
+                    entry.queue.remove(&req.hold_id, req.mode);
                     // A reader admitted may be followed by readers queued behind it.
                     entry.wake_queued(now);
                 }
@@ -840,7 +840,7 @@ impl MemoryBackend {
             }
             Some(ttl) if queued => {
                 let timeout = self.shared.waiter_timeout;
-                entry.queue.touch(&req.owner, req.mode, now + timeout);
+                entry.queue.touch(&req.hold_id, req.mode, now + timeout);
                 // Someone stale may have been evicted above and the lock be free for
                 // the next in line.
                 entry.wake_queued(now);
@@ -853,7 +853,7 @@ impl MemoryBackend {
         }
     }
 
-    /// Re-enters the hold `req`'s owner has in its mode, if any: one hold more.
+    /// Re-enters the hold `req.hold_id` has in its mode, if any: one hold more.
     fn reenter(
         &self,
         entry: &mut Entry,
@@ -861,7 +861,7 @@ impl MemoryBackend {
         now: Instant,
         expires_at: Option<Instant>,
     ) -> Option<Acquire> {
-        let hold = entry.holds.own_mut(&req.owner, req.mode, now)?;
+        let hold = entry.holds.own_mut(&req.hold_id, req.mode, now)?;
         hold.holds = hold.holds.saturating_add(1);
         // Re-entering never shortens the lease the hold already has.
         hold.expires_at = later(hold.expires_at, expires_at);
@@ -871,7 +871,7 @@ impl MemoryBackend {
         }
         let grant = Grant::new(hold.holds, if req.fenced { hold.token } else { None });
         if queued(req.mode) {
-            entry.queue.remove(&req.owner, req.mode);
+            entry.queue.remove(&req.hold_id, req.mode);
         }
         Some(Acquire::Acquired(grant))
     }
@@ -880,7 +880,7 @@ impl MemoryBackend {
         let Some(entry) = table.map.get_mut(&req.key) else {
             return false;
         };
-        match entry.holds.own_mut(&req.owner, req.mode, now) {
+        match entry.holds.own_mut(&req.hold_id, req.mode, now) {
             Some(hold) => {
                 // A renewal extends the lease, never shortens it.
                 hold.expires_at = later(hold.expires_at, now.checked_add(req.lease));
@@ -899,7 +899,7 @@ impl MemoryBackend {
         let Some(entry) = table.map.get_mut(&req.key) else {
             return Release::NotHeld;
         };
-        let outcome = match entry.holds.own_mut(&req.owner, req.mode, now) {
+        let outcome = match entry.holds.own_mut(&req.hold_id, req.mode, now) {
             Some(hold) if hold.holds > 1 => {
                 hold.holds -= 1;
                 // The holds left keep at least the lease they had.
@@ -907,7 +907,7 @@ impl MemoryBackend {
                 Release::Decremented { holds: hold.holds }
             }
             Some(_) => {
-                entry.holds.remove(&req.owner, req.mode);
+                entry.holds.remove(&req.hold_id, req.mode);
                 entry.wake_after_release(now);
                 Release::Released
             }
@@ -921,7 +921,7 @@ impl MemoryBackend {
         let now = Instant::now();
         let mut table = self.table();
         if let Some(entry) = table.map.get_mut(&req.key)
-            && entry.queue.remove(&req.owner, req.mode)
+            && entry.queue.remove(&req.hold_id, req.mode)
         {
             entry.wake_queued(now);
         }
@@ -979,7 +979,7 @@ impl LockBackend for MemoryBackend {
         Box::pin(async move { Ok(self.apply_release(req)) })
     }
 
-    /// Releases the owner's hold and leaves the queue: an attempt is applied within
+    /// Releases the hold and leaves the queue: an attempt is applied within
     /// its call, so none can arrive late.
     fn abandon<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
@@ -1008,16 +1008,16 @@ impl LockBackend for MemoryBackend {
             let mut table = self.table();
             let entry = table.map.entry(req.key.clone()).or_insert_with(Entry::new);
             entry.subscribers += 1;
-            let (owner, notify) = if queued(req.mode) {
+            let (hold_id, notify) = if queued(req.mode) {
                 let sub = entry
-                    .owner_subs
-                    .entry((req.owner.clone(), req.mode))
-                    .or_insert_with(|| OwnerSub {
+                    .hold_subs
+                    .entry((req.hold_id.clone(), req.mode))
+                    .or_insert_with(|| HoldSub {
                         notify: Arc::new(Signal::new()),
                         count: 0,
                     });
                 sub.count += 1;
-                (Some(req.owner.clone()), Arc::clone(&sub.notify))
+                (Some(req.hold_id.clone()), Arc::clone(&sub.notify))
             } else {
                 entry.shared_subs += 1;
                 let notify = entry.notify.get_or_insert_with(|| Arc::new(Signal::new()));
@@ -1027,7 +1027,7 @@ impl LockBackend for MemoryBackend {
                 backend: self.clone(),
                 key: req.key.clone(),
                 mode: req.mode,
-                owner,
+                hold_id,
                 seen: notify.seen(),
                 notify,
             });
@@ -1130,8 +1130,8 @@ struct MemorySubscription {
     backend: MemoryBackend,
     key: LockKey,
     mode: LockMode,
-    /// Set for queued modes, whose waiters are woken one owner at a time.
-    owner: Option<Owner>,
+    /// Set for queued modes, whose waiters are woken one hold at a time.
+    hold_id: Option<HoldId>,
     notify: Arc<Signal>,
     /// The release count last seen.
     seen: u64,
@@ -1143,16 +1143,16 @@ impl Subscription for MemorySubscription {
     }
 
     fn pass_on(&mut self) {
-        match &self.owner {
+        match &self.hold_id {
             None => self.notify.notify_one(),
-            Some(owner) => {
-                // The wake-up was for this owner's turn in the queue. It is leaving:
+            Some(hold_id) => {
+                // The wake-up was for this hold's turn in the queue. It is leaving:
                 // give up the place so the next in line is woken now, not after the
                 // waiter timeout.
                 let now = Instant::now();
                 let mut table = self.backend.table();
                 if let Some(entry) = table.map.get_mut(&self.key) {
-                    entry.queue.remove(owner, self.mode);
+                    entry.queue.remove(hold_id, self.mode);
                     entry.wake_queued(now);
                 }
             }
@@ -1166,14 +1166,14 @@ impl Drop for MemorySubscription {
         let mut table = self.backend.table();
         if let Some(entry) = table.map.get_mut(&self.key) {
             entry.subscribers = entry.subscribers.saturating_sub(1);
-            match &self.owner {
+            match &self.hold_id {
                 None => entry.shared_subs = entry.shared_subs.saturating_sub(1),
-                Some(owner) => {
-                    let queued = (owner.clone(), self.mode);
-                    if let Some(sub) = entry.owner_subs.get_mut(&queued) {
+                Some(hold_id) => {
+                    let queued = (hold_id.clone(), self.mode);
+                    if let Some(sub) = entry.hold_subs.get_mut(&queued) {
                         sub.count -= 1;
                         if sub.count == 0 {
-                            entry.owner_subs.remove(&queued);
+                            entry.hold_subs.remove(&queued);
                         }
                     }
                 }

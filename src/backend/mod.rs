@@ -28,6 +28,16 @@
 //! required, plus an optional in-process fast path ([`LocalStore`]) and an optional
 //! record of client names ([`ClientNames`]).
 //!
+//! A store that fails reports a [`StoreError`](crate::StoreError) with the driver's
+//! error as its source, and picks its [kind](crate::StoreErrorKind): what the lock core
+//! and the layer do follows the kind alone — an
+//! [unavailable](crate::StoreErrorKind::Unavailable) store is retried while a lock call
+//! waits and lets a fail-open layer through; a
+//! [misconfigured](crate::StoreErrorKind::Misconfigured) or
+//! [unexpected](crate::StoreErrorKind::Unexpected) one fails closed. A connection that
+//! broke under a call is [`StoreError::connection_lost`](crate::StoreError::connection_lost):
+//! a first attempt is then tried once more at once.
+//!
 //! # Wrapping a backend
 //!
 //! A backend that adds something around another one — counting, tracing, injecting
@@ -42,14 +52,14 @@
 //! ```
 //! use std::time::Duration;
 //! use tower_lock::backend::{Acquire, LockBackend, LockMode, LockRequest, Release};
-//! use tower_lock::{LockKey, MemoryBackend, Owner};
+//! use tower_lock::{HoldId, LockKey, MemoryBackend};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), tower_lock::Error> {
 //! let backend = MemoryBackend::new();
 //! let req = LockRequest::new(
 //!     LockKey::new("k")?,
-//!     Owner::from_raw("me:1")?,
+//!     HoldId::from_raw("me:1")?,
 //!     LockMode::Exclusive,
 //!     Duration::from_secs(10),
 //! );
@@ -57,7 +67,7 @@
 //! assert_eq!(grant.holds(), 1);
 //! assert_eq!(grant.token(), None); // unfenced: nothing is left behind once released
 //!
-//! let other = LockRequest::new(req.key.clone(), Owner::from_raw("you:1")?, LockMode::Exclusive, req.lease);
+//! let other = LockRequest::new(req.key.clone(), HoldId::from_raw("you:1")?, LockMode::Exclusive, req.lease);
 //! assert!(matches!(backend.acquire(&other).await?, Acquire::Busy { ttl: Some(_) }));
 //! assert_eq!(backend.release(&other).await?, Release::NotHeld);
 //! assert_eq!(backend.release(&req).await?, Release::Released);
@@ -74,8 +84,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::error::Result;
+use crate::hold_id::HoldId;
 use crate::key::LockKey;
-use crate::owner::Owner;
 
 #[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) mod clock;
@@ -170,14 +180,16 @@ impl fmt::Display for FencingToken {
     }
 }
 
-/// One lock operation: which key, on behalf of whom, in which mode, with which lease.
+/// One lock operation: which key, for which hold, in which mode, with which lease.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct LockRequest {
     /// The lock.
     pub key: LockKey,
-    /// Who acquires, renews or releases: the hold's identity in the store.
-    pub owner: Owner,
+    /// The hold that acquires, renews or releases: its identity in the store, used by
+    /// no other hold. (The logical [`Owner`](crate::Owner) that took it stays in the
+    /// client: a backend never sees it.)
+    pub hold_id: HoldId,
     /// How the lock is held.
     pub mode: LockMode,
     /// The lease: set on a fresh acquisition; on a renewal, a re-entry and a release
@@ -188,18 +200,18 @@ pub struct LockRequest {
     /// Whether an acquisition takes a [`FencingToken`]. Unfenced acquisitions leave
     /// nothing in the store once released.
     pub fenced: bool,
-    /// For a [`LockMode::Read`] acquisition: the owner of this key's write hold that the
-    /// read belongs with (Redisson's downgrade). The store lets the read in past that
-    /// write hold, and only that one. `None`: the read's own owner.
-    pub writer: Option<Owner>,
+    /// For a [`LockMode::Read`] acquisition: the write hold of this key that the read
+    /// belongs with (Redisson's downgrade). The store lets the read in past that write
+    /// hold, and only that one. `None`: the read's own hold identity.
+    pub writer: Option<HoldId>,
 }
 
 impl LockRequest {
-    /// An unfenced request for `owner` on `key`.
-    pub fn new(key: LockKey, owner: Owner, mode: LockMode, lease: Duration) -> Self {
+    /// An unfenced request for the hold `hold_id` on `key`.
+    pub fn new(key: LockKey, hold_id: HoldId, mode: LockMode, lease: Duration) -> Self {
         LockRequest {
             key,
-            owner,
+            hold_id,
             mode,
             lease,
             fenced: false,
@@ -214,18 +226,24 @@ impl LockRequest {
         self
     }
 
-    /// The same read request, let in past the write hold of `writer` (see
+    /// The same read request, let in past the write hold `writer` (see
     /// [`LockRequest::writer`]).
     #[must_use]
-    pub fn with_writer(mut self, writer: Owner) -> Self {
+    pub fn with_writer(mut self, writer: HoldId) -> Self {
         self.writer = Some(writer);
         self
     }
 
     /// Whose write hold lets this request read past it: [`LockRequest::writer`], else
-    /// the owner itself.
-    pub fn write_holder(&self) -> &Owner {
-        self.writer.as_ref().unwrap_or(&self.owner)
+    /// the request's own hold identity.
+    pub fn write_hold_id(&self) -> &HoldId {
+        self.writer.as_ref().unwrap_or(&self.hold_id)
+    }
+
+    /// The old name of [`write_hold_id`](Self::write_hold_id).
+    #[deprecated(note = "renamed to `write_hold_id`")]
+    pub fn write_holder(&self) -> &HoldId {
+        self.write_hold_id()
     }
 }
 
@@ -238,7 +256,7 @@ pub struct Grant {
 }
 
 impl Grant {
-    /// The owner now holds the lock `holds` times (1 for a fresh acquisition); `token` is
+    /// The hold now has the lock `holds` times (1 for a fresh acquisition); `token` is
     /// the fencing token of a fenced request (`None` for an unfenced one).
     pub fn new(holds: u32, token: Option<FencingToken>) -> Self {
         Grant {
@@ -256,7 +274,7 @@ impl Grant {
         self
     }
 
-    /// How many times the owner now holds the lock.
+    /// How many times the hold now has the lock.
     pub fn holds(&self) -> u32 {
         self.holds
     }
@@ -279,15 +297,15 @@ impl Grant {
 /// `guards`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct Holder {
-    /// The hold's owner as the store records it: `<client uuid>:<n>` for this crate's
-    /// holds (and Redisson's `<uuid>:<thread id>`).
-    pub owner: Owner,
+pub struct HoldInfo {
+    /// The hold's identity as the store records it: `<client uuid>:<n>` for this
+    /// crate's holds (and Redisson's `<uuid>:<thread id>`).
+    pub hold_id: HoldId,
     /// How the key is held. For a [`LockMode::Permits`] hold, `max` is the one the
     /// inspection asked with (the store does not keep it), or `u32::MAX` when it asked
     /// in another mode.
     pub mode: LockMode,
-    /// How many times the store counts the owner as holding it. A
+    /// How many times the store counts the hold. A
     /// [`LockClient`](crate::LockClient) counts re-entries itself, so its holds show
     /// 1 here and their re-entries in `guards`.
     pub holds: u32,
@@ -308,11 +326,15 @@ pub struct Holder {
     pub guards: Option<u32>,
 }
 
-impl Holder {
+/// The old name of [`HoldInfo`].
+#[deprecated(note = "renamed to `HoldInfo`")]
+pub type Holder = HoldInfo;
+
+impl HoldInfo {
     /// A hold as the store reports it; the client-side fields start empty.
-    pub fn new(owner: Owner, mode: LockMode, holds: u32, ttl: Option<Duration>) -> Self {
-        Holder {
-            owner,
+    pub fn new(hold_id: HoldId, mode: LockMode, holds: u32, ttl: Option<Duration>) -> Self {
+        HoldInfo {
+            hold_id,
             mode,
             holds,
             ttl,
@@ -323,17 +345,18 @@ impl Holder {
         }
     }
 
-    /// The same holder with the hold's fencing token.
+    /// The same hold with its fencing token.
     #[must_use]
     pub fn with_token(mut self, token: Option<FencingToken>) -> Self {
         self.token = token;
         self
     }
 
-    /// The client id part of the owner (`<client uuid>` of `<client uuid>:<n>`), which
-    /// names the process that holds it; `None` for an owner of another shape.
+    /// The client id part of the hold's identity (`<client uuid>` of
+    /// `<client uuid>:<n>`), which names the process that holds it; `None` for an
+    /// identity of another shape.
     pub fn client_id(&self) -> Option<&str> {
-        self.owner
+        self.hold_id
             .as_str()
             .rsplit_once(':')
             .map(|(client, _)| client)
@@ -378,7 +401,7 @@ impl fmt::Display for WaiterScope {
 #[non_exhaustive]
 pub struct LockState {
     /// Every live hold of the name, in the store's order.
-    pub holders: Vec<Holder>,
+    pub holders: Vec<HoldInfo>,
     /// The newest fencing token the store has for the name: the fencing counter where
     /// the store keeps one per name (Redis), else the newest token of a current holder.
     /// `None` when the name was never locked fenced (or nothing is left of it).
@@ -389,7 +412,7 @@ pub struct LockState {
 
 impl LockState {
     /// A state with these holders and waiters, and no fencing token.
-    pub fn new(holders: Vec<Holder>, waiters: Waiters) -> Self {
+    pub fn new(holders: Vec<HoldInfo>, waiters: Waiters) -> Self {
         LockState {
             holders,
             fencing_token: None,
@@ -431,16 +454,16 @@ impl Waiters {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Acquire {
-    /// The owner holds the lock.
+    /// The hold has the lock.
     Acquired(Grant),
-    /// Another owner holds it.
+    /// Another hold has it.
     Busy {
         /// How long the holder's lease still runs; `None` when it has no expiry or the
         /// backend cannot tell. Waiters sleep at most this long before trying again.
         ///
         /// A backend may answer less than the holder's lease when it needs the caller
         /// to come back sooner: a queueing backend evicts waiters that stop polling, so
-        /// it caps the ttl of a queued owner below its eviction time; a quorum backend
+        /// it caps the ttl of a queued hold below its eviction time; a quorum backend
         /// answers a jittered back-off after a split vote. So callers treat it as "try
         /// again after at most this long", and a caller that gives up reports it as the
         /// holder's remaining lease only approximately.
@@ -452,16 +475,16 @@ pub enum Acquire {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Release {
-    /// The last hold was released; the lock is free (for this owner's mode) and waiters
+    /// The hold's last count was released; the lock is free (for this mode) and waiters
     /// were notified.
     Released,
-    /// One hold was released; the owner still holds the lock this many times, with at
+    /// One count was released; the hold still has the lock this many times, with at
     /// least the lease it had.
     Decremented {
         /// Holds left.
         holds: u32,
     },
-    /// The owner did not hold the lock (never did, or its lease ran out, or it was
+    /// The hold did not have the lock (never did, or its lease ran out, or it was
     /// force-released). Nothing was changed.
     NotHeld,
 }
@@ -566,8 +589,8 @@ pub trait Subscription: Send {
 
 /// The contract of a lock store.
 ///
-/// Every method is owner-checked where it changes state: nobody renews or releases a
-/// lock another owner holds. Every method that changes state is atomic in the store.
+/// Every method is checked against the hold's identity ([`HoldId`]) where it changes
+/// state: nobody renews or releases a hold of another identity. Every method that changes state is atomic in the store.
 /// Implementations must be cheap to call concurrently from many tasks.
 ///
 /// Nine methods are required — the operations, and the [`StoreProfile`] — because each
@@ -583,36 +606,36 @@ pub trait LockBackend: Send + Sync + 'static {
     /// lock core reads it on hot paths: return a reference to a field).
     fn profile(&self) -> &StoreProfile;
 
-    /// Tries once to take `req.key` for `req.owner` in `req.mode`.
+    /// Tries once to take `req.key` for the hold `req.hold_id` in `req.mode`.
     ///
-    /// - The key is free (or compatible with the mode, for shared modes): the owner now
-    ///   holds it once, with a lease of `req.lease` → [`Acquire::Acquired`] with
+    /// - The key is free (or compatible with the mode, for shared modes): the hold now
+    ///   has it once, with a lease of `req.lease` → [`Acquire::Acquired`] with
     ///   `holds: 1`.
-    /// - The owner already holds it in this mode: the hold count goes up by one and the
+    /// - The hold already has it in this mode: the hold count goes up by one and the
     ///   lease is extended to `req.lease` if it had less left (never shortened: an outer
     ///   hold keeps its longer lease, a hold without expiry keeps none) → `Acquired`
     ///   with the new count (reentrancy). A [`LockClient`](crate::LockClient) never asks
     ///   this: it re-enters its own holds without the store, and gives every hold an
-    ///   owner of its own.
-    /// - A read ([`LockMode::Read`]) while [`req.write_holder()`](LockRequest::write_holder)
-    ///   holds the write lock: granted as a fresh read hold of `req.owner`, past that
-    ///   write hold (downgrade).
-    /// - Another owner holds it: nothing changes → [`Acquire::Busy`] with the holder's
+    ///   identity of its own.
+    /// - A read ([`LockMode::Read`]) while the hold
+    ///   [`req.write_hold_id()`](LockRequest::write_hold_id) has the write lock: granted
+    ///   as a fresh read hold of `req.hold_id`, past that write hold (downgrade).
+    /// - Another hold has it: nothing changes → [`Acquire::Busy`] with the holder's
     ///   remaining lease; in a mode the [profile](StoreProfile::queues_waiters) says
-    ///   the store queues, the owner takes (or keeps) its place in the queue.
+    ///   the store queues, `req.hold_id` takes (or keeps) its place in the queue.
     ///
     /// A fenced request ([`LockRequest::fenced`]) takes the key's next [`FencingToken`]
     /// with every acquisition, re-entries included; an unfenced one none. An expired
     /// lease counts as free.
     fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>>;
 
-    /// Extends the lease of `req.owner`'s hold to at least `req.lease` from now if the
-    /// owner still holds the key in `req.mode`; returns whether it does. Never changes
+    /// Extends the lease of the hold `req.hold_id` to at least `req.lease` from now if
+    /// it still has the key in `req.mode`; returns whether it does. Never changes
     /// the hold count.
     ///
     /// Never shortens the lease: a hold with more left keeps it, and a hold without
     /// expiry keeps none. The store computes the new end itself, as the later of the
-    /// current and the requested one, in the same atomic step as the owner check. So
+    /// current and the requested one, in the same atomic step as the identity check. So
     /// renewals that reach the store out of order (over two connections of a pool, or a
     /// watchdog renewal that crosses a re-entry with a longer fixed lease) never end a
     /// hold before a lease the store already confirmed to one of its guards.
@@ -633,9 +656,9 @@ pub trait LockBackend: Send + Sync + 'static {
         })
     }
 
-    /// Releases one hold of `req.owner` on `req.key` in `req.mode`.
+    /// Releases one count of the hold `req.hold_id` on `req.key` in `req.mode`.
     ///
-    /// Not held by this owner → [`Release::NotHeld`], nothing changes. More holds left →
+    /// Not held under this identity → [`Release::NotHeld`], nothing changes. More holds left →
     /// [`Release::Decremented`], lease extended to `req.lease` if it had less left (never
     /// shortened). Last hold →
     /// [`Release::Released`], and waiters are notified: in exclusive modes one waiter per
@@ -644,22 +667,22 @@ pub trait LockBackend: Send + Sync + 'static {
     fn release<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Release>>;
 
     /// The caller gave up on `req` for good — an attempt dropped in flight or left
-    /// unanswered, or a wait that failed — and its owner (the hold's own identity) will
+    /// unanswered, or a wait that failed — and its hold identity `req.hold_id` will
     /// never be used again: undo whatever its attempts did, or will do when one still in
     /// flight arrives late. The lock core spawns it and does not wait for it.
     ///
-    /// Required, because what it takes depends on the store. Releasing the owner's hold
+    /// Required, because what it takes depends on the store. Releasing the hold
     /// and, in a [queued mode](StoreProfile::queues_waiters), leaving the queue covers
     /// attempts already applied: enough for a store that applies an attempt within the
     /// call (memory). A store whose requests can overtake each other (a pool of
     /// connections, a connection replaced after a timeout) must also make sure a late
-    /// attempt of `req.owner` takes nothing: refuse attempts past a deadline on the
-    /// store's clock, record the owner as gone, or release again once no attempt can
+    /// attempt of `req.hold_id` takes nothing: refuse attempts past a deadline on the
+    /// store's clock, record the identity as gone, or release again once no attempt can
     /// still land (the built-in Redis and PostgreSQL backends do the first and one of
     /// the others).
     fn abandon<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>>;
 
-    /// Registers interest in releases of `req.key` as seen by `req.owner` in
+    /// Registers interest in releases of `req.key` as seen by the hold `req.hold_id` in
     /// `req.mode`, before the caller's next attempt, so no release between that attempt
     /// and [`Subscription::wait`] is missed. Subscriptions to the same key are shared
     /// where the store allows (one channel subscription per key per process) and torn
@@ -683,7 +706,7 @@ pub trait LockBackend: Send + Sync + 'static {
     }
 
     /// The caller stopped waiting for `req` (deadline passed, or it was cancelled):
-    /// remove the owner's place in the store's queue, and wake whoever that lets go
+    /// remove `req.hold_id`'s place in the store's queue, and wake whoever that lets go
     /// next. Only called in modes the [profile](StoreProfile::queues_waiters) says the
     /// store queues; a store that queues in no mode answers `Ok(())`.
     ///
@@ -691,9 +714,9 @@ pub trait LockBackend: Send + Sync + 'static {
     /// store evicts it.
     fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>>;
 
-    /// Removes every hold on `key` in `mode` whoever the owner, and wakes waiters; returns
-    /// whether anything was held. An administrative escape hatch (Redisson's
-    /// `forceUnlock`): the owners are not told until their next renewal or release.
+    /// Removes every hold on `key` in `mode` whatever its identity, and wakes waiters;
+    /// returns whether anything was held. An administrative escape hatch (Redisson's
+    /// `forceUnlock`): the holders are not told until their next renewal or release.
     fn force_release<'a>(&'a self, key: &'a LockKey, mode: LockMode)
     -> BoxFuture<'a, Result<bool>>;
 

@@ -131,12 +131,12 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::backend::{
-    Acquire, BoxFuture, ClientNames, ClockDrift, Grant, Holder, LockBackend, LockMode, LockRequest,
-    LockState, Release, StoreProfile, Subscription, WaiterScope, Waiters, Wake,
+    Acquire, BoxFuture, ClientNames, ClockDrift, Grant, HoldInfo, LockBackend, LockMode,
+    LockRequest, LockState, Release, StoreProfile, Subscription, WaiterScope, Waiters, Wake,
 };
 use crate::error::{Error, Result};
+use crate::hold_id::HoldId;
 use crate::key::LockKey;
-use crate::owner::Owner;
 
 /// How long one node may take to answer one call before it counts as failed: 250 ms.
 /// Far below usual leases, so a dead node costs little validity, and far above a
@@ -192,10 +192,10 @@ struct Backoffs {
     swept_len: usize,
 }
 
-type WaitKey = (LockKey, Owner, LockMode);
+type WaitKey = (LockKey, HoldId, LockMode);
 
 fn wait_key(req: &LockRequest) -> WaitKey {
-    (req.key.clone(), req.owner.clone(), req.mode)
+    (req.key.clone(), req.hold_id.clone(), req.mode)
 }
 
 /// Configures a [`RedLock`].
@@ -1007,11 +1007,11 @@ impl std::fmt::Debug for RedLock {
 /// Merges the nodes' states (see [`RedLock`]'s `inspect`): `quorum` says how many nodes
 /// must have a holder in a mode.
 fn merge_states(states: &[LockState], quorum: impl Fn(LockMode) -> usize) -> LockState {
-    // (owner, mode) → each node's copy of the hold.
-    let mut seen: Vec<((Owner, LockMode), Vec<&Holder>)> = Vec::new();
+    // (hold id, mode) → each node's copy of the hold.
+    let mut seen: Vec<((HoldId, LockMode), Vec<&HoldInfo>)> = Vec::new();
     for state in states {
         for holder in &state.holders {
-            let id = (holder.owner.clone(), holder.mode);
+            let id = (holder.hold_id.clone(), holder.mode);
             match seen.iter_mut().find(|(k, _)| *k == id) {
                 Some((_, copies)) => copies.push(holder),
                 None => seen.push((id, vec![holder])),
@@ -1020,7 +1020,7 @@ fn merge_states(states: &[LockState], quorum: impl Fn(LockMode) -> usize) -> Loc
     }
     let holders = seen
         .into_iter()
-        .filter_map(|((owner, mode), mut copies)| {
+        .filter_map(|((hold_id, mode), mut copies)| {
             let q = quorum(mode).max(1);
             if copies.len() < q {
                 return None;
@@ -1031,7 +1031,7 @@ fn merge_states(states: &[LockState], quorum: impl Fn(LockMode) -> usize) -> Loc
             let ttl = copies[q - 1].ttl;
             let holds = copies.iter().map(|h| h.holds).min().unwrap_or(1);
             let token = copies.iter().filter_map(|h| h.token).max();
-            Some(Holder::new(owner, mode, holds, ttl).with_token(token))
+            Some(HoldInfo::new(hold_id, mode, holds, ttl).with_token(token))
         })
         .collect();
     let token = states.iter().filter_map(|s| s.fencing_token).max();
@@ -1209,7 +1209,7 @@ mod tests {
         let lock = RedLock::new([crate::MemoryBackend::new()]).unwrap();
         let req = LockRequest::new(
             LockKey::new("k").unwrap(),
-            Owner::from_raw("a:1").unwrap(),
+            HoldId::from_raw("a:1").unwrap(),
             LockMode::Exclusive,
             Duration::from_millis(2),
         );

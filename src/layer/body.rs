@@ -9,7 +9,7 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project::pin_project;
 
 use super::rejection::RejectionBody;
-use super::release::Release;
+use super::request_locks::RequestLocks;
 use crate::error::BoxError;
 
 /// The response body of [`LockService`](super::LockService): the inner service's body,
@@ -35,7 +35,7 @@ enum Kind<B> {
         #[pin]
         body: B,
         /// Locks held until the body ends; empty when released with the response.
-        release: Release,
+        locks: RequestLocks,
         /// Bytes still to come, when the body announced its exact length.
         remaining: Option<u64>,
         /// The completing frame, held back while the release runs.
@@ -48,15 +48,15 @@ enum Kind<B> {
 }
 
 impl<B: Body> LockBody<B> {
-    pub(crate) fn new(body: B, release: Release) -> Self {
-        Self::with_length(body, release, None)
+    pub(crate) fn new(body: B, locks: RequestLocks) -> Self {
+        Self::with_length(body, locks, None)
     }
 
     /// `content_length`: what the response's `Content-Length` header announces, used
     /// when the body's size hint is not exact (a stream whose handler set the header):
     /// the server sends that many bytes and then stops polling.
-    pub(crate) fn with_length(body: B, release: Release, content_length: Option<u64>) -> Self {
-        let remaining = if release.is_holding() {
+    pub(crate) fn with_length(body: B, locks: RequestLocks, content_length: Option<u64>) -> Self {
+        let remaining = if locks.is_holding() {
             body.size_hint().exact().or(content_length)
         } else {
             None
@@ -64,7 +64,7 @@ impl<B: Body> LockBody<B> {
         LockBody {
             kind: Kind::Inner {
                 body,
-                release,
+                locks,
                 remaining,
                 last: None,
             },
@@ -82,7 +82,7 @@ impl<B> LockBody<B> {
     /// Whether this body still holds the request's locks.
     pub fn holds_locks(&self) -> bool {
         match &self.kind {
-            Kind::Inner { release, .. } => release.is_holding(),
+            Kind::Inner { locks, .. } => locks.is_holding(),
             Kind::Rejection { .. } => false,
         }
     }
@@ -103,12 +103,12 @@ where
         match self.project().kind.project() {
             KindProj::Inner {
                 mut body,
-                release,
+                locks,
                 remaining,
                 last,
             } => {
-                if release.is_releasing() {
-                    ready!(release.poll_released(cx));
+                if locks.is_releasing() {
+                    ready!(locks.poll_released(cx));
                     return Poll::Ready(last.take().map(Ok));
                 }
                 if let Some(frame) = last.take() {
@@ -120,23 +120,23 @@ where
                             *left = left.saturating_sub(data.remaining() as u64);
                         }
                         let completes = *remaining == Some(0) || body.is_end_stream();
-                        if completes && release.is_holding() {
+                        if completes && locks.is_holding() {
                             // Hold the last bytes back until the locks are free.
-                            release.start();
+                            locks.start();
                             *last = Some(frame);
-                            ready!(release.poll_released(cx));
+                            ready!(locks.poll_released(cx));
                             return Poll::Ready(last.take().map(Ok));
                         }
                         Poll::Ready(Some(Ok(frame)))
                     }
                     Some(Err(error)) => {
                         // The stream is broken: nothing more will be sent under the lock.
-                        release.drop_now();
+                        locks.drop_now();
                         Poll::Ready(Some(Err(error.into())))
                     }
                     None => {
-                        release.start();
-                        ready!(release.poll_released(cx));
+                        locks.start();
+                        ready!(locks.poll_released(cx));
                         Poll::Ready(None)
                     }
                 }
@@ -149,11 +149,8 @@ where
         match &self.kind {
             // Not the end while locks are held: the release happens on the last poll.
             Kind::Inner {
-                body,
-                release,
-                last,
-                ..
-            } => !release.is_pending() && last.is_none() && body.is_end_stream(),
+                body, locks, last, ..
+            } => !locks.is_pending() && last.is_none() && body.is_end_stream(),
             Kind::Rejection { body } => body.is_end_stream(),
         }
     }
@@ -169,9 +166,9 @@ where
 impl<B> fmt::Debug for LockBody<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.kind {
-            Kind::Inner { release, .. } => f
+            Kind::Inner { locks, .. } => f
                 .debug_struct("LockBody")
-                .field("holds_locks", &release.is_holding())
+                .field("holds_locks", &locks.is_holding())
                 .finish_non_exhaustive(),
             Kind::Rejection { .. } => f.write_str("LockBody::Rejection"),
         }
@@ -188,12 +185,12 @@ mod tests {
     use crate::kinds::MultiLock;
     use crate::{Lease, LockClient, LockKey, MemoryBackend};
 
-    async fn held(client: &LockClient, key: &LockKey) -> Release {
+    async fn held(client: &LockClient, key: &LockKey) -> RequestLocks {
         let guard = MultiLock::new([client.get_lock(key).unwrap()])
             .try_lock_for(Duration::ZERO, Lease::Watchdog)
             .await
             .unwrap();
-        Release::new(guard, client.clone())
+        RequestLocks::new(guard, client.clone())
     }
 
     /// A body whose frames arrive through a channel.

@@ -194,23 +194,17 @@ fn check_retry_after(name: &'static str, retry_after: Duration) -> Result<(), Er
     Ok(())
 }
 
-/// The key prefix: 1 to half of [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) bytes, without
-/// braces or control characters.
+/// The key prefix: a [`Namespace`](crate::Namespace), and not empty (the layer adds
+/// the `:` itself, so an empty prefix would start every key with one; leave it unset
+/// for none).
 fn check_key_prefix(prefix: &str) -> Result<(), Error> {
-    if prefix.is_empty()
-        || prefix.contains(['{', '}'])
-        || prefix.chars().any(char::is_control)
-        || prefix.len() > crate::key::MAX_KEY_LEN / 2
-    {
+    if prefix.is_empty() {
         return Err(Error::invalid_config(
             "key_prefix",
-            format!(
-                "must be 1 to {} bytes without braces or control characters (got {prefix:?})",
-                crate::key::MAX_KEY_LEN / 2
-            ),
+            "must not be empty; leave it unset for no prefix (got \"\")",
         ));
     }
-    Ok(())
+    crate::namespace::Namespace::for_setting("key_prefix", prefix.to_owned()).map(drop)
 }
 
 impl fmt::Debug for Config {
@@ -232,6 +226,7 @@ impl fmt::Debug for Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::StoreErrorKind;
 
     #[test]
     fn busy_retry_after_uses_the_holders_lease_only_when_fixed_and_sooner() {
@@ -263,7 +258,8 @@ mod tests {
         };
         for misconfigured in [
             Error::WrongType,
-            Error::UnexpectedReply("?".into()),
+            Error::store(StoreErrorKind::Unexpected, "?"),
+            Error::store(StoreErrorKind::Misconfigured, "permission denied"),
             Error::Unsupported {
                 backend: "x",
                 mode: LockMode::Fair,
@@ -275,7 +271,10 @@ mod tests {
             ));
         }
         assert!(matches!(
-            p.rejection_for(Error::Backend("connection refused".into())),
+            p.rejection_for(Error::store(
+                StoreErrorKind::Unavailable,
+                "connection refused"
+            )),
             Rejection::Unavailable { .. }
         ));
         assert!(matches!(

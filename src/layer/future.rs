@@ -18,7 +18,7 @@ use super::config::{OnLost, ReleaseOn};
 use super::keys::{Extracted, KeyError, Keys};
 use super::layer::Core;
 use super::rejection::{Rejection, RejectionBody};
-use super::release::Release;
+use super::request_locks::RequestLocks;
 use crate::backend::BoxFuture;
 use crate::error::Result;
 use crate::extract::HeldLock;
@@ -113,7 +113,7 @@ struct Handling<S, B> {
     /// The request's first key, once derived: for the observer's reports.
     key: Option<LockKey>,
     /// The request's locks, from their acquisition until released or handed to the body.
-    release: Release,
+    locks: RequestLocks,
     /// Fires when the locks are lost, if the configuration cancels the handler then.
     lost: Option<BoxFuture<'static, ()>>,
 }
@@ -180,7 +180,7 @@ where
                 StateProj::Ready => ready!(request.poll_call(cx)),
                 StateProj::Calling { future } => ready!(request.poll_response(future, cx)),
                 StateProj::Releasing { result } => {
-                    ready!(request.release.poll_released(cx));
+                    ready!(request.locks.poll_released(cx));
                     Next::Done(released(result.take()))
                 }
                 StateProj::Done => Next::Done(Ok(internal_error())),
@@ -215,7 +215,7 @@ impl<S, B> Handling<S, B> {
             req,
             head: false,
             key: None,
-            release: Release::none(),
+            locks: RequestLocks::none(),
             lost: None,
         }
     }
@@ -223,7 +223,7 @@ impl<S, B> Handling<S, B> {
     /// Done: drops the locks not handed on (their guards release in spawned tasks), and
     /// the service and the request if they were not called.
     fn finish(&mut self) {
-        self.release.drop_now();
+        self.locks.drop_now();
         self.lost = None;
         self.svc = None;
         self.req = None;
@@ -309,7 +309,7 @@ where
         if self.core.config.on_lost == OnLost::Cancel {
             self.lost = Some(Box::pin(guard.lost().wait()));
         }
-        self.release = Release::new(guard, self.core.client.clone());
+        self.locks = RequestLocks::new(guard, self.core.client.clone());
     }
 
     /// Waits for the inner service's readiness (the locks are held by now), then calls
@@ -364,11 +364,11 @@ where
         self.lost = None;
         match result {
             Ok(response) if self.body_holds_locks(&response) => {
-                let release = std::mem::replace(&mut self.release, Release::none());
-                Next::Done(Ok(with_locks_in_body(response, release)))
+                let locks = std::mem::replace(&mut self.locks, RequestLocks::none());
+                Next::Done(Ok(with_locks_in_body(response, locks)))
             }
             result => {
-                self.release.start();
+                self.locks.start();
                 Next::State(State::Releasing {
                     result: Some(result),
                 })
@@ -423,13 +423,13 @@ type Locking = Acquisition<MultiGuard, BoxFuture<'static, Result<MultiGuard>>>;
 /// `response` with the locks in its body, which releases them before its last byte.
 fn with_locks_in_body<ResB: Body>(
     response: Response<ResB>,
-    release: Release,
+    locks: RequestLocks,
 ) -> Response<LockBody<ResB>> {
     let length = response
         .headers()
         .get(http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok()?.parse().ok());
-    response.map(|b| LockBody::with_length(b, release, length))
+    response.map(|b| LockBody::with_length(b, locks, length))
 }
 
 /// The inner service's answer, its locks released.
@@ -437,7 +437,7 @@ fn released<ResB: Body, E>(
     result: Option<std::result::Result<Response<ResB>, E>>,
 ) -> std::result::Result<Response<LockBody<ResB>>, E> {
     match result {
-        Some(result) => result.map(|res| res.map(|b| LockBody::new(b, Release::none()))),
+        Some(result) => result.map(|res| res.map(|b| LockBody::new(b, RequestLocks::none()))),
         None => Ok(internal_error()),
     }
 }

@@ -137,7 +137,7 @@ mod keys;
 #[allow(clippy::module_inception)]
 mod layer;
 mod rejection;
-mod release;
+mod request_locks;
 mod service;
 
 pub use body::LockBody;

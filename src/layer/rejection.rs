@@ -292,8 +292,11 @@ mod tests {
         assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
         assert!(!text(res).await.contains("app::User"));
 
-        let res = Rejection::Misconfigured(Error::UnexpectedReply("ERR secret detail".into()))
-            .into_response();
+        let res = Rejection::Misconfigured(Error::store(
+            crate::StoreErrorKind::Misconfigured,
+            "ERR secret detail",
+        ))
+        .into_response();
         assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
         assert!(!text(res).await.contains("secret"));
     }

@@ -24,6 +24,7 @@ use super::registry::{Entered, Hold, Registry, Slot};
 use super::{Lease, Lock, LockClient, LockEvent};
 use crate::backend::{Acquire, Grant, LockMode, LockRequest, Subscription, Wake};
 use crate::error::{Error, Result};
+use crate::hold_id::HoldId;
 use crate::owner::Owner;
 
 /// How long a waiter sleeps between attempts when the holder's lock has no expiry (or
@@ -108,16 +109,17 @@ impl Start {
         client
             .registry()
             .enter(slot, self.watched, &self.runtime, |state| {
-                let holder = if self.fresh {
-                    slot.owner.clone()
+                let hold_id = if self.fresh {
+                    HoldId::of_fresh_owner(&slot.owner)
                 } else {
-                    client.new_owner()
+                    client.new_hold_id()
                 };
-                let mut req = LockRequest::new(slot.key.clone(), holder, slot.mode, self.lease_len);
+                let mut req =
+                    LockRequest::new(slot.key.clone(), hold_id, slot.mode, self.lease_len);
                 req.fenced = slot.fenced;
                 if slot.mode == LockMode::Read {
                     // The owner's own write hold lets its reads in (downgrade).
-                    req.writer = state.write_holder(&slot.key, &slot.owner);
+                    req.writer = state.write_hold_id(&slot.key, &slot.owner);
                 }
                 req
             })
@@ -192,7 +194,7 @@ impl Start {
             "tower_lock.hold",
             key = %client.hooks().key(&hold.store.key),
             mode = %hold.store.mode,
-            holder = %hold.store.owner,
+            hold_id = %hold.store.hold_id,
             token = attempt.grant.token().map(|t| t.get()),
             waited_us = waited.as_micros() as u64,
         );
@@ -474,7 +476,7 @@ impl Pending<'_> {
     fn reidentify(&mut self, client: &LockClient) {
         if let Some(old) = self.hold.take() {
             let mut store = old.store.clone();
-            store.owner = client.new_owner();
+            store.hold_id = client.new_hold_id();
             self.hold = Some(self.registry.reidentify(&old, store));
         }
     }
@@ -526,8 +528,8 @@ async fn run(
     let mut answered = false;
     if !line_up {
         match first_attempt(client, pending, deadline).await? {
-            Outcome::Acquired(acquired) => return Ok(acquired),
-            Outcome::Busy(holder_ttl) => {
+            AttemptAnswer::Acquired(acquired) => return Ok(acquired),
+            AttemptAnswer::Busy(holder_ttl) => {
                 ttl = holder_ttl;
                 answered = true;
             }
@@ -573,7 +575,7 @@ async fn first_attempt(
     client: &LockClient,
     pending: &mut Pending<'_>,
     deadline: Option<Instant>,
-) -> Result<Outcome> {
+) -> Result<AttemptAnswer> {
     let mut retried = false;
     loop {
         match attempt(client, pending.store()).await {
@@ -709,12 +711,12 @@ async fn attempt_while_waiting(
     // The wake-up, if any, has been used by this attempt.
     waiting.woken = false;
     match outcome {
-        Outcome::Acquired(acquired) => {
+        AttemptAnswer::Acquired(acquired) => {
             waiting.in_line.queued = false;
             waiting.settled = true;
             ControlFlow::Break(Waited::Acquired(acquired))
         }
-        Outcome::Busy(ttl) => ControlFlow::Continue(ttl),
+        AttemptAnswer::Busy(ttl) => ControlFlow::Continue(ttl),
     }
 }
 
@@ -800,8 +802,9 @@ async fn sleep_until_retry(
     }
 }
 
-/// One attempt's answer.
-enum Outcome {
+/// What one acquisition attempt got from the store: the lock, or the holder's
+/// remaining lease.
+enum AttemptAnswer {
     Acquired(Attempted),
     Busy(Option<Duration>),
 }
@@ -811,7 +814,7 @@ enum Outcome {
 /// queue) is then spawned for it. The owner is the hold's own, so that touches nothing
 /// else, whenever it lands. A call that fails is left to the caller (see
 /// [`compensate_now`]).
-async fn attempt(client: &LockClient, req: &LockRequest) -> Result<Outcome> {
+async fn attempt(client: &LockClient, req: &LockRequest) -> Result<AttemptAnswer> {
     struct InFlight<'a> {
         client: &'a LockClient,
         req: &'a LockRequest,
@@ -842,12 +845,12 @@ async fn attempt(client: &LockClient, req: &LockRequest) -> Result<Outcome> {
     // since it may try again as the same owner.
     in_flight.armed = false;
     Ok(match outcome? {
-        Acquire::Acquired(grant) => Outcome::Acquired(Attempted {
+        Acquire::Acquired(grant) => AttemptAnswer::Acquired(Attempted {
             grant,
             sent_at,
             answered_at,
         }),
-        Acquire::Busy { ttl } => Outcome::Busy(ttl),
+        Acquire::Busy { ttl } => AttemptAnswer::Busy(ttl),
     })
 }
 

@@ -15,6 +15,7 @@ use super::unlocking::{FinishOnDrop, Unlocking};
 use super::{LockClient, LockEvent};
 use crate::backend::{FencingToken, LockMode, LockRequest, Release};
 use crate::error::{Error, Result};
+use crate::hold_id::HoldId;
 use crate::key::LockKey;
 use crate::owner::Owner;
 
@@ -58,7 +59,7 @@ pub struct LostSignal {
 
 #[derive(Clone)]
 enum Repr {
-    /// One hold: lost when its token fires (a renewal, release or re-entry found it
+    /// One hold: lost when its lost flag is set (a renewal, release or re-entry found it
     /// gone) or its last confirmed lease ends, whichever is seen first; then for good.
     One(Arc<Hold>),
     /// Fires when any of several holds is lost (a MultiLock, a request's locks).
@@ -117,7 +118,7 @@ async fn wait_one(hold: Arc<Hold>) {
     // The lease may be extended while we sleep: re-read it when it seems due.
     while let Some(at) = hold.expiry.get() {
         tokio::select! {
-            _ = hold.lost.cancelled() => return,
+            _ = hold.lost.wait() => return,
             _ = tokio::time::sleep_until(at) => {
                 if hold.is_lost_at(Instant::now()) {
                     return;
@@ -125,7 +126,7 @@ async fn wait_one(hold: Arc<Hold>) {
             }
         }
     }
-    hold.lost.cancelled().await;
+    hold.lost.wait().await;
 }
 
 fn wait_any(signals: Arc<[LostSignal]>) -> Pin<Box<dyn Future<Output = ()> + Send>> {
@@ -267,10 +268,17 @@ impl LockGuard {
     }
 
     /// The hold's own identity in the store (the hash field a Redis `HGETALL` shows):
-    /// `<client uuid>:<n>`, used by this hold only. For diagnostics and for driving a
-    /// [`LockBackend`](crate::backend::LockBackend) directly.
-    pub fn holder(&self) -> &Owner {
-        &self.held().hold.store.owner
+    /// `<client uuid>:<n>`, used by this hold only, and shared by the guards that
+    /// re-entered it. For diagnostics, for [`Lock::hold_count_in_store`](crate::Lock::hold_count_in_store),
+    /// and for driving a [`LockBackend`](crate::backend::LockBackend) directly.
+    pub fn hold_id(&self) -> &HoldId {
+        &self.held().hold.store.hold_id
+    }
+
+    /// The old name of [`hold_id`](Self::hold_id).
+    #[deprecated(note = "renamed to `hold_id`; it returns a `HoldId`, not an `Owner`")]
+    pub fn holder(&self) -> &HoldId {
+        self.hold_id()
     }
 
     /// How the lock is held.
@@ -449,7 +457,7 @@ impl Held {
         let key = self.client.hooks().key(&self.hold.slot.key);
         match outcome {
             Ok(Release::NotHeld) => {
-                self.hold.lost.cancel();
+                self.hold.lost.set();
                 tracing::debug!(%key, "dropped guard's lock was no longer held");
             }
             Ok(_) => {}
@@ -464,7 +472,7 @@ impl Held {
         self.observe(&outcome, was_lost);
         match outcome {
             Ok(Release::NotHeld) => {
-                self.hold.lost.cancel();
+                self.hold.lost.set();
                 Err(Error::Lost)
             }
             // Known lost: that is the news, whatever the release met.
@@ -521,7 +529,7 @@ impl fmt::Debug for LockGuard {
                 .debug_struct("LockGuard")
                 .field("key", &held.hold.slot.key)
                 .field("owner", &held.hold.slot.owner)
-                .field("holder", &held.hold.store.owner)
+                .field("hold_id", &held.hold.store.hold_id)
                 .field("mode", &held.hold.slot.mode)
                 .field("fencing_token", &held.token)
                 .field("lost", &held.hold.is_lost_at(Instant::now()))

@@ -26,7 +26,7 @@
 //!
 //! // Wait up to 2 s; hold with a 10 s lease and no watchdog.
 //! let guard = lock.try_lock_for(Duration::from_secs(2), Duration::from_secs(10)).await?;
-//! println!("held by {} as {}", guard.owner(), guard.holder());
+//! println!("held by {} as the hold {}", guard.owner(), guard.hold_id());
 //! guard.unlock().await?;
 //!
 //! // Wait up to 2 s; keep it as long as needed (watchdog).
@@ -46,7 +46,7 @@
 //! # Holds and re-entry
 //!
 //! Every acquisition that reaches the store is a new *hold* with an identity of its own
-//! ([`LockGuard::holder`]), which no other hold ever uses. Locking a key its owner already
+//! (a [`HoldId`], [`LockGuard::hold_id`]), which no other hold ever uses. Locking a key its owner already
 //! holds (same mode, same client) re-enters that hold without asking the store; only the
 //! hold's last guard releases it. So a guard's release only ever affects the hold that
 //! guard stands for, and a lost guard stays lost: see the crate docs' one rule.
@@ -72,6 +72,7 @@ use std::time::Duration;
 
 use crate::backend::{LockBackend, LockMode, LockState};
 use crate::error::{Error, Result};
+use crate::hold_id::HoldId;
 use crate::key::{IntoLockKey, LockKey};
 use crate::kinds::ReadWriteLock;
 use crate::owner::Owner;
@@ -306,6 +307,15 @@ impl LockClient {
         Owner::new(&self.inner.id, n)
     }
 
+    /// A fresh hold identity, `<client id>:<n>`, distinct from every owner and hold
+    /// identity of this client (they share one sequence: a fresh owner is its first
+    /// hold's identity). The client makes one for every hold it takes; this one is for
+    /// driving [`backend`](Self::backend) directly.
+    pub fn new_hold_id(&self) -> HoldId {
+        let n = self.inner.next_owner.fetch_add(1, Ordering::Relaxed);
+        HoldId::new(&self.inner.id, n)
+    }
+
     /// The client's identity, the UUID part of its owners.
     pub fn id(&self) -> &str {
         &self.inner.id
@@ -382,7 +392,7 @@ impl LockClient {
     async fn annotate(&self, key: &LockKey, state: &mut LockState) {
         let mut others: Vec<&str> = Vec::new();
         for holder in &mut state.holders {
-            if let Some((since, guards)) = self.registry().describe(key, &holder.owner) {
+            if let Some((since, guards)) = self.registry().describe(key, &holder.hold_id) {
                 holder.since = Some(since);
                 holder.guards = Some(guards);
                 holder.client = self.name().map(str::to_owned);
@@ -689,8 +699,8 @@ impl Lock {
             .await
     }
 
-    /// What the store holds for this lock's name right now: every holder (owner, mode,
-    /// holds, remaining lease, token), the name's newest fencing token, and who waits
+    /// What the store holds for this lock's name right now: every hold ([`HoldInfo`](crate::HoldInfo):
+    /// its identity, mode, count, remaining lease, token), the name's newest fencing token, and who waits
     /// (see [`Waiters`](crate::backend::Waiters) for whose waiters are counted). Each
     /// holder's `client` is the name its client registered
     /// ([`LockClientBuilder::name`]); for this client's own holds, `since` and `guards`
@@ -707,7 +717,7 @@ impl Lock {
     /// let guard = lock.lock().await?;
     /// let state = lock.inspect().await?;
     /// assert_eq!(state.holders.len(), 1);
-    /// assert_eq!(state.holders[0].owner, *guard.holder());
+    /// assert_eq!(state.holders[0].hold_id, *guard.hold_id());
     /// assert_eq!(state.holders[0].guards, Some(1));
     /// assert!(state.remaining_lease().is_some());
     /// # Ok(())
@@ -742,27 +752,36 @@ impl Lock {
         Ok(self.raw_state().await?.remaining_lease())
     }
 
-    /// How many times `owner` holds this lock (Redisson `getHoldCount`, for any owner):
-    /// for a logical owner of this client, its guards on the live hold; otherwise the
-    /// store's count for `owner` as a store identity (a [`LockGuard::holder`], a Redisson
-    /// owner). Zero when it does not hold it.
+    /// How many guards the logical `owner` has on its live hold of this lock (Redisson
+    /// `getHoldCount`): its re-entries, counted by this client. Zero when it does not
+    /// hold it here. For a hold in the store by its identity (another process's, a
+    /// Redisson client's), see [`hold_count_in_store`](Self::hold_count_in_store).
+    ///
+    /// # Errors
+    ///
+    /// None today; a `Result` so that a store may be asked in the future.
+    pub async fn hold_count(&self, owner: &Owner) -> Result<u32> {
+        Ok(self
+            .client
+            .registry()
+            .guards_of(&self.key, owner, self.mode)
+            .unwrap_or(0))
+    }
+
+    /// How many times the store counts the hold `hold_id` on this lock's name: a
+    /// [`LockGuard::hold_id`], a hold another process took, a Redisson
+    /// `<uuid>:<thread id>`. A [`LockClient`] counts re-entries itself, so its holds
+    /// count 1 here. Zero when the store has no such hold.
     ///
     /// # Errors
     ///
     /// Backend errors.
-    pub async fn hold_count(&self, owner: &Owner) -> Result<u32> {
-        if let Some(guards) = self
-            .client
-            .registry()
-            .guards_of(&self.key, owner, self.mode)
-        {
-            return Ok(guards);
-        }
+    pub async fn hold_count_in_store(&self, hold_id: &HoldId) -> Result<u32> {
         let state = self.raw_state().await?;
         Ok(state
             .holders
             .iter()
-            .filter(|h| h.owner == *owner)
+            .filter(|h| h.hold_id == *hold_id)
             .map(|h| h.holds)
             .sum())
     }

@@ -4,8 +4,8 @@
 //! # One hold, one identity
 //!
 //! A *hold* is one acquisition in the store and everything that re-enters it. Every hold
-//! is taken in the store under an owner string of its own, `<client uuid>:<n>`, which no
-//! other hold ever uses — not a later hold of the same logical [`Owner`], not a hold of
+//! is taken in the store under an identity of its own, a [`HoldId`] `<client uuid>:<n>`,
+//! which no other hold ever uses — not a later hold of the same logical [`Owner`], not a hold of
 //! another kind on the same name. The logical owner (a request, an explicit owner) only
 //! decides, here in the client, which guards share a hold:
 //!
@@ -36,8 +36,8 @@
 //!
 //! A hold is believed until its [`Expiry`] — the end of its last confirmed lease, counted
 //! from *before* the request that confirmed it was sent — or until a renewal, a release
-//! or a re-entry finds it gone. Whoever first sees either fires the hold's lost token,
-//! which never un-fires: a renewal answered after the expiry passed does not bring the
+//! or a re-entry finds it gone. Whoever first sees either sets the hold's lost flag,
+//! which is never cleared: a renewal answered after the expiry passed does not bring the
 //! hold back.
 
 use std::collections::HashMap;
@@ -52,11 +52,12 @@ use tokio::time::Instant;
 use super::Hooks;
 use super::watchdog::Tasks;
 use crate::backend::{FencingToken, LockBackend, LockMode, LockRequest};
+use crate::hold_id::HoldId;
 use crate::key::LockKey;
 use crate::owner::Owner;
 
-/// A hold's "lost" alarm: set once, never cleared, awaitable. A cancellation token
-/// without an allocation of its own (it lives in the hold's).
+/// A hold's "lost" alarm: set once, never cleared, awaitable. Like a cancellation
+/// token, without an allocation of its own (it lives in the hold's).
 #[derive(Default)]
 pub(crate) struct LostFlag {
     set: std::sync::atomic::AtomicBool,
@@ -64,24 +65,25 @@ pub(crate) struct LostFlag {
 }
 
 impl LostFlag {
-    pub(crate) fn cancel(&self) {
+    /// The hold is lost, for good; wakes every [`wait`](Self::wait).
+    pub(crate) fn set(&self) {
         if !self.set.swap(true, Ordering::AcqRel) {
             self.notify.notify_waiters();
         }
     }
 
-    pub(crate) fn is_cancelled(&self) -> bool {
+    pub(crate) fn is_set(&self) -> bool {
         self.set.load(Ordering::Acquire)
     }
 
-    /// Ready once [`cancel`](Self::cancel) was called.
-    pub(crate) async fn cancelled(&self) {
+    /// Ready once [`set`](Self::set) was called.
+    pub(crate) async fn wait(&self) {
         loop {
             let notified = self.notify.notified();
             tokio::pin!(notified);
-            // Registered before the check: a `cancel` after it wakes this one.
+            // Registered before the check: a `set` after it wakes this one.
             notified.as_mut().enable();
-            if self.is_cancelled() {
+            if self.is_set() {
                 return;
             }
             notified.await;
@@ -148,8 +150,8 @@ pub(crate) struct Slot {
 /// One hold in the store, shared by its guards.
 pub(crate) struct Hold {
     pub(crate) slot: Slot,
-    /// The hold as the store knows it: its key, its own owner (used by no other hold),
-    /// its mode, and the lease it was taken with.
+    /// The hold as the store knows it: its key, its own identity (used by no other
+    /// hold), its mode, and the lease it was taken with.
     pub(crate) store: LockRequest,
     /// Fired when the hold is found gone or its expiry is seen passed; never un-fired.
     pub(crate) lost: LostFlag,
@@ -268,11 +270,11 @@ impl Hold {
 
     /// Whether the hold is lost at `now`; seeing it lost makes it so for good.
     pub(crate) fn is_lost_at(&self, now: Instant) -> bool {
-        if self.lost.is_cancelled() {
+        if self.lost.is_set() {
             return true;
         }
         if self.expiry.passed(now) {
-            self.lost.cancel();
+            self.lost.set();
             return true;
         }
         false
@@ -365,8 +367,8 @@ impl Registry {
 
     /// Finds where an acquisition of `slot` stands, as one more guard (`watched`: one
     /// without an explicit lease, renewed on `runtime`). When nobody holds the slot, a
-    /// new hold is made with the store request `store()` returns; that request's owner
-    /// must be used by no other hold.
+    /// new hold is made with the store request `store()` returns; that request's hold
+    /// identity must be used by no other hold.
     pub(crate) fn enter(
         &self,
         slot: &Slot,
@@ -396,7 +398,7 @@ impl Registry {
                 _ => {
                     // Lost (or ended without leaving the map): never re-entered. Its
                     // guards stay lost; the next hold is a new one.
-                    hold.lost.cancel();
+                    hold.lost.set();
                     hs.phase = Phase::Ended;
                     drop(hs);
                     state.slots.remove(slot);
@@ -409,7 +411,7 @@ impl Registry {
     }
 
     /// `hold`, still being acquired, goes on under another store identity, `store`
-    /// (its owner used by no other hold): the returned hold takes its place in the
+    /// (its hold identity used by no other hold): the returned hold takes its place in the
     /// slot, and acquirers of the slot waiting for the old one wait for the new one.
     /// The old identity's attempts are the caller's to take back.
     pub(crate) fn reidentify(&self, hold: &Arc<Hold>, store: LockRequest) -> Arc<Hold> {
@@ -491,17 +493,17 @@ impl Registry {
         self.inner.mark_lost(hold);
     }
 
-    /// This client's live hold of `key` whose store identity is `holder`: when it was
+    /// This client's live hold of `key` whose store identity is `hold_id`: when it was
     /// granted and how many guards stand for it.
     pub(crate) fn describe(
         &self,
         key: &LockKey,
-        holder: &Owner,
+        hold_id: &HoldId,
     ) -> Option<(std::time::SystemTime, u32)> {
         let state = self.inner.state();
         let now = Instant::now();
         state.slots.values().find_map(|hold| {
-            if hold.slot.key != *key || hold.store.owner != *holder || hold.is_lost_at(now) {
+            if hold.slot.key != *key || hold.store.hold_id != *hold_id || hold.is_lost_at(now) {
                 return None;
             }
             let hs = hold.state();
@@ -547,7 +549,7 @@ impl Registry {
 impl State {
     /// The store identity of `owner`'s live write hold of `key`, if it has one: a read
     /// of the same owner goes past it (downgrade).
-    pub(crate) fn write_holder(&self, key: &LockKey, owner: &Owner) -> Option<Owner> {
+    pub(crate) fn write_hold_id(&self, key: &LockKey, owner: &Owner) -> Option<HoldId> {
         let now = Instant::now();
         [false, true].into_iter().find_map(|fenced| {
             let slot = Slot {
@@ -558,7 +560,7 @@ impl State {
             };
             let hold = self.slots.get(&slot)?;
             let live = hold.state().phase == Phase::Held && !hold.is_lost_at(now);
-            live.then(|| hold.store.owner.clone())
+            live.then(|| hold.store.hold_id.clone())
         })
     }
 }
@@ -624,7 +626,7 @@ impl Inner {
 
     /// See [`Registry::mark_lost`].
     pub(crate) fn mark_lost(&self, hold: &Arc<Hold>) {
-        hold.lost.cancel();
+        hold.lost.set();
         let mut state = self.state();
         let mut hs = hold.state();
         if hs.phase == Phase::Held {

@@ -3,7 +3,7 @@
 //!
 //! Made by [`LockGuard::start_unlock`](super::LockGuard::start_unlock) and
 //! `MultiGuard::start_unlock`; awaited by their `unlock`, and driven in place by the
-//! layer's release of a request's locks (`layer/release.rs`), which hands a response on
+//! layer's `RequestLocks` (`layer/request_locks.rs`), which hands a response on
 //! only once its locks are free.
 
 use std::future::Future;

@@ -35,7 +35,7 @@ use tokio::time::Instant;
 use super::{Fixture, spawn_acquire, wait_until};
 use crate::backend::{Acquire, LockMode, LockRequest, Release};
 use crate::kinds::MultiLock;
-use crate::{Error, Lease, LockClient, LockKey, Owner};
+use crate::{Error, HoldId, Lease, LockClient, LockKey};
 
 const LONG: Duration = Duration::from_secs(30);
 
@@ -124,7 +124,7 @@ pub async fn foreign_owner_cannot_release_or_renew(f: &impl Fixture) {
     let guard = client.get_lock(&k).unwrap().lock().await.unwrap();
     let intruder = LockRequest::new(
         k.clone(),
-        Owner::from_raw("intruder:1").unwrap(),
+        HoldId::from_raw("intruder:1").unwrap(),
         LockMode::Exclusive,
         Duration::from_secs(60),
     );
@@ -688,7 +688,7 @@ pub async fn a_shorter_renewal_never_shortens_the_lease(f: &impl Fixture) {
                 "renew-shorter-{}",
                 mode.to_string().replace(['(', ')'], "")
             ));
-            LockRequest::new(k, client.new_owner(), mode, long)
+            LockRequest::new(k, client.new_hold_id(), mode, long)
         })
         .collect();
     for req in &reqs {
@@ -785,7 +785,7 @@ pub async fn concurrent_acquisitions_by_one_owner_share_one_hold(f: &impl Fixtur
     let mut counts = [a.hold_count(), b.hold_count()];
     counts.sort();
     assert_eq!(counts, [1, 2], "one acquired, the other re-entered");
-    assert_eq!(a.holder(), b.holder(), "one hold");
+    assert_eq!(a.hold_id(), b.hold_id(), "one hold");
     let other = f.client(LONG).get_lock(&k).unwrap();
     assert!(other.try_lock().await.unwrap_err().is_busy());
     a.unlock().await.unwrap();
@@ -834,7 +834,7 @@ pub async fn inspection_shows_holders_tokens_and_waiters(f: &impl Fixture) {
     let seen = lock_b.inspect().await.unwrap();
     assert_eq!(seen.holders.len(), 1, "{seen:?}");
     let h = &seen.holders[0];
-    assert_eq!(h.owner, *guard.holder());
+    assert_eq!(h.hold_id, *guard.hold_id());
     assert_eq!(h.client_id(), Some(a.id()));
     assert_eq!(h.client.as_deref(), Some("node-a"));
     assert_eq!(h.mode, LockMode::Exclusive);
@@ -852,10 +852,14 @@ pub async fn inspection_shows_holders_tokens_and_waiters(f: &impl Fixture) {
     assert!(lock_b.is_locked().await.unwrap());
     let left = lock_b.remaining_lease().await.unwrap().unwrap();
     assert!(left > Duration::from_secs(5) && left <= Duration::from_secs(10));
-    // Hold counts: the logical owner's guards, the store identity's holds, nobody's.
+    // Hold counts: the logical owner's guards, the store's count of the hold, nobody's.
     assert_eq!(lock_a.hold_count(&owner).await.unwrap(), 2);
-    assert_eq!(lock_b.hold_count(guard.holder()).await.unwrap(), 1);
+    assert_eq!(lock_b.hold_count(&owner).await.unwrap(), 0, "not b's owner");
+    let held = lock_b.hold_count_in_store(guard.hold_id()).await.unwrap();
+    assert_eq!(held, 1);
     assert_eq!(lock_b.hold_count(&b.new_owner()).await.unwrap(), 0);
+    let nobody = HoldId::from_raw(b.new_owner().as_str()).unwrap();
+    assert_eq!(lock_b.hold_count_in_store(&nobody).await.unwrap(), 0);
 
     // From the holder's own client: when, and how many guards.
     let mine = lock_a.inspect().await.unwrap();
@@ -886,7 +890,7 @@ pub async fn inspection_shows_holders_tokens_and_waiters(f: &impl Fixture) {
     let next = waiter.await.unwrap().unwrap();
     let state = lock_b.inspect().await.unwrap();
     assert_eq!(state.holders.len(), 1);
-    assert_eq!(state.holders[0].owner, *next.holder());
+    assert_eq!(state.holders[0].hold_id, *next.hold_id());
     assert_eq!(state.holders[0].client.as_deref(), Some("node-b"));
     assert_eq!(state.waiters.count, 0);
     next.unlock().await.unwrap();

@@ -96,7 +96,7 @@ use std::time::{Duration, Instant as StdInstant};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tower_lock::kinds::{MultiGuard, MultiLock};
-use tower_lock::{Error, Lease, Lock, LockClient, LockGuard, LockKey, LockMode, Owner};
+use tower_lock::{Error, HoldId, Lease, Lock, LockClient, LockGuard, LockKey, LockMode, Owner};
 
 use super::nemesis::{Crashed, Fault, Nemesis, NemesisTiming};
 
@@ -107,12 +107,12 @@ pub const PERMITS: u32 = 2;
 
 /// A hold as the oracle sees it: its identity in the store ([`LockGuard::holder`]), its
 /// mode, and the logical owner that took it (`guard.owner()`).
-pub type Holder = (Owner, LockMode, Owner);
+pub type Holder = (HoldId, LockMode, Owner);
 
 /// Which hold of the store `guard` stands for: guards with equal holders are re-entries of
 /// one hold and count as one holder.
 pub fn holder_of(guard: &LockGuard) -> Holder {
-    (guard.holder().clone(), guard.mode(), guard.owner().clone())
+    (guard.hold_id().clone(), guard.mode(), guard.owner().clone())
 }
 
 // ───────────────────────────── timing ─────────────────────────────
@@ -1625,7 +1625,7 @@ impl<F: Fixture> Driver<'_, F> {
                     continue;
                 }
                 believed.insert(id);
-                if let Some(&killed_at) = sh.lost_in_crash.get(g.holder().as_str()) {
+                if let Some(&killed_at) = sh.lost_in_crash.get(g.hold_id().as_str()) {
                     // The store lost this hold: the guard may go on believing only as
                     // long as the lease it was last confirmed for.
                     let limit = sh.longest_lease + Duration::from_millis(100);
@@ -1678,7 +1678,7 @@ impl<F: Fixture> Driver<'_, F> {
                     let k = self.fx.keys().iter().position(|k| k == g.key()).unwrap();
                     let in_store = view[k]
                         .iter()
-                        .any(|h| h.owner == g.holder().as_str() && h.mode.covers(g.mode()));
+                        .any(|h| h.owner == g.hold_id().as_str() && h.mode.covers(g.mode()));
                     if !in_store {
                         let there: Vec<String> = view[k]
                             .iter()

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use tower_lock::backend::{Acquire, LockMode, LockRequest, Release};
-use tower_lock::{Error, Lease, Lock, LockClient, LockGuard, LockKey, Owner};
+use tower_lock::{Error, HoldId, Lease, Lock, LockClient, LockGuard, LockKey};
 
 use super::wait_until;
 
@@ -117,7 +117,7 @@ async fn unlock_all(guards: Vec<LockGuard>) {
 fn request_of(guard: &LockGuard) -> LockRequest {
     LockRequest::new(
         guard.key().clone(),
-        guard.holder().clone(),
+        guard.hold_id().clone(),
         guard.mode(),
         guard.lease(),
     )
@@ -249,7 +249,7 @@ pub async fn foreign_owner_cannot_release_or_renew(f: &impl KindFixture, kind: K
     let guard = kind.lock(&client, &k).lock().await.unwrap();
     let intruder = LockRequest::new(
         k.clone(),
-        Owner::from_raw("intruder:1").unwrap(),
+        HoldId::from_raw("intruder:1").unwrap(),
         guard.mode(),
         Duration::from_secs(60),
     );
@@ -559,7 +559,7 @@ pub async fn fair_vanished_waiter_is_skipped(f: &impl KindFixture, _kind: Kind) 
     // The vanished waiter: one busy attempt puts it in the queue, then silence.
     let vanished = LockRequest::new(
         k.clone(),
-        client.new_owner(),
+        client.new_hold_id(),
         LockMode::Fair,
         Duration::from_secs(30),
     );
@@ -965,8 +965,8 @@ pub async fn inspection_shows_the_kind(f: &impl KindFixture, kind: Kind) {
         let h = state
             .holders
             .iter()
-            .find(|h| h.owner == *guard.holder())
-            .unwrap_or_else(|| panic!("{} missing from {state:?}", guard.holder()));
+            .find(|h| h.hold_id == *guard.hold_id())
+            .unwrap_or_else(|| panic!("{} missing from {state:?}", guard.hold_id()));
         assert_eq!(h.mode, expected);
         assert_eq!(h.holds, 1);
         assert_eq!(h.guards, Some(1));

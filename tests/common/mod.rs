@@ -56,7 +56,11 @@ pub fn spawn_acquire(
 pub struct DownBackend;
 
 fn down() -> tower_lock::Error {
-    tower_lock::Error::Backend("connection refused (test backend is down)".into())
+    tower_lock::StoreError::msg(
+        tower_lock::StoreErrorKind::Unavailable,
+        "connection refused (test backend is down)",
+    )
+    .into()
 }
 
 impl tower_lock::backend::LockBackend for DownBackend {

@@ -8,7 +8,7 @@ use crate::error::Error;
 fn req_in(mode: LockMode, key: &str, owner: &str, lease_ms: u64) -> LockRequest {
     LockRequest::new(
         LockKey::new(key).unwrap(),
-        Owner::from_raw(owner).unwrap(),
+        HoldId::from_raw(owner).unwrap(),
         mode,
         Duration::from_millis(lease_ms),
     )
@@ -409,12 +409,12 @@ async fn a_read_naming_the_write_holder_goes_past_its_write_hold_only() {
     // Another owner's read that names a:1 as its writer goes in (downgrade under a hold
     // identity of its own); one naming someone else does not.
     busy_ttl(
-        b.acquire(&read("x:1").with_writer(Owner::from_raw("z:1").unwrap()))
+        b.acquire(&read("x:1").with_writer(HoldId::from_raw("z:1").unwrap()))
             .await
             .unwrap(),
     );
     b.cancel_wait(&read("x:1")).await.unwrap();
-    let vouched = read("a:2").with_writer(Owner::from_raw("a:1").unwrap());
+    let vouched = read("a:2").with_writer(HoldId::from_raw("a:1").unwrap());
     grant(b.acquire(&vouched).await.unwrap());
     // Downgrade: the write hold goes, the read hold stays.
     assert_eq!(b.release(&write("a:1")).await.unwrap(), Release::Released);

@@ -62,10 +62,24 @@
 //!
 //! # Errors
 //!
-//! Connection failures, timeouts and a server shutting down surface as
-//! [`Error::Backend`] (retryable: an outage); a schema that is missing or not this
-//! crate's (an undefined function or table, a permission error) as
-//! [`Error::UnexpectedReply`], so a misconfiguration fails closed.
+//! Failures surface as [`Error::Store`] with the `sqlx::Error` as its source, and a
+//! kind that decides what is done about them. Connection failures, timeouts and a
+//! server shutting down are [unavailable](crate::StoreErrorKind::Unavailable)
+//! (retryable: an outage); a schema that is missing or not this crate's (an undefined
+//! function or table, a permission error) is
+//! [misconfigured](crate::StoreErrorKind::Misconfigured), so it fails closed. The
+//! SQLSTATE of an error the database answered is in the message, and is the `code()`
+//! of the source's `sqlx::Error::Database`:
+//!
+//! ```
+//! # fn sqlstate(error: &tower_lock::Error) -> Option<String> {
+//! let tower_lock::Error::Store(store) = error else { return None };
+//! match store.downcast_ref::<sqlx::Error>()? {
+//!     sqlx::Error::Database(db) => db.code().map(|code| code.into_owned()),
+//!     _ => None,
+//! }
+//! # }
+//! ```
 //!
 //! # Cancel safety
 //!
@@ -86,7 +100,7 @@ use super::{
     Signal, StoreProfile, Subscription, queued,
 };
 use crate::backend::clock::StoreClock;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, StoreError, StoreErrorKind};
 use crate::key::LockKey;
 
 mod builder;
@@ -144,8 +158,9 @@ impl PostgresBackend {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] for a URL that is not one; [`Error::Backend`] when the
-    /// server cannot be reached.
+    /// [`Error::InvalidConfig`] for a URL that is not one; an
+    /// [unavailable](crate::StoreErrorKind::Unavailable) [`Error::Store`] when the server
+    /// cannot be reached.
     pub async fn connect(url: &str) -> Result<Self> {
         let pool = PgPoolOptions::new()
             .max_connections(10)
@@ -235,12 +250,7 @@ impl LockBackend for PostgresBackend {
         Box::pin(async move {
             match self.renew_all(reqs).await {
                 Ok(renewed) => renewed.into_iter().map(Ok).collect(),
-                Err(error) => {
-                    let message = error.to_string();
-                    reqs.iter()
-                        .map(|_| Err(Error::Backend(message.clone().into())))
-                        .collect()
-                }
+                Err(error) => reqs.iter().map(|_| Err(error.duplicate())).collect(),
             }
         })
     }
@@ -295,7 +305,7 @@ impl LockBackend for PostgresBackend {
             self.timed(
                 sqlx::query(&sql)
                     .bind(req.key.as_str())
-                    .bind(req.owner.as_str())
+                    .bind(req.hold_id.as_str())
                     .bind(mode_char(req.mode))
                     .execute(&self.inner.pool),
             )
@@ -316,7 +326,7 @@ impl LockBackend for PostgresBackend {
             self.timed(
                 sqlx::query(&sql)
                     .bind(req.key.as_str())
-                    .bind(req.owner.as_str())
+                    .bind(req.hold_id.as_str())
                     .bind(mode_char(req.mode))
                     .bind(millis(keep))
                     .execute(&self.inner.pool),
@@ -442,23 +452,37 @@ fn validate_identifier(name: &'static str, value: &str) -> Result<()> {
     }
 }
 
-/// sqlx's error → the crate's. A store set up wrong is a misconfiguration, which
-/// fails closed: undefined objects, syntax, permissions (SQLSTATE classes 42, 28), a
-/// schema that is not there (3F), an isolation level the functions refuse or another
-/// unsupported feature (0A), bad data (22), a read-only standby (25006). Anything else
-/// (I/O, timeouts, a server shutting down or not accepting connections, a cancelled
-/// statement) is an outage.
+/// sqlx's error → the crate's, the `sqlx::Error` as the source. A store set up wrong
+/// is a misconfiguration, which fails closed: undefined objects, syntax, permissions
+/// (SQLSTATE classes 42, 28), a schema that is not there (3F), an isolation level the
+/// functions refuse or another unsupported feature (0A), bad data (22), a read-only
+/// standby (25006). Anything else (I/O, timeouts, a server shutting down or not
+/// accepting connections, a cancelled statement) is an outage. An error the database
+/// answered keeps its SQLSTATE in the message.
 fn map_error(error: sqlx::Error) -> Error {
-    if let sqlx::Error::Database(db) = &error
-        && let Some(code) = db.code()
-        && (["42", "28", "3F", "0A", "22"]
-            .iter()
-            .any(|class| code.starts_with(class))
-            || code == "25006")
-    {
-        return Error::UnexpectedReply(format!("PostgreSQL refused a lock statement: {db}"));
-    }
-    Error::Backend(Box::new(error))
+    let sqlstate = match &error {
+        sqlx::Error::Database(db) => db
+            .code()
+            .map(|code| (code.into_owned(), db.message().to_owned())),
+        _ => None,
+    };
+    let Some((code, message)) = sqlstate else {
+        return StoreError::new(StoreErrorKind::Unavailable, error).into();
+    };
+    let misconfigured = ["42", "28", "3F", "0A", "22"]
+        .iter()
+        .any(|class| code.starts_with(class))
+        || code == "25006";
+    let (kind, what) = if misconfigured {
+        (StoreErrorKind::Misconfigured, "refused")
+    } else {
+        (StoreErrorKind::Unavailable, "failed")
+    };
+    StoreError::new(kind, error)
+        .with_message(format!(
+            "PostgreSQL {what} a lock statement: {message} (SQLSTATE {code})"
+        ))
+        .into()
 }
 
 #[cfg(test)]

@@ -6,12 +6,12 @@ use std::time::Duration;
 use super::listener::waiters_of;
 use super::{PostgresBackend, map_error};
 use crate::backend::{
-    Acquire, FencingToken, Grant, Holder, LockMode, LockRequest, LockState, Release, WaiterScope,
+    Acquire, FencingToken, Grant, HoldInfo, LockMode, LockRequest, LockState, Release, WaiterScope,
     Waiters, queued,
 };
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, StoreErrorKind};
+use crate::hold_id::HoldId;
 use crate::key::LockKey;
-use crate::owner::Owner;
 
 /// The schema and functions, with `__S__` / `__T__` for the schema and table.
 pub(super) const SCHEMA_SQL: &str = include_str!("../../../sql/postgres.sql");
@@ -50,12 +50,12 @@ impl PostgresBackend {
     ) -> Result<T> {
         match tokio::time::timeout(self.inner.response_timeout, call).await {
             Ok(result) => result.map_err(map_error),
-            Err(_) => Err(Error::Backend(
+            Err(_) => Err(Error::store(
+                StoreErrorKind::Unavailable,
                 format!(
                     "PostgreSQL did not answer within {:?}",
                     self.inner.response_timeout
-                )
-                .into(),
+                ),
             )),
         }
     }
@@ -95,20 +95,21 @@ impl PostgresBackend {
             .timed(
                 sqlx::query_as(&self.inner.statements.acquire)
                     .bind(req.key.as_str())
-                    .bind(req.owner.as_str())
+                    .bind(req.hold_id.as_str())
                     .bind(mode_char(req.mode))
                     .bind(max)
                     .bind(millis(req.lease))
                     .bind(req.fenced)
-                    .bind(req.writer.as_ref().map(Owner::as_str))
+                    .bind(req.writer.as_ref().map(HoldId::as_str))
                     .bind(millis(self.inner.waiter_timeout))
                     .bind(deadline)
                     .fetch_one(&self.inner.pool),
             )
             .await?;
         if ttl_ms == Some(-2) {
-            return Err(Error::Backend(
-                "the lock attempt reached PostgreSQL after its deadline and was refused".into(),
+            return Err(Error::store(
+                StoreErrorKind::Unavailable,
+                "the lock attempt reached PostgreSQL after its deadline and was refused",
             ));
         }
         if acquired {
@@ -130,7 +131,7 @@ impl PostgresBackend {
             .timed(
                 sqlx::query_scalar(&self.inner.statements.release)
                     .bind(req.key.as_str())
-                    .bind(req.owner.as_str())
+                    .bind(req.hold_id.as_str())
                     .bind(mode_char(req.mode))
                     .bind(millis(req.lease))
                     .bind(&self.inner.origin)
@@ -157,7 +158,7 @@ impl PostgresBackend {
 
     pub(super) async fn renew_all(&self, reqs: &[LockRequest]) -> Result<Vec<bool>> {
         let names: Vec<&str> = reqs.iter().map(|r| r.key.as_str()).collect();
-        let owners: Vec<&str> = reqs.iter().map(|r| r.owner.as_str()).collect();
+        let owners: Vec<&str> = reqs.iter().map(|r| r.hold_id.as_str()).collect();
         let modes: Vec<i8> = reqs.iter().map(|r| mode_char(r.mode)).collect();
         let leases: Vec<i64> = reqs.iter().map(|r| millis(r.lease)).collect();
         let renewed: Vec<i32> = self
@@ -204,7 +205,7 @@ impl PostgresBackend {
         let waiters = self.waiters_for(key, mode).await?;
         let holders = rows
             .into_iter()
-            .map(|row| holder_of(row, mode))
+            .map(|row| hold_info_of(row, mode))
             .collect::<Result<Vec<_>>>()?;
         Ok(LockState::new(holders, waiters)
             .with_fencing_token(fence.map(|t| FencingToken::new(t.unsigned_abs()))))
@@ -240,11 +241,16 @@ impl PostgresBackend {
 /// mode, holds, milliseconds left, token.
 type HoldRow = (String, i8, i32, i64, Option<i64>);
 
-/// The [`Holder`] a row of the holds table describes; `mode` is the one inspected, whose
+/// The [`HoldInfo`] a row of the holds table describes (its `owner` column is the
+/// hold's identity); `mode` is the one inspected, whose
 /// `max` a permit hold reports.
-fn holder_of((owner, held, holds, ttl_ms, token): HoldRow, mode: LockMode) -> Result<Holder> {
-    let owner = Owner::from_raw(&owner)
-        .map_err(|_| Error::UnexpectedReply(format!("a hold with an invalid owner {owner:?}")))?;
+fn hold_info_of((owner, held, holds, ttl_ms, token): HoldRow, mode: LockMode) -> Result<HoldInfo> {
+    let hold_id = HoldId::from_raw(&owner).map_err(|_| {
+        Error::store(
+            StoreErrorKind::Unexpected,
+            format!("a hold with an invalid owner {owner:?}"),
+        )
+    })?;
     let held = match u8::try_from(held).unwrap_or(b'x') {
         b'f' => LockMode::Fair,
         b'r' => LockMode::Read,
@@ -259,7 +265,7 @@ fn holder_of((owner, held, holds, ttl_ms, token): HoldRow, mode: LockMode) -> Re
     };
     let ttl = Duration::from_millis(ttl_ms.max(0).unsigned_abs());
     Ok(
-        Holder::new(owner, held, u32::try_from(holds).unwrap_or(1), Some(ttl))
+        HoldInfo::new(hold_id, held, u32::try_from(holds).unwrap_or(1), Some(ttl))
             .with_token(token.map(|t| FencingToken::new(t.unsigned_abs()))),
     )
 }

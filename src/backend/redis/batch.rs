@@ -26,9 +26,9 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use redis::Value;
 use tokio::sync::oneshot;
 
-use super::{Inner, Names, SharedError, UNLOCK_MESSAGE, lease_ms, ttl_of};
+use super::{Inner, Names, UNLOCK_MESSAGE, lease_ms, ttl_of};
 use crate::backend::{Acquire, FencingToken, Grant, LockRequest, Release};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, StoreErrorKind};
 
 /// The most operations one batch call carries.
 pub(super) const MAX_BATCH: usize = 128;
@@ -40,8 +40,8 @@ pub(super) enum Op {
     Release,
 }
 
-/// An operation's outcome.
-pub(super) enum Outcome {
+/// What Redis answered to one queued [`Op`]: the acquisition's or the release's result.
+pub(super) enum OpReply {
     Acquire(Acquire),
     Release(Release),
 }
@@ -55,8 +55,8 @@ struct Queued {
     /// The fencing counter (acquire) or the release channel (release).
     second: String,
     lease_ms: u64,
-    owner: String,
-    reply: oneshot::Sender<Result<Outcome>>,
+    hold_id: String,
+    reply: oneshot::Sender<Result<OpReply>>,
 }
 
 /// The queue and whether a call is in flight.
@@ -81,7 +81,7 @@ impl Batcher {
 /// Runs `op` for `req` (an exclusive lock on a single server): alone when nothing is in
 /// flight, else in the next batch. Sent by a task: dropping or parking this future
 /// never holds up anyone else's operation.
-pub(super) async fn run(inner: &Arc<Inner>, op: Op, req: &LockRequest) -> Result<Outcome> {
+pub(super) async fn run(inner: &Arc<Inner>, op: Op, req: &LockRequest) -> Result<OpReply> {
     let (reply, receiver) = oneshot::channel();
     let queued = Queued {
         op,
@@ -92,7 +92,7 @@ pub(super) async fn run(inner: &Arc<Inner>, op: Op, req: &LockRequest) -> Result
             Op::Release => Names::channel(&inner.prefix, &req.key),
         },
         lease_ms: lease_ms(req.lease),
-        owner: req.owner.as_str().to_owned(),
+        hold_id: req.hold_id.as_str().to_owned(),
         reply,
     };
     let start = {
@@ -106,8 +106,9 @@ pub(super) async fn run(inner: &Arc<Inner>, op: Op, req: &LockRequest) -> Result
     receiver.await.unwrap_or_else(|_| {
         // The sender stopped with this operation taken (its runtime shut down): it may
         // or may not have reached Redis. An error, which the lock compensates.
-        Err(Error::Backend(
-            "lock operation's outcome unknown: the task sending it stopped".into(),
+        Err(Error::store(
+            StoreErrorKind::Unavailable,
+            "lock operation's outcome unknown: the task sending it stopped",
         ))
     })
 }
@@ -154,7 +155,10 @@ impl Drop for Drainer {
 
 /// A queued operation that was never sent: retryable, like an outage.
 fn unsent(why: &str) -> Error {
-    Error::Backend(format!("lock operation not sent: {why}").into())
+    Error::store(
+        StoreErrorKind::Unavailable,
+        format!("lock operation not sent: {why}"),
+    )
 }
 
 /// Sends the queue in batches until it is empty.
@@ -184,7 +188,7 @@ async fn send(inner: &Inner, mut batch: Vec<Queued>) {
     let deadline = if acquires {
         match inner.attempt_deadline().await {
             Ok(deadline) => deadline,
-            Err(error) => return fail(batch, &SharedError::from(error)),
+            Err(error) => return fail(batch, &error),
         }
     } else {
         0
@@ -192,17 +196,19 @@ async fn send(inner: &Inner, mut batch: Vec<Queued>) {
     if batch.len() == 1
         && let Some(q) = batch.pop()
     {
-        let outcome = match q.op {
+        let reply = match q.op {
             Op::Acquire => inner
-                .acquire_one(&q.lock, &q.second, q.lease_ms, &q.owner, q.fenced, deadline)
+                .acquire_one(
+                    &q.lock, &q.second, q.lease_ms, &q.hold_id, q.fenced, deadline,
+                )
                 .await
-                .map(Outcome::Acquire),
+                .map(OpReply::Acquire),
             Op::Release => inner
-                .release_one(&q.lock, &q.second, q.lease_ms, &q.owner)
+                .release_one(&q.lock, &q.second, q.lease_ms, &q.hold_id)
                 .await
-                .map(Outcome::Release),
+                .map(OpReply::Release),
         };
-        let _ = q.reply.send(outcome);
+        let _ = q.reply.send(reply);
         return;
     }
     let mut invocation = super::SCRIPTS.batch.prepare_invoke();
@@ -216,7 +222,7 @@ async fn send(inner: &Inner, mut batch: Vec<Queued>) {
             (Op::Acquire, true) => "f",
             (Op::Acquire, false) => "a",
         };
-        invocation.arg(tag).arg(q.lease_ms).arg(q.owner.as_str());
+        invocation.arg(tag).arg(q.lease_ms).arg(q.hold_id.as_str());
     }
     // With replica acknowledgement the batch waits once; a grant of it that too few
     // replicas acknowledged is an outage (its lock core gives it up, which releases it).
@@ -224,11 +230,11 @@ async fn send(inner: &Inner, mut batch: Vec<Queued>) {
     match reply {
         Ok((values, replicated)) if values.len() == 3 * batch.len() => {
             for (q, triple) in batch.into_iter().zip(values.chunks_exact(3)) {
-                let outcome = parse(q.op, triple).and_then(|outcome| match outcome {
-                    Outcome::Acquire(Acquire::Acquired(_)) => replicated.check().map(|()| outcome),
+                let reply = parse(q.op, triple).and_then(|reply| match reply {
+                    OpReply::Acquire(Acquire::Acquired(_)) => replicated.check().map(|()| reply),
                     other => Ok(other),
                 });
-                let _ = q.reply.send(outcome);
+                let _ = q.reply.send(reply);
             }
         }
         Ok((values, _)) => {
@@ -237,16 +243,16 @@ async fn send(inner: &Inner, mut batch: Vec<Queued>) {
                 batch.len(),
                 values.len()
             );
-            fail(batch, &SharedError::Other(message));
+            fail(batch, &Error::store(StoreErrorKind::Unexpected, message));
         }
-        Err(error) => fail(batch, &SharedError::from(error)),
+        Err(error) => fail(batch, &error),
     }
 }
 
 /// Answers every operation of `batch` with `error`.
-fn fail(batch: Vec<Queued>, error: &SharedError) {
+fn fail(batch: Vec<Queued>, error: &Error) {
     for q in batch {
-        let _ = q.reply.send(Err(error.to_error()));
+        let _ = q.reply.send(Err(error.duplicate()));
     }
 }
 
@@ -257,9 +263,14 @@ fn int(value: &Value) -> Option<i64> {
     }
 }
 
-/// One operation's three values → its outcome.
-fn parse(op: Op, triple: &[Value]) -> Result<Outcome> {
-    let unexpected = || Error::UnexpectedReply(format!("lock batch answered {triple:?}"));
+/// One operation's three values → its reply.
+fn parse(op: Op, triple: &[Value]) -> Result<OpReply> {
+    let unexpected = || {
+        Error::store(
+            StoreErrorKind::Unexpected,
+            format!("lock batch answered {triple:?}"),
+        )
+    };
     let (Some(status), Some(second)) = (triple.first().and_then(int), triple.get(1)) else {
         return Err(unexpected());
     };
@@ -268,14 +279,14 @@ fn parse(op: Op, triple: &[Value]) -> Result<Outcome> {
         (Op::Acquire, 1, Some(h)) => {
             let token = triple.get(2).and_then(int).unwrap_or(0);
             let token = (token > 0).then(|| FencingToken::new(token.unsigned_abs()));
-            Ok(Outcome::Acquire(Acquire::Acquired(Grant::new(
+            Ok(OpReply::Acquire(Acquire::Acquired(Grant::new(
                 holds(h),
                 token,
             ))))
         }
-        (Op::Acquire, 0, Some(ttl)) => Ok(Outcome::Acquire(Acquire::Busy { ttl: ttl_of(ttl) })),
+        (Op::Acquire, 0, Some(ttl)) => Ok(OpReply::Acquire(Acquire::Busy { ttl: ttl_of(ttl) })),
         (Op::Acquire, -1, _) => Err(super::arrived_late()),
-        (Op::Release, 2, Some(n)) => Ok(Outcome::Release(match n {
+        (Op::Release, 2, Some(n)) => Ok(OpReply::Release(match n {
             -1 => Release::NotHeld,
             0 => Release::Released,
             n => Release::Decremented { holds: holds(n) },
@@ -286,15 +297,11 @@ fn parse(op: Op, triple: &[Value]) -> Result<Outcome> {
                 Value::SimpleString(s) => s.clone(),
                 other => format!("{other:?}"),
             };
-            Err(if message.contains("WRONGTYPE") {
-                Error::WrongType
-            } else {
-                Error::Redis(redis::RedisError::from((
-                    redis::ErrorKind::Extension,
-                    "lock script error",
-                    message,
-                )))
-            })
+            Err(super::map_error(redis::RedisError::from((
+                redis::ErrorKind::Extension,
+                "lock script error",
+                message,
+            ))))
         }
         _ => Err(unexpected()),
     }

@@ -102,9 +102,14 @@
 //!
 //! # Errors
 //!
-//! Connection and command failures surface as [`Error::Redis`]; a key that holds another
-//! type (a string at `NAME`) as [`Error::WrongType`]; a reply this crate does not
-//! understand as [`Error::UnexpectedReply`].
+//! Failures surface as [`Error::Store`], the redis-rs error as its source (for its
+//! `code()`), with the kind that decides what is done about them: connection failures,
+//! timeouts and cluster redirections are [unavailable](crate::StoreErrorKind::Unavailable)
+//! (retried while waiting; a layer that fails open lets the request through); an error
+//! the server answered (a wrong password, `NOPERM`, `READONLY`, a script error) is
+//! [misconfigured](crate::StoreErrorKind::Misconfigured), and a reply this crate does not
+//! understand [unexpected](crate::StoreErrorKind::Unexpected): both fail closed. A key
+//! that holds another type (a string at `NAME`) is [`Error::WrongType`].
 //!
 //! # Cancel safety
 //!
@@ -129,12 +134,13 @@ use self::primary::Primary;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{
-    Acquire, BoxFuture, ClientNames, FencingToken, Grant, Holder, LockBackend, LockMode,
+    Acquire, BoxFuture, ClientNames, FencingToken, Grant, HoldInfo, LockBackend, LockMode,
     LockRequest, LockState, QUEUED_MODES, Release, StoreProfile, Subscription, WaiterScope,
     Waiters, queued,
 };
 use crate::backend::clock::{COMPENSATION_MARGIN, StoreClock};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, StoreError, StoreErrorKind};
+use crate::hold_id::HoldId;
 use crate::key::LockKey;
 
 mod batch;
@@ -519,11 +525,11 @@ impl Replicated {
                 acked,
                 wanted,
                 timeout,
-            } => Err(Error::Backend(
+            } => Err(Error::store(
+                StoreErrorKind::Unavailable,
                 format!(
                     "only {acked} of {wanted} Redis replicas acknowledged the lock's write within {timeout:?}"
-                )
-                .into(),
+                ),
             )),
         }
     }
@@ -666,7 +672,7 @@ impl Inner {
             &Names::lock(&self.prefix, &req.key),
             &Names::fence(&self.prefix, &req.key),
             lease_ms(req.lease),
-            req.owner.as_str(),
+            req.hold_id.as_str(),
             req.fenced,
             deadline,
         )
@@ -733,7 +739,9 @@ impl RedisBackend {
     ///
     /// # Errors
     ///
-    /// [`Error::Redis`] when the URL is invalid or the server cannot be reached.
+    /// [`Error::Store`]: [misconfigured](crate::StoreErrorKind::Misconfigured) when the
+    /// URL is invalid or the server refuses the credentials,
+    /// [unavailable](crate::StoreErrorKind::Unavailable) when it cannot be reached.
     pub async fn connect(url: impl IntoConnectionInfo) -> Result<Self> {
         Self::builder(url).build().await
     }
@@ -881,9 +889,10 @@ impl RedisBackend {
     async fn acquire_exclusive(&self, req: &LockRequest) -> Result<Acquire> {
         match &self.inner.conn {
             Conn::Single(_) => match batch::run(&self.inner, batch::Op::Acquire, req).await? {
-                batch::Outcome::Acquire(acquire) => Ok(acquire),
-                batch::Outcome::Release(_) => Err(Error::UnexpectedReply(
-                    "an acquisition was answered as a release".into(),
+                batch::OpReply::Acquire(acquire) => Ok(acquire),
+                batch::OpReply::Release(_) => Err(Error::store(
+                    StoreErrorKind::Unexpected,
+                    "an acquisition was answered as a release",
                 )),
             },
             #[cfg(feature = "cluster")]
@@ -894,9 +903,10 @@ impl RedisBackend {
     async fn release_exclusive(&self, req: &LockRequest) -> Result<Release> {
         match &self.inner.conn {
             Conn::Single(_) => match batch::run(&self.inner, batch::Op::Release, req).await? {
-                batch::Outcome::Release(release) => Ok(release),
-                batch::Outcome::Acquire(_) => Err(Error::UnexpectedReply(
-                    "a release was answered as an acquisition".into(),
+                batch::OpReply::Release(release) => Ok(release),
+                batch::OpReply::Acquire(_) => Err(Error::store(
+                    StoreErrorKind::Unexpected,
+                    "a release was answered as an acquisition",
                 )),
             },
             #[cfg(feature = "cluster")]
@@ -907,7 +917,7 @@ impl RedisBackend {
                         &Names::lock(prefix, &req.key),
                         &Names::channel(prefix, &req.key),
                         lease_ms(req.lease),
-                        req.owner.as_str(),
+                        req.hold_id.as_str(),
                     )
                     .await
             }
@@ -1013,15 +1023,18 @@ impl RedisBackend {
                     }
                 }
                 Err(error) => {
-                    let shared = SharedError::from(error);
                     for &i in *batch {
-                        out[i] = Some(Err(shared.to_error()));
+                        out[i] = Some(Err(error.duplicate()));
                     }
                 }
             }
         }
         out.into_iter()
-            .map(|r| r.unwrap_or_else(|| Err(Error::UnexpectedReply("renewal not sent".into()))))
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(Error::store(StoreErrorKind::Unexpected, "renewal not sent"))
+                })
+            })
             .collect()
     }
 }
@@ -1045,7 +1058,7 @@ fn renewal_script(
             invocation.arg(modes::batch_tag(reqs[i].mode));
             invocation
                 .arg(lease_ms(reqs[i].lease))
-                .arg(reqs[i].owner.as_str());
+                .arg(reqs[i].hold_id.as_str());
         }
         invocation
     } else {
@@ -1056,33 +1069,9 @@ fn renewal_script(
         for &i in batch {
             invocation
                 .arg(lease_ms(reqs[i].lease))
-                .arg(reqs[i].owner.as_str());
+                .arg(reqs[i].hold_id.as_str());
         }
         invocation
-    }
-}
-
-/// One batch error, repeated for every hold of the batch.
-enum SharedError {
-    Redis(RedisError),
-    Other(String),
-}
-
-impl From<Error> for SharedError {
-    fn from(error: Error) -> Self {
-        match error {
-            Error::Redis(e) => SharedError::Redis(e),
-            other => SharedError::Other(other.to_string()),
-        }
-    }
-}
-
-impl SharedError {
-    fn to_error(&self) -> Error {
-        match self {
-            SharedError::Redis(e) => Error::Redis(e.clone()),
-            SharedError::Other(s) => Error::UnexpectedReply(s.clone()),
-        }
     }
 }
 
@@ -1106,7 +1095,10 @@ fn fenced_arg(req: &LockRequest) -> &'static str {
 /// The error of an attempt the server refused because it arrived after its deadline:
 /// retryable, as the timeout it is.
 fn arrived_late() -> Error {
-    Error::Backend("the lock attempt reached Redis after its deadline and was refused".into())
+    Error::store(
+        StoreErrorKind::Unavailable,
+        "the lock attempt reached Redis after its deadline and was refused",
+    )
 }
 
 /// `{1, holds}`, `{1, holds, token}`, `{0, ttl}` or `{-1}` (arrived late) → the outcome.
@@ -1127,7 +1119,12 @@ fn parse_acquire(op: &str, reply: &[i64]) -> Result<Acquire> {
 /// `inspect.lua`'s reply → the state. `waiters` is this process's count for modes the
 /// store does not queue; for queued modes the queue's length replaces it.
 fn parse_inspect(reply: &[String], mode: LockMode, mut waiters: Waiters) -> Result<LockState> {
-    let bad = || Error::UnexpectedReply(format!("inspect script answered {reply:?}"));
+    let bad = || {
+        Error::store(
+            StoreErrorKind::Unexpected,
+            format!("inspect script answered {reply:?}"),
+        )
+    };
     let [fence, queued, rest @ ..] = reply else {
         return Err(bad());
     };
@@ -1143,7 +1140,7 @@ fn parse_inspect(reply: &[String], mode: LockMode, mut waiters: Waiters) -> Resu
     }
     let mut holders = Vec::with_capacity(rest.len() / 5);
     for h in rest.chunks_exact(5) {
-        let owner = crate::owner::Owner::from_raw(&h[0]).map_err(|_| bad())?;
+        let hold_id = HoldId::from_raw(&h[0]).map_err(|_| bad())?;
         let held = match h[1].as_str() {
             "r" => LockMode::Read,
             "w" => LockMode::Write,
@@ -1162,15 +1159,20 @@ fn parse_inspect(reply: &[String], mode: LockMode, mut waiters: Waiters) -> Resu
             "" => None,
             n => Some(FencingToken::new(n.parse().map_err(|_| bad())?)),
         };
-        holders.push(Holder::new(owner, held, holds, ttl).with_token(token));
+        holders.push(HoldInfo::new(hold_id, held, holds, ttl).with_token(token));
     }
     Ok(LockState::new(holders, waiters).with_fencing_token(fencing_token))
 }
 
 fn unexpected(op: &str, reply: &[i64]) -> Error {
-    Error::UnexpectedReply(format!("{op} script answered {reply:?}"))
+    Error::store(
+        StoreErrorKind::Unexpected,
+        format!("{op} script answered {reply:?}"),
+    )
 }
 
+/// redis-rs's error → the crate's: a key of another type is [`Error::WrongType`], any
+/// other failure a [`StoreError`] of its kind.
 fn map_error(error: RedisError) -> Error {
     let wrong_type = error.code() == Some("WRONGTYPE")
         || error.detail().is_some_and(|d| d.contains("WRONGTYPE"))
@@ -1178,8 +1180,41 @@ fn map_error(error: RedisError) -> Error {
     if wrong_type {
         Error::WrongType
     } else {
-        Error::Redis(error)
+        Error::Store(store_error(error))
     }
+}
+
+/// The kind of a redis-rs error, with the error as the source. The server could not be
+/// reached or did not answer (I/O, a dropped or refused connection, a timeout, a cluster
+/// redirection or a cluster that is down): unavailable; a connection that broke under
+/// the command (not one that timed out) says so, for the lock core's retry. A reply
+/// redis-rs could not parse or convert: unexpected. Anything else the server answered
+/// (authentication, permissions, a script error): misconfigured; but a write refused by
+/// a replica that was the primary (`READONLY`) is a connection to replace.
+fn store_error(error: RedisError) -> StoreError {
+    let unavailable = error.is_io_error()
+        || error.is_connection_dropped()
+        || error.is_connection_refusal()
+        || error.is_timeout()
+        || error.is_cluster_error();
+    if unavailable {
+        if error.is_connection_dropped() && !error.is_timeout() {
+            return StoreError::connection_lost(error);
+        }
+        return StoreError::new(StoreErrorKind::Unavailable, error);
+    }
+    // A primary demoted to a replica (a Sentinel failover): the backend moves to the new
+    // primary, and trying again at once goes there.
+    if error.code() == Some("READONLY") {
+        return StoreError::connection_lost(error);
+    }
+    let kind = match error.kind() {
+        redis::ErrorKind::Parse | redis::ErrorKind::UnexpectedReturnType => {
+            StoreErrorKind::Unexpected
+        }
+        _ => StoreErrorKind::Misconfigured,
+    };
+    StoreError::new(kind, error)
 }
 
 /// The Redis names of one lock. Built without `format!`: this is on every operation's
@@ -1261,14 +1296,14 @@ impl Names {
         }
     }
 
-    /// A read-write waiter's place in the queue: `<owner>:read` or `<owner>:write`.
-    fn queue_entry(owner: &crate::owner::Owner, mode: LockMode) -> String {
+    /// A read-write waiter's place in the queue: `<hold id>:read` or `<hold id>:write`.
+    fn queue_entry(hold_id: &HoldId, mode: LockMode) -> String {
         let suffix = if mode == LockMode::Read {
             ":read"
         } else {
             ":write"
         };
-        [owner.as_str(), suffix].concat()
+        [hold_id.as_str(), suffix].concat()
     }
 
     /// The channel a waiter of `req` listens on: the lock's channel for exclusive locks
@@ -1279,13 +1314,13 @@ impl Names {
             LockMode::Fair => [
                 Self::channel(prefix, &req.key).as_str(),
                 ":",
-                req.owner.as_str(),
+                req.hold_id.as_str(),
             ]
             .concat(),
             LockMode::Read | LockMode::Write => [
                 Self::rw_channel(prefix, &req.key).as_str(),
                 ":",
-                Self::queue_entry(&req.owner, req.mode).as_str(),
+                Self::queue_entry(&req.hold_id, req.mode).as_str(),
             ]
             .concat(),
             _ => Self::channel(prefix, &req.key),
@@ -1296,8 +1331,9 @@ impl Names {
 impl RedisBackendBuilder {
     /// Prepended to every lock key as is (default: none, so names match Redisson's
     /// exactly): include your own separator, as in `"myapp:"`. (The layer's
-    /// `key_prefix` is a namespace and adds the `:` itself.) Must not contain braces
-    /// or control characters.
+    /// `key_prefix` adds the `:` itself.) A [`Namespace`](crate::Namespace): at most
+    /// [`MAX_NAMESPACE_LEN`](crate::MAX_NAMESPACE_LEN) bytes, no braces or control
+    /// characters; [`build`](Self::build) names `key_prefix` otherwise.
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.key_prefix = prefix.into();
         self
@@ -1397,8 +1433,9 @@ impl RedisBackendBuilder {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] naming the bad setting; [`Error::Redis`] when the URL is
-    /// invalid or (unless [lazy](Self::lazy_connect)) the server cannot be reached.
+    /// [`Error::InvalidConfig`] naming the bad setting; [`Error::Store`] when the URL is
+    /// invalid or (unless [lazy](Self::lazy_connect)) the server cannot be reached (see
+    /// [`RedisBackend::connect`]).
     pub async fn build(self) -> Result<RedisBackend> {
         self.validate()?;
         let Connected {
@@ -1465,21 +1502,7 @@ impl RedisBackendBuilder {
                 ));
             }
         }
-        if self.key_prefix.contains(['{', '}']) || self.key_prefix.chars().any(char::is_control) {
-            return Err(Error::invalid_config(
-                "key_prefix",
-                format!(
-                    "must not contain braces or control characters (got {:?})",
-                    self.key_prefix
-                ),
-            ));
-        }
-        if self.key_prefix.len() > 256 {
-            return Err(Error::invalid_config(
-                "key_prefix",
-                format!("must be at most 256 bytes (got {})", self.key_prefix.len()),
-            ));
-        }
+        crate::namespace::Namespace::for_setting("key_prefix", self.key_prefix.clone())?;
         for (name, value) in [
             ("response_timeout", self.response_timeout),
             ("connection_timeout", self.connection_timeout),
@@ -1513,7 +1536,7 @@ impl RedisBackendBuilder {
     async fn connect(&self) -> Result<Connected> {
         match &self.target {
             Target::Single(client) => {
-                let client = client.clone()?;
+                let client = client.clone().map_err(map_error)?;
                 let info = client.get_connection_info();
                 let store_id = format!(
                     "redis:{}/{}:{}",
@@ -1542,16 +1565,19 @@ impl RedisBackendBuilder {
         let client = tokio::time::timeout(self.connection_timeout, primary.client())
             .await
             .map_err(|_| {
-                Error::from(RedisError::from(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
+                Error::store(
+                    StoreErrorKind::Unavailable,
                     "finding the Redis primary timed out",
-                )))
-            })??;
+                )
+            })?
+            .map_err(map_error)?;
         let addr = client.get_connection_info().addr().to_string();
         let conn = if self.lazy {
-            ConnectionManager::new_lazy_with_config(client, config.clone())?
+            ConnectionManager::new_lazy_with_config(client, config.clone()).map_err(map_error)?
         } else {
-            ConnectionManager::new_with_config(client, config.clone()).await?
+            ConnectionManager::new_with_config(client, config.clone())
+                .await
+                .map_err(map_error)?
         };
         Ok(Connected {
             conn: Conn::Single(Box::new(SingleConn::new(
@@ -1573,7 +1599,7 @@ impl RedisBackendBuilder {
         master: &str,
         sentinels: &RedisResult<Vec<redis::ConnectionInfo>>,
     ) -> Result<Connected> {
-        let sentinels = sentinels.clone()?;
+        let sentinels = sentinels.clone().map_err(map_error)?;
         if sentinels.is_empty() {
             return Err(Error::invalid_config(
                 "sentinels",
@@ -1594,7 +1620,8 @@ impl RedisBackendBuilder {
             String::from(master),
             self.sentinel_node.clone(),
             redis::sentinel::SentinelServerType::Master,
-        )?;
+        )
+        .map_err(map_error)?;
         let primary = Primary::Sentinel(Arc::new(tokio::sync::Mutex::new(client)));
         self.connect_single(primary, store_id).await
     }
@@ -1610,7 +1637,7 @@ impl RedisBackendBuilder {
                 "is not supported for a cluster, which connects to discover its topology (got true)",
             ));
         }
-        let nodes = nodes.clone()?;
+        let nodes = nodes.clone().map_err(map_error)?;
         if nodes.is_empty() {
             return Err(Error::invalid_config(
                 "cluster nodes",
@@ -1621,13 +1648,15 @@ impl RedisBackendBuilder {
             .iter()
             .cloned()
             .map(Client::open)
-            .collect::<RedisResult<Vec<_>>>()?;
+            .collect::<RedisResult<Vec<_>>>()
+            .map_err(map_error)?;
         let client = redis::cluster::ClusterClient::builder(nodes)
             .response_timeout(self.response_timeout)
             .connection_timeout(self.connection_timeout)
             .retries(u32::try_from(self.reconnect_retries).unwrap_or(u32::MAX))
-            .build()?;
-        let conn = client.get_async_connection().await?;
+            .build()
+            .map_err(map_error)?;
+        let conn = client.get_async_connection().await.map_err(map_error)?;
         let mut addrs: Vec<String> = pubsub_nodes
             .iter()
             .map(|c| c.get_connection_info().addr().to_string())
@@ -1676,7 +1705,7 @@ impl LockBackend for RedisBackend {
                         .renew
                         .key(Names::lock(&self.inner.prefix, &req.key).as_ref())
                         .arg(lease_ms(req.lease))
-                        .arg(req.owner.as_str()),
+                        .arg(req.hold_id.as_str()),
                 )
                 .await?;
             Ok(renewed == 1)
@@ -1826,7 +1855,7 @@ mod tests {
         );
         assert_eq!(Names::rw_channel("", &key), "redisson_rwlock:{anyLock}");
         assert_eq!(Names::lease_prefix("", &key), "{anyLock}");
-        let owner = crate::owner::Owner::from_raw("uuid:1").unwrap();
+        let owner = HoldId::from_raw("uuid:1").unwrap();
         let wait = |mode| {
             Names::wait_channel(
                 "",
@@ -1881,7 +1910,7 @@ mod tests {
                     slot,
                     "{key} fence"
                 );
-                let owner = crate::owner::Owner::from_raw("5f0e7c8a-uuid:7").unwrap();
+                let owner = HoldId::from_raw("5f0e7c8a-uuid:7").unwrap();
                 let lease_key = [
                     Names::lease_prefix(prefix, &key).as_str(),
                     ":",

@@ -145,7 +145,7 @@ impl RedisBackend {
                     .key(Names::fence(p, key))
                     .key(Names::channel(p, key))
                     .arg(lease_ms(req.lease))
-                    .arg(req.owner.as_str())
+                    .arg(req.hold_id.as_str())
                     .arg(self.waiter_timeout_ms())
                     .arg(fenced_arg(req))
                     .arg(deadline);
@@ -161,11 +161,11 @@ impl RedisBackend {
                     .key(Names::fence(p, key))
                     .key(Names::rw_channel(p, key))
                     .arg(lease_ms(req.lease))
-                    .arg(req.owner.as_str())
+                    .arg(req.hold_id.as_str())
                     .arg(rw_arg(req.mode))
                     .arg(self.waiter_timeout_ms())
                     .arg(fenced_arg(req))
-                    .arg(req.write_holder().as_str())
+                    .arg(req.write_hold_id().as_str())
                     .arg(deadline);
                 invocation
             }
@@ -176,7 +176,7 @@ impl RedisBackend {
                     .key(Names::permits(p, key))
                     .key(Names::fence(p, key))
                     .arg(lease_ms(req.lease))
-                    .arg(req.owner.as_str())
+                    .arg(req.hold_id.as_str())
                     .arg(max.get())
                     .arg(fenced_arg(req))
                     .arg(deadline);
@@ -202,7 +202,7 @@ impl RedisBackend {
                             .key(Names::queue_timeouts(p, key))
                             .key(Names::channel(p, key))
                             .arg(lease_ms(req.lease))
-                            .arg(req.owner.as_str()),
+                            .arg(req.hold_id.as_str()),
                     )
                     .await?
             }
@@ -217,7 +217,7 @@ impl RedisBackend {
                             .key(Names::queue_timeouts(p, key))
                             .key(Names::rw_channel(p, key))
                             .arg(lease_ms(req.lease))
-                            .arg(req.owner.as_str())
+                            .arg(req.hold_id.as_str())
                             .arg(rw_arg(req.mode)),
                     )
                     .await?
@@ -231,7 +231,7 @@ impl RedisBackend {
                             .key(Names::permits(p, key))
                             .key(Names::channel(p, key))
                             .arg(lease_ms(req.lease))
-                            .arg(req.owner.as_str()),
+                            .arg(req.hold_id.as_str()),
                     )
                     .await?
             }
@@ -255,7 +255,7 @@ impl RedisBackend {
                             .key(lock.as_ref())
                             .key(Names::permits(p, key))
                             .arg(lease_ms(req.lease))
-                            .arg(req.owner.as_str()),
+                            .arg(req.hold_id.as_str()),
                     )
                     .await?
             }
@@ -267,7 +267,7 @@ impl RedisBackend {
                             .key(lock.as_ref())
                             .key(Names::lease_prefix(p, key))
                             .arg(lease_ms(req.lease))
-                            .arg(req.owner.as_str())
+                            .arg(req.hold_id.as_str())
                             .arg(rw_arg(req.mode)),
                     )
                     .await?
@@ -282,12 +282,12 @@ impl RedisBackend {
         let key = &req.key;
         let (entry, family, channel) = match req.mode {
             LockMode::Fair => (
-                req.owner.as_str().to_owned(),
+                req.hold_id.as_str().to_owned(),
                 "fair",
                 Names::channel(p, key),
             ),
             LockMode::Read | LockMode::Write => (
-                Names::queue_entry(&req.owner, req.mode),
+                Names::queue_entry(&req.hold_id, req.mode),
                 "rw",
                 Names::rw_channel(p, key),
             ),

@@ -9,8 +9,9 @@ use std::marker::PhantomData;
 
 use http::request::Parts;
 
-use super::{Extracted, KeyError, KeyExtractor, Keys, checked_namespace, namespaced};
+use super::{Extracted, KeyError, KeyExtractor, Keys, namespaced};
 use crate::error::Error;
+use crate::namespace::Namespace;
 
 /// Keys a request by a value that earlier middleware put in the request extensions —
 /// typically the authenticated user's id: `<namespace>:{<f(value)>}`.
@@ -36,7 +37,7 @@ use crate::error::Error;
 /// ```
 pub struct ExtensionKey<T, F> {
     f: F,
-    namespace: Cow<'static, str>,
+    namespace: Namespace,
     optional: bool,
     _value: PhantomData<fn(&T)>,
 }
@@ -52,7 +53,7 @@ where
     pub fn new(f: F) -> Self {
         ExtensionKey {
             f,
-            namespace: Cow::Borrowed(""),
+            namespace: Namespace::empty(),
             optional: false,
             _value: PhantomData,
         }
@@ -64,7 +65,7 @@ where
     ///
     /// As [`HeaderKey::namespace`](super::HeaderKey::namespace).
     pub fn namespace(mut self, namespace: impl Into<Cow<'static, str>>) -> Result<Self, Error> {
-        self.namespace = checked_namespace(namespace.into())?;
+        self.namespace = Namespace::new(namespace)?;
         Ok(self)
     }
 

@@ -6,8 +6,9 @@ use std::future::{Ready, ready};
 use http::HeaderName;
 use http::request::Parts;
 
-use super::{Extracted, KeyError, KeyExtractor, Keys, checked_namespace, namespaced};
+use super::{Extracted, KeyError, KeyExtractor, Keys, namespaced};
 use crate::error::Error;
+use crate::namespace::Namespace;
 
 /// Keys a request by one header's value: `<namespace>:{<value>}`, escaped with
 /// [`LockKey::namespaced`](crate::LockKey::namespaced).
@@ -29,7 +30,7 @@ use crate::error::Error;
 #[derive(Clone, Debug)]
 pub struct HeaderKey {
     name: HeaderName,
-    namespace: Cow<'static, str>,
+    namespace: Namespace,
     optional: bool,
 }
 
@@ -39,7 +40,7 @@ impl HeaderKey {
     pub fn new(name: HeaderName) -> Self {
         HeaderKey {
             name,
-            namespace: Cow::Borrowed(""),
+            namespace: Namespace::empty(),
             optional: false,
         }
     }
@@ -48,10 +49,11 @@ impl HeaderKey {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] naming `namespace` when it has braces or control
-    /// characters, or is longer than half of [`MAX_KEY_LEN`](crate::MAX_KEY_LEN).
+    /// [`Error::InvalidConfig`] naming `namespace` when it breaks the
+    /// [`Namespace`] rule: braces or control characters, or longer than
+    /// [`MAX_NAMESPACE_LEN`](crate::MAX_NAMESPACE_LEN) bytes.
     pub fn namespace(mut self, namespace: impl Into<Cow<'static, str>>) -> Result<Self, Error> {
-        self.namespace = checked_namespace(namespace.into())?;
+        self.namespace = Namespace::new(namespace)?;
         Ok(self)
     }
 

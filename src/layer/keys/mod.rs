@@ -3,7 +3,6 @@
 //! ready-made extractors, one per file: [`HeaderKey`], [`ExtensionKey`], and with the
 //! `axum` feature [`key_from`] ([`ExtractorKey`]) and [`PathParamKey`].
 
-use std::borrow::Cow;
 use std::fmt;
 use std::future::{Future, Ready, ready};
 
@@ -11,6 +10,7 @@ use http::request::Parts;
 
 use crate::error::Error;
 use crate::key::LockKey;
+use crate::namespace::Namespace;
 
 #[cfg(feature = "axum")]
 mod axum;
@@ -103,29 +103,12 @@ where
     f
 }
 
-/// Checks a namespace given to an extractor: what [`LockKey::namespaced`] accepts.
-fn checked_namespace(namespace: Cow<'static, str>) -> Result<Cow<'static, str>, Error> {
-    if namespace.contains(['{', '}']) || namespace.chars().any(char::is_control) {
-        return Err(Error::invalid_config(
-            "namespace",
-            format!("must not contain braces or control characters (got {namespace:?})"),
-        ));
-    }
-    if namespace.len() > crate::MAX_KEY_LEN / 2 {
-        return Err(Error::invalid_config(
-            "namespace",
-            format!(
-                "must be at most {} bytes (got {})",
-                crate::MAX_KEY_LEN / 2,
-                namespace.len()
-            ),
-        ));
-    }
-    Ok(namespace)
-}
-
-fn namespaced(namespace: &str, what: &dyn fmt::Display, value: &str) -> Result<LockKey, KeyError> {
-    LockKey::namespaced(namespace, value).map_err(|e| match e {
+fn namespaced(
+    namespace: &Namespace,
+    what: &dyn fmt::Display,
+    value: &str,
+) -> Result<LockKey, KeyError> {
+    LockKey::in_namespace(namespace, value).map_err(|e| match e {
         Error::InvalidKey { reason } => KeyError::new(format!("{what}: {reason}")),
         other => KeyError::from(other),
     })

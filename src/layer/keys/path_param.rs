@@ -5,9 +5,10 @@ use std::borrow::Cow;
 use axum::extract::FromRequestParts;
 use http::request::Parts;
 
-use super::{Extracted, KeyError, KeyExtractor, Keys, checked_namespace, namespaced};
+use super::{Extracted, KeyError, KeyExtractor, Keys, namespaced};
 use crate::backend::BoxFuture;
 use crate::error::Error;
+use crate::namespace::Namespace;
 
 /// Keys a request by an axum path parameter (`/vouchers/{id}` → `id`):
 /// `<namespace>:{<value>}`, percent-decoded as axum decodes it.
@@ -36,7 +37,7 @@ use crate::error::Error;
 #[derive(Clone, Debug)]
 pub struct PathParamKey {
     name: Cow<'static, str>,
-    namespace: Cow<'static, str>,
+    namespace: Namespace,
 }
 
 impl PathParamKey {
@@ -44,7 +45,7 @@ impl PathParamKey {
     pub fn new(name: impl Into<Cow<'static, str>>) -> Self {
         PathParamKey {
             name: name.into(),
-            namespace: Cow::Borrowed(""),
+            namespace: Namespace::empty(),
         }
     }
 
@@ -54,7 +55,7 @@ impl PathParamKey {
     ///
     /// As [`HeaderKey::namespace`](super::HeaderKey::namespace).
     pub fn namespace(mut self, namespace: impl Into<Cow<'static, str>>) -> Result<Self, Error> {
-        self.namespace = checked_namespace(namespace.into())?;
+        self.namespace = Namespace::new(namespace)?;
         Ok(self)
     }
 

@@ -1,5 +1,5 @@
-//! Releasing a request's locks: awaited when the response (or body) is done, spawned
-//! when it is dropped.
+//! [`RequestLocks`]: the locks a request holds, and their release — awaited when the
+//! response (or body) is done, spawned when it is dropped.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -10,13 +10,13 @@ use crate::key::LockKey;
 use crate::kinds::MultiGuard;
 use crate::lock::{FinishOnDrop, LockClient, Unlocking};
 
-/// A request's locks on their way out.
+/// The locks a request holds, on their way out.
 ///
 /// The response future (or body) drives the release in place and hands the response on
 /// only once the locks are free, so the client's next request finds them free — with no
 /// task and no cross-task wake-up on the way. Dropped mid-release (the client went
 /// away), it moves the release under way into a spawned task, so it is never cut short.
-pub(crate) struct Release {
+pub(crate) struct RequestLocks {
     state: State,
 }
 
@@ -36,15 +36,15 @@ enum State {
     },
 }
 
-impl Release {
+impl RequestLocks {
     pub(crate) fn none() -> Self {
-        Release {
+        RequestLocks {
             state: State::Empty,
         }
     }
 
     pub(crate) fn new(guard: MultiGuard, client: LockClient) -> Self {
-        Release {
+        RequestLocks {
             state: State::Holding { guard, client },
         }
     }
@@ -106,7 +106,7 @@ impl Release {
     }
 }
 
-impl Drop for Release {
+impl Drop for RequestLocks {
     fn drop(&mut self) {
         if let State::Releasing {
             release,
