@@ -1158,6 +1158,9 @@ impl Subscription for MemorySubscription {
             }
         }
     }
+    fn skip_signalled(&mut self) {
+        self.notify.skip(&mut self.seen);
+    }
 }
 
 impl Drop for MemorySubscription {

@@ -564,6 +564,10 @@ impl Signal {
             }
         })
     }
+    /// Moves `seen` to the release count now: releases so far are somebody else's.
+    pub(crate) fn skip(&self, seen: &mut u64) {
+        *seen = self.seen();
+    }
 }
 
 /// A registered interest in releases of one key, from [`LockBackend::subscribe`].
@@ -585,6 +589,16 @@ pub trait Subscription: Send {
     /// now. A release is then never absorbed by a waiter that went away. A spurious
     /// wake-up costs the other waiter one attempt; none that is needed may be lost.
     fn pass_on(&mut self);
+
+    /// Releases signalled so far no longer end the next [`wait`](Self::wait): only a
+    /// later one, or a wake-up handed on by another waiter, does. Called by a new
+    /// acquirer lining up behind the waiters already here (see
+    /// [`LockBackend::has_local_waiters`]): a release that landed just before it joined
+    /// the line is theirs, and taking it would let the acquirer barge past them.
+    ///
+    /// The default does nothing: the acquirer may then take such a release, which costs
+    /// fairness within the process, never safety.
+    fn skip_signalled(&mut self) {}
 }
 
 /// The contract of a lock store.

@@ -1125,6 +1125,12 @@ impl Subscription for QuorumSubscription {
             }
         }
     }
+
+    fn skip_signalled(&mut self) {
+        for sub in &mut self.subs {
+            sub.skip_signalled();
+        }
+    }
 }
 
 impl Drop for QuorumSubscription {

@@ -743,6 +743,9 @@ async fn subscribe_until(
 async fn wait_for_turn(waiting: &mut Waiting<'_>, deadline: Option<Instant>) -> bool {
     let now = Instant::now();
     let until = deadline.map_or(now + LINE_UP_MAX, |d| d.min(now + LINE_UP_MAX));
+    // A release heard before now (its pub/sub message may trail the releaser's own
+    // unlock reply) woke the waiters already here; this one waits for the next.
+    waiting.sub.skip_signalled();
     waiting.sub.wait(until).await == Wake::Notified
 }
 

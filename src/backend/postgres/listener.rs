@@ -157,6 +157,9 @@ impl Subscription for PgSubscription {
             self.signal.notify_one();
         }
     }
+    fn skip_signalled(&mut self) {
+        self.signal.skip(&mut self.seen);
+    }
 }
 
 impl Drop for PgSubscription {

@@ -223,6 +223,10 @@ impl Subscription for RedisSubscription {
     fn pass_on(&mut self) {
         self.notify.notify_one();
     }
+
+    fn skip_signalled(&mut self) {
+        self.notify.skip(&mut self.seen);
+    }
 }
 
 impl Drop for RedisSubscription {
