@@ -255,6 +255,25 @@ impl SentinelSet {
         }
     }
 
+    /// Waits until the primary the Sentinels name has at least one replica online, so a
+    /// write it takes can be acknowledged (what replica-acknowledged locks need to be
+    /// granted at all); returns its port. After a failover, the replicas left are
+    /// reconfigured and resynchronised first, and a restarted node syncs in full.
+    pub async fn wait_until_replicated(&self, within: Duration) -> u16 {
+        let deadline = Instant::now() + within;
+        loop {
+            let primary = self.primary_port().await;
+            if replication_links(primary).await.is_some_and(|n| n >= 1) {
+                return primary;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the primary {primary} had no replica online within {within:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Waits until every replica is linked to the primary and every Sentinel knows all
     /// replicas and all other Sentinels.
     async fn wait_until_ready(&self, replicas: usize, within: Duration) {
