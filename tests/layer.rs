@@ -683,3 +683,74 @@ async fn a_response_dropped_mid_release_still_releases() {
     )
     .await;
 }
+
+/// Counts every question an acquisition puts to the store, by either route.
+#[derive(Clone, Default)]
+struct CountAsks(Arc<AtomicUsize>);
+
+impl<B: LockBackend> Intercept<B> for CountAsks {
+    fn acquire<'a>(&'a self, inner: &'a B, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        inner.acquire(req)
+    }
+
+    fn acquire_now(&self, inner: &B, req: &LockRequest) -> Option<Result<Acquire>> {
+        let answer = inner.local()?.acquire_now(req)?;
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Some(answer)
+    }
+}
+
+/// A busy acquisition on a store with a fast path asks twice before it sleeps: the fast
+/// path's question, whose busy answer the wait starts from, and the one after
+/// subscribing (a release in between must not be missed); then once more when its time
+/// is up. It asked the fast path's question again first. The same through `Lock` and
+/// through the layer, which share the one entry point.
+#[tokio::test(start_paused = true)]
+async fn a_busy_acquisition_asks_the_store_twice_before_it_sleeps() {
+    let backend = Intercepted::new(MemoryBackend::new(), CountAsks::default());
+    let asks = backend.intercept().0.clone();
+    let client = LockClient::new(backend.clone());
+    let held = client
+        .get_lock("user:{7}")
+        .unwrap()
+        .try_lock_for(Duration::ZERO, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let layer = LockLayer::builder(client.clone(), by_user())
+        .max_wait(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+
+    for by in ["Lock", "the layer"] {
+        asks.store(0, Ordering::SeqCst);
+        let waiting = tokio::spawn({
+            let (client, svc) = (client.clone(), layer.layer(handler(calls.clone())));
+            async move {
+                if by == "Lock" {
+                    let lock = client.get_lock("user:{7}").unwrap();
+                    let busy = lock
+                        .try_lock_for(Duration::from_millis(100), Lease::Watchdog)
+                        .await;
+                    assert!(matches!(busy, Err(Error::Busy { .. })), "{busy:?}");
+                } else {
+                    let res = svc.oneshot(user("7")).await.unwrap();
+                    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+                }
+            }
+        });
+        // Paused time moves on only once the waiter sleeps.
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(backend.inner().waiters(&key("user:{7}")), 1, "{by} waits");
+        assert_eq!(
+            asks.load(Ordering::SeqCst),
+            2,
+            "asks by {by} before it sleeps"
+        );
+        waiting.await.unwrap();
+        assert_eq!(asks.load(Ordering::SeqCst), 3, "asks by {by} in all");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    held.unlock().await.unwrap();
+}

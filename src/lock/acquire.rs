@@ -11,6 +11,8 @@
 //! until the store has failed for a whole watchdog lease — so a waiter rides out a
 //! restart or failover instead of failing with most of its wait left.
 
+use std::borrow::Borrow;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,7 +20,6 @@ use tokio::runtime::Handle;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use super::acquisition::{Acquisition, begin_acquire};
 use super::guard::LockGuard;
 use super::registry::{Entered, Hold, Registry, Slot};
 use super::{Lease, Lock, LockClient, LockEvent};
@@ -223,25 +224,34 @@ impl Start {
     }
 }
 
+/// What the fast path found.
+pub(crate) enum Fast {
+    /// Answered on the spot: the guard, or why there is none.
+    Done(Result<LockGuard>),
+    /// The store answered busy (with the holder's remaining lease), and nothing was left
+    /// in it: the wait starts from this answer instead of asking again.
+    Busy(Option<Duration>),
+    /// Not for the fast path: the async path asks.
+    Defer,
+}
+
 /// The acquisition, answered on the spot when it can be: a free lock of an unqueued
-/// mode on a backend that answers without I/O (memory). `None` when it would have to
-/// wait or do I/O; nothing is left behind then, and [`acquire_as`] takes over.
-pub(crate) fn try_acquire_now(
-    lock: &Lock,
-    owner: Option<Owner>,
-    lease: Lease,
-) -> Option<Result<LockGuard>> {
+/// mode on a backend that answers without I/O (memory). Anything that would do I/O or
+/// queue is deferred, with nothing left behind, to [`acquire_waiting`].
+pub(crate) fn try_acquire_now(lock: &Lock, owner: Option<Owner>, lease: Lease) -> Fast {
     let client = &lock.client;
     let backend = client.backend();
     // A busy attempt in a queued mode would queue this owner: only the waiting path
     // undoes that.
-    let local = backend.local()?;
+    let Some(local) = backend.local() else {
+        return Fast::Defer;
+    };
     if backend.profile().queues_waiters(lock.mode) {
-        return None;
+        return Fast::Defer;
     }
     let start = match start(lock, owner, lease) {
         Ok(start) => start,
-        Err(error) => return Some(Err(error)),
+        Err(error) => return Fast::Done(Err(error)),
     };
     let started = Instant::now();
     let hold = match start.enter(client) {
@@ -252,25 +262,40 @@ pub(crate) fn try_acquire_now(
                 // Renewing is I/O-shaped: the async path does it. Dropping this guard
                 // only leaves the hold (or, if its other guards went meanwhile, releases
                 // it, as any last guard does).
-                return None;
+                return Fast::Defer;
             }
-            return Some(reentered(client, guard, started));
+            return Fast::Done(reentered(client, guard, started));
         }
         // An acquisition in flight is waited for.
-        Entered::Wait(_) => return None,
+        Entered::Wait(_) => return Fast::Defer,
     };
     // Until activated, dropping this (a failure, giving up) frees the slot.
     let pending = Pending {
         registry: client.registry(),
         hold: Some(hold),
     };
-    let req = pending.store();
-    if backend.has_local_waiters(req) {
-        return None;
+    if backend.has_local_waiters(pending.store()) {
+        return Fast::Defer;
     }
     let sent_at = Instant::now();
-    let outcome = local.acquire_now(req)?;
-    let answered_at = Instant::now();
+    let Some(outcome) = local.acquire_now(pending.store()) else {
+        return Fast::Defer;
+    };
+    let attempt = (sent_at, Instant::now());
+    answered_now(client, start, pending, outcome, attempt, started)
+}
+
+/// The fast path's answer from the store (asked at `sent_at`, answered at
+/// `answered_at`), turned into what the caller gets.
+fn answered_now(
+    client: &LockClient,
+    start: Start,
+    pending: Pending<'_>,
+    outcome: Result<Acquire>,
+    (sent_at, answered_at): (Instant, Instant),
+    started: Instant,
+) -> Fast {
+    let req = pending.store();
     let span = start.span(client, req);
     let waited = started.elapsed();
     span.record("wait_us", waited.as_micros() as u64);
@@ -282,15 +307,59 @@ pub(crate) fn try_acquire_now(
                 sent_at,
                 answered_at,
             };
-            Some(Ok(start.granted(client, pending, attempt, waited)))
+            Fast::Done(Ok(start.granted(client, pending, attempt, waited)))
         }
         // Busy: waiting is the async path's (nothing was left in the store).
-        Ok(Acquire::Busy { .. }) => None,
+        Ok(Acquire::Busy { ttl }) => Fast::Busy(ttl),
         Err(error) => {
             compensate_later(client, req);
-            Some(Err(start.failed(client, &span, error, waited)))
+            Fast::Done(Err(start.failed(client, &span, error, waited)))
         }
     }
+}
+
+/// An acquisition begun: of one lock by [`begin_acquire`] (`G` is a [`LockGuard`]), or
+/// of a request's locks by the layer.
+pub(crate) enum Acquisition<G, W> {
+    /// Answered without waiting and without I/O: the guard, or why there is none.
+    Now(Result<G>),
+    /// Still to do: the wait, or the store's answer over I/O, as a future of `Result<G>`.
+    Later(W),
+}
+
+/// The one way in to an acquisition, shared by [`Lock`] (through [`acquire_as`]) and
+/// the layer's response future: acquires `lock` as `owner` (`None`: a fresh owner, used
+/// for this acquisition only), waiting until `deadline` (`None`: as long as it takes),
+/// holding it with `lease`.
+///
+/// The fast path is tried here, once: a backend that answers without I/O and a lock
+/// that is free (or the owner's own, to re-enter) give [`Acquisition::Now`]. Anything
+/// else gives the rest of the acquisition as [`Acquisition::Later`] — which starts
+/// from the fast path's busy answer, if it got one, instead of asking again; dropped
+/// before it finishes, it leaves no lock and no waiter behind.
+pub(crate) fn begin_acquire<L>(
+    lock: L,
+    owner: Option<Owner>,
+    deadline: Option<Instant>,
+    lease: Lease,
+) -> Acquisition<LockGuard, impl Future<Output = Result<LockGuard>> + Send>
+where
+    L: Borrow<Lock> + Send,
+{
+    let busy = match try_acquire_now(lock.borrow(), owner.clone(), lease) {
+        Fast::Done(done) => return Acquisition::Now(done),
+        Fast::Busy(holder_ttl) => Some(holder_ttl),
+        Fast::Defer => None,
+    };
+    let known = Known { deadline, busy };
+    Acquisition::Later(async move { acquire_waiting(lock.borrow(), owner, known, lease).await })
+}
+
+/// What the waiting path starts from: the caller's deadline, and the busy answer (the
+/// holder's remaining lease) the fast path got, if any.
+pub(crate) struct Known {
+    pub(crate) deadline: Option<Instant>,
+    pub(crate) busy: Option<Option<Duration>>,
 }
 
 /// Acquires `lock` as `owner` (`None`: a fresh owner, used for this acquisition only),
@@ -316,9 +385,10 @@ pub(crate) async fn acquire_as(
 pub(crate) async fn acquire_waiting(
     lock: &Lock,
     owner: Option<Owner>,
-    deadline: Option<Instant>,
+    known: Known,
     lease: Lease,
 ) -> Result<LockGuard> {
+    let Known { deadline, busy } = known;
     let client = &lock.client;
     let start = start(lock, owner, lease)?;
     let started = Instant::now();
@@ -342,9 +412,14 @@ pub(crate) async fn acquire_waiting(
         hold: Some(hold),
     };
     let span = start.span(client, pending.store());
-    let result = run(client, &mut pending, &start.slot.owner, deadline)
-        .instrument(span.clone())
-        .await;
+    let result = run(
+        client,
+        &mut pending,
+        &start.slot.owner,
+        Known { deadline, busy },
+    )
+    .instrument(span.clone())
+    .await;
     let waited = started.elapsed();
     span.record("wait_us", waited.as_micros() as u64);
     match result {
@@ -513,8 +588,9 @@ async fn run(
     client: &LockClient,
     pending: &mut Pending<'_>,
     owner: &Owner,
-    deadline: Option<Instant>,
+    known: Known,
 ) -> Result<Attempted> {
+    let Known { deadline, busy } = known;
     let expired = |now: Instant| deadline.is_some_and(|d| now >= d);
     let backend = client.backend();
     let queued_mode = backend.profile().queues_waiters(pending.store().mode);
@@ -524,9 +600,10 @@ async fn run(
     // the lock in the instant after each release.
     let mut line_up =
         !queued_mode && !expired(Instant::now()) && backend.has_local_waiters(pending.store());
-    let mut ttl = None;
-    let mut answered = false;
-    if !line_up {
+    // A busy answer the fast path just got is the first attempt's: not asked again.
+    let mut ttl = busy.flatten();
+    let mut answered = busy.is_some();
+    if !line_up && !answered {
         match first_attempt(client, pending, deadline).await? {
             AttemptAnswer::Acquired(acquired) => return Ok(acquired),
             AttemptAnswer::Busy(holder_ttl) => {

@@ -78,14 +78,13 @@ use crate::kinds::ReadWriteLock;
 use crate::owner::Owner;
 
 pub(crate) mod acquire;
-mod acquisition;
 mod guard;
 mod observer;
 mod registry;
 mod unlocking;
 mod watchdog;
 
-pub(crate) use acquisition::{Acquisition, begin_acquire};
+pub(crate) use acquire::{Acquisition, begin_acquire};
 pub use guard::{LockGuard, LostSignal};
 pub(crate) use observer::Hooks;
 pub use observer::{LayerOutcome, LockEvent, LockObserver};

@@ -196,21 +196,30 @@ async fn send(inner: &Inner, mut batch: Vec<Queued>) {
     if batch.len() == 1
         && let Some(q) = batch.pop()
     {
-        let reply = match q.op {
-            Op::Acquire => inner
-                .acquire_one(
-                    &q.lock, &q.second, q.lease_ms, &q.hold_id, q.fenced, deadline,
-                )
-                .await
-                .map(OpReply::Acquire),
-            Op::Release => inner
-                .release_one(&q.lock, &q.second, q.lease_ms, &q.hold_id)
-                .await
-                .map(OpReply::Release),
-        };
-        let _ = q.reply.send(reply);
-        return;
+        return send_one(inner, q, deadline).await;
     }
+    send_many(inner, batch, deadline).await;
+}
+
+/// One operation alone: its single-key script.
+async fn send_one(inner: &Inner, q: Queued, deadline: u64) {
+    let reply = match q.op {
+        Op::Acquire => inner
+            .acquire_one(
+                &q.lock, &q.second, q.lease_ms, &q.hold_id, q.fenced, deadline,
+            )
+            .await
+            .map(OpReply::Acquire),
+        Op::Release => inner
+            .release_one(&q.lock, &q.second, q.lease_ms, &q.hold_id)
+            .await
+            .map(OpReply::Release),
+    };
+    let _ = q.reply.send(reply);
+}
+
+/// Several operations: one `lock_batch.lua` call, three values per operation.
+async fn send_many(inner: &Inner, batch: Vec<Queued>, deadline: u64) {
     let mut invocation = super::SCRIPTS.batch.prepare_invoke();
     invocation.arg(deadline);
     for q in &batch {
