@@ -102,3 +102,35 @@ async fn hammers_on_a_sentinel_url_keep_the_counter_exact() {
     let counter: u64 = on_primary(&set, 2, redis::cmd("GET").arg("url-hammer:counter")).await;
     assert_eq!(counter, PROCESSES * TASKS * ITERS);
 }
+
+/// The `seckill` demo with `REDIS_URL` a Sentinel URL: locks and store on the primary
+/// the Sentinels name, and every invariant holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_seckill_demo_on_a_sentinel_url_keeps_the_invariants() {
+    let set = SentinelSet::start(1, 2).await;
+    let seckill = common::example_binary("seckill");
+    let child = Command::new(&seckill)
+        .env("REDIS_URL", sentinel_url(&set, 1))
+        .args(["--demo", "--users", "40", "--per-user", "3"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn seckill");
+    let output = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .expect("seckill ran");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "seckill failed: {stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(stdout.contains(&format!("primary {MASTER}")), "{stdout}");
+    assert!(stdout.contains("all invariants held"), "{stdout}");
+    let orders: Vec<String> = on_primary(&set, 1, redis::cmd("KEYS").arg("seckill:*")).await;
+    assert!(
+        !orders.is_empty(),
+        "the store wrote to database 1 of the primary"
+    );
+}
