@@ -17,7 +17,9 @@
 //! lose increments.
 //!
 //! - `--url` picks the backend by its scheme: `redis://` (or `rediss://`) for
-//!   [`RedisBackend`], `postgres://` (or `postgresql://`) for [`PostgresBackend`] on a
+//!   [`RedisBackend`], `redis+sentinel://host:26379,host2:26379/mymaster[/db]` for
+//!   [`RedisBackend`] on the primary those Sentinels name (with the `sentinel` feature;
+//!   see [`RedisBackend::from_url`]), `postgres://` (or `postgresql://`) for [`PostgresBackend`] on a
 //!   pool of `--tasks` + 1 connections (one listens for releases), with its tables
 //!   created if missing.
 //! - `--counter-url` is where the counter lives (default: the first `--url`), on either
@@ -140,15 +142,54 @@ fn is_postgres(url: &str) -> bool {
     url.starts_with("postgres://") || url.starts_with("postgresql://")
 }
 
+/// Whether `url` names a primary by its Sentinels (its commas separate Sentinels, not
+/// RedLock nodes).
+fn is_sentinel(url: &str) -> bool {
+    url.get(..17)
+        .is_some_and(|s| s.eq_ignore_ascii_case("redis+sentinel://"))
+}
+
+/// A connection to the Redis server at `url`; behind Sentinel, to the primary they name
+/// now (the counter does not follow a failover; the locks do).
+async fn redis_conn(url: &str) -> Result<redis::aio::MultiplexedConnection, String> {
+    let client = if is_sentinel(url) {
+        sentinel_primary(url).await?
+    } else {
+        redis::Client::open(url).map_err(|e| format!("counter connection: {e}"))?
+    };
+    client
+        .get_multiplexed_async_connection()
+        .await
+        .map_err(|e| format!("counter connection to {url}: {e}"))
+}
+
+#[cfg(feature = "sentinel")]
+async fn sentinel_primary(url: &str) -> Result<redis::Client, String> {
+    tower_lock::backend::redis::SentinelUrl::parse(url)
+        .and_then(|url| url.sentinel_client())
+        .map_err(|e| format!("counter connection: {e}"))?
+        .async_get_client()
+        .await
+        .map_err(|e| format!("counter connection: asking the Sentinels: {e}"))
+}
+
+#[cfg(not(feature = "sentinel"))]
+async fn sentinel_primary(_url: &str) -> Result<redis::Client, String> {
+    Err("redis+sentinel:// URLs need the `sentinel` feature".to_owned())
+}
+
 /// The parsed command line, with the checks that span several flags.
 fn parse_args() -> Result<Args, String> {
     let cli = Cli::parse();
-    let urls: Vec<String> = cli
-        .url
-        .split(',')
-        .filter(|u| !u.is_empty())
-        .map(str::to_owned)
-        .collect();
+    let urls: Vec<String> = if is_sentinel(&cli.url) {
+        vec![cli.url.clone()]
+    } else {
+        cli.url
+            .split(',')
+            .filter(|u| !u.is_empty())
+            .map(str::to_owned)
+            .collect()
+    };
     if urls.is_empty() {
         return Err("--url needs at least one URL".to_owned());
     }
@@ -232,7 +273,8 @@ async fn client(args: &Args) -> Result<LockClient, String> {
             .map_err(|e| format!("PostgreSQL locks at {url}: {e}"))?;
         return client_on(backend, args);
     }
-    let backend = RedisBackend::connect(url.as_str())
+    let backend = RedisBackend::from_url(url)
+        .build()
         .await
         .map_err(|e| format!("connecting to {url}: {e}"))?;
     client_on(backend, args)
@@ -302,12 +344,7 @@ impl Counter {
                 .map_err(|e| format!("creating the counter table at {url}: {e}"))?;
             return Ok(Counter::Postgres(pool));
         }
-        let conn = redis::Client::open(url)
-            .map_err(|e| format!("counter connection: {e}"))?
-            .get_multiplexed_async_connection()
-            .await
-            .map_err(|e| format!("counter connection to {url}: {e}"))?;
-        Ok(Counter::Redis(conn))
+        Ok(Counter::Redis(redis_conn(url).await?))
     }
 
     /// The counter's value (0 when unset).

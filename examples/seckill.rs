@@ -10,6 +10,9 @@
 //! REDIS_URL=redis://127.0.0.1:6379 cargo run --example seckill -- --demo
 //! REDIS_URL=redis://127.0.0.1:6379 cargo run --example seckill -- --addr 127.0.0.1:3000
 //! REDIS_URL=redis://127.0.0.1:6379 cargo run --example seckill -- --addr 127.0.0.1:3001
+//! # Behind Sentinel (feature `sentinel`): the primary the Sentinels monitor as mymaster.
+//! REDIS_URL=redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/mymaster \
+//!     cargo run --features sentinel --example seckill -- --demo
 //! ```
 //!
 //! Each order runs "has this user ordered? → take stock → insert the order". The check
@@ -239,7 +242,8 @@ async fn on_postgres(url: &str, args: &Args) -> Result<(LockClient, Arc<dyn Stor
     }
     let client = match &args.redis_url {
         Some(redis_url) => {
-            let backend = tower_lock::RedisBackend::connect(redis_url.as_str())
+            let backend = tower_lock::RedisBackend::from_url(redis_url)
+                .build()
                 .await
                 .map_err(|e| format!("cannot reach Redis for the locks: {e}"))?;
             println!("store: postgresql at {server}; locks: redis");
@@ -263,22 +267,19 @@ async fn on_postgres(url: &str, args: &Args) -> Result<(LockClient, Arc<dyn Stor
 /// `RedisBackend` for the locks and `RedisStore` for the data, on the server at `url`.
 #[cfg(feature = "redis")]
 async fn on_redis(url: &str, args: &Args) -> Result<(LockClient, Arc<dyn Store>), String> {
-    use redis::IntoConnectionInfo;
     use redis_store::{NAMESPACE, RedisStore, Seeded};
     use tower_lock::RedisBackend;
 
-    // Where, without the password the URL may carry.
-    let server = url
-        .into_connection_info()
-        .map_err(|e| format!("REDIS_URL is not a Redis URL: {e}"))?
-        .addr()
-        .to_string();
-    let backend = RedisBackend::builder(url)
+    // Where, without the password the URL may carry; behind Sentinel, the primary they
+    // name now, where the store's connection goes (it does not follow a failover; the
+    // locks do).
+    let (server, store_client) = redis_server(url).await?;
+    let backend = RedisBackend::from_url(url)
         .key_prefix(NAMESPACE)
         .build()
         .await
         .map_err(|e| format!("cannot reach Redis at {server} for the locks: {e}"))?;
-    let store = RedisStore::connect(url)
+    let store = RedisStore::with_client(store_client)
         .await
         .map_err(|e| format!("cannot reach Redis at {server} for the store: {}", e.0))?;
     println!(
@@ -304,6 +305,42 @@ async fn on_redis(url: &str, args: &Args) -> Result<(LockClient, Arc<dyn Store>)
         }
     }
     Ok((client_on(backend, args)?, Arc::new(store)))
+}
+
+/// Where `url` points (without its password), and a client for it: the server of a
+/// `redis://` URL, or the primary the Sentinels of a `redis+sentinel://` URL name now.
+#[cfg(feature = "redis")]
+async fn redis_server(url: &str) -> Result<(String, redis::Client), String> {
+    use redis::IntoConnectionInfo;
+
+    #[cfg(feature = "sentinel")]
+    if url
+        .get(..17)
+        .is_some_and(|s| s.eq_ignore_ascii_case("redis+sentinel://"))
+    {
+        let parsed = tower_lock::backend::redis::SentinelUrl::parse(url)
+            .map_err(|e| format!("REDIS_URL: {e}"))?;
+        let client = parsed
+            .sentinel_client()
+            .map_err(|e| format!("REDIS_URL: {e}"))?
+            .async_get_client()
+            .await
+            .map_err(|e| format!("the Sentinels of REDIS_URL name no primary: {e}"))?;
+        let server = format!(
+            "{} (primary {} of the Sentinels {})",
+            client.get_connection_info().addr(),
+            parsed.master(),
+            parsed.sentinels().join(",")
+        );
+        return Ok((server, client));
+    }
+    let server = url
+        .into_connection_info()
+        .map_err(|e| format!("REDIS_URL is not a Redis URL: {e}"))?
+        .addr()
+        .to_string();
+    let client = redis::Client::open(url).map_err(|e| format!("REDIS_URL: {e}"))?;
+    Ok((server, client))
 }
 
 #[cfg(not(feature = "redis"))]

@@ -71,7 +71,15 @@ impl RedisStore {
     ///
     /// When the URL is invalid or the server cannot be reached.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url).map_err(store_error)?;
+        Self::with_client(redis::Client::open(url).map_err(store_error)?).await
+    }
+
+    /// The same, on the server of `client` (behind Sentinel, the primary they named).
+    ///
+    /// # Errors
+    ///
+    /// When the server cannot be reached.
+    pub async fn with_client(client: redis::Client) -> Result<Self, StoreError> {
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(1)))
             .set_response_timeout(Some(Duration::from_secs(1)))

@@ -382,14 +382,75 @@ fn signal(pid: u32, sig: &str) {
 
 /// A local Redis Cluster of `masters` fresh servers, made with `redis-cli --cluster
 /// create`, ready when every node reports `cluster_state:ok`.
+/// [`RedisCluster::start_with_replicas`] gives each master replicas, which take over
+/// (cluster failover) when it dies.
 pub struct RedisCluster {
     pub nodes: Vec<RedisServer>,
 }
 
+/// The cluster node timeout of [`RedisCluster::start_with_replicas`]: a master that
+/// does not answer for this long is failed over (a second or two later).
+pub const FAILOVER_NODE_TIMEOUT: Duration = Duration::from_millis(1500);
+
+/// One line of `CLUSTER NODES`: a node as the node asked sees it.
+#[derive(Clone, Debug)]
+pub struct ClusterNode {
+    pub port: u16,
+    /// `master`, `slave`, `myself`, `fail`, `fail?`, `handshake`, ...
+    pub flags: Vec<String>,
+    /// The slot ranges it serves (inclusive); empty for a replica.
+    pub slots: Vec<(u16, u16)>,
+}
+
+impl ClusterNode {
+    pub fn is_master(&self) -> bool {
+        self.flags.iter().any(|f| f == "master")
+    }
+
+    /// Declared failed by the cluster (not merely suspected, `fail?`).
+    pub fn is_failed(&self) -> bool {
+        self.flags.iter().any(|f| f == "fail")
+    }
+
+    pub fn serves(&self, slot: u16) -> bool {
+        self.slots.iter().any(|&(lo, hi)| lo <= slot && slot <= hi)
+    }
+
+    fn parse(line: &str) -> Option<Self> {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let addr = fields.get(1)?.split(['@', ',']).next()?;
+        let port = addr.rsplit_once(':')?.1.parse().ok()?;
+        let flags = fields.get(2)?.split(',').map(str::to_owned).collect();
+        let slots = fields
+            .iter()
+            .skip(8)
+            .filter(|r| !r.starts_with('['))
+            .filter_map(|r| match r.split_once('-') {
+                Some((lo, hi)) => Some((lo.parse().ok()?, hi.parse().ok()?)),
+                None => r.parse().ok().map(|s| (s, s)),
+            })
+            .collect();
+        Some(ClusterNode { port, flags, slots })
+    }
+}
+
 impl RedisCluster {
+    /// `masters` masters and no replicas.
     pub async fn start(masters: usize) -> Self {
+        Self::start_inner(masters, 0, Duration::from_millis(5000)).await
+    }
+
+    /// `masters` masters with `replicas` replicas each (`--cluster-replicas`), all in
+    /// sync and known to every node, with a short node timeout
+    /// ([`FAILOVER_NODE_TIMEOUT`]) so a dead master's replica takes over quickly.
+    pub async fn start_with_replicas(masters: usize, replicas: usize) -> Self {
+        Self::start_inner(masters, replicas, FAILOVER_NODE_TIMEOUT).await
+    }
+
+    async fn start_inner(masters: usize, replicas: usize, node_timeout: Duration) -> Self {
+        let node_timeout = node_timeout.as_millis().to_string();
         let mut nodes = Vec::new();
-        for _ in 0..masters {
+        for _ in 0..masters * (1 + replicas) {
             nodes.push(
                 RedisServer::start_with(&[
                     "--cluster-enabled",
@@ -397,7 +458,11 @@ impl RedisCluster {
                     "--cluster-config-file",
                     "nodes.conf",
                     "--cluster-node-timeout",
-                    "5000",
+                    &node_timeout,
+                    "--repl-diskless-sync",
+                    "yes",
+                    "--repl-diskless-sync-delay",
+                    "0",
                 ])
                 .await,
             );
@@ -410,7 +475,7 @@ impl RedisCluster {
             .arg("--cluster")
             .arg("create")
             .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .output()
             .await
             .expect("redis-cli on PATH");
@@ -421,31 +486,154 @@ impl RedisCluster {
             String::from_utf8_lossy(&output.stderr)
         );
         let cluster = RedisCluster { nodes };
-        for node in &cluster.nodes {
-            let mut conn = node.conn().await;
-            let deadline = Instant::now() + Duration::from_secs(30);
-            loop {
-                let info: String = redis::cmd("CLUSTER")
-                    .arg("INFO")
-                    .query_async(&mut conn)
-                    .await
-                    .unwrap();
-                if info.contains("cluster_state:ok") {
-                    break;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "cluster never became ready: {info}"
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
+        let total = masters * (1 + replicas);
+        super::wait_until(Duration::from_secs(30), "the cluster is ready", || {
+            cluster.is_ready(masters, total)
+        })
+        .await;
+        cluster
+    }
+
+    /// Every node reports `cluster_state:ok` and sees all `total` nodes (no handshake
+    /// left), `masters` of them masters, each with all its replicas online.
+    async fn is_ready(&self, masters: usize, total: usize) -> bool {
+        if !self.is_ok().await {
+            return false;
+        }
+        for node in &self.nodes {
+            let Some(view) = cluster_nodes(node.port()).await else {
+                return false;
+            };
+            let settled = view.len() == total
+                && view
+                    .iter()
+                    .all(|n| !n.flags.iter().any(|f| f == "handshake"))
+                && view.iter().filter(|n| n.is_master()).count() == masters;
+            if !settled {
+                return false;
             }
         }
-        cluster
+        let replicas = total / masters - 1;
+        for node in self.topology().await.unwrap_or_default() {
+            if node.is_master()
+                && super::sentinel::replication_links(node.port).await != Some(replicas)
+            {
+                return false;
+            }
+        }
+        true
     }
 
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(RedisServer::url).collect()
     }
+
+    /// The node listening on `port`.
+    pub fn node(&mut self, port: u16) -> &mut RedisServer {
+        self.nodes
+            .iter_mut()
+            .find(|n| n.port() == port)
+            .expect("a node on that port")
+    }
+
+    /// Whether every running node reports `cluster_state:ok`.
+    pub async fn is_ok(&self) -> bool {
+        for node in self.nodes.iter().filter(|n| n.is_running()) {
+            let info: Option<String> = cluster_query(node.port(), &["INFO"]).await;
+            if !info.is_some_and(|i| i.contains("cluster_state:ok")) {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// `CLUSTER NODES` as the first running node that answers sees it.
+    pub async fn topology(&self) -> Option<Vec<ClusterNode>> {
+        for node in self.nodes.iter().filter(|n| n.is_running()) {
+            if let Some(view) = cluster_nodes(node.port()).await {
+                return Some(view);
+            }
+        }
+        None
+    }
+
+    /// The hash slot of `key`, as the server computes it.
+    pub async fn slot_of(&self, key: &str) -> u16 {
+        for node in self.nodes.iter().filter(|n| n.is_running()) {
+            if let Some(slot) = cluster_query(node.port(), &["KEYSLOT", key]).await {
+                return slot;
+            }
+        }
+        panic!("no node answered CLUSTER KEYSLOT");
+    }
+
+    /// The port of the master serving `slot` now (as the first node that answers sees it).
+    pub async fn master_of(&self, slot: u16) -> u16 {
+        self.topology()
+            .await
+            .and_then(|view| {
+                view.into_iter()
+                    .find(|n| n.is_master() && !n.is_failed() && n.serves(slot))
+            })
+            .map(|n| n.port)
+            .expect("a master serves the slot")
+    }
+
+    /// Waits until a replica of the master on `old` (killed or frozen) took over its
+    /// slots, as every running node sees it, and every running node reports
+    /// `cluster_state:ok`; returns the new master's port.
+    pub async fn wait_for_failover(&self, old: u16, slot: u16, within: Duration) -> u16 {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(new) = self.failed_over(old, slot).await {
+                return new;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no failover of {old} within {within:?}; the cluster sees {:?}",
+                self.topology().await
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn failed_over(&self, old: u16, slot: u16) -> Option<u16> {
+        let mut new = None;
+        for node in self.nodes.iter().filter(|n| n.is_running()) {
+            let view = cluster_nodes(node.port()).await?;
+            let master = view
+                .iter()
+                .find(|n| n.is_master() && n.serves(slot) && !n.is_failed())?;
+            if master.port == old || new.is_some_and(|p| p != master.port) {
+                return None;
+            }
+            new = Some(master.port);
+        }
+        if self.is_ok().await { new } else { None }
+    }
+}
+
+/// `CLUSTER <args>` on the node on `port`; `None` when it does not answer.
+async fn cluster_query<T: redis::FromRedisValue>(port: u16, args: &[&str]) -> Option<T> {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).ok()?;
+    let ask = async {
+        let mut conn = client.get_multiplexed_async_connection().await.ok()?;
+        redis::cmd("CLUSTER")
+            .arg(args)
+            .query_async(&mut conn)
+            .await
+            .ok()
+    };
+    tokio::time::timeout(Duration::from_millis(500), ask)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// `CLUSTER NODES` of the node on `port`, parsed.
+async fn cluster_nodes(port: u16) -> Option<Vec<ClusterNode>> {
+    let text: String = cluster_query(port, &["NODES"]).await?;
+    text.lines().map(ClusterNode::parse).collect()
 }
 
 /// A TCP proxy in front of a server whose current connections can be frozen: bytes stop

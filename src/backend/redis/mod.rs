@@ -147,6 +147,17 @@ mod batch;
 mod modes;
 mod primary;
 mod pubsub;
+#[cfg(feature = "sentinel")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sentinel")))]
+pub mod sentinel_url;
+
+#[cfg(feature = "sentinel")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sentinel")))]
+pub use sentinel_url::SentinelUrl;
+
+/// The scheme of the URLs that name a primary by its Sentinels
+/// ([`RedisBackend::from_url`]).
+const SENTINEL_SCHEME: &str = "redis+sentinel://";
 
 /// Per-command response timeout when none is configured: 1 s. Lock scripts take
 /// microseconds; a reply that takes a second means the server is stalled or gone, and
@@ -473,6 +484,8 @@ impl<F: std::future::Future> std::future::Future for Unpoisoned<F> {
 #[allow(clippy::large_enum_variant)]
 enum Target {
     Single(RedisResult<Client>),
+    /// A URL that names no target: what is wrong with it.
+    Invalid(String),
     #[cfg(feature = "cluster")]
     Cluster(RedisResult<Vec<redis::ConnectionInfo>>),
     #[cfg(feature = "sentinel")]
@@ -750,6 +763,66 @@ impl RedisBackend {
     /// `redis+unix://`; user, password and database as redis-rs accepts them).
     pub fn builder(url: impl IntoConnectionInfo) -> RedisBackendBuilder {
         Self::builder_with(Target::Single(Client::open(url)))
+    }
+
+    /// Configures a backend from a URL: everything [`builder`](Self::builder) takes
+    /// (`redis://`, `rediss://`, `redis+unix://`), and, with the `sentinel` feature, a
+    /// primary named by its Sentinels, as several Redis clients write it:
+    ///
+    /// ```text
+    /// redis+sentinel://[user:password@]host[:port][,host[:port]...]/master[/db]
+    /// ```
+    ///
+    /// That is [`RedisBackend::sentinel`]`(master, hosts)` (a host without a port is a
+    /// Sentinel on 26379; IPv6 addresses go in brackets), with the user, password
+    /// (percent-encoded) and database as the primary's
+    /// ([`sentinel_node`](RedisBackendBuilder::sentinel_node)). Sentinels with a
+    /// password of their own, and TLS, take [`RedisBackend::sentinel`] with their URLs.
+    ///
+    /// A bad URL is reported by [`build`](RedisBackendBuilder::build): a
+    /// [misconfigured](crate::StoreErrorKind::Misconfigured) [`Error::Store`] that says
+    /// what is wrong (a missing master name, no Sentinel, a bad port) without repeating
+    /// the credentials; so is a `redis+sentinel://` URL without the `sentinel` feature.
+    ///
+    /// ```no_run
+    /// use tower_lock::RedisBackend;
+    ///
+    /// # async fn demo() -> Result<(), tower_lock::Error> {
+    /// let url = std::env::var("REDIS_URL")
+    ///     .unwrap_or_else(|_| "redis+sentinel://10.0.0.1,10.0.0.2,10.0.0.3/mymaster".into());
+    /// let backend = RedisBackend::from_url(&url).build().await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn from_url(url: &str) -> RedisBackendBuilder {
+        if url
+            .get(..SENTINEL_SCHEME.len())
+            .is_some_and(|s| s.eq_ignore_ascii_case(SENTINEL_SCHEME))
+        {
+            Self::from_sentinel_url(url)
+        } else {
+            Self::builder(url)
+        }
+    }
+
+    #[cfg(feature = "sentinel")]
+    fn from_sentinel_url(url: &str) -> RedisBackendBuilder {
+        match SentinelUrl::parse_reason(url) {
+            Ok(parsed) => {
+                let sentinels = parsed.sentinels().iter().map(String::as_str);
+                Self::sentinel(parsed.master(), sentinels).sentinel_node(parsed.node_info())
+            }
+            Err(reason) => {
+                Self::builder_with(Target::Invalid(format!("the Sentinel URL {reason}")))
+            }
+        }
+    }
+
+    #[cfg(not(feature = "sentinel"))]
+    fn from_sentinel_url(_url: &str) -> RedisBackendBuilder {
+        Self::builder_with(Target::Invalid(format!(
+            "{SENTINEL_SCHEME} URLs need the `sentinel` feature"
+        )))
     }
 
     /// Configures a backend using an existing redis-rs client.
@@ -1545,6 +1618,9 @@ impl RedisBackendBuilder {
                     self.key_prefix
                 );
                 self.connect_single(Primary::Fixed(client), store_id).await
+            }
+            Target::Invalid(reason) => {
+                Err(Error::store(StoreErrorKind::Misconfigured, reason.clone()))
             }
             #[cfg(feature = "cluster")]
             Target::Cluster(nodes) => self.connect_cluster(nodes).await,
