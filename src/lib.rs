@@ -118,7 +118,7 @@
 //! What is left when the store cannot be reached to take an attempt back: a hold until
 //! its lease ends, a place in a fair or read-write queue until the waiter timeout. Each
 //! rule is a test against real servers through a fault-injecting proxy
-//! (`tests/transit_faults.rs`), and the history checker runs with that proxy as a
+//! (`tests/it/transit_faults.rs`), and the history checker runs with that proxy as a
 //! nemesis.
 //!
 //! # Durability

@@ -10,6 +10,7 @@
 //! scenarios by name, as libtest's do.
 
 #[cfg(all(feature = "redis", feature = "axum"))]
+#[path = "it/common/mod.rs"]
 mod common;
 
 #[cfg(all(feature = "redis", feature = "axum"))]

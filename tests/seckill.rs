@@ -3,6 +3,7 @@
 //! (a real redis-server per test).
 #![cfg(feature = "axum")]
 
+#[path = "it/common/mod.rs"]
 mod common;
 
 #[path = "../examples/seckill/admin.rs"]

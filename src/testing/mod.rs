@@ -13,7 +13,7 @@
 //! and check mutual exclusion, reentrancy, leases and the watchdog, the lost signal,
 //! fencing tokens, wake-ups, what a dropped waiter or guard leaves behind, MultiLock, the
 //! in-process line-up, and inspection. The built-in backends run exactly this
-//! (`tests/conformance_*.rs` in the repository).
+//! (`tests/it/conformance_*.rs` in the repository).
 //!
 //! # Example
 //!

@@ -1,0 +1,193 @@
+//! Shared test support: the redis-server and PostgreSQL harnesses, the lock-kind suite
+//! and helpers. (The backend conformance suite is `tower_lock::testing`, behind the
+//! `testing` feature, as a backend outside the crate reaches it.)
+//!
+//! Compiled once into the `it` test crate (`tests/it/main.rs`), and into the two test
+//! binaries of their own (`tests/seckill.rs`, `tests/redis_processes.rs`); each uses part
+//! of it.
+#![allow(dead_code, unreachable_pub)]
+
+pub mod history;
+pub mod kinds;
+pub mod nemesis;
+#[cfg(feature = "postgres")]
+pub mod postgres;
+pub mod proxy;
+pub mod redis_server;
+pub mod sentinel;
+
+use std::future::Future;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// Polls `cond` every few milliseconds until it holds or `within` has passed; panics
+/// with `what` on timeout. The way to wait for an outcome without sleeping and hoping.
+pub async fn wait_until<F, Fut>(within: Duration, what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if cond().await {
+            return;
+        }
+        if Instant::now() >= deadline {
+            panic!("timed out after {within:?} waiting for: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Spawns a waiter for `lock`: `try_lock_for(wait, Lease::Watchdog)`, yielding the
+/// moment it acquired and its guard, so a test can bound the wake-up latency.
+pub fn spawn_acquire(
+    lock: tower_lock::Lock,
+    wait: Duration,
+) -> tokio::task::JoinHandle<tower_lock::Result<(Instant, tower_lock::LockGuard)>> {
+    tokio::spawn(async move {
+        let guard = lock.try_lock_for(wait, tower_lock::Lease::Watchdog).await?;
+        Ok((Instant::now(), guard))
+    })
+}
+
+/// A backend whose store is unreachable: every call fails with a backend error. For
+/// fail-open/fail-closed policies and error paths.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DownBackend;
+
+fn down() -> tower_lock::Error {
+    tower_lock::StoreError::msg(
+        tower_lock::StoreErrorKind::Unavailable,
+        "connection refused (test backend is down)",
+    )
+    .into()
+}
+
+impl tower_lock::backend::LockBackend for DownBackend {
+    fn profile(&self) -> &tower_lock::backend::StoreProfile {
+        static PROFILE: tower_lock::backend::StoreProfile =
+            tower_lock::backend::StoreProfile::new("down");
+        &PROFILE
+    }
+    fn acquire<'a>(
+        &'a self,
+        _: &'a tower_lock::backend::LockRequest,
+    ) -> tower_lock::backend::BoxFuture<'a, tower_lock::Result<tower_lock::backend::Acquire>> {
+        Box::pin(async { Err(down()) })
+    }
+    fn renew<'a>(
+        &'a self,
+        _: &'a tower_lock::backend::LockRequest,
+    ) -> tower_lock::backend::BoxFuture<'a, tower_lock::Result<bool>> {
+        Box::pin(async { Err(down()) })
+    }
+    fn release<'a>(
+        &'a self,
+        _: &'a tower_lock::backend::LockRequest,
+    ) -> tower_lock::backend::BoxFuture<'a, tower_lock::Result<tower_lock::backend::Release>> {
+        Box::pin(async { Err(down()) })
+    }
+    fn abandon<'a>(
+        &'a self,
+        _: &'a tower_lock::backend::LockRequest,
+    ) -> tower_lock::backend::BoxFuture<'a, tower_lock::Result<()>> {
+        Box::pin(async { Err(down()) })
+    }
+    fn subscribe<'a>(
+        &'a self,
+        _: &'a tower_lock::backend::LockRequest,
+    ) -> tower_lock::backend::BoxFuture<
+        'a,
+        tower_lock::Result<Box<dyn tower_lock::backend::Subscription>>,
+    > {
+        Box::pin(async { Err(down()) })
+    }
+    fn cancel_wait<'a>(
+        &'a self,
+        _: &'a tower_lock::backend::LockRequest,
+    ) -> tower_lock::backend::BoxFuture<'a, tower_lock::Result<()>> {
+        Box::pin(async { Err(down()) })
+    }
+    fn force_release<'a>(
+        &'a self,
+        _: &'a tower_lock::LockKey,
+        _: tower_lock::LockMode,
+    ) -> tower_lock::backend::BoxFuture<'a, tower_lock::Result<bool>> {
+        Box::pin(async { Err(down()) })
+    }
+    fn inspect<'a>(
+        &'a self,
+        _: &'a tower_lock::LockKey,
+        _: tower_lock::LockMode,
+    ) -> tower_lock::backend::BoxFuture<'a, tower_lock::Result<tower_lock::LockState>> {
+        Box::pin(async { Err(down()) })
+    }
+}
+
+/// The path of an example binary of this package, built (once per run of this binary)
+/// with this test's features, so it is never a stale build and shares the library
+/// already compiled for the tests.
+pub fn example_binary(name: &str) -> std::path::PathBuf {
+    static BUILT: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let exe = std::env::current_exe().expect("this test binary");
+    let profile_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>/deps/<test>");
+    let path = profile_dir.join("examples").join(name);
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    if !built.iter().any(|b| b == name) {
+        let features = [
+            ("redis", cfg!(feature = "redis")),
+            ("cluster", cfg!(feature = "cluster")),
+            ("postgres", cfg!(feature = "postgres")),
+            ("tls", cfg!(feature = "tls")),
+            ("axum", cfg!(feature = "axum")),
+            ("metrics", cfg!(feature = "metrics")),
+            ("testing", cfg!(feature = "testing")),
+        ];
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut build = std::process::Command::new(cargo);
+        build
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args(["build", "--quiet", "--example", name]);
+        // Cargo set these for this test; passed on, they change how dependencies' build
+        // scripts are fingerprinted and rebuild them.
+        for (var, _) in std::env::vars() {
+            let per_package = [
+                "CARGO_PKG_",
+                "CARGO_MANIFEST_",
+                "CARGO_CRATE_",
+                "CARGO_BIN_",
+            ]
+            .iter()
+            .any(|p| var.starts_with(p));
+            if per_package || var == "CARGO_PRIMARY_PACKAGE" || var == "CARGO_TARGET_TMPDIR" {
+                build.env_remove(var);
+            }
+        }
+        if features.iter().all(|&(_, on)| on) {
+            // Exactly as `cargo test --all-features` resolved them (an explicit list
+            // resolves dependencies' features differently and rebuilds them).
+            build.arg("--all-features");
+        } else {
+            let on: Vec<&str> = features
+                .iter()
+                .filter_map(|&(feature, on)| on.then_some(feature))
+                .collect();
+            build
+                .arg("--no-default-features")
+                .args(["--features", &on.join(",")]);
+        }
+        if profile_dir.ends_with("release") {
+            build.arg("--release");
+        }
+        let status = build.status().expect("run cargo build");
+        assert!(status.success(), "building example {name}");
+        built.push(name.to_owned());
+    }
+    assert!(path.exists(), "no example binary at {}", path.display());
+    path
+}

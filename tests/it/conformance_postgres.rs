@@ -1,0 +1,136 @@
+//! The conformance suite against the PostgreSQL backend, on a real server and a
+//! database of its own per test (dropped afterwards).
+
+use crate::common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::postgres::PgDatabase;
+use tower_lock::backend::{LockBackend, LockMode};
+use tower_lock::testing::Fixture;
+use tower_lock::{LockClient, LockKey, PostgresBackend};
+
+struct Postgres {
+    /// Separate backends (pools and listeners), handed out in turn, as separate replicas
+    /// would be.
+    backends: Vec<PostgresBackend>,
+    next: AtomicUsize,
+    /// Last: dropped after the backends.
+    _db: PgDatabase,
+}
+
+impl Postgres {
+    async fn start() -> Self {
+        let db = PgDatabase::create().await;
+        let mut backends = Vec::new();
+        for _ in 0..3 {
+            let pool = db.pool(4).await;
+            backends.push(PostgresBackend::builder(pool).build().await.unwrap());
+        }
+        Postgres {
+            backends,
+            next: AtomicUsize::new(0),
+            _db: db,
+        }
+    }
+}
+
+impl Fixture for Postgres {
+    fn client(&self, watchdog_lease: Duration) -> LockClient {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.backends.len();
+        LockClient::builder(self.backends[i].clone())
+            .watchdog_lease(watchdog_lease)
+            .build()
+            .unwrap()
+    }
+
+    async fn sabotage(&self, key: &LockKey) {
+        let deleted = sqlx::query("DELETE FROM tower_lock WHERE name = $1")
+            .bind(key.as_str())
+            .execute(self.backends[0].pool())
+            .await
+            .unwrap()
+            .rows_affected();
+        assert_eq!(deleted, 1, "the hold was there to delete");
+    }
+
+    async fn waiters(&self, key: &LockKey) -> usize {
+        self.backends.iter().map(|b| b.local_waiters(key)).sum()
+    }
+
+    async fn residue(&self, key: &LockKey) -> bool {
+        let rows: i64 = sqlx::query_scalar(
+            "SELECT (SELECT count(*) FROM tower_lock WHERE name = $1 AND expires_at > clock_timestamp()) \
+                  + (SELECT count(*) FROM tower_lock_queue WHERE name = $1)",
+        )
+        .bind(key.as_str())
+        .fetch_one(self.backends[0].pool())
+        .await
+        .unwrap();
+        rows > 0 || self.waiters(key).await > 0
+    }
+}
+
+tower_lock::testing::conformance_tests!(Postgres::start());
+
+#[test]
+fn database_urls() {
+    use common::postgres::with_database;
+    assert_eq!(
+        with_database("postgres://root@127.0.0.1:5432/postgres", "t1"),
+        "postgres://root@127.0.0.1:5432/t1"
+    );
+    assert_eq!(
+        with_database("postgres://u:p@h/postgres?sslmode=disable", "t1"),
+        "postgres://u:p@h/t1?sslmode=disable"
+    );
+    assert_eq!(
+        with_database("postgres://h:5432", "t1"),
+        "postgres://h:5432/t1"
+    );
+}
+
+/// Bad input gets typed errors; a schema that is not there fails closed.
+#[tokio::test]
+async fn bad_configuration_is_refused_by_name() {
+    let db = PgDatabase::create().await;
+    let pool = db.pool(2).await;
+    for (table, schema) in [("Bad-Name", "public"), ("ok", "x;drop"), ("", "public")] {
+        let err = PostgresBackend::builder(pool.clone())
+            .table(table)
+            .schema(schema)
+            .build()
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, tower_lock::Error::InvalidConfig { .. }),
+            "{err}"
+        );
+    }
+    let err = PostgresBackend::builder(pool.clone())
+        .waiter_timeout(Duration::ZERO)
+        .build()
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("waiter_timeout"), "{err}");
+    // Not migrated: the functions are missing — a misconfiguration, not an outage.
+    let unmigrated = PostgresBackend::builder(pool.clone())
+        .table("never_created")
+        .migrate(false)
+        .build()
+        .await
+        .unwrap();
+    let req = tower_lock::backend::LockRequest::new(
+        LockKey::new("k").unwrap(),
+        tower_lock::HoldId::from_raw("me:1").unwrap(),
+        LockMode::Exclusive,
+        Duration::from_secs(1),
+    );
+    let err = unmigrated.acquire(&req).await.unwrap_err();
+    assert!(!err.is_unavailable() && err.is_backend(), "{err:?}");
+    assert!(
+        PostgresBackend::connect("mysql://nope").await.is_err(),
+        "not a PostgreSQL URL"
+    );
+}

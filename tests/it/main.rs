@@ -1,0 +1,66 @@
+//! The integration tests, as one crate: one module per area, `common` compiled once and
+//! one binary linked, where a test binary per file compiled `common` and linked every
+//! dependency again each time.
+//!
+//! Two test files stay binaries of their own: `tests/redis_processes.rs` (its own `main`,
+//! which runs this binary again as a holder process) and `tests/seckill.rs` (it installs
+//! the process's global metrics recorder).
+
+mod common;
+
+mod acquire_cancellation;
+mod conformance_memory;
+#[cfg(feature = "postgres")]
+mod conformance_postgres;
+#[cfg(feature = "redis")]
+mod conformance_redis;
+mod conformance_redlock;
+#[cfg(feature = "axum")]
+mod extract;
+mod history;
+#[cfg(feature = "postgres")]
+mod history_postgres;
+#[cfg(feature = "redis")]
+mod history_redis;
+mod http;
+#[cfg(feature = "axum")]
+mod http_contract;
+mod kinds_memory;
+#[cfg(feature = "postgres")]
+mod kinds_postgres;
+#[cfg(feature = "redis")]
+mod kinds_redis;
+mod layer;
+#[cfg(all(feature = "metrics", feature = "axum"))]
+mod metrics;
+mod observer;
+#[cfg(feature = "postgres")]
+mod postgres_faults;
+#[cfg(all(feature = "postgres", feature = "redis"))]
+mod postgres_processes;
+#[cfg(feature = "postgres")]
+mod postgres_regressions;
+mod proxy;
+#[cfg(all(feature = "redis", feature = "axum"))]
+mod redaction;
+#[cfg(feature = "redis")]
+mod redis_backend;
+#[cfg(feature = "cluster")]
+mod redis_cluster;
+#[cfg(feature = "cluster")]
+mod redis_cluster_failover;
+#[cfg(feature = "sentinel")]
+mod redis_failover;
+#[cfg(feature = "redis")]
+mod redis_faults;
+#[cfg(feature = "sentinel")]
+mod redis_sentinel_url;
+#[cfg(feature = "redis")]
+mod redisson_kinds;
+mod redlock_memory;
+#[cfg(feature = "redis")]
+mod redlock_redis;
+mod safety_regressions;
+#[cfg(feature = "redis")]
+mod transit_faults;
+mod watchdog;

@@ -1,0 +1,227 @@
+//! `LockObserver`: every outcome reaches the hook exactly once.
+
+use crate::common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::{DownBackend, wait_until};
+use tower_lock::{Error, Lease, LockClient, LockEvent, LockObserver, MemoryBackend};
+
+#[derive(Default)]
+struct Counts {
+    acquired: AtomicUsize,
+    busy: AtomicUsize,
+    failed: AtomicUsize,
+    released: AtomicUsize,
+    lost: AtomicUsize,
+    renewal_failed: AtomicUsize,
+}
+
+impl Counts {
+    fn get(&self) -> [usize; 6] {
+        [
+            &self.acquired,
+            &self.busy,
+            &self.failed,
+            &self.released,
+            &self.lost,
+            &self.renewal_failed,
+        ]
+        .map(|c| c.load(Ordering::SeqCst))
+    }
+}
+
+impl LockObserver for Counts {
+    fn acquired(&self, _: LockEvent<'_>, _: Duration) {
+        self.acquired.fetch_add(1, Ordering::SeqCst);
+    }
+    fn busy(&self, _: LockEvent<'_>, waited: Duration) {
+        assert!(waited < Duration::from_secs(10));
+        self.busy.fetch_add(1, Ordering::SeqCst);
+    }
+    fn acquire_failed(&self, _: LockEvent<'_>, error: &Error) {
+        assert!(error.is_backend(), "{error}");
+        self.failed.fetch_add(1, Ordering::SeqCst);
+    }
+    fn released(&self, _: LockEvent<'_>, _: Duration) {
+        self.released.fetch_add(1, Ordering::SeqCst);
+    }
+    fn lost(&self, event: LockEvent<'_>) {
+        assert!(event.key.as_str().starts_with("obs:"));
+        self.lost.fetch_add(1, Ordering::SeqCst);
+    }
+    fn renewal_failed(&self, _: LockEvent<'_>, _: Option<&Error>) {
+        self.renewal_failed.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+fn client(backend: MemoryBackend, counts: &Arc<Counts>) -> LockClient {
+    LockClient::builder(backend)
+        .watchdog_lease(Duration::from_millis(90))
+        .observer(counts.clone())
+        .redact_keys(true)
+        .build()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn acquired_busy_released_and_dropped() {
+    let counts = Arc::new(Counts::default());
+    let client = client(MemoryBackend::new(), &counts);
+    assert!(client.redacts_keys());
+    let lock = client.get_lock("obs:a").unwrap();
+    let held = lock.lock().await.unwrap();
+    let busy = lock
+        .try_lock_for(Duration::from_millis(20), Lease::Watchdog)
+        .await;
+    assert!(matches!(busy, Err(Error::Busy { .. })), "{busy:?}");
+    held.unlock().await.unwrap();
+    assert_eq!(counts.get(), [1, 1, 0, 1, 0, 0]);
+
+    drop(lock.lock().await.unwrap());
+    wait_until(
+        Duration::from_secs(5),
+        "the dropped guard's release",
+        || async { counts.released.load(Ordering::SeqCst) == 2 },
+    )
+    .await;
+    assert_eq!(counts.get(), [2, 1, 0, 2, 0, 0]);
+}
+
+#[tokio::test]
+async fn a_loss_is_reported_once() {
+    let counts = Arc::new(Counts::default());
+    let backend = MemoryBackend::new();
+    let client = client(backend.clone(), &counts);
+
+    // Watched: the watchdog finds it gone and reports; unlock does not report again.
+    let lock = client.get_lock("obs:watched").unwrap();
+    let held = lock.lock().await.unwrap();
+    assert!(lock.force_unlock().await.unwrap());
+    wait_until(
+        Duration::from_secs(5),
+        "the watchdog reports the loss",
+        || async { counts.lost.load(Ordering::SeqCst) == 1 },
+    )
+    .await;
+    assert!(matches!(held.unlock().await, Err(Error::Lost)));
+
+    // Fixed lease that ran out: the unlock reports it.
+    let lock = client.get_lock("obs:fixed").unwrap();
+    let held = lock
+        .try_lock_for(Duration::ZERO, Duration::from_millis(20))
+        .await
+        .unwrap();
+    held.lost().wait().await;
+    assert!(matches!(held.unlock().await, Err(Error::Lost)));
+    assert_eq!(counts.get(), [2, 0, 0, 0, 2, 0]);
+}
+
+#[tokio::test]
+async fn backend_failures_are_reported() {
+    let counts = Arc::new(Counts::default());
+    let client = LockClient::builder(DownBackend)
+        .observer(counts.clone())
+        .build()
+        .unwrap();
+    let err = client.get_lock("obs:down").unwrap().try_lock().await;
+    assert!(matches!(err, Err(ref e) if e.is_backend()), "{err:?}");
+    assert_eq!(counts.get(), [0, 0, 1, 0, 0, 0]);
+}
+
+/// Current waits and guards as the paired hooks count them; never negative.
+#[derive(Default)]
+struct Gauges {
+    waiting: std::sync::atomic::AtomicI64,
+    holding: std::sync::atomic::AtomicI64,
+    unpaired: AtomicUsize,
+}
+
+impl LockObserver for Gauges {
+    fn acquired(&self, _: LockEvent<'_>, _: Duration) {
+        self.holding.fetch_add(1, Ordering::SeqCst);
+    }
+    fn guard_ended(&self, _: LockEvent<'_>, _: Duration) {
+        if self.holding.fetch_sub(1, Ordering::SeqCst) <= 0 {
+            self.unpaired.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    fn wait_started(&self, _: LockEvent<'_>) {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+    }
+    fn wait_ended(&self, _: LockEvent<'_>, _: Duration) {
+        if self.waiting.fetch_sub(1, Ordering::SeqCst) <= 0 {
+            self.unpaired.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Seeded histories of waits cut short, cancelled acquisitions, re-entries (some of
+/// which must renew first), unlocks and drops: the start/end hooks stay paired, so
+/// gauges built on them return to zero.
+#[tokio::test(start_paused = true)]
+async fn wait_and_hold_hooks_stay_paired_under_cancellation() {
+    for seed in 0..40u64 {
+        let gauges = Arc::new(Gauges::default());
+        let client = LockClient::builder(MemoryBackend::new())
+            .observer(gauges.clone())
+            .watchdog_lease(Duration::from_millis(90))
+            .build()
+            .unwrap();
+        let mut tasks = Vec::new();
+        for t in 0..6u64 {
+            let client = client.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut rng = fastrand::Rng::with_seed(seed * 100 + t);
+                let owner = client.new_owner();
+                let mut guards = Vec::new();
+                for _ in 0..30 {
+                    let lock = client
+                        .get_lock(format!("pair:{}", rng.u8(0..2)))
+                        .unwrap()
+                        .with_owner(owner.clone());
+                    match rng.u8(0..5) {
+                        // A wait cut short by cancellation at a random point.
+                        0 => {
+                            let cut = Duration::from_millis(rng.u64(0..30));
+                            if let Ok(Ok(g)) = tokio::time::timeout(
+                                cut,
+                                lock.try_lock_for(Duration::from_millis(50), Lease::Watchdog),
+                            )
+                            .await
+                            {
+                                guards.push(g);
+                            }
+                        }
+                        // A bounded wait with a fixed lease (a re-entry may renew).
+                        1 | 2 => {
+                            let lease = Duration::from_millis(rng.u64(20..200));
+                            if let Ok(g) = lock.try_lock_for(Duration::from_millis(20), lease).await
+                            {
+                                guards.push(g);
+                            }
+                        }
+                        3 if !guards.is_empty() => {
+                            let g = guards.swap_remove(rng.usize(0..guards.len()));
+                            let _ = g.unlock().await;
+                        }
+                        _ if !guards.is_empty() => {
+                            drop(guards.swap_remove(rng.usize(0..guards.len())));
+                        }
+                        _ => {}
+                    }
+                    tokio::time::sleep(Duration::from_millis(rng.u64(0..5))).await;
+                }
+                drop(guards);
+            }));
+        }
+        for task in tasks {
+            task.await.unwrap();
+        }
+        assert_eq!(gauges.unpaired.load(Ordering::SeqCst), 0, "seed {seed}");
+        assert_eq!(gauges.waiting.load(Ordering::SeqCst), 0, "seed {seed}");
+        assert_eq!(gauges.holding.load(Ordering::SeqCst), 0, "seed {seed}");
+    }
+}

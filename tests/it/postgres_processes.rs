@@ -1,0 +1,434 @@
+//! Separate processes on one PostgreSQL database: three `hammer` processes contending on
+//! one lock keep a counter exact, and a `hammer` SIGKILLed while it holds the lock (in
+//! the middle of its read-modify-write) leaves the lock to the others only when its
+//! watchdog lease ends, without its unfinished increment.
+//!
+//! Each test has a database of its own (dropped afterwards) and kills every process it
+//! starts. The hammers' counter is the row K of `hammer_counter`; every write also
+//! appends `(value, pid, at)` to `hammer_counter_writes` in the same statement, so the
+//! oracle is stronger than the final count: with exclusion, the values written are 1 to
+//! N, each exactly once, and the database's clock says when the first write after a
+//! kill happened.
+
+use crate::common;
+
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use common::example_binary;
+use common::postgres::PgDatabase;
+use common::wait_until;
+use sqlx::PgPool;
+use tokio::time::Instant;
+
+/// The tests start several processes each and one bounds a timing: they run one at a
+/// time even when libtest runs tests in parallel.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_hammer_processes_keep_a_postgres_counter_exact() {
+    const ITERS: u64 = 300;
+    let _serial = ONE_AT_A_TIME.lock().await;
+    let db = PgDatabase::create().await;
+    let started = Instant::now();
+    let iters = ITERS.to_string();
+    let hammers: Vec<Hammer> = (0..3)
+        .map(|_| {
+            Hammer::spawn(&[
+                "--url",
+                &db.url,
+                "--name",
+                "pg-hammer",
+                "--iters",
+                &iters,
+                "--counter-key",
+                "pg:counter",
+            ])
+        })
+        .collect();
+    let pids: Vec<u32> = hammers.iter().map(Hammer::id).collect();
+    for out in outputs(hammers, Duration::from_secs(120)).await {
+        assert!(
+            out.status.success(),
+            "hammer failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let took = started.elapsed();
+
+    let pool = db.pool(2).await;
+    let counter = counter(&pool, "pg:counter").await;
+    let writes = writes(&pool, "pg:counter").await;
+    println!(
+        "three hammers, {ITERS} iterations each: counter {counter}, {} writes, {took:.2?}",
+        writes.count
+    );
+    assert_eq!(
+        counter,
+        3 * ITERS as i64,
+        "lost updates: the processes did not exclude each other"
+    );
+    writes.assert_each_value_once(3 * ITERS);
+    for pid in pids {
+        assert_eq!(
+            writes.by(pid),
+            ITERS as i64,
+            "process {pid} did not do all its increments"
+        );
+    }
+    assert_eq!(
+        holds(&pool, "pg-hammer").await,
+        0,
+        "the lock was left behind"
+    );
+    pool.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkilled_holder_frees_the_lock_after_its_lease_and_the_count_stays_exact() {
+    const ITERS: u64 = 150;
+    let lease = Duration::from_millis(1000);
+    let _serial = ONE_AT_A_TIME.lock().await;
+    let db = PgDatabase::create().await;
+    let pool = db.pool(2).await;
+    let watchdog = lease.as_millis().to_string();
+    let url_as = |app: &str| format!("{}?application_name={app}", db.url);
+
+    // The victim takes the lock, reads the counter and sits on it (ten minutes between
+    // its read and its write), its watchdog renewing a 1 s lease.
+    let mut victim = Hammer::spawn(&[
+        "--url",
+        &url_as("hammer-victim"),
+        "--name",
+        "pg-killed",
+        "--iters",
+        "1",
+        "--counter-key",
+        "pg:killed",
+        "--watchdog-ms",
+        &watchdog,
+        "--hold-us",
+        "600000000",
+    ]);
+    wait_until(
+        Duration::from_secs(20),
+        "the victim holds the lock and has read the counter",
+        || async {
+            holds(&pool, "pg-killed").await == 1
+                && activity(&pool, "hammer-victim", "SELECT value FROM hammer_counter%").await == 1
+        },
+    )
+    .await;
+    let (victim_owner, _) = hold(&pool, "pg-killed").await.expect("the victim's hold");
+
+    // Two more processes wait for the lock.
+    let iters = ITERS.to_string();
+    let others: Vec<Hammer> = (0..2)
+        .map(|_| {
+            Hammer::spawn(&[
+                "--url",
+                &url_as("hammer-other"),
+                "--name",
+                "pg-killed",
+                "--iters",
+                &iters,
+                "--counter-key",
+                "pg:killed",
+                "--watchdog-ms",
+                &watchdog,
+            ])
+        })
+        .collect();
+    let other_pids: Vec<u32> = others.iter().map(Hammer::id).collect();
+    wait_until(
+        Duration::from_secs(20),
+        "the other two listen for releases",
+        || async { activity(&pool, "hammer-other", "LISTEN%").await == 2 },
+    )
+    .await;
+
+    // Kill right after a renewal has been seen, so the whole lease must run out.
+    let (_, mut previous) = hold(&pool, "pg-killed").await.expect("still held");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (_, at) = hold(&pool, "pg-killed").await.expect("still held");
+        if at > previous {
+            break;
+        }
+        previous = at;
+        assert!(
+            Instant::now() < deadline,
+            "the victim's watchdog never renewed"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    victim.kill();
+    let killed_at = db_clock_us(&pool).await;
+    // A renewal sent just before the kill still commits: read the end of the lease once
+    // the server has closed the victim's connections.
+    wait_until(
+        Duration::from_secs(5),
+        "the victim's connections are gone",
+        || async { activity(&pool, "hammer-victim", "%").await == 0 },
+    )
+    .await;
+    let (owner, lease_end) = hold(&pool, "pg-killed")
+        .await
+        .expect("the victim's hold is still there before its lease ends");
+    assert_eq!(owner, victim_owner);
+    assert_eq!(
+        victim.child.wait().expect("reap the victim").signal(),
+        Some(libc::SIGKILL)
+    );
+
+    for out in outputs(others, Duration::from_secs(120)).await {
+        assert!(
+            out.status.success(),
+            "hammer failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let counter = counter(&pool, "pg:killed").await;
+    let writes = writes(&pool, "pg:killed").await;
+    let lease_left = Duration::from_micros((lease_end - killed_at).max(0).unsigned_abs());
+    let first_after_end = writes.first_at_us - lease_end;
+    println!(
+        "SIGKILL with {lease_left:?} of the lease left; first write {:.1} ms after the \
+         lease ended ({:.1} ms after the kill); counter {counter}, {} writes",
+        first_after_end as f64 / 1000.0,
+        (writes.first_at_us - killed_at) as f64 / 1000.0,
+        writes.count
+    );
+    // Nobody got in before the lease ended, and the waiters got in soon after.
+    assert!(
+        first_after_end >= 0,
+        "a write {} µs before the killed holder's lease ended",
+        -first_after_end
+    );
+    assert!(
+        first_after_end <= 300_000,
+        "the first write came {first_after_end} µs after the lease ended"
+    );
+    assert!(
+        lease_left <= lease,
+        "{lease_left:?} of a {lease:?} lease left"
+    );
+    // Exact, and without the victim's unfinished increment: it read 0 and never wrote 1.
+    assert_eq!(
+        counter,
+        2 * ITERS as i64,
+        "lost or extra updates around the kill"
+    );
+    writes.assert_each_value_once(2 * ITERS);
+    assert_eq!(writes.by(victim.id()), 0, "the killed process wrote");
+    for pid in other_pids {
+        assert_eq!(writes.by(pid), ITERS as i64, "process {pid}");
+    }
+    assert_eq!(
+        holds(&pool, "pg-killed").await,
+        0,
+        "the lock was left behind"
+    );
+    pool.close().await;
+}
+
+/// A `hammer` process; killed on drop.
+struct Hammer {
+    child: Child,
+}
+
+impl Hammer {
+    fn spawn(args: &[&str]) -> Self {
+        let child = Command::new(example_binary("hammer"))
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn hammer");
+        Hammer { child }
+    }
+
+    fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Its exit status and what it wrote on stderr, once it has exited.
+    fn output(mut self) -> Output {
+        let mut stderr = Vec::new();
+        if let Some(mut pipe) = self.child.stderr.take() {
+            use std::io::Read;
+            let _ = pipe.read_to_end(&mut stderr);
+        }
+        let status = self.child.wait().expect("the hammer ran");
+        Output {
+            status,
+            stdout: Vec::new(),
+            stderr,
+        }
+    }
+
+    fn kill(&mut self) {
+        // `Child::kill` is SIGKILL.
+        self.child.kill().expect("SIGKILL the hammer");
+    }
+}
+
+impl Drop for Hammer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Waits for the processes to exit, for at most `within` (then kills them and fails: a
+/// hammer that does not finish is an outcome too, not a hang of the suite).
+async fn outputs(mut hammers: Vec<Hammer>, within: Duration) -> Vec<Output> {
+    let deadline = Instant::now() + within;
+    loop {
+        let mut running = 0;
+        for h in &mut hammers {
+            if h.child.try_wait().expect("poll the hammer").is_none() {
+                running += 1;
+            }
+        }
+        if running == 0 {
+            break;
+        }
+        // Dropping the hammers kills them.
+        assert!(
+            Instant::now() < deadline,
+            "{running} hammer(s) still running after {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    hammers.into_iter().map(Hammer::output).collect()
+}
+
+/// The counter's value (0 when it was never written).
+async fn counter(pool: &PgPool, key: &str) -> i64 {
+    sqlx::query_scalar::<_, i64>("SELECT value FROM hammer_counter WHERE key = $1")
+        .bind(key)
+        .fetch_optional(pool)
+        .await
+        .unwrap()
+        .unwrap_or(0)
+}
+
+/// What `hammer_counter_writes` says about one counter.
+struct Writes {
+    count: i64,
+    distinct: i64,
+    min: i64,
+    max: i64,
+    /// The first write, by the database's clock, in microseconds since the epoch.
+    first_at_us: i64,
+    per_pid: Vec<(i32, i64)>,
+}
+
+impl Writes {
+    /// Every value from 1 to `n` written exactly once: no two holders read the same
+    /// value, and nobody wrote outside the sequence.
+    fn assert_each_value_once(&self, n: u64) {
+        let n = n as i64;
+        assert_eq!(
+            (self.count, self.distinct, self.min, self.max),
+            (n, n, 1, n),
+            "(writes, distinct values, min, max): the values written are not 1..={n} once each"
+        );
+    }
+
+    /// The writes of process `pid`.
+    fn by(&self, pid: u32) -> i64 {
+        self.per_pid
+            .iter()
+            .find(|&&(p, _)| i64::from(p) == i64::from(pid))
+            .map_or(0, |&(_, n)| n)
+    }
+}
+
+async fn writes(pool: &PgPool, key: &str) -> Writes {
+    let (count, distinct, min, max, first_at_us): (
+        i64,
+        i64,
+        Option<i64>,
+        Option<i64>,
+        Option<i64>,
+    ) = sqlx::query_as(
+        "SELECT count(*), count(DISTINCT value), min(value), max(value), \
+                    (extract(epoch FROM min(at)) * 1000000)::bigint \
+               FROM hammer_counter_writes WHERE key = $1",
+    )
+    .bind(key)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    let per_pid: Vec<(i32, i64)> = sqlx::query_as(
+        "SELECT pid, count(*) FROM hammer_counter_writes WHERE key = $1 GROUP BY pid",
+    )
+    .bind(key)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    Writes {
+        count,
+        distinct,
+        min: min.unwrap_or(0),
+        max: max.unwrap_or(0),
+        first_at_us: first_at_us.expect("at least one write"),
+        per_pid,
+    }
+}
+
+/// Holds of `name` in the backend's table, expired or not (0 before the first hammer
+/// has created the table).
+async fn holds(pool: &PgPool, name: &str) -> i64 {
+    let table: Option<String> = sqlx::query_scalar("SELECT to_regclass('tower_lock')::text")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    if table.is_none() {
+        return 0;
+    }
+    sqlx::query_scalar("SELECT count(*) FROM tower_lock WHERE name = $1")
+        .bind(name)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// The one hold of `name`: its owner and the end of its lease (the database's clock, in
+/// microseconds since the epoch).
+async fn hold(pool: &PgPool, name: &str) -> Option<(String, i64)> {
+    sqlx::query_as(
+        "SELECT owner, (extract(epoch FROM expires_at) * 1000000)::bigint \
+           FROM tower_lock WHERE name = $1",
+    )
+    .bind(name)
+    .fetch_optional(pool)
+    .await
+    .unwrap()
+}
+
+/// The database's clock, in microseconds since the epoch.
+async fn db_clock_us(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Connections of `app` (its `application_name`) whose last statement is like `query`
+/// and that are idle, waiting for the next one.
+async fn activity(pool: &PgPool, app: &str, query: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity \
+          WHERE application_name = $1 AND query LIKE $2 \
+            AND (state = 'idle' OR $2 = '%')",
+    )
+    .bind(app)
+    .bind(query)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}

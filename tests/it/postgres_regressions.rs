@@ -1,0 +1,290 @@
+//! Named regression tests for bugs found in the PostgreSQL backend, each written before
+//! its fix, on a real server and a database of its own.
+
+use crate::common;
+
+use std::time::Duration;
+
+use common::postgres::PgDatabase;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tokio::time::Instant;
+use tower_lock::backend::{Acquire, ClientNames, LockBackend, LockMode, LockRequest, Release};
+use tower_lock::{HoldId, LockClient, LockKey, PostgresBackend};
+
+fn req(key: &str, owner: &str, mode: LockMode) -> LockRequest {
+    LockRequest::new(
+        LockKey::new(key).unwrap(),
+        HoldId::from_raw(owner).unwrap(),
+        mode,
+        Duration::from_secs(30),
+    )
+}
+
+async fn on(db: &PgDatabase) -> PostgresBackend {
+    PostgresBackend::builder(db.pool(4).await)
+        .build()
+        .await
+        .unwrap()
+}
+
+/// Under REPEATABLE READ a function's snapshot predates the advisory lock it waits for,
+/// so it could not see the holder that committed meanwhile and granted a second hold.
+/// The functions now refuse any isolation but READ COMMITTED, as a misconfiguration.
+#[tokio::test]
+async fn a_session_not_in_read_committed_is_refused_not_granted_a_second_hold() {
+    let db = PgDatabase::create().await;
+    let options = db.url.parse::<PgConnectOptions>().unwrap();
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::Executor::execute(
+                    conn,
+                    "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL REPEATABLE READ",
+                )
+                .await
+                .map(|_| ())
+            })
+        })
+        .connect_with(options)
+        .await
+        .unwrap();
+    let backend = PostgresBackend::builder(pool).build().await.unwrap();
+    let err = backend
+        .acquire(&req("k", "a:1", LockMode::Exclusive))
+        .await
+        .unwrap_err();
+    assert!(!err.is_unavailable() && err.is_backend(), "{err:?}");
+    assert!(err.to_string().contains("read committed"), "{err}");
+}
+
+/// A schema that is not there (SQLSTATE 3F000) is a misconfiguration, not an outage:
+/// a fail-open layer must not serve unlocked because of it.
+#[tokio::test]
+async fn a_missing_schema_fails_closed() {
+    let db = PgDatabase::create().await;
+    let backend = PostgresBackend::builder(db.pool(2).await)
+        .schema("no_such_schema")
+        .migrate(false)
+        .build()
+        .await
+        .unwrap();
+    let err = backend
+        .acquire(&req("k", "a:1", LockMode::Exclusive))
+        .await
+        .unwrap_err();
+    assert!(!err.is_unavailable(), "{err:?}");
+    // The kind says what to do; the SQLSTATE stays reachable, in the message and in
+    // sqlx's error as the source.
+    let tower_lock::Error::Store(store) = &err else {
+        panic!("a store error: {err:?}")
+    };
+    assert_eq!(store.kind(), tower_lock::StoreErrorKind::Misconfigured);
+    assert!(err.to_string().contains("(SQLSTATE 3F000)"), "{err}");
+    match store.downcast_ref::<sqlx::Error>() {
+        Some(sqlx::Error::Database(db)) => assert_eq!(db.code().as_deref(), Some("3F000")),
+        other => panic!("sqlx's database error as the source: {other:?}"),
+    }
+}
+
+/// Force-releasing the read lock while a writer holds the key removed the writer too
+/// (the memory and Redis backends leave it): only read holds go, and only without a
+/// writer; force-releasing the write lock with only readers present removes nothing.
+#[tokio::test]
+async fn force_releasing_the_read_lock_leaves_a_writer_alone() {
+    let db = PgDatabase::create().await;
+    let backend = on(&db).await;
+    let key = LockKey::new("rw").unwrap();
+    let w = req("rw", "w:1", LockMode::Write);
+    assert!(matches!(
+        backend.acquire(&w).await.unwrap(),
+        Acquire::Acquired(_)
+    ));
+    assert!(!backend.force_release(&key, LockMode::Read).await.unwrap());
+    assert!(
+        backend.renew(&w).await.unwrap(),
+        "the writer still holds it"
+    );
+    assert!(backend.force_release(&key, LockMode::Write).await.unwrap());
+    let r = req("rw", "r:1", LockMode::Read);
+    assert!(matches!(
+        backend.acquire(&r).await.unwrap(),
+        Acquire::Acquired(_)
+    ));
+    assert!(!backend.force_release(&key, LockMode::Write).await.unwrap());
+    assert!(
+        backend.renew(&r).await.unwrap(),
+        "the reader still holds it"
+    );
+    assert!(backend.force_release(&key, LockMode::Read).await.unwrap());
+}
+
+/// A read whose `writer` is `None` stands for its own owner: past that owner's write
+/// hold it must not queue behind a writer that waits for that very hold.
+#[tokio::test]
+async fn a_read_without_a_named_writer_passes_its_own_owners_write_hold() {
+    let db = PgDatabase::create().await;
+    let backend = on(&db).await;
+    let mine = req("down", "o:1", LockMode::Write);
+    assert!(matches!(
+        backend.acquire(&mine).await.unwrap(),
+        Acquire::Acquired(_)
+    ));
+    let other = req("down", "w:2", LockMode::Write);
+    assert!(matches!(
+        backend.acquire(&other).await.unwrap(),
+        Acquire::Busy { .. }
+    ));
+    let read = req("down", "o:1", LockMode::Read);
+    assert!(
+        matches!(backend.acquire(&read).await.unwrap(), Acquire::Acquired(_)),
+        "downgrade"
+    );
+    backend.cancel_wait(&other).await.unwrap();
+}
+
+/// Expired holds, stale queue entries and expired client names were only ever deleted
+/// by a later acquisition of the same name: with per-user keys they piled up. A
+/// release of an expired hold deletes it, and client registration sweeps what expired.
+#[tokio::test]
+async fn expired_rows_do_not_pile_up() {
+    let db = PgDatabase::create().await;
+    let backend = on(&db).await;
+    let mut short = req("gone", "a:1", LockMode::Exclusive);
+    short.lease = Duration::from_millis(20);
+    assert!(matches!(
+        backend.acquire(&short).await.unwrap(),
+        Acquire::Acquired(_)
+    ));
+    for i in 0..5 {
+        let mut r = req(&format!("leaked{i}"), "b:1", LockMode::Exclusive);
+        r.lease = Duration::from_millis(20);
+        backend.acquire(&r).await.unwrap();
+    }
+    backend
+        .register("old", "gone-pod", Duration::from_millis(20))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    assert_eq!(backend.release(&short).await.unwrap(), Release::NotHeld);
+    let rows = |sql: &'static str| {
+        let pool = backend.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(
+        rows("SELECT count(*) FROM tower_lock WHERE name = 'gone'").await,
+        0
+    );
+    backend
+        .register("new", "pod", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(rows("SELECT count(*) FROM tower_lock").await, 0, "swept");
+    assert_eq!(rows("SELECT count(*) FROM tower_lock_clients").await, 1);
+}
+
+/// An attempt dropped in flight was compensated by a release on another of the pool's
+/// connections, which could reach the server first: the late attempt then took a hold
+/// (or a place in the queue) that nobody stood for, until its lease or the waiter
+/// timeout ended it — seen as a queue entry left behind by
+/// `read::dropped_waiter_leaves_nothing` under load. An abandoned owner's late attempts
+/// now take nothing.
+#[tokio::test]
+async fn a_late_attempt_of_an_abandoned_owner_takes_nothing() {
+    let db = PgDatabase::create().await;
+    let backend = on(&db).await;
+    for (mode, blocker) in [
+        (LockMode::Exclusive, None),
+        (LockMode::Write, Some(LockMode::Read)),
+    ] {
+        let key = format!("late-{mode}");
+        if let Some(blocker) = blocker {
+            let held = req(&key, "holder:1", blocker);
+            assert!(matches!(
+                backend.acquire(&held).await.unwrap(),
+                Acquire::Acquired(_)
+            ));
+        }
+        let gone = req(&key, "gone:1", mode);
+        // The compensation arrives first ...
+        backend.abandon(&gone).await.unwrap();
+        // ... then the attempt it was meant to undo.
+        assert!(matches!(
+            backend.acquire(&gone).await.unwrap(),
+            Acquire::Busy { .. }
+        ));
+        let state = backend
+            .inspect(&LockKey::new(&key).unwrap(), mode)
+            .await
+            .unwrap();
+        assert!(
+            state.holders.iter().all(|h| h.hold_id.as_str() != "gone:1"),
+            "{state:?}"
+        );
+        assert_eq!(state.waiters.count, 0, "{state:?}");
+    }
+    // Someone else still gets the free lock.
+    let other = req("late-exclusive", "other:1", LockMode::Exclusive);
+    assert!(matches!(
+        backend.acquire(&other).await.unwrap(),
+        Acquire::Acquired(_)
+    ));
+}
+
+/// Issue 20, item 1: an owner holds a key with a fixed 1 s lease; two of its tasks
+/// re-enter at once with `try_lock_for(0, 4 s)` and `try_lock_for(0, 2 s)`. Both renew,
+/// and `_renew` set `expires_at` outright, so the database kept whichever landed last
+/// while the client kept the longer belief: once 2 s had passed, another client got the
+/// lock while the 4 s guard still believed in it. The pool has two connections, one of
+/// which listens, so the two renewals queue for the other in the order they were sent
+/// (4 s, then 2 s) every time, as on one busy connection. The database must keep the
+/// longest lease.
+#[tokio::test]
+async fn concurrent_reentries_keep_the_longest_lease_in_the_database() {
+    let db = PgDatabase::create().await;
+    let backend = PostgresBackend::builder(db.pool(2).await)
+        .build()
+        .await
+        .unwrap();
+    let client = LockClient::new(backend.clone());
+    let intruder = LockClient::new(on(&db).await);
+    let key = LockKey::new("reentries-with-different-leases").unwrap();
+    let lock = client
+        .get_lock(&key)
+        .unwrap()
+        .with_owner(client.new_owner());
+    let outer = lock
+        .try_lock_for(Duration::ZERO, Duration::from_secs(1))
+        .await
+        .unwrap();
+    let sent = Instant::now();
+    // Polled in this order on one thread: the 4 s renewal is sent, then the 2 s one.
+    let (long, short) = tokio::join!(
+        lock.try_lock_for(Duration::ZERO, Duration::from_secs(4)),
+        lock.try_lock_for(Duration::ZERO, Duration::from_secs(2)),
+    );
+    let (long, short) = (long.unwrap(), short.unwrap());
+    assert_eq!((long.hold_count(), short.hold_count()), (2, 3));
+    // Past the 2 s lease, and for half a second more, well inside the 4 s one.
+    tokio::time::sleep_until(sent + Duration::from_millis(2500)).await;
+    let other = intruder.get_lock(&key).unwrap();
+    while sent.elapsed() < Duration::from_secs(3) {
+        assert!(!long.is_lost(), "the 4 s guard gave up on its own");
+        match other.try_lock().await {
+            Err(e) if e.is_busy() => {}
+            Ok(_) => panic!(
+                "another client got the lock {:?} after the 4 s re-entry, while its guard believed in it",
+                sent.elapsed()
+            ),
+            Err(e) => panic!("{e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop((outer, short));
+    long.unlock().await.unwrap();
+}

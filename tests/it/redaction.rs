@@ -1,0 +1,139 @@
+//! `redact_keys(true)` holds everywhere: with every span and event of this crate
+//! recorded at TRACE level, through acquisition, waiting on Redis pub/sub, loss, a failed
+//! release and the layer, the user part of a key never shows up.
+
+use crate::common;
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::redis_server::RedisServer;
+use http::Request;
+use http_body_util::Full;
+use tower::{Layer, ServiceExt, service_fn};
+use tower_lock::layer::{HeaderKey, LockLayer};
+use tower_lock::{Error, LockClient, LockKey, RedisBackend};
+use tracing_subscriber::fmt::format::FmtSpan;
+
+const SECRET: &str = "alice@example.com";
+
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn redacted_keys_never_reach_spans_or_events() {
+    let captured = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::TRACE)
+        .with_span_events(FmtSpan::NEW | FmtSpan::CLOSE)
+        .with_ansi(false)
+        .with_writer({
+            let captured = captured.clone();
+            move || captured.clone()
+        })
+        .finish();
+    let _default = tracing::subscriber::set_default(subscriber);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let server = RedisServer::start().await;
+        let backend = RedisBackend::connect(server.url()).await.unwrap();
+        let client = LockClient::builder(backend)
+            .name("replica-1")
+            .redact_keys(true)
+            .watchdog_lease(Duration::from_millis(300))
+            .build()
+            .unwrap();
+        let key = LockKey::namespaced("lock:user", SECRET).unwrap();
+        let lock = client.get_fenced_lock(&key).unwrap();
+
+        // Held, waited for over pub/sub, handed over.
+        let first = lock.lock().await.unwrap();
+        let waiter = tokio::spawn({
+            let lock = lock.clone();
+            async move {
+                lock.try_lock_for(Duration::from_secs(5), Duration::from_secs(5))
+                    .await
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        first.unlock().await.unwrap();
+        let second = waiter.await.unwrap().unwrap();
+        second.unlock().await.unwrap();
+
+        // Lost behind a watched holder's back: the watchdog logs the loss.
+        let watched = lock.lock().await.unwrap();
+        assert!(lock.force_unlock().await.unwrap());
+        tokio::time::timeout(Duration::from_secs(5), watched.lost().wait())
+            .await
+            .unwrap();
+        assert!(matches!(watched.unlock().await, Err(Error::Lost)));
+
+        // The layer: a busy request, then one whose release fails (the store is gone).
+        let layer = LockLayer::builder(
+            client.clone(),
+            HeaderKey::new(http::HeaderName::from_static("x-user"))
+                .namespace("lock:user")
+                .unwrap(),
+        )
+        .max_wait(Duration::from_millis(20))
+        .build()
+        .unwrap();
+        let svc = layer.layer(service_fn(|_: Request<Full<Bytes>>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(Bytes::new())))
+        }));
+        let request = || {
+            Request::builder()
+                .header("x-user", SECRET)
+                .body(Full::new(Bytes::new()))
+                .unwrap()
+        };
+        let held = lock.lock().await.unwrap();
+        let busy = svc.clone().oneshot(request()).await.unwrap();
+        assert_eq!(busy.status(), tower_lock::layer::DEFAULT_BUSY_STATUS);
+        held.unlock().await.unwrap();
+        // A guard dropped while the store is down: its release fails, and is logged.
+        let dropped = lock.lock().await.unwrap();
+        drop(server);
+        drop(dropped);
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+    });
+    drop(rt);
+
+    let text = String::from_utf8_lossy(&captured.0.lock().unwrap()).into_owned();
+    for expected in [
+        "tower_lock.acquire",
+        "tower_lock.hold",
+        "tower_lock.layer",
+        "lock lost",
+        "release of a dropped guard failed",
+        "namespace=\"lock:user\"",
+        "decision=\"busy\"",
+    ] {
+        assert!(text.contains(expected), "no {expected:?} in:\n{text}");
+    }
+    let escaped = SECRET.replace('@', "%40");
+    for (n, line) in text.lines().enumerate() {
+        assert!(
+            !line.contains("alice") && !line.contains(&escaped),
+            "line {n} shows the key: {line}"
+        );
+    }
+}

@@ -1,0 +1,404 @@
+//! Redis as production runs it: a primary with replicas behind Sentinel. Real processes
+//! (`redis-server --replicaof`, `redis-server --sentinel`) on free loopback ports.
+
+use crate::common;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::proxy::{Direction, Flow};
+use common::sentinel::{MASTER, SentinelSet, info_replication};
+use tower_lock::{Lease, LockClient, LostSignal, RedisBackend};
+
+/// A backend behind the Sentinels of `set`: replica acknowledgement as `synced` says
+/// (`None`: the Sentinel default, one replica).
+async fn behind(set: &SentinelSet, synced: Option<u32>) -> RedisBackend {
+    let mut builder = RedisBackend::sentinel(MASTER, set.sentinel_urls())
+        .response_timeout(Duration::from_millis(600))
+        .connection_timeout(Duration::from_millis(600));
+    if let Some(replicas) = synced {
+        builder = builder.synced_replicas(replicas, Duration::from_millis(250));
+    }
+    builder.build().await.unwrap()
+}
+
+/// A client whose watchdog renews every second.
+fn client(backend: &RedisBackend) -> LockClient {
+    LockClient::builder(backend.clone())
+        .watchdog_lease(Duration::from_millis(3000))
+        .build()
+        .unwrap()
+}
+
+/// A failover the Sentinels are asked for: the held lock keeps its holder and its
+/// renewals (which move to the new primary), nobody else gets it meanwhile, the waiter is
+/// woken on the new primary when it is released, and new locks go there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_backend_follows_a_failover_with_its_holds_and_waiters() {
+    let set = SentinelSet::start(2, 3).await;
+    let holder = client(&behind(&set, None).await);
+    let other = client(&behind(&set, None).await);
+    let guard = holder
+        .get_lock("failover:held")
+        .unwrap()
+        .lock()
+        .await
+        .unwrap();
+    let waiter = {
+        let lock = other.get_lock("failover:held").unwrap();
+        tokio::spawn(async move {
+            let guard = lock
+                .try_lock_for(Duration::from_secs(20), Lease::Watchdog)
+                .await;
+            (tokio::time::Instant::now(), guard)
+        })
+    };
+    let new = set.failover().await;
+
+    // Two watchdog leases on the new primary: still held, by the same hold.
+    let until = tokio::time::Instant::now() + Duration::from_millis(6000);
+    while tokio::time::Instant::now() < until {
+        assert!(!guard.is_lost(), "the failover lost a held lock");
+        assert!(!waiter.is_finished(), "the waiter got a lock still held");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let on_new: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
+        .arg("failover:held")
+        .query_async(
+            &mut redis::Client::open(format!("redis://127.0.0.1:{new}"))
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        on_new.keys().collect::<Vec<_>>(),
+        vec![guard.hold_id().as_str()],
+        "the new primary has the hold"
+    );
+    let released = tokio::time::Instant::now();
+    guard.unlock().await.unwrap();
+    let (acquired, taken) = waiter.await.unwrap();
+    taken
+        .expect("the waiter gets the lock")
+        .unlock()
+        .await
+        .unwrap();
+    assert!(
+        acquired - released < Duration::from_millis(3000 + 1000),
+        "the waiter resumed {:?} after the release",
+        acquired - released
+    );
+    // New locks go to the new primary.
+    other
+        .get_lock("failover:new")
+        .unwrap()
+        .try_lock()
+        .await
+        .unwrap()
+        .unlock()
+        .await
+        .unwrap();
+}
+
+/// What a grant that never reached a replica becomes when its primary is lost: the
+/// replication stream to every replica is dropped (in the proxies it flows through),
+/// client A takes a key, the primary is killed (SIGKILL), the Sentinels promote a
+/// replica, and client B asks for the same key. Returns A's attempt and whether A
+/// believed it held the key while B held it.
+async fn a_grant_no_replica_saw(synced: Option<u32>) -> (tower_lock::Result<()>, bool) {
+    let mut set = SentinelSet::start_behind_proxies(2, 3).await;
+    let a = client(&behind(&set, synced).await);
+    let primary = set.primary_port().await;
+    for proxy in &set.replication {
+        proxy.set_flow(Direction::Down, Flow::Discard);
+    }
+    let a_took = a
+        .get_lock("failover:unreplicated")
+        .unwrap()
+        .try_lock_for(Duration::ZERO, Duration::from_secs(30))
+        .await;
+    set.node(primary).kill();
+    set.wait_for_new_primary(primary, Duration::from_secs(30))
+        .await;
+    let b = client(&behind(&set, synced).await);
+    let b_took = b
+        .get_lock("failover:unreplicated")
+        .unwrap()
+        .try_lock_for(Duration::from_secs(5), Lease::Watchdog)
+        .await
+        .expect("B takes the key on the new primary");
+    let two = a_took.as_ref().is_ok_and(|g| !g.is_lost()) && !b_took.is_lost();
+    (a_took.map(drop), two)
+}
+
+/// With replica acknowledgement (the Sentinel default), a grant no replica acknowledged
+/// fails as an outage, so losing the primary never makes two holders.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_replica_acknowledgement_losing_the_primary_never_makes_two_holders() {
+    let (a_took, two) = a_grant_no_replica_saw(None).await;
+    let err = a_took.expect_err("a grant no replica acknowledged fails");
+    assert!(err.is_unavailable(), "{err:?}");
+    assert!(!two);
+}
+
+/// Without it, the same sequence makes two holders: the window replica acknowledgement
+/// closes (replication is asynchronous; fencing tokens are the protection then).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_replica_acknowledgement_losing_the_primary_makes_two_holders() {
+    let (a_took, two) = a_grant_no_replica_saw(Some(0)).await;
+    assert!(a_took.is_ok());
+    assert!(
+        two,
+        "the window replica acknowledgement closes did not open"
+    );
+}
+
+/// The split-brain window: the primary is frozen (SIGSTOP) past the Sentinels' down
+/// time, a replica is promoted and client B takes a key there; then the old primary
+/// comes back, still a primary with no replica until the Sentinels demote it, and client
+/// A — still connected to it — asks for the key again and again. With replica
+/// acknowledgement no grant there stands: A never holds while B does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_back_from_a_pause_grants_nothing_with_replica_acknowledgement() {
+    let mut set = SentinelSet::start(2, 3).await;
+    let a = client(&behind(&set, None).await);
+    // A's connection is up, to the old primary.
+    a.get_lock("split:warm-up")
+        .unwrap()
+        .try_lock()
+        .await
+        .unwrap()
+        .unlock()
+        .await
+        .unwrap();
+    let old = set.primary_port().await;
+    set.node(old).pause();
+    set.wait_for_new_primary(old, Duration::from_secs(30)).await;
+    let b = client(&behind(&set, None).await);
+    let held = b
+        .get_lock("split:key")
+        .unwrap()
+        .try_lock_for(Duration::from_secs(5), Lease::Watchdog)
+        .await
+        .expect("B takes the key on the new primary");
+    set.node(old).resume();
+    let until = tokio::time::Instant::now() + Duration::from_secs(4);
+    let mut attempts = 0;
+    while tokio::time::Instant::now() < until {
+        attempts += 1;
+        if let Ok(guard) = a.get_lock("split:key").unwrap().try_lock().await {
+            assert!(
+                guard.is_lost() || held.is_lost(),
+                "A holds the key on the old primary while B holds it on the new one (attempt {attempts})"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!held.is_lost());
+    held.unlock().await.unwrap();
+}
+
+/// Tasks of two clients hammering a few keys: each takes a key, checks that nobody else
+/// believes they hold it, keeps it a moment, and lets go. What the oracle saw.
+struct Hammer {
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    seen: Arc<Seen>,
+}
+
+#[derive(Default)]
+struct Seen {
+    /// Who is inside each key's critical section, with that guard's lost signal.
+    inside: Mutex<HashMap<usize, (usize, LostSignal)>>,
+    /// Entries into a critical section while another holder still believed it held it.
+    overlaps: AtomicUsize,
+    /// Critical sections done.
+    done: AtomicUsize,
+    /// When each key was last taken.
+    last: Mutex<HashMap<usize, tokio::time::Instant>>,
+}
+
+const KEYS: usize = 3;
+
+/// The lease of the hammers' watched locks.
+const HAMMER_LEASE: Duration = Duration::from_millis(2000);
+
+impl Hammer {
+    fn start(clients: &[LockClient], per_client: usize) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let seen = Arc::new(Seen::default());
+        let mut tasks = Vec::new();
+        for (c, client) in clients.iter().enumerate() {
+            for t in 0..per_client {
+                let id = c * per_client + t;
+                let (client, stop, seen) = (client.clone(), stop.clone(), seen.clone());
+                tasks.push(tokio::spawn(async move {
+                    let mut n = id;
+                    while !stop.load(Ordering::Relaxed) {
+                        n += 1;
+                        let key = n % KEYS;
+                        let lock = client.get_lock(format!("hammer:{key}")).unwrap();
+                        let Ok(guard) = lock
+                            .try_lock_for(Duration::from_secs(3), Lease::Watchdog)
+                            .await
+                        else {
+                            continue;
+                        };
+                        seen.last
+                            .lock()
+                            .unwrap()
+                            .insert(key, tokio::time::Instant::now());
+                        {
+                            let mut inside = seen.inside.lock().unwrap();
+                            if inside.get(&key).is_some_and(|(_, lost)| !lost.is_lost())
+                                && !guard.is_lost()
+                            {
+                                seen.overlaps.fetch_add(1, Ordering::Relaxed);
+                            }
+                            inside.insert(key, (id, guard.lost()));
+                        }
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                        {
+                            let mut inside = seen.inside.lock().unwrap();
+                            if inside.get(&key).is_some_and(|(who, _)| *who == id) {
+                                inside.remove(&key);
+                            }
+                        }
+                        seen.done.fetch_add(1, Ordering::Relaxed);
+                        let _ = guard.unlock().await;
+                    }
+                }));
+            }
+        }
+        Hammer { stop, tasks, seen }
+    }
+
+    /// Waits until the hammers got `more` locks past now, within `within`.
+    async fn progress(&self, more: usize, within: Duration, what: &str) {
+        let from = self.seen.done.load(Ordering::Relaxed);
+        common::wait_until(within, what, || async {
+            self.seen.done.load(Ordering::Relaxed) >= from + more
+        })
+        .await;
+    }
+
+    /// Every key was taken again after `since`, within `bound` of it: its waiters
+    /// resumed. (Which task of its two takes it is up to the race: plain locks barge
+    /// across processes.)
+    async fn every_key_resumes(&self, since: tokio::time::Instant, bound: Duration) {
+        common::wait_until(bound, "every key taken again", || async {
+            let last = self.seen.last.lock().unwrap();
+            (0..KEYS).all(|key| last.get(&key).is_some_and(|&at| at > since))
+        })
+        .await;
+    }
+
+    async fn stop(self) -> usize {
+        self.stop.store(true, Ordering::Relaxed);
+        for task in self.tasks {
+            task.await.unwrap();
+        }
+        self.seen.overlaps.load(Ordering::Relaxed)
+    }
+}
+
+/// Hammers through every failover a Sentinel deployment meets, with replica
+/// acknowledgement (the default): a failover asked for, the primary killed (SIGKILL),
+/// the primary frozen (SIGSTOP) past the Sentinels' down time and thawed, and every node
+/// restarted in turn. Nobody ever believes they hold a key another holder still believes
+/// they hold, and every key is taken again within a lease and two seconds of the new
+/// primary taking writes it can have acknowledged (a replica online: until then
+/// replica-acknowledged locks are refused as an outage, by design).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hammers_through_every_kind_of_failover_never_make_two_holders() {
+    let overlaps = hammer_through_failovers(None).await;
+    assert_eq!(overlaps, 0, "two holders believed they held one key");
+}
+
+/// The sequence of [`hammers_through_every_kind_of_failover_never_make_two_holders`]
+/// with replica acknowledgement as `synced` says; returns how often a task entered a
+/// critical section another holder still believed was theirs.
+async fn hammer_through_failovers(synced: Option<u32>) -> usize {
+    let mut set = SentinelSet::start(2, 3).await;
+    let clients = [
+        hammer_client(&behind(&set, synced).await),
+        hammer_client(&behind(&set, synced).await),
+    ];
+    let hammer = Hammer::start(&clients, 3);
+    hammer
+        .progress(50, Duration::from_secs(10), "hammering before the faults")
+        .await;
+    let resume = HAMMER_LEASE + Duration::from_secs(1);
+
+    // A failover asked for; the old primary follows the new one.
+    let old = set.primary_port().await;
+    let new = set.failover().await;
+    set.wait_until_replicated(Duration::from_secs(30)).await;
+    let at = tokio::time::Instant::now();
+    hammer
+        .every_key_resumes(at, resume + Duration::from_secs(1))
+        .await;
+    common::wait_until(
+        Duration::from_secs(20),
+        "the old primary follows",
+        || async {
+            info_replication(old).await.is_some_and(|info| {
+                info.contains("role:slave") && info.contains(&format!("master_port:{new}"))
+            })
+        },
+    )
+    .await;
+
+    // The primary killed; back later, empty, as a replica.
+    let old = set.primary_port().await;
+    set.node(old).kill();
+    set.wait_for_new_primary(old, Duration::from_secs(30)).await;
+    set.wait_until_replicated(Duration::from_secs(30)).await;
+    let at = tokio::time::Instant::now();
+    hammer
+        .every_key_resumes(at, resume + Duration::from_secs(1))
+        .await;
+    set.node(old).restart().await;
+
+    // The primary frozen past the down time, then thawed: the split-brain window.
+    let old = set.primary_port().await;
+    set.node(old).pause();
+    set.wait_for_new_primary(old, Duration::from_secs(30)).await;
+    set.node(old).resume();
+    set.wait_until_replicated(Duration::from_secs(30)).await;
+    let at = tokio::time::Instant::now();
+    hammer
+        .every_key_resumes(at, resume + Duration::from_secs(1))
+        .await;
+
+    // Every node restarted in turn; the primary is stopped until a replica took over
+    // (restarted at once, it would come back empty before the Sentinels noticed).
+    for port in set.nodes.iter().map(|n| n.port()).collect::<Vec<_>>() {
+        if port == set.primary_port().await {
+            set.node(port).kill();
+            set.wait_for_new_primary(port, Duration::from_secs(30))
+                .await;
+        }
+        set.node(port).restart().await;
+        set.wait_until_replicated(Duration::from_secs(30)).await;
+        hammer
+            .progress(20, Duration::from_secs(10), "hammering after a restart")
+            .await;
+    }
+
+    hammer.stop().await
+}
+
+/// A hammer's client: watched locks with a short lease, so a lock its holder lost in a
+/// failover frees within it.
+fn hammer_client(backend: &RedisBackend) -> LockClient {
+    LockClient::builder(backend.clone())
+        .watchdog_lease(HAMMER_LEASE)
+        .build()
+        .unwrap()
+}

@@ -1,0 +1,84 @@
+//! The watchdog keeps renewing whatever happens around it: the runtime it first ran on
+//! shuts down, or a user's observer panics.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tower_lock::backend::{LockBackend, LockMode};
+use tower_lock::{LockClient, LockEvent, LockKey, LockObserver, MemoryBackend};
+
+/// The watchdog lease: renewed every 300 ms. The test across runtimes runs in real time
+/// on a machine that may be loaded: a renewal may be late by most of 600 ms.
+const LEASE: Duration = Duration::from_millis(900);
+
+/// Holds the lock for `hold` and checks nobody else can take it meanwhile.
+async fn held_throughout(client: &LockClient, other: &LockClient, key: &str, hold: Duration) {
+    let guard = client.get_lock(key).unwrap().lock().await.unwrap();
+    let until = Instant::now() + hold;
+    while Instant::now() < until {
+        let intruder = other.get_lock(key).unwrap().try_lock().await;
+        assert!(
+            intruder.is_err(),
+            "the watchdog stopped renewing: {key} was taken"
+        );
+        assert!(!guard.is_lost());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    guard.unlock().await.unwrap();
+}
+
+#[test]
+fn renewals_continue_after_the_first_runtime_is_gone() {
+    let backend = MemoryBackend::new();
+    let client = LockClient::builder(backend.clone())
+        .watchdog_lease(LEASE)
+        .build()
+        .unwrap();
+    // First used on a runtime that then shuts down, taking the watchdog task with it.
+    let first = tokio::runtime::Runtime::new().unwrap();
+    first.block_on(async {
+        let g = client.get_lock("first").unwrap().lock().await.unwrap();
+        g.unlock().await.unwrap();
+        // Keep one watched lock so the task is alive when the runtime goes.
+        std::mem::forget(client.get_lock("kept").unwrap().lock().await.unwrap());
+    });
+    drop(first);
+
+    let second = tokio::runtime::Runtime::new().unwrap();
+    second.block_on(async {
+        let other = LockClient::new(backend.clone());
+        held_throughout(&client, &other, "second", Duration::from_secs(1)).await;
+    });
+}
+
+struct Panicky;
+
+impl LockObserver for Panicky {
+    fn lost(&self, _: LockEvent<'_>) {
+        panic!("an observer with a bug");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panicking_observer_does_not_stop_renewals() {
+    let backend = MemoryBackend::new();
+    let client = LockClient::builder(backend.clone())
+        .watchdog_lease(LEASE)
+        .observer(Panicky)
+        .build()
+        .unwrap();
+    let other = LockClient::new(backend.clone());
+    let doomed = client.get_lock("doomed").unwrap().lock().await.unwrap();
+    // Removed behind its back: the watchdog finds it lost and tells the observer, which
+    // panics.
+    assert!(
+        backend
+            .force_release(&LockKey::new("doomed").unwrap(), LockMode::Exclusive)
+            .await
+            .unwrap()
+    );
+    tokio::time::timeout(Duration::from_secs(2), doomed.lost().wait())
+        .await
+        .expect("the loss was found");
+    held_throughout(&client, &other, "after-panic", Duration::from_secs(1)).await;
+}
