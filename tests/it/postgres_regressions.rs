@@ -288,3 +288,39 @@ async fn concurrent_reentries_keep_the_longest_lease_in_the_database() {
     drop((outer, short));
     long.unlock().await.unwrap();
 }
+
+/// A pool of one connection was accepted, and then every locked request waited out the
+/// response timeout and failed as an outage ("PostgreSQL did not answer within 2s"):
+/// the listener keeps the only connection. `build` now refuses it, naming the setting;
+/// two connections are enough to take a lock.
+#[tokio::test]
+async fn a_pool_too_small_for_the_listener_is_refused_at_build() {
+    let db = PgDatabase::create().await;
+    let err = PostgresBackend::builder(db.pool(1).await)
+        .build()
+        .await
+        .expect_err("a one-connection pool is refused");
+    assert!(
+        matches!(&err, tower_lock::Error::InvalidConfig { name, .. } if *name == "max_connections"),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("at least 2"), "{err}");
+
+    let backend = PostgresBackend::builder(db.pool(2).await)
+        .response_timeout(Duration::from_secs(2))
+        .build()
+        .await
+        .unwrap();
+    let client = LockClient::new(backend);
+    let started = Instant::now();
+    client
+        .get_lock("small-pool")
+        .unwrap()
+        .try_lock()
+        .await
+        .unwrap()
+        .unlock()
+        .await
+        .unwrap();
+    assert!(started.elapsed() < Duration::from_secs(1));
+}

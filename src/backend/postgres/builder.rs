@@ -11,7 +11,7 @@ use super::listener::{KeyWaiters, listen};
 use super::statements::Statements;
 use super::{
     DEFAULT_RESPONSE_TIMEOUT, DEFAULT_SCHEMA, DEFAULT_TABLE, DEFAULT_WAITER_TIMEOUT, Inner,
-    PostgresBackend, map_error, validate_identifier,
+    MIN_POOL_SIZE, PostgresBackend, map_error, validate_identifier,
 };
 use crate::backend::clock::StoreClock;
 use crate::backend::{QUEUED_MODES, StoreProfile};
@@ -89,12 +89,14 @@ impl PostgresBackendBuilder {
     }
 
     /// Builds the backend: creates the schema objects (unless turned off) and starts
-    /// listening for releases. Must run inside a tokio runtime.
+    /// listening for releases, on a connection of the pool it keeps for that. Must run
+    /// inside a tokio runtime.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] naming the bad setting; backend errors when the server
-    /// cannot be reached.
+    /// [`Error::InvalidConfig`] naming the bad setting — among them a pool of fewer than
+    /// [`MIN_POOL_SIZE`] connections (`max_connections`), since the listener keeps one;
+    /// backend errors when the server cannot be reached.
     pub async fn build(self) -> Result<PostgresBackend> {
         self.validate()?;
         if self.migrate {
@@ -139,6 +141,17 @@ impl PostgresBackendBuilder {
     fn validate(&self) -> Result<()> {
         validate_identifier("schema", &self.schema)?;
         validate_identifier("table", &self.table)?;
+        // The listener keeps one of the pool's connections for `LISTEN`: with no second
+        // one, every statement would wait for a connection until it timed out.
+        let max_connections = self.pool.options().get_max_connections();
+        if max_connections < MIN_POOL_SIZE {
+            return Err(Error::invalid_config(
+                "max_connections",
+                format!(
+                    "the pool allows {max_connections} connection(s), and the backend's listener keeps one for LISTEN; set PgPoolOptions::max_connections to at least {MIN_POOL_SIZE}"
+                ),
+            ));
+        }
         crate::backend::limits::validate_waiter_timeout(self.waiter_timeout)?;
         if self.response_timeout.is_zero() {
             return Err(Error::invalid_config(

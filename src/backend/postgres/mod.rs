@@ -122,6 +122,12 @@ pub const DEFAULT_SCHEMA: &str = "public";
 /// unreachable.
 pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// The fewest connections the backend's pool may allow: 2. The listener keeps one for
+/// `LISTEN` as long as the backend lives, and lock statements need at least one more;
+/// [`PostgresBackendBuilder::build`] refuses a smaller pool, naming `max_connections`.
+/// Size the pool for the statements running at once, plus one.
+pub const MIN_POOL_SIZE: u32 = 2;
+
 pub use crate::backend::limits::DEFAULT_WAITER_TIMEOUT;
 
 /// A lock store on PostgreSQL. See the [module docs](self).
