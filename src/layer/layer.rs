@@ -39,7 +39,20 @@ impl Core {
             _ => LayerOutcome::Misconfigured,
         };
         self.outcome(key, outcome);
-        self.config.on_rejection.on_rejection(rejection)
+        let retry_after = rejection.retry_after_secs();
+        let mut response = self.config.on_rejection.on_rejection(rejection);
+        // A handler that says nothing of when to retry keeps the layer's word for it;
+        // one that sets its own is not overridden.
+        let status = response.status();
+        if let Some(secs) = retry_after
+            && (status.is_client_error() || status.is_server_error())
+        {
+            response
+                .headers_mut()
+                .entry(http::header::RETRY_AFTER)
+                .or_insert_with(|| http::HeaderValue::from(secs));
+        }
+        response
     }
 
     /// Reports a request not served under its lock to the observer and the layer's span.
@@ -215,7 +228,8 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
     /// Replaces the default rejection responses (plain text, see
     /// [`Rejection::into_response`](super::Rejection::into_response)) with
     /// `handler(rejection)`: with the `axum` feature, a closure returning anything
-    /// `IntoResponse`.
+    /// `IntoResponse`. An error response (4xx or 5xx) without `Retry-After` gets the
+    /// layer's, when the rejection has one; a handler that sets its own keeps it.
     pub fn on_rejection(mut self, handler: impl OnRejection) -> Self {
         self.config.on_rejection = Arc::new(handler);
         self

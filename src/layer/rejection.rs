@@ -210,22 +210,21 @@ where
 /// `Fn(Rejection) -> impl IntoRejectionResponse` closure — with the `axum` feature,
 /// anything `IntoResponse`; the default is [`Rejection::into_response`].
 ///
-/// Keep `Retry-After` ([`Rejection::retry_after_secs`]) so that clients back off
-/// correctly, and keep server-side details out of the body ([`Rejection::message`]
-/// does).
+/// The layer adds `Retry-After` ([`Rejection::retry_after_secs`]) to an error response
+/// (4xx or 5xx) that has none, so clients back off correctly whatever the handler
+/// writes; a handler that sets its own keeps it. Keep server-side details out of the
+/// body ([`Rejection::message`] does).
 ///
 /// ```
 /// # #[cfg(feature = "axum")] {
 /// use axum::Json;
 /// use axum::response::IntoResponse;
-/// use http::header;
 /// use tower_lock::layer::Rejection;
 ///
-/// // JSON errors with the default status and Retry-After.
+/// // JSON errors with the default status (the layer adds Retry-After).
 /// let json = |r: Rejection| {
-///     let retry = r.retry_after_secs().map(|s| [(header::RETRY_AFTER, s.to_string())]);
 ///     let body = Json(serde_json::json!({ "error": r.message() }));
-///     (r.status(), retry, body).into_response()
+///     (r.status(), body).into_response()
 /// };
 /// # let _: &dyn tower_lock::layer::OnRejection = &json;
 /// # }

@@ -1120,3 +1120,74 @@ async fn two_requests_on_one_task_are_two_owners() {
     assert_ne!(owners[0], owners[1], "one owner for two requests");
     assert!(backend.is_empty());
 }
+
+/// A rejection handler that writes its own body but says nothing of when to retry: the
+/// client still gets the layer's `Retry-After`, over HTTP/1.1 and HTTP/2 (it got only
+/// `content-type` and `content-length`). A handler that sets its own keeps it, and a
+/// handler's non-error answer gets none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejection_handler_without_retry_after_keeps_the_layers() {
+    let client = LockClient::new(MemoryBackend::new());
+    let layer = |retry: Option<&'static str>, status: StatusCode| {
+        LockLayer::builder(
+            client.clone(),
+            key_from(|Path(id): Path<u64>| LockKey::namespaced("acct", &id.to_string())),
+        )
+        .max_wait(Duration::ZERO)
+        .busy_retry_after(Duration::from_secs(3))
+        .on_rejection(move |r: Rejection| {
+            let body = axum::Json(serde_json::json!({ "error": r.message() }));
+            match retry {
+                Some(secs) => (status, [(header::RETRY_AFTER, secs)], body).into_response(),
+                None => (status, body).into_response(),
+            }
+        })
+        .build()
+        .unwrap()
+    };
+    let handler = post(|| async { "served" });
+    let app = Router::new()
+        .route(
+            "/plain/{id}",
+            handler
+                .clone()
+                .route_layer(layer(None, StatusCode::TOO_MANY_REQUESTS)),
+        )
+        .route(
+            "/own/{id}",
+            handler
+                .clone()
+                .route_layer(layer(Some("9"), StatusCode::TOO_MANY_REQUESTS)),
+        )
+        .route("/ok/{id}", handler.route_layer(layer(None, StatusCode::OK)));
+    let server = serve(app).await;
+    let _held = client
+        .get_lock(LockKey::namespaced("acct", "7").unwrap())
+        .unwrap()
+        .lock()
+        .await
+        .unwrap();
+    for proto in [Proto::Http1, Proto::Http2] {
+        let res = send(server.addr, proto, Method::POST, "/plain/7", &[]).await;
+        assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS, "{proto:?}");
+        assert_eq!(
+            header_of(&res, header::RETRY_AFTER).as_deref(),
+            Some("3"),
+            "{proto:?}"
+        );
+        assert_eq!(
+            header_of(&res, header::CONTENT_TYPE).as_deref(),
+            Some("application/json")
+        );
+        let res = send(server.addr, proto, Method::POST, "/own/7", &[]).await;
+        assert_eq!(
+            header_of(&res, header::RETRY_AFTER).as_deref(),
+            Some("9"),
+            "{proto:?}"
+        );
+        assert_eq!(res.headers().get_all(header::RETRY_AFTER).iter().count(), 1);
+        let res = send(server.addr, proto, Method::POST, "/ok/7", &[]).await;
+        assert_eq!(res.status(), StatusCode::OK);
+        assert_eq!(header_of(&res, header::RETRY_AFTER), None, "{proto:?}");
+    }
+}
