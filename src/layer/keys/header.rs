@@ -14,7 +14,11 @@ use crate::namespace::Namespace;
 /// [`LockKey::namespaced`](crate::LockKey::namespaced).
 ///
 /// A missing header is a 400 unless the extractor is [`optional`](HeaderKey::optional);
-/// a header sent twice, or one that is not visible ASCII, is a 400.
+/// a header sent twice, or one with a byte outside visible ASCII, space and tab (what
+/// [`HeaderValue::to_str`](http::HeaderValue::to_str) reads), is a 400. Spaces inside
+/// a value are part of the key (`a b` keys `{a b}`; a tab is escaped, `%09`, like any
+/// control character): HTTP has already trimmed whitespace from its ends, and a key is
+/// an exact string, so two spellings never share a lock by accident.
 ///
 /// Headers are set by the client: see the warning on [`KeyExtractor`].
 ///
@@ -78,9 +82,12 @@ impl HeaderKey {
                 self.name
             )));
         }
-        let value = value
-            .to_str()
-            .map_err(|_| KeyError::new(format!("header `{}` is not visible ASCII", self.name)))?;
+        let value = value.to_str().map_err(|_| {
+            KeyError::new(format!(
+                "header `{}` is not visible ASCII (spaces and tabs aside)",
+                self.name
+            ))
+        })?;
         let what = format!("header `{}`", self.name);
         Ok(Keys::from(namespaced(&self.namespace, &what, value)?))
     }
@@ -137,6 +144,20 @@ mod tests {
         assert!(long.message().contains("limit"), "{long}");
 
         assert!(keys.clone().optional().keys(&head(&[])).unwrap().is_empty());
+
+        // Inner spaces are part of the key and a tab is escaped, as documented; other
+        // bytes are not visible ASCII.
+        assert_eq!(
+            keys_of(&got, &head(&[("x-user-id", "a b\tc")])),
+            ["user:{a b%09c}"]
+        );
+        let mut binary = head(&[]);
+        binary
+            .headers
+            .insert(USER, http::HeaderValue::from_bytes(b"a\xffb").unwrap());
+        let binary = keys.keys(&binary).unwrap_err();
+        assert_eq!(binary.status(), StatusCode::BAD_REQUEST);
+        assert!(binary.message().contains("not visible ASCII"), "{binary}");
     }
 
     #[tokio::test]
