@@ -217,7 +217,7 @@ impl PostgresBackend {
     }
 
     /// The table of holds, qualified: `<schema>.<table>`; its companions add `_queue`,
-    /// `_fence`, `_clients`.
+    /// `_fence`, `_clients`, `_gone`.
     pub fn qualified_table(&self) -> &str {
         &self.inner.qualified
     }
