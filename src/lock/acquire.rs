@@ -225,7 +225,7 @@ impl Start {
 }
 
 /// What the fast path found.
-pub(crate) enum Fast {
+enum Fast {
     /// Answered on the spot: the guard, or why there is none.
     Done(Result<LockGuard>),
     /// The store answered busy (with the holder's remaining lease), and nothing was left
@@ -238,7 +238,7 @@ pub(crate) enum Fast {
 /// The acquisition, answered on the spot when it can be: a free lock of an unqueued
 /// mode on a backend that answers without I/O (memory). Anything that would do I/O or
 /// queue is deferred, with nothing left behind, to [`acquire_waiting`].
-pub(crate) fn try_acquire_now(lock: &Lock, owner: Option<Owner>, lease: Lease) -> Fast {
+fn try_acquire_now(lock: &Lock, owner: Option<Owner>, lease: Lease) -> Fast {
     let client = &lock.client;
     let backend = client.backend();
     // A busy attempt in a queued mode would queue this owner: only the waiting path
@@ -357,9 +357,9 @@ where
 
 /// What the waiting path starts from: the caller's deadline, and the busy answer (the
 /// holder's remaining lease) the fast path got, if any.
-pub(crate) struct Known {
-    pub(crate) deadline: Option<Instant>,
-    pub(crate) busy: Option<Option<Duration>>,
+struct Known {
+    deadline: Option<Instant>,
+    busy: Option<Option<Duration>>,
 }
 
 /// Acquires `lock` as `owner` (`None`: a fresh owner, used for this acquisition only),
@@ -382,7 +382,7 @@ pub(crate) async fn acquire_as(
 }
 
 /// [`acquire_as`] past the fast path, which [`begin_acquire`] has just tried.
-pub(crate) async fn acquire_waiting(
+async fn acquire_waiting(
     lock: &Lock,
     owner: Option<Owner>,
     known: Known,
@@ -892,8 +892,8 @@ enum AttemptAnswer {
 /// One acquire call. A call cancelled in flight may still have taken the lock in the
 /// store, or queued its owner there: a release (and, for a queueing mode, leaving the
 /// queue) is then spawned for it. The owner is the hold's own, so that touches nothing
-/// else, whenever it lands. A call that fails is left to the caller (see
-/// [`compensate_now`]).
+/// else, whenever it lands. A call that fails is left to the caller, which gives its
+/// identity up ([`compensate_later`]).
 async fn attempt(client: &LockClient, req: &LockRequest) -> Result<AttemptAnswer> {
     struct InFlight<'a> {
         client: &'a LockClient,
