@@ -49,6 +49,8 @@ mod redis_backend;
 mod redis_cluster;
 #[cfg(feature = "cluster")]
 mod redis_cluster_failover;
+#[cfg(feature = "cluster")]
+mod redis_cluster_pubsub;
 #[cfg(feature = "sentinel")]
 mod redis_failover;
 #[cfg(feature = "redis")]

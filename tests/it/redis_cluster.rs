@@ -4,16 +4,17 @@
 
 use crate::common;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::kinds::{self, Kind, KindFixture};
-use common::redis_server::RedisCluster;
+use common::redis_server::{RedisCluster, command_calls};
 use redis::cluster_async::ClusterConnection;
-use tower_lock::backend::{LockBackend, LockMode};
+use tower_lock::backend::{Acquire, LockBackend, LockMode, LockRequest, Release};
 use tower_lock::testing::Fixture;
-use tower_lock::{LockClient, LockKey, RedisBackend};
+use tower_lock::{HoldId, LockClient, LockKey, RedisBackend};
 
 struct Cluster {
     cluster: Arc<RedisCluster>,
@@ -210,4 +211,76 @@ async fn conformance_suite_on_a_three_master_cluster() {
     for g in guards {
         g.unlock().await.unwrap();
     }
+}
+
+/// Group commit on a cluster: 96 acquisitions started together, of keys in three hash
+/// slots, share script calls — one call carries only keys of one slot, so each goes to
+/// its slot's master — and every one is answered as if alone; so are the releases, and
+/// nothing is left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquisitions_in_flight_together_share_script_calls_per_slot() {
+    let cluster = RedisCluster::start(3).await;
+    let backend = RedisBackend::cluster(cluster.urls()).build().await.unwrap();
+    let keys: Vec<LockKey> = (0..96)
+        .map(|i| LockKey::new(format!("{{slot-{}}}:{i}", i % 3)).unwrap())
+        .collect();
+    let reqs: Vec<LockRequest> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| {
+            LockRequest::new(
+                k.clone(),
+                HoldId::from_raw(format!("grouped:{i}")).unwrap(),
+                LockMode::Exclusive,
+                Duration::from_secs(30),
+            )
+        })
+        .collect();
+    let script_calls = || async {
+        let mut calls = 0;
+        for node in &cluster.nodes {
+            calls += command_calls(&mut node.conn().await, &["evalsha", "eval"]).await;
+        }
+        calls
+    };
+    let before = script_calls().await;
+    let acquired = futures_util::future::join_all(reqs.iter().map(|r| backend.acquire(r))).await;
+    let calls = script_calls().await - before;
+    for (i, a) in acquired.iter().enumerate() {
+        assert!(
+            matches!(a, Ok(Acquire::Acquired(g)) if g.holds() == 1),
+            "acquisition {i}: {a:?}"
+        );
+    }
+    assert!(
+        calls < 96,
+        "96 acquisitions together took {calls} script calls"
+    );
+    let mut raw = redis::cluster::ClusterClient::new(cluster.urls())
+        .unwrap()
+        .get_async_connection()
+        .await
+        .unwrap();
+    for (i, k) in keys.iter().enumerate() {
+        let holder: HashMap<String, i64> = redis::cmd("HGETALL")
+            .arg(backend.lock_name(k))
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+        assert_eq!(
+            holder,
+            HashMap::from([(format!("grouped:{i}"), 1)]),
+            "key {i}"
+        );
+    }
+    let released = futures_util::future::join_all(reqs.iter().map(|r| backend.release(r))).await;
+    assert!(
+        released.iter().all(|r| matches!(r, Ok(Release::Released))),
+        "{released:?}"
+    );
+    for node in &cluster.nodes {
+        let left = node.keys("*slot-*").await;
+        assert!(left.is_empty(), "left on {}: {left:?}", node.port());
+    }
+    eprintln!("96 acquisitions in three slots took {calls} script calls");
 }

@@ -18,8 +18,10 @@
 //! Acquisitions carry the deadline of the call that sends them (see
 //! [`clock`](crate::backend::clock)): a call that arrives after it takes nothing.
 //!
-//! Only for a single server: on a cluster, a script's keys must share a hash slot, and
-//! every operation is sent alone.
+//! On a cluster a script's keys must share a hash slot, so what is queued is split by
+//! slot, in queue order, and each slot's share goes in its own call, all at once (each
+//! to the master of its slot). Operations on one key share its slot, so they still run
+//! in queue order; the next batch waits for every call of this one.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -78,8 +80,8 @@ impl Batcher {
     }
 }
 
-/// Runs `op` for `req` (an exclusive lock on a single server): alone when nothing is in
-/// flight, else in the next batch. Sent by a task: dropping or parking this future
+/// Runs `op` for `req` (an exclusive lock): alone when nothing is in flight, else in
+/// the next batch. Sent by a task: dropping or parking this future
 /// never holds up anyone else's operation.
 pub(super) async fn run(inner: &Arc<Inner>, op: Op, req: &LockRequest) -> Result<OpReply> {
     let (reply, receiver) = oneshot::channel();
@@ -177,7 +179,35 @@ async fn drain(mut drainer: Drainer) {
             let n = state.queue.len().min(MAX_BATCH);
             state.queue.drain(..n).collect()
         };
-        send(&inner, batch).await;
+        let mut groups = by_slot(&inner, batch);
+        match groups.pop() {
+            Some(group) if groups.is_empty() => send(&inner, group).await,
+            Some(group) => {
+                groups.push(group);
+                futures_util::future::join_all(groups.into_iter().map(|g| send(&inner, g))).await;
+            }
+            None => {}
+        }
+    }
+}
+
+/// `batch` split into the groups one script call may carry, each in queue order: all of
+/// it on a single server, one group per hash slot on a cluster.
+fn by_slot(inner: &Inner, batch: Vec<Queued>) -> Vec<Vec<Queued>> {
+    match &inner.conn {
+        super::Conn::Single(_) => vec![batch],
+        #[cfg(feature = "cluster")]
+        super::Conn::Cluster(_) => {
+            let mut groups: Vec<(redis::cluster_routing::Slot, Vec<Queued>)> = Vec::new();
+            for q in batch {
+                let slot = redis::cluster_routing::Slot::for_key(q.lock.as_bytes());
+                match groups.iter_mut().find(|(s, _)| *s == slot) {
+                    Some((_, group)) => group.push(q),
+                    None => groups.push((slot, vec![q])),
+                }
+            }
+            groups.into_iter().map(|(_, group)| group).collect()
+        }
     }
 }
 
@@ -220,7 +250,7 @@ async fn send_one(inner: &Inner, q: Queued, deadline: u64) {
 
 /// Several operations: one `lock_batch.lua` call, three values per operation.
 async fn send_many(inner: &Inner, batch: Vec<Queued>, deadline: u64) {
-    let mut invocation = super::SCRIPTS.batch.prepare_invoke();
+    let mut invocation = inner.publish.scripts().batch.prepare_invoke();
     invocation.arg(deadline);
     for q in &batch {
         invocation.key(q.lock.as_str()).key(q.second.as_str());

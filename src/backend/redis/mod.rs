@@ -22,14 +22,15 @@
 //! permit scripts and the exclusive batch with `lua/lib.lua`'s helpers in front), run through [`redis::Script`]
 //! (`EVALSHA`, with `EVAL` fallback when the server does not have it cached).
 //!
-//! Exclusive acquisitions and releases on a single server are group-committed: one
+//! Exclusive acquisitions and releases are group-committed: one
 //! that finds no such call in flight is sent at once, alone; those that arrive while
 //! one is in flight wait for it and then go together, up to 128 in one call of
 //! `lua/lock_batch.lua`, which does for each exactly what the single-key script would
 //! (an operation on a key of the wrong type fails alone). The fixed cost of entering a
 //! script is then paid once per batch, not once per lock. Every operation is sent by a
 //! spawned task, so a caller that gives up, or whose future is parked and never polled
-//! again, never holds up the others. On a cluster every operation goes alone.
+//! again, never holds up the others. On a cluster a batch is split by hash slot, and
+//! each slot's share goes to its master in a call of its own, all at once.
 //!
 //! Every acquisition carries a deadline on the server's clock, one [response
 //! timeout](RedisBackendBuilder::response_timeout) after it is sent; the scripts refuse
@@ -198,15 +199,70 @@ struct Scripts {
     inspect: Script,
 }
 
-static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
-    acquire: Script::new(include_str!("../../../lua/lock_acquire.lua")),
-    batch: modes::with_lib(include_str!("../../../lua/lock_batch.lua")),
-    release: Script::new(include_str!("../../../lua/lock_release.lua")),
-    renew: Script::new(include_str!("../../../lua/lock_renew.lua")),
-    renew_many: Script::new(include_str!("../../../lua/lock_renew_many.lua")),
-    force_release: Script::new(include_str!("../../../lua/lock_force_release.lua")),
-    inspect: modes::with_lib(include_str!("../../../lua/inspect.lua")),
-});
+impl Scripts {
+    fn new(publish: Publish) -> Self {
+        Scripts {
+            acquire: publish.script(include_str!("../../../lua/lock_acquire.lua")),
+            batch: publish.with_lib(include_str!("../../../lua/lock_batch.lua")),
+            release: publish.script(include_str!("../../../lua/lock_release.lua")),
+            renew: publish.script(include_str!("../../../lua/lock_renew.lua")),
+            renew_many: publish.script(include_str!("../../../lua/lock_renew_many.lua")),
+            force_release: publish.script(include_str!("../../../lua/lock_force_release.lua")),
+            inspect: publish.with_lib(include_str!("../../../lua/inspect.lua")),
+        }
+    }
+}
+
+static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts::new(Publish::Classic));
+static SHARDED_SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts::new(Publish::Sharded));
+
+/// How the scripts publish releases: with classic `PUBLISH`, which a cluster forwards to
+/// every node, or with sharded `SPUBLISH` (Redis 7), which stays on the key's shard and
+/// reaches `SSUBSCRIBE`rs only — Redisson's choice on a cluster that supports it. The
+/// `lua/` files say `redis.call('publish', ...)`; the sharded variant of each script is
+/// the same text with that call renamed, so one file serves both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Publish {
+    Classic,
+    Sharded,
+}
+
+/// How every script in `lua/` calls `PUBLISH` (checked by a test), and its sharded form.
+const PUBLISH_CALL: &str = "redis.call('publish', ";
+const SPUBLISH_CALL: &str = "redis.call('spublish', ";
+
+impl Publish {
+    /// `source` as a script that publishes this way.
+    fn script(self, source: &str) -> Script {
+        Script::new(&self.text(source))
+    }
+
+    /// The shared helpers followed by `body`, as one script that publishes this way.
+    fn with_lib(self, body: &str) -> Script {
+        self.script(&[modes::LIB, body].concat())
+    }
+
+    fn text(self, source: &str) -> String {
+        match self {
+            Publish::Classic => source.to_owned(),
+            Publish::Sharded => source.replace(PUBLISH_CALL, SPUBLISH_CALL),
+        }
+    }
+
+    fn scripts(self) -> &'static Scripts {
+        match self {
+            Publish::Classic => &SCRIPTS,
+            Publish::Sharded => &SHARDED_SCRIPTS,
+        }
+    }
+
+    fn mode_scripts(self) -> &'static modes::ModeScripts {
+        match self {
+            Publish::Classic => &modes::MODE_SCRIPTS,
+            Publish::Sharded => &modes::SHARDED_MODE_SCRIPTS,
+        }
+    }
+}
 
 /// A lock store on Redis. See the [module docs](self).
 ///
@@ -504,7 +560,7 @@ struct Inner {
     profile: StoreProfile,
     hub: pubsub::Hub,
     waiter_timeout: Duration,
-    /// Group commit of exclusive acquisitions and releases (single server only).
+    /// Group commit of exclusive acquisitions and releases (per hash slot on a cluster).
     batcher: batch::Batcher,
     /// The server's clock, for the deadlines of attempts.
     clock: StoreClock,
@@ -513,6 +569,8 @@ struct Inner {
     attempt_window: Duration,
     /// Replica acknowledgement of writes, when configured.
     synced: Option<Synced>,
+    /// How the scripts publish releases (sharded on a Redis 7 cluster).
+    publish: Publish,
     _stop_hub: DropGuard,
 }
 
@@ -548,6 +606,31 @@ impl Replicated {
     }
 }
 
+/// `invocation` followed by `then` (a `WAIT`) in one pipeline on a cluster: it goes to
+/// the master of the script's slot (`WAIT` itself names no key), and a redirection moves
+/// both. A script the node does not have yet is loaded, and the pair sent again.
+#[cfg(feature = "cluster")]
+async fn cluster_invoke_then<T: FromRedisValue, U: FromRedisValue>(
+    conn: &redis::cluster_async::ClusterConnection,
+    invocation: &redis::ScriptInvocation<'_>,
+    then: &redis::Cmd,
+) -> RedisResult<(T, U)> {
+    let mut conn = conn.clone();
+    let mut pipe = redis::pipe();
+    pipe.invoke_script(invocation).add_command(then.clone());
+    let no_script = redis::ErrorKind::Server(redis::ServerErrorKind::NoScript);
+    let mut result = pipe.query_async(&mut conn).await;
+    for _ in 0..2 {
+        match &result {
+            Err(error) if error.kind() == no_script => {}
+            _ => break,
+        }
+        invocation.load_async(&mut conn).await?;
+        result = pipe.query_async(&mut conn).await;
+    }
+    result
+}
+
 impl Inner {
     async fn invoke<T: FromRedisValue>(
         &self,
@@ -563,23 +646,32 @@ impl Inner {
     }
 
     /// Runs `invocation`, a write. With replica acknowledgement, `WAIT` follows it in
-    /// the same write on the same connection, and the answer says whether enough
-    /// replicas acknowledged (a cluster does not wait: its builder refuses the setting).
+    /// the same write on the same connection (on a cluster: to the master of the
+    /// script's slot, in one pipeline), and the answer says whether enough replicas
+    /// acknowledged.
     async fn write<T: FromRedisValue>(
         &self,
         invocation: &redis::ScriptInvocation<'_>,
     ) -> Result<(T, Replicated)> {
-        let (Conn::Single(single), Some(synced)) = (&self.conn, self.synced) else {
+        let Some(synced) = self.synced else {
             return Ok((self.invoke(invocation).await?, Replicated::Enough));
         };
         let mut wait = redis::cmd("WAIT");
         wait.arg(synced.replicas).arg(lease_ms(synced.timeout));
-        let result = single.invoke_then::<T, i64>(invocation, &wait).await;
+        let result = match &self.conn {
+            Conn::Single(single) => single.invoke_then::<T, i64>(invocation, &wait).await,
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(conn) => cluster_invoke_then(conn, invocation, &wait).await,
+        };
         let (value, acked) = self.checked(result)?;
         let replicated = if acked >= i64::from(synced.replicas) {
             Replicated::Enough
         } else {
-            single.follow_primary().await;
+            match &self.conn {
+                Conn::Single(single) => single.follow_primary().await,
+                #[cfg(feature = "cluster")]
+                Conn::Cluster(_) => {}
+            }
             Replicated::Short {
                 acked,
                 wanted: synced.replicas,
@@ -664,7 +756,8 @@ impl Inner {
         deadline: u64,
     ) -> Result<Acquire> {
         self.write_grant(
-            SCRIPTS
+            self.publish
+                .scripts()
                 .acquire
                 .key(lock)
                 .key(fence)
@@ -672,22 +765,6 @@ impl Inner {
                 .arg(owner)
                 .arg(if fenced { "1" } else { "0" })
                 .arg(deadline),
-        )
-        .await
-    }
-
-    /// One exclusive acquisition of `req`, alone, with a deadline of its own (a
-    /// cluster's, which does not group-commit).
-    #[cfg(feature = "cluster")]
-    async fn acquire_req(&self, req: &LockRequest) -> Result<Acquire> {
-        let deadline = self.attempt_deadline().await?;
-        self.acquire_one(
-            &Names::lock(&self.prefix, &req.key),
-            &Names::fence(&self.prefix, &req.key),
-            lease_ms(req.lease),
-            req.hold_id.as_str(),
-            req.fenced,
-            deadline,
         )
         .await
     }
@@ -703,7 +780,8 @@ impl Inner {
     ) -> Result<Release> {
         let reply: i64 = self
             .write_waited(
-                SCRIPTS
+                self.publish
+                    .scripts()
                     .release
                     .key(lock)
                     .key(channel)
@@ -736,8 +814,32 @@ pub struct RedisBackendBuilder {
     lazy: bool,
     /// Replica acknowledgement: `None` for the target's default.
     synced: Option<Synced>,
+    sharded_pubsub: ShardedPubSub,
     #[cfg(feature = "sentinel")]
     sentinel_node: Option<redis::sentinel::SentinelNodeConnectionInfo>,
+}
+
+/// Whether a cluster's wake-ups go through sharded pub/sub (`SPUBLISH`/`SSUBSCRIBE`,
+/// Redis 7): each release is published on its key's shard only, instead of being
+/// forwarded to every node of the cluster as a classic `PUBLISH` is. See
+/// [`RedisBackendBuilder::sharded_pubsub`].
+///
+/// A sharded message reaches sharded subscribers only, and a classic one classic
+/// subscribers only: every client locking the same names must choose alike. Redisson
+/// chooses with its `shardedSubscriptionMode` (default `AUTO`), as [`Auto`](Self::Auto)
+/// does here.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ShardedPubSub {
+    /// Sharded when the cluster's nodes know `PUBSUB SHARDNUMSUB` (Redis 7 and later),
+    /// classic otherwise: the choice Redisson makes by default.
+    #[default]
+    Auto,
+    /// Always sharded; the cluster must run Redis 7 or later.
+    On,
+    /// Always classic `PUBLISH`/`SUBSCRIBE`, as Redisson with
+    /// `shardedSubscriptionMode: OFF`.
+    Off,
 }
 
 /// Writes wait until this many replicas have them, for at most this long.
@@ -831,9 +933,11 @@ impl RedisBackend {
     }
 
     /// Configures a backend for a Redis Cluster reached through `nodes` (any subset of
-    /// its nodes; the topology is discovered). Releases are published with classic
-    /// `PUBLISH`, which the cluster forwards to every node, so the pub/sub connection
-    /// listens on the first reachable node of `nodes`.
+    /// its nodes; the topology is discovered). On Redis 7 and later, releases are
+    /// published with sharded `SPUBLISH` and waiters listen on the node of each
+    /// channel's slot; on older servers with classic `PUBLISH`, which the cluster
+    /// forwards to every node, heard on the first reachable node of `nodes` (see
+    /// [`sharded_pubsub`](RedisBackendBuilder::sharded_pubsub)).
     #[cfg(feature = "cluster")]
     #[cfg_attr(docsrs, doc(cfg(feature = "cluster")))]
     pub fn cluster<T: IntoConnectionInfo>(
@@ -901,6 +1005,7 @@ impl RedisBackend {
             pubsub_keepalive: DEFAULT_PUBSUB_KEEPALIVE,
             lazy: false,
             synced: None,
+            sharded_pubsub: ShardedPubSub::Auto,
             #[cfg(feature = "sentinel")]
             sentinel_node: None,
         }
@@ -960,40 +1065,22 @@ impl RedisBackend {
     }
 
     async fn acquire_exclusive(&self, req: &LockRequest) -> Result<Acquire> {
-        match &self.inner.conn {
-            Conn::Single(_) => match batch::run(&self.inner, batch::Op::Acquire, req).await? {
-                batch::OpReply::Acquire(acquire) => Ok(acquire),
-                batch::OpReply::Release(_) => Err(Error::store(
-                    StoreErrorKind::Unexpected,
-                    "an acquisition was answered as a release",
-                )),
-            },
-            #[cfg(feature = "cluster")]
-            Conn::Cluster(_) => self.inner.acquire_req(req).await,
+        match batch::run(&self.inner, batch::Op::Acquire, req).await? {
+            batch::OpReply::Acquire(acquire) => Ok(acquire),
+            batch::OpReply::Release(_) => Err(Error::store(
+                StoreErrorKind::Unexpected,
+                "an acquisition was answered as a release",
+            )),
         }
     }
 
     async fn release_exclusive(&self, req: &LockRequest) -> Result<Release> {
-        match &self.inner.conn {
-            Conn::Single(_) => match batch::run(&self.inner, batch::Op::Release, req).await? {
-                batch::OpReply::Release(release) => Ok(release),
-                batch::OpReply::Acquire(_) => Err(Error::store(
-                    StoreErrorKind::Unexpected,
-                    "a release was answered as an acquisition",
-                )),
-            },
-            #[cfg(feature = "cluster")]
-            Conn::Cluster(_) => {
-                let prefix = &self.inner.prefix;
-                self.inner
-                    .release_one(
-                        &Names::lock(prefix, &req.key),
-                        &Names::channel(prefix, &req.key),
-                        lease_ms(req.lease),
-                        req.hold_id.as_str(),
-                    )
-                    .await
-            }
+        match batch::run(&self.inner, batch::Op::Release, req).await? {
+            batch::OpReply::Release(release) => Ok(release),
+            batch::OpReply::Acquire(_) => Err(Error::store(
+                StoreErrorKind::Unexpected,
+                "a release was answered as an acquisition",
+            )),
         }
     }
 
@@ -1010,7 +1097,9 @@ impl RedisBackend {
         let prefix = &self.inner.prefix;
         let reply: Vec<String> = self
             .invoke(
-                SCRIPTS
+                self.inner
+                    .publish
+                    .scripts()
                     .inspect
                     .key(Names::lock(prefix, key).as_ref())
                     .key(Names::fence(prefix, key))
@@ -1034,7 +1123,9 @@ impl RedisBackend {
         let prefix = &self.inner.prefix;
         let removed: i64 = self
             .invoke(
-                SCRIPTS
+                self.inner
+                    .publish
+                    .scripts()
                     .force_release
                     .key(Names::lock(prefix, key).as_ref())
                     .key(Names::channel(prefix, key))
@@ -1077,7 +1168,8 @@ impl RedisBackend {
         // All batches are sent at once; the multiplexed connection pipelines them, so a
         // period costs one round trip per connection.
         let calls = batches.iter().map(|batch| async move {
-            let invocation = renewal_script(&self.inner.prefix, reqs, batch, mixed);
+            let invocation =
+                renewal_script(self.inner.publish, &self.inner.prefix, reqs, batch, mixed);
             let reply: Result<Vec<i64>> = self.inner.write_strict(&invocation).await;
             reply
         });
@@ -1115,13 +1207,14 @@ impl RedisBackend {
 /// The script call that renews the holds `batch` picks out of `reqs`: the one for every
 /// mode when `mixed`, else the lighter one for plain (exclusive and fair) holds.
 fn renewal_script(
+    publish: Publish,
     prefix: &str,
     reqs: &[LockRequest],
     batch: &[usize],
     mixed: bool,
 ) -> redis::ScriptInvocation<'static> {
     if mixed {
-        let mut invocation = modes::MODE_SCRIPTS.renew_many_modes.prepare_invoke();
+        let mut invocation = publish.mode_scripts().renew_many_modes.prepare_invoke();
         for &i in batch {
             invocation
                 .key(Names::lock(prefix, &reqs[i].key).as_ref())
@@ -1135,7 +1228,7 @@ fn renewal_script(
         }
         invocation
     } else {
-        let mut invocation = SCRIPTS.renew_many.prepare_invoke();
+        let mut invocation = publish.scripts().renew_many.prepare_invoke();
         for &i in batch {
             invocation.key(Names::lock(prefix, &reqs[i].key).as_ref());
         }
@@ -1475,7 +1568,8 @@ impl RedisBackendBuilder {
     /// attempt up, which releases the grant, and the watchdog counts the renewal as
     /// failed. A release is waited for, not failed (one lost in a failover leaves the
     /// hold until its lease ends, never a second holder). A batch of grouped
-    /// operations waits once. `replicas` 0 turns it off.
+    /// operations waits once. On a cluster the `WAIT` goes with the script to the
+    /// master of its slot. `replicas` 0 turns it off.
     ///
     /// Default: off for a single server and a cluster; 1 replica within half the
     /// response timeout behind [Sentinel](RedisBackend::sentinel).
@@ -1489,6 +1583,15 @@ impl RedisBackendBuilder {
     /// should use.
     pub fn synced_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
         self.synced = Some(Synced { replicas, timeout });
+        self
+    }
+
+    /// Whether a cluster publishes releases and listens for them with sharded pub/sub
+    /// (see [`ShardedPubSub`]). Default: [`ShardedPubSub::Auto`], sharded on Redis 7
+    /// and later, as Redisson does. Only a [cluster](RedisBackend::cluster) has shards:
+    /// [`ShardedPubSub::On`] for any other target is refused at build.
+    pub fn sharded_pubsub(mut self, mode: ShardedPubSub) -> Self {
+        self.sharded_pubsub = mode;
         self
     }
 
@@ -1513,12 +1616,13 @@ impl RedisBackendBuilder {
         self.validate()?;
         let Connected {
             conn,
-            pubsub_nodes,
+            pubsub,
+            publish,
             store_id,
         } = self.connect().await?;
         let synced = self.synced();
         let shutdown = CancellationToken::new();
-        let hub = pubsub::Hub::start(pubsub_nodes, self.pubsub_keepalive, shutdown.clone());
+        let hub = pubsub::Hub::start(pubsub, self.pubsub_keepalive, shutdown.clone());
         Ok(RedisBackend {
             inner: Arc::new(Inner {
                 conn,
@@ -1533,6 +1637,7 @@ impl RedisBackendBuilder {
                 clock: StoreClock::default(),
                 attempt_window: self.response_timeout,
                 synced,
+                publish,
                 _stop_hub: shutdown.drop_guard(),
             }),
         })
@@ -1553,27 +1658,33 @@ impl RedisBackendBuilder {
         configured.filter(|s| s.replicas > 0)
     }
 
+    fn is_cluster(&self) -> bool {
+        #[cfg(feature = "cluster")]
+        if matches!(self.target, Target::Cluster(_)) {
+            return true;
+        }
+        false
+    }
+
     /// Checks every setting but the target, in the order of their errors.
     fn validate(&self) -> Result<()> {
         if let Some(synced) = self.synced
             && synced.replicas > 0
+            && (synced.timeout.is_zero() || synced.timeout >= self.response_timeout)
         {
-            if synced.timeout.is_zero() || synced.timeout >= self.response_timeout {
-                return Err(Error::invalid_config(
-                    "synced_replicas",
-                    format!(
-                        "timeout must be above zero and below the response timeout of {:?}, which bounds the write and its WAIT together (got {:?})",
-                        self.response_timeout, synced.timeout
-                    ),
-                ));
-            }
-            #[cfg(feature = "cluster")]
-            if matches!(self.target, Target::Cluster(_)) {
-                return Err(Error::invalid_config(
-                    "synced_replicas",
-                    "is not supported on a cluster yet (got replicas > 0)",
-                ));
-            }
+            return Err(Error::invalid_config(
+                "synced_replicas",
+                format!(
+                    "timeout must be above zero and below the response timeout of {:?}, which bounds the write and its WAIT together (got {:?})",
+                    self.response_timeout, synced.timeout
+                ),
+            ));
+        }
+        if self.sharded_pubsub == ShardedPubSub::On && !self.is_cluster() {
+            return Err(Error::invalid_config(
+                "sharded_pubsub",
+                "is for a cluster, the only target with shards (got On)",
+            ));
         }
         crate::namespace::Namespace::for_setting("key_prefix", self.key_prefix.clone())?;
         for (name, value) in [
@@ -1662,7 +1773,8 @@ impl RedisBackendBuilder {
                 self.connection_timeout,
                 (conn, addr),
             ))),
-            pubsub_nodes: vec![primary],
+            pubsub: pubsub::Source::Nodes(vec![primary]),
+            publish: Publish::Classic,
             store_id,
         })
     }
@@ -1726,7 +1838,7 @@ impl RedisBackendBuilder {
             .map(Client::open)
             .collect::<RedisResult<Vec<_>>>()
             .map_err(map_error)?;
-        let client = redis::cluster::ClusterClient::builder(nodes)
+        let client = redis::cluster::ClusterClient::builder(nodes.clone())
             .response_timeout(self.response_timeout)
             .connection_timeout(self.connection_timeout)
             .retries(u32::try_from(self.reconnect_retries).unwrap_or(u32::MAX))
@@ -1739,19 +1851,43 @@ impl RedisBackendBuilder {
             .collect();
         addrs.sort();
         let store_id = format!("redis-cluster:{}:{}", addrs.join(","), self.key_prefix);
+        let mut conn = conn;
+        let sharded = match self.sharded_pubsub {
+            ShardedPubSub::On => true,
+            ShardedPubSub::Off => false,
+            // Redisson's test: every node knows the sharded pub/sub commands.
+            ShardedPubSub::Auto => redis::cmd("PUBSUB")
+                .arg("SHARDNUMSUB")
+                .query_async::<redis::Value>(&mut conn)
+                .await
+                .is_ok(),
+        };
+        let (pubsub, publish) = if sharded {
+            let source = pubsub::Source::Sharded {
+                nodes,
+                response_timeout: self.response_timeout,
+                connection_timeout: self.connection_timeout,
+            };
+            (source, Publish::Sharded)
+        } else {
+            let nodes = pubsub_nodes.into_iter().map(Primary::Fixed).collect();
+            (pubsub::Source::Nodes(nodes), Publish::Classic)
+        };
         Ok(Connected {
             conn: Conn::Cluster(Box::new(conn)),
-            pubsub_nodes: pubsub_nodes.into_iter().map(Primary::Fixed).collect(),
+            pubsub,
+            publish,
             store_id,
         })
     }
 }
 
-/// What [`RedisBackendBuilder::build`] connected: the command connection, the nodes
-/// the pub/sub connection may use, and the store's identity.
+/// What [`RedisBackendBuilder::build`] connected: the command connection, where the
+/// pub/sub connection listens, how releases are published, and the store's identity.
 struct Connected {
     conn: Conn,
-    pubsub_nodes: Vec<Primary>,
+    pubsub: pubsub::Source,
+    publish: Publish,
     store_id: String,
 }
 
@@ -1777,7 +1913,9 @@ impl LockBackend for RedisBackend {
             let renewed: i64 = self
                 .inner
                 .write_strict(
-                    SCRIPTS
+                    self.inner
+                        .publish
+                        .scripts()
                         .renew
                         .key(Names::lock(&self.inner.prefix, &req.key).as_ref())
                         .arg(lease_ms(req.lease))
@@ -2031,5 +2169,40 @@ mod tests {
     fn scripts_are_the_lua_files() {
         assert!(SCRIPTS.acquire.get_hash().len() == 40);
         assert_ne!(SCRIPTS.acquire.get_hash(), SCRIPTS.release.get_hash());
+    }
+
+    /// The sharded scripts are the files with `PUBLISH` renamed: every publish in
+    /// `lua/` must be spelled as [`PUBLISH_CALL`], or the rename would miss it and a
+    /// cluster's waiters would sleep through that release.
+    #[test]
+    fn every_publish_in_the_scripts_is_renamed_for_sharded_pubsub() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("lua");
+        let mut publishes = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let source = std::fs::read_to_string(&path).unwrap();
+            let code: String = source
+                .lines()
+                .filter(|l| !l.trim_start().starts_with("--"))
+                .map(|l| format!("{}\n", l.to_lowercase()))
+                .collect();
+            let calls = code.matches("publish").count();
+            let spelled = code.matches(PUBLISH_CALL).count();
+            assert_eq!(
+                calls,
+                spelled,
+                "{} publishes in another spelling",
+                path.display()
+            );
+            let sharded = Publish::Sharded.text(&source);
+            assert!(!sharded.contains(PUBLISH_CALL), "{}", path.display());
+            assert_eq!(sharded.matches(SPUBLISH_CALL).count(), spelled);
+            publishes += spelled;
+        }
+        assert!(publishes >= 10, "found only {publishes} publishes");
+        assert_ne!(
+            SCRIPTS.release.get_hash(),
+            SHARDED_SCRIPTS.release.get_hash()
+        );
     }
 }

@@ -22,12 +22,12 @@ use std::sync::LazyLock;
 
 use redis::Script;
 
-use super::{Names, RedisBackend, fenced_arg, lease_ms};
+use super::{Names, Publish, RedisBackend, fenced_arg, lease_ms};
 use crate::backend::{Acquire, LockMode, LockRequest, Release};
 use crate::error::Result;
 use crate::key::LockKey;
 
-const LIB: &str = include_str!("../../../lua/lib.lua");
+pub(super) const LIB: &str = include_str!("../../../lua/lib.lua");
 
 pub(super) struct ModeScripts {
     pub(super) fair_acquire: Script,
@@ -45,26 +45,32 @@ pub(super) struct ModeScripts {
     pub(super) renew_many_modes: Script,
 }
 
-/// One script: the shared helpers followed by the operation.
-pub(super) fn with_lib(body: &str) -> Script {
-    Script::new(&[LIB, body].concat())
+impl ModeScripts {
+    fn new(publish: Publish) -> Self {
+        ModeScripts {
+            fair_acquire: publish.with_lib(include_str!("../../../lua/fair_acquire.lua")),
+            fair_release: publish.with_lib(include_str!("../../../lua/fair_release.lua")),
+            fair_force_release: publish
+                .with_lib(include_str!("../../../lua/fair_force_release.lua")),
+            queue_cancel: publish.with_lib(include_str!("../../../lua/queue_cancel.lua")),
+            rw_acquire: publish.with_lib(include_str!("../../../lua/rw_acquire.lua")),
+            rw_release: publish.with_lib(include_str!("../../../lua/rw_release.lua")),
+            rw_renew: publish.with_lib(include_str!("../../../lua/rw_renew.lua")),
+            rw_force_release: publish.with_lib(include_str!("../../../lua/rw_force_release.lua")),
+            permits_acquire: publish.with_lib(include_str!("../../../lua/permits_acquire.lua")),
+            permits_release: publish.with_lib(include_str!("../../../lua/permits_release.lua")),
+            permits_renew: publish.with_lib(include_str!("../../../lua/permits_renew.lua")),
+            permits_force_release: publish
+                .with_lib(include_str!("../../../lua/permits_force_release.lua")),
+            renew_many_modes: publish.with_lib(include_str!("../../../lua/renew_many_modes.lua")),
+        }
+    }
 }
 
-pub(super) static MODE_SCRIPTS: LazyLock<ModeScripts> = LazyLock::new(|| ModeScripts {
-    fair_acquire: with_lib(include_str!("../../../lua/fair_acquire.lua")),
-    fair_release: with_lib(include_str!("../../../lua/fair_release.lua")),
-    fair_force_release: with_lib(include_str!("../../../lua/fair_force_release.lua")),
-    queue_cancel: with_lib(include_str!("../../../lua/queue_cancel.lua")),
-    rw_acquire: with_lib(include_str!("../../../lua/rw_acquire.lua")),
-    rw_release: with_lib(include_str!("../../../lua/rw_release.lua")),
-    rw_renew: with_lib(include_str!("../../../lua/rw_renew.lua")),
-    rw_force_release: with_lib(include_str!("../../../lua/rw_force_release.lua")),
-    permits_acquire: with_lib(include_str!("../../../lua/permits_acquire.lua")),
-    permits_release: with_lib(include_str!("../../../lua/permits_release.lua")),
-    permits_renew: with_lib(include_str!("../../../lua/permits_renew.lua")),
-    permits_force_release: with_lib(include_str!("../../../lua/permits_force_release.lua")),
-    renew_many_modes: with_lib(include_str!("../../../lua/renew_many_modes.lua")),
-});
+pub(super) static MODE_SCRIPTS: LazyLock<ModeScripts> =
+    LazyLock::new(|| ModeScripts::new(Publish::Classic));
+pub(super) static SHARDED_MODE_SCRIPTS: LazyLock<ModeScripts> =
+    LazyLock::new(|| ModeScripts::new(Publish::Sharded));
 
 /// `'read'` or `'write'`, as the read-write scripts take it.
 fn rw_arg(mode: LockMode) -> &'static str {
@@ -137,7 +143,12 @@ impl RedisBackend {
         let lock = Names::lock(p, key);
         let invocation = match req.mode {
             LockMode::Fair => {
-                let mut invocation = MODE_SCRIPTS.fair_acquire.prepare_invoke();
+                let mut invocation = self
+                    .inner
+                    .publish
+                    .mode_scripts()
+                    .fair_acquire
+                    .prepare_invoke();
                 invocation
                     .key(lock.as_ref())
                     .key(Names::queue(p, key))
@@ -152,7 +163,12 @@ impl RedisBackend {
                 invocation
             }
             LockMode::Read | LockMode::Write => {
-                let mut invocation = MODE_SCRIPTS.rw_acquire.prepare_invoke();
+                let mut invocation = self
+                    .inner
+                    .publish
+                    .mode_scripts()
+                    .rw_acquire
+                    .prepare_invoke();
                 invocation
                     .key(lock.as_ref())
                     .key(Names::lease_prefix(p, key))
@@ -170,7 +186,12 @@ impl RedisBackend {
                 invocation
             }
             LockMode::Permits { max } => {
-                let mut invocation = MODE_SCRIPTS.permits_acquire.prepare_invoke();
+                let mut invocation = self
+                    .inner
+                    .publish
+                    .mode_scripts()
+                    .permits_acquire
+                    .prepare_invoke();
                 invocation
                     .key(lock.as_ref())
                     .key(Names::permits(p, key))
@@ -195,7 +216,9 @@ impl RedisBackend {
             LockMode::Fair => {
                 self.inner
                     .write_waited(
-                        MODE_SCRIPTS
+                        self.inner
+                            .publish
+                            .mode_scripts()
                             .fair_release
                             .key(lock.as_ref())
                             .key(Names::queue(p, key))
@@ -209,7 +232,9 @@ impl RedisBackend {
             LockMode::Read | LockMode::Write => {
                 self.inner
                     .write_waited(
-                        MODE_SCRIPTS
+                        self.inner
+                            .publish
+                            .mode_scripts()
                             .rw_release
                             .key(lock.as_ref())
                             .key(Names::lease_prefix(p, key))
@@ -225,7 +250,9 @@ impl RedisBackend {
             LockMode::Permits { .. } => {
                 self.inner
                     .write_waited(
-                        MODE_SCRIPTS
+                        self.inner
+                            .publish
+                            .mode_scripts()
                             .permits_release
                             .key(lock.as_ref())
                             .key(Names::permits(p, key))
@@ -250,7 +277,9 @@ impl RedisBackend {
             LockMode::Permits { .. } => {
                 self.inner
                     .write_strict(
-                        MODE_SCRIPTS
+                        self.inner
+                            .publish
+                            .mode_scripts()
                             .permits_renew
                             .key(lock.as_ref())
                             .key(Names::permits(p, key))
@@ -262,7 +291,9 @@ impl RedisBackend {
             _ => {
                 self.inner
                     .write_strict(
-                        MODE_SCRIPTS
+                        self.inner
+                            .publish
+                            .mode_scripts()
                             .rw_renew
                             .key(lock.as_ref())
                             .key(Names::lease_prefix(p, key))
@@ -295,7 +326,9 @@ impl RedisBackend {
         };
         let _removed: i64 = self
             .invoke(
-                MODE_SCRIPTS
+                self.inner
+                    .publish
+                    .mode_scripts()
                     .queue_cancel
                     .key(Names::lock(p, key).as_ref())
                     .key(Names::queue(p, key))
@@ -314,7 +347,9 @@ impl RedisBackend {
         let removed: i64 = match mode {
             LockMode::Fair => {
                 self.invoke(
-                    MODE_SCRIPTS
+                    self.inner
+                        .publish
+                        .mode_scripts()
                         .fair_force_release
                         .key(lock.as_ref())
                         .key(Names::queue(p, key))
@@ -326,7 +361,9 @@ impl RedisBackend {
             }
             LockMode::Read | LockMode::Write => {
                 self.invoke(
-                    MODE_SCRIPTS
+                    self.inner
+                        .publish
+                        .mode_scripts()
                         .rw_force_release
                         .key(lock.as_ref())
                         .key(Names::lease_prefix(p, key))
@@ -339,7 +376,9 @@ impl RedisBackend {
             }
             LockMode::Permits { .. } => {
                 self.invoke(
-                    MODE_SCRIPTS
+                    self.inner
+                        .publish
+                        .mode_scripts()
                         .permits_force_release
                         .key(lock.as_ref())
                         .key(Names::permits(p, key))

@@ -13,6 +13,9 @@
 //! not sleep through it (and one that subscribes after it is not woken by it). After a reconnect every channel is subscribed again and every waiter is
 //! woken to retry, since messages may have been missed meanwhile.
 //!
+//! On a cluster with sharded pub/sub the same registry is served by a cluster connection
+//! that subscribes each channel on its slot's node ([`sharded`]).
+//!
 //! Reconnecting waits a random delay between [`MIN_BACKOFF`] and [`MAX_BACKOFF`] (see
 //! [`reconnect_delay`]), so replicas that lost their connections together (a Redis
 //! restart) do not all reconnect and resubscribe at the same instant.
@@ -46,6 +49,25 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The longest wait before reconnecting: the back-off's ceiling doubles after each
 /// failed attempt up to this, and a wait is drawn from the ceiling's upper half.
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+/// Where the hub listens.
+pub(super) enum Source {
+    /// One server, or every known node of a cluster publishing with classic `PUBLISH`:
+    /// a release published on any node reaches subscribers on every node, so any one
+    /// will do, and the task moves to the next when one fails.
+    Nodes(Vec<Primary>),
+    /// A cluster publishing with `SPUBLISH`: each channel is subscribed on the node
+    /// that serves its slot (see [`sharded`]).
+    #[cfg(feature = "cluster")]
+    Sharded {
+        nodes: Vec<redis::ConnectionInfo>,
+        response_timeout: Duration,
+        connection_timeout: Duration,
+    },
+}
+
+#[cfg(feature = "cluster")]
+mod sharded;
 
 #[derive(Clone)]
 pub(super) struct Hub {
@@ -85,22 +107,28 @@ impl Shared {
 }
 
 impl Hub {
-    /// Starts the connection task; it ends when `shutdown` is cancelled.
-    /// Starts the connection task on `nodes` (one server, or every known node of a
-    /// cluster: a release published on any node reaches subscribers on every node, so
-    /// any one will do, and the task moves to the next when one fails).
-    pub(super) fn start(
-        nodes: Vec<Primary>,
-        keepalive: Duration,
-        shutdown: CancellationToken,
-    ) -> Self {
+    /// Starts the connection task on `source`; it ends when `shutdown` is cancelled.
+    pub(super) fn start(source: Source, keepalive: Duration, shutdown: CancellationToken) -> Self {
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             changed: Notify::new(),
             total_waiters: AtomicUsize::new(0),
             connected: std::sync::atomic::AtomicBool::new(false),
         });
-        tokio::spawn(run(Arc::clone(&shared), nodes, keepalive, shutdown));
+        match source {
+            Source::Nodes(nodes) => {
+                tokio::spawn(run(Arc::clone(&shared), nodes, keepalive, shutdown));
+            }
+            #[cfg(feature = "cluster")]
+            Source::Sharded {
+                nodes,
+                response_timeout,
+                connection_timeout,
+            } => {
+                let timeouts = (response_timeout, connection_timeout);
+                tokio::spawn(sharded::run(Arc::clone(&shared), nodes, timeouts, shutdown));
+            }
+        }
         Hub { shared }
     }
 

@@ -494,6 +494,16 @@ impl RedisCluster {
         cluster
     }
 
+    /// Waits until the cluster is whole again: every node up, known to every other,
+    /// `masters` masters, each with all its replicas in sync.
+    pub async fn wait_whole(&self, masters: usize, within: Duration) {
+        let total = self.nodes.len();
+        super::wait_until(within, "the cluster is whole again", || {
+            self.is_ready(masters, total)
+        })
+        .await;
+    }
+
     /// Every node reports `cluster_state:ok` and sees all `total` nodes (no handshake
     /// left), `masters` of them masters, each with all its replicas online.
     async fn is_ready(&self, masters: usize, total: usize) -> bool {
@@ -577,6 +587,87 @@ impl RedisCluster {
             })
             .map(|n| n.port)
             .expect("a master serves the slot")
+    }
+
+    /// Moves `slot` to the master on `to`, as `redis-cli --cluster reshard` does: the
+    /// slot is marked importing and migrating, its keys move with `MIGRATE` (TTLs kept)
+    /// in batches of `batch`, `pause` apart, while clients go on using it (they get
+    /// `ASK` or `TRYAGAIN` meanwhile), then every master learns the new owner. Returns
+    /// when every node agrees.
+    pub async fn migrate_slot(&self, slot: u16, to: u16, batch: usize, pause: Duration) {
+        let from = self.master_of(slot).await;
+        assert_ne!(from, to, "slot {slot} is already on {to}");
+        let from_id: String = cluster_query(from, &["MYID"]).await.expect("source id");
+        let to_id: String = cluster_query(to, &["MYID"]).await.expect("target id");
+        let slot_arg = slot.to_string();
+        let set = |port: u16, args: Vec<String>| async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let ok: Option<String> = cluster_query(port, &args).await;
+            assert_eq!(ok.as_deref(), Some("OK"), "CLUSTER {args:?} on {port}");
+        };
+        let setslot = |state: &str, id: &str| {
+            ["SETSLOT", &slot_arg, state, id]
+                .map(str::to_owned)
+                .to_vec()
+        };
+        set(to, setslot("IMPORTING", &from_id)).await;
+        set(from, setslot("MIGRATING", &to_id)).await;
+        let mut source = redis::Client::open(format!("redis://127.0.0.1:{from}"))
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        loop {
+            let keys: Vec<String> = redis::cmd("CLUSTER")
+                .arg("GETKEYSINSLOT")
+                .arg(slot)
+                .arg(batch)
+                .query_async(&mut source)
+                .await
+                .unwrap();
+            if keys.is_empty() {
+                break;
+            }
+            // A key deleted meanwhile is skipped (NOKEY when none is left).
+            let _: redis::RedisResult<redis::Value> = redis::cmd("MIGRATE")
+                .arg("127.0.0.1")
+                .arg(to)
+                .arg("")
+                .arg(0)
+                .arg(5000)
+                .arg("REPLACE")
+                .arg("KEYS")
+                .arg(&keys)
+                .query_async(&mut source)
+                .await;
+            tokio::time::sleep(pause).await;
+        }
+        set(to, setslot("NODE", &to_id)).await;
+        set(from, setslot("NODE", &to_id)).await;
+        for node in self.topology().await.unwrap_or_default() {
+            if node.is_master() && node.port != from && node.port != to {
+                set(node.port, setslot("NODE", &to_id)).await;
+            }
+        }
+        super::wait_until(
+            Duration::from_secs(10),
+            "every node sees the slot moved",
+            || async {
+                for node in self.nodes.iter().filter(|n| n.is_running()) {
+                    let Some(view) = cluster_nodes(node.port()).await else {
+                        return false;
+                    };
+                    if !view
+                        .iter()
+                        .any(|n| n.port == to && n.is_master() && n.serves(slot))
+                    {
+                        return false;
+                    }
+                }
+                true
+            },
+        )
+        .await;
     }
 
     /// Waits until a replica of the master on `old` (killed or frozen) took over its
