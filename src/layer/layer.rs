@@ -31,14 +31,7 @@ impl Core {
         rejection: Rejection,
         key: Option<&LockKey>,
     ) -> Response<RejectionBody> {
-        let outcome = match &rejection {
-            Rejection::Busy { .. } => LayerOutcome::Busy,
-            Rejection::BadKey(_) => LayerOutcome::BadKey,
-            Rejection::Unavailable { .. } => LayerOutcome::FailClosed,
-            Rejection::Lost { .. } => LayerOutcome::Lost,
-            _ => LayerOutcome::Misconfigured,
-        };
-        self.outcome(key, outcome);
+        self.outcome(key, rejection.outcome());
         let retry_after = rejection.retry_after_secs();
         let mut response = self.config.on_rejection.on_rejection(rejection);
         // A handler that says nothing of when to retry keeps the layer's word for it;

@@ -156,9 +156,12 @@ pub enum LayerOutcome {
     FailOpen,
     /// Rejected: the store could not answer and the layer fails closed.
     FailClosed,
-    /// Rejected: no valid key could be derived from the request.
+    /// Rejected: the request makes no valid key (a missing or malformed header, ...):
+    /// the client's fault, a 4xx.
     BadKey,
-    /// Rejected: the layer or the store is misconfigured.
+    /// Rejected: the layer, the store or the server's wiring is misconfigured (an
+    /// unsupported mode, a key of another type, a request extension no middleware set):
+    /// the server's fault, a 5xx.
     Misconfigured,
     /// Cancelled: the lock was lost while the handler ran.
     Lost,

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::{DownBackend, wait_until};
-use tower_lock::{Error, Lease, LockClient, LockEvent, LockObserver, MemoryBackend};
+use tower_lock::{Error, LayerOutcome, Lease, LockClient, LockEvent, LockObserver, MemoryBackend};
 
 #[derive(Default)]
 struct Counts {
@@ -224,4 +224,58 @@ async fn wait_and_hold_hooks_stay_paired_under_cancellation() {
         assert_eq!(gauges.waiting.load(Ordering::SeqCst), 0, "seed {seed}");
         assert_eq!(gauges.holding.load(Ordering::SeqCst), 0, "seed {seed}");
     }
+}
+
+/// The layer outcomes an observer heard, in order.
+#[derive(Default)]
+struct Outcomes(std::sync::Mutex<Vec<LayerOutcome>>);
+
+impl Outcomes {
+    fn take(&self) -> Vec<LayerOutcome> {
+        std::mem::take(&mut *self.0.lock().unwrap())
+    }
+}
+
+impl LockObserver for Outcomes {
+    fn layer_outcome(&self, _: Option<&tower_lock::LockKey>, outcome: LayerOutcome) {
+        self.0.lock().unwrap().push(outcome);
+    }
+}
+
+/// Regression (issue 24, item 3): an `ExtensionKey` whose extension no middleware set is
+/// the server's wiring mistake (a 500), and was counted as `bad_key`, the series of a
+/// client's 400s. It is `misconfigured`; a client's bad header stays `bad_key`.
+#[tokio::test]
+async fn a_missing_extension_counts_as_misconfigured_not_bad_key() {
+    use http::{Request, StatusCode};
+    use tower::{Layer, ServiceExt, service_fn};
+    use tower_lock::layer::{ExtensionKey, HeaderKey, LockLayer};
+
+    #[derive(Clone)]
+    struct User(u64);
+
+    let outcomes = Arc::new(Outcomes::default());
+    let client = LockClient::builder(MemoryBackend::new())
+        .observer(outcomes.clone())
+        .build()
+        .unwrap();
+    let ok = service_fn(|_: Request<()>| async {
+        Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+    });
+
+    let by_user = LockLayer::new(
+        client.clone(),
+        ExtensionKey::new(|u: &User| u.0.to_string()),
+    );
+    let res = by_user.layer(ok).oneshot(Request::new(())).await.unwrap();
+    assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(outcomes.take(), [LayerOutcome::Misconfigured]);
+
+    let by_header = LockLayer::new(
+        client,
+        HeaderKey::new(http::HeaderName::from_static("x-user-id")),
+    );
+    let res = by_header.layer(ok).oneshot(Request::new(())).await.unwrap();
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(outcomes.take(), [LayerOutcome::BadKey]);
 }
