@@ -31,19 +31,37 @@
 //! | `tower_lock_waiters` | gauge | `kind`, `backend`, `namespace` | acquisitions waiting now |
 //! | `tower_lock_lost_total` | counter | `kind`, `backend`, `namespace` | holds found lost |
 //! | `tower_lock_backend_errors_total` | counter | `kind`, `backend`, `namespace`, `op` (`acquire`, `renew`, `release`) | failed acquisitions (the store failed, or refused the request), renewals and releases |
-//! | `tower_lock_layer_outcomes_total` | counter | `namespace`, `outcome` (`busy`, `fail_open`, `fail_closed`, `bad_key`, `misconfigured`, `lost`) | requests [`LockLayer`](crate::LockLayer) did not serve under their lock |
+//! | `tower_lock_layer_outcomes_total` | counter | `layer`, `namespace`, `outcome` (see below) | what [`LockLayer`](crate::LockLayer) did with each request it locks |
 //!
-//! Labels stay low-cardinality: `namespace` is [`LockKey::namespace`] — `lock:order` for
+//! The outcomes of `tower_lock_layer_outcomes_total` ([`LayerOutcome`]), by the layer's
+//! [`name`](crate::layer::LockLayerBuilder::name) (by default its key prefix, or `""`):
+//!
+//! | `outcome` | status | what |
+//! |---|---|---|
+//! | `served` | the handler's | the handler answered while the request held its lock |
+//! | `busy` | 429 | the lock was still held when the wait ran out |
+//! | `unavailable` | 503 | the store could not answer; the layer fails closed |
+//! | `fail_open` | the handler's | the store could not answer; served without the lock |
+//! | `bad_key` | 4xx | the request makes no valid key: the client's fault |
+//! | `misconfigured` | 500 | the server's wiring or the store's setup is wrong (a missing request extension, an unsupported mode, a key of another type) |
+//! | `lost` | 503 | the lock was lost while the handler ran; the handler was cancelled |
+//!
+//! Requests the layer passes through unlocked (no key, a method it does not lock) are
+//! not counted. The lock metrics above come from the client, which does not know the
+//! layer: they carry no `layer` label.
+//!
+//! Labels stay low-cardinality: `namespace` is
+//! [`LockKey::namespace`](crate::LockKey::namespace) — `lock:order` for
 //! `lock:order:{42}` — never the key itself, as long as user input goes in the hash tag
-//! ([`LockKey::namespaced`], the layer's extractors) or after the last `:`.
+//! ([`LockKey::namespaced`](crate::LockKey::namespaced), the layer's extractors) or
+//! after the last `:`; `layer` is a name the application chose.
 
 use std::time::Duration;
 
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
 
 use crate::error::Error;
-use crate::key::LockKey;
-use crate::lock::{LayerOutcome, LockEvent, LockObserver};
+use crate::lock::{LayerEvent, LayerOutcome, LockEvent, LockObserver};
 
 /// Records a client's lock events as `metrics` (see the [module docs](self)).
 #[derive(Clone, Copy, Debug, Default)]
@@ -73,7 +91,7 @@ impl MetricsObserver {
         );
         describe_counter!(
             "tower_lock_layer_outcomes_total",
-            "Requests LockLayer did not serve under their lock, by outcome."
+            "Requests LockLayer locks, by layer and outcome (served, busy, unavailable, ...)."
         );
         MetricsObserver
     }
@@ -167,10 +185,13 @@ impl LockObserver for MetricsObserver {
         gauge!("tower_lock_waiters", &labels(&event)).decrement(1.0);
     }
 
-    fn layer_outcome(&self, key: Option<&LockKey>, outcome: LayerOutcome) {
-        let namespace = key.map_or_else(String::new, |k| k.namespace().to_owned());
+    fn layer_outcome(&self, event: LayerEvent<'_>, outcome: LayerOutcome) {
+        let namespace = event
+            .key
+            .map_or_else(String::new, |k| k.namespace().to_owned());
         counter!(
             "tower_lock_layer_outcomes_total",
+            "layer" => event.layer.to_owned(),
             "namespace" => namespace,
             "outcome" => outcome.as_str()
         )

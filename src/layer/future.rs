@@ -54,14 +54,16 @@ where
     /// Declared after `state`, so that the inner future is dropped before the locks it
     /// ran under.
     request: Handling<S, B>,
-    /// `tower_lock.layer`, entered while polled: the key namespace and the decision.
+    /// `tower_lock.layer`, entered while polled: the layer's name, the key namespace and
+    /// the decision.
     span: tracing::Span,
 }
 
 /// The layer's span for one request.
-fn layer_span() -> tracing::Span {
+fn layer_span(core: &Core) -> tracing::Span {
     tracing::debug_span!(
         "tower_lock.layer",
+        layer = core.name(),
         namespace = tracing::field::Empty,
         decision = tracing::field::Empty,
     )
@@ -114,6 +116,8 @@ struct Handling<S, B> {
     key: Option<LockKey>,
     /// The request's locks, from their acquisition until released or handed to the body.
     locks: RequestLocks,
+    /// The locks were taken: the inner service's answer is counted as served under them.
+    locked: bool,
     /// Fires when the locks are lost, if the configuration cancels the handler then.
     lost: Option<BoxFuture<'static, ()>>,
 }
@@ -137,8 +141,8 @@ where
                 keys,
                 body: Some(body),
             },
+            span: layer_span(&core),
             request: Handling::new(core, owner, svc, None),
-            span: layer_span(),
         }
     }
 
@@ -216,6 +220,7 @@ impl<S, B> Handling<S, B> {
             head: false,
             key: None,
             locks: RequestLocks::none(),
+            locked: false,
             lost: None,
         }
     }
@@ -303,6 +308,7 @@ where
     /// the future, until they are released.
     fn hold(&mut self, guard: MultiGuard) {
         tracing::Span::current().record("decision", "locked");
+        self.locked = true;
         if let (Some(held), Some(req)) = (HeldLock::new(&guard), self.req.as_mut()) {
             req.extensions_mut().insert(held);
         }
@@ -362,6 +368,9 @@ where
         result: std::result::Result<S::Response, S::Error>,
     ) -> Step<S, B, KF, ResB> {
         self.lost = None;
+        if self.locked {
+            self.core.outcome(self.key.as_ref(), LayerOutcome::Served);
+        }
         match result {
             Ok(response) if self.body_holds_locks(&response) => {
                 let locks = std::mem::replace(&mut self.locks, RequestLocks::none());

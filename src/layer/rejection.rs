@@ -124,7 +124,7 @@ impl Rejection {
             Rejection::Busy { .. } => LayerOutcome::Busy,
             Rejection::BadKey(e) if e.is_server_error() => LayerOutcome::Misconfigured,
             Rejection::BadKey(_) => LayerOutcome::BadKey,
-            Rejection::Unavailable { .. } => LayerOutcome::FailClosed,
+            Rejection::Unavailable { .. } => LayerOutcome::Unavailable,
             Rejection::Misconfigured(_) => LayerOutcome::Misconfigured,
             Rejection::Lost { .. } => LayerOutcome::Lost,
         }

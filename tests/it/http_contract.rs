@@ -1191,3 +1191,106 @@ async fn a_rejection_handler_without_retry_after_keeps_the_layers() {
         assert_eq!(header_of(&res, header::RETRY_AFTER), None, "{proto:?}");
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// 8. What an operator sees: outcomes by layer
+// ---------------------------------------------------------------------------------------
+
+/// `tower_lock_layer_outcomes_total` from a debugging recorder, as `(layer, namespace,
+/// outcome)` → count. (A snapshot drains the recorder: take one.)
+#[cfg(feature = "metrics")]
+fn outcomes_of(
+    recorder: &metrics_util::debugging::DebuggingRecorder,
+) -> std::collections::BTreeMap<(String, String, String), u64> {
+    use metrics_util::debugging::DebugValue;
+    let mut counts = std::collections::BTreeMap::new();
+    for (key, _, _, value) in recorder.snapshotter().snapshot().into_vec() {
+        let (_, key) = key.into_parts();
+        if key.name() != "tower_lock_layer_outcomes_total" {
+            continue;
+        }
+        let label = |name: &str| {
+            key.labels()
+                .find(|l| l.key() == name)
+                .map_or_else(String::new, |l| l.value().to_owned())
+        };
+        if let DebugValue::Counter(n) = value {
+            let series = (label("layer"), label("namespace"), label("outcome"));
+            *counts.entry(series).or_insert(0) += n;
+        }
+    }
+    counts
+}
+
+/// Over HTTP/1.1 and HTTP/2, with `MetricsObserver` on the client: requests served under
+/// their lock count `served` under the layer's name; a client's bad header counts
+/// `bad_key`; an `ExtensionKey` without its extension (the server's wiring) counts
+/// `misconfigured` under its own layer (named by its key prefix), never `bad_key`.
+#[cfg(feature = "metrics")]
+#[test]
+fn outcomes_are_counted_by_layer_and_blame_the_right_side() {
+    #[derive(Clone)]
+    struct AuthenticatedUser(u64);
+
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        rt.block_on(async {
+            let client = LockClient::builder(MemoryBackend::new())
+                .observer(tower_lock::metrics::MetricsObserver::new())
+                .build()
+                .unwrap();
+            let orders = LockLayer::builder(
+                client.clone(),
+                HeaderKey::new(header::HeaderName::from_static("x-user-id"))
+                    .namespace("order")
+                    .unwrap(),
+            )
+            .name("orders")
+            .build()
+            .unwrap();
+            let me = LockLayer::builder(
+                client,
+                ExtensionKey::new(|u: &AuthenticatedUser| u.0.to_string())
+                    .namespace("user")
+                    .unwrap(),
+            )
+            .key_prefix("lock")
+            .build()
+            .unwrap();
+            let app = Router::new()
+                .route("/orders", post(|| async { "ordered" }).route_layer(orders))
+                .route("/me", post(|| async { "me" }).route_layer(me));
+            let server = serve(app).await;
+            let user = |id| [("x-user-id", id)];
+            for proto in [Proto::Http1, Proto::Http2] {
+                let res = send(server.addr, proto, Method::POST, "/orders", &user("42")).await;
+                assert_eq!(res.status(), StatusCode::OK, "{proto:?}");
+                assert_eq!(text(res).await, "ordered");
+                let res = send(server.addr, proto, Method::POST, "/orders", &user("")).await;
+                assert_eq!(res.status(), StatusCode::BAD_REQUEST, "{proto:?}");
+                text(res).await;
+                let res = send(server.addr, proto, Method::POST, "/me", &[]).await;
+                assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR, "{proto:?}");
+                text(res).await;
+            }
+        })
+    });
+    let series = |layer: &str, namespace: &str, outcome: &str, n: u64| {
+        let labels = (layer.to_owned(), namespace.to_owned(), outcome.to_owned());
+        (labels, n)
+    };
+    assert_eq!(
+        outcomes_of(&recorder),
+        [
+            series("lock", "", "misconfigured", 2),
+            series("orders", "", "bad_key", 2),
+            series("orders", "order", "served", 2),
+        ]
+        .into_iter()
+        .collect()
+    );
+}
