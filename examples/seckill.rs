@@ -39,7 +39,8 @@
 //! The operator's side runs on a listener of its own, never on the public one
 //! (`--admin HOST:PORT`, default a free port on 127.0.0.1, printed at start; see
 //! `seckill/admin.rs`): `GET /metrics` in Prometheus format (`MetricsObserver` on the
-//! lock client), and `GET /admin/users/{id}/lock` or `GET /admin/locks?key=...` with who
+//! lock client; the exporter is given `tower_lock::metrics::BUCKETS`, so the lock
+//! histograms have `_bucket` series to add up across processes), and `GET /admin/users/{id}/lock` or `GET /admin/locks?key=...` with who
 //! holds a lock — owner, client name (`--name`, default `seckill-<pid>`), since when,
 //! lease left — and how many wait.
 //!
@@ -368,9 +369,7 @@ async fn main() -> ExitCode {
 
 async fn run(args: Args) -> Result<ExitCode, String> {
     // Before the client is made: its observer describes the metrics to this recorder.
-    let prometheus = metrics_exporter_prometheus::PrometheusBuilder::new()
-        .install_recorder()
-        .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+    let prometheus = admin::install_prometheus()?;
     let (client, store) = backend_and_store(&args).await?;
     if let Err(error) = client.register_name().await {
         eprintln!("seckill: could not register the client's name in the store: {error}");

@@ -81,11 +81,7 @@ fn prometheus() -> metrics_exporter_prometheus::PrometheusHandle {
     static HANDLE: std::sync::OnceLock<metrics_exporter_prometheus::PrometheusHandle> =
         std::sync::OnceLock::new();
     HANDLE
-        .get_or_init(|| {
-            metrics_exporter_prometheus::PrometheusBuilder::new()
-                .install_recorder()
-                .unwrap()
-        })
+        .get_or_init(|| admin::install_prometheus().unwrap())
         .clone()
 }
 
@@ -346,8 +342,8 @@ async fn admin_answers_who_holds_and_exports_metrics(fx: Fixture) {
     for line in [
         "tower_lock_layer_outcomes_total{layer=\"orders\",namespace=\"lock:order\",outcome=\"busy\"}",
         "tower_lock_layer_outcomes_total{layer=\"orders\",namespace=\"lock:order\",outcome=\"served\"}",
-        "tower_lock_acquire_wait_seconds",
-        "tower_lock_hold_seconds",
+        "tower_lock_acquire_wait_seconds_bucket{",
+        "tower_lock_hold_seconds_bucket{",
         "tower_lock_holds{",
         "tower_lock_waiters{",
     ] {
