@@ -282,24 +282,24 @@ where
             }
             Err(error) => error,
         };
-        let config = &self.core.config;
-        match config.rejection_for(error) {
-            Rejection::Unavailable { error, .. } if config.fail_open => {
-                tracing::warn!(
-                    %error,
-                    owner = %self.owner,
-                    "lock store failed; serving the request without its lock (fail-open)"
-                );
-                self.core.outcome(self.key.as_ref(), LayerOutcome::FailOpen);
+        let core = &self.core;
+        match core.config.rejection_for(error) {
+            Rejection::Unavailable { error, .. } if core.config.fail_open => {
+                core.report.outage(core.name(), &error, true);
+                core.outcome(self.key.as_ref(), LayerOutcome::FailOpen);
                 Next::State(State::Ready)
             }
             rejection => {
-                if let Rejection::Misconfigured(error) = &rejection {
-                    tracing::error!(%error, "request rejected: the lock is misconfigured");
-                } else {
-                    tracing::debug!(?rejection, "request rejected by LockLayer");
+                match &rejection {
+                    Rejection::Unavailable { error, .. } => {
+                        core.report.outage(core.name(), error, false);
+                    }
+                    Rejection::Misconfigured(error) => {
+                        core.report.misconfigured(core.name(), error);
+                    }
+                    rejection => tracing::debug!(?rejection, "request rejected by LockLayer"),
                 }
-                rejected(self.core.reject(rejection, self.key.as_ref()))
+                rejected(core.reject(rejection, self.key.as_ref()))
             }
         }
     }
@@ -467,10 +467,11 @@ fn bodiless(status: StatusCode) -> bool {
 }
 
 /// The rejection of a request whose key could not be derived; a server-side fault is
-/// logged here, since its text does not reach the client.
+/// logged here (once per cause), since its text does not reach the client.
 fn reject_bad_key(core: &Core, error: KeyError) -> Response<RejectionBody> {
     if error.is_server_error() {
-        tracing::error!(%error, "request rejected: its lock key could not be derived");
+        let cause = format_args!("the request's lock key could not be derived: {error}");
+        core.report.misconfigured(core.name(), &cause);
     } else {
         tracing::debug!(%error, "request rejected: bad lock key");
     }

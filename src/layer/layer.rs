@@ -11,6 +11,7 @@ use tower::Layer;
 use super::config::{Config, ModeSelect, OnLost, ReleaseOn};
 use super::keys::{KeyError, KeyExtractor, Keys};
 use super::rejection::{OnRejection, Rejection, RejectionBody};
+use super::report::Report;
 use super::service::LockService;
 use crate::backend::LockMode;
 use crate::error::{Error, Result};
@@ -21,6 +22,8 @@ use crate::lock::{LayerEvent, LayerOutcome, Lease, LockClient};
 pub(crate) struct Core {
     pub(crate) client: LockClient,
     pub(crate) config: Config,
+    /// What the layer remembers to keep its failure log short.
+    pub(crate) report: Report,
 }
 
 impl Core {
@@ -119,7 +122,11 @@ impl<K: KeyExtractor> LockLayer<K> {
     fn from_parts(client: LockClient, keys: K, config: Config) -> Self {
         LockLayer {
             shared: Arc::new(Shared {
-                core: Arc::new(Core { client, config }),
+                core: Arc::new(Core {
+                    client,
+                    config,
+                    report: Report::new(),
+                }),
                 keys,
             }),
         }
@@ -242,7 +249,10 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
     }
 
     /// When the lock store cannot answer (unreachable, timed out, no quorum), serve
-    /// requests without their lock (logged as a warning) instead of answering 503.
+    /// requests without their lock instead of answering 503. Either way the outage is
+    /// logged as a warning, at most once per
+    /// [`OUTAGE_LOG_INTERVAL`](super::OUTAGE_LOG_INTERVAL) with the count of requests
+    /// since.
     /// Default `false` (fail closed): availability over exclusion is a choice to make
     /// per route, knowingly. A misconfiguration (a key holding another type of data, an
     /// unsupported mode, no runtime) always fails closed.
