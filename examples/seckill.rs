@@ -44,6 +44,10 @@
 //! holds a lock — owner, client name (`--name`, default `seckill-<pid>`), since when,
 //! lease left — and how many wait.
 //!
+//! Logs go to stderr at the level `RUST_LOG` names (`RUST_LOG=debug`; default `info`):
+//! with the lock store down, the order layer (`layer="orders"`) logs one WARN, then one
+//! every 10 s with the count of requests answered 503 since.
+//!
 //! Other flags: `--stock N` (voucher 1's stock, default 100), `--wait-ms N` (how long an
 //! order waits for its user's lock, default 50), `--work-ms N` (simulated work inside an
 //! order, default 20), `--users N` and `--per-user N` (the demo's burst, default 300 × 5;
@@ -351,6 +355,7 @@ async fn on_redis(_url: &str, _args: &Args) -> Result<(LockClient, Arc<dyn Store
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    init_logging();
     let args = match parse_args() {
         Ok(args) => args,
         // Exits 2, as clap does for the errors it finds itself.
@@ -364,6 +369,26 @@ async fn main() -> ExitCode {
             eprintln!("seckill: {message}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Logs to stderr at the level `RUST_LOG` names (`error`, `warn`, `info`, `debug` or
+/// `trace`; default `info`): at `info`, a lock store outage is one WARN line per
+/// interval from the order layer, and a wiring mistake one ERROR line.
+fn init_logging() {
+    let level = match std::env::var("RUST_LOG") {
+        Err(_) => tracing::Level::INFO,
+        Ok(level) => level.parse().unwrap_or_else(|_| {
+            eprintln!("seckill: RUST_LOG={level:?} is not a level (error, warn, info, debug, trace); logging at info");
+            tracing::Level::INFO
+        }),
+    };
+    let logger = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .try_init();
+    if let Err(error) = logger {
+        eprintln!("seckill: no log: {error}");
     }
 }
 
