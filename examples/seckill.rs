@@ -39,9 +39,14 @@
 //! The operator's side runs on a listener of its own, never on the public one
 //! (`--admin HOST:PORT`, default a free port on 127.0.0.1, printed at start; see
 //! `seckill/admin.rs`): `GET /metrics` in Prometheus format (`MetricsObserver` on the
-//! lock client), and `GET /admin/users/{id}/lock` or `GET /admin/locks?key=...` with who
+//! lock client; the exporter is given `tower_lock::metrics::BUCKETS`, so the lock
+//! histograms have `_bucket` series to add up across processes), and `GET /admin/users/{id}/lock` or `GET /admin/locks?key=...` with who
 //! holds a lock — owner, client name (`--name`, default `seckill-<pid>`), since when,
 //! lease left — and how many wait.
+//!
+//! Logs go to stderr at the level `RUST_LOG` names (`RUST_LOG=debug`; default `info`):
+//! with the lock store down, the order layer (`layer="orders"`) logs one WARN, then one
+//! every 10 s with the count of requests answered 503 since.
 //!
 //! Other flags: `--stock N` (voucher 1's stock, default 100), `--wait-ms N` (how long an
 //! order waits for its user's lock, default 50), `--work-ms N` (simulated work inside an
@@ -350,6 +355,7 @@ async fn on_redis(_url: &str, _args: &Args) -> Result<(LockClient, Arc<dyn Store
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    init_logging();
     let args = match parse_args() {
         Ok(args) => args,
         // Exits 2, as clap does for the errors it finds itself.
@@ -366,11 +372,29 @@ async fn main() -> ExitCode {
     }
 }
 
+/// Logs to stderr at the level `RUST_LOG` names (`error`, `warn`, `info`, `debug` or
+/// `trace`; default `info`): at `info`, a lock store outage is one WARN line per
+/// interval from the order layer, and a wiring mistake one ERROR line.
+fn init_logging() {
+    let level = match std::env::var("RUST_LOG") {
+        Err(_) => tracing::Level::INFO,
+        Ok(level) => level.parse().unwrap_or_else(|_| {
+            eprintln!("seckill: RUST_LOG={level:?} is not a level (error, warn, info, debug, trace); logging at info");
+            tracing::Level::INFO
+        }),
+    };
+    let logger = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .try_init();
+    if let Err(error) = logger {
+        eprintln!("seckill: no log: {error}");
+    }
+}
+
 async fn run(args: Args) -> Result<ExitCode, String> {
     // Before the client is made: its observer describes the metrics to this recorder.
-    let prometheus = metrics_exporter_prometheus::PrometheusBuilder::new()
-        .install_recorder()
-        .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+    let prometheus = admin::install_prometheus()?;
     let (client, store) = backend_and_store(&args).await?;
     if let Err(error) = client.register_name().await {
         eprintln!("seckill: could not register the client's name in the store: {error}");

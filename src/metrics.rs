@@ -25,25 +25,109 @@
 //!
 //! | name | type | labels | what |
 //! |---|---|---|---|
-//! | `tower_lock_acquire_wait_seconds` | histogram | `kind`, `backend`, `namespace`, `outcome` (`acquired`, `busy`) | how long acquisitions took, by outcome |
-//! | `tower_lock_hold_seconds` | histogram | `kind`, `backend`, `namespace` | how long guards were held |
+//! | `tower_lock_acquire_wait_seconds` | histogram ([`BUCKETS`]) | `kind`, `backend`, `namespace`, `outcome` (`acquired`, `busy`) | how long acquisitions took, by outcome |
+//! | `tower_lock_hold_seconds` | histogram ([`BUCKETS`]) | `kind`, `backend`, `namespace` | how long guards were held |
 //! | `tower_lock_holds` | gauge | `kind`, `backend`, `namespace` | guards held now (re-entries counted) |
 //! | `tower_lock_waiters` | gauge | `kind`, `backend`, `namespace` | acquisitions waiting now |
 //! | `tower_lock_lost_total` | counter | `kind`, `backend`, `namespace` | holds found lost |
 //! | `tower_lock_backend_errors_total` | counter | `kind`, `backend`, `namespace`, `op` (`acquire`, `renew`, `release`) | failed acquisitions (the store failed, or refused the request), renewals and releases |
-//! | `tower_lock_layer_outcomes_total` | counter | `namespace`, `outcome` (`busy`, `fail_open`, `fail_closed`, `bad_key`, `misconfigured`, `lost`) | requests [`LockLayer`](crate::LockLayer) did not serve under their lock |
+//! | `tower_lock_layer_outcomes_total` | counter | `layer`, `namespace`, `outcome` (see below) | what [`LockLayer`](crate::LockLayer) did with each request it locks |
 //!
-//! Labels stay low-cardinality: `namespace` is [`LockKey::namespace`] — `lock:order` for
+//! The outcomes of `tower_lock_layer_outcomes_total` ([`LayerOutcome`]), by the layer's
+//! [`name`](crate::layer::LockLayerBuilder::name) (by default its key prefix, or `""`):
+//!
+//! | `outcome` | status | what |
+//! |---|---|---|
+//! | `served` | the handler's | the handler answered while the request held its lock |
+//! | `busy` | 429 | the lock was still held when the wait ran out |
+//! | `unavailable` | 503 | the store could not answer; the layer fails closed |
+//! | `fail_open` | the handler's | the store could not answer; served without the lock |
+//! | `bad_key` | 4xx | the request makes no valid key: the client's fault |
+//! | `misconfigured` | 500 | the server's wiring or the store's setup is wrong (a missing request extension, an unsupported mode, a key of another type) |
+//! | `lost` | 503 | the lock was lost while the handler ran; the handler was cancelled |
+//!
+//! Requests the layer passes through unlocked (no key, a method it does not lock) are
+//! not counted. The lock metrics above come from the client, which does not know the
+//! layer: they carry no `layer` label.
+//!
+//! # Histograms across replicas
+//!
+//! The two `_seconds` metrics are histograms on the `metrics` facade, which leaves their
+//! shape to the exporter. `metrics-exporter-prometheus` exports a histogram as a
+//! *summary* (quantiles computed in each process) unless it is given bucket boundaries,
+//! and summaries cannot be added up across replicas: a fleet's p99 is not the average of
+//! its replicas' p99s. Give it [`BUCKETS`] for every `tower_lock_` metric, and it exports
+//! `_bucket` series that Prometheus sums over replicas:
+//!
+//! ```no_run
+//! use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let prometheus = PrometheusBuilder::new()
+//!     .set_buckets_for_metric(Matcher::Prefix("tower_lock_".into()), tower_lock::metrics::BUCKETS)?
+//!     .install_recorder()?;
+//! # let _ = prometheus;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Other exporters take boundaries in their own way (OpenTelemetry: an explicit-bucket
+//! view); give them the same [`BUCKETS`].
+//!
+//! # Alerting
+//!
+//! With the buckets above, in PromQL (over every replica, by namespace or layer):
+//!
+//! ```text
+//! # p99 of the lock wait above 0.5 s, across replicas (add outcome="acquired" to
+//! # leave out the waits that ran out)
+//! histogram_quantile(0.99,
+//!   sum by (le, namespace) (rate(tower_lock_acquire_wait_seconds_bucket[5m]))) > 0.5
+//!
+//! # Fail-closed: requests answered 503 because the lock store could not answer
+//! sum by (layer) (rate(tower_lock_layer_outcomes_total{outcome="unavailable"}[5m])) > 0
+//!
+//! # Fail-open: requests served without their lock
+//! sum by (layer) (rate(tower_lock_layer_outcomes_total{outcome="fail_open"}[5m])) > 0
+//!
+//! # A wiring mistake: requests answered 500 (a missing extension, an unsupported mode)
+//! sum by (layer) (rate(tower_lock_layer_outcomes_total{outcome="misconfigured"}[5m])) > 0
+//!
+//! # Share of a layer's requests answered busy, above 5 %
+//!   sum by (layer) (rate(tower_lock_layer_outcomes_total{outcome="busy"}[5m]))
+//! / sum by (layer) (rate(tower_lock_layer_outcomes_total[5m])) > 0.05
+//! ```
+//!
+//! Labels stay low-cardinality: `namespace` is
+//! [`LockKey::namespace`](crate::LockKey::namespace) — `lock:order` for
 //! `lock:order:{42}` — never the key itself, as long as user input goes in the hash tag
-//! ([`LockKey::namespaced`], the layer's extractors) or after the last `:`.
+//! ([`LockKey::namespaced`](crate::LockKey::namespaced), the layer's extractors) or
+//! after the last `:`; `layer` is a name the application chose.
 
 use std::time::Duration;
 
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
 
 use crate::error::Error;
-use crate::key::LockKey;
-use crate::lock::{LayerOutcome, LockEvent, LockObserver};
+use crate::lock::{LayerEvent, LayerOutcome, LockEvent, LockObserver};
+
+/// Bucket boundaries in seconds for `tower_lock_acquire_wait_seconds` and
+/// `tower_lock_hold_seconds`, for exporters that need them to export histograms that
+/// add up across replicas (see [Histograms across replicas](self#histograms-across-replicas)):
+/// 0.5 ms to 60 s, in 1–2.5–5 steps, with 30 s and 60 s on top.
+///
+/// Why these: an uncontended acquisition costs one store round trip (0.1–1 ms on a
+/// nearby Redis or PostgreSQL; microseconds in memory), so the first buckets separate a
+/// healthy store from a slow one; a wait for another request's lock lasts about that
+/// request's handler (milliseconds to seconds); 5 s is the layer's
+/// [`DEFAULT_WAIT`](crate::layer::DEFAULT_WAIT), so waits that ran out fall just above
+/// it; 30 s is the [`DEFAULT_WATCHDOG_LEASE`](crate::DEFAULT_WATCHDOG_LEASE), past which
+/// a hold lived only because the watchdog renewed it. Sixteen boundaries keep each
+/// labelled histogram at 18 series.
+pub const BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0,
+];
 
 /// Records a client's lock events as `metrics` (see the [module docs](self)).
 #[derive(Clone, Copy, Debug, Default)]
@@ -73,7 +157,7 @@ impl MetricsObserver {
         );
         describe_counter!(
             "tower_lock_layer_outcomes_total",
-            "Requests LockLayer did not serve under their lock, by outcome."
+            "Requests LockLayer locks, by layer and outcome (served, busy, unavailable, ...)."
         );
         MetricsObserver
     }
@@ -167,13 +251,33 @@ impl LockObserver for MetricsObserver {
         gauge!("tower_lock_waiters", &labels(&event)).decrement(1.0);
     }
 
-    fn layer_outcome(&self, key: Option<&LockKey>, outcome: LayerOutcome) {
-        let namespace = key.map_or_else(String::new, |k| k.namespace().to_owned());
+    fn layer_outcome(&self, event: LayerEvent<'_>, outcome: LayerOutcome) {
+        let namespace = event
+            .key
+            .map_or_else(String::new, |k| k.namespace().to_owned());
         counter!(
             "tower_lock_layer_outcomes_total",
+            "layer" => event.layer.to_owned(),
             "namespace" => namespace,
             "outcome" => outcome.as_str()
         )
         .increment(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_rise_and_bracket_the_defaults() {
+        assert!(BUCKETS.windows(2).all(|w| w[0] < w[1]), "{BUCKETS:?}");
+        for default in [crate::layer::DEFAULT_WAIT, crate::DEFAULT_WATCHDOG_LEASE] {
+            assert!(
+                BUCKETS.contains(&default.as_secs_f64()),
+                "{default:?} is not a boundary"
+            );
+        }
+        assert!(BUCKETS[0] <= 0.001 && *BUCKETS.last().unwrap() >= 60.0);
     }
 }

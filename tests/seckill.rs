@@ -81,11 +81,7 @@ fn prometheus() -> metrics_exporter_prometheus::PrometheusHandle {
     static HANDLE: std::sync::OnceLock<metrics_exporter_prometheus::PrometheusHandle> =
         std::sync::OnceLock::new();
     HANDLE
-        .get_or_init(|| {
-            metrics_exporter_prometheus::PrometheusBuilder::new()
-                .install_recorder()
-                .unwrap()
-        })
+        .get_or_init(|| admin::install_prometheus().unwrap())
         .clone()
 }
 
@@ -331,6 +327,9 @@ async fn admin_answers_who_holds_and_exports_metrics(fx: Fixture) {
     assert_eq!(s, StatusCode::TOO_MANY_REQUESTS);
     guard.unlock().await.unwrap();
     waiter.await.unwrap().unwrap().unlock().await.unwrap();
+    // An order of user 8 is served under its lock, and counted.
+    let (s, order) = send(&fx.app, Method::POST, "/vouchers/1/orders", Some("8")).await;
+    assert_eq!(s, StatusCode::CREATED, "{order}");
 
     let res = admin
         .clone()
@@ -341,9 +340,10 @@ async fn admin_answers_who_holds_and_exports_metrics(fx: Fixture) {
     let text =
         String::from_utf8(res.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
     for line in [
-        "tower_lock_layer_outcomes_total{namespace=\"lock:order\",outcome=\"busy\"}",
-        "tower_lock_acquire_wait_seconds",
-        "tower_lock_hold_seconds",
+        "tower_lock_layer_outcomes_total{layer=\"orders\",namespace=\"lock:order\",outcome=\"busy\"}",
+        "tower_lock_layer_outcomes_total{layer=\"orders\",namespace=\"lock:order\",outcome=\"served\"}",
+        "tower_lock_acquire_wait_seconds_bucket{",
+        "tower_lock_hold_seconds_bucket{",
         "tower_lock_holds{",
         "tower_lock_waiters{",
     ] {

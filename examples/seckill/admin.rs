@@ -9,7 +9,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use metrics_exporter_prometheus::PrometheusHandle;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use serde::Deserialize;
 use tower_lock::{LockClient, LockKey, LockMode, LockState};
 
@@ -19,6 +19,20 @@ use crate::app::json_error;
 struct Admin {
     client: LockClient,
     prometheus: PrometheusHandle,
+}
+
+/// Installs the process's Prometheus recorder, with `tower_lock`'s histogram buckets, so
+/// that `/metrics` has `_bucket` series Prometheus can add up across replicas (without
+/// them the exporter renders summaries). Call it before the client is made: its
+/// observer describes the metrics to the recorder installed at that moment.
+pub fn install_prometheus() -> Result<PrometheusHandle, String> {
+    PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Prefix("tower_lock_".into()),
+            tower_lock::metrics::BUCKETS,
+        )
+        .and_then(PrometheusBuilder::install_recorder)
+        .map_err(|e| format!("cannot install the metrics recorder: {e}"))
 }
 
 /// The admin routes over `client` (whose locks are inspected) and `prometheus` (what

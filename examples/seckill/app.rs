@@ -297,6 +297,7 @@ pub fn app(
     let mut order = post(create_order);
     if !settings.no_lock {
         let layer = LockLayer::builder(client, order_key)
+            .name("orders")
             .max_wait(settings.wait)
             .fenced(true)
             .on_rejection(json_rejection)

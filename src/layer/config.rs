@@ -28,6 +28,11 @@ pub const DEFAULT_WAIT: Duration = Duration::from_secs(5);
 /// is a unit mix-up.
 pub const MAX_WAIT: Duration = Duration::from_secs(10 * 60);
 
+/// The longest [layer name](super::LockLayerBuilder::name) accepted: 64 bytes. A name
+/// is a metric label and a log field that tells a process's layers apart (`orders`,
+/// `lock:payment`), not data; a longer one is a mistake.
+pub const MAX_LAYER_NAME_LEN: usize = 64;
+
 /// When a request's lock is released.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -89,6 +94,8 @@ pub(crate) struct Config {
     /// `None`: every method is locked.
     pub(crate) methods: Option<Vec<Method>>,
     pub(crate) key_prefix: Option<String>,
+    /// `None`: the key prefix names the layer.
+    pub(crate) name: Option<String>,
     pub(crate) mode: ModeSelect,
     /// Whether requests' locks carry fencing tokens.
     pub(crate) fenced: bool,
@@ -108,6 +115,7 @@ impl Default for Config {
             on_lost: OnLost::Cancel,
             methods: None,
             key_prefix: None,
+            name: None,
             mode: ModeSelect::Fixed(LockMode::Exclusive),
             fenced: false,
             on_rejection: Arc::new(DefaultRejection),
@@ -116,6 +124,14 @@ impl Default for Config {
 }
 
 impl Config {
+    /// The layer's name for metrics and logs: the one set, or the key prefix, or `""`.
+    pub(crate) fn layer_name(&self) -> &str {
+        self.name
+            .as_deref()
+            .or(self.key_prefix.as_deref())
+            .unwrap_or_default()
+    }
+
     pub(crate) fn locks_method(&self, method: &Method) -> bool {
         self.methods.as_ref().is_none_or(|m| m.contains(method))
     }
@@ -176,11 +192,30 @@ impl Config {
                 "must name at least one method (got none); to lock nothing, do not add the layer",
             ));
         }
-        match &self.key_prefix {
-            Some(prefix) => check_key_prefix(prefix),
+        if let Some(prefix) = &self.key_prefix {
+            check_key_prefix(prefix)?;
+        }
+        match &self.name {
+            Some(name) => check_layer_name(name),
             None => Ok(()),
         }
     }
+}
+
+/// The layer's name: not empty, at most [`MAX_LAYER_NAME_LEN`] bytes, no control
+/// characters (it goes into log lines and metric labels).
+fn check_layer_name(name: &str) -> Result<(), Error> {
+    if name.is_empty() || name.len() > MAX_LAYER_NAME_LEN || name.chars().any(char::is_control) {
+        return Err(Error::invalid_config(
+            "name",
+            format!(
+                "must be 1 to {MAX_LAYER_NAME_LEN} bytes without control characters (got {} bytes: {:?})",
+                name.len(),
+                name.chars().take(MAX_LAYER_NAME_LEN).collect::<String>(),
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// A `Retry-After` setting: more than zero, at most [`MAX_RETRY_AFTER`].
@@ -218,6 +253,7 @@ impl fmt::Debug for Config {
             .field("on_lost", &self.on_lost)
             .field("methods", &self.methods)
             .field("key_prefix", &self.key_prefix)
+            .field("name", &self.name)
             .field("mode", &self.mode)
             .finish_non_exhaustive()
     }
@@ -285,6 +321,26 @@ mod tests {
             }),
             Rejection::Unavailable { .. }
         ));
+    }
+
+    #[test]
+    fn the_layer_is_named_by_its_name_or_its_key_prefix() {
+        let mut config = Config::default();
+        assert_eq!(config.layer_name(), "");
+        config.key_prefix = Some("lock:order".to_owned());
+        assert_eq!(config.layer_name(), "lock:order");
+        config.name = Some("orders".to_owned());
+        assert_eq!(config.layer_name(), "orders");
+        assert!(config.validate().is_ok());
+        for bad in [
+            String::new(),
+            "a\nb".to_owned(),
+            "n".repeat(MAX_LAYER_NAME_LEN + 1),
+        ] {
+            config.name = Some(bad.clone());
+            let error = config.validate().unwrap_err().to_string();
+            assert!(error.contains("`name`"), "{bad:?}: {error}");
+        }
     }
 
     #[test]

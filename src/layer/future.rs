@@ -54,14 +54,16 @@ where
     /// Declared after `state`, so that the inner future is dropped before the locks it
     /// ran under.
     request: Handling<S, B>,
-    /// `tower_lock.layer`, entered while polled: the key namespace and the decision.
+    /// `tower_lock.layer`, entered while polled: the layer's name, the key namespace and
+    /// the decision.
     span: tracing::Span,
 }
 
 /// The layer's span for one request.
-fn layer_span() -> tracing::Span {
+fn layer_span(core: &Core) -> tracing::Span {
     tracing::debug_span!(
         "tower_lock.layer",
+        layer = core.name(),
         namespace = tracing::field::Empty,
         decision = tracing::field::Empty,
     )
@@ -114,6 +116,8 @@ struct Handling<S, B> {
     key: Option<LockKey>,
     /// The request's locks, from their acquisition until released or handed to the body.
     locks: RequestLocks,
+    /// The locks were taken: the inner service's answer is counted as served under them.
+    locked: bool,
     /// Fires when the locks are lost, if the configuration cancels the handler then.
     lost: Option<BoxFuture<'static, ()>>,
 }
@@ -137,8 +141,8 @@ where
                 keys,
                 body: Some(body),
             },
+            span: layer_span(&core),
             request: Handling::new(core, owner, svc, None),
-            span: layer_span(),
         }
     }
 
@@ -216,6 +220,7 @@ impl<S, B> Handling<S, B> {
             head: false,
             key: None,
             locks: RequestLocks::none(),
+            locked: false,
             lost: None,
         }
     }
@@ -277,24 +282,24 @@ where
             }
             Err(error) => error,
         };
-        let config = &self.core.config;
-        match config.rejection_for(error) {
-            Rejection::Unavailable { error, .. } if config.fail_open => {
-                tracing::warn!(
-                    %error,
-                    owner = %self.owner,
-                    "lock store failed; serving the request without its lock (fail-open)"
-                );
-                self.core.outcome(self.key.as_ref(), LayerOutcome::FailOpen);
+        let core = &self.core;
+        match core.config.rejection_for(error) {
+            Rejection::Unavailable { error, .. } if core.config.fail_open => {
+                core.report.outage(core.name(), &error, true);
+                core.outcome(self.key.as_ref(), LayerOutcome::FailOpen);
                 Next::State(State::Ready)
             }
             rejection => {
-                if let Rejection::Misconfigured(error) = &rejection {
-                    tracing::error!(%error, "request rejected: the lock is misconfigured");
-                } else {
-                    tracing::debug!(?rejection, "request rejected by LockLayer");
+                match &rejection {
+                    Rejection::Unavailable { error, .. } => {
+                        core.report.outage(core.name(), error, false);
+                    }
+                    Rejection::Misconfigured(error) => {
+                        core.report.misconfigured(core.name(), error);
+                    }
+                    rejection => tracing::debug!(?rejection, "request rejected by LockLayer"),
                 }
-                rejected(self.core.reject(rejection, self.key.as_ref()))
+                rejected(core.reject(rejection, self.key.as_ref()))
             }
         }
     }
@@ -303,6 +308,7 @@ where
     /// the future, until they are released.
     fn hold(&mut self, guard: MultiGuard) {
         tracing::Span::current().record("decision", "locked");
+        self.locked = true;
         if let (Some(held), Some(req)) = (HeldLock::new(&guard), self.req.as_mut()) {
             req.extensions_mut().insert(held);
         }
@@ -362,6 +368,9 @@ where
         result: std::result::Result<S::Response, S::Error>,
     ) -> Step<S, B, KF, ResB> {
         self.lost = None;
+        if self.locked {
+            self.core.outcome(self.key.as_ref(), LayerOutcome::Served);
+        }
         match result {
             Ok(response) if self.body_holds_locks(&response) => {
                 let locks = std::mem::replace(&mut self.locks, RequestLocks::none());
@@ -458,10 +467,11 @@ fn bodiless(status: StatusCode) -> bool {
 }
 
 /// The rejection of a request whose key could not be derived; a server-side fault is
-/// logged here, since its text does not reach the client.
+/// logged here (once per cause), since its text does not reach the client.
 fn reject_bad_key(core: &Core, error: KeyError) -> Response<RejectionBody> {
     if error.is_server_error() {
-        tracing::error!(%error, "request rejected: its lock key could not be derived");
+        let cause = format_args!("the request's lock key could not be derived: {error}");
+        core.report.misconfigured(core.name(), &cause);
     } else {
         tracing::debug!(%error, "request rejected: bad lock key");
     }

@@ -11,16 +11,19 @@ use tower::Layer;
 use super::config::{Config, ModeSelect, OnLost, ReleaseOn};
 use super::keys::{KeyError, KeyExtractor, Keys};
 use super::rejection::{OnRejection, Rejection, RejectionBody};
+use super::report::Report;
 use super::service::LockService;
 use crate::backend::LockMode;
 use crate::error::{Error, Result};
 use crate::key::LockKey;
-use crate::lock::{LayerOutcome, Lease, LockClient};
+use crate::lock::{LayerEvent, LayerOutcome, Lease, LockClient};
 
 /// What every clone of a layer, its services and their futures share.
 pub(crate) struct Core {
     pub(crate) client: LockClient,
     pub(crate) config: Config,
+    /// What the layer remembers to keep its failure log short.
+    pub(crate) report: Report,
 }
 
 impl Core {
@@ -31,14 +34,7 @@ impl Core {
         rejection: Rejection,
         key: Option<&LockKey>,
     ) -> Response<RejectionBody> {
-        let outcome = match &rejection {
-            Rejection::Busy { .. } => LayerOutcome::Busy,
-            Rejection::BadKey(_) => LayerOutcome::BadKey,
-            Rejection::Unavailable { .. } => LayerOutcome::FailClosed,
-            Rejection::Lost { .. } => LayerOutcome::Lost,
-            _ => LayerOutcome::Misconfigured,
-        };
-        self.outcome(key, outcome);
+        self.outcome(key, rejection.outcome());
         let retry_after = rejection.retry_after_secs();
         let mut response = self.config.on_rejection.on_rejection(rejection);
         // A handler that says nothing of when to retry keeps the layer's word for it;
@@ -55,12 +51,25 @@ impl Core {
         response
     }
 
-    /// Reports a request not served under its lock to the observer and the layer's span.
+    /// Reports what the layer did with a request to the observer, and, but for a
+    /// request served under its lock (whose span already says `locked`), to the layer's
+    /// span.
     pub(crate) fn outcome(&self, key: Option<&LockKey>, outcome: LayerOutcome) {
-        tracing::Span::current().record("decision", outcome.as_str());
-        if let Some(observer) = self.client.hooks().observer() {
-            observer.layer_outcome(key, outcome);
+        if outcome != LayerOutcome::Served {
+            tracing::Span::current().record("decision", outcome.as_str());
         }
+        if let Some(observer) = self.client.hooks().observer() {
+            let event = LayerEvent {
+                layer: self.name(),
+                key,
+            };
+            observer.layer_outcome(event, outcome);
+        }
+    }
+
+    /// The layer's name, for metrics and logs.
+    pub(crate) fn name(&self) -> &str {
+        self.config.layer_name()
     }
 
     /// Puts the configured prefix in front of every key.
@@ -113,7 +122,11 @@ impl<K: KeyExtractor> LockLayer<K> {
     fn from_parts(client: LockClient, keys: K, config: Config) -> Self {
         LockLayer {
             shared: Arc::new(Shared {
-                core: Arc::new(Core { client, config }),
+                core: Arc::new(Core {
+                    client,
+                    config,
+                    report: Report::new(),
+                }),
                 keys,
             }),
         }
@@ -236,7 +249,10 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
     }
 
     /// When the lock store cannot answer (unreachable, timed out, no quorum), serve
-    /// requests without their lock (logged as a warning) instead of answering 503.
+    /// requests without their lock instead of answering 503. Either way the outage is
+    /// logged as a warning, at most once per
+    /// [`OUTAGE_LOG_INTERVAL`](super::OUTAGE_LOG_INTERVAL) with the count of requests
+    /// since.
     /// Default `false` (fail closed): availability over exclusion is a choice to make
     /// per route, knowingly. A misconfiguration (a key holding another type of data, an
     /// unsupported mode, no runtime) always fails closed.
@@ -280,6 +296,33 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
     /// get an owner, so [`Locks`](crate::extract::Locks) works). Default: all methods.
     pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.config.methods = Some(methods.into_iter().collect());
+        self
+    }
+
+    /// Names the layer in its metrics (the `layer` label of
+    /// `tower_lock_layer_outcomes_total`), its observer events
+    /// ([`LayerEvent::layer`](crate::LayerEvent::layer)) and its log lines, so that two
+    /// layers of a process can be told apart: `orders`, `payments`. Default: the
+    /// [`key_prefix`](Self::key_prefix), or `""` without one. Not empty, at most
+    /// [`MAX_LAYER_NAME_LEN`](super::MAX_LAYER_NAME_LEN) bytes, no control characters;
+    /// keep it a fixed text, since every name is a metric series of its own.
+    ///
+    /// ```
+    /// use http::HeaderName;
+    /// use tower_lock::layer::{HeaderKey, LockLayer};
+    /// use tower_lock::MemoryBackend;
+    ///
+    /// let orders = LockLayer::builder(
+    ///     MemoryBackend::new(),
+    ///     HeaderKey::new(HeaderName::from_static("x-user-id")).namespace("lock:order")?,
+    /// )
+    /// .name("orders")
+    /// .build()?;
+    /// # let _ = orders;
+    /// # Ok::<(), tower_lock::Error>(())
+    /// ```
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.config.name = Some(name.into());
         self
     }
 
@@ -354,7 +397,8 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
     /// [`MIN_LEASE`](crate::MIN_LEASE)..=[`MAX_LEASE`](crate::MAX_LEASE), `busy_status`
     /// not 4xx/5xx, `busy_retry_after` or `unavailable_retry_after` zero or over
     /// [`MAX_RETRY_AFTER`](super::MAX_RETRY_AFTER), `methods` empty, `key_prefix` empty
-    /// or with braces or control characters, `permits` zero, `mode` set twice.
+    /// or with braces or control characters, `name` empty, too long or with control
+    /// characters, `permits` zero, `mode` set twice.
     pub fn build(self) -> Result<LockLayer<K>> {
         let mut config = self.config;
         config.mode = self.mode?;

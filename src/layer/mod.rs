@@ -107,6 +107,17 @@
 //! # let _ = (transfers, orders);
 //! ```
 //!
+//! # Logs
+//!
+//! What an operator must see is logged once, not once per request: a lock store that
+//! cannot answer is a WARN at the first request, then at most one line every
+//! [`OUTAGE_LOG_INTERVAL`] (10 s) with the count of requests since (fail-closed and
+//! fail-open alike); a misconfiguration (a missing request extension, an unsupported
+//! mode, a key of another type) is an ERROR once per cause, then DEBUG. Each line
+//! carries the layer's [`name`](LockLayerBuilder::name) (`layer=`). Busy requests and
+//! clients' bad keys are DEBUG. Every request is counted by the client's observer
+//! ([`LayerOutcome`](crate::LayerOutcome), `tower_lock_layer_outcomes_total`).
+//!
 //! # Errors
 //!
 //! [`LockLayerBuilder::build`] rejects bad configuration with
@@ -137,11 +148,12 @@ mod keys;
 #[allow(clippy::module_inception)]
 mod layer;
 mod rejection;
+mod report;
 mod request_locks;
 mod service;
 
 pub use body::LockBody;
-pub use config::{DEFAULT_WAIT, MAX_WAIT, OnLost, ReleaseOn};
+pub use config::{DEFAULT_WAIT, MAX_LAYER_NAME_LEN, MAX_WAIT, OnLost, ReleaseOn};
 pub use future::ResponseFuture;
 pub use keys::{
     ExtensionKey, Extracted, HeaderKey, IntoKeys, KeyError, KeyExtractor, Keys, key_fn,
@@ -154,4 +166,5 @@ pub use rejection::{
     DefaultRejection, IntoRejectionResponse, MAX_RETRY_AFTER, OnRejection, Rejection,
     RejectionBody,
 };
+pub use report::OUTAGE_LOG_INTERVAL;
 pub use service::LockService;

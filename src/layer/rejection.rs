@@ -13,6 +13,7 @@ use http_body_util::{BodyExt, Full};
 
 use super::keys::KeyError;
 use crate::error::{BoxError, Error};
+use crate::lock::LayerOutcome;
 
 /// The status for a lock still busy when the wait ran out: `429 Too Many Requests`.
 ///
@@ -111,6 +112,21 @@ impl Rejection {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             Rejection::Misconfigured(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// How the layer counts this rejection. A key the server could not derive (a
+    /// [`KeyError`] with a 5xx status: a missing extension, an axum extractor's 500) is
+    /// the server's wiring mistake, counted with the other misconfigurations, never with
+    /// the clients' bad keys.
+    pub(crate) fn outcome(&self) -> LayerOutcome {
+        match self {
+            Rejection::Busy { .. } => LayerOutcome::Busy,
+            Rejection::BadKey(e) if e.is_server_error() => LayerOutcome::Misconfigured,
+            Rejection::BadKey(_) => LayerOutcome::BadKey,
+            Rejection::Unavailable { .. } => LayerOutcome::Unavailable,
+            Rejection::Misconfigured(_) => LayerOutcome::Misconfigured,
+            Rejection::Lost { .. } => LayerOutcome::Lost,
         }
     }
 

@@ -87,7 +87,7 @@ mod watchdog;
 pub(crate) use acquire::{Acquisition, begin_acquire};
 pub use guard::{LockGuard, LostSignal};
 pub(crate) use observer::Hooks;
-pub use observer::{LayerOutcome, LockEvent, LockObserver};
+pub use observer::{LayerEvent, LayerOutcome, LockEvent, LockObserver};
 use registry::Registry;
 pub(crate) use unlocking::{FinishOnDrop, Unlocking};
 

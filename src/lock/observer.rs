@@ -137,41 +137,63 @@ pub trait LockObserver: Send + Sync + 'static {
         let _ = (event, held);
     }
 
-    /// [`LockLayer`](crate::LockLayer) did not serve a request under its lock: it
-    /// rejected it, or served it without the lock (fail-open). `key` is the request's
-    /// (first) key when one was derived.
-    fn layer_outcome(&self, key: Option<&LockKey>, outcome: LayerOutcome) {
-        let _ = (key, outcome);
+    /// [`LockLayer`](crate::LockLayer) decided a request: served it under its lock, or
+    /// rejected it, or served it without the lock (fail-open). Called once for each
+    /// request the layer locks (or tries to), not for those it passes through unlocked
+    /// (no key, a method it does not lock); not at all for a request whose future is
+    /// dropped before it is decided (the client went away), or whose inner service
+    /// fails its readiness check once the locks are held (the error is the answer).
+    fn layer_outcome(&self, event: LayerEvent<'_>, outcome: LayerOutcome) {
+        let _ = (event, outcome);
     }
 }
 
-/// What [`LockLayer`](crate::LockLayer) did with a request instead of serving it under
-/// its lock: see [`LockObserver::layer_outcome`].
+/// Which layer and request an observed [`LayerOutcome`] is about.
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub struct LayerEvent<'a> {
+    /// The layer's [`name`](crate::layer::LockLayerBuilder::name): by default its key
+    /// prefix, or `""` without one. Tells two layers of a process apart.
+    pub layer: &'a str,
+    /// The request's (first) key, when one was derived.
+    pub key: Option<&'a LockKey>,
+}
+
+/// What [`LockLayer`](crate::LockLayer) did with a request it locks: see
+/// [`LockObserver::layer_outcome`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum LayerOutcome {
+    /// Served: the inner service answered (a response or its error) while the request
+    /// held its locks.
+    Served,
     /// Rejected: the lock was still held by another request when the wait ran out.
     Busy,
+    /// Rejected: the store could not answer (unreachable, timed out, no quorum) and the
+    /// layer fails closed: a 503.
+    Unavailable,
     /// Served without its lock: the store could not answer and the layer fails open.
     FailOpen,
-    /// Rejected: the store could not answer and the layer fails closed.
-    FailClosed,
-    /// Rejected: no valid key could be derived from the request.
+    /// Rejected: the request makes no valid key (a missing or malformed header, ...):
+    /// the client's fault, a 4xx.
     BadKey,
-    /// Rejected: the layer or the store is misconfigured.
+    /// Rejected: the layer, the store or the server's wiring is misconfigured (an
+    /// unsupported mode, a key of another type, a request extension no middleware set):
+    /// the server's fault, a 5xx.
     Misconfigured,
     /// Cancelled: the lock was lost while the handler ran.
     Lost,
 }
 
 impl LayerOutcome {
-    /// A short lowercase name, for labels and trace fields: `busy`, `fail_open`,
-    /// `fail_closed`, `bad_key`, `misconfigured`, `lost`.
+    /// A short lowercase name, for labels and trace fields: `served`, `busy`,
+    /// `unavailable`, `fail_open`, `bad_key`, `misconfigured`, `lost`.
     pub fn as_str(self) -> &'static str {
         match self {
+            LayerOutcome::Served => "served",
             LayerOutcome::Busy => "busy",
+            LayerOutcome::Unavailable => "unavailable",
             LayerOutcome::FailOpen => "fail_open",
-            LayerOutcome::FailClosed => "fail_closed",
             LayerOutcome::BadKey => "bad_key",
             LayerOutcome::Misconfigured => "misconfigured",
             LayerOutcome::Lost => "lost",
@@ -216,8 +238,8 @@ impl<T: LockObserver + ?Sized> LockObserver for Arc<T> {
     fn guard_ended(&self, event: LockEvent<'_>, held: Duration) {
         (**self).guard_ended(event, held)
     }
-    fn layer_outcome(&self, key: Option<&LockKey>, outcome: LayerOutcome) {
-        (**self).layer_outcome(key, outcome)
+    fn layer_outcome(&self, event: LayerEvent<'_>, outcome: LayerOutcome) {
+        (**self).layer_outcome(event, outcome)
     }
 }
 

@@ -13,7 +13,10 @@
 //!   `fail_open`;
 //! - keys come from axum extractors, and a rejection handler's `impl IntoResponse` is
 //!   what the client gets;
-//! - ownership is per request, not per task.
+//! - ownership is per request, not per task;
+//! - what an operator sees: each request's outcome counted under its layer's name and
+//!   blamed on the right side, a store outage logged as one WARN per interval with a
+//!   count, a wiring mistake as one ERROR per cause.
 //!
 //! Over sockets the tests run in real time and wait on conditions with deadlines. Where
 //! a test must show that something has *not* happened yet (the last byte while the
@@ -1190,4 +1193,316 @@ async fn a_rejection_handler_without_retry_after_keeps_the_layers() {
         assert_eq!(res.status(), StatusCode::OK);
         assert_eq!(header_of(&res, header::RETRY_AFTER), None, "{proto:?}");
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// 8. What an operator sees: outcomes by layer
+// ---------------------------------------------------------------------------------------
+
+/// `tower_lock_layer_outcomes_total` from a debugging recorder, as `(layer, namespace,
+/// outcome)` → count. (A snapshot drains the recorder: take one.)
+#[cfg(feature = "metrics")]
+fn outcomes_of(
+    recorder: &metrics_util::debugging::DebuggingRecorder,
+) -> std::collections::BTreeMap<(String, String, String), u64> {
+    use metrics_util::debugging::DebugValue;
+    let mut counts = std::collections::BTreeMap::new();
+    for (key, _, _, value) in recorder.snapshotter().snapshot().into_vec() {
+        let (_, key) = key.into_parts();
+        if key.name() != "tower_lock_layer_outcomes_total" {
+            continue;
+        }
+        let label = |name: &str| {
+            key.labels()
+                .find(|l| l.key() == name)
+                .map_or_else(String::new, |l| l.value().to_owned())
+        };
+        if let DebugValue::Counter(n) = value {
+            let series = (label("layer"), label("namespace"), label("outcome"));
+            *counts.entry(series).or_insert(0) += n;
+        }
+    }
+    counts
+}
+
+/// Over HTTP/1.1 and HTTP/2, with `MetricsObserver` on the client: requests served under
+/// their lock count `served` under the layer's name; a client's bad header counts
+/// `bad_key`; an `ExtensionKey` without its extension (the server's wiring) counts
+/// `misconfigured` under its own layer (named by its key prefix), never `bad_key`.
+#[cfg(feature = "metrics")]
+#[test]
+fn outcomes_are_counted_by_layer_and_blame_the_right_side() {
+    #[derive(Clone)]
+    struct AuthenticatedUser(u64);
+
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        rt.block_on(async {
+            let client = LockClient::builder(MemoryBackend::new())
+                .observer(tower_lock::metrics::MetricsObserver::new())
+                .build()
+                .unwrap();
+            let orders = LockLayer::builder(
+                client.clone(),
+                HeaderKey::new(header::HeaderName::from_static("x-user-id"))
+                    .namespace("order")
+                    .unwrap(),
+            )
+            .name("orders")
+            .build()
+            .unwrap();
+            let me = LockLayer::builder(
+                client,
+                ExtensionKey::new(|u: &AuthenticatedUser| u.0.to_string())
+                    .namespace("user")
+                    .unwrap(),
+            )
+            .key_prefix("lock")
+            .build()
+            .unwrap();
+            let app = Router::new()
+                .route("/orders", post(|| async { "ordered" }).route_layer(orders))
+                .route("/me", post(|| async { "me" }).route_layer(me));
+            let server = serve(app).await;
+            let user = |id| [("x-user-id", id)];
+            for proto in [Proto::Http1, Proto::Http2] {
+                let res = send(server.addr, proto, Method::POST, "/orders", &user("42")).await;
+                assert_eq!(res.status(), StatusCode::OK, "{proto:?}");
+                assert_eq!(text(res).await, "ordered");
+                let res = send(server.addr, proto, Method::POST, "/orders", &user("")).await;
+                assert_eq!(res.status(), StatusCode::BAD_REQUEST, "{proto:?}");
+                text(res).await;
+                let res = send(server.addr, proto, Method::POST, "/me", &[]).await;
+                assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR, "{proto:?}");
+                text(res).await;
+            }
+        })
+    });
+    let series = |layer: &str, namespace: &str, outcome: &str, n: u64| {
+        let labels = (layer.to_owned(), namespace.to_owned(), outcome.to_owned());
+        (labels, n)
+    };
+    assert_eq!(
+        outcomes_of(&recorder),
+        [
+            series("lock", "", "misconfigured", 2),
+            series("orders", "", "bad_key", 2),
+            series("orders", "order", "served", 2),
+        ]
+        .into_iter()
+        .collect()
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// 9. What an operator sees: the log of an outage and of a wiring mistake
+// ---------------------------------------------------------------------------------------
+
+/// A log written to memory.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    /// The lines at `level` (`WARN`, ...) that contain `text`.
+    fn lines(&self, level: &str, text: &str) -> Vec<String> {
+        let log = self.0.lock().unwrap().clone();
+        String::from_utf8(log)
+            .unwrap()
+            .lines()
+            .filter(|l| l.split_whitespace().next() == Some(level) && l.contains(text))
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+/// Runs `test` on a current-thread runtime (so that every event is on this thread, and
+/// time can jump) with a log at `level` captured.
+fn with_log<F: std::future::Future<Output = ()>>(
+    level: tracing::Level,
+    test: impl FnOnce(Captured) -> F,
+) {
+    let captured = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_ansi(false)
+        .without_time()
+        .with_writer({
+            let captured = captured.clone();
+            move || captured.clone()
+        })
+        .finish();
+    let _default = tracing::subscriber::set_default(subscriber);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(test(captured));
+}
+
+/// Moves tokio's clock `by` ahead, as if that much time had passed.
+async fn jump(by: Duration) {
+    tokio::time::pause();
+    tokio::time::advance(by).await;
+    tokio::time::resume();
+}
+
+/// A real redis-server killed under a fail-closed layer, at INFO: five requests answered
+/// 503 give one WARN line, naming the layer; the first request after
+/// `OUTAGE_LOG_INTERVAL` gives one more, with the count of those in between. A
+/// fail-open layer's outage is a WARN the same way.
+#[cfg(feature = "redis")]
+#[test]
+fn a_store_outage_is_one_warning_then_one_per_interval_with_a_count() {
+    use tower_lock::layer::OUTAGE_LOG_INTERVAL;
+
+    with_log(tracing::Level::INFO, |log| async move {
+        let mut redis = RedisServer::start().await;
+        let backend = RedisBackend::builder(redis.url())
+            .reconnect_retries(0)
+            .build()
+            .await
+            .unwrap();
+        let by_user = || {
+            HeaderKey::new(header::HeaderName::from_static("x-user-id"))
+                .namespace("order")
+                .unwrap()
+        };
+        let closed = LockLayer::builder(backend, by_user())
+            .name("orders")
+            .max_wait(Duration::from_millis(200))
+            .build()
+            .unwrap();
+        let open = LockLayer::builder(common::DownBackend, by_user())
+            .name("audit")
+            .fail_open(true)
+            .build()
+            .unwrap();
+        let app = Router::new()
+            .route("/orders", post(|| async { "ordered" }).route_layer(closed))
+            .route("/audit", post(|| async { "audited" }).route_layer(open));
+        let server = serve(app).await;
+        let order = |proto| {
+            send(
+                server.addr,
+                proto,
+                Method::POST,
+                "/orders",
+                &[("x-user-id", "42")],
+            )
+        };
+        assert_eq!(order(Proto::Http1).await.status(), StatusCode::OK);
+
+        redis.kill();
+        let closed_line = "lock store cannot answer; requests are answered 503 (fail-closed)";
+        for n in 0..5 {
+            let proto = if n % 2 == 0 {
+                Proto::Http1
+            } else {
+                Proto::Http2
+            };
+            let res = order(proto).await;
+            assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE, "request {n}");
+            text(res).await;
+        }
+        let warned = log.lines("WARN", closed_line);
+        assert_eq!(warned.len(), 1, "one line for five requests: {warned:#?}");
+        assert!(warned[0].contains("layer=\"orders\""), "{}", warned[0]);
+        assert!(!warned[0].contains("more since"), "{}", warned[0]);
+
+        jump(OUTAGE_LOG_INTERVAL).await;
+        let res = order(Proto::Http1).await;
+        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let warned = log.lines("WARN", closed_line);
+        assert_eq!(warned.len(), 2, "{warned:#?}");
+        assert!(
+            warned[1].contains("4 more since the last warning")
+                && warned[1].contains("suppressed=4"),
+            "{}",
+            warned[1]
+        );
+
+        for _ in 0..3 {
+            let res = send(
+                server.addr,
+                Proto::Http1,
+                Method::POST,
+                "/audit",
+                &[("x-user-id", "42")],
+            )
+            .await;
+            assert_eq!(res.status(), StatusCode::OK, "served unlocked");
+        }
+        let open_line =
+            "lock store cannot answer; requests are served without their lock (fail-open)";
+        let warned = log.lines("WARN", open_line);
+        assert_eq!(warned.len(), 1, "{warned:#?}");
+        assert!(warned[0].contains("layer=\"audit\""), "{}", warned[0]);
+    });
+}
+
+/// An `ExtensionKey` without its extension, at DEBUG: an ERROR line once per cause and
+/// layer (two missing types, two lines), and the requests after it at DEBUG.
+#[test]
+fn a_wiring_mistake_is_one_error_per_cause_then_debug() {
+    #[derive(Clone)]
+    struct User(u64);
+    #[derive(Clone)]
+    struct Tenant(u64);
+
+    with_log(tracing::Level::DEBUG, |log| async move {
+        let client = LockClient::new(MemoryBackend::new());
+        let users = LockLayer::builder(
+            client.clone(),
+            ExtensionKey::new(|u: &User| u.0.to_string()),
+        )
+        .name("users")
+        .build()
+        .unwrap();
+        let tenants = LockLayer::builder(client, ExtensionKey::new(|t: &Tenant| t.0.to_string()))
+            .name("tenants")
+            .build()
+            .unwrap();
+        let app = Router::new()
+            .route("/me", post(|| async { "me" }).route_layer(users))
+            .route("/tenant", post(|| async { "tenant" }).route_layer(tenants));
+        let server = serve(app).await;
+        for (path, times) in [("/me", 3), ("/tenant", 2)] {
+            for _ in 0..times {
+                let res = send(server.addr, Proto::Http1, Method::POST, path, &[]).await;
+                assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR, "{path}");
+                text(res).await;
+            }
+        }
+        let line = "the lock is misconfigured";
+        let errors = log.lines("ERROR", line);
+        assert_eq!(errors.len(), 2, "{errors:#?}");
+        assert!(
+            errors[0].contains("layer=\"users\"") && errors[0].contains("User"),
+            "{}",
+            errors[0]
+        );
+        assert!(
+            errors[1].contains("layer=\"tenants\"") && errors[1].contains("Tenant"),
+            "{}",
+            errors[1]
+        );
+        assert_eq!(log.lines("DEBUG", line).len(), 3, "the others at DEBUG");
+    });
 }

@@ -190,6 +190,7 @@ fn a_run_of_locks_is_recorded_and_the_gauges_return_to_zero() {
     let layer_busy = s.get(&(
         "tower_lock_layer_outcomes_total".to_owned(),
         vec![
+            ("layer".to_owned(), String::new()),
             ("namespace".to_owned(), "lock:order".to_owned()),
             ("outcome".to_owned(), "busy".to_owned()),
         ],

@@ -7,7 +7,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::{DownBackend, wait_until};
-use tower_lock::{Error, Lease, LockClient, LockEvent, LockObserver, MemoryBackend};
+use tower_lock::{
+    Error, LayerEvent, LayerOutcome, Lease, LockClient, LockEvent, LockKey, LockObserver,
+    MemoryBackend,
+};
 
 #[derive(Default)]
 struct Counts {
@@ -224,4 +227,169 @@ async fn wait_and_hold_hooks_stay_paired_under_cancellation() {
         assert_eq!(gauges.waiting.load(Ordering::SeqCst), 0, "seed {seed}");
         assert_eq!(gauges.holding.load(Ordering::SeqCst), 0, "seed {seed}");
     }
+}
+
+/// The layer outcomes an observer heard, in order: the layer's name, the key's namespace
+/// and the outcome.
+#[derive(Default)]
+struct Outcomes(std::sync::Mutex<Vec<(String, String, LayerOutcome)>>);
+
+impl Outcomes {
+    fn take(&self) -> Vec<(String, String, LayerOutcome)> {
+        std::mem::take(&mut *self.0.lock().unwrap())
+    }
+
+    /// Only the outcomes.
+    fn take_outcomes(&self) -> Vec<LayerOutcome> {
+        self.take().into_iter().map(|(_, _, o)| o).collect()
+    }
+}
+
+impl LockObserver for Outcomes {
+    fn layer_outcome(&self, event: LayerEvent<'_>, outcome: LayerOutcome) {
+        let namespace = event.key.map_or("", |k| k.namespace());
+        self.0
+            .lock()
+            .unwrap()
+            .push((event.layer.to_owned(), namespace.to_owned(), outcome));
+    }
+}
+
+/// Regression (issue 24, item 3): an `ExtensionKey` whose extension no middleware set is
+/// the server's wiring mistake (a 500), and was counted as `bad_key`, the series of a
+/// client's 400s. It is `misconfigured`; a client's bad header stays `bad_key`.
+#[tokio::test]
+async fn a_missing_extension_counts_as_misconfigured_not_bad_key() {
+    use http::{Request, StatusCode};
+    use tower::{Layer, ServiceExt, service_fn};
+    use tower_lock::layer::{ExtensionKey, HeaderKey, LockLayer};
+
+    #[derive(Clone)]
+    struct User(u64);
+
+    let outcomes = Arc::new(Outcomes::default());
+    let client = LockClient::builder(MemoryBackend::new())
+        .observer(outcomes.clone())
+        .build()
+        .unwrap();
+    let ok = service_fn(|_: Request<()>| async {
+        Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+    });
+
+    let by_user = LockLayer::new(
+        client.clone(),
+        ExtensionKey::new(|u: &User| u.0.to_string()),
+    );
+    let res = by_user.layer(ok).oneshot(Request::new(())).await.unwrap();
+    assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(outcomes.take_outcomes(), [LayerOutcome::Misconfigured]);
+
+    let by_header = LockLayer::new(
+        client,
+        HeaderKey::new(http::HeaderName::from_static("x-user-id")),
+    );
+    let res = by_header.layer(ok).oneshot(Request::new(())).await.unwrap();
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(outcomes.take_outcomes(), [LayerOutcome::BadKey]);
+}
+
+/// Every request the layer locks is reported once, under the layer's name (set, or its
+/// key prefix by default): served under its lock, busy, unavailable, served without it
+/// (fail-open), lost. Requests it passes through unlocked are not reported.
+#[tokio::test]
+async fn every_locked_request_is_reported_once_under_the_layers_name() {
+    use http::{Method, Request, StatusCode};
+    use tower::{Layer, ServiceExt, service_fn};
+    use tower_lock::layer::{LockLayer, key_fn};
+
+    let outcomes = Arc::new(Outcomes::default());
+    let backend = MemoryBackend::new();
+    let client = LockClient::builder(backend.clone())
+        .observer(outcomes.clone())
+        .build()
+        .unwrap();
+    let ok = service_fn(|_: Request<()>| async {
+        Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+    });
+    // `/a/1` → `a:{1}`
+    let by_path = || {
+        key_fn(|p: &http::request::Parts| {
+            let (ns, id) = p.uri.path()[1..].split_once('/').unwrap();
+            LockKey::namespaced(ns, id)
+        })
+    };
+    let get = |path: &str| Request::get(path).body(()).unwrap();
+
+    // Named by its key prefix: served, then busy while another holder has the key.
+    let orders = LockLayer::builder(client.clone(), by_path())
+        .key_prefix("lock:order")
+        .methods([Method::GET])
+        .max_wait(Duration::ZERO)
+        .build()
+        .unwrap();
+    let svc = orders.layer(ok);
+    assert_eq!(
+        svc.clone().oneshot(get("/o/1")).await.unwrap().status(),
+        StatusCode::OK
+    );
+    let held = client
+        .get_lock("lock:order:o:{1}")
+        .unwrap()
+        .lock()
+        .await
+        .unwrap();
+    let res = svc.clone().oneshot(get("/o/1")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    held.unlock().await.unwrap();
+    // Not locked (another method): not reported.
+    let post = Request::post("/o/1").body(()).unwrap();
+    assert_eq!(svc.oneshot(post).await.unwrap().status(), StatusCode::OK);
+    let prefixed = |o| ("lock:order".to_owned(), "lock:order:o".to_owned(), o);
+    assert_eq!(
+        outcomes.take(),
+        [prefixed(LayerOutcome::Served), prefixed(LayerOutcome::Busy)]
+    );
+
+    // Named: the store down, closed and open.
+    for (fail_open, outcome, status) in [
+        (
+            false,
+            LayerOutcome::Unavailable,
+            StatusCode::SERVICE_UNAVAILABLE,
+        ),
+        (true, LayerOutcome::FailOpen, StatusCode::OK),
+    ] {
+        let down = LockClient::builder(DownBackend)
+            .observer(outcomes.clone())
+            .build()
+            .unwrap();
+        let layer = LockLayer::builder(down, by_path())
+            .name("payments")
+            .fail_open(fail_open)
+            .build()
+            .unwrap();
+        let res = layer.layer(ok).oneshot(get("/pay/7")).await.unwrap();
+        assert_eq!(res.status(), status);
+        assert_eq!(
+            outcomes.take(),
+            [("payments".to_owned(), "pay".to_owned(), outcome)]
+        );
+    }
+
+    // Unnamed and unprefixed: "". A lock lost while the handler runs.
+    let slow = service_fn(|_: Request<()>| async {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+    });
+    let short = LockLayer::builder(client.clone(), by_path())
+        .lease(Duration::from_millis(50))
+        .build()
+        .unwrap();
+    let res = short.layer(slow).oneshot(get("/slow/1")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        outcomes.take(),
+        [(String::new(), "slow".to_owned(), LayerOutcome::Lost)]
+    );
+    assert!(backend.is_empty());
 }
