@@ -71,6 +71,13 @@ impl Tasks {
             .is_some_and(|task| !task.is_finished())
     }
 
+    /// Stops every task: the client shut down.
+    pub(crate) fn stop_all(&mut self) {
+        for (_, task) in self.running.drain() {
+            task.abort();
+        }
+    }
+
     /// The task of `runtime` ends: nothing of its runtime is watched any more.
     pub(crate) fn retire(&mut self, runtime: Id) {
         self.running.remove(&runtime);

@@ -152,6 +152,7 @@ macro_rules! __conformance_cases {
             a_shorter_renewal_never_shortens_the_lease,
             concurrent_acquisitions_by_one_owner_share_one_hold,
             inspection_shows_holders_tokens_and_waiters,
+            shutdown_leaves_nothing,
         );
     };
 }

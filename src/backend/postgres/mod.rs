@@ -366,6 +366,15 @@ impl LockBackend for PostgresBackend {
     fn clients(&self) -> Option<&dyn ClientNames> {
         Some(self)
     }
+
+    /// `SELECT 1` on a connection of the pool, within the response timeout.
+    fn ping(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move {
+            self.timed(sqlx::query("SELECT 1").execute(&self.inner.pool))
+                .await
+                .map(drop)
+        })
+    }
 }
 
 /// Names live in `<table>_clients`, swept of expired rows by every registration.
@@ -426,6 +435,15 @@ impl ClientNames for PostgresBackend {
                         .map(|(_, name)| name.clone())
                 })
                 .collect())
+        })
+    }
+
+    fn unregister<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let sql = self.sql("DELETE FROM __F___clients WHERE id = $1");
+            self.timed(sqlx::query(&sql).bind(id).execute(&self.inner.pool))
+                .await
+                .map(drop)
         })
     }
 }

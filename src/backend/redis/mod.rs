@@ -1866,6 +1866,11 @@ impl LockBackend for RedisBackend {
     fn clients(&self) -> Option<&dyn ClientNames> {
         Some(self)
     }
+
+    /// `PING`, on the connection lock calls use.
+    fn ping(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move { self.inner.query::<()>(&redis::cmd("PING")).await })
+    }
 }
 
 /// Names live at `<prefix>client:<id>`, a string key with a TTL.
@@ -1896,6 +1901,14 @@ impl ClientNames for RedisBackend {
                 names.push(self.inner.query::<Option<String>>(&cmd).await?);
             }
             Ok(names)
+        })
+    }
+
+    fn unregister<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let mut cmd = redis::cmd("DEL");
+            cmd.arg(Names::client(&self.inner.prefix, id));
+            self.inner.query::<()>(&cmd).await
         })
     }
 }
