@@ -353,6 +353,11 @@ impl StoreError {
         self
     }
 
+    /// The message alone, without the kind [`Display`](fmt::Display) puts first.
+    pub(crate) fn message(&self) -> &str {
+        &self.message
+    }
+
     /// What kind of failure this is.
     pub fn kind(&self) -> StoreErrorKind {
         self.kind

@@ -974,3 +974,27 @@ fn a_runtime_shutting_down_mid_batch_leaves_the_batcher_usable() {
     drop(backend);
     b.block_on(async move { drop(server) });
 }
+
+/// Regression (issue 24, item 10): a Redis that is down at startup failed the build with
+/// "connection refused" and no server named. The error names `host:port`, never the
+/// password of the URL, and is an outage.
+#[tokio::test]
+async fn a_server_down_at_startup_is_named_without_its_password() {
+    let port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    };
+    let url = format!("redis://:s3cret-pw@127.0.0.1:{port}/0");
+    let err = RedisBackend::builder(url.as_str())
+        .connection_timeout(Duration::from_millis(500))
+        .build()
+        .await
+        .unwrap_err();
+    let message = err.to_string();
+    assert!(
+        message.contains(&format!("cannot connect to Redis at 127.0.0.1:{port}")),
+        "{message}"
+    );
+    assert!(!message.contains("s3cret-pw"), "{message}");
+    assert!(err.is_unavailable(), "{err:?}");
+}

@@ -1246,6 +1246,19 @@ fn unexpected(op: &str, reply: &[i64]) -> Error {
 
 /// redis-rs's error → the crate's: a key of another type is [`Error::WrongType`], any
 /// other failure a [`StoreError`] of its kind.
+/// `error`, from connecting to `addr` (`host:port`, never with the password the URL may
+/// carry), saying where: an operator reading "connection refused" at startup needs to
+/// know which server refused.
+fn naming_the_server(error: Error, addr: &str) -> Error {
+    match error {
+        Error::Store(store) => {
+            let message = format!("cannot connect to Redis at {addr}: {}", store.message());
+            Error::Store(store.with_message(message))
+        }
+        other => other,
+    }
+}
+
 fn map_error(error: RedisError) -> Error {
     let wrong_type = error.code() == Some("WRONGTYPE")
         || error.detail().is_some_and(|d| d.contains("WRONGTYPE"))
@@ -1653,7 +1666,7 @@ impl RedisBackendBuilder {
         } else {
             ConnectionManager::new_with_config(client, config.clone())
                 .await
-                .map_err(map_error)?
+                .map_err(|e| naming_the_server(map_error(e), &addr))?
         };
         Ok(Connected {
             conn: Conn::Single(Box::new(SingleConn::new(
@@ -1732,12 +1745,15 @@ impl RedisBackendBuilder {
             .retries(u32::try_from(self.reconnect_retries).unwrap_or(u32::MAX))
             .build()
             .map_err(map_error)?;
-        let conn = client.get_async_connection().await.map_err(map_error)?;
         let mut addrs: Vec<String> = pubsub_nodes
             .iter()
             .map(|c| c.get_connection_info().addr().to_string())
             .collect();
         addrs.sort();
+        let conn = client
+            .get_async_connection()
+            .await
+            .map_err(|e| naming_the_server(map_error(e), &addrs.join(",")))?;
         let store_id = format!("redis-cluster:{}:{}", addrs.join(","), self.key_prefix);
         Ok(Connected {
             conn: Conn::Cluster(Box::new(conn)),
