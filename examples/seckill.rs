@@ -39,9 +39,14 @@
 //! The operator's side runs on a listener of its own, never on the public one
 //! (`--admin HOST:PORT`, default a free port on 127.0.0.1, printed at start; see
 //! `seckill/admin.rs`): `GET /metrics` in Prometheus format (`MetricsObserver` on the
-//! lock client), and `GET /admin/users/{id}/lock` or `GET /admin/locks?key=...` with who
-//! holds a lock — owner, client name (`--name`, default `seckill-<pid>`), since when,
+//! lock client), `GET /ready` for a readiness probe (200 while the lock store answers,
+//! 503 otherwise), and `GET /admin/users/{id}/lock` or `GET /admin/locks?key=...` with
+//! who holds a lock — owner, client name (`--name`, default `seckill-<pid>`), since when,
 //! lease left — and how many wait.
+//!
+//! Ctrl-C stops taking connections, lets the orders in flight finish, then shuts the
+//! lock client down (`LockClient::shutdown`): its locks are released at once, not when
+//! their leases end, and its name leaves the store.
 //!
 //! Other flags: `--stock N` (voucher 1's stock, default 100), `--wait-ms N` (how long an
 //! order waits for its user's lock, default 50), `--work-ms N` (simulated work inside an
@@ -382,12 +387,12 @@ async fn run(args: Args) -> Result<ExitCode, String> {
     let admin_app = admin::admin(client.clone(), prometheus);
     let admin_server = tokio::spawn(async move { axum::serve(admin_listener, admin_app).await });
     println!(
-        "admin: http://{admin_addr}/metrics and http://{admin_addr}/admin/users/42/lock \
-         (client {} = {})",
+        "admin: http://{admin_addr}/metrics, http://{admin_addr}/ready and \
+         http://{admin_addr}/admin/users/42/lock (client {} = {})",
         args.name,
         client.id()
     );
-    let app = app::app(client, store.clone(), args.settings).map_err(|e| e.to_string())?;
+    let app = app::app(client.clone(), store.clone(), args.settings).map_err(|e| e.to_string())?;
     let addr = if args.demo {
         SocketAddr::from(([127, 0, 0, 1], 0))
     } else {
@@ -423,6 +428,13 @@ async fn run(args: Args) -> Result<ExitCode, String> {
             .await
             .map_err(|e| format!("server failed: {e}"))?;
         admin_server.abort();
+        // The orders in flight are done: free this process's locks now rather than
+        // when their leases end, and take its name out of the store.
+        client
+            .shutdown()
+            .await
+            .map_err(|e| format!("lock client shutdown: {e}"))?;
+        println!("seckill: stopped; lock client {} shut down", client.id());
         return Ok(ExitCode::SUCCESS);
     }
 
@@ -445,6 +457,9 @@ async fn run(args: Args) -> Result<ExitCode, String> {
     let elapsed = started.elapsed();
     server.abort();
     admin_server.abort();
+    if let Err(error) = client.shutdown().await {
+        eprintln!("seckill: lock client shutdown: {error}");
+    }
     println!("\n{}", app::table(&tally));
     println!("({} requests in {:.2?})\n", tally.requests, elapsed);
     if let Some(what) = &tally.first_other {
