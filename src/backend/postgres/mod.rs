@@ -200,8 +200,11 @@ impl PostgresBackend {
         validate_identifier("table", table)?;
         // One script, one implicit transaction, behind a transaction-scoped advisory
         // lock: concurrent CREATE ... IF NOT EXISTS from two processes can collide.
+        // Without notices for the transaction: every start would otherwise log one
+        // "already exists, skipping" per object.
         let sql = [
             "SELECT pg_advisory_xact_lock(hashtext('tower_lock migrate'));\n",
+            "SET LOCAL client_min_messages = warning;\n",
             &statements::SCHEMA_SQL
                 .replace("__S__", schema)
                 .replace("__T__", table),
