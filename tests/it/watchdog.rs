@@ -158,3 +158,68 @@ async fn with_lock_unlocks_after_the_work() {
     assert!(err.is_busy(), "{err:?}");
     busy.unlock().await.unwrap();
 }
+
+/// Regression (issue 24, item 10): the watchdog's "lock lost" line named the logical
+/// owner (`…:68`) while the store shows the hold (`…:69`), so an operator could not
+/// match the two. It names the hold as the store shows it.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_lost_lock_is_logged_with_the_hold_id_the_store_shows() {
+    use std::sync::{Arc, Mutex};
+    use tracing_subscriber::layer::SubscriberExt;
+
+    /// Collects the fields of the watchdog's error events.
+    struct Errors(Arc<Mutex<Vec<String>>>);
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Errors {
+        fn on_event(
+            &self,
+            event: &tracing::Event<'_>,
+            _: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            if *event.metadata().level() == tracing::Level::ERROR {
+                let mut text = String::new();
+                event.record(
+                    &mut |field: &tracing::field::Field, value: &dyn std::fmt::Debug| {
+                        text.push_str(&format!("{}={value:?} ", field.name()));
+                    },
+                );
+                self.0.lock().unwrap().push(text);
+            }
+        }
+    }
+
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let _default = tracing::subscriber::set_default(
+        tracing_subscriber::registry().with(Errors(Arc::clone(&seen))),
+    );
+    let backend = MemoryBackend::new();
+    let client = LockClient::builder(backend.clone())
+        .watchdog_lease(LEASE)
+        .build()
+        .unwrap();
+    let owner = client.new_owner();
+    let guard = client
+        .get_lock("job:logged")
+        .unwrap()
+        .with_owner(owner.clone())
+        .lock()
+        .await
+        .unwrap();
+    assert_ne!(guard.hold_id().as_str(), owner.as_str());
+    let key = LockKey::new("job:logged").unwrap();
+    assert!(
+        backend
+            .force_release(&key, LockMode::Exclusive)
+            .await
+            .unwrap()
+    );
+    guard.lost().wait().await;
+    let seen = seen.lock().unwrap();
+    let line = seen
+        .iter()
+        .find(|line| line.contains("lock lost"))
+        .unwrap_or_else(|| panic!("no loss logged: {seen:#?}"));
+    assert!(
+        line.contains(&format!("hold_id={}", guard.hold_id())),
+        "{line}"
+    );
+}
