@@ -289,7 +289,7 @@ async fn on_redis(url: &str, args: &Args) -> Result<(LockClient, Arc<dyn Store>)
         .map_err(|e| format!("cannot reach Redis at {server} for the store: {}", e.0))?;
     println!(
         "backend: redis at {server} (locks and orders shared by every process using it; \
-         keys {NAMESPACE}*, fencing counters redisson_lock_token:{NAMESPACE}*)"
+         keys {NAMESPACE}:*, fencing counters redisson_lock_token:{NAMESPACE}:*)"
     );
     if args.demo || args.reset {
         store.reset(VOUCHER, args.stock).await.map_err(|e| e.0)?;

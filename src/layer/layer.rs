@@ -286,7 +286,8 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
     /// Puts `prefix:` in front of every key (`lock:order` + `{42}` →
     /// `lock:order:{42}`). A [`Namespace`](crate::Namespace), not empty: at most
     /// [`MAX_NAMESPACE_LEN`](crate::MAX_NAMESPACE_LEN) bytes, no braces or control
-    /// characters; [`build`](Self::build) names `key_prefix` otherwise.
+    /// characters, no `:` at either end (`"lock:"` would double it) or two in a row;
+    /// [`build`](Self::build) names `key_prefix` otherwise.
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.config.key_prefix = Some(prefix.into());
         self

@@ -269,3 +269,49 @@ async fn extension_keys_come_from_auth_middleware_and_nested_layers_share_the_ow
     }
     panic!("locks left behind");
 }
+
+/// Regression (issue 24, item 7): the layer's `key_prefix("lock:")` was accepted and
+/// doubled the separator (`lock::{42}`), as did an extractor's `namespace("lock:")`.
+/// Every prefix setting follows one rule — segments joined by `:`, the joining `:`
+/// added by the crate — and refuses a `:` at either end by name.
+#[test]
+fn one_prefix_rule_refuses_a_doubled_separator_by_name() {
+    use tower_lock::Error;
+
+    let layer = LockLayer::builder(
+        LockClient::new(MemoryBackend::new()),
+        HeaderKey::new(HeaderName::from_static("x-user-id")),
+    );
+    match layer.key_prefix("lock:").build() {
+        Err(Error::InvalidConfig {
+            name: "key_prefix",
+            reason,
+        }) => assert!(reason.contains("write \"lock\""), "{reason}"),
+        other => panic!("key_prefix(\"lock:\"): {other:?}"),
+    }
+    for bad in ["order:", ":order", "lock::order"] {
+        assert!(matches!(
+            HeaderKey::new(HeaderName::from_static("x-user-id")).namespace(bad),
+            Err(Error::InvalidConfig {
+                name: "namespace",
+                ..
+            })
+        ));
+        assert!(matches!(
+            PathParamKey::new("id").namespace(bad),
+            Err(Error::InvalidConfig {
+                name: "namespace",
+                ..
+            })
+        ));
+        assert!(matches!(
+            LockKey::namespaced(bad, "42"),
+            Err(Error::InvalidKey { .. })
+        ));
+    }
+    // The one spelling: the `:` is added once.
+    assert_eq!(
+        LockKey::namespaced("lock:order", "42").unwrap().as_str(),
+        "lock:order:{42}"
+    );
+}

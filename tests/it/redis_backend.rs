@@ -601,7 +601,7 @@ async fn password_in_url_and_prefix() {
     let server = RedisServer::start_with(&["--requirepass", "s3cret"]).await;
     let url = format!("redis://:s3cret@127.0.0.1:{}", server.port());
     let backend = RedisBackend::builder(url.as_str())
-        .key_prefix("app:")
+        .key_prefix("app")
         .build()
         .await
         .unwrap();
@@ -617,7 +617,10 @@ async fn password_in_url_and_prefix() {
         .query_async(&mut raw)
         .await
         .unwrap();
-    assert_eq!(exists, 1, "the prefix is part of the lock's name");
+    assert_eq!(
+        exists, 1,
+        "the prefix is joined to the lock's name with `:`"
+    );
     guard.unlock().await.unwrap();
 
     let wrong = format!("redis://:nope@127.0.0.1:{}", server.port());
@@ -632,7 +635,8 @@ async fn password_in_url_and_prefix() {
         other => panic!("a wrong password: {other:?}"),
     }
     let long = "p".repeat(tower_lock::MAX_NAMESPACE_LEN + 1);
-    for bad in ["a{b", "x}", "tab\t", long.as_str()] {
+    // "app:" was the spelling up to 0.1: refused, naming the setting, not doubled.
+    for bad in ["a{b", "x}", "tab\t", long.as_str(), "app:", ":app", "a::b"] {
         match RedisBackend::builder(url.as_str())
             .key_prefix(bad)
             .build()

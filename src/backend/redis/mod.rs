@@ -1415,11 +1415,15 @@ impl Names {
 }
 
 impl RedisBackendBuilder {
-    /// Prepended to every lock key as is (default: none, so names match Redisson's
-    /// exactly): include your own separator, as in `"myapp:"`. (The layer's
-    /// `key_prefix` adds the `:` itself.) A [`Namespace`](crate::Namespace): at most
-    /// [`MAX_NAMESPACE_LEN`](crate::MAX_NAMESPACE_LEN) bytes, no braces or control
-    /// characters; [`build`](Self::build) names `key_prefix` otherwise.
+    /// A namespace in front of every Redis key of the backend, joined to the lock's name
+    /// with `:` as every prefix of the crate is: `key_prefix("myapp")` gives
+    /// `myapp:NAME` (and `redisson_lock__channel:myapp:NAME` for its channel). Default:
+    /// none, so names match Redisson's exactly. A [`Namespace`](crate::Namespace): at
+    /// most [`MAX_NAMESPACE_LEN`](crate::MAX_NAMESPACE_LEN) bytes, segments joined by
+    /// single `:`s without one at either end (the joining `:` is added), no braces or
+    /// control characters; [`build`](Self::build) names `key_prefix` otherwise. (Up to
+    /// 0.1, the prefix was prepended as is and was written `"myapp:"`; write `"myapp"`
+    /// for the same keys.)
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.key_prefix = prefix.into();
         self
@@ -1522,8 +1526,13 @@ impl RedisBackendBuilder {
     /// [`Error::InvalidConfig`] naming the bad setting; [`Error::Store`] when the URL is
     /// invalid or (unless [lazy](Self::lazy_connect)) the server cannot be reached (see
     /// [`RedisBackend::connect`]).
-    pub async fn build(self) -> Result<RedisBackend> {
+    pub async fn build(mut self) -> Result<RedisBackend> {
         self.validate()?;
+        // From here on the prefix is as keys start with it: the segments and the `:`
+        // that joins them to the lock's name (`myapp` → `myapp:NAME`).
+        if !self.key_prefix.is_empty() {
+            self.key_prefix.push(':');
+        }
         let Connected {
             conn,
             pubsub_nodes,
