@@ -66,7 +66,8 @@ use crate::kinds::MultiGuard;
 use crate::lock::{Lease, Lock, LockClient, LockGuard, LostSignal};
 use crate::owner::Owner;
 
-/// The lock(s) the layer holds for this request.
+/// The lock(s) the layer holds for this request, or that work run by
+/// [`Lock::with_lock`] holds.
 ///
 /// With several keys the locks are listed in acquisition (sorted) order. Cheap to
 /// clone. With nested `LockLayer`s, this describes the innermost layer's locks (all
@@ -118,6 +119,19 @@ impl HeldLock {
             })),
         };
         Some(HeldLock { repr })
+    }
+
+    /// Describes one held lock, for work run under it ([`Lock::with_lock`]).
+    pub(crate) fn of_guard(guard: &LockGuard) -> Self {
+        HeldLock {
+            repr: Repr::One {
+                key: guard.key().clone(),
+                token: guard.fencing_token(),
+                mode: guard.mode(),
+                owner: guard.owner().clone(),
+                lost: guard.lost(),
+            },
+        }
     }
 
     /// The key — the first one, in sorted order, when the request holds several.

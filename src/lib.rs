@@ -187,7 +187,7 @@ pub use hold_id::HoldId;
 pub use key::{IntoLockKey, LockKey, MAX_KEY_LEN};
 pub use layer::LockLayer;
 pub use lock::{
-    CLIENT_NAME_TTL, HeldLock, LayerOutcome, Lease, Lock, LockClient, LockClientBuilder, LockEvent,
+    CLIENT_NAME_TTL, LayerOutcome, Lease, Lock, LockClient, LockClientBuilder, LockEvent,
     LockGuard, LockObserver, LostSignal, MAX_CLIENT_NAME_LEN,
 };
 pub use namespace::{MAX_NAMESPACE_LEN, Namespace};

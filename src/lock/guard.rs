@@ -15,6 +15,7 @@ use super::unlocking::{FinishOnDrop, Unlocking};
 use super::{LockClient, LockEvent};
 use crate::backend::{FencingToken, LockMode, LockRequest, Release};
 use crate::error::{Error, Result};
+use crate::extract::HeldLock;
 use crate::hold_id::HoldId;
 use crate::key::LockKey;
 use crate::owner::Owner;
@@ -527,50 +528,6 @@ impl Drop for LockGuard {
     }
 }
 
-/// What work run under a lock ([`Lock::with_lock`](crate::Lock::with_lock)) knows of
-/// it: the key, the hold's identity, the fencing token and the lost signal. Owned and
-/// cheap to clone, so it can move into the work's future; the guard itself stays with
-/// `with_lock`, which unlocks when the work is done.
-#[derive(Clone, Debug)]
-pub struct HeldLock {
-    key: LockKey,
-    hold_id: HoldId,
-    token: Option<FencingToken>,
-    lost: LostSignal,
-}
-
-impl HeldLock {
-    fn of(guard: &LockGuard) -> Self {
-        HeldLock {
-            key: guard.key().clone(),
-            hold_id: guard.hold_id().clone(),
-            token: guard.fencing_token(),
-            lost: guard.lost(),
-        }
-    }
-
-    /// The lock's key.
-    pub fn key(&self) -> &LockKey {
-        &self.key
-    }
-
-    /// The hold's identity in the store: see [`LockGuard::hold_id`].
-    pub fn hold_id(&self) -> &HoldId {
-        &self.hold_id
-    }
-
-    /// The fencing token of a fenced lock: see [`LockGuard::fencing_token`].
-    pub fn fencing_token(&self) -> Option<FencingToken> {
-        self.token
-    }
-
-    /// The signal that fires if the lock is lost (the work is then dropped at its next
-    /// `.await`). See [`LostSignal`].
-    pub fn lost(&self) -> &LostSignal {
-        &self.lost
-    }
-}
-
 /// Runs `work` while `guard` holds its lock, then unlocks: see
 /// [`Lock::with_lock`](crate::Lock::with_lock).
 pub(super) async fn run_locked<T, F, Fut>(guard: LockGuard, work: F) -> Result<T>
@@ -578,8 +535,8 @@ where
     F: FnOnce(HeldLock) -> Fut,
     Fut: Future<Output = T>,
 {
-    let held = HeldLock::of(&guard);
-    let lost = held.lost.wait();
+    let held = HeldLock::of_guard(&guard);
+    let lost = guard.lost().wait();
     let done = tokio::select! {
         // Loss first: a result that lands as the lock is lost was not protected.
         biased;

@@ -73,6 +73,7 @@ use std::time::Duration;
 
 use crate::backend::{LockBackend, LockMode, LockState};
 use crate::error::{Error, Result};
+use crate::extract::HeldLock;
 use crate::hold_id::HoldId;
 use crate::key::{IntoLockKey, LockKey};
 use crate::kinds::ReadWriteLock;
@@ -86,7 +87,7 @@ mod unlocking;
 mod watchdog;
 
 pub(crate) use acquire::{Acquisition, begin_acquire};
-pub use guard::{HeldLock, LockGuard, LostSignal};
+pub use guard::{LockGuard, LostSignal};
 pub(crate) use observer::Hooks;
 pub use observer::{LayerOutcome, LockEvent, LockObserver};
 use registry::Registry;
@@ -930,8 +931,9 @@ impl Lock {
     }
 
     /// Runs `work` under this lock: waits for it as [`lock`](Self::lock) does, holds it
-    /// with the watchdog, and unlocks once `work` is done. `work` gets a [`HeldLock`]:
-    /// the key, the hold's identity, the fencing token, the lost signal.
+    /// with the watchdog, and unlocks once `work` is done. `work` gets a [`HeldLock`],
+    /// as a handler under the layer does: the key, the fencing token, the owner, the
+    /// lost signal.
     ///
     /// If the lock is lost before `work` is done, `work` is dropped where it stands (at
     /// its current `.await`) and [`Error::Lost`] returned: nothing after that point runs
