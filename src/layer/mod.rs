@@ -16,8 +16,10 @@
 //!   `.route("/orders", post(order).route_layer(layer))`. Then unknown paths (404) and
 //!   wrong methods (405) are axum's own answers, unlocked. `Router::layer` wraps the
 //!   fallback too (a request for an unknown path without the header would get the
-//!   layer's 400, not axum's 404); `Router::route_layer` leaves the 404 to axum but, in
-//!   axum 0.8, wraps a route's 405 answer (which would need the header and be locked).
+//!   layer's 400, not axum's 404; path keys — [`PathParamKey`], `key_from` with `Path` —
+//!   answer a path no route matches 404 as axum does); `Router::route_layer` leaves the
+//!   404 to axum but, in axum 0.8, wraps a route's 405 answer (which would need the
+//!   header and be locked).
 //! - **Waiting happens in the response future, before the inner service is asked for
 //!   capacity.** [`LockService`] is always ready; a request first takes its lock, then
 //!   waits for the inner service's readiness, then calls it. So a request waiting for a
