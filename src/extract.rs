@@ -15,7 +15,7 @@
 //! use http::HeaderName;
 //! use tower_lock::extract::{HeldLock, Locks};
 //! use tower_lock::layer::{HeaderKey, LockLayer};
-//! use tower_lock::MemoryBackend;
+//! use tower_lock::{LockClient, MemoryBackend};
 //!
 //! async fn transfer(held: HeldLock, locks: Locks) -> Result<String, String> {
 //!     // Re-entering the request's own lock does not wait for itself.
@@ -26,8 +26,9 @@
 //! }
 //!
 //! # pub fn app() -> Result<Router, tower_lock::Error> {
+//! let client = LockClient::new(MemoryBackend::new()); // the application's one client
 //! let layer = LockLayer::builder(
-//!     MemoryBackend::new(),
+//!     client.clone(),
 //!     HeaderKey::new(HeaderName::from_static("x-account")).namespace("account")?,
 //! )
 //! .fenced(true)

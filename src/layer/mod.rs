@@ -53,13 +53,14 @@
 //! use axum::{Router, routing::post};
 //! use http::HeaderName;
 //! use tower_lock::layer::{HeaderKey, LockLayer};
-//! use tower_lock::MemoryBackend;
+//! use tower_lock::{LockClient, MemoryBackend};
 //!
 //! # #[tokio::main]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let client = LockClient::new(MemoryBackend::new()); // one per store, shared by clones
 //! // One order at a time per user: `lock:order:{<x-user-id>}`.
 //! let layer = LockLayer::builder(
-//!     MemoryBackend::new(),
+//!     client.clone(),
 //!     HeaderKey::new(HeaderName::from_static("x-user-id")),
 //! )
 //! .key_prefix("lock:order")
@@ -82,7 +83,7 @@
 //! use axum::extract::Path;
 //! use http::request::Parts;
 //! use tower_lock::layer::{key_fn, key_from, KeyError, LockLayer};
-//! use tower_lock::{LockKey, MemoryBackend};
+//! use tower_lock::{LockClient, LockKey, MemoryBackend};
 //!
 //! fn account(parts: &Parts, header: &str) -> Result<Option<LockKey>, KeyError> {
 //!     let Some(value) = parts.headers.get(header) else { return Ok(None) };
@@ -90,9 +91,10 @@
 //!     Ok(Some(LockKey::namespaced("account", value)?))
 //! }
 //!
+//! let client = LockClient::new(MemoryBackend::new()); // one per store, shared by clones
 //! // Transfers lock both accounts, all or none; other requests are not locked.
 //! let transfers = LockLayer::new(
-//!     MemoryBackend::new(),
+//!     client.clone(),
 //!     key_fn(|parts| {
 //!         Ok::<_, KeyError>(match (account(parts, "x-from")?, account(parts, "x-to")?) {
 //!             (Some(from), Some(to)) => vec![from, to],
@@ -103,7 +105,7 @@
 //!
 //! // `/orders/{id}` with a typed path parameter; a bad one gets axum's own rejection.
 //! let orders = LockLayer::new(
-//!     MemoryBackend::new(),
+//!     client.clone(),
 //!     key_from(|Path(id): Path<u64>| LockKey::namespaced("order", &id.to_string())),
 //! );
 //! # let _ = (transfers, orders);

@@ -597,9 +597,17 @@ impl LockClient {
     }
 }
 
+/// `LockClient::new(backend)`: a new client, with an identity and a watchdog of its own
+/// and none of a builder's settings (observer, name, key redaction).
+///
+/// It lets APIs that take `impl Into<LockClient>` ([`LockLayer::new`](crate::LockLayer::new))
+/// take a backend, for code where that backend serves nothing else (a test, a one-off
+/// tool). An application makes one client per store and passes clones: every
+/// conversion is another client, so two layers given the same backend this way are two
+/// sets of owners (a handler's lock under one does not re-enter the other's), each
+/// with its own watchdog, and a client built with an observer or a name is not the one
+/// they use.
 impl<B: LockBackend> From<B> for LockClient {
-    /// `LockClient::new(backend)`, so APIs can take a backend or a client
-    /// (`impl Into<LockClient>`).
     fn from(backend: B) -> Self {
         LockClient::new(backend)
     }

@@ -35,10 +35,11 @@ pub struct ExtractorKey<E, F, S = ()> {
 /// ```
 /// use axum::{Router, extract::Path, routing::post};
 /// use tower_lock::layer::{key_from, LockLayer};
-/// use tower_lock::{LockKey, MemoryBackend};
+/// use tower_lock::{LockClient, LockKey, MemoryBackend};
 ///
+/// let client = LockClient::new(MemoryBackend::new()); // the application's one client
 /// let layer = LockLayer::new(
-///     MemoryBackend::new(),
+///     client.clone(),
 ///     key_from(|Path(id): Path<u64>| LockKey::namespaced("account", &id.to_string())),
 /// );
 /// let app: Router =

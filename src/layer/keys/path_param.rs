@@ -28,9 +28,10 @@ use crate::namespace::Namespace;
 /// ```
 /// use axum::{Router, routing::post};
 /// use tower_lock::layer::{LockLayer, PathParamKey};
-/// use tower_lock::MemoryBackend;
+/// use tower_lock::{LockClient, MemoryBackend};
 ///
-/// let layer = LockLayer::new(MemoryBackend::new(), PathParamKey::new("id").namespace("account")?);
+/// let client = LockClient::new(MemoryBackend::new()); // the application's one client
+/// let layer = LockLayer::new(client.clone(), PathParamKey::new("id").namespace("account")?);
 /// let app: Router =
 ///     Router::new().route("/accounts/{id}/transfers", post(|| async { "ok" }).route_layer(layer));
 /// # Ok::<(), tower_lock::Error>(())
