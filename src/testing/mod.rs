@@ -5,7 +5,7 @@
 //!
 //! ```toml
 //! [dev-dependencies]
-//! tower-lock = { version = "0.1", features = ["testing"] }
+//! tower-lock = { git = "https://github.com/tower-lock/tower-lock", features = ["testing"] }
 //! ```
 //!
 //! The cases drive the backend the way an application does — through
