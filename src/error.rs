@@ -354,6 +354,7 @@ impl StoreError {
     }
 
     /// The message alone, without the kind [`Display`](fmt::Display) puts first.
+    #[cfg(feature = "redis")]
     pub(crate) fn message(&self) -> &str {
         &self.message
     }
