@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use axum::{Router, routing::get};
 use http::HeaderName;
-use tower_lock::MemoryBackend;
 use tower_lock::extract::HeldLock;
 use tower_lock::layer::{HeaderKey, LockLayer};
+use tower_lock::{LockClient, MemoryBackend};
 
 async fn slow(held: HeldLock) -> String {
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -25,7 +25,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let by_user = HeaderKey::new(HeaderName::from_static("x-user-id")).namespace("user")?;
     // On the handler: only `GET /slow` is locked (and needs the header); an unknown path
     // or a wrong method is still axum's 404 or 405, not the layer's 400.
-    let layer = LockLayer::new(MemoryBackend::new(), by_user);
+    // One client per store, made at startup; every layer gets a clone of it.
+    let client = LockClient::new(MemoryBackend::new());
+    let layer = LockLayer::new(client.clone(), by_user);
     let app = Router::new().route("/slow", get(slow).route_layer(layer));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:3001").await?;
     println!("listening on http://{}", listener.local_addr()?);

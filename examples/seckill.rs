@@ -40,13 +40,19 @@
 //! (`--admin HOST:PORT`, default a free port on 127.0.0.1, printed at start; see
 //! `seckill/admin.rs`): `GET /metrics` in Prometheus format (`MetricsObserver` on the
 //! lock client; the exporter is given `tower_lock::metrics::BUCKETS`, so the lock
-//! histograms have `_bucket` series to add up across processes), and `GET /admin/users/{id}/lock` or `GET /admin/locks?key=...` with who
-//! holds a lock — owner, client name (`--name`, default `seckill-<pid>`), since when,
-//! lease left — and how many wait.
+//! histograms have `_bucket` series to add up across processes), `GET /ready` for a
+//! readiness probe (200 while the lock store answers, 503 otherwise), and
+//! `GET /admin/users/{id}/lock` or `GET /admin/locks?key=...` with who holds a lock —
+//! owner, client name (`--name`, default `seckill-<pid>`), since when, lease left — and
+//! how many wait.
 //!
 //! Logs go to stderr at the level `RUST_LOG` names (`RUST_LOG=debug`; default `info`):
 //! with the lock store down, the order layer (`layer="orders"`) logs one WARN, then one
 //! every 10 s with the count of requests answered 503 since.
+//!
+//! Ctrl-C stops taking connections, lets the orders in flight finish, then shuts the
+//! lock client down (`LockClient::shutdown`): its locks are released at once, not when
+//! their leases end, and its name leaves the store.
 //!
 //! Other flags: `--stock N` (voucher 1's stock, default 100), `--wait-ms N` (how long an
 //! order waits for its user's lock, default 50), `--work-ms N` (simulated work inside an
@@ -289,7 +295,7 @@ async fn on_redis(url: &str, args: &Args) -> Result<(LockClient, Arc<dyn Store>)
         .map_err(|e| format!("cannot reach Redis at {server} for the store: {}", e.0))?;
     println!(
         "backend: redis at {server} (locks and orders shared by every process using it; \
-         keys {NAMESPACE}*, fencing counters redisson_lock_token:{NAMESPACE}*)"
+         keys {NAMESPACE}:*, fencing counters redisson_lock_token:{NAMESPACE}:*)"
     );
     if args.demo || args.reset {
         store.reset(VOUCHER, args.stock).await.map_err(|e| e.0)?;
@@ -406,12 +412,12 @@ async fn run(args: Args) -> Result<ExitCode, String> {
     let admin_app = admin::admin(client.clone(), prometheus);
     let admin_server = tokio::spawn(async move { axum::serve(admin_listener, admin_app).await });
     println!(
-        "admin: http://{admin_addr}/metrics and http://{admin_addr}/admin/users/42/lock \
-         (client {} = {})",
+        "admin: http://{admin_addr}/metrics, http://{admin_addr}/ready and \
+         http://{admin_addr}/admin/users/42/lock (client {} = {})",
         args.name,
         client.id()
     );
-    let app = app::app(client, store.clone(), args.settings).map_err(|e| e.to_string())?;
+    let app = app::app(client.clone(), store.clone(), args.settings).map_err(|e| e.to_string())?;
     let addr = if args.demo {
         SocketAddr::from(([127, 0, 0, 1], 0))
     } else {
@@ -447,6 +453,13 @@ async fn run(args: Args) -> Result<ExitCode, String> {
             .await
             .map_err(|e| format!("server failed: {e}"))?;
         admin_server.abort();
+        // The orders in flight are done: free this process's locks now rather than
+        // when their leases end, and take its name out of the store.
+        client
+            .shutdown()
+            .await
+            .map_err(|e| format!("lock client shutdown: {e}"))?;
+        println!("seckill: stopped; lock client {} shut down", client.id());
         return Ok(ExitCode::SUCCESS);
     }
 
@@ -469,6 +482,9 @@ async fn run(args: Args) -> Result<ExitCode, String> {
     let elapsed = started.elapsed();
     server.abort();
     admin_server.abort();
+    if let Err(error) = client.shutdown().await {
+        eprintln!("seckill: lock client shutdown: {error}");
+    }
     println!("\n{}", app::table(&tally));
     println!("({} requests in {:.2?})\n", tally.requests, elapsed);
     if let Some(what) = &tally.first_other {

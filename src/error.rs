@@ -94,6 +94,15 @@ pub enum Error {
         mode: crate::LockMode,
     },
 
+    /// The lock client was shut down ([`LockClient::shutdown`](crate::LockClient::shutdown)):
+    /// it takes no more locks, and an acquisition that was waiting or in flight when it
+    /// shut down gave up. Not a store failure and not retryable: a layer on a shut-down
+    /// client fails closed (as misconfigured) even where it fails open, since serving a
+    /// request unlocked is never the answer to a shutdown. Shut the client down after
+    /// the server has drained its requests.
+    #[error("the lock client was shut down")]
+    Shutdown,
+
     /// The key exists in the store but does not hold a lock of the expected shape (for
     /// Redis: a string where a lock hash should be).
     #[error("the store holds data of another type at the lock key")]
@@ -141,6 +150,7 @@ impl Error {
             | Error::InvalidConfig { .. }
             | Error::Busy { .. }
             | Error::Lost
+            | Error::Shutdown
             | Error::Unsupported { .. } => None,
         }
     }
@@ -192,6 +202,7 @@ impl Error {
                 holder_ttl: *holder_ttl,
             },
             Error::Lost => Error::Lost,
+            Error::Shutdown => Error::Shutdown,
             Error::Unsupported { backend, mode } => Error::Unsupported {
                 backend,
                 mode: *mode,
@@ -342,6 +353,12 @@ impl StoreError {
         self
     }
 
+    /// The message alone, without the kind [`Display`](fmt::Display) puts first.
+    #[cfg(feature = "redis")]
+    pub(crate) fn message(&self) -> &str {
+        &self.message
+    }
+
     /// What kind of failure this is.
     pub fn kind(&self) -> StoreErrorKind {
         self.kind
@@ -405,6 +422,7 @@ mod tests {
             },
             Error::Busy { holder_ttl: None },
             Error::Lost,
+            Error::Shutdown,
             Error::WrongType,
             Error::store(StoreErrorKind::Unavailable, "connection refused"),
             Error::NoQuorum {
@@ -455,6 +473,8 @@ mod tests {
         };
         assert_eq!(no_quorum.store_kind(), Some(StoreErrorKind::Unavailable));
         assert_eq!(Error::Lost.store_kind(), None);
+        assert_eq!(Error::Shutdown.store_kind(), None);
+        assert!(!Error::Shutdown.is_retryable());
     }
 
     #[test]

@@ -15,7 +15,7 @@
 //! use http::HeaderName;
 //! use tower_lock::extract::{HeldLock, Locks};
 //! use tower_lock::layer::{HeaderKey, LockLayer};
-//! use tower_lock::MemoryBackend;
+//! use tower_lock::{LockClient, MemoryBackend};
 //!
 //! async fn transfer(held: HeldLock, locks: Locks) -> Result<String, String> {
 //!     // Re-entering the request's own lock does not wait for itself.
@@ -26,8 +26,9 @@
 //! }
 //!
 //! # pub fn app() -> Result<Router, tower_lock::Error> {
+//! let client = LockClient::new(MemoryBackend::new()); // the application's one client
 //! let layer = LockLayer::builder(
-//!     MemoryBackend::new(),
+//!     client.clone(),
 //!     HeaderKey::new(HeaderName::from_static("x-account")).namespace("account")?,
 //! )
 //! .fenced(true)
@@ -66,7 +67,8 @@ use crate::kinds::MultiGuard;
 use crate::lock::{Lease, Lock, LockClient, LockGuard, LostSignal};
 use crate::owner::Owner;
 
-/// The lock(s) the layer holds for this request.
+/// The lock(s) the layer holds for this request, or that work run by
+/// [`Lock::with_lock`] holds.
 ///
 /// With several keys the locks are listed in acquisition (sorted) order. Cheap to
 /// clone. With nested `LockLayer`s, this describes the innermost layer's locks (all
@@ -118,6 +120,19 @@ impl HeldLock {
             })),
         };
         Some(HeldLock { repr })
+    }
+
+    /// Describes one held lock, for work run under it ([`Lock::with_lock`]).
+    pub(crate) fn of_guard(guard: &LockGuard) -> Self {
+        HeldLock {
+            repr: Repr::One {
+                key: guard.key().clone(),
+                token: guard.fencing_token(),
+                mode: guard.mode(),
+                owner: guard.owner().clone(),
+                lost: guard.lost(),
+            },
+        }
     }
 
     /// The key — the first one, in sorted order, when the request holds several.

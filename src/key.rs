@@ -80,7 +80,8 @@ impl LockKey {
     ///
     /// [`Error::InvalidKey`] when `namespace` breaks the [`Namespace`] rule (longer than
     /// [`MAX_NAMESPACE_LEN`](crate::MAX_NAMESPACE_LEN) bytes, braces, control
-    /// characters), `part` is empty, or the result is longer than [`MAX_KEY_LEN`] bytes.
+    /// characters, a `:` at either end or two in a row), `part` is empty, or the result
+    /// is longer than [`MAX_KEY_LEN`] bytes.
     pub fn namespaced(namespace: &str, part: &str) -> Result<Self> {
         crate::namespace::check(namespace)
             .map_err(|reason| Error::invalid_key(format!("namespace {reason}")))?;

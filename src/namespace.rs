@@ -18,14 +18,16 @@ pub const MAX_NAMESPACE_LEN: usize = MAX_KEY_LEN / 2;
 /// namespace given to [`LockKey::namespaced`](crate::LockKey::namespaced), an
 /// extractor's `namespace` ([`HeaderKey`](crate::layer::HeaderKey) and the others), the
 /// layer's [`key_prefix`](crate::layer::LockLayerBuilder::key_prefix) and the Redis
-/// backend's `key_prefix`. Braces would move a lock's companion keys to another Redis
-/// Cluster slot than the lock, or let the fixed part open a hash tag of its own; control
-/// characters have no place in a key. Each setting's error names the setting.
+/// backend's `key_prefix`.
 ///
-/// Each setting keeps its own separator: `LockKey::namespaced` and the layer's
-/// `key_prefix` add a `:`, the Redis backend prepends its prefix as it is. The layer's
-/// `key_prefix` must also not be empty (leave it unset for none), since it would leave
-/// every key starting with `:`.
+/// **One rule:** a namespace is one or more name segments joined by single `:`s
+/// (`lock`, `lock:order`), and every setting joins it to what follows with one `:`
+/// (`lock:order` + `{42}` → `lock:order:{42}`; the Redis backend's `myapp` + `NAME` →
+/// `myapp:NAME`). So a `:` at either end, or two in a row, is refused rather than
+/// doubled: `"lock:"` would give `lock::{42}`. Braces would move a lock's companion keys
+/// to another Redis Cluster slot than the lock, or let the fixed part open a hash tag of
+/// its own; control characters have no place in a key. Each setting's error names the
+/// setting. The layer's `key_prefix` must also not be empty (leave it unset for none).
 ///
 /// # Example
 ///
@@ -39,6 +41,9 @@ pub const MAX_NAMESPACE_LEN: usize = MAX_KEY_LEN / 2;
 ///     Namespace::new("a{b"),
 ///     Err(Error::InvalidConfig { name: "namespace", .. })
 /// ));
+/// // The joining `:` is the crate's: a namespace neither ends nor starts with one.
+/// let err = Namespace::new("lock:").unwrap_err();
+/// assert!(err.to_string().contains("write \"lock\""), "{err}");
 /// # Ok::<(), tower_lock::Error>(())
 /// ```
 #[derive(Clone, Default, PartialEq, Eq, Hash)]
@@ -50,7 +55,8 @@ impl Namespace {
     /// # Errors
     ///
     /// [`Error::InvalidConfig`] naming `namespace` when it is longer than
-    /// [`MAX_NAMESPACE_LEN`] bytes or contains braces or control characters.
+    /// [`MAX_NAMESPACE_LEN`] bytes, contains braces or control characters, or starts or
+    /// ends with `:` or has two in a row.
     pub fn new(namespace: impl Into<Cow<'static, str>>) -> Result<Self> {
         Self::for_setting("namespace", namespace)
     }
@@ -95,6 +101,17 @@ pub(crate) fn check(namespace: &str) -> std::result::Result<(), String> {
             Shortened(namespace),
         ));
     }
+    if !namespace.is_empty()
+        && (namespace.starts_with(':') || namespace.ends_with(':') || namespace.contains("::"))
+    {
+        let trimmed: Vec<&str> = namespace.split(':').filter(|s| !s.is_empty()).collect();
+        return Err(format!(
+            "must be name segments joined by single `:`s, without one at either end: the `:` \
+             that joins it to the key is added (got {:?}; write {:?})",
+            Shortened(namespace),
+            trimmed.join(":"),
+        ));
+    }
     Ok(())
 }
 
@@ -134,7 +151,13 @@ mod tests {
 
     #[test]
     fn one_rule_and_the_error_names_the_setting() {
-        for ok in ["", "lock:order", "app:", &"n".repeat(MAX_NAMESPACE_LEN)] {
+        for ok in [
+            "",
+            "lock:order",
+            "app",
+            "a:b:c",
+            &"n".repeat(MAX_NAMESPACE_LEN),
+        ] {
             assert!(Namespace::new(ok.to_owned()).is_ok(), "{ok:?}");
         }
         let long = "n".repeat(MAX_NAMESPACE_LEN + 1);
@@ -144,6 +167,19 @@ mod tests {
                     name: "key_prefix",
                     reason,
                 }) => assert!(reason.starts_with("must be at most 512 bytes"), "{reason}"),
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+        for (bad, fix) in [("app:", "app"), (":app", "app"), ("a::b", "a:b"), (":", "")] {
+            match Namespace::for_setting("key_prefix", bad.to_owned()) {
+                Err(Error::InvalidConfig {
+                    name: "key_prefix",
+                    reason,
+                }) => assert!(
+                    reason.starts_with("must be name segments joined by single `:`s")
+                        && reason.ends_with(&format!("write {fix:?})")),
+                    "{reason}"
+                ),
                 other => panic!("{bad:?}: {other:?}"),
             }
         }

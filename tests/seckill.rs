@@ -475,9 +475,75 @@ mod on_postgres {
     }
 }
 
+/// A request over a real HTTP/1.1 connection to `addr`: the status and the body.
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n");
+    conn.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    conn.read_to_string(&mut response).await.unwrap();
+    let status = response
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP response: {response:?}"));
+    let body = response
+        .split_once("\r\n\r\n")
+        .map_or(String::new(), |(_, body)| body.to_owned());
+    (status, body)
+}
+
+/// The admin routes served on a free port of 127.0.0.1, as the example serves them.
+async fn serve_admin(client: LockClient) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let admin = admin::admin(client, prometheus());
+    tokio::spawn(async move { axum::serve(listener, admin).await });
+    addr
+}
+
+/// `GET /ready` answers 200 while the lock store answers a ping, and 503 with why once
+/// the client is shut down (what the example does on Ctrl-C), over real HTTP.
+#[tokio::test]
+async fn ready_is_503_once_the_client_is_shut_down() {
+    let fx = memory(1, Settings::default());
+    let addr = serve_admin(fx.client.clone()).await;
+    assert_eq!(http_get(addr, "/ready").await, (200, "ready\n".to_owned()));
+    fx.client.shutdown().await.unwrap();
+    let (status, body) = http_get(addr, "/ready").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body.contains("lock_store_unavailable") && body.contains("shut down"),
+        "{body}"
+    );
+    fx.assert_nothing_left().await;
+}
+
 #[cfg(feature = "redis")]
 mod on_redis {
     use super::*;
+
+    /// `GET /ready` answers 200 while Redis runs, 503 while it is down, and 200 again
+    /// once it is back, over real HTTP.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ready_follows_the_redis_server() {
+        let mut fx = redis(1, Settings::default()).await;
+        let addr = serve_admin(fx.client.clone()).await;
+        assert_eq!(http_get(addr, "/ready").await.0, 200);
+        let Locks::Redis(server) = &mut fx.locks else {
+            unreachable!()
+        };
+        server.kill();
+        let (status, body) = http_get(addr, "/ready").await;
+        assert_eq!(status, 503, "{body}");
+        assert!(body.contains("lock_store_unavailable"), "{body}");
+        server.restart().await;
+        wait_until(Duration::from_secs(10), "ready again", || async {
+            http_get(addr, "/ready").await.0 == 200
+        })
+        .await;
+    }
     use crate::redis_store::{RedisStore, Seeded, voucher_key};
     use common::redis_server::RedisServer;
 

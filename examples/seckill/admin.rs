@@ -1,6 +1,8 @@
 //! The operator's side of the sale, on its own listener (`--admin`), never on the public
-//! one: `GET /metrics` in Prometheus text format, and `GET /admin/locks?key=...` (or
-//! `GET /admin/users/{id}/lock`) with who holds a lock, since when, and who waits.
+//! one: `GET /metrics` in Prometheus text format, `GET /ready` for a readiness probe
+//! (200 while the lock store answers a ping, 503 otherwise), and
+//! `GET /admin/locks?key=...` (or `GET /admin/users/{id}/lock`) with who holds a lock,
+//! since when, and who waits.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -40,6 +42,7 @@ pub fn install_prometheus() -> Result<PrometheusHandle, String> {
 pub fn admin(client: LockClient, prometheus: PrometheusHandle) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
+        .route("/ready", get(ready))
         .route("/admin/locks", get(lock_by_key))
         .route("/admin/users/{id}/lock", get(lock_of_user))
         .with_state(Admin { client, prometheus })
@@ -51,6 +54,20 @@ async fn metrics(State(admin): State<Admin>) -> Response {
         admin.prometheus.render(),
     )
         .into_response()
+}
+
+/// `GET /ready`: 200 while the lock store answers a ping ([`LockClient::ping`]), else
+/// 503 with why (the store is down, or the client was shut down). Without the lock
+/// store every order would be refused, so a load balancer should stop sending them.
+async fn ready(State(admin): State<Admin>) -> Response {
+    match admin.client.ping().await {
+        Ok(()) => (StatusCode::OK, "ready\n").into_response(),
+        Err(error) => json_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "lock_store_unavailable",
+            &error.to_string(),
+        ),
+    }
 }
 
 #[derive(Deserialize)]

@@ -29,18 +29,18 @@ use crate::app::{BoxFut, Order, Store, StoreError, VoucherView};
 /// the lock keys, `seckill:lock:order:{<user id>}`. The locks' fencing counters follow
 /// the backend's naming, `redisson_lock_token:seckill:lock:order:{<user id>}`, and stay
 /// after the sale: fencing tokens must never go backwards.
-pub const NAMESPACE: &str = "seckill:";
+pub const NAMESPACE: &str = "seckill";
 
 static TAKE_STOCK: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../../lua/seckill_take_stock.lua")));
 
 /// The key of one of a voucher's parts (`stock`, `orders`, `buyers`).
 pub fn voucher_key(voucher: u64, part: &str) -> String {
-    format!("{NAMESPACE}voucher:{{{voucher}}}:{part}")
+    format!("{NAMESPACE}:voucher:{{{voucher}}}:{part}")
 }
 
 fn order_id_key() -> String {
-    format!("{NAMESPACE}order_id")
+    format!("{NAMESPACE}:order_id")
 }
 
 fn store_error(e: redis::RedisError) -> StoreError {

@@ -163,6 +163,11 @@ pub trait Intercept<B: LockBackend>: Send + Sync + 'static {
     fn clients<'a>(&'a self, inner: &'a B) -> Option<&'a dyn ClientNames> {
         inner.clients()
     }
+
+    /// [`LockBackend::ping`].
+    fn ping<'a>(&'a self, inner: &'a B) -> BoxFuture<'a, Result<()>> {
+        inner.ping()
+    }
 }
 
 /// The backend `B` with the calls an [`Intercept`] `I` changes, changed, and every other
@@ -258,6 +263,10 @@ impl<B: LockBackend, I: Intercept<B>> LockBackend for Intercepted<B, I> {
 
     fn clients(&self) -> Option<&dyn ClientNames> {
         self.intercept.clients(&self.inner)
+    }
+
+    fn ping(&self) -> BoxFuture<'_, Result<()>> {
+        self.intercept.ping(&self.inner)
     }
 }
 

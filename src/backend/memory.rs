@@ -1124,6 +1124,13 @@ impl ClientNames for MemoryBackend {
                 .collect())
         })
     }
+
+    fn unregister<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            self.client_table().remove(id);
+            Ok(())
+        })
+    }
 }
 
 struct MemorySubscription {

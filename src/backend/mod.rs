@@ -608,11 +608,11 @@ pub trait Subscription: Send {
 /// Implementations must be cheap to call concurrently from many tasks.
 ///
 /// Nine methods are required — the operations, and the [`StoreProfile`] — because each
-/// carries a rule a default could not keep for every store. The four provided ones
+/// carries a rule a default could not keep for every store. The five provided ones
 /// ([`renew_many`](LockBackend::renew_many),
 /// [`has_local_waiters`](LockBackend::has_local_waiters), [`local`](LockBackend::local),
-/// [`clients`](LockBackend::clients)) are right for any store, only slower or less
-/// informative. A backend that wraps another one should not implement this trait by
+/// [`clients`](LockBackend::clients), [`ping`](LockBackend::ping)) are right for any
+/// store, only slower or less informative. A backend that wraps another one should not implement this trait by
 /// hand but with [`Intercepted`], which forwards everything it does not change.
 pub trait LockBackend: Send + Sync + 'static {
     /// What the store is: its name and identity, the modes it queues waiters in, its
@@ -754,7 +754,26 @@ pub trait LockBackend: Send + Sync + 'static {
     fn clients(&self) -> Option<&dyn ClientNames> {
         None
     }
+
+    /// One round trip to the store, changing nothing: `Ok` when it answered, for
+    /// readiness probes ([`LockClient::ping`](crate::LockClient::ping)). An error of
+    /// kind [unavailable](crate::StoreErrorKind::Unavailable) when it did not.
+    ///
+    /// The default [inspects](LockBackend::inspect) the lock [`PING_KEY`], which
+    /// nobody takes: a real round trip on any store, also through a wrapper that
+    /// forgets this method. Stores with a cheaper no-op override it (Redis `PING`,
+    /// PostgreSQL `SELECT 1`, RedLock: a quorum of nodes answering theirs).
+    fn ping(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move {
+            let key = LockKey::new(PING_KEY)?;
+            self.inspect(&key, LockMode::Exclusive).await.map(drop)
+        })
+    }
 }
+
+/// The lock [`LockBackend::ping`]'s default inspects: `tower_lock:ping`, a name no
+/// lock of the crate's takes.
+pub const PING_KEY: &str = "tower_lock:ping";
 
 /// A store in this process that answers on the spot: the fast path of a
 /// [`LockBackend`], from [`LockBackend::local`].
@@ -787,6 +806,14 @@ pub trait ClientNames: Send + Sync {
     /// The names registered for client `ids`, in the same order (`None`: none
     /// registered, or expired).
     fn names<'a>(&'a self, ids: &'a [&'a str]) -> BoxFuture<'a, Result<Vec<Option<String>>>>;
+
+    /// Removes the name of the client `id`, which is shutting down
+    /// ([`LockClient::shutdown`](crate::LockClient::shutdown)). The default removes
+    /// nothing: the record then ends with its TTL.
+    fn unregister<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<()>> {
+        let _ = id;
+        Box::pin(async { Ok(()) })
+    }
 }
 
 macro_rules! forward_backend {
@@ -830,6 +857,9 @@ macro_rules! forward_backend {
             }
             fn clients(&self) -> Option<&dyn ClientNames> {
                 (**self).clients()
+            }
+            fn ping(&self) -> BoxFuture<'_, Result<()>> {
+                (**self).ping()
             }
         }
     )*};

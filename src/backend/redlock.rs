@@ -921,6 +921,24 @@ impl LockBackend for RedLock {
     fn clients(&self) -> Option<&dyn ClientNames> {
         Some(self)
     }
+
+    /// Every node's ping; `Ok` when a quorum ([`quorum`](RedLock::quorum)) answered,
+    /// else [`Error::NoQuorum`].
+    fn ping(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move {
+            let answered = self
+                .inner
+                .on_all("ping", |node| node.ping())
+                .await
+                .iter()
+                .filter(|vote| matches!(vote, Vote::Answer(())))
+                .count();
+            if answered < self.inner.quorum {
+                return Err(self.inner.no_quorum(answered, self.inner.quorum));
+            }
+            Ok(())
+        })
+    }
 }
 
 /// Names go to every node and are read from the first that has one.
@@ -964,6 +982,18 @@ impl ClientNames for RedLock {
                 }
             }
             Ok(names)
+        })
+    }
+
+    /// From every node that answers; the others' records end with their TTL.
+    fn unregister<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            self.inner
+                .on_all("unregister the client", |node| {
+                    node_names(node).unregister(id)
+                })
+                .await;
+            Ok(())
         })
     }
 }

@@ -103,12 +103,33 @@ impl<K: KeyExtractor> LockLayer<K> {
     /// response is ready, answer a busy lock with
     /// [`DEFAULT_BUSY_STATUS`](super::DEFAULT_BUSY_STATUS), fail closed.
     ///
-    /// `client` is a [`LockClient`] or a backend (a client is made for it).
+    /// `client` is the application's [`LockClient`]: make one per store at startup and
+    /// pass clones to every layer, so that they share one identity, one watchdog, and
+    /// the observer, name and key redaction the client was built with, and a handler's
+    /// own locks re-enter the request's. A backend is accepted too (through
+    /// [`From`]), for a layer that is the only user of its store (a test): it gets a
+    /// client of its own, built with [`LockClient::new`], so none of those settings.
+    ///
+    /// ```
+    /// use axum::{Router, routing::post};
+    /// use tower_lock::layer::{LockLayer, PathParamKey};
+    /// use tower_lock::{LockClient, MemoryBackend};
+    ///
+    /// let client = LockClient::new(MemoryBackend::new()); // one per store, cloned
+    /// let account = PathParamKey::new("id").namespace("account")?;
+    /// let app: Router = Router::new()
+    ///     .route("/accounts/{id}/deposits", post(|| async { "ok" })
+    ///         .route_layer(LockLayer::new(client.clone(), account.clone())))
+    ///     .route("/accounts/{id}/withdrawals", post(|| async { "ok" })
+    ///         .route_layer(LockLayer::new(client.clone(), account)));
+    /// # Ok::<(), tower_lock::Error>(())
+    /// ```
     pub fn new(client: impl Into<LockClient>, keys: K) -> Self {
         LockLayer::from_parts(client.into(), keys, Config::default())
     }
 
-    /// Configures a layer; see [`LockLayerBuilder`].
+    /// Configures a layer; see [`LockLayerBuilder`]. `client` as for
+    /// [`new`](Self::new).
     pub fn builder(client: impl Into<LockClient>, keys: K) -> LockLayerBuilder<K> {
         LockLayerBuilder {
             client: client.into(),
@@ -172,10 +193,11 @@ impl<K> fmt::Debug for LockLayer<K> {
 /// use std::time::Duration;
 /// use http::{HeaderName, Method};
 /// use tower_lock::layer::{HeaderKey, LockLayer};
-/// use tower_lock::MemoryBackend;
+/// use tower_lock::{LockClient, MemoryBackend};
 ///
+/// let client = LockClient::new(MemoryBackend::new());
 /// let layer = LockLayer::builder(
-///     MemoryBackend::new(),
+///     client.clone(),
 ///     HeaderKey::new(HeaderName::from_static("x-user-id")),
 /// )
 /// .key_prefix("lock:order")
@@ -184,7 +206,7 @@ impl<K> fmt::Debug for LockLayer<K> {
 /// .build()?;
 /// # let _ = layer;
 ///
-/// let err = LockLayer::builder(MemoryBackend::new(), HeaderKey::new(HeaderName::from_static("x")))
+/// let err = LockLayer::builder(client, HeaderKey::new(HeaderName::from_static("x")))
 ///     .lease(Duration::ZERO)
 ///     .build()
 ///     .unwrap_err();
@@ -329,7 +351,8 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
     /// Puts `prefix:` in front of every key (`lock:order` + `{42}` →
     /// `lock:order:{42}`). A [`Namespace`](crate::Namespace), not empty: at most
     /// [`MAX_NAMESPACE_LEN`](crate::MAX_NAMESPACE_LEN) bytes, no braces or control
-    /// characters; [`build`](Self::build) names `key_prefix` otherwise.
+    /// characters, no `:` at either end (`"lock:"` would double it) or two in a row;
+    /// [`build`](Self::build) names `key_prefix` otherwise.
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.config.key_prefix = Some(prefix.into());
         self

@@ -16,8 +16,10 @@
 //!   `.route("/orders", post(order).route_layer(layer))`. Then unknown paths (404) and
 //!   wrong methods (405) are axum's own answers, unlocked. `Router::layer` wraps the
 //!   fallback too (a request for an unknown path without the header would get the
-//!   layer's 400, not axum's 404); `Router::route_layer` leaves the 404 to axum but, in
-//!   axum 0.8, wraps a route's 405 answer (which would need the header and be locked).
+//!   layer's 400, not axum's 404; path keys — [`PathParamKey`], `key_from` with `Path` —
+//!   answer a path no route matches 404 as axum does); `Router::route_layer` leaves the
+//!   404 to axum but, in axum 0.8, wraps a route's 405 answer (which would need the
+//!   header and be locked).
 //! - **Waiting happens in the response future, before the inner service is asked for
 //!   capacity.** [`LockService`] is always ready; a request first takes its lock, then
 //!   waits for the inner service's readiness, then calls it. So a request waiting for a
@@ -51,13 +53,14 @@
 //! use axum::{Router, routing::post};
 //! use http::HeaderName;
 //! use tower_lock::layer::{HeaderKey, LockLayer};
-//! use tower_lock::MemoryBackend;
+//! use tower_lock::{LockClient, MemoryBackend};
 //!
 //! # #[tokio::main]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let client = LockClient::new(MemoryBackend::new()); // one per store, shared by clones
 //! // One order at a time per user: `lock:order:{<x-user-id>}`.
 //! let layer = LockLayer::builder(
-//!     MemoryBackend::new(),
+//!     client.clone(),
 //!     HeaderKey::new(HeaderName::from_static("x-user-id")),
 //! )
 //! .key_prefix("lock:order")
@@ -80,7 +83,7 @@
 //! use axum::extract::Path;
 //! use http::request::Parts;
 //! use tower_lock::layer::{key_fn, key_from, KeyError, LockLayer};
-//! use tower_lock::{LockKey, MemoryBackend};
+//! use tower_lock::{LockClient, LockKey, MemoryBackend};
 //!
 //! fn account(parts: &Parts, header: &str) -> Result<Option<LockKey>, KeyError> {
 //!     let Some(value) = parts.headers.get(header) else { return Ok(None) };
@@ -88,9 +91,10 @@
 //!     Ok(Some(LockKey::namespaced("account", value)?))
 //! }
 //!
+//! let client = LockClient::new(MemoryBackend::new()); // one per store, shared by clones
 //! // Transfers lock both accounts, all or none; other requests are not locked.
 //! let transfers = LockLayer::new(
-//!     MemoryBackend::new(),
+//!     client.clone(),
 //!     key_fn(|parts| {
 //!         Ok::<_, KeyError>(match (account(parts, "x-from")?, account(parts, "x-to")?) {
 //!             (Some(from), Some(to)) => vec![from, to],
@@ -101,7 +105,7 @@
 //!
 //! // `/orders/{id}` with a typed path parameter; a bad one gets axum's own rejection.
 //! let orders = LockLayer::new(
-//!     MemoryBackend::new(),
+//!     client.clone(),
 //!     key_from(|Path(id): Path<u64>| LockKey::namespaced("order", &id.to_string())),
 //! );
 //! # let _ = (transfers, orders);

@@ -73,6 +73,9 @@ struct Start {
 
 fn start(lock: &Lock, owner: Option<Owner>, lease: Lease) -> Result<Start> {
     let client = &lock.client;
+    if client.registry().is_closed() {
+        return Err(Error::Shutdown);
+    }
     let (lease_len, watched) = match lease {
         Lease::Watchdog => (client.watchdog_lease(), true),
         Lease::Fixed(lease) => (super::validate_lease("lease", lease)?, false),
@@ -163,14 +166,15 @@ impl Start {
         error
     }
 
-    /// Makes the granted hold held and returns its first guard.
+    /// Makes the granted hold held and returns its first guard; [`Error::Shutdown`]
+    /// (the grant taken back) when the client shut down meanwhile.
     fn granted(
         self,
         client: &LockClient,
         pending: Pending<'_>,
         attempt: Attempted,
         waited: Duration,
-    ) -> LockGuard {
+    ) -> Result<LockGuard> {
         // The hold is believed from when the granting request was sent, for the lease
         // less the backend's drift allowance — and no longer than the backend's own
         // validity, counted from when its answer came.
@@ -185,12 +189,14 @@ impl Start {
                 (a, b) => a.or(b),
             };
         }
-        let hold = pending.activate(
+        let Some(hold) = pending.activate(
             attempt.grant.token(),
             expires_at,
             self.watched,
             &self.runtime,
-        );
+        ) else {
+            return Err(Error::Shutdown);
+        };
         let span = tracing::debug_span!(
             "tower_lock.hold",
             key = %client.hooks().key(&hold.store.key),
@@ -208,7 +214,7 @@ impl Start {
         if observer.is_some() {
             guard.mark_observed();
         }
-        guard
+        Ok(guard)
     }
 
     /// A guard of `hold`, its `holds`-th.
@@ -307,7 +313,7 @@ fn answered_now(
                 sent_at,
                 answered_at,
             };
-            Fast::Done(Ok(start.granted(client, pending, attempt, waited)))
+            Fast::Done(start.granted(client, pending, attempt, waited))
         }
         // Busy: waiting is the async path's (nothing was left in the store).
         Ok(Acquire::Busy { ttl }) => Fast::Busy(ttl),
@@ -412,20 +418,24 @@ async fn acquire_waiting(
         hold: Some(hold),
     };
     let span = start.span(client, pending.store());
-    let result = run(
-        client,
-        &mut pending,
-        &start.slot.owner,
-        Known { deadline, busy },
-    )
-    .instrument(span.clone())
-    .await;
+    let closing = client.registry().closing().clone();
+    let result = tokio::select! {
+        // Shutting down: the wait is given up as a cancelled one is, nothing left behind.
+        () = closing.cancelled() => Err(Error::Shutdown),
+        result = run(
+            client,
+            &mut pending,
+            &start.slot.owner,
+            Known { deadline, busy },
+        )
+        .instrument(span.clone()) => result,
+    };
     let waited = started.elapsed();
     span.record("wait_us", waited.as_micros() as u64);
     match result {
         Ok(attempt) => {
             span.record("outcome", "acquired");
-            Ok(start.granted(client, pending, attempt, waited))
+            start.granted(client, pending, attempt, waited)
         }
         Err(error) => Err(start.failed(client, &span, error, waited)),
     }
@@ -534,14 +544,11 @@ impl Pending<'_> {
         expires_at: Option<Instant>,
         watched: bool,
         runtime: &Handle,
-    ) -> Arc<Hold> {
-        let hold = self
-            .hold
-            .take()
-            .unwrap_or_else(|| unreachable!("a pending hold is only taken by `activate`"));
+    ) -> Option<Arc<Hold>> {
+        let hold = self.hold.take()?;
         self.registry
-            .activate(&hold, token, expires_at, watched, runtime);
-        hold
+            .activate(&hold, token, expires_at, watched, runtime)
+            .then_some(hold)
     }
 }
 
@@ -940,9 +947,9 @@ fn abandon_later(client: &LockClient, req: &LockRequest) {
     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
         let backend = client.backend().clone();
         let req = req.clone();
-        runtime.spawn(async move {
+        runtime.spawn(client.registry().track(async move {
             let _ = backend.abandon(&req).await;
-        });
+        }));
     }
 }
 
@@ -979,9 +986,9 @@ impl Drop for InLine<'_> {
         {
             let backend = self.client.backend().clone();
             let req = self.req.clone();
-            runtime.spawn(async move {
+            runtime.spawn(self.client.registry().track(async move {
                 let _ = backend.cancel_wait(&req).await;
-            });
+            }));
         }
     }
 }

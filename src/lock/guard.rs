@@ -15,6 +15,7 @@ use super::unlocking::{FinishOnDrop, Unlocking};
 use super::{LockClient, LockEvent};
 use crate::backend::{FencingToken, LockMode, LockRequest, Release};
 use crate::error::{Error, Result};
+use crate::extract::HeldLock;
 use crate::hold_id::HoldId;
 use crate::key::LockKey;
 use crate::owner::Owner;
@@ -359,11 +360,15 @@ impl LockGuard {
         }
         // Cancel-safe: dropped before the store answers, the release goes on in a task.
         let runtime = held.runtime.clone();
-        Unlocking::Pending(FinishOnDrop::new(Some(runtime), async move {
-            let outcome =
-                release_fully(Arc::clone(held.client.backend()), held.hold.store.clone()).await;
-            held.finish(outcome, was_lost)
-        }))
+        let registry = held.client.registry().clone();
+        Unlocking::Pending(FinishOnDrop::new(
+            Some(runtime),
+            registry.track(async move {
+                let outcome =
+                    release_fully(Arc::clone(held.client.backend()), held.hold.store.clone()).await;
+                held.finish(outcome, was_lost)
+            }),
+        ))
     }
 }
 
@@ -399,7 +404,7 @@ fn release_fully_now(
 /// Releases the hold `req` names, all of it. The store counts more than one hold for it
 /// only when an earlier attempt of the same acquisition was applied though its reply was
 /// lost; the hold's identity is its own, so releasing every count touches nothing else.
-async fn release_fully(
+pub(super) async fn release_fully(
     backend: Arc<dyn crate::backend::LockBackend>,
     req: LockRequest,
 ) -> Result<Release> {
@@ -514,11 +519,41 @@ impl Drop for LockGuard {
             return;
         }
         let runtime = held.runtime.clone();
-        runtime.spawn(async move {
+        let registry = held.client.registry().clone();
+        runtime.spawn(registry.track(async move {
             let outcome =
                 release_fully(Arc::clone(held.client.backend()), held.hold.store.clone()).await;
             held.after_drop(outcome, was_lost);
-        });
+        }));
+    }
+}
+
+/// Runs `work` while `guard` holds its lock, then unlocks: see
+/// [`Lock::with_lock`](crate::Lock::with_lock).
+pub(super) async fn run_locked<T, F, Fut>(guard: LockGuard, work: F) -> Result<T>
+where
+    F: FnOnce(HeldLock) -> Fut,
+    Fut: Future<Output = T>,
+{
+    let held = HeldLock::of_guard(&guard);
+    let lost = guard.lost().wait();
+    let done = tokio::select! {
+        // Loss first: a result that lands as the lock is lost was not protected.
+        biased;
+        () = lost => None,
+        value = work(held) => Some(value),
+    };
+    let Some(value) = done else {
+        let _ = guard.unlock().await;
+        return Err(Error::Lost);
+    };
+    match guard.unlock().await {
+        Ok(()) => Ok(value),
+        Err(Error::Lost) => Err(Error::Lost),
+        Err(error) => {
+            tracing::warn!(%error, "unlock after work under the lock failed; the lease will end the hold");
+            Ok(value)
+        }
     }
 }
 

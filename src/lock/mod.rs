@@ -65,6 +65,7 @@
 //! guard stands for it. Dropping a [`LockGuard`] stops its renewal and, for the hold's
 //! last guard, spawns its release.
 
+use std::future::Future;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -72,6 +73,7 @@ use std::time::Duration;
 
 use crate::backend::{LockBackend, LockMode, LockState};
 use crate::error::{Error, Result};
+use crate::extract::HeldLock;
 use crate::hold_id::HoldId;
 use crate::key::{IntoLockKey, LockKey};
 use crate::kinds::ReadWriteLock;
@@ -359,12 +361,155 @@ impl LockClient {
         }
         self.mark_name_registered();
         let client = self.clone();
-        runtime.spawn(async move {
+        runtime.spawn(self.registry().track(async move {
             if let Err(error) = client.register_name().await {
                 tracing::debug!(%error, "could not register the lock client's name; retrying with a later lock");
                 client.inner.name_due.store(0, Ordering::Relaxed);
             }
-        });
+        }));
+    }
+
+    /// Runs `work` under the exclusive lock named `key`: waits for it as
+    /// [`Lock::lock`] does, holds it with the watchdog, and unlocks once `work` is done.
+    /// If the lock is lost first, `work` is dropped where it stands and
+    /// [`Error::Lost`] returned. Same as `client.get_lock(key)?.with_lock(work)`; see
+    /// [`Lock::with_lock`].
+    ///
+    /// ```
+    /// use tower_lock::{LockClient, MemoryBackend};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tower_lock::Error> {
+    /// let client = LockClient::new(MemoryBackend::new());
+    /// let balance = client
+    ///     .with_lock("account:17", |held| async move {
+    ///         assert_eq!(held.key().as_str(), "account:17");
+    ///         100 // read, change and write the account here
+    ///     })
+    ///     .await?;
+    /// assert_eq!(balance, 100);
+    /// assert!(!client.get_lock("account:17")?.is_locked().await?);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidKey`] for a bad key, and the errors of [`Lock::with_lock`].
+    pub async fn with_lock<T, F, Fut>(&self, key: impl IntoLockKey, work: F) -> Result<T>
+    where
+        F: FnOnce(HeldLock) -> Fut,
+        Fut: Future<Output = T>,
+    {
+        self.get_lock(key)?.with_lock(work).await
+    }
+
+    /// Releases every hold of this client in the store, stops its watchdog, and
+    /// refuses every later acquisition with [`Error::Shutdown`]: for a process that
+    /// stops, so that its locks are free at once rather than when their leases end.
+    /// Call it after the server has drained its requests (a layer on a shut-down client
+    /// answers 500).
+    ///
+    /// What each state is left in:
+    /// - **held**: released in the store; guards still alive are lost (their
+    ///   [`LostSignal`] fires, [`with_lock`](Self::with_lock) drops its work with
+    ///   [`Error::Lost`], and their `unlock` reports it);
+    /// - **waiting or in flight**: given up with [`Error::Shutdown`], leaving no hold,
+    ///   queue place or subscription (a grant that arrives meanwhile is taken back);
+    /// - **spawned work** (releases of dropped guards, compensations): waited for;
+    /// - **the client's name** ([`LockClientBuilder::name`]): removed from the store.
+    ///
+    /// When it returns, the store keeps nothing of this client but durable fencing
+    /// counters, which belong to the names. Clones share the shutdown; calling it again
+    /// does nothing.
+    ///
+    /// ```
+    /// use tower_lock::{Error, LockClient, MemoryBackend};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Error> {
+    /// let store = MemoryBackend::new();
+    /// let client = LockClient::new(store.clone());
+    /// let lock = client.get_lock("job:nightly")?;
+    /// let guard = lock.lock().await?;
+    ///
+    /// client.shutdown().await?;
+    /// assert!(guard.is_lost());
+    /// assert!(!store.contains_key(lock.key()));
+    /// assert_eq!(client.watched_locks(), 0);
+    /// assert!(matches!(lock.try_lock().await, Err(Error::Shutdown)));
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// The first store error met releasing a hold or removing the name; everything else
+    /// is still done, and what could not be released ends with its lease.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropped before it finishes, the client is shut down all the same (it refuses
+    /// acquisitions, its watchdog is stopped, its holds are lost to their guards), but
+    /// releases not yet answered may or may not have reached the store: those holds end
+    /// with their lease.
+    pub async fn shutdown(&self) -> Result<()> {
+        let holds = self.registry().close();
+        let released = futures_util::future::join_all(
+            holds
+                .iter()
+                .map(|hold| guard::release_fully(Arc::clone(self.backend()), hold.store.clone())),
+        )
+        .await;
+        self.registry().settle().await;
+        let mut first_error = released.into_iter().find_map(Result::err);
+        if self.name().is_some()
+            && let Some(clients) = self.backend().clients()
+            && let Err(error) = clients.unregister(self.id()).await
+        {
+            first_error.get_or_insert(error);
+        }
+        tracing::info!(
+            client.id = %self.id(),
+            client.name = self.name(),
+            released = holds.len(),
+            error = first_error.as_ref().map(tracing::field::display),
+            "lock client shut down"
+        );
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// Whether [`shutdown`](Self::shutdown) was called on this client or a clone.
+    pub fn is_shut_down(&self) -> bool {
+        self.registry().is_closed()
+    }
+
+    /// One round trip to the store ([`LockBackend::ping`]), for a readiness probe:
+    /// `Ok` when the store answered.
+    ///
+    /// ```
+    /// use tower_lock::{LockClient, MemoryBackend};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tower_lock::Error> {
+    /// let client = LockClient::new(MemoryBackend::new());
+    /// client.ping().await?;
+    /// client.shutdown().await?;
+    /// assert!(client.ping().await.is_err(), "a shut-down client is not ready");
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// The store's error — of kind [unavailable](crate::StoreErrorKind::Unavailable)
+    /// when it is down or did not answer in time ([`Error::NoQuorum`] for RedLock) — or
+    /// [`Error::Shutdown`] after [`shutdown`](Self::shutdown).
+    pub async fn ping(&self) -> Result<()> {
+        if self.is_shut_down() {
+            return Err(Error::Shutdown);
+        }
+        self.backend().ping().await
     }
 
     /// The backend.
@@ -452,9 +597,17 @@ impl LockClient {
     }
 }
 
+/// `LockClient::new(backend)`: a new client, with an identity and a watchdog of its own
+/// and none of a builder's settings (observer, name, key redaction).
+///
+/// It lets APIs that take `impl Into<LockClient>` ([`LockLayer::new`](crate::LockLayer::new))
+/// take a backend, for code where that backend serves nothing else (a test, a one-off
+/// tool). An application makes one client per store and passes clones: every
+/// conversion is another client, so two layers given the same backend this way are two
+/// sets of owners (a handler's lock under one does not re-enter the other's), each
+/// with its own watchdog, and a client built with an observer or a name is not the one
+/// they use.
 impl<B: LockBackend> From<B> for LockClient {
-    /// `LockClient::new(backend)`, so APIs can take a backend or a client
-    /// (`impl Into<LockClient>`).
     fn from(backend: B) -> Self {
         LockClient::new(backend)
     }
@@ -783,6 +936,94 @@ impl Lock {
             .filter(|h| h.hold_id == *hold_id)
             .map(|h| h.holds)
             .sum())
+    }
+
+    /// Runs `work` under this lock: waits for it as [`lock`](Self::lock) does, holds it
+    /// with the watchdog, and unlocks once `work` is done. `work` gets a [`HeldLock`],
+    /// as a handler under the layer does: the key, the fencing token, the owner, the
+    /// lost signal.
+    ///
+    /// If the lock is lost before `work` is done, `work` is dropped where it stands (at
+    /// its current `.await`) and [`Error::Lost`] returned: nothing after that point runs
+    /// unprotected. Work that must not be cut short should check
+    /// [`HeldLock::lost`] or write with the fencing token instead.
+    ///
+    /// ```
+    /// use tower_lock::{LockClient, MemoryBackend};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tower_lock::Error> {
+    /// let client = LockClient::new(MemoryBackend::new());
+    /// let lock = client.get_fenced_lock("ledger:7")?;
+    /// let token = lock
+    ///     .with_lock(|held| async move {
+    ///         // Write with the token, so storage can refuse a stale writer.
+    ///         held.fencing_token()
+    ///     })
+    ///     .await?;
+    /// assert!(token.is_some());
+    /// assert!(!lock.is_locked().await?, "unlocked after the work");
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// The errors of [`lock`](Self::lock); [`Error::Lost`] when the lock was lost before
+    /// `work` was done, or found lost when unlocking after it. A store error while
+    /// unlocking a lock that was not lost is logged, not returned: `work` was done
+    /// under the lock, and the lease ends the hold.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the returned future drops `work` and the guard: the lock is released in
+    /// a spawned task, as for any dropped guard.
+    pub async fn with_lock<T, F, Fut>(&self, work: F) -> Result<T>
+    where
+        F: FnOnce(HeldLock) -> Fut,
+        Fut: Future<Output = T>,
+    {
+        guard::run_locked(self.lock().await?, work).await
+    }
+
+    /// [`with_lock`](Self::with_lock), acquired as
+    /// [`try_lock_for(wait, lease)`](Self::try_lock_for): waits at most `wait`, holds with
+    /// `lease` (a fixed lease ends the hold, and so `work`, when it runs out).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_lock::{Error, Lease, LockClient, MemoryBackend};
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() -> Result<(), Error> {
+    /// let client = LockClient::new(MemoryBackend::new());
+    /// let lock = client.get_lock("report:daily")?;
+    /// let outcome = lock
+    ///     .with_lock_for(Duration::ZERO, Duration::from_millis(100), |_held| async {
+    ///         tokio::time::sleep(Duration::from_secs(1)).await; // outlives the lease
+    ///         "done"
+    ///     })
+    ///     .await;
+    /// assert!(matches!(outcome, Err(Error::Lost)), "the work was stopped");
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// The errors of [`try_lock_for`](Self::try_lock_for) ([`Error::Busy`] when the
+    /// wait runs out) and of [`with_lock`](Self::with_lock).
+    pub async fn with_lock_for<T, F, Fut>(
+        &self,
+        wait: Duration,
+        lease: impl Into<Lease>,
+        work: F,
+    ) -> Result<T>
+    where
+        F: FnOnce(HeldLock) -> Fut,
+        Fut: Future<Output = T>,
+    {
+        guard::run_locked(self.try_lock_for(wait, lease).await?, work).await
     }
 
     async fn raw_state(&self) -> Result<LockState> {

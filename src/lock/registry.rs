@@ -41,13 +41,15 @@
 //! hold back.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use tokio::runtime::{Handle, Id};
 use tokio::sync::Notify;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use super::Hooks;
 use super::watchdog::Tasks;
@@ -343,6 +345,14 @@ pub(crate) struct Inner {
     pub(crate) lease: Duration,
     pub(crate) hooks: Hooks,
     state: Mutex<State>,
+    /// Set, under the state lock, when the client shuts down: no hold is activated
+    /// after it.
+    closed: AtomicBool,
+    /// Cancelled when the client shuts down: waiting acquisitions give up.
+    closing: CancellationToken,
+    /// The store work the client spawns and nobody awaits (releases of dropped guards,
+    /// compensations, leaving a queue): shutting down waits for it.
+    tracker: TaskTracker,
 }
 
 pub(crate) struct State {
@@ -361,6 +371,9 @@ impl Registry {
                     slots: HashMap::new(),
                     tasks: Tasks::default(),
                 }),
+                closed: AtomicBool::new(false),
+                closing: CancellationToken::new(),
+                tracker: TaskTracker::new(),
             }),
         }
     }
@@ -439,8 +452,22 @@ impl Registry {
         expires_at: Option<Instant>,
         watched: bool,
         runtime: &Handle,
-    ) {
+    ) -> bool {
         let mut state = self.inner.state();
+        if self.is_closed() {
+            // Shut down while this acquisition was in flight: the store's grant is
+            // taken back, and waited for by the shutdown, as any compensation is.
+            hold.state().phase = Phase::Ended;
+            remove_if_current(&mut state, hold);
+            drop(state);
+            let backend = Arc::clone(&self.inner.backend);
+            let req = hold.store.clone();
+            runtime.spawn(self.track(async move {
+                let _ = backend.abandon(&req).await;
+            }));
+            hold.acquired.notify_waiters();
+            return false;
+        }
         let mut hs = hold.state();
         hold.expiry.set(expires_at);
         hs.phase = Phase::Held;
@@ -454,6 +481,7 @@ impl Registry {
         drop(hs);
         drop(state);
         hold.acquired.notify_waiters();
+        true
     }
 
     /// The acquisition of `hold` failed or was given up: the slot is free for the next.
@@ -530,6 +558,72 @@ impl Registry {
             let hs = hold.state();
             (hs.phase == Phase::Held && hs.guards > 0).then_some(hs.guards)
         })
+    }
+
+    /// Whether the client has shut down ([`close`](Self::close)).
+    pub(crate) fn is_closed(&self) -> bool {
+        self.inner.closed.load(Ordering::Acquire)
+    }
+
+    /// Cancelled when the client shuts down.
+    pub(crate) fn closing(&self) -> &CancellationToken {
+        &self.inner.closing
+    }
+
+    /// `future`, counted until it ends among the work a shutdown waits for.
+    pub(crate) fn track<F: std::future::Future>(
+        &self,
+        future: F,
+    ) -> tokio_util::task::task_tracker::TrackedFuture<F> {
+        self.inner.tracker.track_future(future)
+    }
+
+    /// Shuts the registry down: no hold is activated from now on, waiting acquisitions
+    /// are cancelled, the watchdog tasks stop, and every held hold ends, lost to its
+    /// guards (their lost signal fires). Returns those holds, for the caller to release
+    /// in the store.
+    pub(crate) fn close(&self) -> Vec<Arc<Hold>> {
+        let mut state = self.inner.state();
+        self.inner.closed.store(true, Ordering::Release);
+        self.inner.closing.cancel();
+        state.tasks.stop_all();
+        let mut held = Vec::new();
+        state.slots.retain(|_, hold| {
+            let mut hs = hold.state();
+            if hs.phase != Phase::Held {
+                return true;
+            }
+            hs.phase = Phase::Ended;
+            drop(hs);
+            hold.lost.set();
+            held.push(Arc::clone(hold));
+            false
+        });
+        held
+    }
+
+    /// Waits until no acquisition of this client is in flight, then until the work it
+    /// spawned (compensations, releases of dropped guards) is done. For a closed
+    /// registry: no acquisition starts any more.
+    pub(crate) async fn settle(&self) {
+        loop {
+            let acquiring: Vec<Arc<Hold>> = self
+                .inner
+                .state()
+                .slots
+                .values()
+                .filter(|hold| hold.state().phase == Phase::Acquiring)
+                .cloned()
+                .collect();
+            if acquiring.is_empty() {
+                break;
+            }
+            for hold in acquiring {
+                hold.acquisition_finished(None).await;
+            }
+        }
+        self.inner.tracker.close();
+        self.inner.tracker.wait().await;
     }
 
     /// How many holds the watchdog is renewing.

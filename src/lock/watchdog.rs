@@ -27,6 +27,9 @@
 //! time plus its lease, less the backend's [clock
 //! drift](crate::backend::StoreProfile::clock_drift). A renewal that says "not held"
 //! marks the hold lost at once; renewals that fail mark it lost when its expiry passes.
+//! A loss is logged with the hold's identity as the store shows it (`hold_id`, the hash
+//! field or row owner an operator finds there) and, beside it, the logical owner the
+//! guards were taken as.
 
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -69,6 +72,13 @@ impl Tasks {
         self.running
             .get(&runtime)
             .is_some_and(|task| !task.is_finished())
+    }
+
+    /// Stops every task: the client shut down.
+    pub(crate) fn stop_all(&mut self) {
+        for (_, task) in self.running.drain() {
+            task.abort();
+        }
     }
 
     /// The task of `runtime` ends: nothing of its runtime is watched any more.
@@ -145,7 +155,7 @@ fn apply(
                 // A renewal answered after the hold was seen lost does not bring it
                 // back: its guards may have stopped trusting it already.
                 if hold.is_lost_at(now) {
-                    tracing::error!(key = %shown, owner = %hold.slot.owner, "lock lost: renewed only after its lease had run out");
+                    tracing::error!(key = %shown, hold_id = %hold.store.hold_id, owner = %hold.slot.owner, "lock lost: renewed only after its lease had run out");
                     true
                 } else {
                     let lease = reqs[i].lease;
@@ -155,7 +165,7 @@ fn apply(
                 }
             }
             Some(Ok(false)) => {
-                tracing::error!(key = %shown, owner = %hold.slot.owner, "lock lost: renewal found it no longer held");
+                tracing::error!(key = %shown, hold_id = %hold.store.hold_id, owner = %hold.slot.owner, "lock lost: renewal found it no longer held");
                 true
             }
             Some(Err(_)) | None => {
@@ -163,7 +173,7 @@ fn apply(
                 events.push((i, false));
                 let lost = hold.is_lost_at(now);
                 if lost {
-                    tracing::error!(key = %shown, owner = %hold.slot.owner, "lock lost: renewals failed until the lease ran out");
+                    tracing::error!(key = %shown, hold_id = %hold.store.hold_id, owner = %hold.slot.owner, "lock lost: renewals failed until the lease ran out");
                 }
                 lost
             }

@@ -900,3 +900,72 @@ pub async fn inspection_shows_holders_tokens_and_waiters(f: &impl Fixture) {
     // Inspecting left nothing behind.
     assert!(!f.residue(&k).await);
 }
+
+/// Shutting a client down releases every hold it has (watched, fixed-lease, shared,
+/// fair), gives up its waiters, stops its watchdog and leaves nothing of it in the
+/// store: another client takes every key at once. The client's guards are lost, and it
+/// refuses later acquisitions with [`Error::Shutdown`].
+pub async fn shutdown_leaves_nothing(f: &impl Fixture) {
+    let client = f.client(LONG);
+    let other = f.client(LONG);
+    let watched = key("shutdown-watched");
+    let fixed = key("shutdown-fixed");
+    let read = key("shutdown-read");
+    let fair = key("shutdown-fair");
+    let held = client.get_lock(&watched).unwrap().lock().await.unwrap();
+    let fixed_guard = client
+        .get_lock(&fixed)
+        .unwrap()
+        .try_lock_for(Duration::ZERO, LONG)
+        .await
+        .unwrap();
+    let read_guard = client
+        .get_read_write_lock(&read)
+        .unwrap()
+        .read_lock()
+        .lock()
+        .await
+        .unwrap();
+    let fair_guard = client.get_fair_lock(&fair).unwrap().lock().await.unwrap();
+    // A waiter of the same client, queued behind the client's own hold.
+    let queued = client.get_fair_lock(&fair).unwrap();
+    let waiter = tokio::spawn(async move { queued.lock().await.map(drop) });
+    wait_until(Duration::from_secs(5), "the waiter subscribed", || async {
+        f.waiters(&fair).await == 1
+    })
+    .await;
+    assert_eq!(client.watched_locks(), 3);
+
+    client.shutdown().await.expect("shutdown");
+
+    assert!(
+        matches!(waiter.await.unwrap(), Err(Error::Shutdown)),
+        "a waiter gives up with Error::Shutdown"
+    );
+    assert_eq!(client.watched_locks(), 0, "the watchdog stopped");
+    assert!(client.is_shut_down());
+    for guard in [&held, &fixed_guard, &read_guard, &fair_guard] {
+        assert!(guard.is_lost(), "{} not marked lost", guard.key());
+    }
+    for k in [&watched, &fixed, &read, &fair] {
+        assert!(!f.residue(k).await, "{k} left in the store after shutdown");
+    }
+    assert!(matches!(
+        client.get_lock(&watched).unwrap().try_lock().await,
+        Err(Error::Shutdown)
+    ));
+    assert!(matches!(client.ping().await, Err(Error::Shutdown)));
+    for k in [&watched, &fixed, &fair] {
+        let lock = other.get_lock(k).unwrap();
+        let taken = lock.try_lock().await.unwrap_or_else(|e| panic!("{k}: {e}"));
+        taken.unlock().await.unwrap();
+    }
+    let write = other.get_read_write_lock(&read).unwrap().write_lock();
+    write.try_lock().await.unwrap().unlock().await.unwrap();
+    assert!(matches!(held.unlock().await, Err(Error::Lost)));
+    drop((fixed_guard, read_guard, fair_guard));
+    client
+        .shutdown()
+        .await
+        .expect("a second shutdown does nothing");
+}

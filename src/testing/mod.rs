@@ -5,7 +5,7 @@
 //!
 //! ```toml
 //! [dev-dependencies]
-//! tower-lock = { version = "0.1", features = ["testing"] }
+//! tower-lock = { git = "https://github.com/tower-lock/tower-lock", features = ["testing"] }
 //! ```
 //!
 //! The cases drive the backend the way an application does — through
@@ -152,6 +152,7 @@ macro_rules! __conformance_cases {
             a_shorter_renewal_never_shortens_the_lease,
             concurrent_acquisitions_by_one_owner_share_one_hold,
             inspection_shows_holders_tokens_and_waiters,
+            shutdown_leaves_nothing,
         );
     };
 }

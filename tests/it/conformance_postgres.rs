@@ -134,3 +134,104 @@ async fn bad_configuration_is_refused_by_name() {
         "not a PostgreSQL URL"
     );
 }
+
+/// After `LockClient::shutdown`, no row of the holds, queue or names tables mentions
+/// the client: its holds (plain, fair with a queued waiter, read) and its registered
+/// name are gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_leaves_no_row_of_the_client() {
+    let db = PgDatabase::create().await;
+    let pool = db.pool(4).await;
+    let backend = PostgresBackend::builder(pool.clone())
+        .build()
+        .await
+        .unwrap();
+    let client = LockClient::builder(backend)
+        .name("replica-1")
+        .build()
+        .unwrap();
+    client.register_name().await.unwrap();
+    let _plain = client.get_lock("order:{1}").unwrap().lock().await.unwrap();
+    let _fair = client
+        .get_fair_lock("fair:{1}")
+        .unwrap()
+        .lock()
+        .await
+        .unwrap();
+    let _read = client
+        .get_read_write_lock("rw:{1}")
+        .unwrap()
+        .read_lock()
+        .lock()
+        .await
+        .unwrap();
+    let queued = client.get_fair_lock("fair:{1}").unwrap();
+    let waiter = tokio::spawn(async move { queued.lock().await.map(drop) });
+    let of_client = |table: &'static str| {
+        let pool = pool.clone();
+        let id = format!("{}%", client.id());
+        async move {
+            let column = if table == "tower_lock_clients" {
+                "id"
+            } else {
+                "owner"
+            };
+            let sql = format!("SELECT count(*) FROM {table} WHERE {column}::text LIKE $1");
+            sqlx::query_scalar::<_, i64>(&sql)
+                .bind(id)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    common::wait_until(Duration::from_secs(5), "the waiter queued", || async {
+        of_client("tower_lock_queue").await == 1
+    })
+    .await;
+    assert_eq!(of_client("tower_lock").await, 3);
+    assert_eq!(of_client("tower_lock_clients").await, 1);
+
+    client.shutdown().await.unwrap();
+    assert!(matches!(
+        waiter.await.unwrap(),
+        Err(tower_lock::Error::Shutdown)
+    ));
+    for table in ["tower_lock", "tower_lock_queue", "tower_lock_clients"] {
+        assert_eq!(
+            of_client(table).await,
+            0,
+            "rows of the client left in {table}"
+        );
+    }
+    drop(client);
+}
+
+/// `ping` answers while the database runs and fails as unavailable once it is stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ping_fails_as_unavailable_while_the_server_is_down() {
+    let Some(mut server) = common::postgres::PgServer::start() else {
+        eprintln!("skipped: no PostgreSQL binaries to start a server of our own");
+        return;
+    };
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(3)
+        .acquire_timeout(Duration::from_millis(500))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let backend = PostgresBackend::builder(pool)
+        .response_timeout(Duration::from_millis(500))
+        .build()
+        .await
+        .unwrap();
+    let client = LockClient::new(backend);
+    client.ping().await.expect("the database runs");
+    server.kill();
+    let err = client.ping().await.expect_err("the database is down");
+    assert!(err.is_unavailable(), "{err:?}");
+    server.restart();
+    common::wait_until(Duration::from_secs(10), "ping answers again", || async {
+        client.ping().await.is_ok()
+    })
+    .await;
+}

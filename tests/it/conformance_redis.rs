@@ -66,3 +66,75 @@ impl Fixture for Redis {
 }
 
 tower_lock::testing::conformance_tests!(Redis::start());
+
+/// After `LockClient::shutdown`, no Redis key and no value mentions the client: its
+/// holds (plain, fair with a queued waiter, read), its waiter's queue entries and its
+/// registered name are gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_leaves_no_key_of_the_client() {
+    let server = RedisServer::start().await;
+    let backend = RedisBackend::connect(server.url()).await.unwrap();
+    let client = LockClient::builder(backend)
+        .name("replica-1")
+        .build()
+        .unwrap();
+    client.register_name().await.unwrap();
+    let _plain = client.get_lock("order:{1}").unwrap().lock().await.unwrap();
+    let _fair = client
+        .get_fair_lock("fair:{1}")
+        .unwrap()
+        .lock()
+        .await
+        .unwrap();
+    let _read = client
+        .get_read_write_lock("rw:{1}")
+        .unwrap()
+        .read_lock()
+        .lock()
+        .await
+        .unwrap();
+    let queued = client.get_fair_lock("fair:{1}").unwrap();
+    let waiter = tokio::spawn(async move { queued.lock().await.map(drop) });
+    common::wait_until(Duration::from_secs(5), "the waiter queued", || async {
+        !server.keys("redisson_lock_queue:*").await.is_empty()
+    })
+    .await;
+    assert!(!server.keys("*").await.is_empty());
+
+    client.shutdown().await.unwrap();
+    assert!(matches!(
+        waiter.await.unwrap(),
+        Err(tower_lock::Error::Shutdown)
+    ));
+    let left = server.keys("*").await;
+    assert!(left.is_empty(), "keys left after shutdown: {left:?}");
+}
+
+/// `ping` answers while the server runs and fails as unavailable, promptly, once it is
+/// stopped; it answers again after a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ping_fails_as_unavailable_while_the_server_is_down() {
+    let mut server = RedisServer::start().await;
+    let backend = RedisBackend::builder(server.url())
+        .response_timeout(Duration::from_millis(500))
+        .connection_timeout(Duration::from_millis(500))
+        .build()
+        .await
+        .unwrap();
+    let client = LockClient::new(backend);
+    client.ping().await.expect("the server runs");
+    server.kill();
+    let started = std::time::Instant::now();
+    let err = client.ping().await.expect_err("the server is down");
+    assert!(err.is_unavailable(), "{err:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    server.restart().await;
+    common::wait_until(Duration::from_secs(10), "ping answers again", || async {
+        client.ping().await.is_ok()
+    })
+    .await;
+}

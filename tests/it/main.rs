@@ -34,6 +34,7 @@ mod layer;
 #[cfg(all(feature = "metrics", feature = "axum"))]
 mod metrics;
 mod observer;
+mod path_keys;
 #[cfg(feature = "postgres")]
 mod postgres_faults;
 #[cfg(all(feature = "postgres", feature = "redis"))]

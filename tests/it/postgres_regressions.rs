@@ -324,3 +324,47 @@ async fn a_pool_too_small_for_the_listener_is_refused_at_build() {
         .unwrap();
     assert!(started.elapsed() < Duration::from_secs(1));
 }
+
+/// Regression (issue 24, item 10): every start printed PostgreSQL's INFO notices
+/// ("relation ... already exists, skipping") from the migration's `CREATE ... IF NOT
+/// EXISTS`, once per object. A second migration of the same tables now sends none.
+#[tokio::test(flavor = "current_thread")]
+async fn a_migration_of_existing_tables_sends_no_notices() {
+    use std::sync::{Arc, Mutex};
+    use tracing_subscriber::layer::SubscriberExt;
+
+    /// Collects the messages of sqlx's notice events.
+    struct Notices(Arc<Mutex<Vec<String>>>);
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Notices {
+        fn on_event(
+            &self,
+            event: &tracing::Event<'_>,
+            _: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            if event.metadata().target() == "sqlx::postgres::notice" {
+                let mut text = String::new();
+                event.record(
+                    &mut |field: &tracing::field::Field, value: &dyn std::fmt::Debug| {
+                        text.push_str(&format!("{}={value:?} ", field.name()));
+                    },
+                );
+                self.0.lock().unwrap().push(text);
+            }
+        }
+    }
+
+    let db = PgDatabase::create().await;
+    let pool = db.pool(2).await;
+    PostgresBackend::migrate(&pool, "public", "tower_lock")
+        .await
+        .unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let subscriber = tracing_subscriber::registry().with(Notices(Arc::clone(&seen)));
+    let _default = tracing::subscriber::set_default(subscriber);
+    PostgresBackend::migrate(&pool, "public", "tower_lock")
+        .await
+        .unwrap();
+    let _backend = PostgresBackend::builder(pool).build().await.unwrap();
+    let seen = seen.lock().unwrap();
+    assert!(seen.is_empty(), "notices: {seen:#?}");
+}

@@ -601,7 +601,7 @@ async fn password_in_url_and_prefix() {
     let server = RedisServer::start_with(&["--requirepass", "s3cret"]).await;
     let url = format!("redis://:s3cret@127.0.0.1:{}", server.port());
     let backend = RedisBackend::builder(url.as_str())
-        .key_prefix("app:")
+        .key_prefix("app")
         .build()
         .await
         .unwrap();
@@ -617,7 +617,10 @@ async fn password_in_url_and_prefix() {
         .query_async(&mut raw)
         .await
         .unwrap();
-    assert_eq!(exists, 1, "the prefix is part of the lock's name");
+    assert_eq!(
+        exists, 1,
+        "the prefix is joined to the lock's name with `:`"
+    );
     guard.unlock().await.unwrap();
 
     let wrong = format!("redis://:nope@127.0.0.1:{}", server.port());
@@ -632,7 +635,8 @@ async fn password_in_url_and_prefix() {
         other => panic!("a wrong password: {other:?}"),
     }
     let long = "p".repeat(tower_lock::MAX_NAMESPACE_LEN + 1);
-    for bad in ["a{b", "x}", "tab\t", long.as_str()] {
+    // "app:" was the spelling up to 0.1: refused, naming the setting, not doubled.
+    for bad in ["a{b", "x}", "tab\t", long.as_str(), "app:", ":app", "a::b"] {
         match RedisBackend::builder(url.as_str())
             .key_prefix(bad)
             .build()
@@ -973,4 +977,28 @@ fn a_runtime_shutting_down_mid_batch_leaves_the_batcher_usable() {
     }
     drop(backend);
     b.block_on(async move { drop(server) });
+}
+
+/// Regression (issue 24, item 10): a Redis that is down at startup failed the build with
+/// "connection refused" and no server named. The error names `host:port`, never the
+/// password of the URL, and is an outage.
+#[tokio::test]
+async fn a_server_down_at_startup_is_named_without_its_password() {
+    let port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    };
+    let url = format!("redis://:s3cret-pw@127.0.0.1:{port}/0");
+    let err = RedisBackend::builder(url.as_str())
+        .connection_timeout(Duration::from_millis(500))
+        .build()
+        .await
+        .unwrap_err();
+    let message = err.to_string();
+    assert!(
+        message.contains(&format!("cannot connect to Redis at 127.0.0.1:{port}")),
+        "{message}"
+    );
+    assert!(!message.contains("s3cret-pw"), "{message}");
+    assert!(err.is_unavailable(), "{err:?}");
 }

@@ -589,3 +589,29 @@ async fn a_win_leaves_the_queues_of_nodes_that_were_busy() {
     guard.unlock().await.unwrap();
     assert!(!residue(&nodes, &k));
 }
+
+/// `ping` answers while a quorum of nodes answers (the default ping, an inspection, on
+/// each node), and is a no-quorum error, unavailable, once too many are down or stalled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ping_needs_a_quorum_of_nodes() {
+    for fault in [State::Down, State::Stalled] {
+        let nodes = nodes(5);
+        let client = client(&nodes, Duration::from_millis(100), LONG);
+        client.ping().await.unwrap();
+        for n in &nodes[..2] {
+            n.set(fault);
+        }
+        client.ping().await.expect("3 of 5 answer");
+        nodes[2].set(fault);
+        match client.ping().await {
+            Err(
+                err @ Error::NoQuorum {
+                    acquired: 2,
+                    needed: 3,
+                    total: 5,
+                },
+            ) => assert!(err.is_unavailable()),
+            other => panic!("{fault:?}: expected no quorum, got {other:?}"),
+        }
+    }
+}

@@ -82,3 +82,144 @@ async fn a_panicking_observer_does_not_stop_renewals() {
         .expect("the loss was found");
     held_throughout(&client, &other, "after-panic", Duration::from_secs(1)).await;
 }
+
+/// `with_lock` stops the work as soon as the watchdog finds the lock gone (removed
+/// behind the holder's back), returns `Error::Lost`, and leaves the key to others.
+#[tokio::test(start_paused = true)]
+async fn with_lock_drops_the_work_when_the_lock_is_lost() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    let backend = MemoryBackend::new();
+    let client = LockClient::builder(backend.clone())
+        .watchdog_lease(LEASE)
+        .build()
+        .unwrap();
+    let steps = Arc::new(AtomicU32::new(0));
+    let counted = Arc::clone(&steps);
+    let saboteur = backend.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let key = LockKey::new("job:lost").unwrap();
+        assert!(
+            saboteur
+                .force_release(&key, LockMode::Exclusive)
+                .await
+                .unwrap()
+        );
+    });
+    let started = Instant::now();
+    let outcome = client
+        .with_lock("job:lost", |held| async move {
+            assert!(!held.lost().is_lost());
+            loop {
+                counted.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+    assert!(
+        matches!(outcome, Err(tower_lock::Error::Lost)),
+        "{outcome:?}"
+    );
+    // Found at the first renewal after the removal: a third of the lease.
+    assert!(started.elapsed() <= LEASE / 3 + Duration::from_millis(20));
+    let at_loss = steps.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(steps.load(Ordering::Relaxed), at_loss, "the work went on");
+    assert_eq!(client.watched_locks(), 0);
+}
+
+/// `with_lock` unlocks after the work, returning its value; an error inside the work is
+/// the work's own value, and the lock is released all the same.
+#[tokio::test(start_paused = true)]
+async fn with_lock_unlocks_after_the_work() {
+    let backend = MemoryBackend::new();
+    let client = LockClient::new(backend.clone());
+    let lock = client.get_lock("job:done").unwrap();
+    let value: Result<u32, &str> = lock
+        .with_lock(|held| async move {
+            assert_eq!(held.key().as_str(), "job:done");
+            Err("the work failed")
+        })
+        .await
+        .unwrap();
+    assert_eq!(value, Err("the work failed"));
+    assert!(!backend.contains_key(lock.key()));
+    let busy = client.get_lock("job:done").unwrap().lock().await.unwrap();
+    let err = lock
+        .with_lock_for(
+            Duration::from_millis(50),
+            Duration::from_secs(1),
+            |_| async {},
+        )
+        .await
+        .unwrap_err();
+    assert!(err.is_busy(), "{err:?}");
+    busy.unlock().await.unwrap();
+}
+
+/// Regression (issue 24, item 10): the watchdog's "lock lost" line named the logical
+/// owner (`…:68`) while the store shows the hold (`…:69`), so an operator could not
+/// match the two. It names the hold as the store shows it.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_lost_lock_is_logged_with_the_hold_id_the_store_shows() {
+    use std::sync::{Arc, Mutex};
+    use tracing_subscriber::layer::SubscriberExt;
+
+    /// Collects the fields of the watchdog's error events.
+    struct Errors(Arc<Mutex<Vec<String>>>);
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Errors {
+        fn on_event(
+            &self,
+            event: &tracing::Event<'_>,
+            _: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            if *event.metadata().level() == tracing::Level::ERROR {
+                let mut text = String::new();
+                event.record(
+                    &mut |field: &tracing::field::Field, value: &dyn std::fmt::Debug| {
+                        text.push_str(&format!("{}={value:?} ", field.name()));
+                    },
+                );
+                self.0.lock().unwrap().push(text);
+            }
+        }
+    }
+
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let _default = tracing::subscriber::set_default(
+        tracing_subscriber::registry().with(Errors(Arc::clone(&seen))),
+    );
+    let backend = MemoryBackend::new();
+    let client = LockClient::builder(backend.clone())
+        .watchdog_lease(LEASE)
+        .build()
+        .unwrap();
+    let owner = client.new_owner();
+    let guard = client
+        .get_lock("job:logged")
+        .unwrap()
+        .with_owner(owner.clone())
+        .lock()
+        .await
+        .unwrap();
+    assert_ne!(guard.hold_id().as_str(), owner.as_str());
+    let key = LockKey::new("job:logged").unwrap();
+    assert!(
+        backend
+            .force_release(&key, LockMode::Exclusive)
+            .await
+            .unwrap()
+    );
+    guard.lost().wait().await;
+    let seen = seen.lock().unwrap();
+    let line = seen
+        .iter()
+        .find(|line| line.contains("lock lost"))
+        .unwrap_or_else(|| panic!("no loss logged: {seen:#?}"));
+    assert!(
+        line.contains(&format!("hold_id={}", guard.hold_id())),
+        "{line}"
+    );
+}

@@ -200,8 +200,11 @@ impl PostgresBackend {
         validate_identifier("table", table)?;
         // One script, one implicit transaction, behind a transaction-scoped advisory
         // lock: concurrent CREATE ... IF NOT EXISTS from two processes can collide.
+        // Without notices for the transaction: every start would otherwise log one
+        // "already exists, skipping" per object.
         let sql = [
             "SELECT pg_advisory_xact_lock(hashtext('tower_lock migrate'));\n",
+            "SET LOCAL client_min_messages = warning;\n",
             &statements::SCHEMA_SQL
                 .replace("__S__", schema)
                 .replace("__T__", table),
@@ -366,6 +369,15 @@ impl LockBackend for PostgresBackend {
     fn clients(&self) -> Option<&dyn ClientNames> {
         Some(self)
     }
+
+    /// `SELECT 1` on a connection of the pool, within the response timeout.
+    fn ping(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move {
+            self.timed(sqlx::query("SELECT 1").execute(&self.inner.pool))
+                .await
+                .map(drop)
+        })
+    }
 }
 
 /// Names live in `<table>_clients`, swept of expired rows by every registration.
@@ -426,6 +438,15 @@ impl ClientNames for PostgresBackend {
                         .map(|(_, name)| name.clone())
                 })
                 .collect())
+        })
+    }
+
+    fn unregister<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let sql = self.sql("DELETE FROM __F___clients WHERE id = $1");
+            self.timed(sqlx::query(&sql).bind(id).execute(&self.inner.pool))
+                .await
+                .map(drop)
         })
     }
 }

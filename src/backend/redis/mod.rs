@@ -1339,6 +1339,19 @@ fn unexpected(op: &str, reply: &[i64]) -> Error {
 
 /// redis-rs's error → the crate's: a key of another type is [`Error::WrongType`], any
 /// other failure a [`StoreError`] of its kind.
+/// `error`, from connecting to `addr` (`host:port`, never with the password the URL may
+/// carry), saying where: an operator reading "connection refused" at startup needs to
+/// know which server refused.
+fn naming_the_server(error: Error, addr: &str) -> Error {
+    match error {
+        Error::Store(store) => {
+            let message = format!("cannot connect to Redis at {addr}: {}", store.message());
+            Error::Store(store.with_message(message))
+        }
+        other => other,
+    }
+}
+
 fn map_error(error: RedisError) -> Error {
     let wrong_type = error.code() == Some("WRONGTYPE")
         || error.detail().is_some_and(|d| d.contains("WRONGTYPE"))
@@ -1495,11 +1508,15 @@ impl Names {
 }
 
 impl RedisBackendBuilder {
-    /// Prepended to every lock key as is (default: none, so names match Redisson's
-    /// exactly): include your own separator, as in `"myapp:"`. (The layer's
-    /// `key_prefix` adds the `:` itself.) A [`Namespace`](crate::Namespace): at most
-    /// [`MAX_NAMESPACE_LEN`](crate::MAX_NAMESPACE_LEN) bytes, no braces or control
-    /// characters; [`build`](Self::build) names `key_prefix` otherwise.
+    /// A namespace in front of every Redis key of the backend, joined to the lock's name
+    /// with `:` as every prefix of the crate is: `key_prefix("myapp")` gives
+    /// `myapp:NAME` (and `redisson_lock__channel:myapp:NAME` for its channel). Default:
+    /// none, so names match Redisson's exactly. A [`Namespace`](crate::Namespace): at
+    /// most [`MAX_NAMESPACE_LEN`](crate::MAX_NAMESPACE_LEN) bytes, segments joined by
+    /// single `:`s without one at either end (the joining `:` is added), no braces or
+    /// control characters; [`build`](Self::build) names `key_prefix` otherwise. (Up to
+    /// 0.1, the prefix was prepended as is and was written `"myapp:"`; write `"myapp"`
+    /// for the same keys.)
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.key_prefix = prefix.into();
         self
@@ -1612,8 +1629,13 @@ impl RedisBackendBuilder {
     /// [`Error::InvalidConfig`] naming the bad setting; [`Error::Store`] when the URL is
     /// invalid or (unless [lazy](Self::lazy_connect)) the server cannot be reached (see
     /// [`RedisBackend::connect`]).
-    pub async fn build(self) -> Result<RedisBackend> {
+    pub async fn build(mut self) -> Result<RedisBackend> {
         self.validate()?;
+        // From here on the prefix is as keys start with it: the segments and the `:`
+        // that joins them to the lock's name (`myapp` → `myapp:NAME`).
+        if !self.key_prefix.is_empty() {
+            self.key_prefix.push(':');
+        }
         let Connected {
             conn,
             pubsub,
@@ -1764,7 +1786,7 @@ impl RedisBackendBuilder {
         } else {
             ConnectionManager::new_with_config(client, config.clone())
                 .await
-                .map_err(map_error)?
+                .map_err(|e| naming_the_server(map_error(e), &addr))?
         };
         Ok(Connected {
             conn: Conn::Single(Box::new(SingleConn::new(
@@ -1844,12 +1866,15 @@ impl RedisBackendBuilder {
             .retries(u32::try_from(self.reconnect_retries).unwrap_or(u32::MAX))
             .build()
             .map_err(map_error)?;
-        let conn = client.get_async_connection().await.map_err(map_error)?;
         let mut addrs: Vec<String> = pubsub_nodes
             .iter()
             .map(|c| c.get_connection_info().addr().to_string())
             .collect();
         addrs.sort();
+        let conn = client
+            .get_async_connection()
+            .await
+            .map_err(|e| naming_the_server(map_error(e), &addrs.join(",")))?;
         let store_id = format!("redis-cluster:{}:{}", addrs.join(","), self.key_prefix);
         let mut conn = conn;
         let sharded = match self.sharded_pubsub {
@@ -2004,6 +2029,11 @@ impl LockBackend for RedisBackend {
     fn clients(&self) -> Option<&dyn ClientNames> {
         Some(self)
     }
+
+    /// `PING`, on the connection lock calls use.
+    fn ping(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move { self.inner.query::<()>(&redis::cmd("PING")).await })
+    }
 }
 
 /// Names live at `<prefix>client:<id>`, a string key with a TTL.
@@ -2034,6 +2064,14 @@ impl ClientNames for RedisBackend {
                 names.push(self.inner.query::<Option<String>>(&cmd).await?);
             }
             Ok(names)
+        })
+    }
+
+    fn unregister<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let mut cmd = redis::cmd("DEL");
+            cmd.arg(Names::client(&self.inner.prefix, id));
+            self.inner.query::<()>(&cmd).await
         })
     }
 }

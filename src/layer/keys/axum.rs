@@ -4,8 +4,9 @@
 use std::marker::PhantomData;
 
 use axum::extract::FromRequestParts;
-use axum::response::IntoResponse;
+use axum::response::{IntoResponse, Response};
 use http::request::Parts;
+use http_body_util::BodyExt;
 
 use super::{Extracted, IntoKeys, KeyError, KeyExtractor};
 use crate::backend::BoxFuture;
@@ -13,7 +14,10 @@ use crate::layer::rejection::boxed_response;
 
 /// Keys a request with any axum extractor (`Path<T>`, `Query<T>`, `TypedHeader<T>`,
 /// your own authentication extractor...) and a function of its value, made by
-/// [`key_from`]. The extractor's rejection is answered as axum would answer it.
+/// [`key_from`]. The extractor's rejection is answered as axum would answer it, except
+/// that a server error (a 5xx: the extractor cannot work where the layer is) is a 500
+/// with a generic text, its message logged, and a request the router found no route for
+/// is a 404, as axum answers it.
 ///
 /// Extractors that need the router's state take it with
 /// [`with_state`](ExtractorKey::with_state).
@@ -31,10 +35,11 @@ pub struct ExtractorKey<E, F, S = ()> {
 /// ```
 /// use axum::{Router, extract::Path, routing::post};
 /// use tower_lock::layer::{key_from, LockLayer};
-/// use tower_lock::{LockKey, MemoryBackend};
+/// use tower_lock::{LockClient, LockKey, MemoryBackend};
 ///
+/// let client = LockClient::new(MemoryBackend::new()); // the application's one client
 /// let layer = LockLayer::new(
-///     MemoryBackend::new(),
+///     client.clone(),
 ///     key_from(|Path(id): Path<u64>| LockKey::namespaced("account", &id.to_string())),
 /// );
 /// let app: Router =
@@ -97,13 +102,56 @@ where
         let f = self.f.clone();
         let state = self.state.clone();
         Box::pin(async move {
-            let keys = match E::from_request_parts(&mut parts, &state).await {
-                Ok(value) => f(value).into_keys(),
-                Err(rejection) => Err(KeyError::with_response(boxed_response(
-                    rejection.into_response(),
-                ))),
+            let rejected = match E::from_request_parts(&mut parts, &state).await {
+                Ok(value) => return (parts, f(value).into_keys()),
+                Err(rejection) => rejection.into_response(),
             };
-            (parts, keys)
+            let error = if no_route_matched(&mut parts).await {
+                KeyError::no_route()
+            } else {
+                rejection_error::<E>(rejected).await
+            };
+            (parts, Err(error))
         })
     }
+}
+
+/// Whether the router found no route for this request: it ran (it sets `OriginalUri`
+/// first) and matched no route (no `MatchedPath`), so there are no path parameters. A
+/// layer added with `Router::layer` wraps the router's fallback too, and sees such
+/// requests; axum answers them 404, and so does the layer. A layer outside the router
+/// sees no `OriginalUri`, and its misconfiguration stays a 500.
+pub(super) async fn no_route_matched(parts: &mut Parts) -> bool {
+    use axum::extract::rejection::RawPathParamsRejection;
+    use axum::extract::{MatchedPath, OriginalUri, RawPathParams};
+
+    if parts.extensions.get::<OriginalUri>().is_none()
+        || parts.extensions.get::<MatchedPath>().is_some()
+    {
+        return false;
+    }
+    match RawPathParams::from_request_parts(parts, &()).await {
+        Ok(params) => params.iter().next().is_none(),
+        Err(RawPathParamsRejection::MissingPathParams(_)) => true,
+        Err(_) => false,
+    }
+}
+
+/// An extractor's rejection as the layer answers it: as it is for the client's fault
+/// (4xx), and for the server's (5xx: a wiring mistake, such as `Path<T>` on a route
+/// without parameters) a 500 with the generic text, its own text logged, not sent —
+/// axum's internal messages are not for clients.
+async fn rejection_error<E>(response: Response) -> KeyError {
+    let status = response.status();
+    if !status.is_server_error() {
+        return KeyError::with_response(boxed_response(response));
+    }
+    let text = match response.into_body().collect().await {
+        Ok(body) => String::from_utf8_lossy(&body.to_bytes()).into_owned(),
+        Err(error) => format!("(unreadable: {error})"),
+    };
+    KeyError::server(format!(
+        "the key's extractor `{}` failed with {status}: {text}",
+        std::any::type_name::<E>()
+    ))
 }

@@ -54,6 +54,19 @@ impl KeyError {
         }
     }
 
+    /// The router found no route for the request (a layer added with `Router::layer`
+    /// wraps the fallback too): `404 Not Found` with an empty body, as axum answers.
+    #[cfg(feature = "axum")]
+    pub(crate) fn no_route() -> Self {
+        let mut response = Response::new(http_body_util::Empty::new());
+        *response.status_mut() = StatusCode::NOT_FOUND;
+        KeyError {
+            status: StatusCode::NOT_FOUND,
+            message: Cow::Borrowed("no route matches this path"),
+            response: Some(Box::new(crate::layer::rejection::boxed_response(response))),
+        }
+    }
+
     /// The status the default rejection answers with.
     pub fn status(&self) -> StatusCode {
         self.status

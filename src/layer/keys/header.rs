@@ -54,7 +54,8 @@ impl HeaderKey {
     /// # Errors
     ///
     /// [`Error::InvalidConfig`] naming `namespace` when it breaks the
-    /// [`Namespace`] rule: braces or control characters, or longer than
+    /// [`Namespace`] rule: braces or control characters, a `:` at either end (the
+    /// joining `:` is added) or two in a row, or longer than
     /// [`MAX_NAMESPACE_LEN`](crate::MAX_NAMESPACE_LEN) bytes.
     pub fn namespace(mut self, namespace: impl Into<Cow<'static, str>>) -> Result<Self, Error> {
         self.namespace = Namespace::new(namespace)?;

@@ -81,11 +81,12 @@ where
 ///
 /// ```
 /// use tower_lock::layer::{key_fn, KeyError, LockLayer};
-/// use tower_lock::{LockKey, MemoryBackend};
+/// use tower_lock::{LockClient, LockKey, MemoryBackend};
 ///
+/// let client = LockClient::new(MemoryBackend::new()); // the application's one client
 /// // Lock `PUT /docs/<id>` per document; other requests are not locked.
 /// let layer = LockLayer::new(
-///     MemoryBackend::new(),
+///     client.clone(),
 ///     key_fn(|parts| match parts.uri.path().strip_prefix("/docs/") {
 ///         Some(id) if parts.method == http::Method::PUT => {
 ///             Ok::<_, KeyError>(Some(LockKey::namespaced("doc", id)?))

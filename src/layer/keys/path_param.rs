@@ -15,20 +15,23 @@ use crate::namespace::Namespace;
 ///
 /// **Put the layer on the handler with `MethodRouter::route_layer`** (or add it with
 /// `Router::route_layer`). The parameters exist only once axum has matched a route.
-/// `Router::layer` also wraps the fallback, which has no parameters, so a request for
-/// an unknown path would get this extractor's 500 instead of axum's 404; and a layer
-/// wrapped around the whole router from outside runs before routing and never sees a
-/// parameter. A route without the named parameter is a 500 too (a wiring bug). For a
-/// typed parameter, use [`key_from`](super::key_from) with `Path<T>`.
+/// Under `Router::layer`, which also wraps the router's fallback, a request for a path
+/// no route matches is answered `404 Not Found` (empty body), as axum answers it, and a
+/// known path with a method it does not serve gets axum's 405 (after the lock); but
+/// every route then needs the parameter. A route without the named parameter is a 500
+/// (a wiring bug), and so is a layer wrapped around the whole router from outside,
+/// which runs before routing and never sees a parameter. For a typed parameter, use
+/// [`key_from`](super::key_from) with `Path<T>`.
 ///
 /// Paths are set by the client: see the warning on [`KeyExtractor`].
 ///
 /// ```
 /// use axum::{Router, routing::post};
 /// use tower_lock::layer::{LockLayer, PathParamKey};
-/// use tower_lock::MemoryBackend;
+/// use tower_lock::{LockClient, MemoryBackend};
 ///
-/// let layer = LockLayer::new(MemoryBackend::new(), PathParamKey::new("id").namespace("account")?);
+/// let client = LockClient::new(MemoryBackend::new()); // the application's one client
+/// let layer = LockLayer::new(client.clone(), PathParamKey::new("id").namespace("account")?);
 /// let app: Router =
 ///     Router::new().route("/accounts/{id}/transfers", post(|| async { "ok" }).route_layer(layer));
 /// # Ok::<(), tower_lock::Error>(())
@@ -82,7 +85,13 @@ impl KeyExtractor for PathParamKey {
                         let what = format!("path parameter `{}`", this.name);
                         namespaced(&this.namespace, &what, value).map(Keys::from)
                     }
-                    None if params.iter().next().is_none() => Err(this.no_params()),
+                    None if params.iter().next().is_none() => {
+                        if super::axum::no_route_matched(&mut parts).await {
+                            Err(KeyError::no_route())
+                        } else {
+                            Err(this.no_params())
+                        }
+                    }
                     None => Err(KeyError::server(format!(
                         "this route has no path parameter `{}`",
                         this.name
@@ -91,6 +100,9 @@ impl KeyExtractor for PathParamKey {
                 Err(RawPathParamsRejection::InvalidUtf8InPathParam(_)) => Err(KeyError::new(
                     format!("path parameter `{}` is not valid UTF-8", this.name),
                 )),
+                Err(_) if super::axum::no_route_matched(&mut parts).await => {
+                    Err(KeyError::no_route())
+                }
                 Err(_) => Err(this.no_params()),
             };
             (parts, keys)
