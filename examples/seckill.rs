@@ -289,7 +289,8 @@ async fn on_redis(url: &str, args: &Args) -> Result<(LockClient, Arc<dyn Store>)
         .key_prefix(NAMESPACE)
         .build()
         .await
-        .map_err(|e| format!("cannot reach Redis at {server} for the locks: {e}"))?;
+        // The error names the server already (never with its password).
+        .map_err(|e| format!("cannot reach Redis for the locks: {e}"))?;
     let store = RedisStore::with_client(store_client)
         .await
         .map_err(|e| format!("cannot reach Redis at {server} for the store: {}", e.0))?;

@@ -459,8 +459,8 @@ async fn replica_of(master: u16) -> u16 {
 async fn with_replica_acknowledgement_a_cluster_refuses_and_undoes_an_unacknowledged_grant() {
     let mut cluster = RedisCluster::start_with_replicas(3, 1).await;
     let backend = RedisBackend::cluster(cluster.urls())
-        .synced_replicas(1, Duration::from_millis(200))
-        .response_timeout(Duration::from_millis(600))
+        .synced_replicas(1, Duration::from_millis(500))
+        .response_timeout(Duration::from_millis(1500))
         .build()
         .await
         .unwrap();
@@ -472,7 +472,14 @@ async fn with_replica_acknowledgement_a_cluster_refuses_and_undoes_an_unacknowle
                 .unwrap()
         })
         .collect();
-    let guards = futures_util::future::join_all(locks.iter().map(|l| l.try_lock())).await;
+    // Waiting allowed: on a loaded machine a replica may miss a WAIT, which is an
+    // outage the lock call retries while it may wait.
+    let guards = futures_util::future::join_all(
+        locks
+            .iter()
+            .map(|l| l.try_lock_for(Duration::from_secs(10), tower_lock::Lease::Watchdog)),
+    )
+    .await;
     for guard in guards {
         guard.unwrap().unlock().await.unwrap();
     }
