@@ -34,6 +34,7 @@ mod layer;
 #[cfg(all(feature = "metrics", feature = "axum"))]
 mod metrics;
 mod observer;
+#[cfg(feature = "axum")]
 mod path_keys;
 #[cfg(feature = "postgres")]
 mod postgres_faults;
