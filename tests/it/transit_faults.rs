@@ -539,3 +539,141 @@ async fn a_timed_out_acquisition_that_lands_after_its_record_takes_nothing_postg
     )
     .await;
 }
+
+// ---------------------------------------------------------------------------------------
+// Pipelined group commit (one server)
+// ---------------------------------------------------------------------------------------
+
+/// Script calls the server has run so far.
+async fn scripts_run(direct: &mut redis::aio::MultiplexedConnection) -> u64 {
+    common::redis_server::command_calls(direct, &["evalsha", "eval"]).await
+}
+
+/// A backend behind a proxy, whose replies may be held for seconds without timing out.
+async fn patient_behind_proxy(server: &RedisServer) -> (FaultProxy, RedisBackend, LockClient) {
+    let proxy = FaultProxy::start(([127, 0, 0, 1], server.port()).into()).await;
+    let backend = RedisBackend::builder(format!("redis://127.0.0.1:{}", proxy.port()))
+        .response_timeout(Duration::from_secs(5))
+        .build()
+        .await
+        .unwrap();
+    let client = LockClient::new(backend.clone());
+    // The batches' connection made, and its scripts loaded.
+    let warm = client.get_lock("warm-up").unwrap();
+    warm.try_lock().await.unwrap().unlock().await.unwrap();
+    (proxy, backend, client)
+}
+
+fn request(key: &str, hold: &str) -> LockRequest {
+    LockRequest::new(
+        LockKey::new(key).unwrap(),
+        HoldId::from_raw(hold).unwrap(),
+        LockMode::Exclusive,
+        Duration::from_secs(30),
+    )
+}
+
+/// Several batches go on the wire before the first is answered (the server runs the
+/// second while the first one's reply is still on its way), and one key's operations,
+/// each sent while the ones before are unanswered, still run in the order they were
+/// queued: taken by A, released by A, taken by B.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_are_pipelined_and_keep_each_keys_order_redis() {
+    let server = RedisServer::start().await;
+    let (proxy, backend, _client) = patient_behind_proxy(&server).await;
+    let mut direct = server.conn().await;
+    proxy.set_flow(Direction::Down, Flow::Hold);
+    let (a, b) = (request("ordered", "hold-a"), request("ordered", "hold-b"));
+    let mut answers = Vec::new();
+    let before = scripts_run(&mut direct).await;
+    for (n, step) in [(&a, true), (&a, false), (&b, true)]
+        .into_iter()
+        .enumerate()
+    {
+        let (backend, req) = (backend.clone(), step.0.clone());
+        let acquire = step.1;
+        answers.push(tokio::spawn(async move {
+            if acquire {
+                format!("{:?}", backend.acquire(&req).await)
+            } else {
+                format!("{:?}", backend.release(&req).await)
+            }
+        }));
+        let ran = before + n as u64 + 1;
+        wait_until(
+            Duration::from_secs(5),
+            "the server runs it with the replies before it unanswered",
+            || async { scripts_run(&mut direct.clone()).await >= ran },
+        )
+        .await;
+    }
+    proxy.set_flow(Direction::Down, Flow::Pass);
+    let mut replies = Vec::new();
+    for answer in answers {
+        replies.push(answer.await.unwrap());
+    }
+    assert!(replies[0].starts_with("Ok(Acquired"), "{replies:?}");
+    assert_eq!(replies[1], "Ok(Released)", "{replies:?}");
+    assert!(replies[2].starts_with("Ok(Acquired"), "{replies:?}");
+    let holder: std::collections::HashMap<String, i64> = redis::cmd("HGETALL")
+        .arg(backend.lock_name(&LockKey::new("ordered").unwrap()))
+        .query_async(&mut direct)
+        .await
+        .unwrap();
+    assert_eq!(
+        holder,
+        std::collections::HashMap::from([("hold-b".to_owned(), 1)])
+    );
+}
+
+/// The batches' connection cut with three batches on the wire (their replies held): every
+/// caller gets an answer — the lock core tries once more on a new connection — and each
+/// key ends with its one holder, then with nothing once they let go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_with_batches_in_flight_answers_every_caller_redis() {
+    let server = RedisServer::start().await;
+    let (proxy, _backend, client) = patient_behind_proxy(&server).await;
+    let mut direct = server.conn().await;
+    proxy.set_flow(Direction::Down, Flow::Hold);
+    let before = scripts_run(&mut direct).await;
+    let mut takers = Vec::new();
+    for n in 0..3u64 {
+        let lock = client
+            .get_lock(format!("cut-in-flight:{n}").as_str())
+            .unwrap();
+        takers.push(tokio::spawn(async move {
+            lock.try_lock_for(Duration::from_secs(10), Lease::Watchdog)
+                .await
+        }));
+        wait_until(Duration::from_secs(5), "the server runs it", || async {
+            scripts_run(&mut direct.clone()).await > before + n
+        })
+        .await;
+    }
+    proxy.cut();
+    proxy.set_flow(Direction::Down, Flow::Pass);
+    let mut guards = Vec::new();
+    for taker in takers {
+        let guard = tokio::time::timeout(Duration::from_secs(15), taker)
+            .await
+            .expect("a caller was never answered")
+            .unwrap()
+            .expect("the lock after the cut");
+        guards.push(guard);
+    }
+    for (n, guard) in guards.iter().enumerate() {
+        let holder: Vec<String> = redis::cmd("HKEYS")
+            .arg(format!("cut-in-flight:{n}"))
+            .query_async(&mut direct)
+            .await
+            .unwrap();
+        assert_eq!(holder, vec![guard.hold_id().as_str().to_owned()], "key {n}");
+    }
+    for guard in guards {
+        guard.unlock().await.unwrap();
+    }
+    wait_until(Duration::from_secs(5), "nothing left", || async {
+        server.keys("cut-in-flight*").await.is_empty()
+    })
+    .await;
+}

@@ -18,6 +18,10 @@
 //! Acquisitions carry the deadline of the call that sends them (see
 //! [`clock`](crate::backend::clock)): a call that arrives after it takes nothing.
 //!
+//! On a single server without replica acknowledgement, up to
+//! [`pipeline::MAX_IN_FLIGHT`] calls are on the wire at once, on a connection of their
+//! own, in queue order (see [`pipeline`] for why the order holds).
+//!
 //! On a cluster a script's keys must share a hash slot, so what is queued is split by
 //! slot, in queue order, and each slot's share goes in its own call, all at once (each
 //! to the master of its slot). Operations on one key share its slot, so they still run
@@ -26,7 +30,7 @@
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use redis::Value;
-use tokio::sync::oneshot;
+use tokio::sync::{Notify, oneshot};
 
 use super::{Inner, Names, UNLOCK_MESSAGE, lease_ms, ttl_of};
 use crate::backend::{Acquire, FencingToken, Grant, LockRequest, Release};
@@ -61,10 +65,16 @@ struct Queued {
     reply: oneshot::Sender<Result<OpReply>>,
 }
 
+mod pipeline;
+
 /// The queue and whether a call is in flight.
 #[derive(Default)]
 pub(super) struct Batcher {
     state: Mutex<State>,
+    /// Tells a pipelining drainer that an operation was queued.
+    queued: Notify,
+    /// The pipelined batches' connection, kept between drainers.
+    line: Mutex<Option<pipeline::Line>>,
 }
 
 #[derive(Default)]
@@ -104,6 +114,8 @@ pub(super) async fn run(inner: &Arc<Inner>, op: Op, req: &LockRequest) -> Result
     };
     if start {
         start_drainer(inner);
+    } else {
+        inner.batcher.queued.notify_one();
     }
     receiver.await.unwrap_or_else(|_| {
         // The sender stopped with this operation taken (its runtime shut down): it may
@@ -163,9 +175,13 @@ fn unsent(why: &str) -> Error {
     )
 }
 
-/// Sends the queue in batches until it is empty.
+/// Sends the queue in batches until it is empty: several at once on a single server
+/// ([`pipeline`]), one at a time (split by slot on a cluster) otherwise.
 async fn drain(mut drainer: Drainer) {
     let inner = Arc::clone(&drainer.inner);
+    if inner.pipelines() {
+        return pipeline::drain(drainer).await;
+    }
     loop {
         let batch: Vec<Queued> = {
             let mut state = inner.batcher.state();

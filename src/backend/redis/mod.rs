@@ -281,6 +281,15 @@ enum Conn {
 }
 
 impl Conn {
+    /// The single server's connection; `None` on a cluster.
+    fn single(&self) -> Option<&SingleConn> {
+        match self {
+            Conn::Single(single) => Some(single),
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(_) => None,
+        }
+    }
+
     async fn invoke<T: FromRedisValue>(
         &self,
         invocation: &redis::ScriptInvocation<'_>,
@@ -719,12 +728,21 @@ impl Inner {
     /// doubt (the connection is replaced, and may reach another server), so the next
     /// attempt samples it again.
     fn checked<T>(&self, result: RedisResult<T>) -> Result<T> {
-        result.map_err(|error| {
-            if error.is_timeout() {
-                self.clock.forget();
-            }
-            map_error(error)
-        })
+        result.map_err(|error| self.failed(error))
+    }
+
+    /// A command's error as this crate's (see [`checked`](Self::checked)).
+    fn failed(&self, error: RedisError) -> Error {
+        if error.is_timeout() {
+            self.clock.forget();
+        }
+        map_error(error)
+    }
+
+    /// Whether exclusive batches may be pipelined: on a single server without replica
+    /// acknowledgement (see `batch::pipeline`).
+    fn pipelines(&self) -> bool {
+        self.conn.single().is_some() && self.synced.is_none()
     }
 
     /// The deadline, on the server's clock in microseconds, of an attempt sent now: its
