@@ -73,8 +73,6 @@ pub(super) struct Batcher {
     state: Mutex<State>,
     /// Tells a pipelining drainer that an operation was queued.
     queued: Notify,
-    /// The pipelined batches' connection, kept between drainers.
-    line: Mutex<Option<pipeline::Line>>,
 }
 
 #[derive(Default)]
@@ -82,6 +80,8 @@ struct State {
     /// A sender task runs: it sends what is queued, and goes idle when nothing is.
     busy: bool,
     queue: Vec<Queued>,
+    /// The pipelined batches' connection while no drainer runs (see [`pipeline`]).
+    line: Option<pipeline::Line>,
 }
 
 impl Batcher {

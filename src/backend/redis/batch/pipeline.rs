@@ -27,8 +27,8 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, PoisonError};
 use std::task::Poll;
 use std::time::Duration;
 
@@ -62,13 +62,7 @@ enum Took {
 pub(super) async fn drain(mut drainer: Drainer) {
     let inner = Arc::clone(&drainer.inner);
     // The connection of the drainer before, if it ended idle.
-    let mut line = inner
-        .batcher
-        .line
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .take()
-        .unwrap_or_default();
+    let mut line = inner.batcher.state().line.take().unwrap_or_default();
     let mut in_flight: FuturesUnordered<Sending> = FuturesUnordered::new();
     loop {
         if line.is_broken() && !in_flight.is_empty() {
@@ -76,19 +70,12 @@ pub(super) async fn drain(mut drainer: Drainer) {
             while in_flight.next().await.is_some() {}
         }
         let took = if in_flight.len() < MAX_IN_FLIGHT {
-            take(&inner, &mut drainer, in_flight.is_empty())
+            take(&inner, &mut drainer, &mut line, in_flight.is_empty())
         } else {
             Took::Nothing
         };
         match took {
-            Took::Idle => {
-                *inner
-                    .batcher
-                    .line
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner) = Some(line);
-                return;
-            }
+            Took::Idle => return,
             Took::Batch(batch) => {
                 if let Some(sending) = issue(&inner, &mut line, batch).await {
                     in_flight.push(sending);
@@ -106,12 +93,15 @@ pub(super) async fn drain(mut drainer: Drainer) {
     }
 }
 
-fn take(inner: &Inner, drainer: &mut Drainer, nothing_in_flight: bool) -> Took {
+fn take(inner: &Inner, drainer: &mut Drainer, line: &mut Line, nothing_in_flight: bool) -> Took {
     let mut state = inner.batcher.state();
     if state.queue.is_empty() {
         if nothing_in_flight {
-            // Idle under the same lock that queues (see `super::drain`).
+            // Idle under the same lock that queues (see `super::drain`), with the
+            // connection left for the next drainer under it too: one started the
+            // moment this lock is let go finds it.
             state.busy = false;
+            state.line = Some(std::mem::take(line));
             drainer.done = true;
             return Took::Idle;
         }
