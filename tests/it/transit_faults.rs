@@ -677,3 +677,25 @@ async fn a_cut_with_batches_in_flight_answers_every_caller_redis() {
     })
     .await;
 }
+
+/// One lock at a time, 200 times: each finds the batcher idle and starts a sender task,
+/// and every one of them sends on the same connection (none is made, and no script
+/// loaded, per operation).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locks_one_at_a_time_share_one_batch_connection_redis() {
+    let server = RedisServer::start().await;
+    let (proxy, _backend, client) = patient_behind_proxy(&server).await;
+    let connections = proxy.stats().accepted;
+    let mut direct = server.conn().await;
+    let loads = common::redis_server::command_calls(&mut direct, &["script|load"]).await;
+    let lock = client.get_lock("one-at-a-time").unwrap();
+    for _ in 0..200 {
+        lock.try_lock().await.unwrap().unlock().await.unwrap();
+    }
+    assert_eq!(proxy.stats().accepted, connections, "connections made");
+    assert_eq!(
+        common::redis_server::command_calls(&mut direct, &["script|load"]).await,
+        loads,
+        "scripts loaded"
+    );
+}
