@@ -440,23 +440,7 @@ async fn reconcile(
     sink: &mut redis::aio::PubSubSink,
     subscribed: &mut HashSet<String>,
 ) -> redis::RedisResult<()> {
-    let (to_subscribe, to_unsubscribe) = {
-        let mut state = shared.state();
-        let dirty = std::mem::take(&mut state.dirty);
-        let mut to_subscribe = Vec::new();
-        let mut to_unsubscribe = Vec::new();
-        for channel in dirty {
-            match (state.channels.get(&channel), subscribed.contains(&channel)) {
-                (Some(_), false) => to_subscribe.push(channel),
-                (Some(entry), true) => {
-                    entry.confirmed.send_replace(true);
-                }
-                (None, true) => to_unsubscribe.push(channel),
-                (None, false) => {}
-            }
-        }
-        (to_subscribe, to_unsubscribe)
-    };
+    let (to_subscribe, to_unsubscribe) = changes(&mut shared.state(), subscribed);
     if !to_subscribe.is_empty() {
         if let Err(error) = sink.subscribe(&to_subscribe).await {
             // Whatever was asked stays dirty for the next connection.
@@ -478,6 +462,25 @@ async fn reconcile(
         sink.unsubscribe(&to_unsubscribe).await?;
     }
     Ok(())
+}
+
+/// What the server's subscriptions lack and have too many of, for every dirty channel
+/// (taken off the dirty set); a dirty channel already subscribed is confirmed.
+fn changes(state: &mut State, subscribed: &HashSet<String>) -> (Vec<String>, Vec<String>) {
+    let dirty = std::mem::take(&mut state.dirty);
+    let mut to_subscribe = Vec::new();
+    let mut to_unsubscribe = Vec::new();
+    for channel in dirty {
+        match (state.channels.get(&channel), subscribed.contains(&channel)) {
+            (Some(_), false) => to_subscribe.push(channel),
+            (Some(entry), true) => {
+                entry.confirmed.send_replace(true);
+            }
+            (None, true) => to_unsubscribe.push(channel),
+            (None, false) => {}
+        }
+    }
+    (to_subscribe, to_unsubscribe)
 }
 
 fn dispatch(shared: &Shared, channel: &str, payload: &[u8]) {

@@ -33,8 +33,8 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    CONNECT_TIMEOUT, FIRST_BACKOFF, MAX_BACKOFF, Shared, disconnected, dispatch, reconnect_delay,
-    sleep_or_shutdown, wake_everyone,
+    CONNECT_TIMEOUT, FIRST_BACKOFF, MAX_BACKOFF, Shared, changes, disconnected, dispatch,
+    reconnect_delay, sleep_or_shutdown, wake_everyone,
 };
 
 /// The connection task: connects, then reconciles subscriptions and dispatches the
@@ -216,20 +216,7 @@ async fn reconcile(
         let mut state = shared.state();
         subs.rewake
             .retain(|channel| state.channels.contains_key(channel));
-        let dirty = std::mem::take(&mut state.dirty);
-        let mut to_subscribe = Vec::new();
-        let mut to_unsubscribe = Vec::new();
-        for channel in dirty {
-            match (state.channels.get(&channel), subscribed.contains(&channel)) {
-                (Some(_), false) => to_subscribe.push(channel),
-                (Some(entry), true) => {
-                    entry.confirmed.send_replace(true);
-                }
-                (None, true) => to_unsubscribe.push(channel),
-                (None, false) => {}
-            }
-        }
-        (to_subscribe, to_unsubscribe)
+        changes(&mut state, subscribed)
     };
     for channel in &to_unsubscribe {
         subscribed.remove(channel);
