@@ -30,14 +30,12 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::Poll;
-use std::time::Duration;
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use redis::aio::MultiplexedConnection;
 use redis::{RedisResult, Value};
-use tokio::time::Instant;
 
-use super::{Drainer, MAX_BATCH, Op, OpReply, Queued, fail, parse, unsent};
+use super::{Drainer, MAX_BATCH, Op, OpReply, Queued, fail, parse};
 use crate::backend::Release;
 use crate::backend::redis::{Inner, UNLOCK_MESSAGE, parse_acquire};
 use crate::error::{Error, Result, StoreError, StoreErrorKind};
@@ -111,16 +109,10 @@ fn take(inner: &Inner, drainer: &mut Drainer, line: &mut Line, nothing_in_flight
     Took::Batch(state.queue.drain(..n).collect())
 }
 
-/// How long after a failed connect the batches fail at once, unsent, instead of
-/// connecting again: a server that is down is not asked once per batch.
-const RECONNECT_PAUSE: Duration = Duration::from_millis(50);
-
 /// The batches' own connection.
 #[derive(Default)]
 pub(super) struct Line {
     conn: Option<MultiplexedConnection>,
-    /// No new connection is tried before this (see [`RECONNECT_PAUSE`]).
-    paused_until: Option<Instant>,
     /// Set by a call that failed on `conn`: nothing more is sent on it.
     broken: Arc<AtomicBool>,
     /// A call found the scripts missing (a restart, `SCRIPT FLUSH`): load them first.
@@ -141,15 +133,9 @@ impl Line {
         let conn = match &self.conn {
             Some(conn) => conn.clone(),
             None => {
-                if self
-                    .paused_until
-                    .is_some_and(|until| Instant::now() < until)
-                {
-                    return Err(unsent("the last connection attempt failed a moment ago"));
-                }
-                let conn = connect(inner).await.inspect_err(|_| {
-                    self.paused_until = Some(Instant::now() + RECONNECT_PAUSE);
-                })?;
+                // Every batch that finds no connection tries to make one: a server
+                // back from a restart is used at once (a refused connect costs little).
+                let conn = connect(inner).await?;
                 self.broken = Arc::new(AtomicBool::new(false));
                 self.reload.store(true, Ordering::Release);
                 self.conn = Some(conn.clone());
