@@ -91,8 +91,8 @@ impl Batcher {
 }
 
 /// Runs `op` for `req` (an exclusive lock): alone when nothing is in flight, else in
-/// the next batch. Sent by a task: dropping or parking this future
-/// never holds up anyone else's operation.
+/// the next batch. Sent by a task: dropping or parking this future never holds up
+/// anyone else's operation.
 pub(super) async fn run(inner: &Arc<Inner>, op: Op, req: &LockRequest) -> Result<OpReply> {
     let (reply, receiver) = oneshot::channel();
     let queued = Queued {
@@ -195,15 +195,8 @@ async fn drain(mut drainer: Drainer) {
             let n = state.queue.len().min(MAX_BATCH);
             state.queue.drain(..n).collect()
         };
-        let mut groups = by_slot(&inner, batch);
-        match groups.pop() {
-            Some(group) if groups.is_empty() => send(&inner, group).await,
-            Some(group) => {
-                groups.push(group);
-                futures_util::future::join_all(groups.into_iter().map(|g| send(&inner, g))).await;
-            }
-            None => {}
-        }
+        let groups = by_slot(&inner, batch);
+        futures_util::future::join_all(groups.into_iter().map(|g| send(&inner, g))).await;
     }
 }
 
