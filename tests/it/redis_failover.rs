@@ -385,7 +385,8 @@ async fn hammer_through_failovers(synced: Option<u32>) -> usize {
                 .await;
         }
         set.node(port).restart().await;
-        set.wait_until_replicated(Duration::from_secs(30)).await;
+        // A restarted node resyncs in full, behind a loaded machine's hammer.
+        set.wait_until_replicated(Duration::from_secs(60)).await;
         hammer
             .progress(20, Duration::from_secs(10), "hammering after a restart")
             .await;

@@ -266,10 +266,28 @@ impl SentinelSet {
             if replication_links(primary).await.is_some_and(|n| n >= 1) {
                 return primary;
             }
-            assert!(
-                Instant::now() < deadline,
-                "the primary {primary} had no replica online within {within:?}"
-            );
+            if Instant::now() >= deadline {
+                // What each node says of its replication, for the next time this fails.
+                let mut nodes = String::new();
+                for node in &self.nodes {
+                    let info = info_replication(node.port()).await.unwrap_or_default();
+                    let state: Vec<&str> = info
+                        .lines()
+                        .filter(|l| {
+                            l.starts_with("role:")
+                                || l.starts_with("master_port:")
+                                || l.starts_with("master_link_status:")
+                                || l.starts_with("master_sync_in_progress:")
+                                || l.starts_with("slave")
+                        })
+                        .collect();
+                    nodes.push_str(&format!("\n  {}: {}", node.port(), state.join(" ")));
+                }
+                panic!(
+                    "the primary {primary} had no replica online within {within:?}; the nodes:{nodes}\nthe first Sentinel's log ends:\n{}",
+                    self.sentinels[0].log_tail(30)
+                );
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
