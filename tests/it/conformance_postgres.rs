@@ -146,27 +146,7 @@ async fn shutdown_leaves_no_row_of_the_client() {
         .build()
         .await
         .unwrap();
-    let client = LockClient::builder(backend)
-        .name("replica-1")
-        .build()
-        .unwrap();
-    client.register_name().await.unwrap();
-    let _plain = client.get_lock("order:{1}").unwrap().lock().await.unwrap();
-    let _fair = client
-        .get_fair_lock("fair:{1}")
-        .unwrap()
-        .lock()
-        .await
-        .unwrap();
-    let _read = client
-        .get_read_write_lock("rw:{1}")
-        .unwrap()
-        .read_lock()
-        .lock()
-        .await
-        .unwrap();
-    let queued = client.get_fair_lock("fair:{1}").unwrap();
-    let waiter = tokio::spawn(async move { queued.lock().await.map(drop) });
+    let (client, _guards, waiter) = common::holding_every_kind(backend).await;
     let of_client = |table: &'static str| {
         let pool = pool.clone();
         let id = format!("{}%", client.id());

@@ -74,27 +74,7 @@ tower_lock::testing::conformance_tests!(Redis::start());
 async fn shutdown_leaves_no_key_of_the_client() {
     let server = RedisServer::start().await;
     let backend = RedisBackend::connect(server.url()).await.unwrap();
-    let client = LockClient::builder(backend)
-        .name("replica-1")
-        .build()
-        .unwrap();
-    client.register_name().await.unwrap();
-    let _plain = client.get_lock("order:{1}").unwrap().lock().await.unwrap();
-    let _fair = client
-        .get_fair_lock("fair:{1}")
-        .unwrap()
-        .lock()
-        .await
-        .unwrap();
-    let _read = client
-        .get_read_write_lock("rw:{1}")
-        .unwrap()
-        .read_lock()
-        .lock()
-        .await
-        .unwrap();
-    let queued = client.get_fair_lock("fair:{1}").unwrap();
-    let waiter = tokio::spawn(async move { queued.lock().await.map(drop) });
+    let (client, _guards, waiter) = common::holding_every_kind(backend).await;
     common::wait_until(Duration::from_secs(5), "the waiter queued", || async {
         !server.keys("redisson_lock_queue:*").await.is_empty()
     })

@@ -37,7 +37,7 @@ use axum::extract::Path;
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use bytes::Bytes;
-use common::wait_until;
+use common::{Server, serve, wait_until};
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Empty, Full};
 use hyper::body::Incoming;
@@ -175,32 +175,6 @@ impl<B: LockBackend> Intercept<B> for Gate {
 // ---------------------------------------------------------------------------------------
 // Servers and clients
 // ---------------------------------------------------------------------------------------
-
-/// An axum server on a free loopback port; stopped when dropped.
-///
-/// The router is made into a service once (`into_make_service`), as axum recommends: with
-/// `axum::serve(listener, router)` axum turns handler routes into services (and runs the
-/// route layers' `layer`) once per connection, so a `ConcurrencyLimitLayer` would be a
-/// limit per connection, not per server.
-struct Server {
-    addr: SocketAddr,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-async fn serve(app: Router) -> Server {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let task = tokio::spawn(async move {
-        let _ = axum::serve(listener, app.into_make_service()).await;
-    });
-    Server { addr, task }
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Proto {

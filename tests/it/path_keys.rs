@@ -16,30 +16,12 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tower_lock::layer::{LockLayer, PathParamKey, key_from};
 use tower_lock::{LockClient, LockKey, MemoryBackend};
 
+use crate::common::serve;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Proto {
     Http1,
     Http2,
-}
-
-struct Server {
-    addr: SocketAddr,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-async fn serve(app: Router) -> Server {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let task = tokio::spawn(async move {
-        let _ = axum::serve(listener, app.into_make_service()).await;
-    });
-    Server { addr, task }
 }
 
 /// One request on a fresh connection: the status, the `allow` header and the body.

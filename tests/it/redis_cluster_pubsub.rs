@@ -80,6 +80,27 @@ async fn until_listening(backend: &RedisBackend, key: &str) {
     .await;
 }
 
+/// `key` held for [`HOLD`] by `client`, and a waiter of its own ([`wait_for`]) listening
+/// on the key's channel.
+async fn held_with_a_waiter(
+    client: &LockClient,
+    backend: &RedisBackend,
+    key: &str,
+) -> (
+    tower_lock::LockGuard,
+    tokio::task::JoinHandle<Result<Duration, Error>>,
+) {
+    let holder = client
+        .get_lock(key)
+        .unwrap()
+        .try_lock_for(Duration::ZERO, Lease::Fixed(HOLD))
+        .await
+        .unwrap();
+    let waiter = wait_for(client, key);
+    until_listening(backend, key).await;
+    (holder, waiter)
+}
+
 /// On Redis 7 a cluster backend subscribes with `SSUBSCRIBE` on the node of the key's
 /// slot (no classic subscriber anywhere), publishes its releases with `SPUBLISH` (a
 /// Redisson-style sharded subscriber hears `0`), and its waiter wakes on them.
@@ -104,14 +125,7 @@ async fn a_cluster_on_redis_7_wakes_waiters_through_sharded_pubsub() {
         .unwrap();
     listener.ssubscribe(&channel).await.unwrap();
 
-    let holder = client
-        .get_lock(key)
-        .unwrap()
-        .try_lock_for(Duration::ZERO, Lease::Fixed(HOLD))
-        .await
-        .unwrap();
-    let waiter = wait_for(&client, key);
-    until_listening(&backend, key).await;
+    let (holder, waiter) = held_with_a_waiter(&client, &backend, key).await;
     common::wait_until(Duration::from_secs(5), "a sharded subscriber", || async {
         subscribers(&mut node.clone(), &channel).await == (2, 0)
     })
@@ -199,14 +213,7 @@ async fn with_sharded_pubsub_off_a_cluster_wakes_waiters_with_classic_pubsub() {
     let client = LockClient::new(backend.clone());
     let key = "classic:wake";
     let channel = backend.channel_name(&LockKey::new(key).unwrap());
-    let holder = client
-        .get_lock(key)
-        .unwrap()
-        .try_lock_for(Duration::ZERO, Lease::Fixed(HOLD))
-        .await
-        .unwrap();
-    let waiter = wait_for(&client, key);
-    until_listening(&backend, key).await;
+    let (holder, waiter) = held_with_a_waiter(&client, &backend, key).await;
     // Classic subscriptions are cluster-wide: the node listened on, whichever it is.
     common::wait_until(Duration::from_secs(5), "a classic subscriber", || async {
         let mut classic = 0;
@@ -257,14 +264,7 @@ async fn a_waiter_follows_its_slot_to_another_master() {
         .map(|n| n.port())
         .find(|&p| p != from)
         .unwrap();
-    let holder = client
-        .get_lock(key)
-        .unwrap()
-        .try_lock_for(Duration::ZERO, Lease::Fixed(HOLD))
-        .await
-        .unwrap();
-    let waiter = wait_for(&client, key);
-    until_listening(&backend, key).await;
+    let (holder, waiter) = held_with_a_waiter(&client, &backend, key).await;
     let (_, old) = owner_of(&cluster, key).await;
     common::wait_until(
         Duration::from_secs(5),

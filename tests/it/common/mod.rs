@@ -191,3 +191,69 @@ pub fn example_binary(name: &str) -> std::path::PathBuf {
     assert!(path.exists(), "no example binary at {}", path.display());
     path
 }
+
+/// A router served over real TCP on a free loopback port, until dropped.
+///
+/// The router is made into a service once (`into_make_service`), as axum recommends: with
+/// `axum::serve(listener, router)` axum turns handler routes into services (and runs the
+/// route layers' `layer`) once per connection, so a `ConcurrencyLimitLayer` would be a
+/// limit per connection, not per server.
+#[cfg(feature = "axum")]
+pub struct Server {
+    pub addr: std::net::SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+#[cfg(feature = "axum")]
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Serves `app` (see [`Server`]).
+#[cfg(feature = "axum")]
+pub async fn serve(app: axum::Router) -> Server {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app.into_make_service()).await;
+    });
+    Server { addr, task }
+}
+
+/// A named client (`replica-1`, registered) holding a plain, a fair and a read lock on
+/// `backend`, with a task of its own queued behind the fair one: what a shutdown must
+/// leave nothing of. The guards (kept alive by the caller) and the waiter.
+pub async fn holding_every_kind(
+    backend: impl tower_lock::backend::LockBackend,
+) -> (
+    tower_lock::LockClient,
+    Vec<tower_lock::LockGuard>,
+    tokio::task::JoinHandle<tower_lock::Result<()>>,
+) {
+    let client = tower_lock::LockClient::builder(backend)
+        .name("replica-1")
+        .build()
+        .unwrap();
+    client.register_name().await.unwrap();
+    let guards = vec![
+        client.get_lock("order:{1}").unwrap().lock().await.unwrap(),
+        client
+            .get_fair_lock("fair:{1}")
+            .unwrap()
+            .lock()
+            .await
+            .unwrap(),
+        client
+            .get_read_write_lock("rw:{1}")
+            .unwrap()
+            .read_lock()
+            .lock()
+            .await
+            .unwrap(),
+    ];
+    let queued = client.get_fair_lock("fair:{1}").unwrap();
+    let waiter = tokio::spawn(async move { queued.lock().await.map(drop) });
+    (client, guards, waiter)
+}
