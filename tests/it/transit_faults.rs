@@ -92,7 +92,15 @@ async fn poll_once<F: Future>(fut: std::pin::Pin<&mut F>) -> bool {
 async fn a_parked_lock_future_never_freezes_other_locks_redis() {
     let server = RedisServer::start().await;
     let backend = RedisBackend::connect(server.url()).await.unwrap();
-    let client = LockClient::new(backend);
+    let client = LockClient::new(backend.clone());
+    // Held by another client, so the parked future cannot finish in its one poll (a
+    // free key could be granted within it, on a loaded machine, and prove nothing).
+    let _held = LockClient::new(backend)
+        .get_lock("parked")
+        .unwrap()
+        .try_lock()
+        .await
+        .unwrap();
     let parked_lock = client.get_lock("parked").unwrap();
     let mut parked = pin!(parked_lock.lock());
     assert!(
