@@ -4,7 +4,7 @@
 
 use super::{
     Acquire, BoxFuture, ClientNames, LocalStore, LockBackend, LockMode, LockRequest, LockState,
-    Release, StoreProfile, Subscription,
+    Release, ReplayStore, StoreProfile, Subscription,
 };
 use crate::error::Result;
 use crate::key::LockKey;
@@ -164,6 +164,11 @@ pub trait Intercept<B: LockBackend>: Send + Sync + 'static {
         inner.clients()
     }
 
+    /// [`LockBackend::replays`].
+    fn replays<'a>(&'a self, inner: &'a B) -> Option<&'a dyn ReplayStore> {
+        inner.replays()
+    }
+
     /// [`LockBackend::ping`].
     fn ping<'a>(&'a self, inner: &'a B) -> BoxFuture<'a, Result<()>> {
         inner.ping()
@@ -263,6 +268,10 @@ impl<B: LockBackend, I: Intercept<B>> LockBackend for Intercepted<B, I> {
 
     fn clients(&self) -> Option<&dyn ClientNames> {
         self.intercept.clients(&self.inner)
+    }
+
+    fn replays(&self) -> Option<&dyn ReplayStore> {
+        self.intercept.replays(&self.inner)
     }
 
     fn ping(&self) -> BoxFuture<'_, Result<()>> {

@@ -65,10 +65,12 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use bytes::Bytes;
+
 use super::{
     Acquire, BoxFuture, ClientNames, FencingToken, Grant, HoldInfo, LocalStore, LockBackend,
-    LockMode, LockRequest, LockState, QUEUED_MODES, Release, Signal, StoreProfile, Subscription,
-    WaiterScope, Waiters, Wake, queued,
+    LockMode, LockRequest, LockState, QUEUED_MODES, Release, ReplayStore, Signal, StoreProfile,
+    Stored, Subscription, WaiterScope, Waiters, Wake, queued,
 };
 use crate::error::Result;
 use crate::hold_id::HoldId;
@@ -178,6 +180,23 @@ struct Table {
     map: HashMap<LockKey, Entry>,
     /// Map size after the last sweep; the next sweep runs when it has doubled.
     swept_len: usize,
+    /// Responses kept for replay ([`ReplayStore`]), by lock key.
+    replays: HashMap<LockKey, Replay>,
+    /// `replays`' size after its last sweep; swept again when it has doubled.
+    replays_swept_len: usize,
+}
+
+/// A record kept for replay, until `expires_at`.
+struct Replay {
+    token: FencingToken,
+    record: Bytes,
+    expires_at: Option<Instant>,
+}
+
+impl Replay {
+    fn live(&self, now: Instant) -> bool {
+        self.expires_at.is_none_or(|at| at > now)
+    }
 }
 
 struct Entry {
@@ -894,8 +913,10 @@ impl MemoryBackend {
     }
 
     fn apply_release(&self, req: &LockRequest) -> Release {
-        let now = Instant::now();
-        let mut table = self.table();
+        Self::release_in(&mut self.table(), req, Instant::now())
+    }
+
+    fn release_in(table: &mut Table, req: &LockRequest, now: Instant) -> Release {
         let Some(entry) = table.map.get_mut(&req.key) else {
             return Release::NotHeld;
         };
@@ -915,6 +936,50 @@ impl MemoryBackend {
         };
         table.remove_if_unused(&req.key, now);
         outcome
+    }
+
+    /// [`ReplayStore::store_and_release`], in one critical section.
+    fn store_and_release_now(
+        &self,
+        req: &LockRequest,
+        token: FencingToken,
+        record: Bytes,
+        ttl: Duration,
+    ) -> Stored {
+        let now = Instant::now();
+        let mut table = self.table();
+        table.maybe_sweep_replays(now);
+        let held = table
+            .map
+            .get_mut(&req.key)
+            .is_some_and(|entry| entry.holds.own_mut(&req.hold_id, req.mode, now).is_some());
+        let newer = table
+            .replays
+            .get(&req.key)
+            .is_some_and(|kept| kept.live(now) && kept.token > token);
+        let stored = held && !newer;
+        if stored {
+            let replay = Replay {
+                token,
+                record,
+                expires_at: now.checked_add(ttl),
+            };
+            table.replays.insert(req.key.clone(), replay);
+        }
+        Stored::new(stored, Self::release_in(&mut table, req, now))
+    }
+
+    fn load_now(&self, key: &LockKey) -> Option<Bytes> {
+        let now = Instant::now();
+        let mut table = self.table();
+        match table.replays.get(key) {
+            Some(kept) if kept.live(now) => Some(kept.record.clone()),
+            Some(_) => {
+                table.replays.remove(key);
+                None
+            }
+            None => None,
+        }
     }
 
     fn cancel_wait_now(&self, req: &LockRequest) {
@@ -946,6 +1011,15 @@ impl Table {
     fn maybe_sweep(&mut self, now: Instant) {
         if self.map.len() >= 2 * self.swept_len.max(512) {
             self.sweep(now);
+        }
+    }
+
+    /// Drops expired records once `replays` has doubled since its last sweep, as
+    /// [`maybe_sweep`](Self::maybe_sweep) does for locks.
+    fn maybe_sweep_replays(&mut self, now: Instant) {
+        if self.replays.len() >= 2 * self.replays_swept_len.max(512) {
+            self.replays.retain(|_, kept| kept.live(now));
+            self.replays_swept_len = self.replays.len();
         }
     }
 }
@@ -1079,6 +1153,28 @@ impl LockBackend for MemoryBackend {
 
     fn clients(&self) -> Option<&dyn ClientNames> {
         Some(self)
+    }
+
+    fn replays(&self) -> Option<&dyn ReplayStore> {
+        Some(self)
+    }
+}
+
+/// Records in the same table as the locks, under the same mutex: the check that the
+/// hold still holds its lock, the write and the release are one critical section.
+impl ReplayStore for MemoryBackend {
+    fn load<'a>(&'a self, key: &'a LockKey) -> BoxFuture<'a, Result<Option<Bytes>>> {
+        Box::pin(async move { Ok(self.load_now(key)) })
+    }
+
+    fn store_and_release<'a>(
+        &'a self,
+        req: &'a LockRequest,
+        token: FencingToken,
+        record: Bytes,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Stored>> {
+        Box::pin(async move { Ok(self.store_and_release_now(req, token, record, ttl)) })
     }
 }
 

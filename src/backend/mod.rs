@@ -25,8 +25,9 @@
 //! `tower_lock::testing`.
 //!
 //! The contract is [`LockBackend`]: the operations and a [`StoreProfile`], all
-//! required, plus an optional in-process fast path ([`LocalStore`]) and an optional
-//! record of client names ([`ClientNames`]).
+//! required, plus an optional in-process fast path ([`LocalStore`]), an optional
+//! record of client names ([`ClientNames`]) and optional records of responses for
+//! replay ([`ReplayStore`]).
 //!
 //! A store that fails reports a [`StoreError`](crate::StoreError) with the driver's
 //! error as its source, and picks its [kind](crate::StoreErrorKind): what the lock core
@@ -97,6 +98,7 @@ mod mode;
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
 mod profile;
+mod replay;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
@@ -107,6 +109,7 @@ pub use limits::{DEFAULT_WAITER_TIMEOUT, MIN_WAITER_TIMEOUT};
 pub use mode::LockMode;
 pub(crate) use mode::{QUEUED_MODES, queued};
 pub use profile::{ClockDrift, StoreProfile};
+pub use replay::{ReplayStore, Stored};
 
 /// A boxed, `Send` future: what every [`LockBackend`] method returns.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -755,6 +758,13 @@ pub trait LockBackend: Send + Sync + 'static {
         None
     }
 
+    /// The store's records of responses for replay, if it keeps them; see
+    /// [`ReplayStore`]. The default is `None`: an `IdempotencyLayer` on this store is
+    /// refused when it is built.
+    fn replays(&self) -> Option<&dyn ReplayStore> {
+        None
+    }
+
     /// One round trip to the store, changing nothing: `Ok` when it answered, for
     /// readiness probes ([`LockClient::ping`](crate::LockClient::ping)). An error of
     /// kind [unavailable](crate::StoreErrorKind::Unavailable) when it did not.
@@ -857,6 +867,9 @@ macro_rules! forward_backend {
             }
             fn clients(&self) -> Option<&dyn ClientNames> {
                 (**self).clients()
+            }
+            fn replays(&self) -> Option<&dyn ReplayStore> {
+                (**self).replays()
             }
             fn ping(&self) -> BoxFuture<'_, Result<()>> {
                 (**self).ping()
