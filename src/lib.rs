@@ -157,6 +157,7 @@ pub mod backend;
 mod error;
 pub mod extract;
 mod hold_id;
+pub mod idempotency;
 mod key;
 pub mod kinds;
 pub mod layer;
@@ -184,6 +185,7 @@ pub use backend::redis::RedisBackend;
 pub use backend::{FencingToken, HoldInfo, LockMode, LockState, WaiterScope, Waiters};
 pub use error::{BoxError, Error, Result, StoreError, StoreErrorKind};
 pub use hold_id::HoldId;
+pub use idempotency::IdempotencyLayer;
 pub use key::{IntoLockKey, LockKey, MAX_KEY_LEN};
 pub use layer::LockLayer;
 pub use lock::{

@@ -204,7 +204,7 @@ impl Config {
 
 /// The layer's name: not empty, at most [`MAX_LAYER_NAME_LEN`] bytes, no control
 /// characters (it goes into log lines and metric labels).
-fn check_layer_name(name: &str) -> Result<(), Error> {
+pub(crate) fn check_layer_name(name: &str) -> Result<(), Error> {
     if name.is_empty() || name.len() > MAX_LAYER_NAME_LEN || name.chars().any(char::is_control) {
         return Err(Error::invalid_config(
             "name",
@@ -219,7 +219,7 @@ fn check_layer_name(name: &str) -> Result<(), Error> {
 }
 
 /// A `Retry-After` setting: more than zero, at most [`MAX_RETRY_AFTER`].
-fn check_retry_after(name: &'static str, retry_after: Duration) -> Result<(), Error> {
+pub(crate) fn check_retry_after(name: &'static str, retry_after: Duration) -> Result<(), Error> {
     if retry_after.is_zero() || retry_after > MAX_RETRY_AFTER {
         return Err(Error::invalid_config(
             name,

@@ -146,13 +146,13 @@
 //! (the process died, the store was unreachable) is free when its lease ends.
 
 mod body;
-mod config;
+pub(crate) mod config;
 mod future;
 mod keys;
 #[allow(clippy::module_inception)]
 mod layer;
 mod rejection;
-mod report;
+pub(crate) mod report;
 mod request_locks;
 mod service;
 

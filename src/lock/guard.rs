@@ -13,7 +13,9 @@ use tokio::time::Instant;
 use super::registry::{Hold, Left};
 use super::unlocking::{FinishOnDrop, Unlocking};
 use super::{LockClient, LockEvent};
-use crate::backend::{FencingToken, LockMode, LockRequest, Release};
+use bytes::Bytes;
+
+use crate::backend::{FencingToken, LockMode, LockRequest, Release, Stored};
 use crate::error::{Error, Result};
 use crate::extract::HeldLock;
 use crate::hold_id::HoldId;
@@ -372,6 +374,44 @@ impl LockGuard {
     }
 }
 
+impl LockGuard {
+    /// [`unlock`](Self::unlock), keeping `record` for `ttl` in the store's
+    /// [`ReplayStore`](crate::backend::ReplayStore) in the same atomic step, if this
+    /// hold still holds its lock there: `Ok(true)` when the record was kept.
+    ///
+    /// Nothing is kept (`Ok(false)`, and the hold released as `unlock` does) when the
+    /// guard has no fencing token, the store keeps no records, or another guard of the
+    /// hold is still alive (a re-entry kept past this one): the lock is then not this
+    /// guard's to hand on. Errors as [`unlock`](Self::unlock); an error keeps nothing.
+    ///
+    /// Cancel-safe as `unlock`: dropped before the store answers, the step goes on in a
+    /// task, and whether it kept the record is then nobody's to know.
+    pub(crate) async fn unlock_storing(mut self, record: Bytes, ttl: Duration) -> Result<bool> {
+        let Some(held) = self.inner.take() else {
+            return Ok(false);
+        };
+        let left = held.leave();
+        let was_lost = held.hold.is_lost_at(Instant::now());
+        if left == Left::Others {
+            if was_lost {
+                held.report_loss();
+                return Err(Error::Lost);
+            }
+            return Ok(false);
+        }
+        let runtime = held.runtime.clone();
+        let registry = held.client.registry().clone();
+        FinishOnDrop::new(
+            Some(runtime),
+            registry.track(async move {
+                let (stored, outcome) = held.store_and_release(record, ttl).await;
+                held.finish(outcome, was_lost).map(|()| stored)
+            }),
+        )
+        .await
+    }
+}
+
 /// The most releases spent on holds the store counts beyond one.
 const MAX_REPAIRS: u32 = 1024;
 
@@ -426,6 +466,28 @@ pub(super) async fn release_fully(
 }
 
 impl Held {
+    /// Keeps `record` and releases the hold, all of it: whether the record was kept, and
+    /// the release's outcome.
+    async fn store_and_release(&self, record: Bytes, ttl: Duration) -> (bool, Result<Release>) {
+        let backend = Arc::clone(self.client.backend());
+        let req = self.hold.store.clone();
+        let (Some(token), Some(replays)) = (self.token, backend.replays()) else {
+            return (false, release_fully(backend, req).await);
+        };
+        match replays.store_and_release(&req, token, record, ttl).await {
+            Ok(Stored {
+                stored,
+                release: Release::Decremented { .. },
+            }) => {
+                // Holds counted for a lost reply of this acquisition: release them too.
+                let rest = release_fully(Arc::clone(&backend), req).await;
+                (stored, rest.map(|_| Release::Released))
+            }
+            Ok(Stored { stored, release }) => (stored, Ok(release)),
+            Err(error) => (false, Err(error)),
+        }
+    }
+
     /// This guard is gone from the client's registry of holds.
     fn leave(&self) -> Left {
         if self.observed

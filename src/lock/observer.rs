@@ -183,11 +183,26 @@ pub enum LayerOutcome {
     Misconfigured,
     /// Cancelled: the lock was lost while the handler ran.
     Lost,
+    /// [`IdempotencyLayer`](crate::idempotency::IdempotencyLayer): a retry answered
+    /// with the response its first request stored; the handler did not run.
+    Replayed,
+    /// `IdempotencyLayer`: rejected, `409`: the first request with the key was still
+    /// in flight.
+    InFlight,
+    /// `IdempotencyLayer`: rejected, `422`: the key was used for a request with other
+    /// content.
+    Mismatch,
+    /// `IdempotencyLayer`: served, and the response stored for replay.
+    Stored,
+    /// `IdempotencyLayer`: served, and nothing stored (a 5xx, a body too large or
+    /// streamed, a lock lost before the store): a retry runs the handler again.
+    NotStored,
 }
 
 impl LayerOutcome {
     /// A short lowercase name, for labels and trace fields: `served`, `busy`,
-    /// `unavailable`, `fail_open`, `bad_key`, `misconfigured`, `lost`.
+    /// `unavailable`, `fail_open`, `bad_key`, `misconfigured`, `lost`, and the
+    /// idempotency layer's `replayed`, `in_flight`, `mismatch`, `stored`, `not_stored`.
     pub fn as_str(self) -> &'static str {
         match self {
             LayerOutcome::Served => "served",
@@ -197,6 +212,11 @@ impl LayerOutcome {
             LayerOutcome::BadKey => "bad_key",
             LayerOutcome::Misconfigured => "misconfigured",
             LayerOutcome::Lost => "lost",
+            LayerOutcome::Replayed => "replayed",
+            LayerOutcome::InFlight => "in_flight",
+            LayerOutcome::Mismatch => "mismatch",
+            LayerOutcome::Stored => "stored",
+            LayerOutcome::NotStored => "not_stored",
         }
     }
 }

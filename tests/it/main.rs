@@ -25,6 +25,8 @@ mod history_redis;
 mod http;
 #[cfg(feature = "axum")]
 mod http_contract;
+#[cfg(feature = "axum")]
+mod idempotency;
 mod kinds_memory;
 #[cfg(feature = "postgres")]
 mod kinds_postgres;

@@ -1,0 +1,460 @@
+//! [`IdempotencyLayer`] and its builder.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{HeaderName, Method, StatusCode, header};
+use tower::Layer;
+
+use super::record::Fingerprint;
+use super::rejection::{IdempotencyRejection, OnIdempotencyRejection, ProblemJson};
+use super::service::IdempotencyService;
+use crate::error::{Error, Result};
+use crate::key::LockKey;
+use crate::layer::config::{check_layer_name, check_retry_after};
+use crate::layer::{KeyExtractor, MAX_WAIT};
+use crate::lock::{LayerEvent, LayerOutcome, Lease, LockClient};
+use crate::namespace::Namespace;
+
+/// The request header carrying the key: `Idempotency-Key`.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// The header a replayed response carries: `Idempotent-Replayed: true`.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// How long a stored response is replayed by default: 24 hours, as Stripe keeps keys.
+/// Longer than any client's retries; short enough that stores stay small.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// The longest TTL accepted: 30 days. A longer one is a unit mix-up.
+pub const MAX_TTL: Duration = Duration::from_secs(30 * 24 * 60 * 60);
+
+/// The longest key accepted by default: 255 bytes (a UUID is 36).
+pub const DEFAULT_MAX_KEY_LEN: usize = 255;
+
+/// The largest request body read to fingerprint a request by default, and the largest
+/// response body stored: 1 MiB. Larger requests are refused (`413`); larger responses
+/// are passed through unstored.
+pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
+
+/// The `Prefix` of every key: `idempotency`.
+pub const DEFAULT_KEY_PREFIX: &str = "idempotency";
+
+/// `Retry-After` for a request whose first is still in flight: 1 s.
+pub const DEFAULT_IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// The response headers stored and replayed by default: those that describe the
+/// response's content and where it lives. Never `Set-Cookie` or anything else that
+/// belongs to one client's session.
+pub const DEFAULT_STORED_HEADERS: [HeaderName; 8] = [
+    header::CONTENT_TYPE,
+    header::CONTENT_ENCODING,
+    header::CONTENT_LANGUAGE,
+    header::CONTENT_LOCATION,
+    header::LOCATION,
+    header::ETAG,
+    header::LAST_MODIFIED,
+    header::LINK,
+];
+
+type FingerprintFn = dyn Fn(&Parts, &Bytes) -> Fingerprint + Send + Sync;
+type StoreIf = dyn Fn(StatusCode) -> bool + Send + Sync;
+
+pub(crate) struct Config {
+    pub(crate) header: HeaderName,
+    pub(crate) prefix: Namespace,
+    pub(crate) name: Option<String>,
+    pub(crate) ttl: Duration,
+    pub(crate) max_key_len: usize,
+    pub(crate) max_body: usize,
+    pub(crate) required: bool,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) wait: Duration,
+    pub(crate) lease: Lease,
+    pub(crate) in_flight_retry_after: Duration,
+    pub(crate) unavailable_retry_after: Duration,
+    pub(crate) replay_header: HeaderName,
+    pub(crate) stored_headers: Vec<HeaderName>,
+    pub(crate) store_if: Arc<StoreIf>,
+    pub(crate) fingerprint: Arc<FingerprintFn>,
+    pub(crate) on_rejection: Arc<dyn OnIdempotencyRejection>,
+}
+
+impl Config {
+    fn new() -> Self {
+        Config {
+            header: IDEMPOTENCY_KEY,
+            prefix: Namespace::for_setting("key_prefix", DEFAULT_KEY_PREFIX)
+                .unwrap_or_else(|_| Namespace::empty()),
+            name: None,
+            ttl: DEFAULT_TTL,
+            max_key_len: DEFAULT_MAX_KEY_LEN,
+            max_body: DEFAULT_MAX_BODY,
+            required: false,
+            methods: vec![Method::POST, Method::PATCH],
+            wait: Duration::ZERO,
+            lease: Lease::Watchdog,
+            in_flight_retry_after: DEFAULT_IN_FLIGHT_RETRY_AFTER,
+            unavailable_retry_after: crate::layer::DEFAULT_UNAVAILABLE_RETRY_AFTER,
+            replay_header: IDEMPOTENT_REPLAYED,
+            stored_headers: DEFAULT_STORED_HEADERS.to_vec(),
+            store_if: Arc::new(|status: StatusCode| !status.is_server_error()),
+            fingerprint: Arc::new(|parts: &Parts, body: &Bytes| Fingerprint::of(parts, body)),
+            on_rejection: Arc::new(ProblemJson),
+        }
+    }
+
+    pub(crate) fn covers(&self, method: &Method) -> bool {
+        self.methods.contains(method)
+    }
+
+    pub(crate) fn name(&self) -> &str {
+        self.name.as_deref().unwrap_or(self.prefix.as_str())
+    }
+
+    fn validate(&self) -> Result<()> {
+        let bad = |name: &'static str, why: String| Err(Error::invalid_config(name, why));
+        if self.ttl < Duration::from_millis(1) || self.ttl > MAX_TTL {
+            return bad(
+                "ttl",
+                format!("must be 1 ms..={MAX_TTL:?} (got {:?})", self.ttl),
+            );
+        }
+        if self.max_key_len == 0 || self.max_key_len > 512 {
+            return bad(
+                "max_key_len",
+                format!("must be 1..=512 (got {})", self.max_key_len),
+            );
+        }
+        if self.max_body == 0 {
+            return bad("max_body", "must be at least 1 byte".into());
+        }
+        if self.methods.is_empty() {
+            return bad(
+                "methods",
+                "is empty: the layer would cover no request".into(),
+            );
+        }
+        if self.wait > MAX_WAIT {
+            return bad(
+                "wait_for_first",
+                format!("must be at most {MAX_WAIT:?} (got {:?})", self.wait),
+            );
+        }
+        check_retry_after("in_flight_retry_after", self.in_flight_retry_after)?;
+        check_retry_after("unavailable_retry_after", self.unavailable_retry_after)?;
+        if let Some(name) = &self.name {
+            check_layer_name(name)?;
+        }
+        if let Lease::Fixed(lease) = self.lease {
+            crate::lock::validate_lease("lease", lease)?;
+        }
+        Ok(())
+    }
+}
+
+/// What every clone of a layer, its services and their futures share.
+pub(crate) struct Shared<K> {
+    pub(crate) client: LockClient,
+    pub(crate) config: Config,
+    pub(crate) scope: K,
+    pub(crate) report: crate::layer::report::Report,
+}
+
+impl<K> Shared<K> {
+    /// Tells the observer, and the request's span, what the layer did.
+    pub(crate) fn outcome(&self, key: Option<&LockKey>, outcome: LayerOutcome) {
+        tracing::Span::current().record("idempotency", outcome.as_str());
+        if let Some(observer) = self.client.hooks().observer() {
+            observer.layer_outcome(
+                LayerEvent {
+                    layer: self.config.name(),
+                    key,
+                },
+                outcome,
+            );
+        }
+    }
+
+    /// The response for `rejection`, observed, with `Retry-After` added to an error
+    /// response that has none.
+    pub(crate) fn reject(
+        &self,
+        rejection: IdempotencyRejection,
+        key: Option<&LockKey>,
+    ) -> http::Response<crate::layer::RejectionBody> {
+        let outcome = rejection.outcome();
+        match &rejection {
+            IdempotencyRejection::Unavailable { error, .. } => {
+                self.report.outage(self.config.name(), error, false);
+            }
+            IdempotencyRejection::Misconfigured(error) => {
+                self.report.misconfigured(self.config.name(), error);
+            }
+            IdempotencyRejection::Scope(error) if error.is_server_error() => {
+                self.report.misconfigured(self.config.name(), error);
+            }
+            _ => {}
+        }
+        self.outcome(key, outcome);
+        let retry_after = rejection.retry_after();
+        let mut response = self.config.on_rejection.on_rejection(rejection);
+        let status = response.status();
+        if let Some(after) = retry_after
+            && (status.is_client_error() || status.is_server_error())
+        {
+            let secs = (after.as_secs() + u64::from(after.subsec_nanos() > 0)).max(1);
+            response
+                .headers_mut()
+                .entry(header::RETRY_AFTER)
+                .or_insert_with(|| http::HeaderValue::from(secs));
+        }
+        response
+    }
+}
+
+/// Runs a retried request once and replays its response: see the
+/// [module docs](crate::idempotency).
+///
+/// Cheap to clone: the client, the configuration and the scope extractor sit behind
+/// one `Arc`.
+pub struct IdempotencyLayer<K> {
+    shared: Arc<Shared<K>>,
+}
+
+impl<K: KeyExtractor> IdempotencyLayer<K> {
+    /// The layer with every default, keys scoped by `scope` (the caller: a user id
+    /// authentication established, never a header the client fills in).
+    ///
+    /// # Errors
+    ///
+    /// As [`IdempotencyLayerBuilder::build`]: the client's store keeps no responses.
+    pub fn new(client: LockClient, scope: K) -> Result<Self> {
+        Self::builder(client, scope).build()
+    }
+
+    /// A builder, to change the defaults.
+    pub fn builder(client: LockClient, scope: K) -> IdempotencyLayerBuilder<K> {
+        IdempotencyLayerBuilder {
+            client,
+            scope,
+            config: Config::new(),
+            error: None,
+        }
+    }
+}
+
+impl<K> IdempotencyLayer<K> {
+    /// The lock client the layer uses.
+    pub fn client(&self) -> &LockClient {
+        &self.shared.client
+    }
+}
+
+impl<K> Clone for IdempotencyLayer<K> {
+    fn clone(&self) -> Self {
+        IdempotencyLayer {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<S, K> Layer<S> for IdempotencyLayer<K> {
+    type Service = IdempotencyService<S, K>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotencyService::new(inner, Arc::clone(&self.shared))
+    }
+}
+
+impl<K> fmt::Debug for IdempotencyLayer<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("client", &self.shared.client)
+            .field("name", &self.shared.config.name())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configures an [`IdempotencyLayer`]; [`build`](Self::build) checks it.
+#[must_use]
+pub struct IdempotencyLayerBuilder<K> {
+    client: LockClient,
+    scope: K,
+    config: Config,
+    /// The first setter's error, reported by `build`.
+    error: Option<Error>,
+}
+
+impl<K: KeyExtractor> IdempotencyLayerBuilder<K> {
+    /// The request header carrying the key. Default: [`IDEMPOTENCY_KEY`].
+    pub fn header(mut self, header: HeaderName) -> Self {
+        self.config.header = header;
+        self
+    }
+
+    /// The namespace of the layer's locks and stored responses. Default:
+    /// [`DEFAULT_KEY_PREFIX`]; give each layer sharing a store and a route its own.
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        match Namespace::for_setting("key_prefix", prefix.into()) {
+            Ok(prefix) => self.config.prefix = prefix,
+            Err(error) => {
+                self.error.get_or_insert(error);
+            }
+        }
+        self
+    }
+
+    /// The layer's name in metrics (`layer` label) and logs. Default: its key prefix.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.config.name = Some(name.into());
+        self
+    }
+
+    /// How long a stored response is replayed. Default: [`DEFAULT_TTL`].
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.config.ttl = ttl;
+        self
+    }
+
+    /// The longest key accepted, in bytes. Default: [`DEFAULT_MAX_KEY_LEN`].
+    pub fn max_key_len(mut self, len: usize) -> Self {
+        self.config.max_key_len = len;
+        self
+    }
+
+    /// The largest request body read to fingerprint a request (larger: `413`), and the
+    /// largest response body stored (larger: passed through unstored). Default:
+    /// [`DEFAULT_MAX_BODY`].
+    pub fn max_body(mut self, bytes: usize) -> Self {
+        self.config.max_body = bytes;
+        self
+    }
+
+    /// Whether a covered request without a usable key is refused (`400`) rather than
+    /// passed through unprotected. Default: `false`.
+    pub fn required(mut self, required: bool) -> Self {
+        self.config.required = required;
+        self
+    }
+
+    /// The methods the layer covers; others pass through. Default: `POST` and `PATCH`
+    /// (`GET`, `HEAD`, `OPTIONS`, `PUT` and `DELETE` are idempotent by definition).
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.config.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// A retry arriving while the first request with its key is in flight waits up to
+    /// `wait` for it to finish, and then gets its response replayed (or runs, when the
+    /// first stored nothing). Default: zero, answering `409 Conflict` at once, as the
+    /// draft does.
+    pub fn wait_for_first(mut self, wait: Duration) -> Self {
+        self.config.wait = wait;
+        self
+    }
+
+    /// The lease of the layer's locks. Default: the watchdog's, renewed while the
+    /// handler runs.
+    pub fn lease(mut self, lease: impl Into<Lease>) -> Self {
+        self.config.lease = lease.into();
+        self
+    }
+
+    /// `Retry-After` for a request whose first is still in flight. Default:
+    /// [`DEFAULT_IN_FLIGHT_RETRY_AFTER`].
+    pub fn in_flight_retry_after(mut self, after: Duration) -> Self {
+        self.config.in_flight_retry_after = after;
+        self
+    }
+
+    /// `Retry-After` when the store cannot answer or a lock was lost. Default:
+    /// [`DEFAULT_UNAVAILABLE_RETRY_AFTER`](crate::layer::DEFAULT_UNAVAILABLE_RETRY_AFTER).
+    pub fn unavailable_retry_after(mut self, after: Duration) -> Self {
+        self.config.unavailable_retry_after = after;
+        self
+    }
+
+    /// The header (value `true`) a replayed response carries. Default:
+    /// [`IDEMPOTENT_REPLAYED`].
+    pub fn replay_header(mut self, header: HeaderName) -> Self {
+        self.config.replay_header = header;
+        self
+    }
+
+    /// The response headers stored and replayed; others are dropped from a replay.
+    /// Default: [`DEFAULT_STORED_HEADERS`].
+    pub fn stored_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.config.stored_headers = headers.into_iter().collect();
+        self
+    }
+
+    /// Which responses are final, and stored: default, every status below 500 (a 5xx
+    /// stores nothing, and the retry runs again).
+    pub fn store_if(mut self, store: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
+        self.config.store_if = Arc::new(store);
+        self
+    }
+
+    /// What tells a retry from another request reusing its key. Default:
+    /// [`Fingerprint::of`] (method, path, query and body).
+    pub fn fingerprint(
+        mut self,
+        fingerprint: impl Fn(&Parts, &Bytes) -> Fingerprint + Send + Sync + 'static,
+    ) -> Self {
+        self.config.fingerprint = Arc::new(fingerprint);
+        self
+    }
+
+    /// Answers rejections with `handler` instead of `application/problem+json`.
+    pub fn on_rejection(mut self, handler: impl OnIdempotencyRejection) -> Self {
+        self.config.on_rejection = Arc::new(handler);
+        self
+    }
+
+    /// Checks the configuration and builds the layer.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming the first bad setting: `client` when its store
+    /// keeps no responses (a store without a
+    /// [`ReplayStore`](crate::backend::ReplayStore): RedLock, a custom backend),
+    /// `key_prefix` empty or breaking the namespace rule, `ttl` outside 1 ms..=
+    /// [`MAX_TTL`], `max_key_len` outside 1..=512, `max_body` zero, `methods` empty,
+    /// `wait_for_first` over [`MAX_WAIT`], a retry-after zero or over an hour, `name`
+    /// empty, too long or with control characters, `lease` out of range.
+    pub fn build(self) -> Result<IdempotencyLayer<K>> {
+        if let Some(error) = self.error {
+            return Err(error);
+        }
+        if self.client.backend().replays().is_none() {
+            return Err(Error::invalid_config(
+                "client",
+                format!(
+                    "its {} store keeps no responses for replay",
+                    self.client.backend().profile().name()
+                ),
+            ));
+        }
+        self.config.validate()?;
+        Ok(IdempotencyLayer {
+            shared: Arc::new(Shared {
+                client: self.client,
+                config: self.config,
+                scope: self.scope,
+                report: crate::layer::report::Report::new(),
+            }),
+        })
+    }
+}
+
+impl<K> fmt::Debug for IdempotencyLayerBuilder<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayerBuilder")
+            .field("client", &self.client)
+            .finish_non_exhaustive()
+    }
+}

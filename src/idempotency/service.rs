@@ -1,0 +1,431 @@
+//! [`IdempotencyService`]: the middleware made by
+//! [`IdempotencyLayer`](super::IdempotencyLayer), and the steps of one request.
+
+use std::fmt;
+use std::future::poll_fn;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use futures_util::future::BoxFuture;
+use http::request::Parts;
+use http::{HeaderValue, Request, Response};
+use http_body::Body;
+use http_body_util::{BodyExt, Limited};
+use tower::Service;
+use tracing::Instrument;
+
+use super::body::IdempotencyBody;
+use super::key::{self, BadKey};
+use super::layer::Shared;
+use super::record::{Fingerprint, Record};
+use super::rejection::IdempotencyRejection;
+use crate::StoreErrorKind;
+use crate::backend::ReplayStore;
+use crate::error::{BoxError, Error};
+use crate::extract::{HeldLock, Locks};
+use crate::key::LockKey;
+use crate::layer::KeyExtractor;
+use crate::lock::{LayerOutcome, LockGuard};
+use crate::owner::Owner;
+
+/// Runs a retried request once and replays its response. Made by
+/// [`IdempotencyLayer`](super::IdempotencyLayer); see the
+/// [module docs](crate::idempotency).
+pub struct IdempotencyService<S, K> {
+    inner: S,
+    shared: Arc<Shared<K>>,
+}
+
+impl<S, K> IdempotencyService<S, K> {
+    pub(crate) fn new(inner: S, shared: Arc<Shared<K>>) -> Self {
+        IdempotencyService { inner, shared }
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The wrapped service, unwrapped.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S: Clone, K> Clone for IdempotencyService<S, K> {
+    fn clone(&self) -> Self {
+        IdempotencyService {
+            inner: self.inner.clone(),
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<S: fmt::Debug, K> fmt::Debug for IdempotencyService<S, K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyService")
+            .field("inner", &self.inner)
+            .field("layer", &self.shared.config.name())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, K, ReqB, ResB> Service<Request<ReqB>> for IdempotencyService<S, K>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    K: KeyExtractor,
+    ReqB: Body + From<Bytes> + Send + 'static,
+    ReqB::Data: Send,
+    ReqB::Error: Into<BoxError>,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    type Response = Response<IdempotencyBody<ResB>>;
+    type Error = S::Error;
+    /// Boxed: one request is a chain of store calls, a body to read and a handler to
+    /// race against its lock's loss; one allocation is nothing next to those.
+    type Future = BoxFuture<'static, Result<Self::Response, S::Error>>;
+
+    /// Always ready, as [`LockService`](crate::layer::LockService): the inner service's
+    /// readiness is awaited only once the request holds its lock (or passes through).
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<ReqB>) -> Self::Future {
+        let svc = self.inner.clone();
+        let shared = Arc::clone(&self.shared);
+        let span = tracing::debug_span!(
+            "tower_lock.idempotency",
+            layer = shared.config.name(),
+            idempotency = tracing::field::Empty,
+        );
+        Box::pin(handle(shared, svc, req).instrument(span))
+    }
+}
+
+type Answer<ResB, E> = Result<Response<IdempotencyBody<ResB>>, E>;
+
+/// One request: the key, the body, the lock, then a replay or the handler's run.
+async fn handle<S, K, ReqB, ResB>(
+    shared: Arc<Shared<K>>,
+    svc: S,
+    req: Request<ReqB>,
+) -> Answer<ResB, S::Error>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>>,
+    K: KeyExtractor,
+    ReqB: Body + From<Bytes>,
+    ReqB::Error: Into<BoxError>,
+    ResB: Body<Data = Bytes>,
+    ResB::Error: Into<BoxError>,
+{
+    let config = &shared.config;
+    if !config.covers(req.method()) {
+        return pass(svc, req).await;
+    }
+    let idem = match key::parse(req.headers(), &config.header, config.max_key_len) {
+        Ok(idem) => idem.into_owned(),
+        Err(bad) if config.required => {
+            let detail = bad.detail(&config.header, config.max_key_len);
+            return Ok(rejected(
+                &shared,
+                IdempotencyRejection::BadKey { detail },
+                None,
+            ));
+        }
+        Err(bad) => {
+            if bad != BadKey::Missing {
+                tracing::debug!(
+                    reason = bad.detail(&config.header, config.max_key_len),
+                    "unusable idempotency key; passed through"
+                );
+            }
+            return pass(svc, req).await;
+        }
+    };
+    let (parts, body) = req.into_parts();
+    let (parts, scope) = shared.scope.extract(parts).await;
+    let scope = match scope {
+        Ok(scope) if scope.is_empty() => return pass(svc, Request::from_parts(parts, body)).await,
+        Ok(scope) => scope,
+        Err(e) => return Ok(rejected(&shared, IdempotencyRejection::Scope(e), None)),
+    };
+    let key = match key::lock_key(&config.prefix, scope.as_slice(), &parts, &idem) {
+        Ok(key) => key,
+        Err(e) => {
+            let detail = format!("the `{}` header makes no valid key: {e}", config.header);
+            return Ok(rejected(
+                &shared,
+                IdempotencyRejection::BadKey { detail },
+                None,
+            ));
+        }
+    };
+    let body = match Limited::new(body, config.max_body).collect().await {
+        Ok(body) => body.to_bytes(),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            let limit = config.max_body;
+            return Ok(rejected(
+                &shared,
+                IdempotencyRejection::BodyTooLarge { limit },
+                Some(&key),
+            ));
+        }
+        Err(_) => return Ok(rejected(&shared, IdempotencyRejection::BadBody, Some(&key))),
+    };
+    let fingerprint = (config.fingerprint)(&parts, &body);
+    let request = Covered {
+        shared: &shared,
+        key,
+        fingerprint,
+    };
+    request.run(svc, parts, body).await
+}
+
+/// A request the layer covers, with its key and fingerprint.
+struct Covered<'a, K> {
+    shared: &'a Shared<K>,
+    key: LockKey,
+    fingerprint: Fingerprint,
+}
+
+impl<K> Covered<'_, K> {
+    /// The store's records; `build` refused a client whose store keeps none.
+    fn replays(&self) -> Result<&dyn ReplayStore, IdempotencyRejection> {
+        self.shared.client.backend().replays().ok_or_else(|| {
+            IdempotencyRejection::Misconfigured(Error::store(
+                StoreErrorKind::Misconfigured,
+                "the store keeps no responses for replay",
+            ))
+        })
+    }
+
+    /// Takes the key's lock; replays what a finished request stored, or runs the
+    /// handler and stores its response.
+    async fn run<S, ReqB, ResB>(self, svc: S, parts: Parts, body: Bytes) -> Answer<ResB, S::Error>
+    where
+        S: Service<Request<ReqB>, Response = Response<ResB>>,
+        ReqB: From<Bytes>,
+        ResB: Body<Data = Bytes>,
+        ResB::Error: Into<BoxError>,
+    {
+        let config = &self.shared.config;
+        let owner = match parts.extensions.get::<Locks>() {
+            Some(outer) => outer.owner().clone(),
+            None => self.shared.client.new_owner(),
+        };
+        let lock = match self.shared.client.get_fenced_lock(self.key.clone()) {
+            Ok(lock) => lock.with_owner(owner.clone()),
+            Err(e) => return Ok(self.reject(IdempotencyRejection::Misconfigured(e))),
+        };
+        let guard = match lock.try_lock_for(config.wait, config.lease).await {
+            Ok(guard) => guard,
+            // The lock is held: by the first request, still running, or by a retry
+            // replaying what the first stored; then the record answers.
+            Err(e) if e.is_busy() => {
+                return Ok(match self.load().await {
+                    Ok(Some(record)) => self.replay(record),
+                    Ok(None) => self.reject(IdempotencyRejection::InFlight {
+                        retry_after: config.in_flight_retry_after,
+                    }),
+                    Err(rejection) => self.reject(rejection),
+                });
+            }
+            Err(e) => return Ok(self.reject(self.failure(e))),
+        };
+        // Under the lock: a request that finished before it was taken left its record.
+        match self.load().await {
+            Ok(None) => {}
+            Ok(Some(record)) => {
+                // Released before answering: whoever the client sends next finds it free.
+                let _ = guard.unlock().await;
+                return Ok(self.replay(record));
+            }
+            Err(rejection) => {
+                let _ = guard.unlock().await;
+                return Ok(self.reject(rejection));
+            }
+        }
+        let mut req = Request::from_parts(parts, ReqB::from(body));
+        req.extensions_mut()
+            .insert(Locks::new(self.shared.client.clone(), owner.clone()));
+        req.extensions_mut().insert(HeldLock::of_guard(&guard));
+        match call_while_held(svc, req, owner, &guard).await {
+            Handled::Response(Ok(response)) => Ok(self.store(response, guard).await),
+            Handled::Response(Err(error)) => {
+                let _ = guard.unlock().await;
+                Err(error)
+            }
+            Handled::Lost => {
+                let _ = guard.unlock().await;
+                let retry_after = config.unavailable_retry_after;
+                Ok(self.reject(IdempotencyRejection::Lost { retry_after }))
+            }
+        }
+    }
+
+    /// The record kept for the key, if any; `Err` is the rejection to answer.
+    async fn load(&self) -> Result<Option<Record>, IdempotencyRejection> {
+        match self.replays()?.load(&self.key).await {
+            Ok(None) => Ok(None),
+            Ok(Some(bytes)) => Record::decode(&bytes).map(Some).map_err(|corrupt| {
+                IdempotencyRejection::Misconfigured(Error::store(
+                    StoreErrorKind::Unexpected,
+                    corrupt.to_string(),
+                ))
+            }),
+            Err(e) => Err(self.failure(e)),
+        }
+    }
+
+    /// The stored response, or `422` when it was made for another request.
+    fn replay<ResB>(&self, record: Record) -> Response<IdempotencyBody<ResB>> {
+        if record.fingerprint != self.fingerprint {
+            return self.reject(IdempotencyRejection::Mismatch);
+        }
+        let mut response = Response::new(IdempotencyBody::whole(record.body));
+        *response.status_mut() = record.status;
+        let headers = response.headers_mut();
+        for (name, value) in record.headers {
+            headers.append(name, value);
+        }
+        headers.insert(
+            self.shared.config.replay_header.clone(),
+            HeaderValue::from_static("true"),
+        );
+        self.shared.outcome(Some(&self.key), LayerOutcome::Replayed);
+        response
+    }
+
+    /// Stores a final response whose body fits (read whole first), releasing the lock
+    /// in the same step; passes anything else through unstored, the lock released.
+    async fn store<ResB>(
+        &self,
+        response: Response<ResB>,
+        guard: LockGuard,
+    ) -> Response<IdempotencyBody<ResB>>
+    where
+        ResB: Body<Data = Bytes>,
+        ResB::Error: Into<BoxError>,
+    {
+        let config = &self.shared.config;
+        let (head, body) = response.into_parts();
+        let fits = body
+            .size_hint()
+            .exact()
+            .is_some_and(|len| len <= config.max_body as u64);
+        if !(config.store_if)(head.status) || !fits {
+            let _ = guard.unlock().await;
+            self.shared
+                .outcome(Some(&self.key), LayerOutcome::NotStored);
+            return Response::from_parts(head, IdempotencyBody::inner(body));
+        }
+        // The body's error as text at once: it need not be `Send` across the release.
+        let collected = body.collect().await;
+        let collected = collected
+            .map(|c| c.to_bytes())
+            .map_err(|e| e.into().to_string());
+        let bytes = match collected {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                let error = Error::store(
+                    StoreErrorKind::Unexpected,
+                    format!("the handler's response body failed: {e}"),
+                );
+                let _ = guard.unlock().await;
+                return self.reject(IdempotencyRejection::Misconfigured(error));
+            }
+        };
+        let record = Record::new(
+            self.fingerprint,
+            head.status,
+            &head.headers,
+            &config.stored_headers,
+            bytes.clone(),
+        );
+        let outcome = match guard.unlock_storing(record.encode(), config.ttl).await {
+            Ok(true) => LayerOutcome::Stored,
+            Ok(false) => LayerOutcome::NotStored,
+            Err(error) => {
+                tracing::warn!(%error, key = %self.shared.client.display_key(&self.key), "response not stored for replay; a retry will run the handler again");
+                LayerOutcome::NotStored
+            }
+        };
+        self.shared.outcome(Some(&self.key), outcome);
+        Response::from_parts(head, IdempotencyBody::whole(bytes))
+    }
+
+    fn failure(&self, error: Error) -> IdempotencyRejection {
+        match error {
+            Error::Lost => IdempotencyRejection::Lost {
+                retry_after: self.shared.config.unavailable_retry_after,
+            },
+            error if error.is_unavailable() => IdempotencyRejection::Unavailable {
+                error,
+                retry_after: self.shared.config.unavailable_retry_after,
+            },
+            error => IdempotencyRejection::Misconfigured(error),
+        }
+    }
+
+    fn reject<ResB>(&self, rejection: IdempotencyRejection) -> Response<IdempotencyBody<ResB>> {
+        rejected(self.shared, rejection, Some(&self.key))
+    }
+}
+
+fn rejected<K, ResB>(
+    shared: &Shared<K>,
+    rejection: IdempotencyRejection,
+    key: Option<&LockKey>,
+) -> Response<IdempotencyBody<ResB>> {
+    shared
+        .reject(rejection, key)
+        .map(IdempotencyBody::rejection)
+}
+
+/// A request the layer does not cover: called as it is.
+async fn pass<S, ReqB, ResB>(mut svc: S, req: Request<ReqB>) -> Answer<ResB, S::Error>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>>,
+{
+    poll_fn(|cx| svc.poll_ready(cx)).await?;
+    let response = svc.call(req).await?;
+    Ok(response.map(IdempotencyBody::inner))
+}
+
+enum Handled<T> {
+    Response(T),
+    Lost,
+}
+
+/// Calls `svc` as `owner` once it is ready, unless the lock is lost first: then the
+/// handler is dropped (its work stops at its next `.await`).
+async fn call_while_held<S, ReqB>(
+    mut svc: S,
+    req: Request<ReqB>,
+    owner: Owner,
+    guard: &LockGuard,
+) -> Handled<Result<S::Response, S::Error>>
+where
+    S: Service<Request<ReqB>>,
+{
+    let lost = guard.lost();
+    let handler = owner.scope(async move {
+        poll_fn(|cx| svc.poll_ready(cx)).await?;
+        svc.call(req).await
+    });
+    tokio::select! {
+        biased;
+        result = handler => Handled::Response(result),
+        () = lost.wait() => Handled::Lost,
+    }
+}

@@ -1,0 +1,956 @@
+//! `IdempotencyLayer` over real HTTP (hyper clients, HTTP/1.1 and HTTP/2, against an axum
+//! server on a socket), on every store that keeps responses: each rule of the layer,
+//! and a seeded retry storm checked against an oracle.
+
+use crate::common;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use bytes::Bytes;
+use common::{Server, serve, wait_until};
+use http::{HeaderMap, Method, Request, StatusCode, header};
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::{http1, http2};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::sync::Semaphore;
+use tower_lock::extract::HeldLock;
+use tower_lock::idempotency::{IdempotencyLayer, IdempotencyLayerBuilder, IdempotencyRejection};
+use tower_lock::layer::{KeyError, key_fn};
+use tower_lock::{LayerOutcome, LockClient, LockKey, MemoryBackend};
+
+const DEADLINE: Duration = Duration::from_secs(20);
+
+// ---------------------------------------------------------------------------------------
+// The application: orders, numbered by the handler, with behaviours a test asks for.
+// ---------------------------------------------------------------------------------------
+
+struct Orders {
+    /// Handler runs, in total.
+    runs: AtomicUsize,
+    /// Handler runs that answered a final (non-5xx) response, per idempotency key (the
+    /// header as sent).
+    completed_by_key: Mutex<HashMap<String, usize>>,
+    /// The keys of the lock each running handler holds.
+    held: Mutex<Vec<LockKey>>,
+    /// A `slow` handler takes a permit before answering (so a test decides when).
+    gate: Semaphore,
+    /// `slow` handlers that have started.
+    entered: AtomicUsize,
+}
+
+impl Default for Orders {
+    fn default() -> Self {
+        Orders {
+            runs: AtomicUsize::new(0),
+            completed_by_key: Mutex::default(),
+            held: Mutex::default(),
+            gate: Semaphore::new(0),
+            entered: AtomicUsize::new(0),
+        }
+    }
+}
+
+async fn order(
+    State(orders): State<Arc<Orders>>,
+    Path(voucher): Path<u32>,
+    held: Option<HeldLock>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let n = orders.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    if let Some(held) = held {
+        orders.held.lock().unwrap().push(held.key().clone());
+    }
+    let behave = headers.get("x-behave").map_or("", |v| v.to_str().unwrap());
+    if behave == "slow" {
+        orders.entered.fetch_add(1, Ordering::SeqCst);
+        orders.gate.acquire().await.unwrap().forget();
+    }
+    let text = format!(
+        "{{\"order\":{n},\"voucher\":{voucher},\"bytes\":{}}}",
+        body.len()
+    );
+    if let Some(key) = headers.get("idempotency-key")
+        && behave != "fail"
+    {
+        *orders
+            .completed_by_key
+            .lock()
+            .unwrap()
+            .entry(key.to_str().unwrap().to_owned())
+            .or_default() += 1;
+    }
+    match behave {
+        "fail" => (StatusCode::INTERNAL_SERVER_ERROR, "boom").into_response(),
+        "taken" => (StatusCode::CONFLICT, "sold out").into_response(),
+        "stream" => {
+            let chunks = futures_util::stream::iter([Ok::<_, std::io::Error>(Bytes::from(text))]);
+            Body::from_stream(chunks).into_response()
+        }
+        "big" => "x".repeat(4096).into_response(),
+        _ => (
+            StatusCode::CREATED,
+            [
+                (header::CONTENT_TYPE, "application/json"),
+                (header::LOCATION, &format!("/orders/{n}")),
+                (header::SET_COOKIE, "session=secret"),
+            ],
+            text,
+        )
+            .into_response(),
+    }
+}
+
+/// The caller, from `x-user` (a test's stand-in for authentication); none: no scope.
+fn scope() -> impl tower_lock::layer::KeyExtractor {
+    key_fn(|parts: &http::request::Parts| {
+        parts
+            .headers
+            .get("x-user")
+            .map(|user| {
+                let user = user.to_str().map_err(|_| KeyError::new("bad x-user"))?;
+                Ok::<_, KeyError>(LockKey::namespaced("user", user)?)
+            })
+            .transpose()
+    })
+}
+
+fn builder(client: LockClient) -> IdempotencyLayerBuilder<impl tower_lock::layer::KeyExtractor> {
+    IdempotencyLayer::builder(client, scope()).max_body(1024)
+}
+
+struct App {
+    server: Server,
+    orders: Arc<Orders>,
+}
+
+async fn app(layer: IdempotencyLayer<impl tower_lock::layer::KeyExtractor>) -> App {
+    let orders = Arc::new(Orders::default());
+    let router = Router::new()
+        .route(
+            "/vouchers/{voucher}/orders",
+            post(order).put(order).route_layer(layer),
+        )
+        .with_state(Arc::clone(&orders));
+    App {
+        server: serve(router).await,
+        orders,
+    }
+}
+
+impl App {
+    fn addr(&self) -> SocketAddr {
+        self.server.addr
+    }
+
+    fn runs(&self) -> usize {
+        self.orders.runs.load(Ordering::SeqCst)
+    }
+
+    fn release_one(&self) {
+        self.orders.gate.add_permits(1);
+    }
+
+    async fn wait_entered(&self, n: usize) {
+        wait_until(DEADLINE, "the slow handler started", || async {
+            self.orders.entered.load(Ordering::SeqCst) >= n
+        })
+        .await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The client.
+// ---------------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Proto {
+    Http1,
+    Http2,
+}
+
+const PROTOS: [Proto; 2] = [Proto::Http1, Proto::Http2];
+
+/// What the client received, whole.
+#[derive(Debug, Clone)]
+struct Got {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Got {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(|v| v.to_str().unwrap())
+    }
+
+    fn replayed(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    fn problem(&self) -> serde_json::Value {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "{self:?}"
+        );
+        let json: serde_json::Value = serde_json::from_slice(&self.body).unwrap();
+        assert_eq!(json["status"], self.status.as_u16(), "{json}");
+        assert!(
+            json["title"].is_string() && json["detail"].is_string(),
+            "{json}"
+        );
+        assert!(
+            json["type"]
+                .as_str()
+                .unwrap()
+                .contains("docs/idempotency.md#"),
+            "{json}"
+        );
+        json
+    }
+}
+
+/// A request: method, path, headers, body.
+struct Req<'a> {
+    method: Method,
+    path: &'a str,
+    headers: Vec<(&'a str, String)>,
+    body: &'a str,
+}
+
+fn post_as<'a>(user: &str, key: &str) -> Req<'a> {
+    Req {
+        method: Method::POST,
+        path: "/vouchers/1/orders",
+        headers: vec![
+            ("x-user", user.to_owned()),
+            ("idempotency-key", key.to_owned()),
+        ],
+        body: "{\"qty\":1}",
+    }
+}
+
+impl<'a> Req<'a> {
+    fn with(mut self, name: &'a str, value: &str) -> Self {
+        self.headers.push((name, value.to_owned()));
+        self
+    }
+
+    fn path(mut self, path: &'a str) -> Self {
+        self.path = path;
+        self
+    }
+
+    fn body(mut self, body: &'a str) -> Self {
+        self.body = body;
+        self
+    }
+
+    fn method(mut self, method: Method) -> Self {
+        self.method = method;
+        self
+    }
+
+    fn build(&self, addr: SocketAddr, proto: Proto) -> Request<Full<Bytes>> {
+        let mut req = Request::builder()
+            .method(self.method.clone())
+            .uri(format!("http://{addr}{}", self.path));
+        if proto == Proto::Http1 {
+            req = req.header(header::HOST, addr.to_string());
+        }
+        for (name, value) in &self.headers {
+            req = req.header(*name, value);
+        }
+        req.body(Full::new(Bytes::copy_from_slice(self.body.as_bytes())))
+            .unwrap()
+    }
+}
+
+/// Sends `req` on a fresh connection and reads the whole response.
+async fn send(addr: SocketAddr, proto: Proto, req: &Req<'_>) -> Got {
+    let req = req.build(addr, proto);
+    let exchange = async {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let res = match proto {
+            Proto::Http1 => {
+                let (mut sender, conn) = http1::handshake(TokioIo::new(tcp)).await.unwrap();
+                tokio::spawn(conn);
+                sender.send_request(req).await.unwrap()
+            }
+            Proto::Http2 => {
+                let (mut sender, conn) = http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
+                    .await
+                    .unwrap();
+                tokio::spawn(conn);
+                sender.send_request(req).await.unwrap()
+            }
+        };
+        let (head, body) = res.into_parts();
+        Got {
+            status: head.status,
+            headers: head.headers,
+            body: body.collect().await.unwrap().to_bytes(),
+        }
+    };
+    tokio::time::timeout(DEADLINE, exchange)
+        .await
+        .expect("no whole response in time")
+}
+
+/// A request sent in a task: for one that waits on a slow handler.
+fn spawn_send(addr: SocketAddr, proto: Proto, req: Req<'static>) -> tokio::task::JoinHandle<Got> {
+    tokio::spawn(async move { send(addr, proto, &req).await })
+}
+
+/// Observes the layer's outcomes.
+#[derive(Default)]
+struct Outcomes(Mutex<Vec<LayerOutcome>>);
+
+impl tower_lock::LockObserver for Outcomes {
+    fn layer_outcome(&self, _event: tower_lock::LayerEvent<'_>, outcome: LayerOutcome) {
+        self.0.lock().unwrap().push(outcome);
+    }
+}
+
+impl Outcomes {
+    fn count(&self, outcome: LayerOutcome) -> usize {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|o| **o == outcome)
+            .count()
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Stores.
+// ---------------------------------------------------------------------------------------
+
+/// A store every client of a test shares, as replicas share theirs.
+trait Store: Send + Sync {
+    /// A client of the store, as a replica would have (its own backend where the store
+    /// has connections).
+    async fn client(&self) -> LockClient;
+}
+
+struct Memory(MemoryBackend);
+
+impl Store for Memory {
+    async fn client(&self) -> LockClient {
+        LockClient::new(self.0.clone())
+    }
+}
+
+async fn memory() -> Memory {
+    Memory(MemoryBackend::new())
+}
+
+// ---------------------------------------------------------------------------------------
+// The rules, one case each, run on every store.
+// ---------------------------------------------------------------------------------------
+
+/// The first request runs and is stored; a retry gets the same status, body and kept
+/// headers with `Idempotent-Replayed: true`, and the handler does not run again; a
+/// `Set-Cookie` is not replayed.
+async fn a_retry_after_completion_replays_the_stored_response_byte_for_byte(store: &impl Store) {
+    for proto in PROTOS {
+        let observed = Arc::new(Outcomes::default());
+        let client = with_observer(store, Arc::clone(&observed)).await;
+        let app = app(builder(client).build().unwrap()).await;
+        let key = format!("k-{proto:?}");
+        let first = send(app.addr(), proto, &post_as("alice", &key)).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+        assert!(!first.replayed());
+        assert_eq!(first.header("set-cookie"), Some("session=secret"));
+        for _ in 0..3 {
+            let again = send(app.addr(), proto, &post_as("alice", &key)).await;
+            assert_eq!(again.status, StatusCode::CREATED);
+            assert!(again.replayed(), "{again:?}");
+            assert_eq!(again.body, first.body, "byte for byte");
+            assert_eq!(again.header("location"), first.header("location"));
+            assert_eq!(again.header("content-type"), Some("application/json"));
+            assert_eq!(again.header("set-cookie"), None, "not on the stored list");
+        }
+        assert_eq!(app.runs(), 1, "{proto:?}: the handler ran once");
+        assert_eq!(observed.count(LayerOutcome::Stored), 1);
+        assert_eq!(observed.count(LayerOutcome::Replayed), 3);
+        // The handler saw the lock it ran under, in the layer's namespace.
+        let held = app.orders.held.lock().unwrap().clone();
+        assert_eq!(held.len(), 1);
+        assert_eq!(held[0].namespace(), "idempotency");
+    }
+}
+
+async fn with_observer(store: &impl Store, observer: Arc<Outcomes>) -> LockClient {
+    let plain = store.client().await;
+    LockClient::builder(Arc::clone(plain.backend()))
+        .observer(observer)
+        .build()
+        .unwrap()
+}
+
+/// A retry while the first request runs gets `409` with `Retry-After` and a problem
+/// body; once the first finishes, the retry is replayed.
+async fn a_retry_while_the_first_is_in_flight_is_409_then_replayed(store: &impl Store) {
+    for proto in PROTOS {
+        let observed = Arc::new(Outcomes::default());
+        let client = with_observer(store, Arc::clone(&observed)).await;
+        let app = app(builder(client).build().unwrap()).await;
+        let key = format!("slow-{proto:?}");
+        let first = spawn_send(
+            app.addr(),
+            proto,
+            post_as("alice", &key).with("x-behave", "slow"),
+        );
+        app.wait_entered(1).await;
+        let busy = send(app.addr(), proto, &post_as("alice", &key)).await;
+        assert_eq!(busy.status, StatusCode::CONFLICT, "{busy:?}");
+        assert_eq!(busy.header("retry-after"), Some("1"));
+        busy.problem();
+        app.release_one();
+        let first = first.await.unwrap();
+        assert_eq!(first.status, StatusCode::CREATED);
+        let again = send(app.addr(), proto, &post_as("alice", &key)).await;
+        assert!(again.replayed());
+        assert_eq!(again.body, first.body);
+        assert_eq!(app.runs(), 1);
+        assert_eq!(observed.count(LayerOutcome::InFlight), 1);
+    }
+}
+
+/// With `wait_for_first`, retries arriving while the first runs wait for it and get its
+/// response; the handler runs once.
+async fn with_wait_for_first_retries_in_flight_wait_and_replay(store: &impl Store) {
+    for proto in PROTOS {
+        let client = store.client().await;
+        let layer = builder(client).wait_for_first(DEADLINE).build().unwrap();
+        let app = app(layer).await;
+        let key = format!("wait-{proto:?}");
+        let first = spawn_send(
+            app.addr(),
+            proto,
+            post_as("alice", &key).with("x-behave", "slow"),
+        );
+        app.wait_entered(1).await;
+        let retries: Vec<_> = (0..3)
+            .map(|_| spawn_send(app.addr(), proto, post_as("alice", &key)))
+            .collect();
+        app.release_one();
+        let first = first.await.unwrap();
+        for retry in retries {
+            let got = retry.await.unwrap();
+            assert_eq!(got.status, StatusCode::CREATED, "{got:?}");
+            assert!(got.replayed());
+            assert_eq!(got.body, first.body);
+        }
+        assert_eq!(app.runs(), 1);
+    }
+}
+
+/// A key reused for another request (another body, query or method) is `422`, and the
+/// handler does not run for it.
+async fn a_key_reused_for_another_request_is_422(store: &impl Store) {
+    for proto in PROTOS {
+        let observed = Arc::new(Outcomes::default());
+        let client = with_observer(store, Arc::clone(&observed)).await;
+        let app = app(builder(client).build().unwrap()).await;
+        let key = format!("reuse-{proto:?}");
+        let first = send(app.addr(), proto, &post_as("alice", &key)).await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        for other in [
+            post_as("alice", &key).body("{\"qty\":2}"),
+            post_as("alice", &key).path("/vouchers/1/orders?coupon=x"),
+        ] {
+            let got = send(app.addr(), proto, &other).await;
+            assert_eq!(got.status, StatusCode::UNPROCESSABLE_ENTITY, "{got:?}");
+            assert!(
+                got.problem()["type"]
+                    .as_str()
+                    .unwrap()
+                    .ends_with("#mismatch")
+            );
+        }
+        assert_eq!(app.runs(), 1);
+        assert_eq!(observed.count(LayerOutcome::Mismatch), 2);
+    }
+}
+
+/// A key is scoped to its caller, method and route: another user, method or voucher
+/// with the same key runs the handler; a request without a caller passes through.
+async fn keys_are_scoped_to_caller_method_and_route(store: &impl Store) {
+    let client = store.client().await;
+    let layer = builder(client)
+        .methods([Method::POST, Method::PUT])
+        .build()
+        .unwrap();
+    let app = app(layer).await;
+    let proto = Proto::Http1;
+    let base = send(app.addr(), proto, &post_as("alice", "same")).await;
+    assert_eq!(base.status, StatusCode::CREATED);
+    for other in [
+        post_as("bob", "same"),
+        post_as("alice", "same").method(Method::PUT),
+        // The route template is the same, but the path differs: fingerprinted apart,
+        // so the same key is a mismatch, not a replay of voucher 1's order.
+        post_as("alice", "same").path("/vouchers/2/orders"),
+    ] {
+        let got = send(app.addr(), proto, &other).await;
+        assert!(!got.replayed(), "{got:?}");
+    }
+    // Alice's PUT and Bob's POST ran; voucher 2 under the same route and key is 422.
+    assert_eq!(app.runs(), 3);
+    let no_caller = Req {
+        method: Method::POST,
+        path: "/vouchers/1/orders",
+        headers: vec![("idempotency-key", "same".into())],
+        body: "",
+    };
+    for _ in 0..2 {
+        assert!(!send(app.addr(), proto, &no_caller).await.replayed());
+    }
+    assert_eq!(app.runs(), 5, "no caller: not covered");
+}
+
+/// Without a key, or with a malformed one, a request passes through (it runs every
+/// time); with `required`, it is `400` with a problem body saying what is wrong.
+async fn missing_or_malformed_keys_pass_through_or_are_400_when_required(store: &impl Store) {
+    let app = app(builder(store.client().await).build().unwrap()).await;
+    let none = Req {
+        method: Method::POST,
+        path: "/vouchers/1/orders",
+        headers: vec![("x-user", "alice".into())],
+        body: "",
+    };
+    let long = "k".repeat(300);
+    let bad = [
+        ("idempotency-key", "a b"),
+        ("idempotency-key", "\"open"),
+        ("idempotency-key", &long),
+    ];
+    for _ in 0..2 {
+        assert_eq!(
+            send(app.addr(), Proto::Http1, &none).await.status,
+            StatusCode::CREATED
+        );
+        for (name, value) in bad {
+            let req = Req {
+                headers: vec![("x-user", "alice".into()), (name, value.into())],
+                ..none.clone_req()
+            };
+            assert_eq!(
+                send(app.addr(), Proto::Http1, &req).await.status,
+                StatusCode::CREATED
+            );
+        }
+    }
+    assert_eq!(app.runs(), 8);
+
+    let strict = app_required(store).await;
+    for req in [
+        none.clone_req(),
+        Req {
+            headers: vec![
+                ("x-user", "alice".into()),
+                ("idempotency-key", "a b".into()),
+            ],
+            ..none.clone_req()
+        },
+        Req {
+            headers: vec![
+                ("x-user", "alice".into()),
+                ("idempotency-key", "\"\"".into()),
+            ],
+            ..none.clone_req()
+        },
+        Req {
+            headers: vec![
+                ("x-user", "alice".into()),
+                ("idempotency-key", long.clone()),
+            ],
+            ..none.clone_req()
+        },
+    ] {
+        for proto in PROTOS {
+            let got = send(strict.addr(), proto, &req).await;
+            assert_eq!(got.status, StatusCode::BAD_REQUEST, "{got:?}");
+            let problem = got.problem();
+            assert!(
+                problem["detail"]
+                    .as_str()
+                    .unwrap()
+                    .contains("idempotency-key"),
+                "{problem}"
+            );
+        }
+    }
+    assert_eq!(strict.runs(), 0);
+    // A quoted structured-field string and the same bare token are one key.
+    let quoted = send(strict.addr(), Proto::Http2, &post_as("alice", "\"abc\"")).await;
+    let bare = send(strict.addr(), Proto::Http2, &post_as("alice", "abc")).await;
+    assert!(bare.replayed() && bare.body == quoted.body);
+}
+
+async fn app_required(store: &impl Store) -> App {
+    app(builder(store.client().await)
+        .required(true)
+        .build()
+        .unwrap())
+    .await
+}
+
+impl Req<'_> {
+    fn clone_req(&self) -> Self {
+        Req {
+            method: self.method.clone(),
+            path: self.path,
+            headers: self.headers.clone(),
+            body: self.body,
+        }
+    }
+}
+
+/// A 5xx is not final: nothing is stored and the retry runs the handler again; a 4xx is
+/// final, and is replayed.
+async fn a_5xx_stores_nothing_and_a_4xx_is_replayed(store: &impl Store) {
+    let observed = Arc::new(Outcomes::default());
+    let client = with_observer(store, Arc::clone(&observed)).await;
+    let app = app(builder(client).build().unwrap()).await;
+    let failed = send(
+        app.addr(),
+        Proto::Http1,
+        &post_as("alice", "k5").with("x-behave", "fail"),
+    )
+    .await;
+    assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
+    let retried = send(app.addr(), Proto::Http1, &post_as("alice", "k5")).await;
+    assert_eq!(retried.status, StatusCode::CREATED);
+    assert!(!retried.replayed());
+    assert_eq!(app.runs(), 2);
+    let taken = send(
+        app.addr(),
+        Proto::Http2,
+        &post_as("alice", "k4").with("x-behave", "taken"),
+    )
+    .await;
+    assert_eq!(taken.status, StatusCode::CONFLICT);
+    let again = send(
+        app.addr(),
+        Proto::Http2,
+        &post_as("alice", "k4").with("x-behave", "taken"),
+    )
+    .await;
+    assert!(again.replayed());
+    assert_eq!(again.text(), "sold out");
+    assert_eq!(app.runs(), 3);
+    assert_eq!(observed.count(LayerOutcome::NotStored), 1);
+    assert_eq!(observed.count(LayerOutcome::Stored), 2);
+}
+
+/// A streamed body and one over the size limit pass through whole, unstored: a retry
+/// runs again. A request body over the limit is `413`.
+async fn streamed_or_large_responses_pass_through_unstored(store: &impl Store) {
+    let app = app(builder(store.client().await).build().unwrap()).await;
+    for behave in ["stream", "big"] {
+        for proto in PROTOS {
+            let key = format!("{behave}-{proto:?}");
+            let first = send(
+                app.addr(),
+                proto,
+                &post_as("alice", &key).with("x-behave", behave),
+            )
+            .await;
+            assert_eq!(first.status, StatusCode::OK, "{first:?}");
+            let second = send(
+                app.addr(),
+                proto,
+                &post_as("alice", &key).with("x-behave", behave),
+            )
+            .await;
+            assert!(!second.replayed());
+            assert_eq!(first.body.len(), second.body.len());
+        }
+    }
+    assert_eq!(app.runs(), 8);
+    let big = "y".repeat(2000);
+    let got = send(
+        app.addr(),
+        Proto::Http1,
+        &post_as("alice", "huge").body(&big),
+    )
+    .await;
+    assert_eq!(got.status, StatusCode::PAYLOAD_TOO_LARGE);
+    got.problem();
+    assert_eq!(app.runs(), 8);
+}
+
+/// A client that goes away mid-handler cancels it: nothing is stored, the lock is free
+/// at once (no lease to wait out), and the retry runs.
+async fn a_cancelled_request_stores_nothing_and_its_retry_runs(store: &impl Store) {
+    let app = app(builder(store.client().await).build().unwrap()).await;
+    let first = spawn_send(
+        app.addr(),
+        Proto::Http1,
+        post_as("alice", "gone").with("x-behave", "slow"),
+    );
+    app.wait_entered(1).await;
+    first.abort();
+    let _ = first.await;
+    // The server notices the closed connection and drops the handler; the retry then
+    // finds the lock free and runs (a `409` until then).
+    let retried = retry_until_not_409(&app, &post_as("alice", "gone")).await;
+    assert_eq!(retried.status, StatusCode::CREATED, "{retried:?}");
+    assert!(!retried.replayed());
+    assert_eq!(app.runs(), 2);
+}
+
+async fn retry_until_not_409(app: &App, req: &Req<'_>) -> Got {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let got = send(app.addr(), Proto::Http1, req).await;
+        if got.status != StatusCode::CONFLICT || tokio::time::Instant::now() > deadline {
+            return got;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A lock lost while the handler runs (force-released) cancels the handler: `503`
+/// with a problem body, nothing stored, and the retry runs.
+async fn a_lost_lock_cancels_the_handler_and_stores_nothing(store: &impl Store) {
+    let client = store.client().await;
+    let app = app(builder(client.clone()).build().unwrap()).await;
+    let first = spawn_send(
+        app.addr(),
+        Proto::Http2,
+        post_as("alice", "lost").with("x-behave", "slow"),
+    );
+    app.wait_entered(1).await;
+    let key = app.orders.held.lock().unwrap()[0].clone();
+    assert!(
+        client
+            .get_fenced_lock(key)
+            .unwrap()
+            .force_unlock()
+            .await
+            .unwrap()
+    );
+    let got = first.await.unwrap();
+    assert_eq!(got.status, StatusCode::SERVICE_UNAVAILABLE, "{got:?}");
+    assert!(got.header("retry-after").is_some());
+    assert!(got.problem()["type"].as_str().unwrap().ends_with("#lost"));
+    let retried = send(app.addr(), Proto::Http2, &post_as("alice", "lost")).await;
+    assert_eq!(retried.status, StatusCode::CREATED);
+    assert!(!retried.replayed());
+}
+
+/// `GET` and `PUT` are not covered by default; a custom rejection handler answers every
+/// rejection, and still gets `Retry-After`.
+async fn uncovered_methods_pass_and_rejections_can_be_customized(store: &impl Store) {
+    let layer = builder(store.client().await)
+        .on_rejection(|r: IdempotencyRejection| {
+            (r.status(), format!("custom {}", r.status().as_u16()))
+        })
+        .build()
+        .unwrap();
+    let app = app(layer).await;
+    for _ in 0..2 {
+        let put = send(
+            app.addr(),
+            Proto::Http1,
+            &post_as("alice", "p").method(Method::PUT),
+        )
+        .await;
+        assert!(!put.replayed());
+    }
+    assert_eq!(app.runs(), 2);
+    let first = spawn_send(
+        app.addr(),
+        Proto::Http1,
+        post_as("alice", "c").with("x-behave", "slow"),
+    );
+    app.wait_entered(1).await;
+    let busy = send(app.addr(), Proto::Http1, &post_as("alice", "c")).await;
+    assert_eq!(busy.status, StatusCode::CONFLICT);
+    assert_eq!(busy.text(), "custom 409");
+    assert_eq!(busy.header("retry-after"), Some("1"));
+    app.release_one();
+    first.await.unwrap();
+}
+
+/// A seeded storm of retries: per key, several requests (some concurrent, some failing
+/// with 5xx, some cancelled by their client). The oracle: per key, the handler answered
+/// a final status at most once, and every final response received for a key is the same
+/// bytes.
+async fn a_seeded_retry_storm_runs_each_key_once_and_replays_it_exactly(store: &impl Store) {
+    let seed: u64 = std::env::var("STORM_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| fastrand::u64(..));
+    println!("STORM_SEED={seed}");
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let layer = builder(store.client().await)
+        .wait_for_first(Duration::from_millis(rng.u64(0..50)))
+        .build()
+        .unwrap();
+    let app = app(layer).await;
+    let finals: Arc<Mutex<HashMap<String, Vec<Bytes>>>> = Arc::default();
+    let mut cancels: HashMap<String, usize> = HashMap::new();
+    let mut tasks = tokio::task::JoinSet::new();
+    const KEYS: usize = 12;
+    for i in 0..KEYS * 5 {
+        let key = format!("storm-{}", i % KEYS);
+        let proto = PROTOS[rng.usize(0..2)];
+        let fail = rng.u8(0..10) == 0;
+        let cancel_after = (rng.u8(0..8) == 0).then(|| Duration::from_millis(rng.u64(0..5)));
+        if cancel_after.is_some() {
+            *cancels.entry(key.clone()).or_default() += 1;
+        }
+        let delay = Duration::from_millis(rng.u64(0..30));
+        let addr = app.addr();
+        let finals = Arc::clone(&finals);
+        tasks.spawn(async move {
+            tokio::time::sleep(delay).await;
+            let mut req = post_as("alice", &key);
+            if fail {
+                req = req.with("x-behave", "fail");
+            }
+            let exchange = send(addr, proto, &req);
+            let got = match cancel_after {
+                Some(after) => match tokio::time::timeout(after, exchange).await {
+                    Ok(got) => got,
+                    Err(_) => return,
+                },
+                None => exchange.await,
+            };
+            match got.status {
+                StatusCode::CREATED => finals
+                    .lock()
+                    .unwrap()
+                    .entry(key)
+                    .or_default()
+                    .push(got.body),
+                StatusCode::CONFLICT | StatusCode::INTERNAL_SERVER_ERROR => {}
+                other => panic!("seed {seed}: unexpected {other}: {got:?}"),
+            }
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap();
+    }
+    // Every final response of a key is one response, byte for byte.
+    let finals = finals.lock().unwrap();
+    for (key, bodies) in finals.iter() {
+        assert!(
+            bodies.windows(2).all(|w| w[0] == w[1]),
+            "seed {seed}: {key}: {bodies:?}"
+        );
+    }
+    // Per key, the handler answered finally once — or once more per request whose client
+    // went away mid-handler (a run cancelled before its store stores nothing).
+    let completed = app.orders.completed_by_key.lock().unwrap().clone();
+    for (key, runs) in &completed {
+        let allowed = 1 + cancels.get(key).copied().unwrap_or(0);
+        assert!(
+            *runs <= allowed,
+            "seed {seed}: {key}: {runs} final runs, {allowed} allowed"
+        );
+        if finals.contains_key(key) {
+            assert!(
+                *runs >= 1,
+                "seed {seed}: {key}: replayed a response never made"
+            );
+        }
+    }
+    println!(
+        "storm: {} requests, {} keys answered 201, {} handler runs, {} cancellations",
+        KEYS * 5,
+        finals.len(),
+        app.runs(),
+        cancels.values().sum::<usize>(),
+    );
+}
+
+/// Building on a store that keeps no responses (RedLock) names the client.
+#[tokio::test]
+async fn a_store_without_replays_is_refused_at_build() {
+    let redlock = tower_lock::backend::redlock::RedLock::new(vec![
+        MemoryBackend::new(),
+        MemoryBackend::new(),
+        MemoryBackend::new(),
+    ])
+    .unwrap();
+    let err = IdempotencyLayer::new(LockClient::new(redlock), scope()).unwrap_err();
+    assert!(
+        matches!(err, tower_lock::Error::InvalidConfig { name: "client", .. }),
+        "{err}"
+    );
+    let err = builder(LockClient::new(MemoryBackend::new()))
+        .key_prefix("a{b")
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            tower_lock::Error::InvalidConfig {
+                name: "key_prefix",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let err = builder(LockClient::new(MemoryBackend::new()))
+        .ttl(Duration::ZERO)
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(err, tower_lock::Error::InvalidConfig { name: "ttl", .. }),
+        "{err}"
+    );
+}
+
+macro_rules! idempotency_tests {
+    ($module:ident, $store:expr; $($case:ident),* $(,)?) => {
+        mod $module {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    let store = $store.await;
+                    super::$case(&store).await;
+                }
+            )*
+        }
+    };
+    ($module:ident, $store:expr) => {
+        idempotency_tests!($module, $store;
+            a_retry_after_completion_replays_the_stored_response_byte_for_byte,
+            a_retry_while_the_first_is_in_flight_is_409_then_replayed,
+            with_wait_for_first_retries_in_flight_wait_and_replay,
+            a_key_reused_for_another_request_is_422,
+            keys_are_scoped_to_caller_method_and_route,
+            missing_or_malformed_keys_pass_through_or_are_400_when_required,
+            a_5xx_stores_nothing_and_a_4xx_is_replayed,
+            streamed_or_large_responses_pass_through_unstored,
+            a_cancelled_request_stores_nothing_and_its_retry_runs,
+            a_lost_lock_cancels_the_handler_and_stores_nothing,
+            uncovered_methods_pass_and_rejections_can_be_customized,
+            a_seeded_retry_storm_runs_each_key_once_and_replays_it_exactly,
+        );
+    };
+}
+
+idempotency_tests!(memory, super::memory());
