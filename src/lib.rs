@@ -212,3 +212,7 @@ pub struct RedisDoctests;
 #[cfg(all(doctest, feature = "redis", feature = "axum"))]
 #[doc = include_str!("../docs/redlock.md")]
 pub struct RedlockDoctests;
+
+#[cfg(all(doctest, feature = "axum"))]
+#[doc = include_str!("../docs/idempotency.md")]
+pub struct IdempotencyDoctests;
