@@ -452,18 +452,22 @@ pub async fn dropped_waiter_leaves_nothing(f: &impl KindFixture, kind: Kind) {
     let blockers = kind.block(&client, &k).await;
     let lock = kind.lock(&client, &k);
     let waiter = tokio::spawn(async move { lock.lock().await.map(|_| ()) });
-    wait_until(Duration::from_secs(5), "the waiter subscribed", || async {
+    wait_until(Duration::from_secs(10), "the waiter subscribed", || async {
         f.waiters(&k).await == 1
     })
     .await;
     waiter.abort();
     assert!(waiter.await.unwrap_err().is_cancelled());
-    wait_until(Duration::from_secs(5), "the waiter went away", || async {
+    wait_until(Duration::from_secs(10), "the waiter went away", || async {
         f.waiters(&k).await == 0 && f.queued(&k).await == 0
     })
     .await;
     unlock_all(blockers).await;
-    assert!(!f.residue(&k).await, "state left behind");
+    // Aborted with an attempt in flight, the waiter leaves the queue and gives its
+    // identity up in two spawned calls; should the attempt itself land between them,
+    // after the blockers' release, it is granted and then taken back by the second.
+    // Nothing may stay, well within any lease.
+    settles_to_no_residue(f, &k).await;
 }
 
 /// Dropping guards releases them (in spawned tasks) and stops their renewal.
