@@ -46,6 +46,17 @@
 //! | `misconfigured` | 500 | the server's wiring or the store's setup is wrong (a missing request extension, an unsupported mode, a key of another type) |
 //! | `lost` | 503 | the lock was lost while the handler ran; the handler was cancelled |
 //!
+//! An [`IdempotencyLayer`](crate::idempotency::IdempotencyLayer) counts under its own
+//! name, with `bad_key`, `unavailable`, `misconfigured` and `lost` as above, and:
+//!
+//! | `outcome` | status | what |
+//! |---|---|---|
+//! | `stored` | the handler's | the handler ran and its response was stored for replay |
+//! | `not_stored` | the handler's | the handler ran; nothing stored (a 5xx, a streamed or too large body, the lock lost before the store) |
+//! | `replayed` | the stored one | a retry answered with the stored response; the handler did not run |
+//! | `in_flight` | 409 | the first request with the key was still running |
+//! | `mismatch` | 422 | the key was used for another request |
+//!
 //! Requests the layer passes through unlocked (no key, a method it does not lock) are
 //! not counted. The lock metrics above come from the client, which does not know the
 //! layer: they carry no `layer` label.
