@@ -32,8 +32,10 @@
 //! It does **not** make a handler exactly-once by itself: a handler whose lock was lost
 //! may still have written before it noticed, and a retry then runs it again. For
 //! exactly-once, make the handler's own writes conditional on its lock's fencing token
-//! ([`HeldLock::fencing_token`](crate::extract::HeldLock::fencing_token), inserted for
-//! the handler) or idempotent in the database. See `docs/idempotency.md`.
+//! ([`HeldLock::fencing_token`](crate::extract::HeldLock::fencing_token): the layer
+//! inserts its lock's for the handler, unless an outer
+//! [`LockLayer`](crate::LockLayer) already put its own) or idempotent in the database.
+//! See `docs/idempotency.md`.
 //!
 //! # Example
 //!

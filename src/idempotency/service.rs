@@ -258,7 +258,11 @@ impl<K> Covered<'_, K> {
         let mut req = Request::from_parts(parts, ReqB::from(body));
         req.extensions_mut()
             .insert(Locks::new(self.shared.client.clone(), owner.clone()));
-        req.extensions_mut().insert(HeldLock::of_guard(&guard));
+        // An outer `LockLayer`'s lock is the one the handler fences its writes with:
+        // it keeps its `HeldLock`; else the handler gets this one's.
+        if req.extensions().get::<HeldLock>().is_none() {
+            req.extensions_mut().insert(HeldLock::of_guard(&guard));
+        }
         match call_while_held(svc, req, owner, &guard).await {
             Handled::Response(Ok(response)) => Ok(self.store(response, guard).await),
             Handled::Response(Err(error)) => {

@@ -923,6 +923,39 @@ async fn a_store_without_replays_is_refused_at_build() {
     );
 }
 
+/// Inside a `LockLayer` (one order at a time per user), the handler keeps the outer
+/// layer's `HeldLock` — the lock it fences its writes with — and both locks are taken
+/// by one owner; the retry is still replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inside_a_lock_layer_the_handler_keeps_the_outer_held_lock() {
+    let client = LockClient::new(MemoryBackend::new());
+    let per_user = tower_lock::LockLayer::builder(client.clone(), scope())
+        .key_prefix("lock:order")
+        .fenced(true)
+        .build()
+        .unwrap();
+    let orders = Arc::new(Orders::default());
+    let router = Router::new()
+        .route(
+            "/vouchers/{voucher}/orders",
+            post(order)
+                .route_layer(builder(client).build().unwrap())
+                .route_layer(per_user),
+        )
+        .with_state(Arc::clone(&orders));
+    let app = App {
+        server: serve(router).await,
+        orders,
+    };
+    let first = send(app.addr(), Proto::Http2, &post_as("alice", "k")).await;
+    let again = send(app.addr(), Proto::Http2, &post_as("alice", "k")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(again.replayed() && again.body == first.body);
+    let held = app.orders.held.lock().unwrap().clone();
+    assert_eq!(held.len(), 1);
+    assert_eq!(held[0].as_str(), "lock:order:user:{alice}");
+}
+
 macro_rules! idempotency_tests {
     ($module:ident, $store:expr; $($case:ident),* $(,)?) => {
         mod $module {
