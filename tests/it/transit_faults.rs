@@ -658,6 +658,21 @@ async fn a_store_and_release_that_lands_after_the_lease_stores_nothing_redis() {
     a_store_and_release_that_lands_after_the_lease(&proxy, &backend, &direct, "late-replay").await;
 }
 
+/// Issue 25 on PostgreSQL: a store and release that lands after its hold's lease
+/// stores nothing (`_replay_store` checks the hold in the statement that writes).
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_and_release_that_lands_after_the_lease_stores_nothing_postgres() {
+    let pg = postgres_behind_proxy().await;
+    a_store_and_release_that_lands_after_the_lease(
+        &pg.proxy,
+        &pg.backend,
+        &pg.direct,
+        "late-replay",
+    )
+    .await;
+}
+
 // ---------------------------------------------------------------------------------------
 // Pipelined group commit (one server)
 // ---------------------------------------------------------------------------------------
