@@ -188,6 +188,28 @@ local function extend(H, ms)
     end
 end
 
+-- Releases one hold of `owner` on the Redisson RLock hash H, exactly as
+-- lock_release.lua does (the exclusive batch and the replay store release with this):
+-- -1 not held, nothing changed; 0 released: H deleted and '0' ("wake one waiter")
+-- published on CHAN, as Redisson's unlock does; n > 0 holds left, H's lease extended to
+-- `lease` ms (never shortened).
+local function release_hold(H, CHAN, lease, owner)
+    local holds = redis.call('hget', H, owner)
+    if not holds then
+        return -1
+    end
+    if holds ~= '1' then
+        holds = redis.call('hincrby', H, owner, -1)
+        if holds > 0 then
+            extend(H, tonumber(lease))
+            return holds
+        end
+    end
+    redis.call('del', H)
+    redis.call('publish', CHAN, '0')
+    return 0
+end
+
 -- The next fencing token of counter F (Redisson RFencedLock's
 -- redisson_lock_token:{NAME}): INCR, raised to the server clock in microseconds so that
 -- tokens keep increasing when the counter is lost. F never expires.

@@ -3,7 +3,8 @@
 -- paid once per batch instead of once per operation. Each operation does exactly what
 -- lock_acquire.lua or lock_release.lua does for it, in the order given; an operation
 -- on a key holding another type of data fails alone (its error is its reply), the others
--- go on. With lib.lua (its `fence` takes the fencing tokens).
+-- go on. With lib.lua (its `fence` takes the fencing tokens, its `release_hold`
+-- releases).
 --
 -- ARGV[1] is the batch's deadline: the server clock in microseconds after which its
 -- acquisitions are refused ('0': none); its sender has given up on them by then.
@@ -52,26 +53,7 @@ local function acquire(H, F, lease, owner, fenced)
 end
 
 local function release(H, CHAN, lease, owner)
-    local holds = redis.call('hget', H, owner)
-    if not holds then
-        return 2, -1, 0
-    end
-    if holds == '1' then
-        redis.call('del', H)
-        redis.call('publish', CHAN, '0')
-        return 2, 0, 0
-    end
-    holds = redis.call('hincrby', H, owner, -1)
-    if holds > 0 then
-        local pttl = redis.call('pttl', H)
-        if pttl >= 0 and pttl < tonumber(lease) then
-            redis.call('pexpire', H, lease)
-        end
-        return 2, holds, 0
-    end
-    redis.call('del', H)
-    redis.call('publish', CHAN, '0')
-    return 2, 0, 0
+    return 2, release_hold(H, CHAN, lease, owner), 0
 end
 
 local too_late = late(ARGV[1], clock_us())

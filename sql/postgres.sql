@@ -6,8 +6,9 @@
 -- Every state change is one function call: one statement, one transaction. A
 -- transaction-scoped advisory lock on (hash of the table, hash of the lock name)
 -- serializes the operations on one name; the database's clock decides every lease
--- (clock_timestamp()), never the client's. Grants, renewals and abandonments commit
--- synchronously whatever the session's `synchronous_commit`; releases do not.
+-- (clock_timestamp()), never the client's. Grants, renewals, abandonments and stored
+-- records commit synchronously whatever the session's `synchronous_commit`; releases do
+-- not.
 --
 -- Modes, as one letter: 'x' exclusive, 'f' fair, 'r' read, 'w' write, 'p' permit.
 
@@ -60,6 +61,18 @@ CREATE TABLE IF NOT EXISTS __S__.__T___clients (
     name       text        NOT NULL,
     expires_at timestamptz NOT NULL
 );
+
+-- Records kept for replay (ReplayStore, for the Idempotency-Key layer): one per lock
+-- name, written only by a hold of that name (`_replay_store`), with the fencing token
+-- it carried; absent once expired, and deleted soon after (see `_replay_store`).
+CREATE TABLE IF NOT EXISTS __S__.__T___replay (
+    name       text        PRIMARY KEY,
+    token      bigint      NOT NULL,
+    record     bytea       NOT NULL,
+    expires_at timestamptz NOT NULL
+);
+
+CREATE INDEX IF NOT EXISTS __T___replay_expires_at ON __S__.__T___replay (expires_at);
 
 -- Refuses a session that does not run READ COMMITTED: the functions wait for the
 -- name's advisory lock and must then see what the holder before them committed, which
@@ -287,6 +300,55 @@ BEGIN
     PERFORM pg_notify('__T__',
         CASE WHEN p_mode IN ('f', 'r', 'w') THEN '1' ELSE '0' END || p_origin || '|' || p_name);
     RETURN 0;
+END $$;
+
+-- Releases one hold of `p_owner` exactly as `_release` does (it is called, and its
+-- outcome returned as `released`), and in the same transaction keeps `p_record` for
+-- `p_ttl_ms` under `p_name` when the hold was still there (the release found it
+-- unexpired on the database clock) and no unexpired record with a greater token than
+-- `p_token` is kept: `stored`. The name's advisory lock, taken by `_release`, is held
+-- to the commit, so nothing of the name moves in between.
+--
+-- A stored record commits synchronously (`_durable`, over the session's own setting,
+-- which `_release` turned off for its transaction): a response a retry is to replay
+-- must survive a crash as a grant does, or the retry runs its request again. Without
+-- a record, the release's asynchronous commit stands.
+--
+-- Each call also deletes up to 8 expired records of any name, skipping rows another
+-- transaction has locked (so it never waits), after its own writes: records whose
+-- names are never written again do not pile up.
+CREATE OR REPLACE FUNCTION __S__.__T___replay_store(
+    p_name text, p_owner text, p_mode "char", p_lease_ms bigint, p_origin text,
+    p_token bigint, p_record bytea, p_ttl_ms bigint,
+    OUT stored boolean, OUT released integer)
+LANGUAGE plpgsql
+SET enable_bitmapscan = off
+AS $$
+DECLARE
+    session_commit text := current_setting('synchronous_commit');
+    now_ts timestamptz;
+BEGIN
+    released := __S__.__T___release(p_name, p_owner, p_mode, p_lease_ms, p_origin);
+    now_ts := clock_timestamp();
+    stored := released >= 0 AND NOT EXISTS (
+        SELECT 1 FROM __S__.__T___replay r
+         WHERE r.name = p_name AND r.token > p_token AND r.expires_at > now_ts);
+    IF stored THEN
+        INSERT INTO __S__.__T___replay (name, token, record, expires_at)
+        VALUES (p_name, p_token, p_record, now_ts + p_ttl_ms * interval '1 millisecond')
+        ON CONFLICT (name) DO UPDATE
+           SET token = excluded.token, record = excluded.record,
+               expires_at = excluded.expires_at;
+        PERFORM set_config('synchronous_commit', session_commit, true);
+        PERFORM __S__.__T___durable();
+    END IF;
+    DELETE FROM __S__.__T___replay r
+     WHERE r.name IN (SELECT x.name FROM __S__.__T___replay x
+                       WHERE x.expires_at <= now_ts
+                       ORDER BY x.expires_at
+                       LIMIT 8
+                       FOR UPDATE SKIP LOCKED)
+       AND r.expires_at <= now_ts;
 END $$;
 
 -- The previous version's signature, for its processes during a rolling upgrade: an

@@ -64,6 +64,11 @@
 //! Each case is also an `async fn` in [`cases`], to run by hand; [`run_all`] runs every
 //! case in turn against one fixture, for a store too costly to set up per case.
 //!
+//! A store that keeps records for replay ([`ReplayStore`](crate::backend::ReplayStore),
+//! for the `IdempotencyLayer`) has cases of its own in [`replay`], made into tests by
+//! [`replay_conformance_tests!`] with the same fixture (or run by
+//! [`run_all_replays`]).
+//!
 //! # Errors
 //!
 //! A case that finds the backend wrong panics with a message that says what it saw, as
@@ -81,9 +86,12 @@ use tokio::time::Instant;
 use crate::{Lease, LockClient, LockGuard, LockKey};
 
 pub mod cases;
+pub mod replay;
 
 #[doc(inline)]
 pub use crate::__conformance_tests as conformance_tests;
+#[doc(inline)]
+pub use crate::__replay_conformance_tests as replay_conformance_tests;
 
 /// A backend under test: how the cases reach the store, and look inside it.
 ///
@@ -168,21 +176,66 @@ macro_rules! __conformance_cases {
 #[macro_export]
 macro_rules! __conformance_tests {
     (paused: $fixture:expr) => {
-        $crate::__conformance_cases!([$crate::__conformance_tests] (@tests true, $fixture;));
+        $crate::__conformance_cases!([$crate::__conformance_tests] (@tests cases, true, $fixture;));
     };
     ($fixture:expr) => {
-        $crate::__conformance_cases!([$crate::__conformance_tests] (@tests false, $fixture;));
+        $crate::__conformance_cases!([$crate::__conformance_tests] (@tests cases, false, $fixture;));
     };
-    (@tests $paused:literal, $fixture:expr; $($case:ident),* $(,)?) => {
+    (@tests $module:ident, $paused:literal, $fixture:expr; $($case:ident),* $(,)?) => {
         $(
             #[test]
             fn $case() {
                 $crate::testing::__run($paused, async {
                     let fixture = $fixture.await;
-                    $crate::testing::cases::$case(&fixture).await;
+                    $crate::testing::$module::$case(&fixture).await;
                 });
             }
         )*
+    };
+}
+
+/// Calls `$callback!($($args)* case, case, ...)` with every [`ReplayStore`] conformance
+/// case (see [`replay`]): the one list of them.
+///
+/// [`ReplayStore`]: crate::backend::ReplayStore
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __replay_cases {
+    ([$($callback:tt)*] ($($args:tt)*)) => {
+        $($callback)*!($($args)*
+            stored_only_while_held,
+            nothing_stored_without_the_lock,
+            a_greater_token_is_never_overwritten,
+            a_greater_token_replaces_the_record,
+            records_expire_with_their_ttl,
+            store_and_release_releases_as_release_does,
+            records_round_trip_exactly,
+            records_live_beside_their_locks,
+            other_modes_are_kept_or_refused,
+        );
+    };
+}
+
+/// Makes a test of every [`ReplayStore`] conformance case (see [`replay`]), for a
+/// backend that keeps records for replay, as [`conformance_tests!`] does for the lock
+/// cases and with the same [`Fixture`]: `replay_conformance_tests!(paused: <fixture>)`
+/// on a paused clock, `replay_conformance_tests!(<fixture>)` in real time.
+///
+/// The tests are named after the cases, which differ from the lock cases' names: one
+/// call of each macro fits in one test file or module.
+///
+/// [`ReplayStore`]: crate::backend::ReplayStore
+/// [`replay`]: crate::testing::replay
+/// [`conformance_tests!`]: crate::testing::conformance_tests
+/// [`Fixture`]: crate::testing::Fixture
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __replay_conformance_tests {
+    (paused: $fixture:expr) => {
+        $crate::__replay_cases!([$crate::__conformance_tests] (@tests replay, true, $fixture;));
+    };
+    ($fixture:expr) => {
+        $crate::__replay_cases!([$crate::__conformance_tests] (@tests replay, false, $fixture;));
     };
 }
 
@@ -201,6 +254,21 @@ macro_rules! define_run_all {
 }
 
 __conformance_cases!([define_run_all]());
+
+macro_rules! define_run_all_replays {
+    ($($case:ident),* $(,)?) => {
+        /// Runs every [`replay`] case in turn against one fixture, naming each on stderr
+        /// as it starts, as [`run_all`] does for the lock cases.
+        pub async fn run_all_replays(fixture: &impl Fixture) {
+            $(
+                eprintln!("replay conformance case {}", stringify!($case));
+                replay::$case(fixture).await;
+            )*
+        }
+    };
+}
+
+__replay_cases!([define_run_all_replays]());
 
 /// Runs one case as `#[tokio::test]` would: on a current-thread runtime with a paused
 /// clock, or on a four-thread one in real time.

@@ -35,3 +35,10 @@ impl Fixture for Memory {
 }
 
 tower_lock::testing::conformance_tests!(paused: async { Memory(MemoryBackend::new()) });
+
+/// The `ReplayStore` cases, on the memory backend's records.
+mod replay {
+    use super::*;
+
+    tower_lock::testing::replay_conformance_tests!(paused: async { Memory(MemoryBackend::new()) });
+}

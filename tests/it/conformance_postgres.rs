@@ -74,6 +74,13 @@ impl Fixture for Postgres {
 
 tower_lock::testing::conformance_tests!(Postgres::start());
 
+/// The `ReplayStore` cases, on records in `<table>_replay`.
+mod replay {
+    use super::*;
+
+    tower_lock::testing::replay_conformance_tests!(Postgres::start());
+}
+
 #[test]
 fn database_urls() {
     use common::postgres::with_database;

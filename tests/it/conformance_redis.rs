@@ -67,6 +67,13 @@ impl Fixture for Redis {
 
 tower_lock::testing::conformance_tests!(Redis::start());
 
+/// The `ReplayStore` cases, on records in Redis.
+mod replay {
+    use super::*;
+
+    tower_lock::testing::replay_conformance_tests!(Redis::start());
+}
+
 /// After `LockClient::shutdown`, no Redis key and no value mentions the client: its
 /// holds (plain, fair with a queued waiter, read), its waiter's queue entries and its
 /// registered name are gone.

@@ -344,6 +344,100 @@ async fn a_grant_survives_a_crash_whatever_the_sessions_synchronous_commit() {
     drop(server);
 }
 
+/// Issue 25: a record kept for replay must survive a crash as a grant does, or the
+/// retry runs its request again. `_replay_store` calls `_release`, which turns
+/// `synchronous_commit` off for its transaction; a stored record turns it back (to the
+/// session's setting, at least `on`). Made certain as for grants above: the WAL writer
+/// runs every 10 s, and the server is killed at once after five records were stored
+/// from a pool whose sessions run `synchronous_commit = off`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_record_survives_a_crash_whatever_the_sessions_synchronous_commit() {
+    use tower_lock::backend::{
+        Acquire, LockBackend, LockMode, LockRequest, Release, ReplayStore, Stored,
+    };
+
+    let Some(mut server) = tokio::task::spawn_blocking(PgServer::start).await.unwrap() else {
+        eprintln!("skipped: no PostgreSQL server binaries (.ci/run installs them)");
+        return;
+    };
+    let url = server.url();
+    let admin = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .unwrap();
+    sqlx::query("ALTER SYSTEM SET wal_writer_delay = '10s'")
+        .execute(&admin)
+        .await
+        .unwrap();
+    admin.close().await;
+    server = restarted(server).await;
+
+    let asynchronous = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(2))
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::Executor::execute(conn, "SET synchronous_commit = off")
+                    .await
+                    .map(|_| ())
+            })
+        })
+        .connect(&url)
+        .await
+        .unwrap();
+    let writer = PostgresBackend::builder(asynchronous)
+        .build()
+        .await
+        .unwrap();
+    let keys: Vec<LockKey> = (0..5)
+        .map(|i| LockKey::new(format!("faults:record:{i}")).unwrap())
+        .collect();
+    for key in &keys {
+        let req = LockRequest::new(
+            key.clone(),
+            tower_lock::HoldId::from_raw("writer:1").unwrap(),
+            LockMode::Exclusive,
+            Duration::from_secs(60),
+        )
+        .fenced();
+        let Acquire::Acquired(grant) = writer.acquire(&req).await.unwrap() else {
+            panic!("{key} is free")
+        };
+        let stored = writer
+            .store_and_release(
+                &req,
+                grant.token().unwrap(),
+                bytes::Bytes::from(key.to_string()),
+                Duration::from_secs(3600),
+            )
+            .await
+            .unwrap();
+        assert_eq!(stored, Stored::new(true, Release::Released));
+    }
+    // The crash, at once after the last record.
+    server = restarted(server).await;
+
+    let reader = backend(&url, "tl-reader", Duration::from_secs(1)).await;
+    let mut lost = Vec::new();
+    for key in &keys {
+        let record = loop {
+            match reader.load(key).await {
+                Ok(record) => break record,
+                Err(e) if e.is_unavailable() => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("{key}: {e}"),
+            }
+        };
+        if record.as_deref() != Some(key.as_str().as_bytes()) {
+            lost.push(key.to_string());
+        }
+    }
+    assert!(lost.is_empty(), "records lost in the crash: {lost:?}");
+    drop(server);
+}
+
 /// `server` killed (SIGKILL) and started again.
 async fn restarted(mut server: PgServer) -> PgServer {
     tokio::task::spawn_blocking(move || {

@@ -188,6 +188,84 @@ async fn expired_rows_do_not_pile_up() {
     assert_eq!(rows("SELECT count(*) FROM tower_lock_clients").await, 1);
 }
 
+/// Issue 25: records kept for replay expire, and nothing else would ever delete those
+/// of names never written again (one idempotency key per request): they would pile up
+/// as expired holds did. Each store deletes up to 8 expired records of any name, and
+/// client registration sweeps them all with the other expired rows.
+#[tokio::test]
+async fn expired_records_do_not_pile_up() {
+    use tower_lock::backend::ReplayStore;
+
+    let db = PgDatabase::create().await;
+    let backend = on(&db).await;
+    let pool = backend.pool().clone();
+    // Records that expired a second ago, of names nobody writes again.
+    let expired = |n: i64| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query(
+                "INSERT INTO tower_lock_replay (name, token, record, expires_at) \
+                 SELECT 'once:' || i || ':' || random(), i, '\\x00', clock_timestamp() - interval '1 second' \
+                   FROM generate_series(1, $1) AS i",
+            )
+            .bind(n)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+    };
+    let count = |sql: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let expired_now =
+        || count("SELECT count(*) FROM tower_lock_replay WHERE expires_at <= clock_timestamp()");
+    let store = |name: &'static str| {
+        let backend = backend.clone();
+        async move {
+            let req = req(name, "writer:1", LockMode::Exclusive).fenced();
+            let Acquire::Acquired(grant) = backend.acquire(&req).await.unwrap() else {
+                panic!("{name} is free")
+            };
+            let record = bytes::Bytes::from_static(b"response");
+            let stored = backend
+                .store_and_release(
+                    &req,
+                    grant.token().unwrap(),
+                    record,
+                    Duration::from_secs(60),
+                )
+                .await
+                .unwrap();
+            assert!(stored.stored, "{name}");
+        }
+    };
+
+    expired(12).await;
+    store("live:1").await;
+    assert_eq!(expired_now().await, 4, "a store deletes 8 expired records");
+    store("live:2").await;
+    assert_eq!(expired_now().await, 0, "the next store deletes the rest");
+    assert_eq!(count("SELECT count(*) FROM tower_lock_replay").await, 2);
+
+    expired(3).await;
+    backend
+        .register("new", "pod", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(
+        expired_now().await,
+        0,
+        "registration sweeps expired records"
+    );
+    assert_eq!(count("SELECT count(*) FROM tower_lock_replay").await, 2);
+}
+
 /// An attempt dropped in flight was compensated by a release on another of the pool's
 /// connections, which could reach the server first: the late attempt then took a hold
 /// (or a place in the queue) that nobody stood for, until its lease or the waiter

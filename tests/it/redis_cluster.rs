@@ -138,10 +138,17 @@ impl KindFixture for Cluster {
 async fn conformance_suite_on_a_three_master_cluster() {
     let fixture = Cluster::start().await;
 
-    // The lock, its fencing counter and its channel hash to one slot, as the server
-    // itself computes it, whether or not the name carries a hash tag.
+    // The lock, its fencing counter, its channel and its record for replay hash to one
+    // slot, as the server itself computes it, whether or not the name carries a hash
+    // tag.
     let mut node = fixture.cluster.nodes[0].conn().await;
-    for name in ["anyLock", "lock:order:{42}", "conformance:mutex"] {
+    for name in [
+        "anyLock",
+        "lock:order:{42}",
+        "conformance:mutex",
+        "a{b}c",
+        "é:{ü}",
+    ] {
         let key = LockKey::new(name).unwrap();
         let backend = &fixture.backends[0];
         let mut slots = Vec::new();
@@ -149,6 +156,7 @@ async fn conformance_suite_on_a_three_master_cluster() {
             backend.lock_name(&key),
             backend.fence_name(&key),
             backend.channel_name(&key),
+            backend.replay_name(&key),
         ] {
             let slot: i64 = redis::cmd("CLUSTER")
                 .arg("KEYSLOT")
@@ -162,6 +170,9 @@ async fn conformance_suite_on_a_three_master_cluster() {
     }
 
     tower_lock::testing::run_all(&fixture).await;
+    // Records for replay: each script call goes to its lock's master, and its release
+    // publishes on the lock's shard.
+    tower_lock::testing::run_all_replays(&fixture).await;
 
     // The lock kinds: the cases that between them run every fair, read-write and permit
     // script (the read holds' lease keys are named inside the scripts, so this is also

@@ -158,6 +158,75 @@ async fn without_replica_acknowledgement_losing_the_primary_makes_two_holders() 
     );
 }
 
+/// Issue 25: behind Sentinel (replica acknowledgement on by default: one replica
+/// within 300 ms) a store and release waits for a replica as a release does. With the
+/// replication stream held back it returns once `WAIT` has given up, stored and
+/// released — waited for, not failed — and the record reaches the replica once the
+/// stream flows again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_and_release_waits_for_a_replica_as_a_release_does() {
+    use tower_lock::backend::{
+        Acquire, LockBackend, LockMode, LockRequest, Release, ReplayStore, Stored,
+    };
+    use tower_lock::{HoldId, LockKey};
+
+    let set = SentinelSet::start_behind_proxies(1, 1).await;
+    let backend = behind(&set, None).await;
+    let key = LockKey::new("failover:replay").unwrap();
+    let req = LockRequest::new(
+        key.clone(),
+        HoldId::from_raw("replay:1").unwrap(),
+        LockMode::Exclusive,
+        Duration::from_secs(30),
+    )
+    .fenced();
+    let Acquire::Acquired(grant) = backend.acquire(&req).await.unwrap() else {
+        panic!("the key is free")
+    };
+    set.replication[0].set_flow(Direction::Down, Flow::Hold);
+    let started = tokio::time::Instant::now();
+    let stored = backend
+        .store_and_release(
+            &req,
+            grant.token().unwrap(),
+            bytes::Bytes::from_static(b"kept"),
+            Duration::from_secs(60),
+        )
+        .await
+        .expect("a record too few replicas acknowledged is waited for, not failed");
+    let took = started.elapsed();
+    assert_eq!(stored, Stored::new(true, Release::Released));
+    assert!(
+        took >= Duration::from_millis(250),
+        "answered in {took:?}: no WAIT for the replica"
+    );
+    set.replication[0].set_flow(Direction::Down, Flow::Pass);
+    let replica = redis::Client::open(format!("redis://127.0.0.1:{}", set.nodes[1].port()))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let record_key = backend.replay_name(&key);
+    common::wait_until(
+        Duration::from_secs(10),
+        "the record reached the replica",
+        || {
+            let mut replica = replica.clone();
+            let record_key = record_key.clone();
+            async move {
+                let record: Option<Vec<u8>> = redis::cmd("HGET")
+                    .arg(&record_key)
+                    .arg("record")
+                    .query_async(&mut replica)
+                    .await
+                    .unwrap();
+                record.as_deref() == Some(&b"kept"[..])
+            }
+        },
+    )
+    .await;
+}
+
 /// The split-brain window: the primary is frozen (SIGSTOP) past the Sentinels' down
 /// time, a replica is promoted and client B takes a key there; then the old primary
 /// comes back, still a primary with no replica until the Sentinels demote it, and client

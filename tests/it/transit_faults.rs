@@ -18,8 +18,10 @@ use common::proxy::{Direction, FaultProxy, Flow, Trap};
 use common::redis_server::RedisServer;
 use common::wait_until;
 use tokio::time::Instant;
-use tower_lock::backend::{Acquire, LockBackend, LockMode, LockRequest, Release};
-use tower_lock::{Error, HoldId, Lease, Lock, LockClient, LockKey, RedisBackend};
+use tower_lock::backend::{
+    Acquire, LockBackend, LockMode, LockRequest, Release, ReplayStore, Stored,
+};
+use tower_lock::{Error, FencingToken, HoldId, Lease, Lock, LockClient, LockKey, RedisBackend};
 
 /// The response timeout of every backend behind the proxy: short, so the tests are.
 const TIMEOUT: Duration = Duration::from_millis(200);
@@ -544,6 +546,129 @@ async fn a_timed_out_acquisition_that_lands_after_its_record_takes_nothing_postg
             let state = pg.direct.inspect(&key, LockMode::Exclusive).await.unwrap();
             state.holders.is_empty()
         },
+    )
+    .await;
+}
+
+// ---------------------------------------------------------------------------------------
+// Records for replay (issue 25)
+// ---------------------------------------------------------------------------------------
+
+/// Takes `req` on `store`, which must be free for it; its fencing token.
+async fn fenced_grant(store: &dyn LockBackend, req: &LockRequest) -> FencingToken {
+    match store.acquire(req).await.unwrap() {
+        Acquire::Acquired(grant) => grant.token().unwrap(),
+        busy => panic!("{} is not free: {busy:?}", req.key),
+    }
+}
+
+/// A store and release held back on its way (its reply times out) until its hold's
+/// lease has run out and another hold has taken the lock: when it lands, the store
+/// refuses it. No record is written, the other hold keeps its lock, and its own record
+/// is stored afterwards. `behind` reaches the store through `proxy`; `direct` does not.
+async fn a_store_and_release_that_lands_after_the_lease(
+    proxy: &FaultProxy,
+    behind: &dyn LockBackend,
+    direct: &dyn LockBackend,
+    key: &str,
+) {
+    let key = LockKey::new(key).unwrap();
+    let record = |text: &'static str| bytes::Bytes::from_static(text.as_bytes());
+    let lease = Duration::from_millis(300);
+    let late = LockRequest::new(
+        key.clone(),
+        HoldId::from_raw("late:1").unwrap(),
+        LockMode::Exclusive,
+        lease,
+    )
+    .fenced();
+    let late_token = fenced_grant(behind, &late).await;
+    let trap = proxy.trap(Direction::Up, b"record-of-the-late-hold");
+    let err = behind
+        .replays()
+        .unwrap()
+        .store_and_release(&late, late_token, record("record-of-the-late-hold"), LONG)
+        .await
+        .unwrap_err();
+    assert!(err.is_unavailable(), "{err:?}");
+    trap.caught().await;
+    wait_until(
+        Duration::from_secs(5),
+        "the late hold's lease ran out",
+        || async {
+            let state = direct.inspect(&key, LockMode::Exclusive).await.unwrap();
+            state.holders.is_empty()
+        },
+    )
+    .await;
+    let next = LockRequest::new(
+        key.clone(),
+        HoldId::from_raw("next:1").unwrap(),
+        LockMode::Exclusive,
+        LONG,
+    )
+    .fenced();
+    let next_token = fenced_grant(direct, &next).await;
+    assert!(next_token > late_token);
+    let records = direct.replays().unwrap();
+    release_late_write(
+        proxy,
+        trap,
+        "the late store and release wrote its record or released the next hold",
+        || async {
+            let state = direct.inspect(&key, LockMode::Exclusive).await.unwrap();
+            let holders: Vec<&str> = state.holders.iter().map(|h| h.hold_id.as_str()).collect();
+            records.load(&key).await.unwrap().is_none() && holders == ["next:1"]
+        },
+    )
+    .await;
+    let stored = records
+        .store_and_release(&next, next_token, record("record-of-the-next-hold"), LONG)
+        .await
+        .unwrap();
+    assert_eq!(stored, Stored::new(true, Release::Released));
+    assert_eq!(
+        records.load(&key).await.unwrap().as_deref(),
+        Some(&b"record-of-the-next-hold"[..])
+    );
+}
+
+/// Issue 25 on Redis: a store and release that lands after its hold's lease stores
+/// nothing (the replay script checks the hold in the same call that writes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_and_release_that_lands_after_the_lease_stores_nothing_redis() {
+    let server = RedisServer::start().await;
+    let (proxy, backend, _client) = redis_behind_proxy(&server).await;
+    let direct = RedisBackend::connect(server.url()).await.unwrap();
+    // The replay script loaded, so the late EVALSHA runs (one the server did not know
+    // would do nothing, and prove nothing).
+    let warm = LockRequest::new(
+        LockKey::new("warm-up-replay").unwrap(),
+        HoldId::from_raw("warm:1").unwrap(),
+        LockMode::Exclusive,
+        LONG,
+    )
+    .fenced();
+    let token = fenced_grant(&backend, &warm).await;
+    let warmed = backend
+        .store_and_release(&warm, token, bytes::Bytes::from_static(b"warm"), LONG)
+        .await
+        .unwrap();
+    assert!(warmed.stored);
+    a_store_and_release_that_lands_after_the_lease(&proxy, &backend, &direct, "late-replay").await;
+}
+
+/// Issue 25 on PostgreSQL: a store and release that lands after its hold's lease
+/// stores nothing (`_replay_store` checks the hold in the statement that writes).
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_and_release_that_lands_after_the_lease_stores_nothing_postgres() {
+    let pg = postgres_behind_proxy().await;
+    a_store_and_release_that_lands_after_the_lease(
+        &pg.proxy,
+        &pg.backend,
+        &pg.direct,
+        "late-replay",
     )
     .await;
 }

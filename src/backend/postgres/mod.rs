@@ -34,7 +34,8 @@
 //!
 //! Tables (in the configured schema, named after the configured table, default
 //! `tower_lock`): `tower_lock` (holds), `tower_lock_queue`, `tower_lock_fence`,
-//! `tower_lock_clients`, the sequence `tower_lock_token` and the functions
+//! `tower_lock_clients`, `tower_lock_gone`, `tower_lock_replay` (records for replay, see
+//! [`ReplayStore`]), the sequence `tower_lock_token` and the functions
 //! `tower_lock_*`. They are created when the backend is built (unless
 //! [`migrate(false)`](PostgresBackendBuilder::migrate)), or by
 //! [`PostgresBackend::migrate`]; creating them is idempotent and safe from several
@@ -95,9 +96,11 @@ use std::time::Duration;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use tokio_util::sync::DropGuard;
 
+use bytes::Bytes;
+
 use super::{
-    Acquire, BoxFuture, ClientNames, LockBackend, LockMode, LockRequest, LockState, Release,
-    Signal, StoreProfile, Subscription, queued,
+    Acquire, BoxFuture, ClientNames, FencingToken, LockBackend, LockMode, LockRequest, LockState,
+    Release, ReplayStore, Signal, StoreProfile, Stored, Subscription, queued,
 };
 use crate::backend::clock::StoreClock;
 use crate::error::{Error, Result, StoreError, StoreErrorKind};
@@ -220,7 +223,7 @@ impl PostgresBackend {
     }
 
     /// The table of holds, qualified: `<schema>.<table>`; its companions add `_queue`,
-    /// `_fence`, `_clients`, `_gone`.
+    /// `_fence`, `_clients`, `_gone`, `_replay`.
     pub fn qualified_table(&self) -> &str {
         &self.inner.qualified
     }
@@ -370,6 +373,10 @@ impl LockBackend for PostgresBackend {
         Some(self)
     }
 
+    fn replays(&self) -> Option<&dyn ReplayStore> {
+        Some(self)
+    }
+
     /// `SELECT 1` on a connection of the pool, within the response timeout.
     fn ping(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(async move {
@@ -409,7 +416,8 @@ impl ClientNames for PostgresBackend {
                 "DELETE FROM __F__ WHERE expires_at <= clock_timestamp(); \
                  DELETE FROM __F___queue WHERE evict_at <= clock_timestamp(); \
                  DELETE FROM __F___clients WHERE expires_at <= clock_timestamp(); \
-                 DELETE FROM __F___gone WHERE until <= clock_timestamp();",
+                 DELETE FROM __F___gone WHERE until <= clock_timestamp(); \
+                 DELETE FROM __F___replay WHERE expires_at <= clock_timestamp();",
             );
             self.timed(sqlx::raw_sql(&sweep).execute(&self.inner.pool))
                 .await?;
@@ -448,6 +456,34 @@ impl ClientNames for PostgresBackend {
                 .await
                 .map(drop)
         })
+    }
+}
+
+/// Records live in `<table>_replay` (name, token, record, expires_at), one row per lock
+/// name, written by the function `<table>_replay_store`: it releases the hold with
+/// `<table>_release` — the release the backend's [`release`](LockBackend::release)
+/// makes, notification and wake-ups included — and writes the record in the same
+/// transaction if that release found the hold (unexpired on the database's clock) and
+/// no unexpired record with a greater token is kept, all under the name's advisory lock.
+///
+/// Every mode is kept (the release decides who holds what). A stored record commits
+/// synchronously, as a grant does: a response a retry is to replay survives a crash
+/// of the server, whatever the session's `synchronous_commit`. Expired records count as
+/// absent; each store deletes a few of any name, and client registration sweeps them
+/// with the other expired rows.
+impl ReplayStore for PostgresBackend {
+    fn load<'a>(&'a self, key: &'a LockKey) -> BoxFuture<'a, Result<Option<Bytes>>> {
+        Box::pin(async move { Ok(self.load_now(key).await?.map(Bytes::from)) })
+    }
+
+    fn store_and_release<'a>(
+        &'a self,
+        req: &'a LockRequest,
+        token: FencingToken,
+        record: Bytes,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Stored>> {
+        Box::pin(async move { self.store_and_release_now(req, token, &record, ttl).await })
     }
 }
 

@@ -6,8 +6,8 @@ use std::time::Duration;
 use super::listener::waiters_of;
 use super::{PostgresBackend, map_error};
 use crate::backend::{
-    Acquire, FencingToken, Grant, HoldInfo, LockMode, LockRequest, LockState, Release, WaiterScope,
-    Waiters, queued,
+    Acquire, FencingToken, Grant, HoldInfo, LockMode, LockRequest, LockState, Release, Stored,
+    WaiterScope, Waiters, queued,
 };
 use crate::error::{Error, Result, StoreErrorKind};
 use crate::hold_id::HoldId;
@@ -22,6 +22,8 @@ pub(super) struct Statements {
     acquire: String,
     release: String,
     renew: String,
+    replay_store: String,
+    replay_load: String,
 }
 
 impl Statements {
@@ -34,6 +36,14 @@ impl Statements {
             ),
             release: fill("SELECT __F___release($1, $2, $3, $4, $5)", qualified),
             renew: fill("SELECT * FROM __F___renew($1, $2, $3, $4)", qualified),
+            replay_store: fill(
+                "SELECT stored, released FROM __F___replay_store($1, $2, $3, $4, $5, $6, $7, $8)",
+                qualified,
+            ),
+            replay_load: fill(
+                "SELECT record FROM __F___replay WHERE name = $1 AND expires_at > clock_timestamp()",
+                qualified,
+            ),
         }
     }
 }
@@ -138,13 +148,19 @@ impl PostgresBackend {
                     .fetch_one(&self.inner.pool),
             )
             .await?;
-        Ok(match left {
+        Ok(self.released(&req.key, left))
+    }
+
+    /// What `_release` answered (`left`: -1, 0, holds left) for `key`, as the outcome;
+    /// a release that freed the lock wakes this process's waiters now.
+    fn released(&self, key: &LockKey, left: i32) -> Release {
+        match left {
             -1 => Release::NotHeld,
             0 => {
                 // This process's waiters hear it now, not a NOTIFY round trip later: a
                 // releaser that asks again at once must find them ahead of it (no
                 // barging). The NOTIFY names this backend, whose listener skips it.
-                if let Some(w) = waiters_of(&self.inner.waiters).get(&req.key) {
+                if let Some(w) = waiters_of(&self.inner.waiters).get(key) {
                     w.one.notify_one();
                     w.all.notify_all();
                 }
@@ -153,7 +169,49 @@ impl PostgresBackend {
             n => Release::Decremented {
                 holds: u32::try_from(n).unwrap_or(u32::MAX),
             },
-        })
+        }
+    }
+
+    /// [`ReplayStore::store_and_release`](crate::backend::ReplayStore::store_and_release):
+    /// one call of `_replay_store`, which releases with `_release`.
+    pub(super) async fn store_and_release_now(
+        &self,
+        req: &LockRequest,
+        token: FencingToken,
+        record: &[u8],
+        ttl: Duration,
+    ) -> Result<Stored> {
+        let token = i64::try_from(token.get()).map_err(|_| {
+            Error::store(
+                StoreErrorKind::Misconfigured,
+                format!("the fencing token {token} is beyond PostgreSQL's bigint"),
+            )
+        })?;
+        let (stored, left): (bool, i32) = self
+            .timed(
+                sqlx::query_as(&self.inner.statements.replay_store)
+                    .bind(req.key.as_str())
+                    .bind(req.hold_id.as_str())
+                    .bind(mode_char(req.mode))
+                    .bind(millis(req.lease))
+                    .bind(&self.inner.origin)
+                    .bind(token)
+                    .bind(record)
+                    .bind(millis(ttl))
+                    .fetch_one(&self.inner.pool),
+            )
+            .await?;
+        Ok(Stored::new(stored, self.released(&req.key, left)))
+    }
+
+    /// [`ReplayStore::load`](crate::backend::ReplayStore::load): the unexpired record.
+    pub(super) async fn load_now(&self, key: &LockKey) -> Result<Option<Vec<u8>>> {
+        self.timed(
+            sqlx::query_scalar(&self.inner.statements.replay_load)
+                .bind(key.as_str())
+                .fetch_optional(&self.inner.pool),
+        )
+        .await
     }
 
     pub(super) async fn renew_all(&self, reqs: &[LockRequest]) -> Result<Vec<bool>> {
@@ -315,5 +373,6 @@ mod tests {
         let sql = SCHEMA_SQL.replace("__S__", "s").replace("__T__", "t");
         assert!(!sql.contains("__"), "a placeholder is left");
         assert!(sql.contains("s.t_acquire("));
+        assert!(sql.contains("s.t_replay_store("));
     }
 }

@@ -16,6 +16,7 @@
 //! | read hold leases | `{NAME}:<owner>:rwlock_timeout:<i>` | `RReadWriteLock`'s string per read hold (value `1`), `PEXPIRE`d |
 //! | read-write channels | `redisson_rwlock:{NAME}` (Redisson's `0` / `1`), `redisson_rwlock:{NAME}:<owner>:read` / `:write` (a queued waiter's wake-up) | |
 //! | permits | `NAME` and `tower_lock_permits:{NAME}` | hash `holds:<owner>` → holds; sorted set owner → end of lease (server clock, ms) |
+//! | record for replay ([`ReplayStore`], exclusive locks) | `tower_lock_replay:{NAME}` | hash `token` → the writer's fencing token, `record` → the bytes; `PEXPIRE`d with the record's TTL |
 //!
 //! Every key and channel of a lock shares `NAME`'s Redis Cluster hash slot. Every state
 //! change is one Lua script from the crate's `lua/` directory (the fair, read-write and
@@ -136,8 +137,8 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{
     Acquire, BoxFuture, ClientNames, FencingToken, Grant, HoldInfo, LockBackend, LockMode,
-    LockRequest, LockState, QUEUED_MODES, Release, StoreProfile, Subscription, WaiterScope,
-    Waiters, queued,
+    LockRequest, LockState, QUEUED_MODES, Release, ReplayStore, StoreProfile, Subscription,
+    WaiterScope, Waiters, queued,
 };
 use crate::backend::clock::{COMPENSATION_MARGIN, StoreClock};
 use crate::error::{Error, Result, StoreError, StoreErrorKind};
@@ -148,6 +149,7 @@ mod batch;
 mod modes;
 mod primary;
 mod pubsub;
+mod replay;
 #[cfg(feature = "sentinel")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sentinel")))]
 pub mod sentinel_url;
@@ -197,6 +199,7 @@ struct Scripts {
     renew_many: Script,
     force_release: Script,
     inspect: Script,
+    replay_store: Script,
 }
 
 impl Scripts {
@@ -209,6 +212,7 @@ impl Scripts {
             renew_many: publish.script(include_str!("../../../lua/lock_renew_many.lua")),
             force_release: publish.script(include_str!("../../../lua/lock_force_release.lua")),
             inspect: publish.with_lib(include_str!("../../../lua/inspect.lua")),
+            replay_store: publish.with_lib(include_str!("../../../lua/replay_store.lua")),
         }
     }
 }
@@ -1057,6 +1061,12 @@ impl RedisBackend {
         Names::permits(&self.inner.prefix, key)
     }
 
+    /// The key of the record kept for replay under `key`'s lock
+    /// ([`ReplayStore`]): `tower_lock_replay:{NAME}`, in the lock's hash slot.
+    pub fn replay_name(&self, key: &LockKey) -> String {
+        Names::replay(&self.inner.prefix, key)
+    }
+
     /// The configured waiter timeout; see [`RedisBackendBuilder::waiter_timeout`].
     pub fn waiter_timeout(&self) -> Duration {
         self.inner.waiter_timeout
@@ -1480,6 +1490,11 @@ impl Names {
     /// The holders of permits (owner → end of lease).
     fn permits(prefix: &str, key: &LockKey) -> String {
         Self::companion("tower_lock_permits", prefix, key)
+    }
+
+    /// The record kept for replay under the lock ([`ReplayStore`]).
+    fn replay(prefix: &str, key: &LockKey) -> String {
+        Self::companion("tower_lock_replay", prefix, key)
     }
 
     /// The prefix of read holds' lease keys, `<it>:<owner>:rwlock_timeout:<i>`: Redisson's
@@ -2048,6 +2063,11 @@ impl LockBackend for RedisBackend {
         Some(self)
     }
 
+    /// Records beside the exclusive locks; see `replay.rs`.
+    fn replays(&self) -> Option<&dyn ReplayStore> {
+        Some(self)
+    }
+
     /// `PING`, on the connection lock calls use.
     fn ping(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(async move { self.inner.query::<()>(&redis::cmd("PING")).await })
@@ -2117,6 +2137,7 @@ mod tests {
         assert_eq!(Names::lock("", &key), "anyLock");
         assert_eq!(Names::channel("", &key), "redisson_lock__channel:{anyLock}");
         assert_eq!(Names::fence("", &key), "redisson_lock_token:{anyLock}");
+        assert_eq!(Names::replay("", &key), "tower_lock_replay:{anyLock}");
 
         assert_eq!(Names::queue("", &key), "redisson_lock_queue:{anyLock}");
         assert_eq!(
@@ -2160,6 +2181,10 @@ mod tests {
             Names::fence("app:", &key),
             "redisson_lock_token:app:lock:order:{42}"
         );
+        assert_eq!(
+            Names::replay("app:", &key),
+            "tower_lock_replay:app:lock:order:{42}"
+        );
     }
 
     #[cfg(feature = "cluster")]
@@ -2193,6 +2218,7 @@ mod tests {
                     ("queue timeouts", Names::queue_timeouts(prefix, &key)),
                     ("rw channel", Names::rw_channel(prefix, &key)),
                     ("permits", Names::permits(prefix, &key)),
+                    ("record for replay", Names::replay(prefix, &key)),
                     ("read lease key", lease_key),
                 ];
                 for mode in [
@@ -2259,6 +2285,11 @@ mod tests {
         assert_ne!(
             SCRIPTS.release.get_hash(),
             SHARDED_SCRIPTS.release.get_hash()
+        );
+        // The replay store releases with lib.lua's `release_hold`: renamed there too.
+        assert_ne!(
+            SCRIPTS.replay_store.get_hash(),
+            SHARDED_SCRIPTS.replay_store.get_hash()
         );
     }
 }

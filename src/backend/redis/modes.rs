@@ -101,7 +101,7 @@ pub(super) fn batch_companion(prefix: &str, req: &LockRequest) -> String {
 }
 
 /// `-1` / `0` / holds left → the outcome.
-fn parse_release(reply: i64) -> Release {
+pub(super) fn parse_release(reply: i64) -> Release {
     match reply {
         -1 => Release::NotHeld,
         0 => Release::Released,
