@@ -20,6 +20,16 @@
 //! pass the check and both order. `LockLayer` keyed by `lock:order:{<user id>}`
 //! serializes each user's requests; different users never wait for each other.
 //!
+//! An order may carry an `Idempotency-Key` header (a UUID the client picks per order).
+//! `IdempotencyLayer`, scoped by the user, runs the first request with a key and stores
+//! its answer; a retry with the same key (a client whose answer got lost) gets that
+//! answer again, the same `201` with the same order id, with `Idempotent-Replayed:
+//! true`, and the handler does not run — instead of a `409 duplicate_order` for its own
+//! order. A retry that arrives while its first is still running waits for its answer
+//! (up to `--wait-first-ms`, default 1000), then gets `409 in_flight` with
+//! `Retry-After`. A new key is a new order: the user's second gets `409
+//! duplicate_order`.
+//!
 //! Without `REDIS_URL` the locks and the store live in this process. With it, the locks
 //! are `RedisBackend` locks and vouchers and orders are in Redis (see
 //! `seckill/redis_store.rs`; every key starts with `seckill:`), so several server
@@ -74,13 +84,14 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use app::{MemoryStore, Settings, Store};
+use app::{HandlerRuns, MemoryStore, Settings, Store};
 use clap::{CommandFactory, Parser};
 use tower_lock::{LockClient, MemoryBackend};
 
 const VOUCHER: u64 = 1;
 
-/// A flash sale served through `LockLayer`: one order per user per voucher.
+/// A flash sale served through `LockLayer`: one order per user per voucher, and a
+/// retried order (same `Idempotency-Key`) answered with its first answer, replayed.
 #[derive(Parser)]
 #[command(
     name = "seckill",
@@ -103,7 +114,12 @@ struct Cli {
     /// Simulated work inside an order, in milliseconds.
     #[arg(long, value_name = "N", default_value_t = millis(Settings::default().work))]
     work_ms: u64,
-    /// Serve orders without the lock, to see the race.
+    /// How long a retried order (same `Idempotency-Key`) arriving while its first
+    /// request is still in flight waits for that answer to replay it, before it is
+    /// answered 409 in_flight, in milliseconds.
+    #[arg(long, value_name = "N", default_value_t = millis(Settings::default().wait_first))]
+    wait_first_ms: u64,
+    /// Serve orders without the per-user lock, to see the race.
     #[arg(long)]
     no_lock: bool,
     /// Fire `--users` × `--per-user` identical orders at a fresh sale and check the
@@ -170,6 +186,7 @@ fn parse_args() -> Result<Args, String> {
         settings: Settings {
             wait: Duration::from_millis(cli.wait_ms),
             work: Duration::from_millis(cli.work_ms),
+            wait_first: Duration::from_millis(cli.wait_first_ms),
             no_lock: cli.no_lock,
         },
         // Empty counts as unset, as it did when this read the variable itself.
@@ -418,7 +435,9 @@ async fn run(args: Args) -> Result<ExitCode, String> {
         args.name,
         client.id()
     );
-    let app = app::app(client.clone(), store.clone(), args.settings).map_err(|e| e.to_string())?;
+    let runs = HandlerRuns::default();
+    let app = app::app(client.clone(), store.clone(), args.settings, runs.clone())
+        .map_err(|e| e.to_string())?;
     let addr = if args.demo {
         SocketAddr::from(([127, 0, 0, 1], 0))
     } else {
@@ -438,6 +457,9 @@ async fn run(args: Args) -> Result<ExitCode, String> {
         println!("try:");
         println!(
             "  curl -i -X POST -H 'x-user-id: 42' http://{addr}/vouchers/{VOUCHER}/orders   # 201, then 409"
+        );
+        println!(
+            "  curl -i -X POST -H 'x-user-id: 7' -H 'Idempotency-Key: 7-a' http://{addr}/vouchers/{VOUCHER}/orders   # 201; again: the same 201, replayed"
         );
         println!(
             "  curl -i http://{addr}/vouchers/{VOUCHER}                                   # stock and orders"

@@ -20,7 +20,7 @@ mod redis_store;
 use std::sync::Arc;
 use std::time::Duration;
 
-use app::{MemoryStore, Settings, Store};
+use app::{HandlerRuns, MemoryStore, Settings, Store};
 use axum::body::Body;
 use common::wait_until;
 use http::{Method, Request, StatusCode, header};
@@ -34,6 +34,8 @@ struct Fixture {
     store: Arc<dyn Store>,
     client: LockClient,
     locks: Locks,
+    /// The order handler's runs.
+    runs: HandlerRuns,
 }
 
 enum Locks {
@@ -58,12 +60,14 @@ async fn postgres(stock: i64, settings: Settings) -> Fixture {
         .unwrap();
     let client = client_on(backend.clone());
     let store: Arc<dyn Store> = Arc::new(pg);
-    let app = app::app(client.clone(), store.clone(), settings).unwrap();
+    let runs = HandlerRuns::default();
+    let app = app::app(client.clone(), store.clone(), settings, runs.clone()).unwrap();
     Fixture {
         app,
         store,
         client,
         locks: Locks::Postgres(backend, db),
+        runs,
     }
 }
 
@@ -89,12 +93,14 @@ fn memory(stock: i64, settings: Settings) -> Fixture {
     let backend = MemoryBackend::new();
     let client = client_on(backend.clone());
     let store: Arc<dyn Store> = Arc::new(MemoryStore::with_voucher(1, stock));
-    let app = app::app(client.clone(), store.clone(), settings).unwrap();
+    let runs = HandlerRuns::default();
+    let app = app::app(client.clone(), store.clone(), settings, runs.clone()).unwrap();
     Fixture {
         app,
         store,
         client,
         locks: Locks::Memory(backend),
+        runs,
     }
 }
 
@@ -113,12 +119,14 @@ async fn redis(stock: i64, settings: Settings) -> Fixture {
     let redis_store = RedisStore::connect(&server.url()).await.unwrap();
     assert_eq!(redis_store.seed(1, stock).await.unwrap(), Seeded::Fresh);
     let store: Arc<dyn Store> = Arc::new(redis_store);
-    let app = app::app(client.clone(), store.clone(), settings).unwrap();
+    let runs = HandlerRuns::default();
+    let app = app::app(client.clone(), store.clone(), settings, runs.clone()).unwrap();
     Fixture {
         app,
         store,
         client,
         locks: Locks::Redis(server),
+        runs,
     }
 }
 
@@ -149,6 +157,7 @@ impl Fixture {
             Locks::Redis(server) => {
                 wait_until(Duration::from_secs(5), "no lock key left", || async {
                     server.keys("seckill:lock:*").await.is_empty()
+                        && server.keys("seckill:idempotency:*").await.is_empty()
                 })
                 .await;
                 wait_until(Duration::from_secs(5), "no subscription left", || async {
@@ -182,6 +191,131 @@ async fn send(
     }
     let body = res.into_body().collect().await.unwrap().to_bytes();
     (status, serde_json::from_slice(&body).unwrap_or_default())
+}
+
+/// What an order request got, whole.
+#[derive(Debug)]
+struct Answer {
+    status: StatusCode,
+    replayed: bool,
+    retry_after: Option<String>,
+    body: bytes::Bytes,
+}
+
+impl Answer {
+    /// The app's error code (`{"error": ...}`), if any.
+    fn error(&self) -> Option<String> {
+        let json: serde_json::Value = serde_json::from_slice(&self.body).ok()?;
+        json["error"].as_str().map(str::to_owned)
+    }
+}
+
+/// `POST uri` as `user`, with `key` as its `Idempotency-Key` when there is one.
+async fn order(app: &axum::Router, uri: &str, user: &str, key: Option<&str>) -> Answer {
+    let mut req = Request::post(uri).header("x-user-id", user);
+    if let Some(key) = key {
+        req = req.header("idempotency-key", key);
+    }
+    let res = app
+        .clone()
+        .oneshot(req.body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    let (head, body) = res.into_parts();
+    let header = |name: &str| head.headers.get(name).map(|v| v.to_str().unwrap());
+    Answer {
+        status: head.status,
+        replayed: header("idempotent-replayed") == Some("true"),
+        retry_after: header("retry-after").map(str::to_owned),
+        body: body.collect().await.unwrap().to_bytes(),
+    }
+}
+
+/// An order with an `Idempotency-Key`: its retries get its answer again, replayed, and
+/// the handler does not run for them; a new key of the same user is a new order
+/// (`409 duplicate_order`, replayed in turn to its own retries); another user's same
+/// key is theirs; the key reused for another voucher is refused (`422 key_reused`).
+async fn retried_orders_replay_their_first_answer(fx: Fixture) {
+    let app = &fx.app;
+    let uri = "/vouchers/1/orders";
+    let first = order(app, uri, "42", Some("k-1")).await;
+    assert_eq!((first.status, first.replayed), (StatusCode::CREATED, false));
+    for _ in 0..2 {
+        let again = order(app, uri, "42", Some("k-1")).await;
+        assert_eq!((again.status, again.replayed), (StatusCode::CREATED, true));
+        assert_eq!(again.body, first.body, "the same order id, byte for byte");
+    }
+    assert_eq!(fx.runs.count(), 1, "the handler ran for the first only");
+
+    let second = order(app, uri, "42", Some("k-2")).await;
+    assert_eq!(second.status, StatusCode::CONFLICT);
+    assert_eq!(second.error().as_deref(), Some("duplicate_order"));
+    assert!(!second.replayed);
+    let again = order(app, uri, "42", Some("k-2")).await;
+    assert_eq!((again.status, again.replayed), (StatusCode::CONFLICT, true));
+    assert_eq!(again.body, second.body);
+    assert_eq!(fx.runs.count(), 2);
+    // Without a key, as before: the handler runs and finds the order.
+    let unkeyed = order(app, uri, "42", None).await;
+    assert_eq!(unkeyed.error().as_deref(), Some("duplicate_order"));
+    assert_eq!(fx.runs.count(), 3);
+    // Keys are per user: user 43's `k-1` is a new order of theirs (the unit is gone).
+    let other = order(app, uri, "43", Some("k-1")).await;
+    assert_eq!(other.error().as_deref(), Some("sold_out"), "{other:?}");
+    assert!(!other.replayed);
+    // The same key for another request (another voucher): refused, the handler idle.
+    let moved = order(app, "/vouchers/9/orders", "42", Some("k-1")).await;
+    assert_eq!(moved.status, StatusCode::UNPROCESSABLE_ENTITY, "{moved:?}");
+    assert_eq!(moved.error().as_deref(), Some("key_reused"));
+    assert_eq!(fx.runs.count(), 4);
+
+    let orders = fx.store.orders(1).await.unwrap();
+    assert_eq!(orders.len(), 1);
+    assert_eq!(
+        serde_json::to_value(&orders[0]).unwrap(),
+        serde_json::from_slice::<serde_json::Value>(&first.body).unwrap()
+    );
+    fx.assert_nothing_left().await;
+}
+
+/// A retry that arrives while its first request still runs (a 300 ms handler): with
+/// `wait_first` zero it is told so at once (`409 in_flight` with `Retry-After`), and
+/// its next retry, after the first's answer, is replayed; with `wait_first` it waits
+/// for the first and gets its answer, replayed. The handler runs once either way.
+async fn a_retry_in_flight_is_told_so_or_waits_for_the_first(
+    make: impl AsyncFn(Settings) -> Fixture,
+) {
+    let slow = Settings {
+        work: Duration::from_millis(300),
+        ..Settings::default()
+    };
+    for wait_first in [Duration::ZERO, Duration::from_secs(10)] {
+        let fx = make(Settings { wait_first, ..slow }).await;
+        let first = tokio::spawn({
+            let app = fx.app.clone();
+            async move { order(&app, "/vouchers/1/orders", "42", Some("k")).await }
+        });
+        wait_until(Duration::from_secs(5), "the first request runs", || async {
+            fx.runs.count() == 1
+        })
+        .await;
+        let retry = order(&fx.app, "/vouchers/1/orders", "42", Some("k")).await;
+        let first = first.await.unwrap();
+        assert_eq!((first.status, first.replayed), (StatusCode::CREATED, false));
+        if wait_first.is_zero() {
+            assert_eq!(retry.status, StatusCode::CONFLICT, "{retry:?}");
+            assert_eq!(retry.error().as_deref(), Some("in_flight"));
+            assert_eq!(retry.retry_after.as_deref(), Some("1"));
+            let retry = order(&fx.app, "/vouchers/1/orders", "42", Some("k")).await;
+            assert!(retry.replayed, "{retry:?}");
+            assert_eq!(retry.body, first.body);
+        } else {
+            assert_eq!((retry.status, retry.replayed), (StatusCode::CREATED, true));
+            assert_eq!(retry.body, first.body);
+        }
+        assert_eq!(fx.runs.count(), 1);
+        fx.assert_nothing_left().await;
+    }
 }
 
 async fn endpoints_answer_as_documented(fx: Fixture) {
@@ -363,6 +497,16 @@ async fn endpoints_answer_as_documented_on_memory() {
     endpoints_answer_as_documented(memory(1, Settings::default())).await;
 }
 
+#[tokio::test]
+async fn retried_orders_replay_their_first_answer_on_memory() {
+    retried_orders_replay_their_first_answer(memory(1, Settings::default())).await;
+}
+
+#[tokio::test]
+async fn a_retry_in_flight_is_told_so_or_waits_for_the_first_on_memory() {
+    a_retry_in_flight_is_told_so_or_waits_for_the_first(async |s| memory(1, s)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_demo_burst_keeps_the_invariants_on_memory() {
     the_demo_burst_keeps_the_invariants(memory(100, Settings::default())).await;
@@ -376,6 +520,18 @@ mod on_postgres {
     #[tokio::test]
     async fn endpoints_answer_as_documented() {
         super::endpoints_answer_as_documented(postgres(1, Settings::default()).await).await;
+    }
+
+    #[tokio::test]
+    async fn retried_orders_replay_their_first_answer() {
+        super::retried_orders_replay_their_first_answer(postgres(1, Settings::default()).await)
+            .await;
+    }
+
+    #[tokio::test]
+    async fn a_retry_in_flight_is_told_so_or_waits_for_the_first() {
+        super::a_retry_in_flight_is_told_so_or_waits_for_the_first(async |s| postgres(1, s).await)
+            .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -404,7 +560,13 @@ mod on_postgres {
             .await
             .unwrap();
         let second_store: Arc<dyn Store> = Arc::new(pg_store::PgStore::open(pool).await.unwrap());
-        let second = app::app(client_on(backend), second_store, Settings::default()).unwrap();
+        let second = app::app(
+            client_on(backend),
+            second_store,
+            Settings::default(),
+            HandlerRuns::default(),
+        )
+        .unwrap();
         let mut addrs = Vec::new();
         let mut servers = Vec::new();
         for app in [first.app.clone(), second] {
@@ -550,6 +712,17 @@ mod on_redis {
     #[tokio::test]
     async fn endpoints_answer_as_documented() {
         super::endpoints_answer_as_documented(redis(1, Settings::default()).await).await;
+    }
+
+    #[tokio::test]
+    async fn retried_orders_replay_their_first_answer() {
+        super::retried_orders_replay_their_first_answer(redis(1, Settings::default()).await).await;
+    }
+
+    #[tokio::test]
+    async fn a_retry_in_flight_is_told_so_or_waits_for_the_first() {
+        super::a_retry_in_flight_is_told_so_or_waits_for_the_first(async |s| redis(1, s).await)
+            .await;
     }
 
     #[tokio::test]

@@ -24,12 +24,16 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde::{Deserialize, Serialize};
 use tower_lock::extract::HeldLock;
+use tower_lock::idempotency::{IdempotencyLayer, IdempotencyRejection};
 use tower_lock::layer::{KeyError, LockLayer, Rejection};
 use tower_lock::{LockClient, LockKey};
 
 /// The header that names the user. A real service would take the user from its
 /// authentication (see `ExtensionKey`); a header keeps the demo curl-able.
 pub const USER_HEADER: &str = "x-user-id";
+
+/// The namespace of the order lock, `lock:order:{<user id>}`.
+const ORDER_LOCK: &str = "lock:order";
 
 pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -222,7 +226,11 @@ pub struct Settings {
     /// Simulated work between "has this user ordered?" and "insert the order" (a
     /// payment call, a slow database): it widens the race the lock closes.
     pub work: Duration,
-    /// Serve orders without the lock, to see the race.
+    /// How long a retried order (the same `Idempotency-Key`) that arrives while its
+    /// first request is still in flight waits for that request's answer, to replay it,
+    /// before it is answered `409 in_flight`.
+    pub wait_first: Duration,
+    /// Serve orders without the per-user lock, to see the race.
     pub no_lock: bool,
 }
 
@@ -231,8 +239,29 @@ impl Default for Settings {
         Settings {
             wait: Duration::from_millis(50),
             work: Duration::from_millis(20),
+            wait_first: Duration::from_secs(1),
             no_lock: false,
         }
+    }
+}
+
+/// How many times the order handler ran in this process: the proof that a retried
+/// order was answered from its stored response instead of ordering again. Also counted
+/// as `seckill_order_handler_runs_total` on `/metrics`, for separate processes. Cheap to
+/// clone: clones share one count.
+#[derive(Clone, Debug, Default)]
+pub struct HandlerRuns(Arc<AtomicU64>);
+
+impl HandlerRuns {
+    /// The runs so far.
+    pub fn count(&self) -> u64 {
+        self.0.load(Ordering::SeqCst)
+    }
+
+    fn record(&self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        #[cfg(feature = "metrics")]
+        metrics::counter!("seckill_order_handler_runs_total").increment(1);
     }
 }
 
@@ -240,6 +269,7 @@ impl Default for Settings {
 struct AppState {
     store: Arc<dyn Store>,
     work: Duration,
+    runs: HandlerRuns,
 }
 
 /// An error answer: `{"error": code, "message": text}`.
@@ -260,7 +290,27 @@ fn parse_user(value: Option<&HeaderValue>) -> Result<u64, &'static str> {
 /// The order lock's key: `lock:order:{<user id>}`, one lock per user.
 fn order_key(parts: &Parts) -> Result<LockKey, KeyError> {
     let user = parse_user(parts.headers.get(USER_HEADER)).map_err(KeyError::new)?;
-    Ok(LockKey::namespaced("lock:order", &user.to_string())?)
+    Ok(LockKey::namespaced(ORDER_LOCK, &user.to_string())?)
+}
+
+/// Whose `Idempotency-Key` it is: the user, as the order lock has it, so that one user
+/// can never be answered with another's order. A request without a valid user is not
+/// covered: the order lock (or, with `--no-lock`, the handler) answers it `400`.
+fn user_scope(parts: &Parts) -> Option<LockKey> {
+    let user = parse_user(parts.headers.get(USER_HEADER)).ok()?;
+    LockKey::namespaced("user", &user.to_string()).ok()
+}
+
+/// Which answers are an order's outcome, stored and replayed to its key's retries:
+/// all but a 5xx (the lock or the store failed) and the order lock's `429 busy` (the
+/// user's other order held the lock: not an answer to this one, so its retry runs).
+///
+/// A `409 stale_token` (a newer holder took the user's lock over) is stored only if
+/// this request's idempotency lock outlived that takeover: the layer stores nothing for
+/// a request whose own lock was lost, and a pause or an outage long enough to lose the
+/// user's lock loses the idempotency lock, renewed by the same watchdog, too.
+fn final_answer(status: StatusCode) -> bool {
+    status != StatusCode::TOO_MANY_REQUESTS && !status.is_server_error()
 }
 
 /// The layer's rejections in the app's one JSON error shape, with their status and
@@ -280,23 +330,41 @@ fn json_rejection(rejection: Rejection) -> Response {
     (retry_after, error).into_response()
 }
 
-/// The app: `POST /vouchers/{id}/orders` (locked per user) and `GET /vouchers/{id}`.
+/// The idempotency layer's rejections in the same shape (the layer adds `Retry-After`).
+fn json_replay_rejection(rejection: IdempotencyRejection) -> Response {
+    let code = match &rejection {
+        IdempotencyRejection::InFlight { .. } => "in_flight",
+        IdempotencyRejection::Mismatch => "key_reused",
+        IdempotencyRejection::Unavailable { .. } => "lock_unavailable",
+        IdempotencyRejection::Lost { .. } => "lock_lost",
+        rejection if rejection.status().is_client_error() => "bad_request",
+        _ => "lock_error",
+    };
+    json_error(rejection.status(), code, &rejection.detail())
+}
+
+/// The app: `POST /vouchers/{id}/orders` (locked per user, retries with an
+/// `Idempotency-Key` replayed) and `GET /vouchers/{id}`. The handler counts its runs in
+/// `runs`.
 ///
 /// # Errors
 ///
-/// An invalid lock configuration (a wait out of range).
+/// An invalid lock configuration (a wait out of range), or a lock store that keeps no
+/// responses for replay.
 pub fn app(
     client: LockClient,
     store: Arc<dyn Store>,
     settings: Settings,
+    runs: HandlerRuns,
 ) -> Result<Router, tower_lock::Error> {
     let state = AppState {
         store,
         work: settings.work,
+        runs,
     };
     let mut order = post(create_order);
     if !settings.no_lock {
-        let layer = LockLayer::builder(client, order_key)
+        let layer = LockLayer::builder(client.clone(), order_key)
             .name("orders")
             .max_wait(settings.wait)
             .fenced(true)
@@ -304,6 +372,28 @@ pub fn app(
             .build()?;
         order = order.route_layer(layer);
     }
+    // Added last, the idempotency layer wraps the order lock, on purpose:
+    // - A retry is answered from its key's stored response, or told its first is still
+    //   in flight (`409 in_flight`), without queueing for the user's lock: a storm of
+    //   retries never makes the user's other orders wait, and a retry is never answered
+    //   `429 busy` because of its own first request. Inside, every retry would queue for
+    //   the user's lock first, and a replay would cost a lock round trip.
+    // - One owner, and the locks always taken in one order: the order lock finds the
+    //   idempotency layer's `Locks` extension and holds the user's key as that request's
+    //   owner (as a nested `LockLayer` does). Every request takes its idempotency key's
+    //   lock before the user's, and no holder of a user's lock ever waits for an
+    //   idempotency key's, so two requests never wait for each other in a cycle.
+    // - The handler still fences with the order lock's token: the inner `LockLayer`
+    //   puts its `HeldLock` over the idempotency layer's.
+    // The price of outside: the order lock's own answers reach the idempotency layer as
+    // the handler's would, so `final_answer` keeps its `429 busy` from being stored.
+    let replays = IdempotencyLayer::builder(client, user_scope)
+        .name("order-replays")
+        .wait_for_first(settings.wait_first)
+        .store_if(final_answer)
+        .on_rejection(json_replay_rejection)
+        .build()?;
+    order = order.route_layer(replays);
     Ok(Router::new()
         .route("/vouchers/{id}/orders", order)
         .route("/vouchers/{id}", get(show_voucher))
@@ -324,20 +414,20 @@ async fn create_order(
     held: Option<HeldLock>,
     headers: HeaderMap,
 ) -> Response {
+    state.runs.record();
     // The layer has checked the header already; without the layer (--no-lock) this
     // is where a bad one is caught.
     let user = match parse_user(headers.get(USER_HEADER)) {
         Ok(user) => user,
         Err(message) => return json_error(StatusCode::BAD_REQUEST, "bad_request", message),
     };
-    match place(
-        &state,
-        id,
-        user,
-        held.and_then(|h| h.fencing_token()).map_or(0, |t| t.get()),
-    )
-    .await
-    {
+    // The order lock's token only: the store fences per user, and the token of another
+    // key (the idempotency lock's, with `--no-lock`) is not ordered with the user's.
+    let token = held
+        .filter(|held| held.key().namespace() == ORDER_LOCK)
+        .and_then(|held| held.fencing_token())
+        .map_or(0, |t| t.get());
+    match place(&state, id, user, token).await {
         Ok(response) => response,
         Err(StoreError(e)) => json_error(StatusCode::SERVICE_UNAVAILABLE, "store", &e),
     }
