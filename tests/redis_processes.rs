@@ -31,12 +31,12 @@ fn main() {}
 #[cfg(all(feature = "redis", feature = "axum"))]
 mod imp {
     use std::future::Future;
-    use std::io::{BufRead, BufReader};
     use std::pin::Pin;
-    use std::process::{Child, ChildStdout, Command, ExitCode, Stdio};
+    use std::process::{Child, Command, ExitCode, Stdio};
     use std::time::Duration;
 
     use super::common::redis_server::RedisServer;
+    use super::common::seckill::{Seckill, forward_lines};
     use super::common::{example_binary, wait_until};
     use tokio::time::Instant;
     use tower_lock::{Error, Lease, LockClient, LockKey, RedisBackend};
@@ -239,19 +239,6 @@ mod imp {
         }
     }
 
-    fn forward_lines(stdout: ChildStdout) -> tokio::sync::mpsc::UnboundedReceiver<String> {
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        rx
-    }
-
     async fn holder_sigkill_frees_lock_within_lease() {
         let server = RedisServer::start().await;
         let lease = Duration::from_millis(1000);
@@ -420,67 +407,16 @@ mod imp {
         assert_eq!(exists, 0, "the lock was left behind");
     }
 
-    /// A `seckill` example server process on a free port, using Redis at `url`; killed
-    /// on drop.
-    struct Seckill {
-        child: Child,
-        addr: std::net::SocketAddr,
-        /// What it printed before it started serving.
-        said: Vec<String>,
-        /// Kept so its stdout stays drained: a closed pipe would fail its next print.
-        output: Option<tokio::sync::mpsc::UnboundedReceiver<String>>,
-    }
-
-    impl Seckill {
-        async fn start(url: &str, args: &[&str]) -> Self {
-            let mut child = Command::new(example_binary("seckill"))
-                .env("REDIS_URL", url)
-                .args(["--addr", "127.0.0.1:0"])
-                .args(args)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .expect("spawn the seckill example");
-            let stdout = child.stdout.take().expect("piped stdout");
-            // Owned (and so killed on drop) before anything below can panic.
-            let mut process = Seckill {
-                child,
-                addr: std::net::SocketAddr::from(([0, 0, 0, 0], 0)),
-                said: Vec::new(),
-                output: Some(forward_lines(stdout)),
-            };
-            let mut lines = process.output.take().expect("just set");
-            loop {
-                let said = &process.said;
-                let line = tokio::time::timeout(Duration::from_secs(20), lines.recv())
-                    .await
-                    .unwrap_or_else(|_| panic!("seckill did not start serving: {said:?}"))
-                    .unwrap_or_else(|| panic!("seckill exited before serving: {said:?}"));
-                if let Some((_, addr)) = line.split_once(" on http://") {
-                    process.addr = addr.parse().expect("the address seckill serves on");
-                    process.output = Some(lines);
-                    return process;
-                }
-                process.said.push(line);
-            }
-        }
-    }
-
-    impl Drop for Seckill {
-        fn drop(&mut self) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-
     /// Two `seckill` server processes on one Redis: the second joins the first one's
     /// sale instead of restocking it, and the demo burst split between them — each
     /// user's five concurrent clicks reaching both processes — keeps every invariant:
     /// the per-user lock and the stock hold across processes.
     async fn two_seckill_servers_share_one_redis() {
         let server = RedisServer::start().await;
-        let first = Seckill::start(&server.url(), &["--stock", "100"]).await;
-        let second = Seckill::start(&server.url(), &["--stock", "7"]).await;
+        let url = server.url();
+        let env = [("REDIS_URL", url.as_str())];
+        let first = Seckill::start(&env, &["--stock", "100"]).await;
+        let second = Seckill::start(&env, &["--stock", "7"]).await;
         for process in [&first, &second] {
             assert!(
                 process.said.iter().any(|l| l.starts_with("backend: redis")),

@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use app::{HandlerRuns, MemoryStore, Settings, Store};
 use axum::body::Body;
+use common::seckill::http_get;
 use common::wait_until;
 use http::{Method, Request, StatusCode, header};
 use http_body_util::BodyExt;
@@ -635,25 +636,6 @@ mod on_postgres {
         drop(a);
         fx.assert_nothing_left().await;
     }
-}
-
-/// A request over a real HTTP/1.1 connection to `addr`: the status and the body.
-async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let request = format!("GET {path} HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n");
-    conn.write_all(request.as_bytes()).await.unwrap();
-    let mut response = String::new();
-    conn.read_to_string(&mut response).await.unwrap();
-    let status = response
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("not an HTTP response: {response:?}"));
-    let body = response
-        .split_once("\r\n\r\n")
-        .map_or(String::new(), |(_, body)| body.to_owned());
-    (status, body)
 }
 
 /// The admin routes served on a free port of 127.0.0.1, as the example serves them.

@@ -14,6 +14,7 @@ pub mod nemesis;
 pub mod postgres;
 pub mod proxy;
 pub mod redis_server;
+pub mod seckill;
 pub mod sentinel;
 
 use std::future::Future;
