@@ -3,7 +3,7 @@
 //!
 //! ```sh
 //! cargo run --example seckill                  # serve on 127.0.0.1:3000, voucher 1 with 100 in stock
-//! cargo run --example seckill -- --demo        # fire 300 users × 5 identical requests, check the invariants
+//! cargo run --example seckill -- --demo        # 300 users × 5 orders, each sent 3 times: check the invariants
 //! cargo run --example seckill -- --demo --no-lock   # the same without the lock: watch it break
 //!
 //! # Locks and data in Redis, shared by every process that uses it:
@@ -28,7 +28,9 @@
 //! order. A retry that arrives while its first is still running waits for its answer
 //! (up to `--wait-first-ms`, default 1000), then gets `409 in_flight` with
 //! `Retry-After`. A new key is a new order: the user's second gets `409
-//! duplicate_order`.
+//! duplicate_order`. The demo sends every order three times with its key, once while
+//! the first is in flight and once after its answer, and checks that the handler ran
+//! once per key and that every retry was answered from the stored response.
 //!
 //! Without `REDIS_URL` the locks and the store live in this process. With it, the locks
 //! are `RedisBackend` locks and vouchers and orders are in Redis (see
@@ -66,8 +68,9 @@
 //!
 //! Other flags: `--stock N` (voucher 1's stock, default 100), `--wait-ms N` (how long an
 //! order waits for its user's lock, default 50), `--work-ms N` (simulated work inside an
-//! order, default 20), `--users N` and `--per-user N` (the demo's burst, default 300 × 5;
-//! 1 to 1000 per user); `--help` lists them all. Bad arguments exit 2.
+//! order, default 20), `--users N`, `--per-user N` and `--retries N` (the demo's burst,
+//! default 300 users × 5 orders, each sent 1 + 2 times; 1 to 1000 per user, 0 to 9
+//! retries); `--help` lists them all. Bad arguments exit 2.
 
 #[path = "seckill/admin.rs"]
 mod admin;
@@ -84,7 +87,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use app::{HandlerRuns, MemoryStore, Settings, Store};
+use app::{Burst, HandlerRuns, MemoryStore, Settings, Store};
 use clap::{CommandFactory, Parser};
 use tower_lock::{LockClient, MemoryBackend};
 
@@ -122,16 +125,22 @@ struct Cli {
     /// Serve orders without the per-user lock, to see the race.
     #[arg(long)]
     no_lock: bool,
-    /// Fire `--users` × `--per-user` identical orders at a fresh sale and check the
-    /// invariants, instead of serving.
+    /// Fire `--users` × `--per-user` orders at a fresh sale, each sent 1 + `--retries`
+    /// times with its `Idempotency-Key`, and check the invariants, instead of serving.
     #[arg(long)]
     demo: bool,
     /// Users in the demo.
     #[arg(long, value_name = "N", default_value_t = 300)]
     users: u64,
-    /// Concurrent identical orders per user in the demo (1 to 1000).
+    /// Concurrent orders per user in the demo, each with its own `Idempotency-Key`
+    /// (1 to 1000).
     #[arg(long, value_name = "N", default_value_t = 5)]
     per_user: u64,
+    /// How many more times the demo sends each order with its key: odd-numbered
+    /// retries while the first is in flight, even-numbered ones after its answer (0 to
+    /// 9).
+    #[arg(long, value_name = "N", default_value_t = Burst::default().retries)]
+    retries: u64,
     /// Locks and data in this Redis, shared by every process that uses it (default: in
     /// this process).
     #[arg(long, env = "REDIS_URL", value_name = "URL", hide_env_values = true)]
@@ -158,8 +167,7 @@ struct Args {
     stock: i64,
     reset: bool,
     demo: bool,
-    users: u64,
-    per_user: u64,
+    burst: Burst,
     settings: Settings,
     redis_url: Option<String>,
     database_url: Option<String>,
@@ -176,13 +184,20 @@ fn parse_args() -> Result<Args, String> {
     if cli.per_user == 0 || cli.per_user > 1000 {
         return Err("--per-user must be between 1 and 1000".into());
     }
+    if cli.retries > 9 {
+        return Err("--retries must be between 0 and 9".into());
+    }
     Ok(Args {
         addr: cli.addr,
         stock: cli.stock,
         reset: cli.reset,
         demo: cli.demo,
-        users: cli.users,
-        per_user: cli.per_user,
+        burst: Burst {
+            users: cli.users,
+            per_user: cli.per_user,
+            retries: cli.retries,
+            ..Burst::default()
+        },
         settings: Settings {
             wait: Duration::from_millis(cli.wait_ms),
             work: Duration::from_millis(cli.work_ms),
@@ -487,10 +502,16 @@ async fn run(args: Args) -> Result<ExitCode, String> {
     }
 
     let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let shape = args.burst;
     println!(
-        "seckill demo: {} users × {} concurrent identical orders against {} in stock on http://{addr} ({}; lock wait {:?}, handler work {:?})",
-        args.users,
-        args.per_user,
+        "seckill demo: {} users × {} concurrent orders, each sent {} times with its Idempotency-Key \
+         ({} while the first is in flight, {} after its answer), against {} in stock on http://{addr} \
+         ({}; lock wait {:?}, handler work {:?}, a retry waits up to {:?} for its first)",
+        shape.users,
+        shape.per_user,
+        1 + shape.retries,
+        shape.retries.div_ceil(2),
+        shape.retries / 2,
         args.stock,
         if args.settings.no_lock {
             "NO LOCK"
@@ -499,9 +520,10 @@ async fn run(args: Args) -> Result<ExitCode, String> {
         },
         args.settings.wait,
         args.settings.work,
+        args.settings.wait_first,
     );
     let started = tokio::time::Instant::now();
-    let tally = app::burst(&[addr], VOUCHER, args.users, args.per_user, 250).await?;
+    let tally = app::burst(&[addr], VOUCHER, shape).await?;
     let elapsed = started.elapsed();
     server.abort();
     admin_server.abort();
@@ -513,7 +535,7 @@ async fn run(args: Args) -> Result<ExitCode, String> {
     if let Some(what) = &tally.first_other {
         println!("first unexpected answer: {what}\n");
     }
-    let verdict = app::verdict(store.as_ref(), VOUCHER, args.stock, &tally)
+    let verdict = app::verdict(store.as_ref(), VOUCHER, args.stock, &tally, runs.count())
         .await
         .map_err(|e| e.0)?;
     for (check, ok) in &verdict.checks {

@@ -24,7 +24,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde::{Deserialize, Serialize};
 use tower_lock::extract::HeldLock;
-use tower_lock::idempotency::{IdempotencyLayer, IdempotencyRejection};
+use tower_lock::idempotency::{
+    IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyLayer, IdempotencyRejection,
+};
 use tower_lock::layer::{KeyError, LockLayer, Rejection};
 use tower_lock::{LockClient, LockKey};
 
@@ -467,20 +469,106 @@ async fn place(
     }
 }
 
+/// The demo burst's shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Burst {
+    /// Users, all ordering at once.
+    pub users: u64,
+    /// Orders per user, sent at once, each with an `Idempotency-Key` of its own.
+    pub per_user: u64,
+    /// How many more times each order is sent with its key, as by a client whose
+    /// answers get lost: the odd-numbered retries together with the first send (while
+    /// it is in flight), the even-numbered ones once the first has its answer.
+    pub retries: u64,
+    /// At most this many requests in flight at once, to stay within file-descriptor
+    /// limits.
+    pub in_flight: usize,
+}
+
+impl Default for Burst {
+    fn default() -> Self {
+        Burst {
+            users: 300,
+            per_user: 5,
+            retries: 2,
+            in_flight: 250,
+        }
+    }
+}
+
 /// What the demo burst saw.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Tally {
+    /// HTTP requests sent, retries included.
     pub requests: u64,
+    /// Orders sent: distinct `Idempotency-Key`s.
+    pub keys: u64,
+    /// Answers the handler gave (replays are counted apart): orders created (201), ...
     pub created: u64,
+    /// ... orders refused as the user's second (409 `duplicate_order`) ...
     pub duplicates: u64,
-    pub busy: u64,
+    /// ... and orders refused for want of stock (409 `sold_out`).
     pub sold_out: u64,
-    /// Anything else (transport errors, unexpected statuses).
+    /// Answers replayed from their key's stored response (`Idempotent-Replayed: true`).
+    pub replayed: u64,
+    /// The retries that found a stored response: of each key's answers (201 or 409
+    /// `duplicate_order` / `sold_out`, from the handler or replayed), all but the one
+    /// its handler's run gave.
+    pub retries_answered: u64,
+    /// Keys whose answers are not all the same bytes.
+    pub keys_differ: u64,
+    /// `429 busy` (another order of the user held their lock), sent again after
+    /// `Retry-After`.
+    pub busy: u64,
+    /// `409 in_flight` (the key's first request was still running), sent again after
+    /// `Retry-After`.
+    pub in_flight: u64,
+    /// Anything else (transport errors, unexpected statuses, a send that got no answer
+    /// in all its attempts).
     pub other: u64,
     /// The first of those, to tell what went wrong.
     pub first_other: Option<String>,
     pub stock_left: i64,
     pub orders: u64,
+}
+
+impl Tally {
+    /// Counts what the requests of one order (one key) got.
+    fn count_order(&mut self, outcomes: Vec<Outcome>) {
+        self.keys += 1;
+        let mut answers: Vec<(StatusCode, Bytes)> = Vec::new();
+        for outcome in outcomes {
+            self.requests += u64::from(!matches!(outcome, Outcome::GaveUp(_)));
+            match outcome {
+                Outcome::Answer {
+                    kind,
+                    replayed,
+                    status,
+                    body,
+                } => {
+                    *match (replayed, kind) {
+                        (true, _) => &mut self.replayed,
+                        (false, Answered::Created) => &mut self.created,
+                        (false, Answered::Duplicate) => &mut self.duplicates,
+                        (false, Answered::SoldOut) => &mut self.sold_out,
+                    } += 1;
+                    answers.push((status, body));
+                }
+                Outcome::Busy(_) => self.busy += 1,
+                Outcome::InFlight(_) => self.in_flight += 1,
+                Outcome::Other(what) | Outcome::GaveUp(what) => {
+                    self.other += 1;
+                    self.first_other.get_or_insert(what);
+                }
+            }
+        }
+        if let Some(first) = answers.first() {
+            self.retries_answered += answers.len() as u64 - 1;
+            if answers.iter().any(|answer| answer != first) {
+                self.keys_differ += 1;
+            }
+        }
+    }
 }
 
 /// The invariants after a burst, each with whether it held.
@@ -495,62 +583,46 @@ impl Verdict {
     }
 }
 
-/// Fires `users` × `per_user` concurrent identical order requests at the servers on
-/// `addrs` (each user's requests at once, spread over the servers in turn so that one
-/// user's requests reach several of them; at most `in_flight` requests overall, to stay
-/// within file-descriptor limits), then reads the voucher back from the first server.
+type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>>;
+
+/// Fires `shape.users` × `shape.per_user` concurrent orders, each with its own
+/// `Idempotency-Key` and sent `1 + shape.retries` times with it, at the servers on
+/// `addrs` (the sends of one order spread over the servers in turn, so that its retries
+/// reach other servers than its first; at most `shape.in_flight` requests at once).
+/// A send answered `429 busy` or `409 in_flight` is sent again after `Retry-After`,
+/// until it has its answer. Then reads the voucher back from the first server.
 ///
 /// # Errors
 ///
 /// When `addrs` is empty or the voucher cannot be read back.
-pub async fn burst(
-    addrs: &[SocketAddr],
-    voucher: u64,
-    users: u64,
-    per_user: u64,
-    in_flight: usize,
-) -> Result<Tally, String> {
+pub async fn burst(addrs: &[SocketAddr], voucher: u64, shape: Burst) -> Result<Tally, String> {
     let Some(&first) = addrs.first() else {
         return Err("no server to send the burst to".into());
     };
-    let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-    let gate = Arc::new(tokio::sync::Semaphore::new(
-        in_flight.max(per_user as usize),
-    ));
+    let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
+    let gate = Arc::new(tokio::sync::Semaphore::new(shape.in_flight.max(1)));
+    // Keys of this burst only: the responses an earlier run stored in the same store
+    // are replayed for a day, and must not answer this run's orders.
+    let run = format!("{:016x}", fastrand::u64(..));
     let mut tasks = tokio::task::JoinSet::new();
-    for user in 1..=users {
-        let permits = gate
-            .clone()
-            .acquire_many_owned(per_user as u32)
-            .await
-            .map_err(|e| e.to_string())?;
-        let client = client.clone();
-        let addrs = addrs.to_vec();
-        tasks.spawn(async move {
-            let mut one_user = tokio::task::JoinSet::new();
-            for i in 0..per_user {
-                let client = client.clone();
-                let addr = addrs[((user + i) % addrs.len() as u64) as usize];
-                one_user.spawn(async move { order(&client, addr, voucher, user).await });
-            }
-            let outcomes = one_user.join_all().await;
-            drop(permits);
-            outcomes
-        });
+    for user in 1..=shape.users {
+        for i in 0..shape.per_user {
+            let order = Arc::new(OrderSender {
+                client: client.clone(),
+                gate: Arc::clone(&gate),
+                voucher,
+                user,
+                key: format!("{run}-{user}-{i}"),
+            });
+            let to = (0..=shape.retries)
+                .map(|j| addrs[((user + i + j) % addrs.len() as u64) as usize])
+                .collect();
+            tasks.spawn(order.send_all(to));
+        }
     }
     let mut tally = Tally::default();
-    for outcome in tasks.join_all().await.into_iter().flatten() {
-        tally.requests += 1;
-        match outcome {
-            Outcome::Created => tally.created += 1,
-            Outcome::Duplicate => tally.duplicates += 1,
-            Outcome::Busy => tally.busy += 1,
-            Outcome::SoldOut => tally.sold_out += 1,
-            Outcome::Other(what) => {
-                tally.other += 1;
-                tally.first_other.get_or_insert(what);
-            }
-        }
+    for outcomes in tasks.join_all().await {
+        tally.count_order(outcomes);
     }
     let uri = format!("http://{first}/vouchers/{voucher}");
     let res = client
@@ -569,50 +641,179 @@ pub async fn burst(
     Ok(tally)
 }
 
-#[derive(Debug)]
-enum Outcome {
+/// Which answer an order got.
+#[derive(Debug, Clone, Copy)]
+enum Answered {
     Created,
     Duplicate,
-    Busy,
     SoldOut,
-    Other(String),
 }
 
-async fn order(
-    client: &Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>>,
-    addr: SocketAddr,
+/// What one request got.
+#[derive(Debug)]
+enum Outcome {
+    /// An answer to the order (201, or 409 `duplicate_order` or `sold_out`): the
+    /// handler's, or its replay.
+    Answer {
+        kind: Answered,
+        replayed: bool,
+        status: StatusCode,
+        body: Bytes,
+    },
+    /// `429 busy`: to be sent again after this long.
+    Busy(Duration),
+    /// `409 in_flight`: to be sent again after this long.
+    InFlight(Duration),
+    /// Anything else.
+    Other(String),
+    /// No answer in all the attempts of one send (not a request itself).
+    GaveUp(String),
+}
+
+/// How many times one send is made before it gives up waiting for an answer.
+const ATTEMPTS: u32 = 30;
+
+/// The longest pause between two attempts of a send, whatever `Retry-After` says.
+const LONGEST_PAUSE: Duration = Duration::from_secs(5);
+
+/// One order, as its client sends it: a user, a voucher and an `Idempotency-Key`.
+struct OrderSender {
+    client: HttpClient,
+    gate: Arc<tokio::sync::Semaphore>,
     voucher: u64,
     user: u64,
-) -> Outcome {
-    let req = Request::post(format!("http://{addr}/vouchers/{voucher}/orders"))
-        .header(USER_HEADER, user)
-        .body(Empty::new());
-    let req = match req {
-        Ok(req) => req,
-        Err(e) => return Outcome::Other(e.to_string()),
-    };
-    let res = match client.request(req).await {
-        Ok(res) => res,
-        Err(e) => return Outcome::Other(e.to_string()),
-    };
-    let status = res.status();
-    let body = match res.into_body().collect().await {
-        Ok(body) => body.to_bytes(),
-        Err(e) => return Outcome::Other(e.to_string()),
-    };
-    let error = serde_json::from_slice::<serde_json::Value>(&body)
-        .ok()
-        .and_then(|v| v["error"].as_str().map(str::to_owned));
-    match (status, error.as_deref()) {
-        (StatusCode::CREATED, _) => Outcome::Created,
-        (StatusCode::CONFLICT, Some("duplicate_order")) => Outcome::Duplicate,
-        (StatusCode::CONFLICT, Some("sold_out")) => Outcome::SoldOut,
-        (StatusCode::TOO_MANY_REQUESTS, _) => Outcome::Busy,
-        (status, _) => Outcome::Other(format!("{status}: {}", String::from_utf8_lossy(&body))),
+    key: String,
+}
+
+impl OrderSender {
+    /// Sends the order to each of `addrs` with its key: the first send and the
+    /// odd-numbered retries at once, then each even-numbered retry once the first send
+    /// has its answer.
+    async fn send_all(self: Arc<Self>, addrs: Vec<SocketAddr>) -> Vec<Outcome> {
+        let Some(&first) = addrs.first() else {
+            return Vec::new();
+        };
+        let racers: Vec<SocketAddr> = addrs.iter().skip(1).step_by(2).copied().collect();
+        // The first send and the retries racing it take their permits together, so
+        // that they are in flight together.
+        let permits = u32::try_from(racers.len() + 1).unwrap_or(u32::MAX);
+        let mut permits = match Arc::clone(&self.gate).acquire_many_owned(permits).await {
+            Ok(permits) => permits,
+            Err(e) => return vec![Outcome::GaveUp(e.to_string())],
+        };
+        let mut racing = tokio::task::JoinSet::new();
+        for addr in racers {
+            let (order, permit) = (Arc::clone(&self), permits.split(1));
+            racing.spawn(async move { order.send_until_answered(addr, permit).await });
+        }
+        let mut outcomes = self.send_until_answered(first, Some(permits)).await;
+        for &addr in addrs.iter().skip(2).step_by(2) {
+            outcomes.extend(self.send_until_answered(addr, None).await);
+        }
+        for racer in racing.join_all().await {
+            outcomes.extend(racer);
+        }
+        outcomes
+    }
+
+    /// Sends the order to `addr` until it is answered: again after each `429 busy` or
+    /// `409 in_flight`, once its `Retry-After` has passed. The first attempt goes with
+    /// `permit` when given one.
+    async fn send_until_answered(
+        &self,
+        addr: SocketAddr,
+        mut permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) -> Vec<Outcome> {
+        let mut outcomes = Vec::new();
+        for _ in 0..ATTEMPTS {
+            let permit = match permit.take() {
+                Some(permit) => permit,
+                None => match Arc::clone(&self.gate).acquire_owned().await {
+                    Ok(permit) => permit,
+                    Err(e) => {
+                        outcomes.push(Outcome::GaveUp(e.to_string()));
+                        return outcomes;
+                    }
+                },
+            };
+            let outcome = self.send(addr).await;
+            drop(permit);
+            let pause = match outcome {
+                Outcome::Busy(pause) | Outcome::InFlight(pause) => pause,
+                outcome => {
+                    outcomes.push(outcome);
+                    return outcomes;
+                }
+            };
+            outcomes.push(outcome);
+            tokio::time::sleep(pause.min(LONGEST_PAUSE)).await;
+        }
+        outcomes.push(Outcome::GaveUp(format!(
+            "no answer to user {}'s order {} after {ATTEMPTS} attempts",
+            self.user, self.key
+        )));
+        outcomes
+    }
+
+    /// One request, and what it got.
+    async fn send(&self, addr: SocketAddr) -> Outcome {
+        let req = Request::post(format!("http://{addr}/vouchers/{}/orders", self.voucher))
+            .header(USER_HEADER, self.user)
+            .header(IDEMPOTENCY_KEY, &self.key)
+            .body(Empty::new());
+        let req = match req {
+            Ok(req) => req,
+            Err(e) => return Outcome::Other(e.to_string()),
+        };
+        let res = match self.client.request(req).await {
+            Ok(res) => res,
+            Err(e) => return Outcome::Other(e.to_string()),
+        };
+        let (head, body) = res.into_parts();
+        let body = match body.collect().await {
+            Ok(body) => body.to_bytes(),
+            Err(e) => return Outcome::Other(e.to_string()),
+        };
+        let error = serde_json::from_slice::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|v| v["error"].as_str().map(str::to_owned));
+        let kind = match (head.status, error.as_deref()) {
+            (StatusCode::CREATED, _) => Answered::Created,
+            (StatusCode::CONFLICT, Some("duplicate_order")) => Answered::Duplicate,
+            (StatusCode::CONFLICT, Some("sold_out")) => Answered::SoldOut,
+            (StatusCode::CONFLICT, Some("in_flight")) => {
+                return Outcome::InFlight(retry_after(&head.headers));
+            }
+            (StatusCode::TOO_MANY_REQUESTS, _) => return Outcome::Busy(retry_after(&head.headers)),
+            (status, _) => {
+                let body = String::from_utf8_lossy(&body);
+                return Outcome::Other(format!("{status}: {body}"));
+            }
+        };
+        Outcome::Answer {
+            kind,
+            replayed: head
+                .headers
+                .get(IDEMPOTENT_REPLAYED)
+                .is_some_and(|v| v == "true"),
+            status: head.status,
+            body,
+        }
     }
 }
 
-/// Checks the invariants against the store and the tally.
+/// `Retry-After` in seconds, as the layers send it; 1 s when it is missing.
+fn retry_after(headers: &HeaderMap) -> Duration {
+    headers
+        .get(header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse().ok())
+        .map_or(Duration::from_secs(1), Duration::from_secs)
+}
+
+/// Checks the invariants against the store, the tally and the number of times the
+/// order handler ran on the servers (`handler_runs`: the sum of their
+/// [`HandlerRuns`]).
 ///
 /// # Errors
 ///
@@ -622,6 +823,7 @@ pub async fn verdict(
     voucher: u64,
     initial_stock: i64,
     tally: &Tally,
+    handler_runs: u64,
 ) -> Result<Verdict, StoreError> {
     let orders = store.orders(voucher).await?;
     let mut per_user: BTreeMap<u64, u32> = BTreeMap::new();
@@ -630,6 +832,7 @@ pub async fn verdict(
     }
     let worst = per_user.values().copied().max().unwrap_or(0);
     let count = orders.len() as i64;
+    let (keys, replayed, retries) = (tally.keys, tally.replayed, tally.retries_answered);
     Ok(Verdict {
         checks: vec![
             (
@@ -648,8 +851,26 @@ pub async fn verdict(
                 tally.stock_left >= 0,
             ),
             (
-                format!("201 answers = orders stored ({} = {count})", tally.created),
+                format!(
+                    "201 answers from the handler = orders stored ({} = {count})",
+                    tally.created
+                ),
                 tally.created as i64 == count,
+            ),
+            (
+                format!("handler runs = distinct keys ({handler_runs} = {keys})"),
+                handler_runs == keys,
+            ),
+            (
+                format!("replayed = retries that found a stored response ({replayed} = {retries})"),
+                replayed == retries,
+            ),
+            (
+                format!(
+                    "every answer of a key is the same bytes (keys with two answers: {})",
+                    tally.keys_differ
+                ),
+                tally.keys_differ == 0,
             ),
         ],
     })
@@ -659,16 +880,20 @@ pub async fn verdict(
 pub fn table(tally: &Tally) -> String {
     let rows = [
         ("requests", tally.requests as i64),
+        ("orders (keys)", tally.keys as i64),
         ("created (201)", tally.created as i64),
         ("duplicates (409)", tally.duplicates as i64),
-        ("busy (429)", tally.busy as i64),
         ("sold out (409)", tally.sold_out as i64),
+        ("replayed (201/409)", tally.replayed as i64),
+        ("busy (429), sent again", tally.busy as i64),
+        ("in flight (409), again", tally.in_flight as i64),
         ("other", tally.other as i64),
         ("stock left", tally.stock_left),
     ];
-    let mut out = String::from("| outcome          |  count |\n|------------------|-------:|\n");
+    let mut out =
+        String::from("| outcome                |  count |\n|------------------------|-------:|\n");
     for (name, n) in rows {
-        out.push_str(&format!("| {name:<16} | {n:>6} |\n"));
+        out.push_str(&format!("| {name:<22} | {n:>6} |\n"));
     }
     out
 }
