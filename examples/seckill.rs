@@ -68,9 +68,10 @@
 //!
 //! Other flags: `--stock N` (voucher 1's stock, default 100), `--wait-ms N` (how long an
 //! order waits for its user's lock, default 50), `--work-ms N` (simulated work inside an
-//! order, default 20), `--users N`, `--per-user N` and `--retries N` (the demo's burst,
-//! default 300 users × 5 orders, each sent 1 + 2 times; 1 to 1000 per user, 0 to 9
-//! retries); `--help` lists them all. Bad arguments exit 2.
+//! order, default 20), `--lease-ms N` (the locks' watchdog lease: how long a killed
+//! process's locks stay held, default 30000), `--users N`, `--per-user N` and
+//! `--retries N` (the demo's burst, default 300 users × 5 orders, each sent 1 + 2 times;
+//! 1 to 1000 per user, 0 to 9 retries); `--help` lists them all. Bad arguments exit 2.
 
 #[path = "seckill/admin.rs"]
 mod admin;
@@ -122,6 +123,10 @@ struct Cli {
     /// answered 409 in_flight, in milliseconds.
     #[arg(long, value_name = "N", default_value_t = millis(Settings::default().wait_first))]
     wait_first_ms: u64,
+    /// The locks' watchdog lease, in milliseconds: renewed every third of it while a
+    /// request runs, and how long a killed process's locks stay held.
+    #[arg(long, value_name = "N", default_value_t = millis(tower_lock::DEFAULT_WATCHDOG_LEASE))]
+    lease_ms: u64,
     /// Serve orders without the per-user lock, to see the race.
     #[arg(long)]
     no_lock: bool,
@@ -168,6 +173,7 @@ struct Args {
     reset: bool,
     demo: bool,
     burst: Burst,
+    lease: Duration,
     settings: Settings,
     redis_url: Option<String>,
     database_url: Option<String>,
@@ -187,6 +193,14 @@ fn parse_args() -> Result<Args, String> {
     if cli.retries > 9 {
         return Err("--retries must be between 0 and 9".into());
     }
+    let lease = Duration::from_millis(cli.lease_ms);
+    if lease < tower_lock::MIN_WATCHDOG_LEASE || lease > tower_lock::MAX_LEASE {
+        return Err(format!(
+            "--lease-ms must be between {} and {}",
+            millis(tower_lock::MIN_WATCHDOG_LEASE),
+            millis(tower_lock::MAX_LEASE)
+        ));
+    }
     Ok(Args {
         addr: cli.addr,
         stock: cli.stock,
@@ -198,6 +212,7 @@ fn parse_args() -> Result<Args, String> {
             retries: cli.retries,
             ..Burst::default()
         },
+        lease,
         settings: Settings {
             wait: Duration::from_millis(cli.wait_ms),
             work: Duration::from_millis(cli.work_ms),
@@ -233,16 +248,24 @@ async fn backend_and_store(args: &Args) -> Result<(LockClient, Arc<dyn Store>), 
     }
 }
 
-/// The lock client on `backend`: named for operators, with its metrics recorded.
+/// The lock client on `backend`: named for operators, with its metrics recorded and
+/// the watchdog lease of `--lease-ms`.
 fn client_on(
     backend: impl tower_lock::backend::LockBackend,
     args: &Args,
 ) -> Result<LockClient, String> {
     LockClient::builder(backend)
         .name(&args.name)
+        .watchdog_lease(args.lease)
         .observer(tower_lock::metrics::MetricsObserver::new())
         .build()
-        .map_err(|e| format!("--name: {e}"))
+        .map_err(|e| match e {
+            tower_lock::Error::InvalidConfig {
+                name: "watchdog_lease",
+                ..
+            } => format!("--lease-ms: {e}"),
+            e => format!("--name: {e}"),
+        })
 }
 
 /// `PgStore` for the data, and `PostgresBackend` on the same pool for the locks (or

@@ -1,7 +1,8 @@
 //! The seckill example's app: its endpoints, retried orders replayed, and its invariants
 //! under the demo burst, on the memory backend with the memory store, on `RedisBackend`
 //! with the Redis store (a real redis-server per test) and on `PostgresBackend` with the
-//! PostgreSQL store (a database per test).
+//! PostgreSQL store (a database per test); and `seckill` processes of their own on one
+//! store (`seckill/processes.rs`).
 #![cfg(feature = "axum")]
 
 #[path = "it/common/mod.rs"]
@@ -17,6 +18,10 @@ mod pg_store;
 #[cfg(feature = "redis")]
 #[path = "../examples/seckill/redis_store.rs"]
 mod redis_store;
+
+#[cfg(any(feature = "redis", feature = "postgres"))]
+#[path = "seckill/processes.rs"]
+mod processes;
 
 use std::sync::Arc;
 use std::time::Duration;
