@@ -365,11 +365,19 @@ trait Store: Send + Sync {
     async fn client(&self) -> LockClient;
 }
 
+/// A replica's client: a 3 s watchdog lease, so a lost lock is noticed within 1 s.
+fn replica(backend: impl tower_lock::backend::LockBackend) -> LockClient {
+    LockClient::builder(backend)
+        .watchdog_lease(Duration::from_secs(3))
+        .build()
+        .unwrap()
+}
+
 struct Memory(MemoryBackend);
 
 impl Store for Memory {
     async fn client(&self) -> LockClient {
-        LockClient::new(self.0.clone())
+        replica(self.0.clone())
     }
 }
 
@@ -384,7 +392,7 @@ struct Redis(common::redis_server::RedisServer);
 #[cfg(feature = "redis")]
 impl Store for Redis {
     async fn client(&self) -> LockClient {
-        LockClient::new(
+        replica(
             tower_lock::RedisBackend::connect(self.0.url())
                 .await
                 .unwrap(),
@@ -408,7 +416,7 @@ impl Store for Postgres {
             .build()
             .await
             .unwrap();
-        LockClient::new(backend)
+        replica(backend)
     }
 }
 
@@ -456,6 +464,7 @@ async fn a_retry_after_completion_replays_the_stored_response_byte_for_byte(stor
 async fn with_observer(store: &impl Store, observer: Arc<Outcomes>) -> LockClient {
     let plain = store.client().await;
     LockClient::builder(Arc::clone(plain.backend()))
+        .watchdog_lease(plain.watchdog_lease())
         .observer(observer)
         .build()
         .unwrap()
