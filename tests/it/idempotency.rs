@@ -499,12 +499,12 @@ async fn a_retry_while_the_first_is_in_flight_is_409_then_replayed(store: &impl 
     }
 }
 
-/// With `wait_for_first`, retries arriving while the first runs wait for it and get its
+/// With `max_wait`, retries arriving while the first runs wait for it and get its
 /// response; the handler runs once.
-async fn with_wait_for_first_retries_in_flight_wait_and_replay(store: &impl Store) {
+async fn with_max_wait_retries_in_flight_wait_and_replay(store: &impl Store) {
     for proto in PROTOS {
         let client = store.client().await;
-        let layer = builder(client).wait_for_first(DEADLINE).build().unwrap();
+        let layer = builder(client).max_wait(DEADLINE).build().unwrap();
         let app = app(layer).await;
         let key = format!("wait-{proto:?}");
         let first = spawn_send(
@@ -870,7 +870,7 @@ async fn a_seeded_retry_storm_runs_each_key_once_and_replays_it_exactly(store: &
     println!("STORM_SEED={seed}");
     let mut rng = fastrand::Rng::with_seed(seed);
     let layer = builder(store.client().await)
-        .wait_for_first(Duration::from_millis(rng.u64(0..50)))
+        .max_wait(Duration::from_millis(rng.u64(0..50)))
         .build()
         .unwrap();
     let app = app(layer).await;
@@ -1071,7 +1071,7 @@ async fn a_retry_storm_through_a_faulty_link_replays_only_what_a_run_made_redis(
         .build()
         .unwrap();
     let app = app(builder(client)
-        .wait_for_first(Duration::from_millis(200))
+        .max_wait(Duration::from_millis(200))
         .build()
         .unwrap())
     .await;
@@ -1199,7 +1199,7 @@ macro_rules! idempotency_tests {
         idempotency_tests!($module, $store;
             a_retry_after_completion_replays_the_stored_response_byte_for_byte,
             a_retry_while_the_first_is_in_flight_is_409_then_replayed,
-            with_wait_for_first_retries_in_flight_wait_and_replay,
+            with_max_wait_retries_in_flight_wait_and_replay,
             a_key_reused_for_another_request_is_422,
             keys_are_scoped_to_caller_method_and_route,
             missing_or_malformed_keys_pass_through_or_are_400_when_required,
