@@ -391,7 +391,7 @@ pub fn app(
     // the handler's would, so `final_answer` keeps its `429 busy` from being stored.
     let replays = IdempotencyLayer::builder(client, user_scope)
         .name("order-replays")
-        .wait_for_first(settings.wait_first)
+        .max_wait(settings.wait_first)
         .store_if(final_answer)
         .on_rejection(json_replay_rejection)
         .build()?;

@@ -140,7 +140,7 @@ impl Config {
         }
         if self.wait > MAX_WAIT {
             return bad(
-                "wait_for_first",
+                "max_wait",
                 format!("must be at most {MAX_WAIT:?} (got {:?})", self.wait),
             );
         }
@@ -351,8 +351,9 @@ impl<K: KeyExtractor> IdempotencyLayerBuilder<K> {
     /// A retry arriving while the first request with its key is in flight waits up to
     /// `wait` for it to finish, and then gets its response replayed (or runs, when the
     /// first stored nothing). Default: zero, answering `409 Conflict` at once, as the
-    /// draft does.
-    pub fn wait_for_first(mut self, wait: Duration) -> Self {
+    /// draft does. The same setting as [`LockLayerBuilder::max_wait`](crate::layer::LockLayerBuilder::max_wait),
+    /// with another default: a retry is rarely worth holding a connection for.
+    pub fn max_wait(mut self, wait: Duration) -> Self {
         self.config.wait = wait;
         self
     }
@@ -424,7 +425,7 @@ impl<K: KeyExtractor> IdempotencyLayerBuilder<K> {
     /// [`ReplayStore`](crate::backend::ReplayStore): RedLock, a custom backend),
     /// `key_prefix` empty or breaking the namespace rule, `ttl` outside 1 ms..=
     /// [`MAX_TTL`], `max_key_len` outside 1..=512, `max_body` zero, `methods` empty,
-    /// `wait_for_first` over [`MAX_WAIT`], a retry-after zero or over an hour, `name`
+    /// `max_wait` over [`MAX_WAIT`], a retry-after zero or over an hour, `name`
     /// empty, too long or with control characters, `lease` out of range.
     pub fn build(self) -> Result<IdempotencyLayer<K>> {
         if let Some(error) = self.error {

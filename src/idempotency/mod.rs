@@ -11,7 +11,7 @@
 //! |---|---|
 //! | first request with the key | the handler runs under the key's lock; its response is stored (a final status — below 500 by default — and a body of known length up to [`max_body`](IdempotencyLayerBuilder::max_body)), then the lock is released |
 //! | retry after the first finished, same request | the stored response, byte for byte, with `Idempotent-Replayed: true`; the handler does not run |
-//! | retry while the first is in flight | `409 Conflict` + `Retry-After`; or, with [`wait_for_first`](IdempotencyLayerBuilder::wait_for_first), wait for the first and replay its response |
+//! | retry while the first is in flight | `409 Conflict` + `Retry-After`; or, with [`max_wait`](IdempotencyLayerBuilder::max_wait), wait for the first and replay its response |
 //! | the key used before for another request (method, path, query, body) | `422 Unprocessable Content` |
 //! | no key, or a malformed one | passed through unprotected; `400` with [`required`](IdempotencyLayerBuilder::required) |
 //! | the first answered 5xx, its handler was cancelled, or its lock was lost | nothing stored: the retry runs the handler again |

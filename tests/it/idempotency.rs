@@ -39,6 +39,8 @@ struct Orders {
     /// Handler runs that answered a final (non-5xx) response, per idempotency key (the
     /// header as sent).
     completed_by_key: Mutex<HashMap<String, usize>>,
+    /// The bodies of those final responses, per key, in the order made.
+    made_by_key: Mutex<HashMap<String, Vec<Bytes>>>,
     /// The keys of the lock each running handler holds.
     held: Mutex<Vec<LockKey>>,
     /// A `slow` handler takes a permit before answering (so a test decides when).
@@ -52,6 +54,7 @@ impl Default for Orders {
         Orders {
             runs: AtomicUsize::new(0),
             completed_by_key: Mutex::default(),
+            made_by_key: Mutex::default(),
             held: Mutex::default(),
             gate: Semaphore::new(0),
             entered: AtomicUsize::new(0),
@@ -71,6 +74,10 @@ async fn order(
         orders.held.lock().unwrap().push(held.key().clone());
     }
     let behave = headers.get("x-behave").map_or("", |v| v.to_str().unwrap());
+    if let Some(ms) = headers.get("x-pause-ms") {
+        let ms: u64 = ms.to_str().unwrap().parse().unwrap();
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
     if behave == "slow" {
         orders.entered.fetch_add(1, Ordering::SeqCst);
         orders.gate.acquire().await.unwrap().forget();
@@ -82,12 +89,22 @@ async fn order(
     if let Some(key) = headers.get("idempotency-key")
         && behave != "fail"
     {
+        let key = key.to_str().unwrap().to_owned();
         *orders
             .completed_by_key
             .lock()
             .unwrap()
-            .entry(key.to_str().unwrap().to_owned())
+            .entry(key.clone())
             .or_default() += 1;
+        if behave.is_empty() {
+            orders
+                .made_by_key
+                .lock()
+                .unwrap()
+                .entry(key)
+                .or_default()
+                .push(Bytes::from(text.clone()));
+        }
     }
     match behave {
         "fail" => (StatusCode::INTERNAL_SERVER_ERROR, "boom").into_response(),
@@ -348,16 +365,64 @@ trait Store: Send + Sync {
     async fn client(&self) -> LockClient;
 }
 
+/// A replica's client: a 3 s watchdog lease, so a lost lock is noticed within 1 s.
+fn replica(backend: impl tower_lock::backend::LockBackend) -> LockClient {
+    LockClient::builder(backend)
+        .watchdog_lease(Duration::from_secs(3))
+        .build()
+        .unwrap()
+}
+
 struct Memory(MemoryBackend);
 
 impl Store for Memory {
     async fn client(&self) -> LockClient {
-        LockClient::new(self.0.clone())
+        replica(self.0.clone())
     }
 }
 
 async fn memory() -> Memory {
     Memory(MemoryBackend::new())
+}
+
+/// A redis-server of the test's own; each client its own connections.
+#[cfg(feature = "redis")]
+struct Redis(common::redis_server::RedisServer);
+
+#[cfg(feature = "redis")]
+impl Store for Redis {
+    async fn client(&self) -> LockClient {
+        replica(
+            tower_lock::RedisBackend::connect(self.0.url())
+                .await
+                .unwrap(),
+        )
+    }
+}
+
+#[cfg(feature = "redis")]
+async fn redis() -> Redis {
+    Redis(common::redis_server::RedisServer::start().await)
+}
+
+/// A database of the test's own; each client its own pool.
+#[cfg(feature = "postgres")]
+struct Postgres(common::postgres::PgDatabase);
+
+#[cfg(feature = "postgres")]
+impl Store for Postgres {
+    async fn client(&self) -> LockClient {
+        let backend = tower_lock::PostgresBackend::builder(self.0.pool(4).await)
+            .build()
+            .await
+            .unwrap();
+        replica(backend)
+    }
+}
+
+#[cfg(feature = "postgres")]
+async fn postgres() -> Postgres {
+    Postgres(common::postgres::PgDatabase::create().await)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -399,6 +464,7 @@ async fn a_retry_after_completion_replays_the_stored_response_byte_for_byte(stor
 async fn with_observer(store: &impl Store, observer: Arc<Outcomes>) -> LockClient {
     let plain = store.client().await;
     LockClient::builder(Arc::clone(plain.backend()))
+        .watchdog_lease(plain.watchdog_lease())
         .observer(observer)
         .build()
         .unwrap()
@@ -433,12 +499,12 @@ async fn a_retry_while_the_first_is_in_flight_is_409_then_replayed(store: &impl 
     }
 }
 
-/// With `wait_for_first`, retries arriving while the first runs wait for it and get its
+/// With `max_wait`, retries arriving while the first runs wait for it and get its
 /// response; the handler runs once.
-async fn with_wait_for_first_retries_in_flight_wait_and_replay(store: &impl Store) {
+async fn with_max_wait_retries_in_flight_wait_and_replay(store: &impl Store) {
     for proto in PROTOS {
         let client = store.client().await;
-        let layer = builder(client).wait_for_first(DEADLINE).build().unwrap();
+        let layer = builder(client).max_wait(DEADLINE).build().unwrap();
         let app = app(layer).await;
         let key = format!("wait-{proto:?}");
         let first = spawn_send(
@@ -804,28 +870,30 @@ async fn a_seeded_retry_storm_runs_each_key_once_and_replays_it_exactly(store: &
     println!("STORM_SEED={seed}");
     let mut rng = fastrand::Rng::with_seed(seed);
     let layer = builder(store.client().await)
-        .wait_for_first(Duration::from_millis(rng.u64(0..50)))
+        .max_wait(Duration::from_millis(rng.u64(0..50)))
         .build()
         .unwrap();
     let app = app(layer).await;
-    let finals: Arc<Mutex<HashMap<String, Vec<Bytes>>>> = Arc::default();
+    let finals: Arc<Mutex<HashMap<String, Vec<Got>>>> = Arc::default();
     let mut cancels: HashMap<String, usize> = HashMap::new();
     let mut tasks = tokio::task::JoinSet::new();
-    const KEYS: usize = 12;
-    for i in 0..KEYS * 5 {
+    const KEYS: usize = 16;
+    const PER_KEY: usize = 8;
+    for i in 0..KEYS * PER_KEY {
         let key = format!("storm-{}", i % KEYS);
         let proto = PROTOS[rng.usize(0..2)];
         let fail = rng.u8(0..10) == 0;
-        let cancel_after = (rng.u8(0..8) == 0).then(|| Duration::from_millis(rng.u64(0..5)));
+        let pause = rng.u64(0..20);
+        let cancel_after = (rng.u8(0..8) == 0).then(|| Duration::from_millis(rng.u64(0..25)));
         if cancel_after.is_some() {
             *cancels.entry(key.clone()).or_default() += 1;
         }
-        let delay = Duration::from_millis(rng.u64(0..30));
+        let delay = Duration::from_millis(rng.u64(0..60));
         let addr = app.addr();
         let finals = Arc::clone(&finals);
         tasks.spawn(async move {
             tokio::time::sleep(delay).await;
-            let mut req = post_as("alice", &key);
+            let mut req = post_as("alice", &key).with("x-pause-ms", &pause.to_string());
             if fail {
                 req = req.with("x-behave", "fail");
             }
@@ -838,12 +906,7 @@ async fn a_seeded_retry_storm_runs_each_key_once_and_replays_it_exactly(store: &
                 None => exchange.await,
             };
             match got.status {
-                StatusCode::CREATED => finals
-                    .lock()
-                    .unwrap()
-                    .entry(key)
-                    .or_default()
-                    .push(got.body),
+                StatusCode::CREATED => finals.lock().unwrap().entry(key).or_default().push(got),
                 StatusCode::CONFLICT | StatusCode::INTERNAL_SERVER_ERROR => {}
                 other => panic!("seed {seed}: unexpected {other}: {got:?}"),
             }
@@ -852,12 +915,18 @@ async fn a_seeded_retry_storm_runs_each_key_once_and_replays_it_exactly(store: &
     while let Some(done) = tasks.join_next().await {
         done.unwrap();
     }
-    // Every final response of a key is one response, byte for byte.
+    // Every final response of a key is one response, byte for byte, and only one of
+    // them is not a replay: the run that stored it.
     let finals = finals.lock().unwrap();
-    for (key, bodies) in finals.iter() {
+    for (key, got) in finals.iter() {
         assert!(
-            bodies.windows(2).all(|w| w[0] == w[1]),
-            "seed {seed}: {key}: {bodies:?}"
+            got.windows(2).all(|w| w[0].body == w[1].body),
+            "seed {seed}: {key}: {got:?}"
+        );
+        let first_hand = got.iter().filter(|g| !g.replayed()).count();
+        assert!(
+            first_hand <= 1,
+            "seed {seed}: {key}: {first_hand} answers not replayed"
         );
     }
     // Per key, the handler answered finally once — or once more per request whose client
@@ -878,7 +947,7 @@ async fn a_seeded_retry_storm_runs_each_key_once_and_replays_it_exactly(store: &
     }
     println!(
         "storm: {} requests, {} keys answered 201, {} handler runs, {} cancellations",
-        KEYS * 5,
+        KEYS * PER_KEY,
         finals.len(),
         app.runs(),
         cancels.values().sum::<usize>(),
@@ -956,6 +1025,164 @@ async fn inside_a_lock_layer_the_handler_keeps_the_outer_held_lock() {
     assert_eq!(held[0].as_str(), "lock:order:user:{alice}");
 }
 
+/// The layer's outcomes per idempotency key (the header's value).
+#[derive(Default)]
+struct KeyedOutcomes(Mutex<Vec<(String, LayerOutcome)>>);
+
+impl tower_lock::LockObserver for KeyedOutcomes {
+    fn layer_outcome(&self, event: tower_lock::LayerEvent<'_>, outcome: LayerOutcome) {
+        let key = event.key.map_or(String::new(), |k| {
+            // `idempotency:{<scope>%0A<method>%0A<route>%0A<key>}`
+            let tag = k.hash_tag().unwrap_or_default();
+            tag.rsplit("%0A").next().unwrap_or_default().to_owned()
+        });
+        self.0.lock().unwrap().push((key, outcome));
+    }
+}
+
+/// A seeded retry storm on Redis through a link that fails: connections cut, answers
+/// held past the response timeout, requests delayed. Requests may now fail (503), and
+/// a run whose store step failed stores nothing (or stores with its reply lost), so
+/// keys may run more than once; what must hold whatever the faults: a key stores at
+/// most one outcome, and every replay is, byte for byte, a response the handler made
+/// for that key, the same one for every replay of it.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_storm_through_a_faulty_link_replays_only_what_a_run_made_redis() {
+    use common::proxy::{Direction, FaultProxy, Flow};
+
+    let seed: u64 = std::env::var("STORM_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| fastrand::u64(..));
+    println!("STORM_SEED={seed}");
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let server = common::redis_server::RedisServer::start().await;
+    let proxy = Arc::new(FaultProxy::start(([127, 0, 0, 1], server.port()).into()).await);
+    let backend = tower_lock::RedisBackend::builder(format!("redis://{}", proxy.addr()))
+        .response_timeout(Duration::from_millis(150))
+        .build()
+        .await
+        .unwrap();
+    let observed = Arc::new(KeyedOutcomes::default());
+    let client = LockClient::builder(backend)
+        .watchdog_lease(Duration::from_millis(900))
+        .observer(Arc::clone(&observed))
+        .build()
+        .unwrap();
+    let app = app(builder(client)
+        .max_wait(Duration::from_millis(200))
+        .build()
+        .unwrap())
+    .await;
+
+    let nemesis = {
+        let proxy = Arc::clone(&proxy);
+        let mut rng = fastrand::Rng::with_seed(seed ^ 0x5eed);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(rng.u64(10..60))).await;
+                match rng.u8(0..3) {
+                    0 => proxy.cut(),
+                    1 => {
+                        proxy.set_flow(Direction::Down, Flow::Hold);
+                        tokio::time::sleep(Duration::from_millis(rng.u64(20..1200))).await;
+                        proxy.set_flow(Direction::Down, Flow::Pass);
+                    }
+                    _ => {
+                        let delay = Duration::from_millis(rng.u64(1..40));
+                        proxy.set_flow(Direction::Up, Flow::Delay(delay));
+                        tokio::time::sleep(Duration::from_millis(rng.u64(20..200))).await;
+                        proxy.set_flow(Direction::Up, Flow::Pass);
+                    }
+                }
+            }
+        })
+    };
+
+    const KEYS: usize = 12;
+    const PER_KEY: usize = 10;
+    let replays: Arc<Mutex<HashMap<String, Vec<Bytes>>>> = Arc::default();
+    let mut statuses: HashMap<u16, usize> = HashMap::new();
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..KEYS * PER_KEY {
+        let key = format!("faulty-{}", i % KEYS);
+        let proto = PROTOS[rng.usize(0..2)];
+        let pause = rng.u64(0..30);
+        let delay = Duration::from_millis(rng.u64(0..1500));
+        let fail = rng.u8(0..10) == 0;
+        let addr = app.addr();
+        let replays = Arc::clone(&replays);
+        tasks.spawn(async move {
+            tokio::time::sleep(delay).await;
+            let mut req = post_as("alice", &key).with("x-pause-ms", &pause.to_string());
+            if fail {
+                req = req.with("x-behave", "fail");
+            }
+            let got = send(addr, proto, &req).await;
+            if got.replayed() {
+                replays
+                    .lock()
+                    .unwrap()
+                    .entry(key)
+                    .or_default()
+                    .push(got.body.clone());
+            }
+            got.status.as_u16()
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        *statuses.entry(done.unwrap()).or_default() += 1;
+    }
+    nemesis.abort();
+    for status in statuses.keys() {
+        assert!(
+            [201, 409, 500, 503].contains(status),
+            "seed {seed}: unexpected status {status}: {statuses:?}"
+        );
+    }
+    let made = app.orders.made_by_key.lock().unwrap().clone();
+    let outcomes = observed.0.lock().unwrap().clone();
+    let replays = replays.lock().unwrap();
+    for (key, bodies) in replays.iter() {
+        assert!(
+            bodies.windows(2).all(|w| w[0] == w[1]),
+            "seed {seed}: {key}: two outcomes replayed"
+        );
+        let made = made.get(key).map(Vec::as_slice).unwrap_or_default();
+        assert!(
+            made.contains(&bodies[0]),
+            "seed {seed}: {key}: replayed {:?}, made {made:?}",
+            bodies[0]
+        );
+    }
+    for i in 0..KEYS {
+        let key = format!("faulty-{i}");
+        let stored = outcomes
+            .iter()
+            .filter(|(k, o)| *k == key && *o == LayerOutcome::Stored)
+            .count();
+        assert!(stored <= 1, "seed {seed}: {key} stored {stored} outcomes");
+    }
+    let count = |o: LayerOutcome| outcomes.iter().filter(|(_, x)| *x == o).count();
+    println!(
+        "faulty storm: {} requests {statuses:?}; stored {}, not stored {}, replayed {}, in flight {}, unavailable {}, lost {}; {} connections",
+        KEYS * PER_KEY,
+        count(LayerOutcome::Stored),
+        count(LayerOutcome::NotStored),
+        count(LayerOutcome::Replayed),
+        count(LayerOutcome::InFlight),
+        count(LayerOutcome::Unavailable),
+        count(LayerOutcome::Lost),
+        proxy.stats().accepted,
+    );
+    // The storm met its faults, and replays happened despite them.
+    assert!(
+        count(LayerOutcome::Replayed) > 0,
+        "seed {seed}: no replay at all"
+    );
+}
+
 macro_rules! idempotency_tests {
     ($module:ident, $store:expr; $($case:ident),* $(,)?) => {
         mod $module {
@@ -972,7 +1199,7 @@ macro_rules! idempotency_tests {
         idempotency_tests!($module, $store;
             a_retry_after_completion_replays_the_stored_response_byte_for_byte,
             a_retry_while_the_first_is_in_flight_is_409_then_replayed,
-            with_wait_for_first_retries_in_flight_wait_and_replay,
+            with_max_wait_retries_in_flight_wait_and_replay,
             a_key_reused_for_another_request_is_422,
             keys_are_scoped_to_caller_method_and_route,
             missing_or_malformed_keys_pass_through_or_are_400_when_required,
@@ -987,3 +1214,7 @@ macro_rules! idempotency_tests {
 }
 
 idempotency_tests!(memory, super::memory());
+#[cfg(feature = "redis")]
+idempotency_tests!(redis, super::redis());
+#[cfg(feature = "postgres")]
+idempotency_tests!(postgres, super::postgres());
