@@ -209,8 +209,8 @@ impl<K> Covered<'_, K> {
         })
     }
 
-    /// Takes the key's lock; replays what a finished request stored, or runs the
-    /// handler and stores its response.
+    /// Replays what a finished request stored; else takes the key's lock and, unless a
+    /// request stored its response meanwhile, runs the handler and stores its response.
     async fn run<S, ReqB, ResB>(self, svc: S, parts: Parts, body: Bytes) -> Answer<ResB, S::Error>
     where
         S: Service<Request<ReqB>, Response = Response<ResB>>,
@@ -219,6 +219,13 @@ impl<K> Covered<'_, K> {
         ResB::Error: Into<BoxError>,
     {
         let config = &self.shared.config;
+        // A stored response is final: it answers at once, without the lock (one read;
+        // taking the lock would cost a write, on PostgreSQL a synchronous commit).
+        match self.load().await {
+            Ok(None) => {}
+            Ok(Some(record)) => return Ok(self.replay(record)),
+            Err(rejection) => return Ok(self.reject(rejection)),
+        }
         let owner = match parts.extensions.get::<Locks>() {
             Some(outer) => outer.owner().clone(),
             None => self.shared.client.new_owner(),
@@ -229,8 +236,8 @@ impl<K> Covered<'_, K> {
         };
         let guard = match lock.try_lock_for(config.wait, config.lease).await {
             Ok(guard) => guard,
-            // The lock is held: by the first request, still running, or by a retry
-            // replaying what the first stored; then the record answers.
+            // The lock is held by the first request, still running, unless it stored
+            // its response since the read above: then the record answers.
             Err(e) if e.is_busy() => {
                 return Ok(match self.load().await {
                     Ok(Some(record)) => self.replay(record),

@@ -333,13 +333,17 @@ fn spawn_send(addr: SocketAddr, proto: Proto, req: Req<'static>) -> tokio::task:
     tokio::spawn(async move { send(addr, proto, &req).await })
 }
 
-/// Observes the layer's outcomes.
+/// Observes the layer's outcomes, and counts the locks taken.
 #[derive(Default)]
-struct Outcomes(Mutex<Vec<LayerOutcome>>);
+struct Outcomes(Mutex<Vec<LayerOutcome>>, AtomicUsize);
 
 impl tower_lock::LockObserver for Outcomes {
     fn layer_outcome(&self, _event: tower_lock::LayerEvent<'_>, outcome: LayerOutcome) {
         self.0.lock().unwrap().push(outcome);
+    }
+
+    fn acquired(&self, _event: tower_lock::LockEvent<'_>, _waited: Duration) {
+        self.1.fetch_add(1, Ordering::SeqCst);
     }
 }
 
@@ -454,6 +458,11 @@ async fn a_retry_after_completion_replays_the_stored_response_byte_for_byte(stor
         assert_eq!(app.runs(), 1, "{proto:?}: the handler ran once");
         assert_eq!(observed.count(LayerOutcome::Stored), 1);
         assert_eq!(observed.count(LayerOutcome::Replayed), 3);
+        assert_eq!(
+            observed.1.load(Ordering::SeqCst),
+            1,
+            "a stored response is replayed without taking the lock"
+        );
         // The handler saw the lock it ran under, in the layer's namespace.
         let held = app.orders.held.lock().unwrap().clone();
         assert_eq!(held.len(), 1);
