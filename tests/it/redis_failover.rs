@@ -173,21 +173,30 @@ async fn a_store_and_release_waits_for_a_replica_as_a_release_does() {
     let set = SentinelSet::start_behind_proxies(1, 1).await;
     let backend = behind(&set, None).await;
     let key = LockKey::new("failover:replay").unwrap();
-    let req = LockRequest::new(
-        key.clone(),
-        HoldId::from_raw("replay:1").unwrap(),
-        LockMode::Exclusive,
-        Duration::from_secs(30),
-    )
-    .fenced();
-    // The grant itself must be acknowledged: on a loaded machine the replica may miss
-    // the first 300 ms `WAIT` (the grant is then undone, and taken again).
+    let hold = |n: u32| {
+        LockRequest::new(
+            key.clone(),
+            HoldId::from_raw(format!("replay:{n}")).unwrap(),
+            LockMode::Exclusive,
+            Duration::from_secs(30),
+        )
+        .fenced()
+    };
+    // The grant itself must be acknowledged: on a loaded machine, or while the replica
+    // still syncs, it may miss the first 300 ms `WAIT`. The backend then reports an
+    // outage with the grant in place (the lock core gives such an identity up): give it
+    // up here too, and take the key again under a new one.
     set.wait_until_replicated(Duration::from_secs(60)).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    let grant = loop {
+    let mut n = 0;
+    let (req, grant) = loop {
+        n += 1;
+        let req = hold(n);
         match backend.acquire(&req).await {
-            Ok(Acquire::Acquired(grant)) => break grant,
-            Err(e) if e.is_unavailable() && tokio::time::Instant::now() < deadline => {}
+            Ok(Acquire::Acquired(grant)) => break (req, grant),
+            Err(e) if e.is_unavailable() && tokio::time::Instant::now() < deadline => {
+                backend.abandon(&req).await.unwrap();
+            }
             other => panic!("the key is free and a replica online: {other:?}"),
         }
     };
