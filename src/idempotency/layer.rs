@@ -15,6 +15,7 @@ use super::service::IdempotencyService;
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::layer::config::{check_layer_name, check_retry_after};
+use crate::layer::rejection::{keep_retry_after, retry_after_secs};
 use crate::layer::{KeyExtractor, MAX_WAIT};
 use crate::lock::{LayerEvent, LayerOutcome, Lease, LockClient};
 use crate::namespace::Namespace;
@@ -200,18 +201,9 @@ impl<K> Shared<K> {
             _ => {}
         }
         self.outcome(key, outcome);
-        let retry_after = rejection.retry_after();
+        let retry_after = rejection.retry_after().map(retry_after_secs);
         let mut response = self.config.on_rejection.on_rejection(rejection);
-        let status = response.status();
-        if let Some(after) = retry_after
-            && (status.is_client_error() || status.is_server_error())
-        {
-            let secs = (after.as_secs() + u64::from(after.subsec_nanos() > 0)).max(1);
-            response
-                .headers_mut()
-                .entry(header::RETRY_AFTER)
-                .or_insert_with(|| http::HeaderValue::from(secs));
-        }
+        keep_retry_after(&mut response, retry_after);
         response
     }
 }

@@ -10,6 +10,7 @@ use http_body_util::Full;
 
 use crate::error::Error;
 use crate::layer::KeyError;
+use crate::layer::rejection::retry_after_secs;
 use crate::layer::{IntoRejectionResponse, RejectionBody};
 use crate::lock::LayerOutcome;
 
@@ -200,17 +201,13 @@ impl IdempotencyRejection {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/problem+json"),
         );
-        if let Some(secs) = self.retry_after().map(ceil_secs) {
+        if let Some(secs) = self.retry_after().map(retry_after_secs) {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         response.into_rejection_response()
     }
-}
-
-fn ceil_secs(d: Duration) -> u64 {
-    (d.as_secs() + u64::from(d.subsec_nanos() > 0)).max(1)
 }
 
 /// `text` as a JSON string literal.

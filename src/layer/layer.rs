@@ -10,7 +10,7 @@ use tower::Layer;
 
 use super::config::{Config, ModeSelect, OnLost, ReleaseOn};
 use super::keys::{KeyError, KeyExtractor, Keys};
-use super::rejection::{OnRejection, Rejection, RejectionBody};
+use super::rejection::{OnRejection, Rejection, RejectionBody, keep_retry_after};
 use super::report::Report;
 use super::service::LockService;
 use crate::backend::LockMode;
@@ -37,17 +37,7 @@ impl Core {
         self.outcome(key, rejection.outcome());
         let retry_after = rejection.retry_after_secs();
         let mut response = self.config.on_rejection.on_rejection(rejection);
-        // A handler that says nothing of when to retry keeps the layer's word for it;
-        // one that sets its own is not overridden.
-        let status = response.status();
-        if let Some(secs) = retry_after
-            && (status.is_client_error() || status.is_server_error())
-        {
-            response
-                .headers_mut()
-                .entry(http::header::RETRY_AFTER)
-                .or_insert_with(|| http::HeaderValue::from(secs));
-        }
+        keep_retry_after(&mut response, retry_after);
         response
     }
 

@@ -151,7 +151,7 @@ mod future;
 mod keys;
 #[allow(clippy::module_inception)]
 mod layer;
-mod rejection;
+pub(crate) mod rejection;
 pub(crate) mod report;
 mod request_locks;
 mod service;

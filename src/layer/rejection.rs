@@ -143,7 +143,7 @@ impl Rejection {
     /// [`retry_after`](Rejection::retry_after) in whole seconds, rounded up, at least 1:
     /// the `Retry-After` header's value.
     pub fn retry_after_secs(&self) -> Option<u64> {
-        self.retry_after().map(|d| ceil_secs(d).max(1))
+        self.retry_after().map(retry_after_secs)
     }
 
     /// A plain-text description for the client. Server-side errors get a generic text:
@@ -195,6 +195,26 @@ const SERVER_FAULT: &str = "internal server error: the lock for this request is 
 
 fn ceil_secs(d: Duration) -> u64 {
     d.as_secs() + u64::from(d.subsec_nanos() > 0)
+}
+
+/// `Retry-After`'s value for `d`: whole seconds, rounded up, at least 1.
+pub(crate) fn retry_after_secs(d: Duration) -> u64 {
+    ceil_secs(d).max(1)
+}
+
+/// Adds `Retry-After: secs` to an error response (4xx or 5xx) a rejection handler wrote
+/// without one: clients back off correctly whatever the handler writes, and a handler
+/// that sets its own keeps it.
+pub(crate) fn keep_retry_after<B>(response: &mut Response<B>, secs: Option<u64>) {
+    let status = response.status();
+    if let Some(secs) = secs
+        && (status.is_client_error() || status.is_server_error())
+    {
+        response
+            .headers_mut()
+            .entry(header::RETRY_AFTER)
+            .or_insert_with(|| HeaderValue::from(secs));
+    }
 }
 
 /// A handler's answer to a [`Rejection`]: any axum `IntoResponse` (feature `axum`), or an
