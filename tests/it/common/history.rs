@@ -1884,11 +1884,25 @@ fn judge_acquire_error(sh: &mut Shared, slot: usize, e: &Error) -> String {
     if sh.allows(e, true) {
         return format!("s{slot} failed (allowed under the nemesis): {e}");
     }
+    // A re-entry of a hold with a fixed lease renews it first; a renewal that reaches
+    // the store after that lease ran out (a slow round trip on a loaded machine) finds
+    // the hold gone, and the re-entry reports `Lost`, the held guard now lost with it.
+    if matches!(e, Error::Lost) && a_fixed_lease_guard_is_lost(sh) {
+        return format!("s{slot} lost: it re-entered a fixed-lease hold whose lease ran out");
+    }
     sh.report(
         Finding::UnexpectedError,
         format!("acquisition of s{slot}: {e}"),
     );
     format!("s{slot} failed: {e}")
+}
+
+/// Whether a held guard with a fixed lease (not renewed by the watchdog) is lost.
+fn a_fixed_lease_guard_is_lost(sh: &Shared) -> bool {
+    sh.held
+        .values()
+        .flat_map(|held| held.holding.guards())
+        .any(|g| !g.is_watched() && g.is_lost())
 }
 
 /// `line` with every hold identity in it named as the trace names owners.
