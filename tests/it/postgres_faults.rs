@@ -270,36 +270,11 @@ async fn guard_release(
 /// keys every time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_survives_a_crash_whatever_the_sessions_synchronous_commit() {
-    let Some(mut server) = tokio::task::spawn_blocking(PgServer::start).await.unwrap() else {
+    let Some((mut server, asynchronous)) = lazy_wal_server().await else {
         eprintln!("skipped: no PostgreSQL server binaries (.ci/run installs them)");
         return;
     };
     let url = server.url();
-    let admin = PgPoolOptions::new()
-        .max_connections(1)
-        .connect(&url)
-        .await
-        .unwrap();
-    sqlx::query("ALTER SYSTEM SET wal_writer_delay = '10s'")
-        .execute(&admin)
-        .await
-        .unwrap();
-    admin.close().await;
-    server = restarted(server).await;
-
-    let asynchronous = PgPoolOptions::new()
-        .max_connections(4)
-        .acquire_timeout(Duration::from_secs(2))
-        .after_connect(|conn, _| {
-            Box::pin(async move {
-                sqlx::Executor::execute(conn, "SET synchronous_commit = off")
-                    .await
-                    .map(|_| ())
-            })
-        })
-        .connect(&url)
-        .await
-        .unwrap();
     let holder = PostgresBackend::builder(asynchronous)
         .build()
         .await
@@ -356,36 +331,11 @@ async fn a_stored_record_survives_a_crash_whatever_the_sessions_synchronous_comm
         Acquire, LockBackend, LockMode, LockRequest, Release, ReplayStore, Stored,
     };
 
-    let Some(mut server) = tokio::task::spawn_blocking(PgServer::start).await.unwrap() else {
+    let Some((mut server, asynchronous)) = lazy_wal_server().await else {
         eprintln!("skipped: no PostgreSQL server binaries (.ci/run installs them)");
         return;
     };
     let url = server.url();
-    let admin = PgPoolOptions::new()
-        .max_connections(1)
-        .connect(&url)
-        .await
-        .unwrap();
-    sqlx::query("ALTER SYSTEM SET wal_writer_delay = '10s'")
-        .execute(&admin)
-        .await
-        .unwrap();
-    admin.close().await;
-    server = restarted(server).await;
-
-    let asynchronous = PgPoolOptions::new()
-        .max_connections(4)
-        .acquire_timeout(Duration::from_secs(2))
-        .after_connect(|conn, _| {
-            Box::pin(async move {
-                sqlx::Executor::execute(conn, "SET synchronous_commit = off")
-                    .await
-                    .map(|_| ())
-            })
-        })
-        .connect(&url)
-        .await
-        .unwrap();
     let writer = PostgresBackend::builder(asynchronous)
         .build()
         .await
@@ -436,6 +386,42 @@ async fn a_stored_record_survives_a_crash_whatever_the_sessions_synchronous_comm
     }
     assert!(lost.is_empty(), "records lost in the crash: {lost:?}");
     drop(server);
+}
+
+/// A server of the test's own whose WAL writer runs every 10 s (so a commit that does
+/// not wait for its flush is lost in a crash right after it, not only most of the
+/// time), and a pool on it whose sessions run `synchronous_commit = off`. `None`
+/// without PostgreSQL server binaries.
+async fn lazy_wal_server() -> Option<(PgServer, sqlx::PgPool)> {
+    let server = tokio::task::spawn_blocking(PgServer::start)
+        .await
+        .unwrap()?;
+    let admin = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&server.url())
+        .await
+        .unwrap();
+    sqlx::query("ALTER SYSTEM SET wal_writer_delay = '10s'")
+        .execute(&admin)
+        .await
+        .unwrap();
+    admin.close().await;
+    // Restarted, so that the WAL writer starts awake on that schedule.
+    let server = restarted(server).await;
+    let asynchronous = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(2))
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::Executor::execute(conn, "SET synchronous_commit = off")
+                    .await
+                    .map(|_| ())
+            })
+        })
+        .connect(&server.url())
+        .await
+        .unwrap();
+    Some((server, asynchronous))
 }
 
 /// `server` killed (SIGKILL) and started again.
