@@ -11,8 +11,8 @@
 //!
 //! The backend follows `--url`: a `postgres://` (or `postgresql://`) URL measures
 //! [`PostgresBackend`] (on a pool of one connection per worker, plus the one that
-//! listens for releases) and the lines carry `"backend":"postgres"`; `--backend memory`
-//! measures the in-process store.
+//! listens for releases, without `test_before_acquire`) and the lines carry
+//! `"backend":"postgres"`; `--backend memory` measures the in-process store.
 //!
 //! Workloads:
 //!
@@ -632,6 +632,9 @@ async fn pg_pool(url: &str, size: usize) -> Result<PgPool, String> {
     let pool = PgPoolOptions::new()
         .max_connections(size)
         .acquire_timeout(Duration::from_secs(30))
+        // As docs/postgres.md recommends for a pool that carries lock statements: no
+        // round trip to test a connection before every statement.
+        .test_before_acquire(false)
         .connect(url)
         .await
         .map_err(|e| format!("connecting to {url}: {e}"))?;

@@ -289,6 +289,9 @@ async fn on_postgres(url: &str, args: &Args) -> Result<(LockClient, Arc<dyn Stor
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(20)
         .acquire_timeout(Duration::from_secs(2))
+        // A lock statement is a short round trip; testing the connection first would
+        // double it (docs/postgres.md, "The pool").
+        .test_before_acquire(false)
         .connect(url)
         .await
         .map_err(|e| format!("cannot reach PostgreSQL at {server}: {e}"))?;

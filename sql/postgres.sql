@@ -3,14 +3,41 @@
 -- (validated identifiers); every object is named after the table, so two backends with
 -- different tables share nothing.
 --
--- Every state change is one function call: one statement, one transaction. A
--- transaction-scoped advisory lock on (hash of the table, hash of the lock name)
--- serializes the operations on one name; the database's clock decides every lease
+-- Every state change is one function call: one statement, one transaction. Every name
+-- ever locked has one row in `__T___names`, whose row lock serializes the operations on
+-- the name: the exclusive mode lives in that row, updated in place (one statement, no
+-- advisory lock, no new row per hold); the other modes keep a row per hold in `__T__`
+-- and also take a transaction-scoped advisory lock on (hash of the table, hash of the
+-- name), then the name's row. The database's clock decides every lease
 -- (clock_timestamp()), never the client's. Grants, renewals, abandonments and stored
--- records commit synchronously whatever the session's `synchronous_commit`; releases do
--- not.
+-- records commit synchronously whatever the session's `synchronous_commit`; releases
+-- and busy attempts do not.
 --
 -- Modes, as one letter: 'x' exclusive, 'f' fair, 'r' read, 'w' write, 'p' permit.
+
+-- One row per name: its exclusive hold (owner NULL or expires_at past: none), its
+-- newest fencing token (every mode's; tokens must not go backwards), and
+-- `others_until`, the latest lease end of the name's holds in other modes (rows of
+-- `__T__`), which an exclusive attempt must wait out without reading `__T__`. `gen`
+-- counts the changes an exclusive attempt cannot see in the row itself (an owner given
+-- up for good): an attempt whose snapshot saw another `gen` takes nothing.
+-- `wanted_until`: until when a waiter may still count on a notification of the release
+-- (set by busy attempts; a release nobody waits for notifies nobody). Updated in
+-- place; only `name` is indexed, so updates are HOT. A free row idle for an hour is
+-- swept (see `_sweep`).
+CREATE TABLE IF NOT EXISTS __S__.__T___names (
+    name         text        PRIMARY KEY,
+    owner        text,
+    holds        integer     NOT NULL DEFAULT 0,
+    expires_at   timestamptz NOT NULL DEFAULT clock_timestamp(),
+    fenced       boolean     NOT NULL DEFAULT false,
+    token        bigint,
+    others_until timestamptz NOT NULL DEFAULT '-infinity',
+    gen          bigint      NOT NULL DEFAULT 0,
+    wanted_until timestamptz NOT NULL DEFAULT '-infinity'
+) WITH (fillfactor = 50);
+
+ALTER TABLE __S__.__T___names SET (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000);
 
 CREATE TABLE IF NOT EXISTS __S__.__T__ (
     name       text        NOT NULL,
@@ -33,8 +60,8 @@ CREATE TABLE IF NOT EXISTS __S__.__T___queue (
     PRIMARY KEY (name, owner, mode)
 );
 
--- The newest fencing token of every name ever locked fenced (never deleted: tokens
--- must not go backwards).
+-- Before the names table (kept, emptied below): the newest fencing token of
+-- every name ever locked fenced, and a sequence. Tokens now live in `__T___names`.
 CREATE TABLE IF NOT EXISTS __S__.__T___fence (
     name  text   PRIMARY KEY,
     token bigint NOT NULL
@@ -74,6 +101,25 @@ CREATE TABLE IF NOT EXISTS __S__.__T___replay (
 
 CREATE INDEX IF NOT EXISTS __T___replay_expires_at ON __S__.__T___replay (expires_at);
 
+-- From the version before the names table: its fencing tokens and exclusive holds move
+-- into `__T___names`, and the names of its other holds learn `others_until`. (Each
+-- migration runs this; once moved, there is nothing left to move.)
+INSERT INTO __S__.__T___names AS n (name, token)
+SELECT f.name, f.token FROM __S__.__T___fence f
+ON CONFLICT (name) DO UPDATE SET token = greatest(n.token, excluded.token);
+DELETE FROM __S__.__T___fence;
+INSERT INTO __S__.__T___names AS n (name, owner, holds, expires_at, fenced, token)
+SELECT t.name, t.owner, t.holds, t.expires_at, t.token IS NOT NULL, t.token
+  FROM __S__.__T__ t WHERE t.mode = 'x' AND t.expires_at > clock_timestamp()
+ON CONFLICT (name) DO UPDATE
+   SET owner = excluded.owner, holds = excluded.holds, expires_at = excluded.expires_at,
+       fenced = excluded.fenced, token = greatest(n.token, excluded.token);
+DELETE FROM __S__.__T__ WHERE mode = 'x';
+INSERT INTO __S__.__T___names AS n (name, others_until)
+SELECT t.name, max(t.expires_at) FROM __S__.__T__ t
+ WHERE t.expires_at > clock_timestamp() GROUP BY t.name
+ON CONFLICT (name) DO UPDATE SET others_until = greatest(n.others_until, excluded.others_until);
+
 -- Refuses a session that does not run READ COMMITTED: the functions wait for the
 -- name's advisory lock and must then see what the holder before them committed, which
 -- a REPEATABLE READ or SERIALIZABLE snapshot (taken before the wait) would not.
@@ -104,24 +150,104 @@ BEGIN
     END IF;
 END $$;
 
--- The next fencing token of `p_name`: from the sequence, at least the clock in
--- microseconds (as every backend promises) and above the name's last token.
-CREATE OR REPLACE FUNCTION __S__.__T___next_token(p_name text) RETURNS bigint
+-- The database's clock in microseconds since the epoch.
+CREATE OR REPLACE FUNCTION __S__.__T___now_us() RETURNS bigint
+LANGUAGE sql VOLATILE AS $$
+    SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint
+$$;
+
+-- Locks the row of `p_name` in `__T___names` (creating it), for the modes kept in
+-- `__T__`, and returns when its exclusive hold ends (NULL: none), which blocks them.
+-- Every function takes the advisory lock of the name first, then this row, then rows
+-- of `__T__`; the exclusive statements take the row alone.
+CREATE OR REPLACE FUNCTION __S__.__T___lock_name(p_name text) RETURNS timestamptz
 LANGUAGE plpgsql AS $$
 DECLARE
-    v bigint := nextval('__S__.__T___token');
-    c bigint := (extract(epoch FROM clock_timestamp()) * 1000000)::bigint;
-    last bigint;
+    x_owner text;
+    x_until timestamptz;
 BEGIN
-    SELECT token INTO last FROM __S__.__T___fence WHERE name = p_name;
-    v := greatest(v, c, coalesce(last, 0) + 1);
-    INSERT INTO __S__.__T___fence (name, token) VALUES (p_name, v)
-        ON CONFLICT (name) DO UPDATE SET token = excluded.token;
-    IF v > currval('__S__.__T___token') THEN
-        PERFORM setval('__S__.__T___token', v);
-    END IF;
-    RETURN v;
+    LOOP
+        SELECT n.owner, n.expires_at INTO x_owner, x_until
+          FROM __S__.__T___names n WHERE n.name = p_name FOR UPDATE;
+        IF FOUND THEN
+            RETURN CASE WHEN x_owner IS NOT NULL AND x_until > clock_timestamp() THEN x_until END;
+        END IF;
+        INSERT INTO __S__.__T___names (name) VALUES (p_name) ON CONFLICT (name) DO NOTHING;
+    END LOOP;
 END $$;
+
+-- Sets `others_until` of `p_name`, whose row the caller has locked, to the end of the
+-- latest unexpired hold of the name in `__T__` (after a release, which may lower it).
+CREATE OR REPLACE FUNCTION __S__.__T___others(p_name text) RETURNS void
+LANGUAGE sql AS $$
+    UPDATE __S__.__T___names n
+       SET others_until = coalesce((SELECT max(t.expires_at) FROM __S__.__T__ t
+                                     WHERE t.name = p_name AND t.expires_at > clock_timestamp()),
+                                   '-infinity')
+     WHERE n.name = p_name
+$$;
+
+-- The next fencing token of `p_name`, whose row the caller has locked: at least the
+-- clock in microseconds (as every backend promises) and above the name's last token.
+CREATE OR REPLACE FUNCTION __S__.__T___next_token(p_name text) RETURNS bigint
+LANGUAGE sql AS $$
+    UPDATE __S__.__T___names n
+       SET token = greatest(coalesce(n.token, 0) + 1, __S__.__T___now_us())
+     WHERE n.name = p_name
+    RETURNING n.token
+$$;
+
+-- What a lock attempt's transaction commits as: a grant synchronously (`_durable`),
+-- anything else (a busy or refused attempt, which changed at most a mark) without
+-- waiting for the disk. Refuses a session not in READ COMMITTED. Returns `p_acquired`.
+CREATE OR REPLACE FUNCTION __S__.__T___grant(p_acquired boolean) RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        PERFORM __S__.__T___read_committed();
+    END IF;
+    IF NOT p_acquired THEN
+        PERFORM set_config('synchronous_commit', 'off', true);
+    ELSIF current_setting('synchronous_commit') = 'off' THEN
+        PERFORM set_config('synchronous_commit', 'on', true);
+    END IF;
+    RETURN p_acquired;
+END $$;
+
+-- What an exclusive release's transaction commits as (without waiting for the disk: lost
+-- in a crash, the hold ends with its lease), and its notification: when the release
+-- freed the name (`p_left` 0) and a waiter marked it wanted. Refuses a session not in
+-- READ COMMITTED. Returns `p_left`, -1 for none (not held).
+CREATE OR REPLACE FUNCTION __S__.__T___released(
+    p_left integer, p_wanted boolean, p_name text, p_origin text) RETURNS integer
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        PERFORM __S__.__T___read_committed();
+    END IF;
+    PERFORM set_config('synchronous_commit', 'off', true);
+    IF p_left = 0 AND p_wanted THEN
+        PERFORM pg_notify('__T__', '0' || p_origin || '|' || p_name);
+    END IF;
+    RETURN coalesce(p_left, -1);
+END $$;
+
+-- `_acquire` for mode 'x': the statement of `sql/lock_x.sql`, which the backend also
+-- sends as is.
+CREATE OR REPLACE FUNCTION __S__.__T___lock_x(
+    p_name text, p_owner text, p_lease_ms bigint, p_fenced boolean, p_deadline_us bigint,
+    OUT acquired boolean, OUT holds integer, OUT token bigint, OUT ttl_ms bigint)
+LANGUAGE sql AS $$
+__LOCK_X__
+$$;
+
+-- `_release` for mode 'x': the statement of `sql/unlock_x.sql`, which the backend also
+-- sends as is.
+CREATE OR REPLACE FUNCTION __S__.__T___unlock_x(
+    p_name text, p_owner text, p_lease_ms bigint, p_origin text) RETURNS integer
+LANGUAGE sql AS $$
+__UNLOCK_X__
+$$;
 
 -- One attempt to take `p_name` for `p_owner` in `p_mode`.
 -- Returns (acquired, holds, token, ttl_ms): holds and token of the grant, or the
@@ -148,9 +274,16 @@ DECLARE
     blocked boolean;
     my_seq bigint;
     block_until timestamptz;
+    x_until timestamptz;
 BEGIN
+    IF p_mode = 'x' THEN
+        SELECT x.acquired, x.holds, x.token, x.ttl_ms INTO acquired, holds, token, ttl_ms
+          FROM __S__.__T___lock_x(p_name, p_owner, p_lease_ms, p_fenced, p_deadline_us) x;
+        RETURN;
+    END IF;
     PERFORM __S__.__T___read_committed();
     PERFORM pg_advisory_xact_lock(hashtext('__S__.__T__'), hashtext(p_name));
+    x_until := __S__.__T___lock_name(p_name);
     now_ts := clock_timestamp();
     DELETE FROM __S__.__T__ t WHERE t.name = p_name AND t.expires_at <= now_ts;
     IF queued THEN
@@ -182,6 +315,8 @@ BEGIN
     RETURNING t.holds, CASE WHEN p_fenced THEN t.token END INTO holds, token;
     IF FOUND THEN
         PERFORM __S__.__T___durable();
+        UPDATE __S__.__T___names n SET others_until = greatest(n.others_until, now_ts + lease)
+         WHERE n.name = p_name;
         IF queued THEN
             DELETE FROM __S__.__T___queue q
              WHERE q.name = p_name AND q.owner = p_owner AND q.mode = p_mode;
@@ -206,6 +341,14 @@ BEGIN
     ELSE
         SELECT max(t.expires_at) INTO block_until FROM __S__.__T__ t WHERE t.name = p_name;
     END IF;
+    -- An exclusive hold (in the name's row) blocks every mode; its release must then
+    -- notify (see `sql/lock_x.sql`).
+    IF x_until IS NOT NULL THEN
+        block_until := greatest(block_until, x_until);
+        UPDATE __S__.__T___names n
+           SET wanted_until = greatest(n.wanted_until, x_until + interval '2 seconds')
+         WHERE n.name = p_name;
+    END IF;
     blocked := block_until IS NOT NULL;
 
     -- What the queue allows: nobody ahead (for readers: no writer or fair waiter
@@ -229,6 +372,8 @@ BEGIN
         token := CASE WHEN p_fenced THEN __S__.__T___next_token(p_name) END;
         INSERT INTO __S__.__T__ (name, owner, mode, holds, expires_at, token)
         VALUES (p_name, p_owner, p_mode, 1, now_ts + lease, token);
+        UPDATE __S__.__T___names n SET others_until = greatest(n.others_until, now_ts + lease)
+         WHERE n.name = p_name;
         IF queued THEN
             DELETE FROM __S__.__T___queue q
              WHERE q.name = p_name AND q.owner = p_owner AND q.mode = p_mode;
@@ -272,12 +417,16 @@ DECLARE
     now_ts timestamptz;
     left_holds integer;
 BEGIN
+    IF p_mode = 'x' THEN
+        RETURN __S__.__T___unlock_x(p_name, p_owner, p_lease_ms, p_origin);
+    END IF;
     PERFORM __S__.__T___read_committed();
     -- A release need not wait for its commit to reach disk: lost in a crash, the hold
     -- ends with its lease (the holder is told nothing it could count on), and the next
     -- durable commit (a grant, a renewal) flushes it.
     PERFORM set_config('synchronous_commit', 'off', true);
     PERFORM pg_advisory_xact_lock(hashtext('__S__.__T__'), hashtext(p_name));
+    PERFORM __S__.__T___lock_name(p_name);
     now_ts := clock_timestamp();
     UPDATE __S__.__T__ t
        SET holds = t.holds - 1,
@@ -286,6 +435,7 @@ BEGIN
        AND t.expires_at > now_ts AND t.holds > 1
     RETURNING t.holds INTO left_holds;
     IF FOUND THEN
+        PERFORM __S__.__T___others(p_name);
         RETURN left_holds;
     END IF;
     DELETE FROM __S__.__T__ t
@@ -297,6 +447,7 @@ BEGIN
          WHERE t.name = p_name AND t.owner = p_owner AND t.mode = p_mode;
         RETURN -1;
     END IF;
+    PERFORM __S__.__T___others(p_name);
     PERFORM pg_notify('__T__',
         CASE WHEN p_mode IN ('f', 'r', 'w') THEN '1' ELSE '0' END || p_origin || '|' || p_name);
     RETURN 0;
@@ -306,8 +457,8 @@ END $$;
 -- outcome returned as `released`), and in the same transaction keeps `p_record` for
 -- `p_ttl_ms` under `p_name` when the hold was still there (the release found it
 -- unexpired on the database clock) and no unexpired record with a greater token than
--- `p_token` is kept: `stored`. The name's advisory lock, taken by `_release`, is held
--- to the commit, so nothing of the name moves in between.
+-- `p_token` is kept: `stored`. The lock of the name's row, taken by `_release`, is
+-- held to the commit, so nothing of the name moves in between.
 --
 -- A stored record commits synchronously (`_durable`, over the session's own setting,
 -- which `_release` turned off for its transaction): a response a retry is to replay
@@ -366,19 +517,53 @@ $$;
 -- extended, never shortened, so renewals that arrive out of order (over different
 -- connections of a pool) never end a hold before a longer lease already granted. It
 -- commits synchronously (`_durable`).
+--
+-- Holds of the modes kept in `__T__` also raise their names' `others_until`, which a
+-- release may lower: the rows of those names are locked first (in name order), so
+-- that no release of theirs runs between the renewal and the raise.
 CREATE OR REPLACE FUNCTION __S__.__T___renew(
     p_names text[], p_owners text[], p_modes "char"[], p_lease_ms bigint[])
 RETURNS SETOF integer
-LANGUAGE sql AS $$
-    SELECT __S__.__T___durable();
-    UPDATE __S__.__T__ t
-       SET expires_at = greatest(t.expires_at, clock_timestamp() + r.ms * interval '1 millisecond')
-      FROM unnest(p_names, p_owners, p_modes, p_lease_ms) WITH ORDINALITY
-           AS r(name, owner, mode, ms, i)
-     WHERE t.name = r.name AND t.owner = r.owner AND t.mode = r.mode
-       AND t.expires_at > clock_timestamp()
-    RETURNING r.i::integer
-$$;
+LANGUAGE plpgsql AS $$
+DECLARE
+    others text[];
+BEGIN
+    PERFORM __S__.__T___durable();
+    SELECT array_agg(DISTINCT r.name ORDER BY r.name) INTO others
+      FROM unnest(p_names, p_modes) AS r(name, mode) WHERE r.mode <> 'x';
+    IF others IS NOT NULL THEN
+        PERFORM 1 FROM __S__.__T___names n WHERE n.name = ANY (others)
+          ORDER BY n.name FOR UPDATE;
+    END IF;
+    RETURN QUERY
+    WITH x AS (
+        UPDATE __S__.__T___names n
+           SET expires_at = greatest(n.expires_at,
+                                     clock_timestamp() + r.ms * interval '1 millisecond')
+          FROM unnest(p_names, p_owners, p_modes, p_lease_ms) WITH ORDINALITY
+               AS r(name, owner, mode, ms, i)
+         WHERE r.mode = 'x' AND n.name = r.name AND n.owner = r.owner
+           AND n.expires_at > clock_timestamp()
+        RETURNING r.i
+    ), o AS (
+        UPDATE __S__.__T__ t
+           SET expires_at = greatest(t.expires_at,
+                                     clock_timestamp() + r.ms * interval '1 millisecond')
+          FROM unnest(p_names, p_owners, p_modes, p_lease_ms) WITH ORDINALITY
+               AS r(name, owner, mode, ms, i)
+         WHERE r.mode <> 'x' AND t.name = r.name AND t.owner = r.owner AND t.mode = r.mode
+           AND t.expires_at > clock_timestamp()
+        RETURNING r.i
+    )
+    SELECT x.i::integer FROM x UNION ALL SELECT o.i::integer FROM o;
+    IF others IS NOT NULL THEN
+        UPDATE __S__.__T___names n
+           SET others_until = greatest(n.others_until,
+                                       (SELECT max(t.expires_at) FROM __S__.__T__ t
+                                         WHERE t.name = n.name))
+         WHERE n.name = ANY (others);
+    END IF;
+END $$;
 
 -- Gives `p_owner` up for good: releases its hold (all of it) and its place in the
 -- queue, and refuses its late attempts for `p_keep_ms`. It commits synchronously
@@ -394,13 +579,27 @@ BEGIN
     PERFORM __S__.__T___read_committed();
     PERFORM __S__.__T___durable();
     PERFORM pg_advisory_xact_lock(hashtext('__S__.__T__'), hashtext(p_name));
+    PERFORM __S__.__T___lock_name(p_name);
     now_ts := clock_timestamp();
     INSERT INTO __S__.__T___gone (name, owner, until)
     VALUES (p_name, p_owner, now_ts + p_keep_ms * interval '1 millisecond')
     ON CONFLICT (name, owner) DO UPDATE SET until = greatest(__S__.__T___gone.until, excluded.until);
+    -- An exclusive attempt of the owner still on its way, which read the old `gen`,
+    -- takes nothing (see `_lock_x`); one that had already taken the row is released
+    -- here.
+    UPDATE __S__.__T___names n SET gen = n.gen + 1 WHERE n.name = p_name;
+    IF p_mode = 'x' THEN
+        UPDATE __S__.__T___names n SET owner = NULL, holds = 0, expires_at = now_ts
+         WHERE n.name = p_name AND n.owner = p_owner AND n.expires_at > now_ts;
+        IF FOUND THEN
+            PERFORM pg_notify('__T__', '1|' || p_name);
+        END IF;
+        RETURN;
+    END IF;
     DELETE FROM __S__.__T__ t
      WHERE t.name = p_name AND t.owner = p_owner AND t.mode = p_mode AND t.expires_at > now_ts;
     IF FOUND THEN
+        PERFORM __S__.__T___others(p_name);
         PERFORM pg_notify('__T__', '1|' || p_name);
     END IF;
     DELETE FROM __S__.__T___queue q
@@ -446,15 +645,21 @@ AS $$
 DECLARE
     now_ts timestamptz;
     writer boolean;
+    freed boolean;
 BEGIN
     PERFORM __S__.__T___read_committed();
     PERFORM pg_advisory_xact_lock(hashtext('__S__.__T__'), hashtext(p_name));
+    PERFORM __S__.__T___lock_name(p_name);
     now_ts := clock_timestamp();
     writer := EXISTS (SELECT 1 FROM __S__.__T__ t
                        WHERE t.name = p_name AND t.mode = 'w' AND t.expires_at > now_ts);
     IF p_mode IN ('x', 'f') THEN
+        UPDATE __S__.__T___names n SET owner = NULL, holds = 0, expires_at = now_ts
+         WHERE n.name = p_name AND n.owner IS NOT NULL AND n.expires_at > now_ts;
+        freed := FOUND;
         DELETE FROM __S__.__T__ t
-         WHERE t.name = p_name AND t.mode IN ('x', 'f') AND t.expires_at > now_ts;
+         WHERE t.name = p_name AND t.mode = 'f' AND t.expires_at > now_ts;
+        freed := freed OR FOUND;
     ELSIF p_mode = 'r' AND NOT writer THEN
         DELETE FROM __S__.__T__ t
          WHERE t.name = p_name AND t.mode = 'r' AND t.expires_at > now_ts;
@@ -467,7 +672,9 @@ BEGIN
     ELSE
         RETURN false;
     END IF;
-    IF FOUND THEN
+    freed := coalesce(freed, FOUND);
+    IF freed THEN
+        PERFORM __S__.__T___others(p_name);
         PERFORM pg_notify('__T__', '1|' || p_name);
         RETURN true;
     END IF;

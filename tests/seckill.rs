@@ -151,7 +151,10 @@ impl Fixture {
             Locks::Postgres(backend, _) => {
                 wait_until(Duration::from_secs(5), "no lock row left", || async {
                     let live: i64 = sqlx::query_scalar(
-                        "SELECT count(*) FROM tower_lock WHERE expires_at > clock_timestamp()",
+                        "SELECT (SELECT count(*) FROM tower_lock \
+                                  WHERE expires_at > clock_timestamp()) \
+                              + (SELECT count(*) FROM tower_lock_names \
+                                  WHERE owner IS NOT NULL AND expires_at > clock_timestamp())",
                     )
                     .fetch_one(backend.pool())
                     .await

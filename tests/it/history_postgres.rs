@@ -16,7 +16,8 @@
 //! runtime with 2–3 `PostgresBackend`s (separate pools and listeners, as separate
 //! replicas) on a table of the worker's own, and keys named after the run, so concurrent
 //! histories share nothing but the server. The store's view for check 3 is one `SELECT`
-//! of the live holds of the run's keys (one statement: one snapshot). Check 4 waits until
+//! of the live holds of the run's keys, exclusive ones in the names table included (one
+//! statement: one snapshot). Check 4 waits until
 //! no live hold and no queued waiter of the run's keys is left, and no backend has a
 //! local waiter.
 //!
@@ -216,8 +217,11 @@ impl Fixture for Postgres {
 
     async fn view(&self) -> Option<StoreView> {
         let read = sqlx::query_as(&format!(
-            "SELECT name, owner, mode FROM {} WHERE name = ANY($1) AND expires_at > clock_timestamp()",
-            self.table
+            "SELECT name, owner, mode FROM {t} WHERE name = ANY($1) AND expires_at > clock_timestamp() \
+             UNION ALL \
+             SELECT name, owner, 'x'::\"char\" FROM {t}_names \
+              WHERE name = ANY($1) AND owner IS NOT NULL AND expires_at > clock_timestamp()",
+            t = self.table
         ))
         .bind(self.names())
         .fetch_all(&self.pool)
@@ -330,6 +334,11 @@ impl Postgres {
             "SELECT name, owner || ' (' || mode::text || ', ' || \
                     (extract(epoch from expires_at - clock_timestamp()) * 1000)::bigint || 'ms left)' \
                FROM {t} WHERE name = ANY($1) AND expires_at > clock_timestamp() \
+             UNION ALL \
+             SELECT name, owner || ' (x, ' || \
+                    (extract(epoch from expires_at - clock_timestamp()) * 1000)::bigint || 'ms left)' \
+               FROM {t}_names \
+              WHERE name = ANY($1) AND owner IS NOT NULL AND expires_at > clock_timestamp() \
              UNION ALL \
              SELECT name, 'queued ' || owner || ' (' || \
                     (extract(epoch from evict_at - clock_timestamp()) * 1000)::bigint || 'ms left)' \

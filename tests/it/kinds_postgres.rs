@@ -83,6 +83,8 @@ impl KindFixture for Postgres {
     async fn residue(&self, key: &LockKey) -> bool {
         let rows: i64 = sqlx::query_scalar(
             "SELECT (SELECT count(*) FROM tower_lock WHERE name = $1 AND expires_at > clock_timestamp()) \
+                  + (SELECT count(*) FROM tower_lock_names \
+                      WHERE name = $1 AND owner IS NOT NULL AND expires_at > clock_timestamp()) \
                   + (SELECT count(*) FROM tower_lock_queue WHERE name = $1 AND evict_at > clock_timestamp())",
         )
         .bind(key.as_str())

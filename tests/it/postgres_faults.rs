@@ -144,7 +144,7 @@ async fn a_holder_cut_off_loses_its_lock_before_anyone_else_gets_it() {
     next.unlock().await.unwrap();
 }
 
-/// A statement stalled behind a transaction that holds the name's advisory lock fails
+/// A statement stalled behind a transaction that holds the name's row lock fails
 /// as an outage after the response timeout; once the stall clears, the attempt the
 /// server still ran is taken back, and nothing is left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -154,7 +154,7 @@ async fn a_stalled_statement_times_out_and_leaves_nothing() {
     let key = LockKey::new("faults:stall").unwrap();
     let pool = db.pool(2).await;
     let mut blocker = pool.begin().await.unwrap();
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('public.tower_lock'), hashtext($1))")
+    sqlx::query("SELECT public.tower_lock_lock_name($1)")
         .bind(key.as_str())
         .execute(&mut *blocker)
         .await

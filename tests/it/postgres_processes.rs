@@ -390,11 +390,14 @@ async fn holds(pool: &PgPool, name: &str) -> i64 {
     if table.is_none() {
         return 0;
     }
-    sqlx::query_scalar("SELECT count(*) FROM tower_lock WHERE name = $1")
-        .bind(name)
-        .fetch_one(pool)
-        .await
-        .unwrap()
+    // An exclusive hold is the owner of the name's row.
+    sqlx::query_scalar(
+        "SELECT count(*) FROM tower_lock_names WHERE name = $1 AND owner IS NOT NULL",
+    )
+    .bind(name)
+    .fetch_one(pool)
+    .await
+    .unwrap()
 }
 
 /// The one hold of `name`: its owner and the end of its lease (the database's clock, in
@@ -402,7 +405,7 @@ async fn holds(pool: &PgPool, name: &str) -> i64 {
 async fn hold(pool: &PgPool, name: &str) -> Option<(String, i64)> {
     sqlx::query_as(
         "SELECT owner, (extract(epoch FROM expires_at) * 1000000)::bigint \
-           FROM tower_lock WHERE name = $1",
+           FROM tower_lock_names WHERE name = $1 AND owner IS NOT NULL",
     )
     .bind(name)
     .fetch_optional(pool)

@@ -69,8 +69,16 @@ async fn a_missing_schema_fails_closed() {
         .build()
         .await
         .unwrap();
+    // The exclusive mode's statement names the table: an undefined table (42P01).
     let err = backend
         .acquire(&req("k", "a:1", LockMode::Exclusive))
+        .await
+        .unwrap_err();
+    assert!(!err.is_unavailable(), "{err:?}");
+    assert!(err.to_string().contains("(SQLSTATE 42P01)"), "{err}");
+    // The other modes call a function of the schema.
+    let err = backend
+        .acquire(&req("k", "a:1", LockMode::Read))
         .await
         .unwrap_err();
     assert!(!err.is_unavailable(), "{err:?}");
@@ -146,18 +154,25 @@ async fn a_read_without_a_named_writer_passes_its_own_owners_write_hold() {
 /// Expired holds, stale queue entries and expired client names were only ever deleted
 /// by a later acquisition of the same name: with per-user keys they piled up. A
 /// release of an expired hold deletes it, and client registration sweeps what expired.
+/// The names table keeps a row per name (exclusive holds live there, updated in place):
+/// registration sweeps the rows free for an hour.
 #[tokio::test]
 async fn expired_rows_do_not_pile_up() {
     let db = PgDatabase::create().await;
     let backend = on(&db).await;
-    let mut short = req("gone", "a:1", LockMode::Exclusive);
+    let mut short = req("gone", "a:1", LockMode::Read);
     short.lease = Duration::from_millis(20);
     assert!(matches!(
         backend.acquire(&short).await.unwrap(),
         Acquire::Acquired(_)
     ));
     for i in 0..5 {
-        let mut r = req(&format!("leaked{i}"), "b:1", LockMode::Exclusive);
+        let mode = if i % 2 == 0 {
+            LockMode::Exclusive
+        } else {
+            LockMode::Read
+        };
+        let mut r = req(&format!("leaked{i}"), "b:1", mode);
         r.lease = Duration::from_millis(20);
         backend.acquire(&r).await.unwrap();
     }
@@ -186,6 +201,68 @@ async fn expired_rows_do_not_pile_up() {
         .unwrap();
     assert_eq!(rows("SELECT count(*) FROM tower_lock").await, 0, "swept");
     assert_eq!(rows("SELECT count(*) FROM tower_lock_clients").await, 1);
+    assert_eq!(
+        rows("SELECT count(*) FROM tower_lock_names").await,
+        6,
+        "a name used a moment ago keeps its row"
+    );
+    // An hour on: the rows are free and their last use (and token) an hour old.
+    rows(
+        "WITH aged AS (UPDATE tower_lock_names \
+            SET expires_at = expires_at - interval '61 minutes', \
+                others_until = others_until - interval '61 minutes' RETURNING 1) \
+         SELECT count(*) FROM aged",
+    )
+    .await;
+    backend
+        .register("new", "pod", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(
+        rows("SELECT count(*) FROM tower_lock_names").await,
+        0,
+        "swept"
+    );
+}
+
+/// The names table's sweep keeps a name whose fencing token is less than an hour behind
+/// the clock (tokens taken fast run ahead of it): deleting it would let the next token,
+/// taken from the clock, go backwards.
+#[tokio::test]
+async fn a_swept_name_never_takes_a_smaller_token() {
+    let db = PgDatabase::create().await;
+    let backend = on(&db).await;
+    let mut fenced = req("fenced", "a:1", LockMode::Exclusive);
+    fenced.fenced = true;
+    let Acquire::Acquired(grant) = backend.acquire(&fenced).await.unwrap() else {
+        panic!("busy")
+    };
+    let first = grant.token().unwrap().get();
+    assert_eq!(backend.release(&fenced).await.unwrap(), Release::Released);
+    // Free for an hour, but its token a minute ahead of the clock.
+    sqlx::query(
+        "UPDATE tower_lock_names SET expires_at = expires_at - interval '61 minutes', \
+                token = tower_lock_now_us() + 60000000",
+    )
+    .execute(backend.pool())
+    .await
+    .unwrap();
+    let ahead: i64 = sqlx::query_scalar("SELECT token FROM tower_lock_names")
+        .fetch_one(backend.pool())
+        .await
+        .unwrap();
+    assert!(ahead.unsigned_abs() > first);
+    backend
+        .register("pod", "pod", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let Acquire::Acquired(grant) = backend.acquire(&fenced).await.unwrap() else {
+        panic!("busy")
+    };
+    assert!(
+        grant.token().unwrap().get() > ahead.unsigned_abs(),
+        "the token went backwards"
+    );
 }
 
 /// Issue 25: records kept for replay expire, and nothing else would ever delete those
@@ -445,4 +522,146 @@ async fn a_migration_of_existing_tables_sends_no_notices() {
     let _backend = PostgresBackend::builder(pool).build().await.unwrap();
     let seen = seen.lock().unwrap();
     assert!(seen.is_empty(), "notices: {seen:#?}");
+}
+
+/// Issue 23: a release used to notify every time, and at 32 workers on their own names
+/// the commits serialized on the notification queue's lock. A release now notifies only
+/// a name a busy attempt marked wanted: the first notification a listener hears is the
+/// contended name's, not the one released with nobody waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_notifies_only_a_name_someone_waits_for() {
+    let db = PgDatabase::create().await;
+    let holder = on(&db).await;
+    let waiter = on(&db).await;
+    let mut listener = sqlx::postgres::PgListener::connect(&db.url).await.unwrap();
+    listener.listen("tower_lock").await.unwrap();
+
+    let alone = req("alone", "a:1", LockMode::Exclusive);
+    assert!(matches!(
+        holder.acquire(&alone).await.unwrap(),
+        Acquire::Acquired(_)
+    ));
+    assert_eq!(holder.release(&alone).await.unwrap(), Release::Released);
+
+    let wanted = req("wanted", "a:1", LockMode::Exclusive);
+    assert!(matches!(
+        holder.acquire(&wanted).await.unwrap(),
+        Acquire::Acquired(_)
+    ));
+    let busy = waiter
+        .acquire(&req("wanted", "b:1", LockMode::Exclusive))
+        .await
+        .unwrap();
+    assert!(matches!(busy, Acquire::Busy { ttl: Some(_) }), "{busy:?}");
+    assert_eq!(holder.release(&wanted).await.unwrap(), Release::Released);
+
+    let heard = tokio::time::timeout(Duration::from_secs(5), listener.recv())
+        .await
+        .expect("the release of a wanted name notifies")
+        .unwrap();
+    assert!(
+        heard.payload().ends_with("|wanted"),
+        "the first notification: {:?}",
+        heard.payload()
+    );
+}
+
+/// Issue 23: an exclusive attempt is one statement without the name's advisory lock, so
+/// it reads the abandoned owners (`tower_lock_gone`) in its snapshot. An attempt that
+/// took its snapshot before an abandonment of its owner committed, and reached the
+/// name's row after it, would not see the record and took the lock for an owner given
+/// up for good. The abandonment bumps the row's `gen`, which the attempt checks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_overtaken_by_its_owners_abandonment_takes_nothing() {
+    let db = PgDatabase::create().await;
+    let backend = on(&db).await;
+    let pool = db.pool(2).await;
+    let late = req("late", "a:1", LockMode::Exclusive);
+    // The name's row exists and is free; a transaction holds its lock.
+    assert!(matches!(
+        backend.acquire(&late).await.unwrap(),
+        Acquire::Acquired(_)
+    ));
+    assert_eq!(backend.release(&late).await.unwrap(), Release::Released);
+    let mut blocker = pool.begin().await.unwrap();
+    sqlx::query("SELECT tower_lock_lock_name('late')")
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    // The attempt starts (its snapshot: no abandonment) and waits for the row.
+    let attempt = tokio::spawn({
+        let backend = backend.clone();
+        async move { backend.acquire(&late).await }
+    });
+    common::wait_until(
+        Duration::from_secs(5),
+        "the attempt waits for the row",
+        || {
+            let pool = pool.clone();
+            async move {
+                sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pg_locks WHERE NOT granted")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap()
+                    > 0
+            }
+        },
+    )
+    .await;
+    // Its owner is given up for good, and that commits before the attempt goes on.
+    sqlx::query("SELECT tower_lock_abandon('late', 'a:1', 'x', 60000)")
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    blocker.commit().await.unwrap();
+    let outcome = attempt.await.unwrap().unwrap();
+    assert!(
+        !matches!(outcome, Acquire::Acquired(_)),
+        "an abandoned owner took the lock: {outcome:?}"
+    );
+    let owner: Option<String> = sqlx::query_scalar(
+        "SELECT owner FROM tower_lock_names WHERE name = 'late' AND expires_at > clock_timestamp()",
+    )
+    .fetch_optional(&pool)
+    .await
+    .unwrap()
+    .flatten();
+    assert_eq!(owner, None);
+}
+
+/// Issue 23: with releases notifying only names marked wanted, a waiter of another
+/// process must still hear the release, not sleep to the end of the holder's lease: its
+/// busy attempt marks the name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_of_another_process_hears_the_release() {
+    let db = PgDatabase::create().await;
+    let here = LockClient::new(on(&db).await);
+    let there = LockClient::new(on(&db).await);
+    let guard = here
+        .get_lock("handoff")
+        .unwrap()
+        .try_lock_for(Duration::ZERO, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let lock = there.get_lock("handoff").unwrap();
+    let waiter = tokio::spawn(async move {
+        lock.try_lock_for(Duration::from_secs(20), tower_lock::Lease::Watchdog)
+            .await
+    });
+    let pool = db.pool(1).await;
+    common::wait_until(Duration::from_secs(5), "the waiter marked the name", || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT wanted_until > clock_timestamp() FROM tower_lock_names WHERE name = 'handoff'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    })
+    .await;
+    guard.unlock().await.unwrap();
+    let got = waiter.await.unwrap().expect("the waiter took the lock");
+    got.unlock().await.unwrap();
 }

@@ -87,7 +87,8 @@ impl Shared {
                 let pool = db.pool(1).await;
                 let ms = sqlx::query_scalar(
                     "SELECT (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint \
-                       FROM tower_lock WHERE name LIKE 'idempotency:%'",
+                       FROM tower_lock_names \
+                      WHERE name LIKE 'idempotency:%' AND owner IS NOT NULL",
                 )
                 .fetch_one(&pool)
                 .await

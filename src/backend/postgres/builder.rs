@@ -120,7 +120,7 @@ impl PostgresBackendBuilder {
         let qualified = format!("{}.{}", self.schema, self.table);
         Ok(PostgresBackend {
             inner: Arc::new(Inner {
-                statements: Statements::new(&qualified),
+                statements: Statements::new(&self.schema, &self.table),
                 qualified,
                 clock: StoreClock::default(),
                 profile: StoreProfile::new("postgres")

@@ -7,43 +7,50 @@
 //!
 //! # How it works
 //!
-//! - **Leases, not sessions.** A hold is a row `(name, owner, mode, holds, expires_at,
-//!   token)`; the database's clock (`clock_timestamp()`) sets and checks every
-//!   `expires_at`, never the client's. A crashed or paused holder's lock ends with its
+//! - **Leases, not sessions.** Every name has a row in `<table>_names`, which holds its
+//!   exclusive hold, updated in place; a hold of another mode is a row `(name, owner,
+//!   mode, holds, expires_at, token)` of `<table>`. The database's clock
+//!   (`clock_timestamp()`) sets and checks every `expires_at`, never the client's. A crashed or paused holder's lock ends with its
 //!   lease, whatever becomes of its connections, and any session can release it
 //!   ([`force_release`](LockBackend::force_release)). No session-bound advisory lock
 //!   holds a lock.
-//! - **One statement per operation.** Every state change is one call of a PL/pgSQL
-//!   function (`sql/postgres.sql`), which serializes the operations on one name with a
-//!   transaction-scoped advisory lock on (the table, the name) — held for microseconds,
-//!   never across a client round trip.
+//! - **One statement per operation.** An exclusive acquisition or release is one plain
+//!   SQL statement on the name's row (`sql/lock_x.sql`, `sql/unlock_x.sql`), whose row
+//!   lock serializes it with everything else done to the name. Every other state change
+//!   is one call of a PL/pgSQL function (`sql/postgres.sql`), which takes a
+//!   transaction-scoped advisory lock on (the table, the name), then the name's row —
+//!   held for microseconds, never across a client round trip.
 //! - **Waiting** is `LISTEN`/`NOTIFY` on one listening connection per backend: a
-//!   release that frees a lock notifies the table's channel with the name, at commit;
+//!   release that frees a lock notifies the table's channel with the name, at commit
+//!   (an exclusive one only when a busy attempt marked the name wanted);
 //!   in each process one waiter of an exclusive lock or a permit is woken per release
 //!   (all waiters of the queued modes, whose order the queue enforces). Waiters also
 //!   wake when the holder's lease would end. After the listening connection drops, it
 //!   reconnects, listens again and wakes every waiter (notifications may have been
 //!   missed).
-//! - **Fencing tokens** come from a sequence, raised to the database clock in
-//!   microseconds and above the name's last token (the newest per name is kept in the
-//!   `<table>_fence` table): strictly increasing per name, as on every backend.
+//! - **Fencing tokens** are the name's last token plus one, raised to the database
+//!   clock in microseconds (the last is kept in the name's row): strictly increasing
+//!   per name, as on every backend.
 //! - **Modes**: every [`LockMode`]. Fair, read and write waiters queue in
 //!   `<table>_queue` in arrival order, with the same rules and eviction as the other
 //!   backends (see [`LockMode`](super::LockMode#rules)).
 //! - **The watchdog** renews all of a client's holds in one statement per period.
 //!
 //! Tables (in the configured schema, named after the configured table, default
-//! `tower_lock`): `tower_lock` (holds), `tower_lock_queue`, `tower_lock_fence`,
-//! `tower_lock_clients`, `tower_lock_gone`, `tower_lock_replay` (records for replay, see
-//! [`ReplayStore`]), the sequence `tower_lock_token` and the functions
-//! `tower_lock_*`. They are created when the backend is built (unless
+//! `tower_lock`): `tower_lock_names` (a row per name), `tower_lock` (holds of the other
+//! modes), `tower_lock_queue`, `tower_lock_clients`, `tower_lock_gone`,
+//! `tower_lock_replay` (records for replay, see [`ReplayStore`]), `tower_lock_fence`
+//! and the sequence `tower_lock_token` (the previous version's, unused), and the
+//! functions `tower_lock_*`. They are created when the backend is built (unless
 //! [`migrate(false)`](PostgresBackendBuilder::migrate)), or by
 //! [`PostgresBackend::migrate`]; creating them is idempotent and safe from several
 //! processes at once.
 //!
 //! The listening connection is one of the pool's connections, held for the backend's
 //! life: size the pool one larger, and drop the backend before `PgPool::close`, which
-//! waits for every connection to come back.
+//! waits for every connection to come back. A pool that carries lock traffic is best
+//! built with `PgPoolOptions::test_before_acquire(false)`: the default pings every
+//! connection before each statement, a second round trip per lock statement.
 //!
 //! # Example
 //!
@@ -208,9 +215,7 @@ impl PostgresBackend {
         let sql = [
             "SELECT pg_advisory_xact_lock(hashtext('tower_lock migrate'));\n",
             "SET LOCAL client_min_messages = warning;\n",
-            &statements::SCHEMA_SQL
-                .replace("__S__", schema)
-                .replace("__T__", table),
+            &statements::schema_sql(schema, table),
         ]
         .concat();
         sqlx::raw_sql(&sql).execute(pool).await.map_err(map_error)?;
@@ -222,8 +227,8 @@ impl PostgresBackend {
         &self.inner.pool
     }
 
-    /// The table of holds, qualified: `<schema>.<table>`; its companions add `_queue`,
-    /// `_fence`, `_clients`, `_gone`, `_replay`.
+    /// The table of holds, qualified: `<schema>.<table>`; its companions add `_names`,
+    /// `_queue`, `_clients`, `_gone`, `_replay`.
     pub fn qualified_table(&self) -> &str {
         &self.inner.qualified
     }
@@ -412,8 +417,16 @@ impl ClientNames for PostgresBackend {
             // Every client registers now and then: it sweeps what expired, so names
             // locked once (a crashed holder, a vanished waiter) leave no rows behind.
             // Expired rows count as absent everywhere, so deleting them changes nothing.
+            // A name's row goes when it has been free for an hour and its last fencing
+            // token is an hour behind the clock: a token taken after that (from the
+            // clock, as for a name never seen) is still greater, unless the database's
+            // clock steps back an hour.
             let sweep = self.sql(
-                "DELETE FROM __F__ WHERE expires_at <= clock_timestamp(); \
+                "DELETE FROM __F___names \
+                  WHERE expires_at < clock_timestamp() - interval '1 hour' \
+                    AND others_until < clock_timestamp() - interval '1 hour' \
+                    AND coalesce(token, 0) < __F___now_us() - 3600000000; \
+                 DELETE FROM __F__ WHERE expires_at <= clock_timestamp(); \
                  DELETE FROM __F___queue WHERE evict_at <= clock_timestamp(); \
                  DELETE FROM __F___clients WHERE expires_at <= clock_timestamp(); \
                  DELETE FROM __F___gone WHERE until <= clock_timestamp(); \
@@ -464,7 +477,8 @@ impl ClientNames for PostgresBackend {
 /// `<table>_release` — the release the backend's [`release`](LockBackend::release)
 /// makes, notification and wake-ups included — and writes the record in the same
 /// transaction if that release found the hold (unexpired on the database's clock) and
-/// no unexpired record with a greater token is kept, all under the name's advisory lock.
+/// no unexpired record with a greater token is kept, all under the lock of the name's
+/// row.
 ///
 /// Every mode is kept (the release decides who holds what). A stored record commits
 /// synchronously, as a grant does: a response a retry is to replay survives a crash

@@ -13,28 +13,56 @@ use crate::error::{Error, Result, StoreErrorKind};
 use crate::hold_id::HoldId;
 use crate::key::LockKey;
 
-/// The schema and functions, with `__S__` / `__T__` for the schema and table.
-pub(super) const SCHEMA_SQL: &str = include_str!("../../../sql/postgres.sql");
+/// The schema and functions, with `__S__` / `__T__` for the schema and table, and the
+/// exclusive statements' places (`__LOCK_X__`, `__UNLOCK_X__`) as function bodies.
+const SCHEMA_SQL: &str = include_str!("../../../sql/postgres.sql");
+
+/// An exclusive acquisition: one statement, sent as is (and the body of `_lock_x`).
+const LOCK_X_SQL: &str = include_str!("../../../sql/lock_x.sql");
+
+/// An exclusive release: one statement, sent as is (and the body of `_unlock_x`).
+const UNLOCK_X_SQL: &str = include_str!("../../../sql/unlock_x.sql");
+
+/// The schema script for `schema`.`table` (validated identifiers).
+pub(super) fn schema_sql(schema: &str, table: &str) -> String {
+    for_table(
+        &SCHEMA_SQL
+            .replace("__LOCK_X__", LOCK_X_SQL)
+            .replace("__UNLOCK_X__", UNLOCK_X_SQL),
+        schema,
+        table,
+    )
+}
+
+/// `sql` with `__S__` and `__T__` filled in.
+fn for_table(sql: &str, schema: &str, table: &str) -> String {
+    sql.replace("__S__", schema).replace("__T__", table)
+}
 
 /// The statements every acquisition, release and renewal sends, with the schema and
 /// table filled in once at build (not formatted per call).
 pub(super) struct Statements {
     acquire: String,
     release: String,
+    lock_x: String,
+    unlock_x: String,
     renew: String,
     replay_store: String,
     replay_load: String,
 }
 
 impl Statements {
-    /// The statements for the functions of `qualified` (`<schema>.<table>`).
-    pub(super) fn new(qualified: &str) -> Self {
+    /// The statements for the functions of `schema`.`table`.
+    pub(super) fn new(schema: &str, table: &str) -> Self {
+        let qualified = &format!("{schema}.{table}");
         Statements {
             acquire: fill(
                 "SELECT acquired, holds, token, ttl_ms FROM __F___acquire($1, $2, $3, $4, $5, $6, $7, $8, $9)",
                 qualified,
             ),
             release: fill("SELECT __F___release($1, $2, $3, $4, $5)", qualified),
+            lock_x: for_table(LOCK_X_SQL, schema, table),
+            unlock_x: for_table(UNLOCK_X_SQL, schema, table),
             renew: fill("SELECT * FROM __F___renew($1, $2, $3, $4)", qualified),
             replay_store: fill(
                 "SELECT stored, released FROM __F___replay_store($1, $2, $3, $4, $5, $6, $7, $8)",
@@ -101,21 +129,29 @@ impl PostgresBackend {
             _ => 0,
         };
         let deadline = self.attempt_deadline().await?;
-        let (acquired, holds, token, ttl_ms): (bool, i32, Option<i64>, Option<i64>) = self
-            .timed(
-                sqlx::query_as(&self.inner.statements.acquire)
-                    .bind(req.key.as_str())
-                    .bind(req.hold_id.as_str())
-                    .bind(mode_char(req.mode))
-                    .bind(max)
-                    .bind(millis(req.lease))
-                    .bind(req.fenced)
-                    .bind(req.writer.as_ref().map(HoldId::as_str))
-                    .bind(millis(self.inner.waiter_timeout))
-                    .bind(deadline)
-                    .fetch_one(&self.inner.pool),
-            )
-            .await?;
+        // The exclusive mode straight to its one-statement function (`_acquire` would
+        // only pass it on).
+        let query = if req.mode == LockMode::Exclusive {
+            sqlx::query_as(&self.inner.statements.lock_x)
+                .bind(req.key.as_str())
+                .bind(req.hold_id.as_str())
+                .bind(millis(req.lease))
+                .bind(req.fenced)
+                .bind(deadline)
+        } else {
+            sqlx::query_as(&self.inner.statements.acquire)
+                .bind(req.key.as_str())
+                .bind(req.hold_id.as_str())
+                .bind(mode_char(req.mode))
+                .bind(max)
+                .bind(millis(req.lease))
+                .bind(req.fenced)
+                .bind(req.writer.as_ref().map(HoldId::as_str))
+                .bind(millis(self.inner.waiter_timeout))
+                .bind(deadline)
+        };
+        let (acquired, holds, token, ttl_ms): (bool, i32, Option<i64>, Option<i64>) =
+            self.timed(query.fetch_one(&self.inner.pool)).await?;
         if ttl_ms == Some(-2) {
             return Err(Error::store(
                 StoreErrorKind::Unavailable,
@@ -137,17 +173,21 @@ impl PostgresBackend {
     }
 
     pub(super) async fn release_now(&self, req: &LockRequest) -> Result<Release> {
-        let left: i32 = self
-            .timed(
-                sqlx::query_scalar(&self.inner.statements.release)
-                    .bind(req.key.as_str())
-                    .bind(req.hold_id.as_str())
-                    .bind(mode_char(req.mode))
-                    .bind(millis(req.lease))
-                    .bind(&self.inner.origin)
-                    .fetch_one(&self.inner.pool),
-            )
-            .await?;
+        let query = if req.mode == LockMode::Exclusive {
+            sqlx::query_scalar(&self.inner.statements.unlock_x)
+                .bind(req.key.as_str())
+                .bind(req.hold_id.as_str())
+                .bind(millis(req.lease))
+                .bind(&self.inner.origin)
+        } else {
+            sqlx::query_scalar(&self.inner.statements.release)
+                .bind(req.key.as_str())
+                .bind(req.hold_id.as_str())
+                .bind(mode_char(req.mode))
+                .bind(millis(req.lease))
+                .bind(&self.inner.origin)
+        };
+        let left: i32 = self.timed(query.fetch_one(&self.inner.pool)).await?;
         Ok(self.released(&req.key, left))
     }
 
@@ -240,10 +280,18 @@ impl PostgresBackend {
     }
 
     pub(super) async fn state_of(&self, key: &LockKey, mode: LockMode) -> Result<LockState> {
+        // The exclusive hold lives in the name's row, the others in the holds table.
         let holds_sql = self.sql(
-            "SELECT owner, mode, holds, \
+            "SELECT owner, 'x'::\"char\", holds, \
+                    ceil(extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint, \
+                    CASE WHEN fenced THEN token END \
+               FROM __F___names \
+              WHERE name = $1 AND owner IS NOT NULL AND expires_at > clock_timestamp() \
+             UNION ALL \
+             SELECT owner, mode, holds, \
                     ceil(extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint, token \
-               FROM __F__ WHERE name = $1 AND expires_at > clock_timestamp() ORDER BY owner",
+               FROM __F__ WHERE name = $1 AND expires_at > clock_timestamp() \
+             ORDER BY 1",
         );
         let rows: Vec<HoldRow> = self
             .timed(
@@ -252,14 +300,15 @@ impl PostgresBackend {
                     .fetch_all(&self.inner.pool),
             )
             .await?;
-        let fence_sql = self.sql("SELECT token FROM __F___fence WHERE name = $1");
+        let fence_sql = self.sql("SELECT token FROM __F___names WHERE name = $1");
         let fence: Option<i64> = self
             .timed(
                 sqlx::query_scalar(&fence_sql)
                     .bind(key.as_str())
                     .fetch_optional(&self.inner.pool),
             )
-            .await?;
+            .await?
+            .flatten();
         let waiters = self.waiters_for(key, mode).await?;
         let holders = rows
             .into_iter()
@@ -370,8 +419,9 @@ mod tests {
 
     #[test]
     fn the_schema_has_every_placeholder_filled() {
-        let sql = SCHEMA_SQL.replace("__S__", "s").replace("__T__", "t");
+        let sql = schema_sql("s", "t");
         assert!(!sql.contains("__"), "a placeholder is left");
+        assert!(sql.contains("s.t_names"));
         assert!(sql.contains("s.t_acquire("));
         assert!(sql.contains("s.t_replay_store("));
     }

@@ -1,0 +1,78 @@
+-- One attempt to take the name $1 exclusively for the owner $2 (lease $3 ms, fenced $4,
+-- deadline $5: the database clock in microseconds after which its sender has given up
+-- on it, 0: none), as one statement on the name's row in `__T___names`: taken when the
+-- row has no live hold of another owner and no hold of another mode lives
+-- (`others_until`), re-entered by its owner, inserted for a name never seen. The row
+-- lock serializes it with every other operation on the name. Answers (acquired, holds,
+-- token, ttl_ms) as `_acquire` does. The backend sends it as is; `_lock_x` (and
+-- `_acquire` for mode 'x') runs the same text.
+--
+-- What the row cannot tell, an owner given up for good (`__T___gone`), is read in the
+-- statement's snapshot, and `gen` covers what the snapshot missed: `_abandon` bumps it,
+-- so an attempt that read the old value and reached the row after the abandonment
+-- takes nothing.
+--
+-- A busy attempt marks the row wanted (`wanted_until`) until a while after what blocks
+-- it ends (when the waiter comes back by itself): a release notifies only a wanted
+-- name. Marked under the row lock, after the release if any: it answers 0 (try again
+-- now) when it finds the row free.
+--
+-- `_grant` commits a grant synchronously and anything else without waiting for the
+-- disk, and refuses a session not in READ COMMITTED.
+WITH seen AS (
+    SELECT n.gen FROM __S__.__T___names n WHERE n.name = $1
+), up AS (
+    INSERT INTO __S__.__T___names AS n (name, owner, holds, expires_at, fenced, token)
+    SELECT $1, $2, 1, clock_timestamp() + $3 * interval '1 millisecond', $4,
+           CASE WHEN $4 THEN __S__.__T___now_us() END
+     WHERE ($5 = 0 OR __S__.__T___now_us() <= $5)
+       AND NOT EXISTS (SELECT 1 FROM __S__.__T___gone g
+                        WHERE g.name = $1 AND g.owner = $2 AND g.until > clock_timestamp())
+    ON CONFLICT (name) DO UPDATE
+       SET owner = excluded.owner,
+           holds = CASE WHEN n.owner = excluded.owner AND n.expires_at > clock_timestamp()
+                        THEN n.holds + 1 ELSE 1 END,
+           expires_at = CASE WHEN n.owner = excluded.owner AND n.expires_at > clock_timestamp()
+                             THEN greatest(n.expires_at, excluded.expires_at)
+                             ELSE excluded.expires_at END,
+           fenced = excluded.fenced
+                    OR coalesce(n.owner = excluded.owner AND n.expires_at > clock_timestamp()
+                                AND n.fenced, false),
+           token = CASE WHEN excluded.fenced
+                        THEN greatest(coalesce(n.token, 0) + 1, excluded.token)
+                        ELSE n.token END
+     WHERE (n.owner IS NULL OR n.owner = excluded.owner OR n.expires_at <= clock_timestamp())
+       AND n.others_until <= clock_timestamp()
+       AND n.gen IS NOT DISTINCT FROM (SELECT s.gen FROM seen s)
+       AND ($5 = 0 OR __S__.__T___now_us() <= $5)
+    RETURNING n.holds, n.token
+), busy AS (
+    UPDATE __S__.__T___names n
+       SET wanted_until = greatest(n.wanted_until,
+                                   greatest(n.others_until,
+                                            CASE WHEN n.owner IS NOT NULL THEN n.expires_at END)
+                                   + interval '2 seconds')
+     WHERE n.name = $1 AND NOT EXISTS (SELECT 1 FROM up)
+       AND ($5 = 0 OR __S__.__T___now_us() <= $5)
+       AND NOT EXISTS (SELECT 1 FROM __S__.__T___gone g
+                        WHERE g.name = $1 AND g.owner = $2 AND g.until > clock_timestamp())
+    RETURNING ceil(extract(epoch FROM
+                   greatest(clock_timestamp(), n.others_until,
+                            CASE WHEN n.owner IS NOT NULL THEN n.expires_at END)
+                   - clock_timestamp()) * 1000)::bigint AS ttl_ms
+)
+SELECT __S__.__T___grant(true), u.holds, CASE WHEN $4 THEN u.token END, NULL::bigint
+  FROM up u
+UNION ALL
+SELECT __S__.__T___grant(false), 0, NULL::bigint, b.ttl_ms
+  FROM busy b
+UNION ALL
+-- Refused (-2: after its deadline; -1: an owner given up), or the row was not there
+-- to mark (0: try again).
+SELECT __S__.__T___grant(false), 0, NULL::bigint,
+       CASE WHEN $5 <> 0 AND __S__.__T___now_us() > $5 THEN -2::bigint
+            WHEN EXISTS (SELECT 1 FROM __S__.__T___gone g
+                          WHERE g.name = $1 AND g.owner = $2 AND g.until > clock_timestamp())
+            THEN -1::bigint
+            ELSE 0::bigint END
+ WHERE NOT EXISTS (SELECT 1 FROM up) AND NOT EXISTS (SELECT 1 FROM busy)

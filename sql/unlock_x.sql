@@ -1,0 +1,18 @@
+-- Releases one exclusive hold of the owner $2 on the name $1 (a remaining hold's lease
+-- extended to $3 ms, never shortened): what `_release` does for mode 'x', as one
+-- statement on the name's row, which stays, free, for the next hold. `_released`
+-- answers -1 (not held), 0 (released) or the holds left, commits without waiting for
+-- the disk, and notifies the release (origin $4) when a waiter marked the name wanted.
+-- The backend sends it as is; `_unlock_x` runs the same text.
+WITH r AS (
+    UPDATE __S__.__T___names n
+       SET holds = n.holds - 1,
+           owner = CASE WHEN n.holds > 1 THEN n.owner END,
+           expires_at = CASE WHEN n.holds > 1
+                             THEN greatest(n.expires_at,
+                                           clock_timestamp() + $3 * interval '1 millisecond')
+                             ELSE clock_timestamp() END
+     WHERE n.name = $1 AND n.owner = $2 AND n.expires_at > clock_timestamp()
+    RETURNING n.holds, n.wanted_until > clock_timestamp() AS wanted
+)
+SELECT __S__.__T___released((SELECT r.holds FROM r), (SELECT r.wanted FROM r), $1, $4)
