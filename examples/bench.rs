@@ -10,9 +10,10 @@
 //! ```
 //!
 //! The backend follows `--url`: a `postgres://` (or `postgresql://`) URL measures
-//! [`PostgresBackend`] (on a pool of one connection per worker, plus the one that
-//! listens for releases, without `test_before_acquire`) and the lines carry
-//! `"backend":"postgres"`; `--backend memory` measures the in-process store.
+//! [`PostgresBackend`] (on a pool of one connection per worker, each kept by the
+//! backend between statements, plus two for the listener and the other statements,
+//! without `test_before_acquire`) and the lines carry `"backend":"postgres"`;
+//! `--backend memory` measures the in-process store.
 //!
 //! Workloads:
 //!
@@ -49,8 +50,9 @@
 //!   200 waiters, w4, and w5 for each layer at 64 connections and at 1. `--chart F.svg`
 //!   draws the handoff-latency distributions of w2 and w2h.
 //! - `pg`: the PostgreSQL suite in one run (`--url postgres://...`): w1 with 1 and 32
-//!   workers, w2 and w2h with 8, each for tower-lock and the advisory-lock baseline,
-//!   then a `ratios` line (tower-lock / baseline).
+//!   workers (and again with fast grants, `--fast-grants-ms`, default 30 s), w2 and w2h
+//!   with 8, each for tower-lock and the advisory-lock baseline, then a `ratios` line
+//!   (tower-lock / baseline).
 //!
 //! Latency percentiles are nearest-rank, read from an HDR histogram (`hdrhistogram`)
 //! that keeps three significant digits: exact below 2,048 µs, within 0.1% above.
@@ -226,6 +228,10 @@ struct Args {
     /// With `--workload all`: draw the handoff-latency distributions of w2 and w2h here.
     #[arg(long, value_name = "FILE.svg")]
     chart: Option<String>,
+    /// PostgreSQL: exclusive grants with leases up to L ms commit without waiting for
+    /// the disk (`PostgresBackendBuilder::fast_grants`).
+    #[arg(long = "fast-grants-ms", value_name = "L", value_parser = millis)]
+    fast_grants: Option<Duration>,
 }
 
 fn millis(value: &str) -> Result<Duration, std::num::ParseIntError> {
@@ -367,15 +373,21 @@ async fn client(args: &Args) -> Result<LockClient, String> {
                 .map_err(|e| format!("connecting to {}: {e}", args.url))?,
         ),
         BackendKind::Postgres => {
-            // One connection per worker (per connection in w5), and one for the listener.
+            // One connection per worker (per connection in w5).
             let size = if args.workload == Workload::W5 {
                 args.connections
             } else {
                 args.workers
             };
-            let pool = pg_pool(&args.url, size + 1).await?;
+            // A pool of the benchmark's own: every worker may keep its connection, and
+            // two more for the listener and the other statements.
+            let pool = pg_pool(&args.url, size + 2).await?;
+            let mut builder = PostgresBackend::builder(pool).kept_connections(size);
+            if let Some(max_lease) = args.fast_grants {
+                builder = builder.fast_grants(max_lease);
+            }
             Arc::new(
-                PostgresBackend::builder(pool)
+                builder
                     .build()
                     .await
                     .map_err(|e| format!("PostgreSQL locks at {}: {e}", args.url))?,
@@ -491,6 +503,9 @@ struct W1Line {
     backend: &'static str,
     /// `watchdog` or `<L>ms`.
     lease: String,
+    /// PostgreSQL with `--fast-grants-ms`: the longest fast lease, in ms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fast_grants_ms: Option<u128>,
     /// PostgreSQL only: the server's cost per cycle.
     #[serde(flatten)]
     pg: Option<PgCost>,
@@ -532,6 +547,7 @@ fn w1_line(
         lease: args
             .lease
             .map_or("watchdog".to_owned(), |l| format!("{}ms", l.as_millis())),
+        fast_grants_ms: args.fast_grants.map(|d| d.as_millis()),
         pg: None,
     }
 }
@@ -1824,8 +1840,8 @@ async fn all(args: &Args) -> Result<(), String> {
 }
 
 /// The PostgreSQL suite: tower-lock next to the advisory-lock baseline, each pair run
-/// back to back: w1 with 1 and 32 workers, w2 and w2h with 8; then the ratios
-/// (tower-lock / baseline).
+/// back to back: w1 with 1 and 32 workers (also with fast grants), w2 and w2h with 8;
+/// then the ratios (tower-lock / baseline).
 async fn pg_suite(args: &Args) -> Result<(), String> {
     let with = |f: &dyn Fn(&mut Args)| {
         let mut a = args.clone();
@@ -1865,6 +1881,19 @@ async fn pg_suite(args: &Args) -> Result<(), String> {
         ratios.push((
             format!("{name}_pg_cpu_per_cycle"),
             ratio(cpu(&ours), cpu(&base)),
+        ));
+        // The opt-in fast mode (grants without waiting for the disk), against the same
+        // baseline.
+        let fast = w1(&with(&|a| {
+            a.workers = workers;
+            a.workload = Workload::W1;
+            a.fast_grants = Some(a.fast_grants.unwrap_or(Duration::from_secs(30)));
+        }))
+        .await?;
+        say(&fast)?;
+        ratios.push((
+            format!("{name}_fast_cycles_per_s"),
+            ratio(Some(fast.cycles_per_s), Some(base.cycles_per_s)),
         ));
     }
     for handoff in [false, true] {

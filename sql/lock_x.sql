@@ -1,6 +1,7 @@
 -- One attempt to take the name $1 exclusively for the owner $2 (lease $3 ms, fenced $4,
 -- deadline $5: the database clock in microseconds after which its sender has given up
--- on it, 0: none), as one statement on the name's row in `__T___names`: taken when the
+-- on it, 0: none; $6: a fast grant, committed without waiting for the disk), as one
+-- statement on the name's row in `__T___names`: taken when the
 -- row has no live hold of another owner and no hold of another mode lives
 -- (`others_until`), re-entered by its owner, inserted for a name never seen. The row
 -- lock serializes it with every other operation on the name. Answers (acquired, holds,
@@ -17,10 +18,28 @@
 -- name. Marked under the row lock, after the release if any: it answers 0 (try again
 -- now) when it finds the row free.
 --
--- `_grant` commits a grant synchronously and anything else without waiting for the
--- disk, and refuses a session not in READ COMMITTED.
+-- While the epoch gate is closed (`__T___epoch`: after a crash of a server where fast
+-- grants were made), nothing is granted; the first attempt to find the gate gone sets
+-- it again, one max lease ahead.
+--
+-- `_grant` commits a grant synchronously (a fast one, and anything else, without
+-- waiting for the disk), and refuses a session not in READ COMMITTED.
 WITH seen AS (
     SELECT n.gen FROM __S__.__T___names n WHERE n.name = $1
+), arm AS (
+    INSERT INTO __S__.__T___epoch AS e (id, ready_at)
+    SELECT 1, clock_timestamp() + f.max_lease_ms * interval '1 millisecond'
+      FROM __S__.__T___fast f
+     WHERE NOT EXISTS (SELECT 1 FROM __S__.__T___epoch)
+    ON CONFLICT (id) DO NOTHING
+    RETURNING e.ready_at
+), gate AS (
+    -- When the gate opens (NULL: open now).
+    SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM __S__.__T___fast) THEN NULL
+                ELSE coalesce((SELECT e.ready_at FROM __S__.__T___epoch e),
+                              (SELECT a.ready_at FROM arm a),
+                              clock_timestamp() + interval '100 milliseconds')
+           END AS ready_at
 ), up AS (
     INSERT INTO __S__.__T___names AS n (name, owner, holds, expires_at, fenced, token)
     SELECT $1, $2, 1, clock_timestamp() + $3 * interval '1 millisecond', $4,
@@ -28,6 +47,7 @@ WITH seen AS (
      WHERE ($5 = 0 OR __S__.__T___now_us() <= $5)
        AND NOT EXISTS (SELECT 1 FROM __S__.__T___gone g
                         WHERE g.name = $1 AND g.owner = $2 AND g.until > clock_timestamp())
+       AND coalesce((SELECT gt.ready_at FROM gate gt) <= clock_timestamp(), true)
     ON CONFLICT (name) DO UPDATE
        SET owner = excluded.owner,
            holds = CASE WHEN n.owner = excluded.owner AND n.expires_at > clock_timestamp()
@@ -45,6 +65,7 @@ WITH seen AS (
        AND n.others_until <= clock_timestamp()
        AND n.gen IS NOT DISTINCT FROM (SELECT s.gen FROM seen s)
        AND ($5 = 0 OR __S__.__T___now_us() <= $5)
+       AND coalesce((SELECT gt.ready_at FROM gate gt) <= clock_timestamp(), true)
     RETURNING n.holds, n.token
 ), busy AS (
     UPDATE __S__.__T___names n
@@ -58,21 +79,25 @@ WITH seen AS (
                         WHERE g.name = $1 AND g.owner = $2 AND g.until > clock_timestamp())
     RETURNING ceil(extract(epoch FROM
                    greatest(clock_timestamp(), n.others_until,
-                            CASE WHEN n.owner IS NOT NULL THEN n.expires_at END)
+                            CASE WHEN n.owner IS NOT NULL THEN n.expires_at END,
+                            (SELECT gt.ready_at FROM gate gt))
                    - clock_timestamp()) * 1000)::bigint AS ttl_ms
 )
-SELECT __S__.__T___grant(true), u.holds, CASE WHEN $4 THEN u.token END, NULL::bigint
+SELECT __S__.__T___grant(true, $6), u.holds, CASE WHEN $4 THEN u.token END, NULL::bigint
   FROM up u
 UNION ALL
-SELECT __S__.__T___grant(false), 0, NULL::bigint, b.ttl_ms
+SELECT __S__.__T___grant(false, $6), 0, NULL::bigint, b.ttl_ms
   FROM busy b
 UNION ALL
--- Refused (-2: after its deadline; -1: an owner given up), or the row was not there
--- to mark (0: try again).
-SELECT __S__.__T___grant(false), 0, NULL::bigint,
+-- Refused (-2: after its deadline; -1: an owner given up), the gate closed (until it
+-- opens), or the row was not there to mark (0: try again).
+SELECT __S__.__T___grant(false, $6), 0, NULL::bigint,
        CASE WHEN $5 <> 0 AND __S__.__T___now_us() > $5 THEN -2::bigint
             WHEN EXISTS (SELECT 1 FROM __S__.__T___gone g
                           WHERE g.name = $1 AND g.owner = $2 AND g.until > clock_timestamp())
             THEN -1::bigint
-            ELSE 0::bigint END
+            ELSE coalesce((SELECT ceil(extract(epoch FROM gt.ready_at - clock_timestamp())
+                                       * 1000)::bigint
+                             FROM gate gt WHERE gt.ready_at > clock_timestamp()), 0)
+       END
  WHERE NOT EXISTS (SELECT 1 FROM up) AND NOT EXISTS (SELECT 1 FROM busy)

@@ -82,6 +82,24 @@ CREATE TABLE IF NOT EXISTS __S__.__T___gone (
     PRIMARY KEY (name, owner)
 );
 
+-- Fast grants (PostgresBackendBuilder::fast_grants): a row here says that exclusive
+-- grants of this table may commit without waiting for the disk, with leases up to
+-- `max_lease_ms`. Logged, so it outlives a crash.
+CREATE TABLE IF NOT EXISTS __S__.__T___fast (
+    id           integer PRIMARY KEY CHECK (id = 1),
+    max_lease_ms bigint  NOT NULL
+);
+
+-- The epoch gate of fast grants. UNLOGGED: crash recovery (and a standby's promotion)
+-- empties it. With a row in `__T___fast` and none here, a crash may have lost grants
+-- their clients were told about: nothing is granted, in any mode, until `ready_at`,
+-- one max lease after the first attempt that found the gate gone (and set it), when
+-- every lost grant's lease has ended.
+CREATE UNLOGGED TABLE IF NOT EXISTS __S__.__T___epoch (
+    id       integer     PRIMARY KEY CHECK (id = 1),
+    ready_at timestamptz NOT NULL
+);
+
 -- Client names (LockClientBuilder::name), for inspection from any process.
 CREATE TABLE IF NOT EXISTS __S__.__T___clients (
     id         text        PRIMARY KEY,
@@ -197,16 +215,57 @@ LANGUAGE sql AS $$
     RETURNING n.token
 $$;
 
--- What a lock attempt's transaction commits as: a grant synchronously (`_durable`),
--- anything else (a busy or refused attempt, which changed at most a mark) without
--- waiting for the disk. Refuses a session not in READ COMMITTED. Returns `p_acquired`.
-CREATE OR REPLACE FUNCTION __S__.__T___grant(p_acquired boolean) RETURNS boolean
+-- When the epoch gate opens (NULL: it is open), setting it one max lease ahead when a
+-- crash emptied it. See `__T___epoch`.
+CREATE OR REPLACE FUNCTION __S__.__T___gate() RETURNS timestamptz
+LANGUAGE plpgsql AS $$
+DECLARE
+    max_ms bigint;
+    ready timestamptz;
+BEGIN
+    SELECT f.max_lease_ms INTO max_ms FROM __S__.__T___fast f;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    INSERT INTO __S__.__T___epoch (id, ready_at)
+    VALUES (1, clock_timestamp() + max_ms * interval '1 millisecond')
+    ON CONFLICT (id) DO NOTHING;
+    SELECT e.ready_at INTO ready FROM __S__.__T___epoch e;
+    RETURN CASE WHEN ready > clock_timestamp() THEN ready END;
+END $$;
+
+-- Lets this table's exclusive grants be fast, with leases up to `p_max_lease_ms`: the
+-- mark (raised, never lowered) commits synchronously before any fast grant is made.
+-- The first time, the gate opens at once: no fast grant can have been lost before.
+CREATE OR REPLACE FUNCTION __S__.__T___enable_fast(p_max_lease_ms bigint) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    first boolean := NOT EXISTS (SELECT 1 FROM __S__.__T___fast);
+BEGIN
+    PERFORM __S__.__T___durable();
+    INSERT INTO __S__.__T___fast (id, max_lease_ms) VALUES (1, p_max_lease_ms)
+    ON CONFLICT (id) DO UPDATE
+       SET max_lease_ms = greatest(__S__.__T___fast.max_lease_ms, excluded.max_lease_ms);
+    IF first THEN
+        INSERT INTO __S__.__T___epoch (id, ready_at) VALUES (1, clock_timestamp())
+        ON CONFLICT (id) DO NOTHING;
+    END IF;
+END $$;
+
+-- What a lock attempt's transaction commits as: a grant synchronously (`_durable`)
+-- unless `p_fast`; anything else (a busy or refused attempt, which changed at most a
+-- mark) without waiting for the disk. Refuses a session not in READ COMMITTED. Returns
+-- `p_acquired`.
+DROP FUNCTION IF EXISTS __S__.__T___lock_x(text, text, bigint, boolean, bigint);
+DROP FUNCTION IF EXISTS __S__.__T___grant(boolean);
+
+CREATE OR REPLACE FUNCTION __S__.__T___grant(p_acquired boolean, p_fast boolean) RETURNS boolean
 LANGUAGE plpgsql AS $$
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         PERFORM __S__.__T___read_committed();
     END IF;
-    IF NOT p_acquired THEN
+    IF NOT p_acquired OR p_fast THEN
         PERFORM set_config('synchronous_commit', 'off', true);
     ELSIF current_setting('synchronous_commit') = 'off' THEN
         PERFORM set_config('synchronous_commit', 'on', true);
@@ -236,7 +295,7 @@ END $$;
 -- sends as is.
 CREATE OR REPLACE FUNCTION __S__.__T___lock_x(
     p_name text, p_owner text, p_lease_ms bigint, p_fenced boolean, p_deadline_us bigint,
-    OUT acquired boolean, OUT holds integer, OUT token bigint, OUT ttl_ms bigint)
+    p_fast boolean, OUT acquired boolean, OUT holds integer, OUT token bigint, OUT ttl_ms bigint)
 LANGUAGE sql AS $$
 __LOCK_X__
 $$;
@@ -278,10 +337,19 @@ DECLARE
 BEGIN
     IF p_mode = 'x' THEN
         SELECT x.acquired, x.holds, x.token, x.ttl_ms INTO acquired, holds, token, ttl_ms
-          FROM __S__.__T___lock_x(p_name, p_owner, p_lease_ms, p_fenced, p_deadline_us) x;
+          FROM __S__.__T___lock_x(p_name, p_owner, p_lease_ms, p_fenced, p_deadline_us,
+                                  false) x;
         RETURN;
     END IF;
     PERFORM __S__.__T___read_committed();
+    -- Nothing is granted while the epoch gate is closed (a waiter comes back then).
+    block_until := __S__.__T___gate();
+    IF block_until IS NOT NULL THEN
+        acquired := false;
+        holds := 0;
+        ttl_ms := greatest(1, ceil(extract(epoch FROM block_until - clock_timestamp()) * 1000))::bigint;
+        RETURN;
+    END IF;
     PERFORM pg_advisory_xact_lock(hashtext('__S__.__T__'), hashtext(p_name));
     x_until := __S__.__T___lock_name(p_name);
     now_ts := clock_timestamp();

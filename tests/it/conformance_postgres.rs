@@ -13,7 +13,7 @@ use tower_lock::{LockClient, LockKey, PostgresBackend};
 
 struct Postgres {
     /// Separate backends (pools and listeners), handed out in turn, as separate replicas
-    /// would be.
+    /// would be; the second keeps connections, the third grants fast.
     backends: Vec<PostgresBackend>,
     next: AtomicUsize,
     /// Last: dropped after the backends.
@@ -24,9 +24,18 @@ impl Postgres {
     async fn start() -> Self {
         let db = PgDatabase::create().await;
         let mut backends = Vec::new();
-        for _ in 0..3 {
+        for i in 0..3 {
             let pool = db.pool(4).await;
-            backends.push(PostgresBackend::builder(pool).build().await.unwrap());
+            let mut builder = PostgresBackend::builder(pool);
+            // One replica keeps connections between statements, one grants fast
+            // (without waiting for the disk): the same rules.
+            if i == 1 {
+                builder = builder.kept_connections(2);
+            }
+            if i == 2 {
+                builder = builder.fast_grants(Duration::from_secs(60));
+            }
+            backends.push(builder.build().await.unwrap());
         }
         Postgres {
             backends,

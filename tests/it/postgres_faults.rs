@@ -319,6 +319,122 @@ async fn a_grant_survives_a_crash_whatever_the_sessions_synchronous_commit() {
     drop(server);
 }
 
+/// Issue 23: fast grants commit without waiting for the disk, so a crash loses them
+/// after their client was told "acquired". The epoch gate (an UNLOGGED table, emptied by
+/// crash recovery) then keeps every name from being granted, in any mode and by any
+/// backend of the table, until one max lease has passed: by then every lost grant's
+/// lease has ended.
+///
+/// A killed server keeps the WAL it had handed to the kernel, which it does for every
+/// page it completes; so the grants go on until the last one's records all lie past
+/// what was written (the WAL writer runs every 10 s here), and the crash comes then:
+/// that grant is lost for certain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fast_grant_lost_in_a_crash_is_never_granted_again_within_its_lease() {
+    const LEASE: Duration = Duration::from_secs(3);
+    let Some((mut server, pool)) = lazy_wal_server().await else {
+        eprintln!("skipped: no PostgreSQL server binaries (.ci/run installs them)");
+        return;
+    };
+    let url = server.url();
+    let probe = pool.clone();
+    let holder = PostgresBackend::builder(pool)
+        .fast_grants(LEASE)
+        .build()
+        .await
+        .unwrap();
+    let holder = client(&holder, Duration::from_secs(30));
+    let mut guards = Vec::new();
+    for i in 0..100 {
+        assert!(i < 99, "every grant reached the kernel at once");
+        let key = LockKey::new(format!("faults:fast:{i}")).unwrap();
+        let before: String = sqlx::query_scalar("SELECT pg_current_wal_insert_lsn()::text")
+            .fetch_one(&probe)
+            .await
+            .unwrap();
+        let asked = Instant::now();
+        let guard = holder
+            .get_lock(&key)
+            .unwrap()
+            .try_lock_for(Duration::ZERO, LEASE)
+            .await
+            .unwrap();
+        // The holder counts its lease from before it asked; so does this test.
+        guards.push((asked + LEASE, key, guard));
+        let unwritten: bool = sqlx::query_scalar("SELECT pg_current_wal_lsn() <= $1::text::pg_lsn")
+            .bind(&before)
+            .fetch_one(&probe)
+            .await
+            .unwrap();
+        if unwritten {
+            break;
+        }
+    }
+    server = restarted(server).await;
+
+    // A backend without fast grants: the gate holds for it too.
+    let other = backend(&url, "tl-other", Duration::from_secs(1)).await;
+    let (_, last, _) = guards.last().unwrap();
+    let kept: Option<String> = sqlx::query_scalar(
+        "SELECT owner FROM tower_lock_names WHERE name = $1 AND owner IS NOT NULL",
+    )
+    .bind(last.as_str())
+    .fetch_optional(other.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        kept, None,
+        "the crash kept the last grant: the test shows nothing"
+    );
+    let other = client(&other, Duration::from_secs(30));
+    let fresh = other.get_read_write_lock("faults:fast:fresh").unwrap();
+    let earliest = guards.iter().map(|(end, _, _)| *end).min().unwrap();
+    let mut pending: Vec<(Instant, LockKey)> = guards
+        .iter()
+        .map(|(end, key, _)| (*end, key.clone()))
+        .collect();
+    let mut fresh_granted = false;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !pending.is_empty() || !fresh_granted {
+        assert!(Instant::now() < deadline, "the gate never opened");
+        let mut still = Vec::new();
+        for (end, key) in pending {
+            match other.get_lock(&key).unwrap().try_lock().await {
+                Ok(got) => {
+                    let at = Instant::now();
+                    assert!(
+                        at >= end,
+                        "{key} granted {:?} before the lost grant's lease ended",
+                        end - at
+                    );
+                    got.unlock().await.unwrap();
+                }
+                Err(e) if e.is_busy() || e.is_unavailable() => still.push((end, key)),
+                Err(e) => panic!("{key}: {e}"),
+            }
+        }
+        pending = still;
+        if !fresh_granted {
+            match fresh.read_lock().try_lock().await {
+                Ok(got) => {
+                    assert!(
+                        Instant::now() >= earliest,
+                        "a read lock granted while the gate was closed"
+                    );
+                    got.unlock().await.unwrap();
+                    fresh_granted = true;
+                }
+                Err(e) if e.is_busy() || e.is_unavailable() => {}
+                Err(e) => panic!("read: {e}"),
+            }
+        }
+        // Polling the gate, which opens by the clock.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(guards);
+    drop(server);
+}
+
 /// Issue 25: a record kept for replay must survive a crash as a grant does, or the
 /// retry runs its request again. `_replay_store` calls `_release`, which turns
 /// `synchronous_commit` off for its transaction; a stored record turns it back (to the

@@ -665,3 +665,84 @@ async fn a_waiter_of_another_process_hears_the_release() {
     let got = waiter.await.unwrap().expect("the waiter took the lock");
     got.unlock().await.unwrap();
 }
+
+/// Issue 23: kept connections skip the pool's test of a connection it takes back. One
+/// killed while kept fails the next statement on it (an outage, retryable), goes back to
+/// the pool, and the statement after that runs; the backend's other statements, which
+/// take connections from the pool, are not starved by the kept ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_connection_that_died_fails_once_and_is_replaced() {
+    let db = PgDatabase::create().await;
+    let options = db
+        .url
+        .parse::<PgConnectOptions>()
+        .unwrap()
+        .application_name("tl-kept");
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let backend = PostgresBackend::builder(pool)
+        .kept_connections(8)
+        .build()
+        .await
+        .unwrap();
+    let lock = req("kept", "a:1", LockMode::Exclusive);
+    assert!(matches!(
+        backend.acquire(&lock).await.unwrap(),
+        Acquire::Acquired(_)
+    ));
+    assert_eq!(backend.release(&lock).await.unwrap(), Release::Released);
+    let admin = db.pool(1).await;
+    let killed: i64 = sqlx::query_scalar(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+          WHERE application_name = 'tl-kept' AND query NOT LIKE 'LISTEN%'",
+    )
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert!(killed >= 1, "the kept connection was there to kill");
+    let mut failures = 0;
+    let mut granted = false;
+    for _ in 0..3 {
+        match backend.acquire(&lock).await {
+            Ok(Acquire::Acquired(_)) => {
+                granted = true;
+                break;
+            }
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => {
+                assert!(e.is_unavailable(), "{e:?}");
+                failures += 1;
+            }
+        }
+    }
+    assert!(
+        granted,
+        "the lock was never granted after {failures} failures"
+    );
+    assert!(
+        failures <= 1,
+        "{failures} statements failed on dead connections"
+    );
+    // The other statements run beside a stream of kept-connection ones.
+    let stream = tokio::spawn({
+        let backend = backend.clone();
+        async move {
+            let other = req("kept:stream", "b:1", LockMode::Exclusive);
+            for _ in 0..200 {
+                backend.acquire(&other).await.unwrap();
+                backend.release(&other).await.unwrap();
+            }
+        }
+    });
+    for _ in 0..20 {
+        backend
+            .inspect(&LockKey::new("kept").unwrap(), LockMode::Exclusive)
+            .await
+            .unwrap();
+    }
+    stream.await.unwrap();
+    assert_eq!(backend.release(&lock).await.unwrap(), Release::Released);
+}

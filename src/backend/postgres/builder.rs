@@ -7,11 +7,12 @@ use std::time::Duration;
 use sqlx::postgres::{PgListener, PgPool};
 use tokio_util::sync::CancellationToken;
 
+use super::conns::Kept;
 use super::listener::{KeyWaiters, listen};
-use super::statements::Statements;
+use super::statements::{Statements, millis};
 use super::{
-    DEFAULT_RESPONSE_TIMEOUT, DEFAULT_SCHEMA, DEFAULT_TABLE, DEFAULT_WAITER_TIMEOUT, Inner,
-    MIN_POOL_SIZE, PostgresBackend, map_error, validate_identifier,
+    DEFAULT_KEPT_CONNECTIONS, DEFAULT_RESPONSE_TIMEOUT, DEFAULT_SCHEMA, DEFAULT_TABLE,
+    DEFAULT_WAITER_TIMEOUT, Inner, MIN_POOL_SIZE, PostgresBackend, map_error, validate_identifier,
 };
 use crate::backend::clock::StoreClock;
 use crate::backend::{QUEUED_MODES, StoreProfile};
@@ -27,6 +28,8 @@ pub struct PostgresBackendBuilder {
     waiter_timeout: Duration,
     response_timeout: Duration,
     watchdog_lease: Option<Duration>,
+    fast_grants: Option<Duration>,
+    kept_connections: usize,
     migrate: bool,
 }
 
@@ -40,6 +43,8 @@ impl PostgresBackendBuilder {
             waiter_timeout: DEFAULT_WAITER_TIMEOUT,
             response_timeout: DEFAULT_RESPONSE_TIMEOUT,
             watchdog_lease: None,
+            fast_grants: None,
+            kept_connections: DEFAULT_KEPT_CONNECTIONS,
             migrate: true,
         }
     }
@@ -80,6 +85,60 @@ impl PostgresBackendBuilder {
         self
     }
 
+    /// Opt-in fast mode: an exclusive grant whose lease is at most `max_lease` commits
+    /// without waiting for the disk (`synchronous_commit = off` for its transaction),
+    /// which saves the grant's `fdatasync` — most of an uncontended lock's time on
+    /// PostgreSQL.
+    ///
+    /// **What it costs.** A crash of the server (or of its machine, or a failover to a
+    /// standby) may lose such a grant after its client was told "acquired". So after a
+    /// crash, **nothing is granted on this table, in any mode, for `max_lease`**: an
+    /// epoch gate, an `UNLOGGED` table that crash recovery empties, closes at the first
+    /// attempt after the restart and opens one `max_lease` later, when every grant the
+    /// crash may have lost has ended. A clean shutdown loses nothing and closes no gate.
+    /// Longer leases (a fixed lease above `max_lease`, or a watchdog lease above it) are
+    /// granted durably as without this setting; so are the other modes.
+    ///
+    /// [`build`](Self::build) records the mode in the table (durably, before any fast
+    /// grant), and it stays on for the table: every backend of the table, fast or not,
+    /// honours the gate. Keep `max_lease` near the watchdog lease: it is the outage a
+    /// crash costs. At least 1 ms.
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: sqlx::PgPool) -> tower_lock::Result<()> {
+    /// use std::time::Duration;
+    /// let backend = tower_lock::PostgresBackend::builder(pool)
+    ///     .watchdog_lease(Duration::from_secs(10))
+    ///     .fast_grants(Duration::from_secs(10)) // after a crash: no grants for 10 s
+    ///     .build()
+    ///     .await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn fast_grants(mut self, max_lease: Duration) -> Self {
+        self.fast_grants = Some(max_lease);
+        self
+    }
+
+    /// How many of the pool's connections the backend keeps checked out between its
+    /// exclusive acquisitions and releases (default [`DEFAULT_KEPT_CONNECTIONS`]: none).
+    /// sqlx's pool tests every connection it takes back with a round trip of its own,
+    /// whatever its options: through the pool, a lock statement costs the server two
+    /// wake-ups. On a kept connection it costs one (at one worker, 1.6× the lock+unlock
+    /// rate; see `docs/performance.md`).
+    ///
+    /// Meant for a pool of the backend's own: while locks are busy, kept connections are
+    /// not available to anything else on the pool, the backend's other statements
+    /// included (which then share what is left). At most `max_connections - 2` are kept,
+    /// so that the listener (which holds one, and takes one to reconnect) and the other
+    /// statements always find one. A kept connection idle for a second goes back to the
+    /// pool; one whose statement failed or was cancelled always does, and the pool tests
+    /// it.
+    pub fn kept_connections(mut self, n: usize) -> Self {
+        self.kept_connections = n;
+        self
+    }
+
     /// Whether [`build`](Self::build) creates the tables and functions (default `true`).
     /// Turn it off when migrations run elsewhere ([`PostgresBackend::migrate`]) or the
     /// application's role may not create objects.
@@ -102,6 +161,14 @@ impl PostgresBackendBuilder {
         if self.migrate {
             PostgresBackend::migrate(&self.pool, &self.schema, &self.table).await?;
         }
+        if let Some(max_lease) = self.fast_grants {
+            let sql = format!("SELECT {}.{}_enable_fast($1)", self.schema, self.table);
+            sqlx::query(&sql)
+                .bind(millis(max_lease))
+                .execute(&self.pool)
+                .await
+                .map_err(map_error)?;
+        }
         let mut listener = PgListener::connect_with(&self.pool)
             .await
             .map_err(map_error)?;
@@ -117,6 +184,11 @@ impl PostgresBackendBuilder {
             Arc::clone(&waiters),
             stop.clone(),
         ));
+        let max_kept = usize::try_from(self.pool.options().get_max_connections())
+            .unwrap_or(usize::MAX)
+            .saturating_sub(2);
+        let kept = Arc::new(Kept::new(self.kept_connections.min(max_kept)));
+        tokio::spawn(Arc::clone(&kept).sweep_until(stop.clone()));
         let qualified = format!("{}.{}", self.schema, self.table);
         Ok(PostgresBackend {
             inner: Arc::new(Inner {
@@ -130,6 +202,8 @@ impl PostgresBackendBuilder {
                 pool: self.pool,
                 waiter_timeout: self.waiter_timeout,
                 response_timeout: self.response_timeout,
+                fast_grants: self.fast_grants,
+                kept,
                 origin,
                 waiters,
                 _stop_listener: stop.drop_guard(),
@@ -161,6 +235,15 @@ impl PostgresBackendBuilder {
         }
         if let Some(lease) = self.watchdog_lease {
             crate::backend::limits::validate_watchdog_lease(lease)?;
+        }
+        if self
+            .fast_grants
+            .is_some_and(|max| max < Duration::from_millis(1))
+        {
+            return Err(Error::invalid_config(
+                "fast_grants",
+                "the longest fast lease must be at least 1 ms",
+            ));
         }
         Ok(())
     }

@@ -114,6 +114,7 @@ use crate::error::{Error, Result, StoreError, StoreErrorKind};
 use crate::key::LockKey;
 
 mod builder;
+mod conns;
 mod listener;
 mod statements;
 
@@ -140,6 +141,10 @@ pub const MIN_POOL_SIZE: u32 = 2;
 
 pub use crate::backend::limits::DEFAULT_WAITER_TIMEOUT;
 
+/// How many of the pool's connections the backend keeps between its statements when
+/// not told otherwise: none. See [`PostgresBackendBuilder::kept_connections`].
+pub const DEFAULT_KEPT_CONNECTIONS: usize = 0;
+
 /// A lock store on PostgreSQL. See the [module docs](self).
 ///
 /// Cheap to clone: clones share the pool and the listening task, which ends with the
@@ -159,6 +164,10 @@ struct Inner {
     clock: StoreClock,
     waiter_timeout: Duration,
     response_timeout: Duration,
+    /// The longest lease granted fast (without waiting for the disk), if any.
+    fast_grants: Option<Duration>,
+    /// Connections kept between statements (see `conns`).
+    kept: Arc<conns::Kept>,
     /// `postgres`; its identity is
     /// `postgres://<host>:<port>/<database>/<schema>.<table>`.
     profile: StoreProfile,

@@ -138,6 +138,7 @@ impl PostgresBackend {
                 .bind(millis(req.lease))
                 .bind(req.fenced)
                 .bind(deadline)
+                .bind(self.inner.fast_grants.is_some_and(|max| req.lease <= max))
         } else {
             sqlx::query_as(&self.inner.statements.acquire)
                 .bind(req.key.as_str())
@@ -150,8 +151,13 @@ impl PostgresBackend {
                 .bind(millis(self.inner.waiter_timeout))
                 .bind(deadline)
         };
-        let (acquired, holds, token, ttl_ms): (bool, i32, Option<i64>, Option<i64>) =
-            self.timed(query.fetch_one(&self.inner.pool)).await?;
+        let (acquired, holds, token, ttl_ms): (bool, i32, Option<i64>, Option<i64>) = self
+            .timed(
+                self.inner
+                    .kept
+                    .run(&self.inner.pool, async |conn| query.fetch_one(conn).await),
+            )
+            .await?;
         if ttl_ms == Some(-2) {
             return Err(Error::store(
                 StoreErrorKind::Unavailable,
@@ -187,7 +193,13 @@ impl PostgresBackend {
                 .bind(millis(req.lease))
                 .bind(&self.inner.origin)
         };
-        let left: i32 = self.timed(query.fetch_one(&self.inner.pool)).await?;
+        let left: i32 = self
+            .timed(
+                self.inner
+                    .kept
+                    .run(&self.inner.pool, async |conn| query.fetch_one(conn).await),
+            )
+            .await?;
         Ok(self.released(&req.key, left))
     }
 
