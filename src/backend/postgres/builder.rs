@@ -188,7 +188,9 @@ impl PostgresBackendBuilder {
             .unwrap_or(usize::MAX)
             .saturating_sub(2);
         let kept = Arc::new(Kept::new(self.kept_connections.min(max_kept)));
-        tokio::spawn(Arc::clone(&kept).sweep_until(stop.clone()));
+        if kept.cap() > 0 {
+            tokio::spawn(Arc::clone(&kept).sweep_until(stop.clone()));
+        }
         let qualified = format!("{}.{}", self.schema, self.table);
         Ok(PostgresBackend {
             inner: Arc::new(Inner {

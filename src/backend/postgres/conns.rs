@@ -36,6 +36,11 @@ impl Kept {
         }
     }
 
+    /// The most connections kept.
+    pub(super) fn cap(&self) -> usize {
+        self.cap
+    }
+
     /// Runs `run` on a kept connection, or on one taken from `pool`; keeps the
     /// connection afterwards if `run` succeeded.
     pub(super) async fn run<T>(
