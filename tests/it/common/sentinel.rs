@@ -114,6 +114,10 @@ impl Drop for Sentinel {
             let _ = child.wait();
         }
         let _ = std::fs::remove_dir_all(&self.dir);
+        // The set's directory, once its last Sentinel is gone (fails while not empty).
+        if let Some(set_dir) = self.dir.parent() {
+            let _ = std::fs::remove_dir(set_dir);
+        }
     }
 }
 
