@@ -18,28 +18,16 @@
 -- name. Marked under the row lock, after the release if any: it answers 0 (try again
 -- now) when it finds the row free.
 --
--- While the epoch gate is closed (`__T___epoch`: after a crash of a server where fast
--- grants were made), nothing is granted; the first attempt to find the gate gone sets
--- it again, one max lease ahead.
+-- While the epoch gate is closed (`_gate`: after a crash of a server where fast grants
+-- were made), nothing is granted.
 --
 -- `_grant` commits a grant synchronously (a fast one, and anything else, without
 -- waiting for the disk), and refuses a session not in READ COMMITTED.
 WITH seen AS (
     SELECT n.gen FROM __S__.__T___names n WHERE n.name = $1
-), arm AS (
-    INSERT INTO __S__.__T___epoch AS e (id, ready_at)
-    SELECT 1, clock_timestamp() + f.max_lease_ms * interval '1 millisecond'
-      FROM __S__.__T___fast f
-     WHERE NOT EXISTS (SELECT 1 FROM __S__.__T___epoch)
-    ON CONFLICT (id) DO NOTHING
-    RETURNING e.ready_at
 ), gate AS (
-    -- When the gate opens (NULL: open now).
-    SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM __S__.__T___fast) THEN NULL
-                ELSE coalesce((SELECT e.ready_at FROM __S__.__T___epoch e),
-                              (SELECT a.ready_at FROM arm a),
-                              clock_timestamp() + interval '100 milliseconds')
-           END AS ready_at
+    -- When the gate opens (NULL: it is open).
+    SELECT __S__.__T___gate() AS ready_at
 ), up AS (
     INSERT INTO __S__.__T___names AS n (name, owner, holds, expires_at, fenced, token)
     SELECT $1, $2, 1, clock_timestamp() + $3 * interval '1 millisecond', $4,

@@ -24,7 +24,7 @@
 -- `wanted_until`: until when a waiter may still count on a notification of the release
 -- (set by busy attempts; a release nobody waits for notifies nobody). Updated in
 -- place; only `name` is indexed, so updates are HOT. A free row idle for an hour is
--- swept (see `_sweep`).
+-- swept (by client registration, as the other expired rows).
 CREATE TABLE IF NOT EXISTS __S__.__T___names (
     name         text        PRIMARY KEY,
     owner        text,
@@ -216,7 +216,7 @@ LANGUAGE sql AS $$
 $$;
 
 -- When the epoch gate opens (NULL: it is open), setting it one max lease ahead when a
--- crash emptied it. See `__T___epoch`.
+-- crash emptied it. See `__T___epoch`. Every grant of every mode asks it first.
 CREATE OR REPLACE FUNCTION __S__.__T___gate() RETURNS timestamptz
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -227,10 +227,15 @@ BEGIN
     IF NOT FOUND THEN
         RETURN NULL;
     END IF;
-    INSERT INTO __S__.__T___epoch (id, ready_at)
-    VALUES (1, clock_timestamp() + max_ms * interval '1 millisecond')
-    ON CONFLICT (id) DO NOTHING;
     SELECT e.ready_at INTO ready FROM __S__.__T___epoch e;
+    IF NOT FOUND THEN
+        INSERT INTO __S__.__T___epoch (id, ready_at)
+        VALUES (1, clock_timestamp() + max_ms * interval '1 millisecond')
+        ON CONFLICT (id) DO NOTHING;
+        SELECT e.ready_at INTO ready FROM __S__.__T___epoch e;
+    END IF;
+    -- Not readable (never expected): closed, for a moment.
+    ready := coalesce(ready, clock_timestamp() + interval '100 milliseconds');
     RETURN CASE WHEN ready > clock_timestamp() THEN ready END;
 END $$;
 
