@@ -51,8 +51,8 @@
 //!   draws the handoff-latency distributions of w2 and w2h.
 //! - `pg`: the PostgreSQL suite in one run (`--url postgres://...`): w1 with 1 and 32
 //!   workers (and again with fast grants, `--fast-grants-ms`, default 30 s), w2 and w2h
-//!   with 8, each for tower-lock and the advisory-lock baseline, then a `ratios` line
-//!   (tower-lock / baseline).
+//!   with 8 (and again with `--hand-over`), each for tower-lock and the advisory-lock
+//!   baseline, then a `ratios` line (tower-lock / baseline).
 //!
 //! Latency percentiles are nearest-rank, read from an HDR histogram (`hdrhistogram`)
 //! that keeps three significant digits: exact below 2,048 µs, within 0.1% above.
@@ -232,6 +232,10 @@ struct Args {
     /// the disk (`PostgresBackendBuilder::fast_grants`).
     #[arg(long = "fast-grants-ms", value_name = "L", value_parser = millis)]
     fast_grants: Option<Duration>,
+    /// PostgreSQL: a release hands the lock to the oldest waiter
+    /// (`PostgresBackendBuilder::hand_over`).
+    #[arg(long)]
+    hand_over: bool,
 }
 
 fn millis(value: &str) -> Result<Duration, std::num::ParseIntError> {
@@ -382,7 +386,9 @@ async fn client(args: &Args) -> Result<LockClient, String> {
             // A pool of the benchmark's own: every worker may keep its connection, and
             // two more for the listener and the other statements.
             let pool = pg_pool(&args.url, size + 2).await?;
-            let mut builder = PostgresBackend::builder(pool).kept_connections(size);
+            let mut builder = PostgresBackend::builder(pool)
+                .kept_connections(size)
+                .hand_over(args.hand_over);
             if let Some(max_lease) = args.fast_grants {
                 builder = builder.fast_grants(max_lease);
             }
@@ -876,6 +882,9 @@ struct W2Line {
     overlaps: u64,
     release_failures: u64,
     backend: &'static str,
+    /// PostgreSQL with `--hand-over`.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    hand_over: bool,
 }
 
 async fn w2(args: &Args) -> Result<W2Line, String> {
@@ -1022,6 +1031,7 @@ async fn w2_with_samples(args: &Args) -> Result<(W2Line, Latencies), String> {
         overlaps: overlaps.load(Ordering::Relaxed),
         release_failures: failures.load(Ordering::Relaxed),
         backend: args.backend.name(),
+        hand_over: args.hand_over,
     };
     Ok((line, handoffs))
 }
@@ -1912,7 +1922,24 @@ async fn pg_suite(args: &Args) -> Result<(), String> {
         }))
         .await?;
         say(&base)?;
+        // Released locks handed to the oldest waiter, against the same baseline.
+        let handed = w2(&with(&|a| {
+            a.workers = 8;
+            a.workload = Workload::W2;
+            a.handoff = handoff;
+            a.hand_over = true;
+        }))
+        .await?;
+        say(&handed)?;
         let name = ours.workload;
+        ratios.push((
+            format!("{name}_hand_over_cycles_per_s"),
+            ratio(Some(handed.cycles_per_s), Some(base.cycles_per_s)),
+        ));
+        ratios.push((
+            format!("{name}_hand_over_handoff_p50_us"),
+            ratio(u(handed.handoff_p50_us), u(base.handoff_p50_us)),
+        ));
         ratios.push((
             format!("{name}_cycles_per_s"),
             ratio(Some(ours.cycles_per_s), Some(base.cycles_per_s)),

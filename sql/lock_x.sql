@@ -18,6 +18,15 @@
 -- name. Marked under the row lock, after the release if any: it answers 0 (try again
 -- now) when it finds the row free.
 --
+-- A waiter's attempt is this statement with the lines marked `--W:` in it, and two
+-- more parameters: $7, its process's liveness key, and $8, when it stops waiting (the
+-- database clock in microseconds, 0: never). One that finds the name busy
+-- registers the waiter in `__T___waiters`, for a release to hand it the name
+-- (`_hand_over`), and answers `holds` 1 when it did; one that takes it leaves. One
+-- that finds the name already handed to it (its owner, live) takes it as it is: the
+-- hold count stays 1, and no new token is taken. Everyone else's attempts leave that
+-- table alone.
+--
 -- While the epoch gate is closed (`_gate`: after a crash of a server where fast grants
 -- were made), nothing is granted.
 --
@@ -39,7 +48,9 @@ WITH seen AS (
     ON CONFLICT (name) DO UPDATE
        SET owner = excluded.owner,
            holds = CASE WHEN n.owner = excluded.owner AND n.expires_at > clock_timestamp()
-                        THEN n.holds + 1 ELSE 1 END,
+                        THEN n.holds + 1
+--W:                         - 1
+                        ELSE 1 END,
            expires_at = CASE WHEN n.owner = excluded.owner AND n.expires_at > clock_timestamp()
                              THEN greatest(n.expires_at, excluded.expires_at)
                              ELSE excluded.expires_at END,
@@ -47,6 +58,7 @@ WITH seen AS (
                     OR coalesce(n.owner = excluded.owner AND n.expires_at > clock_timestamp()
                                 AND n.fenced, false),
            token = CASE WHEN excluded.fenced
+--W:                         AND NOT (n.owner = excluded.owner AND n.expires_at > clock_timestamp())
                         THEN greatest(coalesce(n.token, 0) + 1, excluded.token)
                         ELSE n.token END
      WHERE (n.owner IS NULL OR n.owner = excluded.owner OR n.expires_at <= clock_timestamp())
@@ -55,6 +67,10 @@ WITH seen AS (
        AND ($5 = 0 OR __S__.__T___now_us() <= $5)
        AND coalesce((SELECT gt.ready_at FROM gate gt) <= clock_timestamp(), true)
     RETURNING n.holds, n.token
+--W: ), taken AS (
+--W:     -- A waiter that took the name waits no more.
+--W:     DELETE FROM __S__.__T___waiters w
+--W:      WHERE w.name = $1 AND w.owner = $2 AND EXISTS (SELECT 1 FROM up)
 ), busy AS (
     UPDATE __S__.__T___names n
        SET wanted_until = greatest(n.wanted_until,
@@ -69,12 +85,30 @@ WITH seen AS (
                    greatest(clock_timestamp(), n.others_until,
                             CASE WHEN n.owner IS NOT NULL THEN n.expires_at END,
                             (SELECT gt.ready_at FROM gate gt))
-                   - clock_timestamp()) * 1000)::bigint AS ttl_ms
+                   - clock_timestamp()) * 1000)::bigint AS ttl_ms,
+              n.wanted_until, n.gen
+--W: ), waits AS (
+--W:     -- Registered (or refreshed) as long as the name is marked wanted; not when an
+--W:     -- abandonment of the owner overtook this attempt's snapshot (`gen`).
+--W:     INSERT INTO __S__.__T___waiters AS w
+--W:            (name, owner, since, asked_at, until, gives_up_us, lease_ms, fenced, fast, live)
+--W:     SELECT $1, $2, clock_timestamp(), clock_timestamp(), b.wanted_until, $8, $3, $4, $6, $7
+--W:       FROM busy b
+--W:      WHERE b.gen IS NOT DISTINCT FROM (SELECT s.gen FROM seen s)
+--W:     ON CONFLICT (name, owner) DO UPDATE
+--W:        SET asked_at = excluded.asked_at, until = excluded.until,
+--W:            gives_up_us = excluded.gives_up_us,
+--W:            lease_ms = excluded.lease_ms, fenced = excluded.fenced, fast = excluded.fast,
+--W:            live = excluded.live
+--W:     RETURNING 1
 )
 SELECT __S__.__T___grant(true, $6), u.holds, CASE WHEN $4 THEN u.token END, NULL::bigint
   FROM up u
 UNION ALL
-SELECT __S__.__T___grant(false, $6), 0, NULL::bigint, b.ttl_ms
+SELECT __S__.__T___grant(false, $6),
+       0
+--W:    + (SELECT count(*) FROM waits)::integer
+       , NULL::bigint, b.ttl_ms
   FROM busy b
 UNION ALL
 -- Refused (-2: after its deadline; -1: an owner given up), the gate closed (until it

@@ -82,6 +82,29 @@ CREATE TABLE IF NOT EXISTS __S__.__T___gone (
     PRIMARY KEY (name, owner)
 );
 
+-- Waiters of exclusive locks, which a release hands the lock to (`_hand_over`), oldest
+-- first (`since`). A waiter's attempt that finds the name busy registers it (or
+-- refreshes it: `asked_at`, when that attempt ran) until a while after what blocks it
+-- (`until`, when it comes back by itself); its attempt that takes the name, or its
+-- leaving (`_unwait`, `_abandon`), removes it. `live` is the key of the advisory lock
+-- its process's listening session holds: a waiter whose session is gone (its process
+-- died) is never handed a lock. `gives_up_us`: the database clock in microseconds
+-- when the waiter stops waiting (0: never), past which it is not handed the lock
+-- either (it may be gone before its leaving removes it).
+CREATE TABLE IF NOT EXISTS __S__.__T___waiters (
+    name     text        NOT NULL,
+    owner    text        NOT NULL,
+    since    timestamptz NOT NULL,
+    asked_at timestamptz NOT NULL,
+    until    timestamptz NOT NULL,
+    gives_up_us bigint   NOT NULL,
+    lease_ms bigint      NOT NULL,
+    fenced   boolean     NOT NULL,
+    fast     boolean     NOT NULL,
+    live     integer     NOT NULL,
+    PRIMARY KEY (name, owner)
+);
+
 -- Fast grants (PostgresBackendBuilder::fast_grants): a row here says that exclusive
 -- grants of this table may commit without waiting for the disk, with leases up to
 -- `max_lease_ms`. Logged, so it outlives a crash.
@@ -305,6 +328,98 @@ LANGUAGE sql AS $$
 __LOCK_X__
 $$;
 
+-- Releases one exclusive hold of `p_owner` on `p_name` (a remaining hold's lease
+-- extended to `p_lease_ms`, never shortened), as `sql/unlock_x.sql` does, which calls
+-- this when the release frees a name a waiter marked wanted. Freed, the name goes to
+-- its oldest registered waiter (`__T___waiters`) still there and waiting, not given
+-- up for good (`__T___gone`) and whose process lives (the advisory lock of `live` is
+-- held), in the same transaction: the waiter's lease, a token if it asked for one. The
+-- grant commits as the waiter's own would (`_grant`), and the notification
+-- `g<origin>|<token>|<valid_us>|<owner length>|<owner>|<name>` tells the waiter's
+-- process, which then needs no statement of its own: `valid_us` is the lease's end
+-- counted from when the waiter last asked (`asked_at`), which the waiter measures
+-- from the send of that attempt. Without such a waiter, the name is freed and the
+-- release notified as `_released` does. Returns -1 (not held), 0 (released), -2
+-- (released and handed to a waiter: the waiter's process wakes it) or the holds left.
+CREATE OR REPLACE FUNCTION __S__.__T___hand_over(
+    p_name text, p_owner text, p_lease_ms bigint, p_origin text) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    n record;
+    w record;
+    now_ts timestamptz;
+    next_token bigint;
+BEGIN
+    SELECT * INTO n FROM __S__.__T___names x WHERE x.name = p_name FOR UPDATE;
+    now_ts := clock_timestamp();
+    IF NOT FOUND OR n.owner IS DISTINCT FROM p_owner OR n.expires_at <= now_ts THEN
+        RETURN __S__.__T___released(NULL, false, p_name, p_origin);
+    END IF;
+    IF n.holds > 1 THEN
+        UPDATE __S__.__T___names x
+           SET holds = x.holds - 1,
+               expires_at = greatest(x.expires_at, now_ts + p_lease_ms * interval '1 millisecond')
+         WHERE x.name = p_name;
+        RETURN __S__.__T___released(n.holds - 1, false, p_name, p_origin);
+    END IF;
+    IF n.others_until <= now_ts AND __S__.__T___gate() IS NULL THEN
+        FOR w IN SELECT * FROM __S__.__T___waiters q
+                  WHERE q.name = p_name AND q.until > now_ts
+                    AND (q.gives_up_us = 0 OR q.gives_up_us > __S__.__T___now_us())
+                  ORDER BY q.since, q.owner FOR UPDATE
+        LOOP
+            IF EXISTS (SELECT 1 FROM __S__.__T___gone g
+                        WHERE g.name = p_name AND g.owner = w.owner AND g.until > now_ts)
+               OR pg_try_advisory_xact_lock(hashtext('__S__.__T__ waiters'), w.live) THEN
+                -- Given up, or its process is gone (nobody holds its session's lock).
+                DELETE FROM __S__.__T___waiters q WHERE q.name = p_name AND q.owner = w.owner;
+                CONTINUE;
+            END IF;
+            next_token := CASE WHEN w.fenced
+                               THEN greatest(coalesce(n.token, 0) + 1, __S__.__T___now_us())
+                               ELSE n.token END;
+            UPDATE __S__.__T___names x
+               SET owner = w.owner, holds = 1,
+                   expires_at = now_ts + w.lease_ms * interval '1 millisecond',
+                   fenced = w.fenced, token = next_token
+             WHERE x.name = p_name;
+            DELETE FROM __S__.__T___waiters q WHERE q.name = p_name AND q.owner = w.owner;
+            PERFORM __S__.__T___grant(true, w.fast);
+            PERFORM pg_notify('__T__',
+                'g' || p_origin
+                || '|' || CASE WHEN w.fenced THEN next_token ELSE 0 END
+                || '|' || greatest(0, (extract(epoch FROM now_ts - w.asked_at) * 1000000)::bigint
+                                      + w.lease_ms * 1000)
+                || '|' || octet_length(w.owner) || '|' || w.owner || '|' || p_name);
+            RETURN -2;
+        END LOOP;
+    END IF;
+    UPDATE __S__.__T___names x SET owner = NULL, holds = 0, expires_at = now_ts
+     WHERE x.name = p_name;
+    RETURN __S__.__T___released(0, n.wanted_until > now_ts, p_name, p_origin);
+END $$;
+
+-- An exclusive waiter leaves (it gave up, or acquired some other way): out of
+-- `__T___waiters`, and a lock a release handed it meanwhile goes on to the next
+-- waiter (`_hand_over`). Commits as that hand-over does, else without waiting for the
+-- disk: a registration that comes back after a crash is never handed anything, since
+-- the crash ended the session whose liveness lock it names (a listener that
+-- reconnects takes a lock of a new key).
+CREATE OR REPLACE FUNCTION __S__.__T___unwait(p_name text, p_owner text, p_origin text)
+RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM __S__.__T___read_committed();
+    PERFORM 1 FROM __S__.__T___names n WHERE n.name = p_name FOR UPDATE;
+    DELETE FROM __S__.__T___waiters q WHERE q.name = p_name AND q.owner = p_owner;
+    IF EXISTS (SELECT 1 FROM __S__.__T___names n
+                WHERE n.name = p_name AND n.owner = p_owner AND n.expires_at > clock_timestamp()) THEN
+        PERFORM __S__.__T___hand_over(p_name, p_owner, 0, p_origin);
+    ELSE
+        PERFORM set_config('synchronous_commit', 'off', true);
+    END IF;
+END $$;
+
 -- `_release` for mode 'x': the statement of `sql/unlock_x.sql`, which the backend also
 -- sends as is.
 CREATE OR REPLACE FUNCTION __S__.__T___unlock_x(
@@ -491,7 +606,9 @@ DECLARE
     left_holds integer;
 BEGIN
     IF p_mode = 'x' THEN
-        RETURN __S__.__T___unlock_x(p_name, p_owner, p_lease_ms, p_origin);
+        -- Handed to a waiter (-2) is released, as far as the releaser is concerned.
+        left_holds := __S__.__T___unlock_x(p_name, p_owner, p_lease_ms, p_origin);
+        RETURN CASE WHEN left_holds = -2 THEN 0 ELSE left_holds END;
     END IF;
     PERFORM __S__.__T___read_committed();
     -- A release need not wait for its commit to reach disk: lost in a crash, the hold
@@ -662,6 +779,7 @@ BEGIN
     -- here.
     UPDATE __S__.__T___names n SET gen = n.gen + 1 WHERE n.name = p_name;
     IF p_mode = 'x' THEN
+        DELETE FROM __S__.__T___waiters q WHERE q.name = p_name AND q.owner = p_owner;
         UPDATE __S__.__T___names n SET owner = NULL, holds = 0, expires_at = now_ts
          WHERE n.name = p_name AND n.owner = p_owner AND n.expires_at > now_ts;
         IF FOUND THEN

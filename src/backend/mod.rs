@@ -602,6 +602,16 @@ pub trait Subscription: Send {
     /// The default does nothing: the acquirer may then take such a release, which costs
     /// fairness within the process, never safety.
     fn skip_signalled(&mut self) {}
+
+    /// The caller stops waiting at `deadline` if it has not acquired by then (it then
+    /// makes one last attempt). Called once, right after
+    /// [`LockBackend::subscribe`], by an acquisition with a deadline. A store that
+    /// hands a released lock to a waiter itself (PostgreSQL) hands none to this one
+    /// past it: the waiter may be gone before its leaving reaches the store. The
+    /// default does nothing.
+    fn gives_up_at(&mut self, deadline: Instant) {
+        let _ = deadline;
+    }
 }
 
 /// The contract of a lock store.

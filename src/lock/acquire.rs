@@ -732,7 +732,12 @@ async fn wait(
     }
     let _reported = WaitReport::start(client, req, owner);
     let sub = match subscribe_until(client, req, deadline).await {
-        Ok(Some(sub)) => sub,
+        Ok(Some(mut sub)) => {
+            if let Some(deadline) = deadline {
+                sub.gives_up_at(deadline);
+            }
+            sub
+        }
         Ok(None) => {
             in_line.give_up().await;
             return Waited::Failed(Error::Busy { holder_ttl: ttl });

@@ -28,12 +28,13 @@ impl Postgres {
             let pool = db.pool(4).await;
             let mut builder = PostgresBackend::builder(pool);
             // One replica keeps connections between statements, one grants fast
-            // (without waiting for the disk): the same rules.
+            // (without waiting for the disk) and has released locks handed to its
+            // waiters: the same rules.
             if i == 1 {
                 builder = builder.kept_connections(2);
             }
             if i == 2 {
-                builder = builder.fast_grants(Duration::from_secs(60));
+                builder = builder.fast_grants(Duration::from_secs(60)).hand_over(true);
             }
             backends.push(builder.build().await.unwrap());
         }

@@ -133,8 +133,9 @@ impl Postgres {
     ) -> Self {
         let mut backends = Vec::new();
         let mut clients = Vec::new();
-        for client_pool in &pools {
-            let backend = build_backend(client_pool, table, timing).await;
+        for (i, client_pool) in pools.iter().enumerate() {
+            // Every other client has released locks handed to its waiters.
+            let backend = build_backend(client_pool, table, timing, i % 2 == 1).await;
             clients.push(
                 LockClient::builder(backend.clone())
                     .watchdog_lease(timing.watchdog_lease())
@@ -174,15 +175,22 @@ impl Postgres {
     }
 }
 
-/// A backend on `pool` and `table` with `timing`'s settings. With a nemesis, its short
+/// A backend on `pool` and `table` with `timing`'s settings, handing released locks
+/// to its waiters when `hand_over`. With a nemesis, its short
 /// response timeout can run out while the machine is busy before any fault has begun: a
 /// build that fails is tried again, a few times.
-async fn build_backend(pool: &PgPool, table: &str, timing: &Timing) -> PostgresBackend {
+async fn build_backend(
+    pool: &PgPool,
+    table: &str,
+    timing: &Timing,
+    hand_over: bool,
+) -> PostgresBackend {
     let mut tries = 0;
     loop {
         let mut builder = PostgresBackend::builder(pool.clone())
             .table(table)
-            .waiter_timeout(timing.waiter_timeout());
+            .waiter_timeout(timing.waiter_timeout())
+            .hand_over(hand_over);
         if let Some(n) = &timing.nemesis {
             builder = builder.response_timeout(n.response_timeout());
         }
@@ -262,7 +270,9 @@ impl Fixture for Postgres {
                 .timing
                 .residue_bound()
                 .unwrap_or(self.timing.beyond_every_lease())
-            + Duration::from_secs(1);
+            // A waiter's registration that its leaving could not take back (a fault)
+            // lasts 2 s past what blocked it.
+            + Duration::from_secs(3);
         loop {
             match self.left().await {
                 Ok(left) => {
@@ -327,8 +337,9 @@ impl Fixture for Postgres {
 }
 
 impl Postgres {
-    /// Every live hold and queue entry of the run's keys: (name, owner or
-    /// `queued:owner`, with the time left).
+    /// Every live hold, queue entry and exclusive waiter's registration that could
+    /// still be handed a lock, of the run's keys: (name, owner, `queued owner` or
+    /// `waiting owner`, with the time left).
     async fn left(&self) -> Result<Vec<(String, String)>, sqlx::Error> {
         sqlx::query_as(&format!(
             "SELECT name, owner || ' (' || mode::text || ', ' || \
@@ -342,7 +353,13 @@ impl Postgres {
              UNION ALL \
              SELECT name, 'queued ' || owner || ' (' || \
                     (extract(epoch from evict_at - clock_timestamp()) * 1000)::bigint || 'ms left)' \
-               FROM {t}_queue WHERE name = ANY($1) AND evict_at > clock_timestamp()",
+               FROM {t}_queue WHERE name = ANY($1) AND evict_at > clock_timestamp() \
+             UNION ALL \
+             SELECT name, 'waiting ' || owner || ' (' || \
+                    (extract(epoch from until - clock_timestamp()) * 1000)::bigint || 'ms left)' \
+               FROM {t}_waiters WHERE name = ANY($1) AND until > clock_timestamp() \
+                AND (gives_up_us = 0 \
+                     OR gives_up_us > (extract(epoch from clock_timestamp()) * 1000000)::bigint)",
             t = self.table
         ))
         .bind(self.names())

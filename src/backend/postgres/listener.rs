@@ -2,6 +2,7 @@
 //! process it wakes.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -9,7 +10,9 @@ use sqlx::postgres::{PgListener, PgPool};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{BoxFuture, Signal, Subscription, Wake};
+use super::PostgresBackend;
+use crate::backend::{BoxFuture, FencingToken, Grant, Signal, Subscription, Wake};
+use crate::hold_id::HoldId;
 use crate::key::LockKey;
 
 /// The waiters of one key in this process.
@@ -20,6 +23,93 @@ pub(super) struct KeyWaiters {
     /// Waiters of the queued modes: all are woken, the queue decides.
     pub(super) all: Arc<Signal>,
     pub(super) alls: usize,
+    /// The exclusive waiters' places for a lock a release hands them.
+    pub(super) slots: Vec<Arc<Slot>>,
+}
+
+/// Where a release that hands the lock to an exclusive waiter of this process
+/// (`_hand_over`) leaves it, for the waiter's next attempt to take without a statement.
+pub(super) struct Slot {
+    pub(super) hold: HoldId,
+    state: Mutex<SlotState>,
+    /// Wakes the waiter when the lock is handed to it.
+    handed: tokio::sync::Notify,
+}
+
+#[derive(Default)]
+struct SlotState {
+    /// When the last attempt that registered the waiter in the database, and was
+    /// answered busy, was sent: the hand-over counts the lease from when that attempt
+    /// ran, so from here it is believed for no longer than it lasts.
+    asked: Option<std::time::Instant>,
+    /// Registered in the database: leaving must unregister it (`_unwait`).
+    registered: bool,
+    /// When the waiter stops waiting, if ever.
+    gives_up: Option<std::time::Instant>,
+    /// Handed the lock: its token (0: none) and the lease's end, in microseconds after
+    /// `asked`.
+    handed: Option<(i64, u64)>,
+}
+
+impl Slot {
+    pub(super) fn new(hold: HoldId) -> Self {
+        Slot {
+            hold,
+            state: Mutex::default(),
+            handed: tokio::sync::Notify::new(),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, SlotState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// An attempt sent at `sent` registered the waiter and was answered busy.
+    pub(super) fn asked(&self, sent: std::time::Instant) {
+        let mut state = self.state();
+        state.asked = Some(sent);
+        state.registered = true;
+    }
+
+    /// When the waiter stops waiting, if ever.
+    pub(super) fn gives_up(&self) -> Option<std::time::Instant> {
+        self.state().gives_up
+    }
+
+    /// An attempt took the lock (the database no longer has the waiter), or found it
+    /// busy once the waiter's time was up (the database hands it nothing any more).
+    pub(super) fn took(&self) {
+        let mut state = self.state();
+        state.registered = false;
+        state.handed = None;
+    }
+
+    /// The lock a release handed to this waiter, now the caller's: believed until its
+    /// lease's end as counted from `asked`.
+    pub(super) fn take(&self) -> Option<Grant> {
+        let mut state = self.state();
+        let (token, valid_us) = state.handed.take()?;
+        let asked = state.asked?;
+        state.registered = false;
+        let until = asked.checked_add(Duration::from_micros(valid_us))?;
+        let valid_for = until.saturating_duration_since(std::time::Instant::now());
+        let token = (token > 0).then(|| FencingToken::new(token.unsigned_abs()));
+        Some(Grant::new(1, token).with_valid_for(valid_for))
+    }
+
+    fn hand(&self, token: i64, valid_us: u64) {
+        self.state().handed = Some((token, valid_us));
+        self.handed.notify_one();
+    }
+
+    fn has_handed(&self) -> bool {
+        self.state().handed.is_some()
+    }
+
+    /// Whether leaving must take the waiter out of the database.
+    fn registered(&self) -> bool {
+        self.state().registered
+    }
 }
 
 /// The listening connection's task: wakes the waiters a notification names. After a
@@ -31,6 +121,7 @@ pub(super) async fn listen(
     origin: String,
     pool: PgPool,
     channel: String,
+    live: Live,
     waiters: Arc<Mutex<HashMap<LockKey, KeyWaiters>>>,
     stop: CancellationToken,
 ) {
@@ -46,13 +137,24 @@ pub(super) async fn listen(
                 wake_named(&waiters, notification.payload(), &origin);
             }
             Ok(None) => {
-                // The connection was lost; the next call reconnects and listens again.
-                // Notifications meanwhile are lost: everyone tries again.
+                // The connection was lost, and its session's liveness lock with it; the
+                // next call reconnects and listens again. Notifications meanwhile are
+                // lost: everyone tries again.
                 tracing::warn!("PostgreSQL listening connection lost; reconnecting");
+                live.lost();
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    held = live.hold(&mut listener) => if let Err(error) = held {
+                        // Waiters register with a key nobody holds, and are never handed
+                        // a lock (they come back by themselves) until the next reconnect.
+                        tracing::warn!(%error, "PostgreSQL liveness lock not taken");
+                    },
+                }
                 wake_everyone(&waiters);
             }
             Err(error) => {
                 tracing::warn!(%error, "PostgreSQL listening connection failed; reconnecting");
+                live.lost();
                 wake_everyone(&waiters);
                 // A new listener, until one listens; `try_recv` would reconnect without a
                 // word, and a release between now and then would go unheard.
@@ -60,6 +162,12 @@ pub(super) async fn listen(
                     return;
                 };
                 listener = fresh;
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    held = live.hold(&mut listener) => if let Err(error) = held {
+                        tracing::warn!(%error, "PostgreSQL liveness lock not taken");
+                    },
+                }
                 tracing::info!("PostgreSQL listening connection re-established");
                 wake_everyone(&waiters);
             }
@@ -72,6 +180,9 @@ pub(super) async fn listen(
 /// all of them; the queued modes' waiters all wake either way (their queue decides). A
 /// release by this backend (`origin`) woke its waiters already.
 fn wake_named(waiters: &Mutex<HashMap<LockKey, KeyWaiters>>, payload: &str, origin: &str) {
+    if let Some(handed) = payload.strip_prefix('g') {
+        return hand(waiters, handed);
+    }
     let (all, rest) = match payload.split_at_checked(1) {
         Some(("1", rest)) => (true, rest),
         Some((_, rest)) => (false, rest),
@@ -93,6 +204,103 @@ fn wake_named(waiters: &Mutex<HashMap<LockKey, KeyWaiters>>, payload: &str, orig
             w.one.notify_one();
         }
         w.all.notify_all();
+    }
+}
+
+/// A release handed a lock to an exclusive waiter (`_hand_over`): its notification, after
+/// the `g`, is `<origin>|<token>|<valid_us>|<owner length>|<owner>|<name>`. The waiter,
+/// if it is this process's, finds the lock in its slot. Like any release, it also wakes
+/// one waiter of the name here (after the slot is filled, so that a waiter woken is
+/// never the one handed the lock trying with a statement), which a waiter lining up
+/// behind this process's others waits for. This one also when this backend released:
+/// its release left the wake-up to the notification.
+fn hand(waiters: &Mutex<HashMap<LockKey, KeyWaiters>>, handed: &str) {
+    let mut fields = handed.splitn(5, '|');
+    let (Some(_origin), Some(token), Some(valid_us), Some(owner_len), Some(rest)) = (
+        fields.next(),
+        fields.next(),
+        fields.next(),
+        fields.next(),
+        fields.next(),
+    ) else {
+        return;
+    };
+    let (Ok(token), Ok(valid_us), Ok(owner_len)) = (
+        token.parse::<i64>(),
+        valid_us.parse::<u64>(),
+        owner_len.parse::<usize>(),
+    ) else {
+        return;
+    };
+    let (Some(owner), Some(name)) = (
+        rest.get(..owner_len),
+        rest.get(owner_len..).and_then(|r| r.strip_prefix('|')),
+    ) else {
+        return;
+    };
+    let Ok(key) = LockKey::new(name) else {
+        return;
+    };
+    if let Some(w) = waiters_of(waiters).get(&key) {
+        if let Some(slot) = w.slots.iter().find(|s| s.hold.as_str() == owner) {
+            slot.hand(token, valid_us);
+        }
+        w.one.notify_one();
+    }
+}
+
+/// The advisory lock the listening session holds while it lives: waiters register with
+/// its key, and a release hands a lock only to a waiter whose key is held (so never to
+/// one of a process that died). 0 while no session holds one.
+#[derive(Clone)]
+pub(super) struct Live {
+    /// `<schema>.<table> waiters`: the lock's class is its `hashtext`.
+    class: Arc<str>,
+    key: Arc<AtomicI32>,
+    /// Whether any waiter registers with it (hand-over): else none is taken.
+    used: bool,
+}
+
+impl Live {
+    pub(super) fn new(qualified: &str, used: bool) -> Self {
+        Live {
+            class: format!("{qualified} waiters").into(),
+            key: Arc::default(),
+            used,
+        }
+    }
+
+    /// The key a waiter registers with: the session's, or 1 (which no session holds:
+    /// the waiter is then never handed a lock, and comes back by itself) while none.
+    pub(super) fn key(&self) -> i32 {
+        match self.key.load(Ordering::Acquire) {
+            0 => 1,
+            key => key,
+        }
+    }
+
+    fn lost(&self) {
+        self.key.store(0, Ordering::Release);
+    }
+
+    /// Takes a lock of a random key (never 0 or 1) on the listening session, held until
+    /// the session ends (when used).
+    pub(super) async fn hold(&self, listener: &mut PgListener) -> Result<(), sqlx::Error> {
+        if !self.used {
+            return Ok(());
+        }
+        loop {
+            let key = fastrand::i32(2..);
+            let taken: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext($1), $2)")
+                .bind(&*self.class)
+                .bind(key)
+                .fetch_one(&mut *listener)
+                .await?;
+            if taken {
+                self.key.store(key, Ordering::Release);
+                return Ok(());
+            }
+        }
     }
 }
 
@@ -145,11 +353,27 @@ pub(super) struct PgSubscription {
     pub(super) queued: bool,
     pub(super) signal: Arc<Signal>,
     pub(super) seen: u64,
+    /// An exclusive waiter's slot, and the backend that takes it out of the database
+    /// when it leaves registered.
+    pub(super) slot: Option<(Arc<Slot>, PostgresBackend)>,
 }
 
 impl Subscription for PgSubscription {
     fn wait(&mut self, deadline: Instant) -> BoxFuture<'_, Wake> {
-        self.signal.wait(&mut self.seen, deadline)
+        let Some((slot, _)) = &self.slot else {
+            return self.signal.wait(&mut self.seen, deadline);
+        };
+        let slot = Arc::clone(slot);
+        let released = self.signal.wait(&mut self.seen, deadline);
+        Box::pin(async move {
+            if slot.has_handed() {
+                return Wake::Notified;
+            }
+            tokio::select! {
+                wake = released => wake,
+                () = slot.handed.notified() => Wake::Notified,
+            }
+        })
     }
 
     fn pass_on(&mut self) {
@@ -159,6 +383,12 @@ impl Subscription for PgSubscription {
     }
     fn skip_signalled(&mut self) {
         self.signal.skip(&mut self.seen);
+    }
+
+    fn gives_up_at(&mut self, deadline: Instant) {
+        if let Some((slot, _)) = &self.slot {
+            slot.state().gives_up = Some(deadline.into_std());
+        }
     }
 }
 
@@ -171,9 +401,20 @@ impl Drop for PgSubscription {
             } else {
                 w.ones = w.ones.saturating_sub(1);
             }
+            if let Some((slot, _)) = &self.slot {
+                w.slots.retain(|s| !Arc::ptr_eq(s, slot));
+            }
             if w.ones == 0 && w.alls == 0 {
                 map.remove(&self.key);
             }
+        }
+        drop(map);
+        // Registered and leaving without the lock: out of the database, with a lock
+        // handed to it meanwhile passed on.
+        if let Some((slot, backend)) = self.slot.take()
+            && slot.registered()
+        {
+            backend.unwait_later(self.key.clone(), slot.hold.clone());
         }
     }
 }

@@ -23,6 +23,12 @@
 //! - **Waiting** is `LISTEN`/`NOTIFY` on one listening connection per backend: a
 //!   release that frees a lock notifies the table's channel with the name, at commit
 //!   (an exclusive one only when a busy attempt marked the name wanted);
+//!   with [`hand_over`](PostgresBackendBuilder::hand_over), a release that would free
+//!   an exclusive lock a waiter waits for hands it to the oldest waiter registered in
+//!   `<table>_waiters` instead, in the same transaction,
+//!   and the notification carries the grant (the waiter takes it without a statement;
+//!   a waiter that leaves passes a lock handed to it on, and one whose process died is
+//!   skipped: its listening session's advisory lock is gone);
 //!   in each process one waiter of an exclusive lock or a permit is woken per release
 //!   (all waiters of the queued modes, whose order the queue enforces). Waiters also
 //!   wake when the holder's lease would end. After the listening connection drops, it
@@ -39,7 +45,8 @@
 //! Tables (in the configured schema, named after the configured table, default
 //! `tower_lock`): `tower_lock_names` (a row per name), `tower_lock` (holds of the other
 //! modes), `tower_lock_queue`, `tower_lock_clients`, `tower_lock_gone`,
-//! `tower_lock_replay` (records for replay, see [`ReplayStore`]), `tower_lock_fence`
+//! `tower_lock_replay` (records for replay, see [`ReplayStore`]), `tower_lock_waiters`
+//! (exclusive waiters a release hands the lock to), `tower_lock_fence`
 //! and the sequence `tower_lock_token` (the previous version's, unused), and the
 //! functions `tower_lock_*`. They are created when the backend is built (unless
 //! [`migrate(false)`](PostgresBackendBuilder::migrate)), or by
@@ -119,7 +126,7 @@ mod listener;
 mod statements;
 
 pub use builder::PostgresBackendBuilder;
-use listener::{KeyWaiters, PgSubscription, waiters_of};
+use listener::{KeyWaiters, Live, PgSubscription, Slot, waiters_of};
 use statements::{Statements, millis, mode_char};
 
 /// The table when none is configured: `tower_lock`.
@@ -174,6 +181,11 @@ struct Inner {
     /// This backend's name in its release notifications: its listener skips them.
     origin: String,
     waiters: Arc<Mutex<HashMap<LockKey, KeyWaiters>>>,
+    /// Exclusive waiters register for a release to hand them the lock
+    /// ([`PostgresBackendBuilder::hand_over`]).
+    hand_over: bool,
+    /// The listening session's liveness lock, which exclusive waiters register with.
+    live: Live,
     _stop_listener: DropGuard,
 }
 
@@ -297,6 +309,14 @@ impl LockBackend for PostgresBackend {
                 ones: 0,
                 all: Arc::new(Signal::new()),
                 alls: 0,
+                slots: Vec::new(),
+            });
+            // An exclusive waiter registers in the database with its attempts, for a
+            // release to hand it the lock (see `listener::Slot`).
+            let slot = (self.inner.hand_over && req.mode == LockMode::Exclusive).then(|| {
+                let slot = Arc::new(Slot::new(req.hold_id.clone()));
+                w.slots.push(Arc::clone(&slot));
+                (slot, self.clone())
             });
             let signal = if queued {
                 w.alls += 1;
@@ -313,6 +333,7 @@ impl LockBackend for PostgresBackend {
                 queued,
                 signal,
                 seen,
+                slot,
             });
             Ok(sub)
         })
@@ -439,6 +460,7 @@ impl ClientNames for PostgresBackend {
                  DELETE FROM __F___queue WHERE evict_at <= clock_timestamp(); \
                  DELETE FROM __F___clients WHERE expires_at <= clock_timestamp(); \
                  DELETE FROM __F___gone WHERE until <= clock_timestamp(); \
+                 DELETE FROM __F___waiters WHERE until <= clock_timestamp(); \
                  DELETE FROM __F___replay WHERE expires_at <= clock_timestamp();",
             );
             self.timed(sqlx::raw_sql(&sweep).execute(&self.inner.pool))

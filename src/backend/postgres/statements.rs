@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use super::listener::waiters_of;
+use std::sync::Arc;
+
+use super::listener::{Slot, waiters_of};
 use super::{PostgresBackend, map_error};
 use crate::backend::{
     Acquire, FencingToken, Grant, HoldInfo, LockMode, LockRequest, LockState, Release, Stored,
@@ -45,6 +47,8 @@ pub(super) struct Statements {
     acquire: String,
     release: String,
     lock_x: String,
+    /// `lock_x` for a waiter's attempt: the lines marked `--W:` in.
+    wait_x: String,
     unlock_x: String,
     renew: String,
     replay_store: String,
@@ -62,6 +66,7 @@ impl Statements {
             ),
             release: fill("SELECT __F___release($1, $2, $3, $4, $5)", qualified),
             lock_x: for_table(LOCK_X_SQL, schema, table),
+            wait_x: for_table(&LOCK_X_SQL.replace("--W:", ""), schema, table),
             unlock_x: for_table(UNLOCK_X_SQL, schema, table),
             renew: fill("SELECT * FROM __F___renew($1, $2, $3, $4)", qualified),
             replay_store: fill(
@@ -128,17 +133,38 @@ impl PostgresBackend {
             LockMode::Permits { max } => i32::try_from(max.get()).unwrap_or(i32::MAX),
             _ => 0,
         };
+        // An exclusive waiter's attempt: the lock a release handed it is taken without
+        // a statement; else the attempt registers it (with the process's liveness key).
+        let slot = if req.mode == LockMode::Exclusive {
+            self.slot_of(req)
+        } else {
+            None
+        };
+        if let Some(slot) = &slot
+            && let Some(grant) = slot.take()
+        {
+            return Ok(Acquire::Acquired(grant));
+        }
         let deadline = self.attempt_deadline().await?;
-        // The exclusive mode straight to its one-statement function (`_acquire` would
-        // only pass it on).
+        // The exclusive mode straight to its one statement (`_acquire` would only pass
+        // it on).
         let query = if req.mode == LockMode::Exclusive {
-            sqlx::query_as(&self.inner.statements.lock_x)
-                .bind(req.key.as_str())
-                .bind(req.hold_id.as_str())
-                .bind(millis(req.lease))
-                .bind(req.fenced)
-                .bind(deadline)
-                .bind(self.inner.fast_grants.is_some_and(|max| req.lease <= max))
+            let query = sqlx::query_as(match slot {
+                Some(_) => &self.inner.statements.wait_x,
+                None => &self.inner.statements.lock_x,
+            })
+            .bind(req.key.as_str())
+            .bind(req.hold_id.as_str())
+            .bind(millis(req.lease))
+            .bind(req.fenced)
+            .bind(deadline)
+            .bind(self.inner.fast_grants.is_some_and(|max| req.lease <= max));
+            match &slot {
+                Some(slot) => query
+                    .bind(self.inner.live.key())
+                    .bind(self.gives_up_us(slot)),
+                None => query,
+            }
         } else {
             sqlx::query_as(&self.inner.statements.acquire)
                 .bind(req.key.as_str())
@@ -151,6 +177,7 @@ impl PostgresBackend {
                 .bind(millis(self.inner.waiter_timeout))
                 .bind(deadline)
         };
+        let sent = std::time::Instant::now();
         let (acquired, holds, token, ttl_ms): (bool, i32, Option<i64>, Option<i64>) = self
             .timed(
                 self.inner
@@ -164,6 +191,18 @@ impl PostgresBackend {
                 "the lock attempt reached PostgreSQL after its deadline and was refused",
             ));
         }
+        if let Some(slot) = &slot {
+            if acquired || slot.gives_up().is_some_and(|at| sent >= at) {
+                // Took the lock; or answered busy after the waiter's time was up, so
+                // the database hands it nothing from now on (`gives_up_us`), and had
+                // handed it nothing before, or this attempt would have taken it: the
+                // waiter need not be taken out of the database when it leaves.
+                slot.took();
+            } else if holds == 1 {
+                // Registered by this attempt (`sql/lock_x.sql`).
+                slot.asked(sent);
+            }
+        }
         if acquired {
             let token = token.map(|t| FencingToken::new(t.unsigned_abs()));
             return Ok(Acquire::Acquired(Grant::new(
@@ -176,6 +215,53 @@ impl PostgresBackend {
             _ => None,
         };
         Ok(Acquire::Busy { ttl })
+    }
+
+    /// When the waiter of `slot` stops waiting, on the database's clock in microseconds
+    /// (0: never): a lower bound of the clock there when it stops here (see
+    /// [`clock`](crate::backend::clock)), so that the database stops handing it the
+    /// lock no later than it stops waiting. Called after `attempt_deadline`, which
+    /// keeps the sample fresh.
+    fn gives_up_us(&self, slot: &Slot) -> i64 {
+        slot.gives_up()
+            .and_then(|at| {
+                let left = at.saturating_duration_since(std::time::Instant::now());
+                self.inner.clock.deadline(left)
+            })
+            .map_or(0, |us| i64::try_from(us).unwrap_or(i64::MAX).max(1))
+    }
+
+    /// The slot of `req`'s hold, when it waits for `req.key` exclusively here.
+    fn slot_of(&self, req: &LockRequest) -> Option<Arc<Slot>> {
+        let waiters = waiters_of(&self.inner.waiters);
+        let w = waiters.get(&req.key)?;
+        w.slots.iter().find(|s| s.hold == req.hold_id).cloned()
+    }
+
+    /// Takes the exclusive waiter `hold` out of the database in a task of its own (it
+    /// left: a subscription dropped), passing on a lock a release handed it meanwhile.
+    /// Without a runtime, or when the statement fails, the registration lapses by
+    /// itself soon after what blocked it would have ended.
+    pub(super) fn unwait_later(&self, key: LockKey, hold: HoldId) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let backend = self.clone();
+        runtime.spawn(async move {
+            let sql = backend.sql("SELECT __F___unwait($1, $2, $3)");
+            let left = backend
+                .timed(
+                    sqlx::query(&sql)
+                        .bind(key.as_str())
+                        .bind(hold.as_str())
+                        .bind(&backend.inner.origin)
+                        .execute(&backend.inner.pool),
+                )
+                .await;
+            if let Err(error) = left {
+                tracing::debug!(%error, key = key.as_str(), "PostgreSQL waiter not unregistered");
+            }
+        });
     }
 
     pub(super) async fn release_now(&self, req: &LockRequest) -> Result<Release> {
@@ -203,11 +289,16 @@ impl PostgresBackend {
         Ok(self.released(&req.key, left))
     }
 
-    /// What `_release` answered (`left`: -1, 0, holds left) for `key`, as the outcome;
-    /// a release that freed the lock wakes this process's waiters now.
+    /// What `_release` answered (`left`: -1, 0, holds left; -2 from an exclusive
+    /// release, which handed the lock to a waiter) for `key`, as the outcome; a release
+    /// that freed the lock wakes this process's waiters now. One that handed it over
+    /// leaves that to the notification, which reaches the waiter the lock was handed
+    /// to first (`listener::hand`): woken now, a waiter here would try before it, and
+    /// the waiter itself would take its lock with a statement instead of without.
     fn released(&self, key: &LockKey, left: i32) -> Release {
         match left {
             -1 => Release::NotHeld,
+            -2 => Release::Released,
             0 => {
                 // This process's waiters hear it now, not a NOTIFY round trip later: a
                 // releaser that asks again at once must find them ahead of it (no
