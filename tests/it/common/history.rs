@@ -1168,6 +1168,10 @@ struct Shared {
     lost_in_crash: HashMap<String, Instant>,
     /// The longest lease any hold may have.
     longest_lease: Duration,
+    /// Acquisitions that began as re-entries of a held fixed-lease guard's hold: the
+    /// re-entry renews that lease first, and may find it run out (`Lost`) even when the
+    /// guard was unlocked meanwhile.
+    fixed_reentries: HashSet<usize>,
 }
 
 impl Shared {
@@ -1310,6 +1314,7 @@ pub async fn run<F: Fixture>(fx: &F, history: &History) -> Outcome {
         activity,
         shared: Arc::new(Mutex::new(Shared {
             held: BTreeMap::new(),
+            fixed_reentries: HashSet::new(),
             trace: Vec::new(),
             violations: Vec::new(),
             step: 0,
@@ -1534,6 +1539,19 @@ impl<F: Fixture> Driver<'_, F> {
             )),
         };
         let (slot, call, cancel) = (a.slot, a.call, a.cancel);
+        if let Some((owner, _)) = &owner {
+            let mut sh = self.shared.lock().unwrap();
+            let reenters_fixed = sh.held.values().any(|held| {
+                held.holding.guards().iter().any(|g| {
+                    g.owner() == owner
+                        && !g.is_watched()
+                        && locks.iter().any(|lock| lock.key() == g.key())
+                })
+            });
+            if reenters_fixed {
+                sh.fixed_reentries.insert(slot);
+            }
+        }
         let shared = Arc::clone(&self.shared);
         let body = async move {
             let acquire = CatchPanic::new(acquire(locks, owner, call));
@@ -1887,7 +1905,9 @@ fn judge_acquire_error(sh: &mut Shared, slot: usize, e: &Error) -> String {
     // A re-entry of a hold with a fixed lease renews it first; a renewal that reaches
     // the store after that lease ran out (a slow round trip on a loaded machine) finds
     // the hold gone, and the re-entry reports `Lost`, the held guard now lost with it.
-    if matches!(e, Error::Lost) && a_fixed_lease_guard_is_lost(sh) {
+    if matches!(e, Error::Lost)
+        && (a_fixed_lease_guard_is_lost(sh) || sh.fixed_reentries.contains(&slot))
+    {
         return format!("s{slot} lost: it re-entered a fixed-lease hold whose lease ran out");
     }
     sh.report(
