@@ -113,6 +113,10 @@ struct Cli {
     /// 500 for permits).
     #[arg(long = "hold-us", value_name = "H", value_parser = micros)]
     hold: Option<Duration>,
+    /// PostgreSQL: a release hands the lock to the oldest waiter
+    /// (`PostgresBackendBuilder::hand_over`).
+    #[arg(long)]
+    hand_over: bool,
 }
 
 fn millis(value: &str) -> Result<Duration, std::num::ParseIntError> {
@@ -136,6 +140,7 @@ struct Args {
     tasks: u64,
     watchdog: Option<Duration>,
     hold: Duration,
+    hand_over: bool,
 }
 
 fn is_postgres(url: &str) -> bool {
@@ -223,6 +228,7 @@ fn parse_args() -> Result<Args, String> {
         tasks: cli.tasks.max(1),
         watchdog: cli.watchdog,
         hold,
+        hand_over: cli.hand_over,
     })
 }
 
@@ -268,6 +274,7 @@ async fn client(args: &Args) -> Result<LockClient, String> {
         // One connection per task, and one for the backend's listener.
         let pool = pg_pool(url, args.tasks + 1).await?;
         let backend = PostgresBackend::builder(pool)
+            .hand_over(args.hand_over)
             .build()
             .await
             .map_err(|e| format!("PostgreSQL locks at {url}: {e}"))?;

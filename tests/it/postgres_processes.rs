@@ -1,7 +1,8 @@
 //! Separate processes on one PostgreSQL database: three `hammer` processes contending on
 //! one lock keep a counter exact, and a `hammer` SIGKILLed while it holds the lock (in
 //! the middle of its read-modify-write) leaves the lock to the others only when its
-//! watchdog lease ends, without its unfinished increment.
+//! watchdog lease ends, without its unfinished increment. With hand-over, a `hammer`
+//! SIGKILLed while it waits is never handed the lock.
 //!
 //! Each test has a database of its own (dropped afterwards) and kills every process it
 //! starts. The hammers' counter is the row K of `hammer_counter`; every write also
@@ -231,6 +232,118 @@ async fn sigkilled_holder_frees_the_lock_after_its_lease_and_the_count_stays_exa
         "the lock was left behind"
     );
     pool.close().await;
+}
+
+/// Issue 23, hand-over: a process SIGKILLed while it waits leaves its registration
+/// behind (until what blocked it ends), and must never be handed the lock — nobody
+/// would release it before its lease ended. Its listening session's advisory lock ended
+/// with the process, and the release hands the lock to the live waiter behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_process_sigkilled_is_never_handed_the_lock() {
+    use tower_lock::backend::{Acquire, LockBackend, LockMode, LockRequest, Release, Wake};
+    use tower_lock::{HoldId, LockKey};
+
+    let _serial = ONE_AT_A_TIME.lock().await;
+    let db = PgDatabase::create().await;
+    let pool = db.pool(2).await;
+    let holder = handing(&db).await;
+    let request = |owner: &str| {
+        LockRequest::new(
+            LockKey::new("pg-orphan").unwrap(),
+            HoldId::from_raw(owner).unwrap(),
+            LockMode::Exclusive,
+            Duration::from_secs(30),
+        )
+    };
+    let held = request("holder:1");
+    assert!(matches!(
+        holder.acquire(&held).await.unwrap(),
+        Acquire::Acquired(_)
+    ));
+
+    // A hammer waits for the lock (registered first), then a waiter of this process.
+    let mut victim = Hammer::spawn(&[
+        "--url",
+        &format!("{}?application_name=hammer-waiter", db.url),
+        "--name",
+        "pg-orphan",
+        "--iters",
+        "1",
+        "--counter-key",
+        "pg:orphan",
+        "--hand-over",
+    ]);
+    wait_until(
+        Duration::from_secs(20),
+        "the hammer is registered as a waiter",
+        || async { waiters(&pool, "pg-orphan").await.len() == 1 },
+    )
+    .await;
+    let waiter = handing(&db).await;
+    let alive = request("alive:1");
+    let mut sub = waiter.subscribe(&alive).await.unwrap();
+    assert!(matches!(
+        waiter.acquire(&alive).await.unwrap(),
+        Acquire::Busy { .. }
+    ));
+    let registered = waiters(&pool, "pg-orphan").await;
+    assert_eq!(registered.len(), 2);
+    assert_eq!(registered[1], "alive:1", "the hammer first: {registered:?}");
+
+    victim.kill();
+    wait_until(
+        Duration::from_secs(5),
+        "the hammer's sessions are gone",
+        || async { activity(&pool, "hammer-waiter", "%").await == 0 },
+    )
+    .await;
+    assert_eq!(
+        victim.child.wait().expect("reap the hammer").signal(),
+        Some(libc::SIGKILL)
+    );
+    assert_eq!(holder.release(&held).await.unwrap(), Release::Released);
+    let (owner, _) = hold(&pool, "pg-orphan").await.expect("handed to a waiter");
+    assert_eq!(owner, "alive:1", "handed past the killed process's waiter");
+    assert!(
+        waiters(&pool, "pg-orphan").await.is_empty(),
+        "the dead registration went with the hand-over"
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    assert_eq!(sub.wait(deadline).await, Wake::Notified);
+    assert!(matches!(
+        waiter.acquire(&alive).await.unwrap(),
+        Acquire::Acquired(_)
+    ));
+    drop(sub);
+    assert_eq!(waiter.release(&alive).await.unwrap(), Release::Released);
+    drop((holder, waiter));
+    pool.close().await;
+}
+
+/// A backend on a pool of its own whose exclusive waiters are handed released locks.
+async fn handing(db: &PgDatabase) -> tower_lock::PostgresBackend {
+    tower_lock::PostgresBackend::builder(db.pool(4).await)
+        .hand_over(true)
+        .build()
+        .await
+        .unwrap()
+}
+
+/// The registered exclusive waiters of `name`, oldest first.
+async fn waiters(pool: &PgPool, name: &str) -> Vec<String> {
+    let table: Option<String> =
+        sqlx::query_scalar("SELECT to_regclass('tower_lock_waiters')::text")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    if table.is_none() {
+        return Vec::new();
+    }
+    sqlx::query_scalar("SELECT owner FROM tower_lock_waiters WHERE name = $1 ORDER BY since")
+        .bind(name)
+        .fetch_all(pool)
+        .await
+        .unwrap()
 }
 
 /// A `hammer` process; killed on drop.
