@@ -135,7 +135,7 @@ impl PostgresBackend {
         };
         // An exclusive waiter's attempt: the lock a release handed it is taken without
         // a statement; else the attempt registers it (with the process's liveness key).
-        let slot = if req.mode == LockMode::Exclusive {
+        let slot = if self.inner.hand_over && req.mode == LockMode::Exclusive {
             self.slot_of(req)
         } else {
             None
