@@ -756,6 +756,38 @@ async fn a_kept_connection_that_died_fails_once_and_is_replaced() {
     assert_eq!(backend.release(&lock).await.unwrap(), Release::Released);
 }
 
+/// `req` taken by `backend`: the name lets it in.
+async fn take(backend: &PostgresBackend, req: &LockRequest) {
+    let taken = backend.acquire(req).await.unwrap();
+    assert!(matches!(taken, Acquire::Acquired(_)), "{taken:?}");
+}
+
+/// `req` waiting on `backend`: subscribed, and its attempt answered busy (with
+/// hand-over, which registers it).
+async fn wait_busy(
+    backend: &PostgresBackend,
+    req: &LockRequest,
+) -> Box<dyn tower_lock::backend::Subscription> {
+    let sub = backend.subscribe(req).await.unwrap();
+    let busy = backend.acquire(req).await.unwrap();
+    assert!(matches!(busy, Acquire::Busy { .. }), "{busy:?}");
+    sub
+}
+
+/// The waiter of `sub` is woken within 5 s, and its next attempt takes `req`.
+async fn woken_then_takes(
+    backend: &PostgresBackend,
+    sub: &mut Box<dyn tower_lock::backend::Subscription>,
+    req: &LockRequest,
+) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    assert_eq!(
+        sub.wait(deadline).await,
+        tower_lock::backend::Wake::Notified
+    );
+    take(backend, req).await;
+}
+
 /// The exclusive name's holder and waiters as the database has them: the holder, and
 /// the registered waiters in the order a release hands the name to them.
 async fn owner_and_waiters(
@@ -859,20 +891,9 @@ async fn a_waiter_that_leaves_passes_on_the_lock_handed_to_it() {
     let held = req("passed", "a:1", LockMode::Exclusive);
     let leaving = req("passed", "b:1", LockMode::Exclusive);
     let staying = req("passed", "c:1", LockMode::Exclusive);
-    assert!(matches!(
-        holder.acquire(&held).await.unwrap(),
-        Acquire::Acquired(_)
-    ));
-    let leaving_sub = first.subscribe(&leaving).await.unwrap();
-    assert!(matches!(
-        first.acquire(&leaving).await.unwrap(),
-        Acquire::Busy { .. }
-    ));
-    let mut staying_sub = second.subscribe(&staying).await.unwrap();
-    assert!(matches!(
-        second.acquire(&staying).await.unwrap(),
-        Acquire::Busy { .. }
-    ));
+    take(&holder, &held).await;
+    let leaving_sub = wait_busy(&first, &leaving).await;
+    let mut staying_sub = wait_busy(&second, &staying).await;
     assert_eq!(holder.release(&held).await.unwrap(), Release::Released);
     let mut conn = pool.acquire().await.unwrap();
     assert_eq!(
@@ -895,15 +916,7 @@ async fn a_waiter_that_leaves_passes_on_the_lock_handed_to_it() {
         },
     )
     .await;
-    let deadline = Instant::now() + Duration::from_secs(5);
-    assert_eq!(
-        staying_sub.wait(deadline).await,
-        tower_lock::backend::Wake::Notified
-    );
-    assert!(matches!(
-        second.acquire(&staying).await.unwrap(),
-        Acquire::Acquired(_)
-    ));
+    woken_then_takes(&second, &mut staying_sub, &staying).await;
     drop(staying_sub);
     assert_eq!(second.release(&staying).await.unwrap(), Release::Released);
     assert_eq!(owner_and_waiters(&mut conn, "passed").await, (None, vec![]));
@@ -921,10 +934,7 @@ async fn a_waiter_whose_process_died_is_never_handed_the_lock() {
     let pool = db.pool(2).await;
     let held = req("orphan", "a:1", LockMode::Exclusive);
     let alive = req("orphan", "c:1", LockMode::Exclusive);
-    assert!(matches!(
-        holder.acquire(&held).await.unwrap(),
-        Acquire::Acquired(_)
-    ));
+    take(&holder, &held).await;
     // A waiter of a process that died: registered first, with a liveness key no session
     // holds any more.
     sqlx::query(
@@ -936,11 +946,7 @@ async fn a_waiter_whose_process_died_is_never_handed_the_lock() {
     .execute(&pool)
     .await
     .unwrap();
-    let mut sub = waiter.subscribe(&alive).await.unwrap();
-    assert!(matches!(
-        waiter.acquire(&alive).await.unwrap(),
-        Acquire::Busy { .. }
-    ));
+    let mut sub = wait_busy(&waiter, &alive).await;
     assert_eq!(holder.release(&held).await.unwrap(), Release::Released);
     let mut conn = pool.acquire().await.unwrap();
     assert_eq!(
@@ -948,15 +954,7 @@ async fn a_waiter_whose_process_died_is_never_handed_the_lock() {
         (Some("c:1".into()), vec![]),
         "handed past the dead waiter, whose registration is gone"
     );
-    let deadline = Instant::now() + Duration::from_secs(5);
-    assert_eq!(
-        sub.wait(deadline).await,
-        tower_lock::backend::Wake::Notified
-    );
-    assert!(matches!(
-        waiter.acquire(&alive).await.unwrap(),
-        Acquire::Acquired(_)
-    ));
+    woken_then_takes(&waiter, &mut sub, &alive).await;
 }
 
 /// Issue 23: a waiter whose time is up may be gone before its leaving reaches the
@@ -972,10 +970,7 @@ async fn a_waiter_past_its_time_is_not_handed_the_lock() {
     let pool = db.pool(2).await;
     let held = req("late-waiter", "a:1", LockMode::Exclusive);
     let wanted = req("late-waiter", "b:1", LockMode::Exclusive);
-    assert!(matches!(
-        holder.acquire(&held).await.unwrap(),
-        Acquire::Acquired(_)
-    ));
+    take(&holder, &held).await;
     let mut sub = waiter.subscribe(&wanted).await.unwrap();
     sub.gives_up_at(Instant::now() + Duration::from_millis(200));
     assert!(matches!(
@@ -993,10 +988,7 @@ async fn a_waiter_past_its_time_is_not_handed_the_lock() {
     let (owner, _) = owner_and_waiters(&mut conn, "late-waiter").await;
     assert_eq!(owner, None, "not handed to a waiter past its time");
     // Its last attempt, after its time, finds the name free.
-    assert!(matches!(
-        waiter.acquire(&wanted).await.unwrap(),
-        Acquire::Acquired(_)
-    ));
+    take(&waiter, &wanted).await;
     drop(sub);
 }
 
@@ -1010,15 +1002,8 @@ async fn without_hand_over_waiters_are_not_registered() {
     let pool = db.pool(2).await;
     let held = req("plain", "a:1", LockMode::Exclusive);
     let wanted = req("plain", "b:1", LockMode::Exclusive);
-    assert!(matches!(
-        holder.acquire(&held).await.unwrap(),
-        Acquire::Acquired(_)
-    ));
-    let sub = waiter.subscribe(&wanted).await.unwrap();
-    assert!(matches!(
-        waiter.acquire(&wanted).await.unwrap(),
-        Acquire::Busy { .. }
-    ));
+    take(&holder, &held).await;
+    let sub = wait_busy(&waiter, &wanted).await;
     let mut conn = pool.acquire().await.unwrap();
     assert_eq!(
         owner_and_waiters(&mut conn, "plain").await,
