@@ -41,7 +41,8 @@
 //! - `w4`: `--locks` (default 10,000) held locks with the watchdog for 3 renewal periods
 //!   (`--watchdog-ms`, default 3,000): Redis commands and client round trips per period.
 //! - `w5`: an axum hello-world with 64 keep-alive connections, each request with its own
-//!   key, with `--backend none` (no layer), `memory` or `redis`: requests/s and latency.
+//!   key, with `--backend none` (no layer), `noop` (a tower layer that does nothing: what
+//!   axum costs for any route layer), `memory` or `redis`: requests/s and latency.
 //!
 //! - `all`: the whole suite in one run, one JSON line per measurement: redis-benchmark's
 //!   ceilings for tower-lock's own acquire and release scripts (`-c 1 -P 1` and
@@ -132,6 +133,10 @@ enum BackendKind {
     Postgres,
     Memory,
     None,
+    /// w5 only: a tower layer that does nothing, on the same route: what axum itself
+    /// costs per request for any route layer (it boxes the layered service and its
+    /// future), the floor under the lock layer's own cost.
+    Noop,
 }
 
 impl BackendKind {
@@ -142,6 +147,7 @@ impl BackendKind {
             BackendKind::Postgres => "postgres",
             BackendKind::Memory => "memory",
             BackendKind::None => "none",
+            BackendKind::Noop => "noop",
         }
     }
 }
@@ -194,7 +200,7 @@ struct Args {
     #[arg(long)]
     handoff: bool,
     /// Where the locks live (default: what `--url` is); `none` (w5 only) runs without
-    /// the layer.
+    /// the layer, `noop` (w5 only) with a layer that does nothing.
     #[arg(long = "backend", value_name = "BACKEND", value_enum)]
     backend_flag: Option<BackendKind>,
     /// `--backend`, or what `--url` is.
@@ -399,7 +405,9 @@ async fn client(args: &Args) -> Result<LockClient, String> {
                     .map_err(|e| format!("PostgreSQL locks at {}: {e}", args.url))?,
             )
         }
-        BackendKind::Memory | BackendKind::None => Arc::new(MemoryBackend::new()),
+        BackendKind::Memory | BackendKind::None | BackendKind::Noop => {
+            Arc::new(MemoryBackend::new())
+        }
     };
     Ok(LockClient::new(backend))
 }
@@ -1477,7 +1485,9 @@ async fn w5(args: &Args) -> Result<W5Line, String> {
 
     let mut app = Router::new().route("/hello/{id}", get(|| async { "hello" }));
     let layered = args.backend != BackendKind::None;
-    if layered {
+    if args.backend == BackendKind::Noop {
+        app = app.layer(tower::layer::util::Identity::new());
+    } else if layered {
         let client = client(args).await?;
         let layer = LockLayer::builder(
             client,
@@ -1802,7 +1812,13 @@ async fn all(args: &Args) -> Result<(), String> {
     say(&w4(&with(&|a| a.workload = Workload::W4)).await?)?;
     for connections in [64, 1] {
         let mut none: Option<W5Line> = None;
-        for backend in [BackendKind::None, BackendKind::Memory, BackendKind::Redis] {
+        let layers = [
+            BackendKind::None,
+            BackendKind::Noop,
+            BackendKind::Memory,
+            BackendKind::Redis,
+        ];
+        for backend in layers {
             let line = w5(&with(&|a| {
                 a.connections = connections;
                 a.backend = backend;

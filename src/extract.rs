@@ -2,9 +2,11 @@
 //! [`HeldLock`] (the locks the layer took for this request) and [`Locks`] (take more as
 //! the request's owner).
 //!
-//! The layer puts both in the request extensions, so any tower service can read them
-//! with `req.extensions().get::<HeldLock>()`. With the `axum` feature they are also
-//! axum extractors, and `Option<HeldLock>` works for routes where locking is optional.
+//! The layer puts one [`Locks`] in the request extensions, which carries the
+//! [`HeldLock`] once the locks are taken, so any tower service can read them with
+//! `req.extensions().get::<Locks>()` and [`Locks::held`] (one extension, not two: each
+//! costs the request an allocation). With the `axum` feature both are also axum
+//! extractors, and `Option<HeldLock>` works for routes where locking is optional.
 //!
 //! # Example
 //!
@@ -224,16 +226,58 @@ impl fmt::Debug for HeldLock {
 pub struct Locks {
     client: LockClient,
     owner: Owner,
+    held: Option<HeldLock>,
 }
 
 impl Locks {
-    pub(crate) fn new(client: LockClient, owner: Owner) -> Self {
-        Locks { client, owner }
+    /// Makes the request's `Locks` for `client`, or takes over an outer layer's (its
+    /// owner, and its held locks until this layer holds its own) without a second
+    /// extension. Returns the request's owner, and whether it was made here: a fresh
+    /// owner, never used for a lock before.
+    pub(crate) fn attach(extensions: &mut http::Extensions, client: &LockClient) -> (Owner, bool) {
+        if let Some(outer) = extensions.get_mut::<Locks>() {
+            outer.client = client.clone();
+            return (outer.owner.clone(), false);
+        }
+        let owner = client.new_owner();
+        extensions.insert(Locks {
+            client: client.clone(),
+            owner: owner.clone(),
+            held: None,
+        });
+        (owner, true)
+    }
+
+    /// Records the locks the request now holds, for [`Locks::held`] and the
+    /// [`HeldLock`] extractor; `keep` keeps an outer layer's record if there is one.
+    pub(crate) fn record_held(extensions: &mut http::Extensions, held: HeldLock, keep: bool) {
+        if let Some(locks) = extensions.get_mut::<Locks>()
+            && !(keep && locks.held.is_some())
+        {
+            locks.held = Some(held);
+        }
     }
 
     /// The request's owner.
     pub fn owner(&self) -> &Owner {
         &self.owner
+    }
+
+    /// The locks the layer holds for this request (the innermost layer's, with nested
+    /// layers); `None` before they are taken, or for a request the layer does not lock.
+    /// What the [`HeldLock`] extractor gives.
+    ///
+    /// ```
+    /// use tower_lock::extract::{HeldLock, Locks};
+    ///
+    /// fn fencing_token_of<B>(req: &http::Request<B>) -> Option<u64> {
+    ///     let held = req.extensions().get::<Locks>().and_then(Locks::held)?;
+    ///     held.fencing_token().map(|t| t.get())
+    /// }
+    /// # let _ = fencing_token_of::<()>;
+    /// ```
+    pub fn held(&self) -> Option<&HeldLock> {
+        self.held.as_ref()
     }
 
     /// The layer's client.
@@ -300,6 +344,7 @@ impl fmt::Debug for Locks {
         f.debug_struct("Locks")
             .field("client", &self.client)
             .field("owner", &self.owner)
+            .field("held", &self.held)
             .finish()
     }
 }
@@ -346,6 +391,27 @@ mod axum_impls {
         }
     }
 
+    /// What an extractor takes from the request's [`Locks`].
+    trait FromLocks: Sized {
+        fn from_locks(locks: &Locks) -> Option<Self>;
+    }
+
+    impl FromLocks for Locks {
+        fn from_locks(locks: &Locks) -> Option<Self> {
+            Some(locks.clone())
+        }
+    }
+
+    impl FromLocks for HeldLock {
+        fn from_locks(locks: &Locks) -> Option<Self> {
+            locks.held().cloned()
+        }
+    }
+
+    fn from_parts<T: FromLocks>(parts: &Parts) -> Option<T> {
+        parts.extensions.get::<Locks>().and_then(T::from_locks)
+    }
+
     macro_rules! extension_extractor {
         ($ty:ident) => {
             impl<S: Send + Sync> FromRequestParts<S> for $ty {
@@ -355,13 +421,9 @@ mod axum_impls {
                     parts: &mut Parts,
                     _state: &S,
                 ) -> Result<Self, Self::Rejection> {
-                    parts
-                        .extensions
-                        .get::<$ty>()
-                        .cloned()
-                        .ok_or(MissingLockLayer {
-                            what: stringify!($ty),
-                        })
+                    from_parts(parts).ok_or(MissingLockLayer {
+                        what: stringify!($ty),
+                    })
                 }
             }
 
@@ -372,7 +434,7 @@ mod axum_impls {
                     parts: &mut Parts,
                     _state: &S,
                 ) -> Result<Option<Self>, Self::Rejection> {
-                    Ok(parts.extensions.get::<$ty>().cloned())
+                    Ok(from_parts(parts))
                 }
             }
         };

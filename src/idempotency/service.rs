@@ -211,7 +211,12 @@ impl<K> Covered<'_, K> {
 
     /// Replays what a finished request stored; else takes the key's lock and, unless a
     /// request stored its response meanwhile, runs the handler and stores its response.
-    async fn run<S, ReqB, ResB>(self, svc: S, parts: Parts, body: Bytes) -> Answer<ResB, S::Error>
+    async fn run<S, ReqB, ResB>(
+        self,
+        svc: S,
+        mut parts: Parts,
+        body: Bytes,
+    ) -> Answer<ResB, S::Error>
     where
         S: Service<Request<ReqB>, Response = Response<ResB>>,
         ReqB: From<Bytes>,
@@ -226,10 +231,9 @@ impl<K> Covered<'_, K> {
             Ok(Some(record)) => return Ok(self.replay(record)),
             Err(rejection) => return Ok(self.reject(rejection)),
         }
-        let owner = match parts.extensions.get::<Locks>() {
-            Some(outer) => outer.owner().clone(),
-            None => self.shared.client.new_owner(),
-        };
+        // The handler's `Locks` act as this client, and as an outer layer's owner if
+        // there is one.
+        let (owner, _) = Locks::attach(&mut parts.extensions, &self.shared.client);
         let lock = match self.shared.client.get_fenced_lock(self.key.clone()) {
             Ok(lock) => lock.with_owner(owner.clone()),
             Err(e) => return Ok(self.reject(IdempotencyRejection::Misconfigured(e))),
@@ -263,13 +267,9 @@ impl<K> Covered<'_, K> {
             }
         }
         let mut req = Request::from_parts(parts, ReqB::from(body));
-        req.extensions_mut()
-            .insert(Locks::new(self.shared.client.clone(), owner.clone()));
         // An outer `LockLayer`'s lock is the one the handler fences its writes with:
         // it keeps its `HeldLock`; else the handler gets this one's.
-        if req.extensions().get::<HeldLock>().is_none() {
-            req.extensions_mut().insert(HeldLock::of_guard(&guard));
-        }
+        Locks::record_held(req.extensions_mut(), HeldLock::of_guard(&guard), true);
         match call_while_held(svc, req, owner, &guard).await {
             Handled::Response(Ok(response)) => Ok(self.store(response, guard).await),
             Handled::Response(Err(error)) => {

@@ -21,12 +21,12 @@ use super::rejection::{Rejection, RejectionBody};
 use super::request_locks::RequestLocks;
 use crate::backend::BoxFuture;
 use crate::error::Result;
-use crate::extract::HeldLock;
+use crate::extract::{HeldLock, Locks};
 use crate::key::LockKey;
 use crate::kinds::{MultiGuard, MultiLock};
 use crate::lock::LayerOutcome;
 use crate::lock::acquire::deadline_after;
-use crate::lock::{Acquisition, begin_acquire};
+use crate::lock::{Acquisition, Acting, LostSignal, begin_acquire};
 use crate::owner::Owner;
 
 /// The response future of [`LockService`](super::LockService).
@@ -105,6 +105,8 @@ where
 struct Handling<S, B> {
     core: Arc<Core>,
     owner: Owner,
+    /// The owner was made for this request by this layer and has taken no lock yet.
+    fresh_owner: bool,
     /// The inner service's clone: readied and called once the locks are held, then
     /// dropped.
     svc: Option<S>,
@@ -118,8 +120,11 @@ struct Handling<S, B> {
     locks: RequestLocks,
     /// The locks were taken: the inner service's answer is counted as served under them.
     locked: bool,
-    /// Fires when the locks are lost, if the configuration cancels the handler then.
-    lost: Option<BoxFuture<'static, ()>>,
+    /// The locks' lost signal, if the configuration cancels the handler when it fires.
+    lost: Option<LostSignal>,
+    /// Waits for [`lost`](Self::lost): made only once the inner future is pending (most
+    /// handlers answer on their first poll, and then it costs no allocation).
+    lost_wait: Option<BoxFuture<'static, ()>>,
 }
 
 /// What a step leads to: another state to poll, or the future's output.
@@ -135,14 +140,25 @@ impl<S, B, KF> ResponseFuture<S, B, KF>
 where
     S: Service<Request<B>>,
 {
-    pub(crate) fn keying(core: Arc<Core>, owner: Owner, keys: KF, body: B, svc: S) -> Self {
+    /// Derives the keys, then takes the locks as `owner` (`fresh`: made by this layer
+    /// for this request).
+    pub(crate) fn keying(
+        core: Arc<Core>,
+        owner: Owner,
+        fresh: bool,
+        keys: KF,
+        body: B,
+        svc: S,
+    ) -> Self {
+        let mut request = Handling::new(core, owner, svc, None);
+        request.fresh_owner = fresh;
         ResponseFuture {
             state: State::Keying {
                 keys,
                 body: Some(body),
             },
-            span: layer_span(&core),
-            request: Handling::new(core, owner, svc, None),
+            span: layer_span(&request.core),
+            request,
         }
     }
 
@@ -215,6 +231,7 @@ impl<S, B> Handling<S, B> {
         Handling {
             core,
             owner,
+            fresh_owner: false,
             svc: Some(svc),
             req,
             head: false,
@@ -222,6 +239,7 @@ impl<S, B> Handling<S, B> {
             locks: RequestLocks::none(),
             locked: false,
             lost: None,
+            lost_wait: None,
         }
     }
 
@@ -230,6 +248,7 @@ impl<S, B> Handling<S, B> {
     fn finish(&mut self) {
         self.locks.drop_now();
         self.lost = None;
+        self.lost_wait = None;
         self.svc = None;
         self.req = None;
     }
@@ -264,7 +283,8 @@ where
         };
         span.record("namespace", first.namespace());
         self.key = Some(first.clone());
-        let locking = acquire(&self.core, &self.owner, keys, req.method());
+        let fresh = std::mem::take(&mut self.fresh_owner);
+        let locking = acquire(&self.core, &self.owner, fresh, keys, req.method());
         self.req = Some(req);
         match locking {
             Acquisition::Now(outcome) => self.acquired(outcome),
@@ -310,10 +330,10 @@ where
         tracing::Span::current().record("decision", "locked");
         self.locked = true;
         if let (Some(held), Some(req)) = (HeldLock::new(&guard), self.req.as_mut()) {
-            req.extensions_mut().insert(held);
+            Locks::record_held(req.extensions_mut(), held, false);
         }
         if self.core.config.on_lost == OnLost::Cancel {
-            self.lost = Some(Box::pin(guard.lost().wait()));
+            self.lost = Some(guard.lost());
         }
         self.locks = RequestLocks::new(guard, self.core.client.clone());
     }
@@ -347,10 +367,11 @@ where
         if let Poll::Ready(result) = self.owner.clone().sync_scope(|| future.poll(cx)) {
             return Poll::Ready(self.respond(result));
         }
-        let Some(lost) = self.lost.as_mut() else {
+        let Some(lost) = self.lost.as_ref() else {
             return Poll::Pending;
         };
-        ready!(lost.as_mut().poll(cx));
+        let wait = self.lost_wait.get_or_insert_with(|| Box::pin(lost.wait()));
+        ready!(wait.as_mut().poll(cx));
         tracing::error!(
             owner = %self.owner,
             "the request's lock was lost while it was being handled; cancelling it"
@@ -368,6 +389,7 @@ where
         result: std::result::Result<S::Response, S::Error>,
     ) -> Step<S, B, KF, ResB> {
         self.lost = None;
+        self.lost_wait = None;
         if self.locked {
             self.core.outcome(self.key.as_ref(), LayerOutcome::Served);
         }
@@ -396,22 +418,27 @@ where
     }
 }
 
-/// The request's locks, taken as its owner: one lock through the lock core's entry
-/// point (answered on the spot when the store can, with no future to box), several as
-/// one MultiLock.
-fn acquire(core: &Core, owner: &Owner, keys: Keys, method: &Method) -> Locking {
+/// The request's locks, taken as its owner (`fresh`: made for this request, with no lock
+/// taken yet): one lock through the lock core's entry point (answered on the spot when
+/// the store can, with no future to box), several as one MultiLock.
+fn acquire(core: &Core, owner: &Owner, fresh: bool, keys: Keys, method: &Method) -> Locking {
     let config = &core.config;
     let mode = config.mode.for_method(method);
     let lock = |key| {
         let lock = core.client.lock_on(key, mode);
         if config.fenced { lock.fenced() } else { lock }
     };
-    let (owner, wait, lease) = (owner.clone(), config.wait, config.lease);
+    let (wait, lease) = (config.wait, config.lease);
     let keys = match keys.into_one() {
         Ok(key) => {
             // The common case: no MultiLock and no vectors.
             let deadline = deadline_after(Some(wait));
-            return match begin_acquire(lock(key), Some(owner), deadline, lease) {
+            let acting = if fresh {
+                Acting::First(owner.clone())
+            } else {
+                Acting::As(owner.clone())
+            };
+            return match begin_acquire(lock(key), acting, deadline, lease) {
                 Acquisition::Now(outcome) => Acquisition::Now(outcome.map(MultiGuard::one)),
                 Acquisition::Later(waiting) => {
                     Acquisition::Later(Box::pin(async move { waiting.await.map(MultiGuard::one) }))
@@ -420,6 +447,8 @@ fn acquire(core: &Core, owner: &Owner, keys: Keys, method: &Method) -> Locking {
         }
         Err(keys) => keys,
     };
+    // Several holds, each with an identity of its own.
+    let owner = owner.clone();
     let locks = MultiLock::new(keys.into_iter().map(lock));
     Acquisition::Later(Box::pin(async move {
         locks.acquire_as(owner, Some(wait), lease).await

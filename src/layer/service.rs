@@ -86,18 +86,13 @@ where
 
         // One owner per request. An outer `LockLayer` already made one: act as it, so
         // the inner layer's locks re-enter rather than wait for the outer's.
-        let owner = match req.extensions().get::<Locks>() {
-            Some(outer) => outer.owner().clone(),
-            None => core.client.new_owner(),
-        };
-        req.extensions_mut()
-            .insert(Locks::new(core.client.clone(), owner.clone()));
+        let (owner, fresh) = Locks::attach(req.extensions_mut(), &core.client);
 
         if !core.config.locks_method(req.method()) {
             return ResponseFuture::unlocked(core, owner, svc, req);
         }
         let (parts, body) = req.into_parts();
         let keys = self.shared.keys.extract(parts);
-        ResponseFuture::keying(core, owner, keys, body, svc)
+        ResponseFuture::keying(core, owner, fresh, keys, body, svc)
     }
 }

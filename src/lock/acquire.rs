@@ -71,7 +71,27 @@ struct Start {
     fresh: bool,
 }
 
-fn start(lock: &Lock, owner: Option<Owner>, lease: Lease) -> Result<Start> {
+/// Who an acquisition acts as.
+#[derive(Clone)]
+pub(crate) enum Acting {
+    /// An owner that may hold other locks (or may have held this one before): each hold
+    /// it takes gets an identity of its own.
+    As(Owner),
+    /// A fresh owner, made for this acquisition only.
+    New,
+    /// An owner made for one request that has taken no lock yet: this acquisition's hold
+    /// (its first) is identified by the owner's own string, which saves making one.
+    /// Later holds of the owner get identities of their own.
+    First(Owner),
+}
+
+impl From<Option<Owner>> for Acting {
+    fn from(owner: Option<Owner>) -> Self {
+        owner.map_or(Acting::New, Acting::As)
+    }
+}
+
+fn start(lock: &Lock, acting: Acting, lease: Lease) -> Result<Start> {
     let client = &lock.client;
     if client.registry().is_closed() {
         return Err(Error::Shutdown);
@@ -88,9 +108,10 @@ fn start(lock: &Lock, owner: Option<Owner>, lease: Lease) -> Result<Start> {
         )
     })?;
     client.register_name_if_due(&runtime);
-    let (owner, fresh) = match owner {
-        Some(owner) => (owner, false),
-        None => (client.new_owner(), true),
+    let (owner, fresh) = match acting {
+        Acting::As(owner) => (owner, false),
+        Acting::New => (client.new_owner(), true),
+        Acting::First(owner) => (owner, true),
     };
     let slot = Slot {
         key: lock.key.clone(),
@@ -244,7 +265,7 @@ enum Fast {
 /// The acquisition, answered on the spot when it can be: a free lock of an unqueued
 /// mode on a backend that answers without I/O (memory). Anything that would do I/O or
 /// queue is deferred, with nothing left behind, to [`acquire_waiting`].
-fn try_acquire_now(lock: &Lock, owner: Option<Owner>, lease: Lease) -> Fast {
+fn try_acquire_now(lock: &Lock, acting: Acting, lease: Lease) -> Fast {
     let client = &lock.client;
     let backend = client.backend();
     // A busy attempt in a queued mode would queue this owner: only the waiting path
@@ -255,7 +276,7 @@ fn try_acquire_now(lock: &Lock, owner: Option<Owner>, lease: Lease) -> Fast {
     if backend.profile().queues_waiters(lock.mode) {
         return Fast::Defer;
     }
-    let start = match start(lock, owner, lease) {
+    let start = match start(lock, acting, lease) {
         Ok(start) => start,
         Err(error) => return Fast::Done(Err(error)),
     };
@@ -334,9 +355,8 @@ pub(crate) enum Acquisition<G, W> {
 }
 
 /// The one way in to an acquisition, shared by [`Lock`] (through [`acquire_as`]) and
-/// the layer's response future: acquires `lock` as `owner` (`None`: a fresh owner, used
-/// for this acquisition only), waiting until `deadline` (`None`: as long as it takes),
-/// holding it with `lease`.
+/// the layer's response future: acquires `lock` as `acting` says, waiting until
+/// `deadline` (`None`: as long as it takes), holding it with `lease`.
 ///
 /// The fast path is tried here, once: a backend that answers without I/O and a lock
 /// that is free (or the owner's own, to re-enter) give [`Acquisition::Now`]. Anything
@@ -345,20 +365,22 @@ pub(crate) enum Acquisition<G, W> {
 /// before it finishes, it leaves no lock and no waiter behind.
 pub(crate) fn begin_acquire<L>(
     lock: L,
-    owner: Option<Owner>,
+    acting: Acting,
     deadline: Option<Instant>,
     lease: Lease,
 ) -> Acquisition<LockGuard, impl Future<Output = Result<LockGuard>> + Send>
 where
     L: Borrow<Lock> + Send,
 {
-    let busy = match try_acquire_now(lock.borrow(), owner.clone(), lease) {
+    // A busy fast path leaves nothing in the store (it answers on the spot), so a
+    // `First` owner's string is still unused when the waiting path takes it up.
+    let busy = match try_acquire_now(lock.borrow(), acting.clone(), lease) {
         Fast::Done(done) => return Acquisition::Now(done),
         Fast::Busy(holder_ttl) => Some(holder_ttl),
         Fast::Defer => None,
     };
     let known = Known { deadline, busy };
-    Acquisition::Later(async move { acquire_waiting(lock.borrow(), owner, known, lease).await })
+    Acquisition::Later(async move { acquire_waiting(lock.borrow(), acting, known, lease).await })
 }
 
 /// What the waiting path starts from: the caller's deadline, and the busy answer (the
@@ -381,7 +403,7 @@ pub(crate) async fn acquire_as(
     deadline: Option<Instant>,
     lease: Lease,
 ) -> Result<LockGuard> {
-    match begin_acquire(lock, owner, deadline, lease) {
+    match begin_acquire(lock, owner.into(), deadline, lease) {
         Acquisition::Now(done) => done,
         Acquisition::Later(waiting) => waiting.await,
     }
@@ -390,13 +412,13 @@ pub(crate) async fn acquire_as(
 /// [`acquire_as`] past the fast path, which [`begin_acquire`] has just tried.
 async fn acquire_waiting(
     lock: &Lock,
-    owner: Option<Owner>,
+    acting: Acting,
     known: Known,
     lease: Lease,
 ) -> Result<LockGuard> {
     let Known { deadline, busy } = known;
     let client = &lock.client;
-    let start = start(lock, owner, lease)?;
+    let start = start(lock, acting, lease)?;
     let started = Instant::now();
     let hold = loop {
         match start.enter(client) {

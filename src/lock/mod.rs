@@ -86,7 +86,7 @@ mod registry;
 mod unlocking;
 mod watchdog;
 
-pub(crate) use acquire::{Acquisition, begin_acquire};
+pub(crate) use acquire::{Acquisition, Acting, begin_acquire};
 pub use guard::{LockGuard, LostSignal};
 pub(crate) use observer::Hooks;
 pub use observer::{LayerEvent, LayerOutcome, LockEvent, LockObserver};

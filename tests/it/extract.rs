@@ -311,3 +311,102 @@ fn one_prefix_rule_refuses_a_doubled_separator_by_name() {
         "lock:order:{42}"
     );
 }
+
+/// The hold ids of `key`'s holders, in the store.
+async fn hold_ids(locks: &Locks, key: &str) -> Vec<String> {
+    let state = locks
+        .client()
+        .get_lock(key)
+        .unwrap()
+        .inspect()
+        .await
+        .unwrap();
+    state
+        .holders
+        .iter()
+        .map(|h| h.hold_id.as_str().to_owned())
+        .collect()
+}
+
+#[tokio::test]
+async fn the_layers_hold_is_named_by_its_fresh_owner_and_every_later_hold_by_its_own() {
+    let backend = MemoryBackend::new();
+    let handler = |held: HeldLock, locks: Locks| async move {
+        let owner = held.owner().as_str().to_owned();
+        // The layer's hold: the owner it made for this request names it in the store.
+        assert_eq!(hold_ids(&locks, held.key().as_str()).await, std::slice::from_ref(&owner));
+        // The handler's own holds, as the same owner, are named each by its own.
+        let side = locks.lock("side").await.unwrap();
+        let first = side.hold_id().as_str().to_owned();
+        assert_ne!(first, owner);
+        side.unlock().await.unwrap();
+        let again = locks.lock("side").await.unwrap();
+        assert_ne!(again.hold_id().as_str(), first);
+        assert_ne!(again.hold_id().as_str(), owner);
+        assert_eq!(again.owner().as_str(), owner);
+        "ok"
+    };
+    let app = Router::new()
+        .route("/h", post(handler))
+        .layer(LockLayer::new(
+            backend.clone(),
+            HeaderKey::new(USER).namespace("user").unwrap(),
+        ));
+    for _ in 0..2 {
+        assert_eq!(
+            call(&app, "POST", "/h", Some("4")).await,
+            (StatusCode::OK, "ok".into())
+        );
+    }
+    assert!(backend.is_empty());
+}
+
+#[tokio::test]
+async fn nested_layers_share_the_owner_and_the_inner_layer_names_its_hold_anew() {
+    let backend = MemoryBackend::new();
+    let handler = |held: Option<HeldLock>, locks: Locks| async move {
+        let owner = locks.owner().as_str().to_owned();
+        let Some(held) = held else {
+            return "none".to_owned();
+        };
+        assert_eq!(held.owner().as_str(), owner);
+        // The outer layer made the owner: its hold carries the owner's string.
+        assert_eq!(hold_ids(&locks, "user:{5}").await, std::slice::from_ref(&owner));
+        let inner = hold_ids(&locks, "doc:{d}").await;
+        assert!(inner.iter().all(|id| *id != owner), "{inner:?} {owner}");
+        held.key().to_string()
+    };
+    let app = Router::new()
+        .route("/h", post(handler))
+        .layer(LockLayer::new(
+            backend.clone(),
+            HeaderKey::new(HeaderName::from_static("x-doc"))
+                .namespace("doc")
+                .unwrap()
+                .optional(),
+        ))
+        .layer(LockLayer::new(
+            backend.clone(),
+            HeaderKey::new(USER).namespace("user").unwrap(),
+        ));
+    let request = |doc: Option<&str>| {
+        let mut req = Request::builder()
+            .method("POST")
+            .uri("/h")
+            .header(USER, "5");
+        if let Some(doc) = doc {
+            req = req.header("x-doc", doc);
+        }
+        let app = app.clone();
+        async move {
+            let res = app.oneshot(req.body(Body::empty()).unwrap()).await.unwrap();
+            let body = res.into_body().collect().await.unwrap().to_bytes();
+            String::from_utf8(body.to_vec()).unwrap()
+        }
+    };
+    // Both layers lock: the handler sees the inner layer's lock.
+    assert_eq!(request(Some("d")).await, "doc:{d}");
+    // The inner layer gives this request no key: the outer layer's lock is still seen.
+    assert_eq!(request(None).await, "user:{5}");
+    assert!(backend.is_empty());
+}

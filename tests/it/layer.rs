@@ -16,7 +16,7 @@ use tower::{Layer, Service, ServiceExt, service_fn};
 use tower_lock::backend::{
     Acquire, BoxFuture, Intercept, Intercepted, LockBackend, LockMode, LockRequest, Release,
 };
-use tower_lock::extract::{HeldLock, Locks};
+use tower_lock::extract::Locks;
 use tower_lock::layer::{HeaderKey, KeyError, LockBody, LockLayer, Rejection, key_fn};
 use tower_lock::{Error, Lease, LockClient, LockKey, MemoryBackend, Owner, Result};
 
@@ -49,13 +49,17 @@ fn handler(
         let calls = calls.clone();
         async move {
             calls.fetch_add(1, Ordering::SeqCst);
-            let held = req.extensions().get::<HeldLock>().map(|h| {
-                h.keys()
-                    .iter()
-                    .map(LockKey::to_string)
-                    .collect::<Vec<_>>()
-                    .join(",")
-            });
+            let held = req
+                .extensions()
+                .get::<Locks>()
+                .and_then(Locks::held)
+                .map(|h| {
+                    h.keys()
+                        .iter()
+                        .map(LockKey::to_string)
+                        .collect::<Vec<_>>()
+                        .join(",")
+                });
             let owner = Owner::current().map(|o| o.to_string()).unwrap_or_default();
             let locks_owner = req
                 .extensions()
@@ -284,7 +288,12 @@ async fn the_handler_re_enters_its_own_lock() {
     let svc = LockLayer::new(client, by_user()).layer(service_fn(move |req: Req| {
         let client = inner_client.clone();
         async move {
-            let held = req.extensions().get::<HeldLock>().unwrap().clone();
+            let held = req
+                .extensions()
+                .get::<Locks>()
+                .and_then(Locks::held)
+                .unwrap()
+                .clone();
             // Through the current owner (plain Lock) and through `Locks`.
             let again = client
                 .get_lock(held.key())
@@ -336,7 +345,13 @@ async fn several_keys_are_sorted_and_never_deadlock() {
             }
             tokio::task::yield_now().await;
             inside.fetch_sub(1, Ordering::SeqCst);
-            let keys = req.extensions().get::<HeldLock>().unwrap().keys().to_vec();
+            let keys = req
+                .extensions()
+                .get::<Locks>()
+                .and_then(Locks::held)
+                .unwrap()
+                .keys()
+                .to_vec();
             assert_eq!(keys, vec![key("acct:a"), key("acct:b")], "sorted");
             Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
         }
