@@ -996,8 +996,11 @@ impl MemoryBackend {
 
 impl Table {
     fn remove_if_unused(&mut self, key: &LockKey, now: Instant) {
-        if self.map.get(key).is_some_and(|e| e.is_unused(now)) {
-            self.map.remove(key);
+        // One lookup (the key is hashed once), on every release.
+        if let std::collections::hash_map::Entry::Occupied(entry) = self.map.entry(key.clone())
+            && entry.get().is_unused(now)
+        {
+            entry.remove();
         }
     }
 

@@ -356,7 +356,10 @@ pub(crate) struct Inner {
 }
 
 pub(crate) struct State {
-    pub(crate) slots: HashMap<Slot, Arc<Hold>>,
+    /// Hashed with foldhash, not SipHash: three lookups per lock and unlock, and a slot
+    /// names the owner too, a string of the client's own (a random client id and a
+    /// counter) unless the application passes owners of its own.
+    pub(crate) slots: HashMap<Slot, Arc<Hold>, foldhash::fast::RandomState>,
     pub(crate) tasks: Tasks,
 }
 
@@ -368,7 +371,7 @@ impl Registry {
                 lease,
                 hooks,
                 state: Mutex::new(State {
-                    slots: HashMap::new(),
+                    slots: HashMap::default(),
                     tasks: Tasks::default(),
                 }),
                 closed: AtomicBool::new(false),

@@ -50,7 +50,7 @@ const MIN_RETRY: Duration = Duration::from_millis(5);
 /// The renewal tasks of one client, one per runtime with watched holds.
 #[derive(Default)]
 pub(crate) struct Tasks {
-    running: HashMap<Id, JoinHandle<()>>,
+    running: HashMap<Id, JoinHandle<()>, foldhash::fast::RandomState>,
 }
 
 impl Tasks {

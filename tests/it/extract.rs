@@ -334,7 +334,10 @@ async fn the_layers_hold_is_named_by_its_fresh_owner_and_every_later_hold_by_its
     let handler = |held: HeldLock, locks: Locks| async move {
         let owner = held.owner().as_str().to_owned();
         // The layer's hold: the owner it made for this request names it in the store.
-        assert_eq!(hold_ids(&locks, held.key().as_str()).await, std::slice::from_ref(&owner));
+        assert_eq!(
+            hold_ids(&locks, held.key().as_str()).await,
+            std::slice::from_ref(&owner)
+        );
         // The handler's own holds, as the same owner, are named each by its own.
         let side = locks.lock("side").await.unwrap();
         let first = side.hold_id().as_str().to_owned();
@@ -371,7 +374,10 @@ async fn nested_layers_share_the_owner_and_the_inner_layer_names_its_hold_anew()
         };
         assert_eq!(held.owner().as_str(), owner);
         // The outer layer made the owner: its hold carries the owner's string.
-        assert_eq!(hold_ids(&locks, "user:{5}").await, std::slice::from_ref(&owner));
+        assert_eq!(
+            hold_ids(&locks, "user:{5}").await,
+            std::slice::from_ref(&owner)
+        );
         let inner = hold_ids(&locks, "doc:{d}").await;
         assert!(inner.iter().all(|id| *id != owner), "{inner:?} {owner}");
         held.key().to_string()
