@@ -9,7 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::proxy::{Direction, Flow};
-use common::sentinel::{MASTER, SentinelSet, info_replication};
+use common::redis_server::RedisServer;
+use common::sentinel::{MASTER, Sentinel, SentinelSet, info_replication};
 use tower_lock::{Lease, LockClient, LostSignal, RedisBackend};
 
 /// A backend behind the Sentinels of `set`: replica acknowledgement as `synced` says
@@ -35,6 +36,26 @@ fn client(backend: &RedisBackend) -> LockClient {
 /// A failover the Sentinels are asked for: the held lock keeps its holder and its
 /// renewals (which move to the new primary), nobody else gets it meanwhile, the waiter is
 /// woken on the new primary when it is released, and new locks go there.
+/// A Sentinel's port taken between the harness's probe and the Sentinel's bind: it is
+/// started on another port, not left dead for the set to time out on (`.ci/run` once
+/// failed with "the Sentinel set was not ready within 30s").
+#[tokio::test]
+async fn a_sentinel_whose_port_is_taken_starts_on_another() {
+    let primary = RedisServer::start().await;
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let base = std::env::temp_dir().join(format!(
+        "tower-lock-sentinel-taken-{}-{port}",
+        std::process::id()
+    ));
+    let sentinel = Sentinel::start_trying(base.join("0"), primary.port(), 1, Some(port)).await;
+    assert_ne!(sentinel.port(), port);
+    let master: Option<redis::Value> = sentinel.ask(&["MASTER", MASTER]).await;
+    assert!(master.is_some(), "a Sentinel of {MASTER} answers");
+    drop(sentinel);
+    assert!(!base.exists(), "the Sentinel's directories are removed");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_backend_follows_a_failover_with_its_holds_and_waiters() {
     let set = SentinelSet::start(2, 3).await;

@@ -365,7 +365,8 @@ async fn ping(client: &redis::Client) -> bool {
     }
 }
 
-fn free_port() -> u16 {
+/// A loopback port free when asked (another process may take it before it is used).
+pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())

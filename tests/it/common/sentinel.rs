@@ -31,12 +31,49 @@ pub struct Sentinel {
 }
 
 impl Sentinel {
-    fn start(dir: PathBuf, primary_port: u16, quorum: usize) -> Self {
+    /// A Sentinel monitoring the primary on `primary_port`, answering on a free port.
+    async fn start(dir: PathBuf, primary_port: u16, quorum: usize) -> Self {
+        Self::start_trying(dir, primary_port, quorum, None).await
+    }
+
+    /// [`Sentinel::start`], trying `first` as its port before free ones. A port found
+    /// free can be taken before the Sentinel binds it (another test's server or proxy):
+    /// then the Sentinel exits, or another process answers there, and it is started
+    /// again on another port, as [`RedisServer`] does.
+    pub async fn start_trying(
+        dir: PathBuf,
+        primary_port: u16,
+        quorum: usize,
+        first: Option<u16>,
+    ) -> Self {
         std::fs::create_dir_all(&dir).expect("the Sentinel's directory");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free port");
+        for attempt in 0..10 {
+            let port = match first {
+                Some(port) if attempt == 0 => port,
+                _ => super::redis_server::free_port(),
+            };
+            let mut child = Self::spawn(&dir, port, primary_port, quorum);
+            let mut sentinel = Sentinel {
+                child: None,
+                port,
+                dir: dir.clone(),
+            };
+            if sentinel.wait_answering(&mut child).await {
+                sentinel.child = Some(child);
+                return sentinel;
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            // Not dropped: that would remove the directory the next attempt uses.
+            std::mem::forget(sentinel);
+        }
+        panic!(
+            "no Sentinel came up in 10 attempts; the last one's log ends:\n{}",
+            std::fs::read_to_string(dir.join("sentinel.log")).unwrap_or_default()
+        );
+    }
+
+    fn spawn(dir: &std::path::Path, port: u16, primary_port: u16, quorum: usize) -> Child {
         let config = format!(
             "port {port}\nbind 127.0.0.1\ndir {dir}\nlogfile {dir}/sentinel.log\n\
              sentinel resolve-hostnames no\n\
@@ -62,11 +99,25 @@ impl Sentinel {
                 Ok(())
             });
         }
-        let child = cmd.spawn().expect("redis-server on PATH");
-        Sentinel {
-            child: Some(child),
-            port,
-            dir,
+        cmd.spawn().expect("redis-server on PATH")
+    }
+
+    /// Whether the Sentinel just spawned as `child` answers on its port as a Sentinel
+    /// of [`MASTER`]: `false` once it exited (its port was taken), or after 10 s.
+    async fn wait_answering(&self, child: &mut Child) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if child.try_wait().ok().flatten().is_some() {
+                return false;
+            }
+            let master: Option<redis::Value> = self.ask(&["MASTER", MASTER]).await;
+            if master.is_some() {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
@@ -97,7 +148,7 @@ impl Sentinel {
     }
 
     /// `SENTINEL <args>` on this Sentinel; `None` when it does not answer.
-    async fn ask<T: redis::FromRedisValue>(&self, args: &[&str]) -> Option<T> {
+    pub async fn ask<T: redis::FromRedisValue>(&self, args: &[&str]) -> Option<T> {
         let mut conn = self.conn().await?;
         redis::cmd("SENTINEL")
             .arg(args)
@@ -176,9 +227,11 @@ impl SentinelSet {
             nodes[0].port()
         ));
         let quorum = sentinels / 2 + 1;
-        let sentinels = (0..sentinels)
-            .map(|i| Sentinel::start(base.join(i.to_string()), nodes[0].port(), quorum))
-            .collect();
+        let mut started = Vec::new();
+        for i in 0..sentinels {
+            started.push(Sentinel::start(base.join(i.to_string()), nodes[0].port(), quorum).await);
+        }
+        let sentinels = started;
         let set = SentinelSet {
             nodes,
             sentinels,
@@ -314,12 +367,34 @@ impl SentinelSet {
             if ready {
                 return;
             }
-            assert!(
-                Instant::now() < deadline,
-                "the Sentinel set was not ready within {within:?}"
-            );
+            if Instant::now() >= deadline {
+                self.explain_not_ready(within).await;
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+}
+
+impl SentinelSet {
+    /// Panics with what each part of the set says, for a set not ready `within`.
+    async fn explain_not_ready(&self, within: Duration) -> ! {
+        let mut parts = format!(
+            "the primary {} has {:?} replicas online",
+            self.nodes[0].port(),
+            replication_links(self.nodes[0].port()).await
+        );
+        for sentinel in &self.sentinels {
+            let replicas: Option<Vec<redis::Value>> = sentinel.ask(&["REPLICAS", MASTER]).await;
+            let others: Option<Vec<redis::Value>> = sentinel.ask(&["SENTINELS", MASTER]).await;
+            parts.push_str(&format!(
+                "\n  Sentinel {}: knows {:?} replicas and {:?} other Sentinels; its log ends:\n{}",
+                sentinel.port(),
+                replicas.map(|r| r.len()),
+                others.map(|s| s.len()),
+                sentinel.log_tail(10)
+            ));
+        }
+        panic!("the Sentinel set was not ready within {within:?}: {parts}");
     }
 }
 
