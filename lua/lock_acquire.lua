@@ -13,7 +13,8 @@
 -- once released.
 --
 -- KEYS[1]  lock name (hash)
--- KEYS[2]  fencing counter (string; fenced requests only)
+-- KEYS[2]  fencing counter (string), read by fenced requests only: an unfenced request
+--          may name any key of the lock's cluster slot (the batcher names the lock)
 -- ARGV[1]  lease in milliseconds
 -- ARGV[2]  owner field
 -- ARGV[3]  '1' fenced, '0' not

@@ -10,7 +10,8 @@
 -- acquisitions are refused ('0': none); its sender has given up on them by then.
 -- Operation i (1-based) has
 --   KEYS[2i-1]  lock name (hash)
---   KEYS[2i]    acquire: fencing counter (redisson_lock_token:{NAME});
+--   KEYS[2i]    acquire: fencing counter (redisson_lock_token:{NAME}; an unfenced
+--               acquisition, which does not read it, names the lock again);
 --               release: release channel (redisson_lock__channel:{NAME})
 --   ARGV[3i-1]  'a' acquire, 'f' fenced acquire, 'r' release
 --   ARGV[3i]    lease in milliseconds

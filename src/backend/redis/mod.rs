@@ -771,7 +771,7 @@ impl Inner {
     async fn acquire_one(
         &self,
         lock: &str,
-        fence: &str,
+        fence: impl redis::ToRedisArgs,
         lease_ms: u64,
         owner: &str,
         fenced: bool,
@@ -796,7 +796,7 @@ impl Inner {
     async fn release_one(
         &self,
         lock: &str,
-        channel: &str,
+        channel: impl redis::ToRedisArgs,
         lease_ms: u64,
         owner: &str,
     ) -> Result<Release> {
@@ -1428,6 +1428,65 @@ fn store_error(error: RedisError) -> StoreError {
 /// path, and with no key prefix the lock's own name is the key itself (no allocation).
 struct Names;
 
+/// A companion's name ([`Names::companion`]), written where it is needed — into a
+/// command's buffer as it is encoded — without a string of its own.
+#[derive(Clone, Copy)]
+pub(super) struct Companion<'a> {
+    kind: &'a str,
+    prefix: &'a str,
+    key: &'a LockKey,
+}
+
+impl Companion<'_> {
+    fn tagged(&self) -> bool {
+        self.prefix.contains('{') || self.key.as_str().contains('{')
+    }
+
+    fn len(&self) -> usize {
+        let braces = if self.tagged() { 0 } else { 2 };
+        self.kind.len() + 1 + braces + self.prefix.len() + self.key.as_str().len()
+    }
+}
+
+impl fmt::Display for Companion<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (open, close) = if self.tagged() { ("", "") } else { ("{", "}") };
+        write!(
+            f,
+            "{}:{open}{}{}{close}",
+            self.kind,
+            self.prefix,
+            self.key.as_str()
+        )
+    }
+}
+
+impl redis::ToRedisArgs for Companion<'_> {
+    fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
+        out.write_arg_fmt(self);
+    }
+}
+
+impl Names {
+    /// The release channel, as a [`Companion`] written in place.
+    pub(super) fn channel_of<'a>(prefix: &'a str, key: &'a LockKey) -> Companion<'a> {
+        Companion {
+            kind: "redisson_lock__channel",
+            prefix,
+            key,
+        }
+    }
+
+    /// The fencing counter, as a [`Companion`] written in place.
+    pub(super) fn fence_of<'a>(prefix: &'a str, key: &'a LockKey) -> Companion<'a> {
+        Companion {
+            kind: "redisson_lock_token",
+            prefix,
+            key,
+        }
+    }
+}
+
 impl Names {
     /// The lock hash: the prefix followed by the key.
     fn lock<'a>(prefix: &str, key: &'a LockKey) -> Cow<'a, str> {
@@ -1442,23 +1501,15 @@ impl Names {
     /// `<kind>:NAME` when NAME already has a hash tag — Redisson's naming, which keeps
     /// companions in the lock's cluster slot.
     fn companion(kind: &str, prefix: &str, key: &LockKey) -> String {
-        let tagged = prefix.contains('{') || key.as_str().contains('{');
-        let mut name = String::with_capacity(kind.len() + prefix.len() + key.as_str().len() + 3);
-        name.push_str(kind);
-        name.push(':');
-        if !tagged {
-            name.push('{');
-        }
-        name.push_str(prefix);
-        name.push_str(key.as_str());
-        if !tagged {
-            name.push('}');
-        }
-        name
+        let name = Companion { kind, prefix, key };
+        let mut text = String::with_capacity(name.len());
+        // Writing to a String cannot fail.
+        let _ = fmt::Write::write_fmt(&mut text, format_args!("{name}"));
+        text
     }
 
     fn channel(prefix: &str, key: &LockKey) -> String {
-        Self::companion("redisson_lock__channel", prefix, key)
+        Self::channel_of(prefix, key).to_string()
     }
 
     /// Where a client's name is registered: `tower_lock_client:<client uuid>`.
@@ -1468,7 +1519,7 @@ impl Names {
 
     /// The fencing counter: Redisson `RFencedLock`'s.
     fn fence(prefix: &str, key: &LockKey) -> String {
-        Self::companion("redisson_lock_token", prefix, key)
+        Self::fence_of(prefix, key).to_string()
     }
 
     /// The wait queue of fair and read-write locks (Redisson `RFairLock`'s list).

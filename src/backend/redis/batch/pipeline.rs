@@ -230,31 +230,32 @@ async fn issue(inner: &Arc<Inner>, line: &mut Line, batch: Vec<Queued>) -> Optio
 /// `lua/lock_batch.lua` for more.
 fn command(inner: &Inner, batch: &[Queued], deadline: u64) -> redis::Cmd {
     let scripts = inner.publish.scripts();
+    let prefix = &inner.prefix;
     let mut cmd = redis::cmd("EVALSHA");
     match batch {
         [q] if q.op == Op::Acquire => {
             cmd.arg(scripts.acquire.get_hash())
                 .arg(2)
-                .arg(&q.lock)
-                .arg(&q.second)
+                .arg(&*q.lock(prefix))
+                .arg(q.second(prefix))
                 .arg(q.lease_ms)
-                .arg(&q.hold_id)
+                .arg(q.hold_id.as_str())
                 .arg(if q.fenced { "1" } else { "0" })
                 .arg(deadline);
         }
         [q] => {
             cmd.arg(scripts.release.get_hash())
                 .arg(2)
-                .arg(&q.lock)
-                .arg(&q.second)
+                .arg(&*q.lock(prefix))
+                .arg(q.second(prefix))
                 .arg(UNLOCK_MESSAGE)
                 .arg(q.lease_ms)
-                .arg(&q.hold_id);
+                .arg(q.hold_id.as_str());
         }
         _ => {
             cmd.arg(scripts.batch.get_hash()).arg(2 * batch.len());
             for q in batch {
-                cmd.arg(&q.lock).arg(&q.second);
+                cmd.arg(&*q.lock(prefix)).arg(q.second(prefix));
             }
             cmd.arg(deadline);
             for q in batch {
@@ -263,7 +264,7 @@ fn command(inner: &Inner, batch: &[Queued], deadline: u64) -> redis::Cmd {
                     (Op::Acquire, true) => "f",
                     (Op::Acquire, false) => "a",
                 };
-                cmd.arg(tag).arg(q.lease_ms).arg(&q.hold_id);
+                cmd.arg(tag).arg(q.lease_ms).arg(q.hold_id.as_str());
             }
         }
     }
