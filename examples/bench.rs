@@ -4,7 +4,7 @@
 //! ```sh
 //! cargo run --release --example bench -- --url redis://127.0.0.1:6379 \
 //!     --workers 32 --seconds 10 --workload w1 [--handoff] [--backend redis|memory] \
-//!     [--kind lock|fair] [--impl tower-lock|baseline] [--lease-ms L]
+//!     [--kind lock|fair|read|write|permits] [--impl tower-lock|baseline] [--lease-ms L]
 //! cargo run --release --example bench -- --url postgres://root@127.0.0.1:5432/bench \
 //!     --seconds 10 --workload pg
 //! ```
@@ -168,7 +168,16 @@ enum Workload {
 enum LockKind {
     Lock,
     Fair,
+    /// A read-write lock's read side.
+    Read,
+    /// A read-write lock's write side.
+    Write,
+    /// A permit of [`PERMITS`] on the key (Redisson's `RPermitExpirableSemaphore`).
+    Permits,
 }
+
+/// How many permits a `--kind permits` key has.
+const PERMITS: u32 = 8;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
 enum Impl {
@@ -279,6 +288,12 @@ fn check(a: &Args) -> Result<(), &'static str> {
     if a.chart.is_some() && a.workload != Workload::All {
         return Err("--chart goes with --workload all");
     }
+    if matches!(a.kind, LockKind::Read | LockKind::Write | LockKind::Permits)
+        && a.workload != Workload::W1
+    {
+        // w2 counts overlaps: shared kinds overlap by design.
+        return Err("--kind read, write and permits go with --workload w1");
+    }
     if a.implementation == Impl::Baseline && !postgres && a.workload != Workload::W1 {
         return Err("--impl baseline exists for w1 only on Redis (w1 and w2 on PostgreSQL)");
     }
@@ -338,6 +353,9 @@ fn peer(args: &Args) -> &'static str {
         (Impl::Baseline, _) => "redis-setnx-baseline",
         (Impl::TowerLock, LockKind::Fair) => "tower-lock-fair",
         (Impl::TowerLock, LockKind::Lock) => "tower-lock",
+        (Impl::TowerLock, LockKind::Read) => "tower-lock-read",
+        (Impl::TowerLock, LockKind::Write) => "tower-lock-write",
+        (Impl::TowerLock, LockKind::Permits) => "tower-lock-permits",
     }
 }
 
@@ -413,10 +431,12 @@ async fn client(args: &Args) -> Result<LockClient, String> {
 }
 
 fn lock_for(client: &LockClient, args: &Args, key: String) -> Result<tower_lock::Lock, String> {
-    let lock = if args.kind == LockKind::Fair {
-        client.get_fair_lock(key)
-    } else {
-        client.get_lock(key)
+    let lock = match args.kind {
+        LockKind::Lock => client.get_lock(key),
+        LockKind::Fair => client.get_fair_lock(key),
+        LockKind::Read => client.get_read_write_lock(key).map(|rw| rw.read_lock()),
+        LockKind::Write => client.get_read_write_lock(key).map(|rw| rw.write_lock()),
+        LockKind::Permits => client.get_permits(key, PERMITS),
     };
     lock.map_err(|e| e.to_string())
 }
