@@ -53,19 +53,15 @@ impl Sentinel {
                 _ => super::redis_server::free_port(),
             };
             let mut child = Self::spawn(&dir, port, primary_port, quorum);
-            let mut sentinel = Sentinel {
-                child: None,
-                port,
-                dir: dir.clone(),
-            };
-            if sentinel.wait_answering(&mut child).await {
-                sentinel.child = Some(child);
-                return sentinel;
+            if wait_answering(port, &mut child).await {
+                return Sentinel {
+                    child: Some(child),
+                    port,
+                    dir,
+                };
             }
             let _ = child.kill();
             let _ = child.wait();
-            // Not dropped: that would remove the directory the next attempt uses.
-            std::mem::forget(sentinel);
         }
         panic!(
             "no Sentinel came up in 10 attempts; the last one's log ends:\n{}",
@@ -102,25 +98,6 @@ impl Sentinel {
         cmd.spawn().expect("redis-server on PATH")
     }
 
-    /// Whether the Sentinel just spawned as `child` answers on its port as a Sentinel
-    /// of [`MASTER`]: `false` once it exited (its port was taken), or after 10 s.
-    async fn wait_answering(&self, child: &mut Child) -> bool {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if child.try_wait().ok().flatten().is_some() {
-                return false;
-            }
-            let master: Option<redis::Value> = self.ask(&["MASTER", MASTER]).await;
-            if master.is_some() {
-                return true;
-            }
-            if Instant::now() >= deadline {
-                return false;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
     pub fn port(&self) -> u16 {
         self.port
     }
@@ -136,25 +113,49 @@ impl Sentinel {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
-    async fn conn(&self) -> Option<redis::aio::MultiplexedConnection> {
-        let client = redis::Client::open(self.url()).ok()?;
-        tokio::time::timeout(
-            Duration::from_millis(500),
-            client.get_multiplexed_async_connection(),
-        )
-        .await
-        .ok()?
-        .ok()
-    }
-
     /// `SENTINEL <args>` on this Sentinel; `None` when it does not answer.
     pub async fn ask<T: redis::FromRedisValue>(&self, args: &[&str]) -> Option<T> {
-        let mut conn = self.conn().await?;
-        redis::cmd("SENTINEL")
-            .arg(args)
-            .query_async(&mut conn)
-            .await
-            .ok()
+        ask_on(self.port, args).await
+    }
+}
+
+async fn conn_on(port: u16) -> Option<redis::aio::MultiplexedConnection> {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).ok()?;
+    tokio::time::timeout(
+        Duration::from_millis(500),
+        client.get_multiplexed_async_connection(),
+    )
+    .await
+    .ok()?
+    .ok()
+}
+
+/// `SENTINEL <args>` on the Sentinel on `port`; `None` when it does not answer.
+async fn ask_on<T: redis::FromRedisValue>(port: u16, args: &[&str]) -> Option<T> {
+    let mut conn = conn_on(port).await?;
+    redis::cmd("SENTINEL")
+        .arg(args)
+        .query_async(&mut conn)
+        .await
+        .ok()
+}
+
+/// Whether the Sentinel just spawned as `child` answers on `port` as a Sentinel of
+/// [`MASTER`]: `false` once it exited (its port was taken), or after 10 s.
+async fn wait_answering(port: u16, child: &mut Child) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if child.try_wait().ok().flatten().is_some() {
+            return false;
+        }
+        let master: Option<redis::Value> = ask_on(port, &["MASTER", MASTER]).await;
+        if master.is_some() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
