@@ -32,9 +32,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use redis::Value;
 use tokio::sync::{Notify, oneshot};
 
-use std::borrow::Cow;
-
-use super::{Companion, Inner, Names, UNLOCK_MESSAGE, lease_ms, ttl_of};
+use super::{Companion, Inner, LockName, Names, UNLOCK_MESSAGE, lease_ms, ttl_of};
 use crate::backend::{Acquire, FencingToken, Grant, LockRequest, Release};
 use crate::error::{Error, Result, StoreErrorKind};
 use crate::hold_id::HoldId;
@@ -75,7 +73,7 @@ struct Queued {
 enum Second<'a> {
     /// An unfenced acquisition's: the lock's own name again. The script never touches
     /// it, and it shares the lock's cluster slot.
-    Lock(Cow<'a, str>),
+    Lock(LockName<'a>),
     /// The fencing counter (a fenced acquisition) or the release channel.
     Companion(Companion<'a>),
 }
@@ -83,7 +81,7 @@ enum Second<'a> {
 impl redis::ToRedisArgs for Second<'_> {
     fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
         match self {
-            Second::Lock(name) => out.write_arg(name.as_bytes()),
+            Second::Lock(name) => name.write_redis_args(out),
             Second::Companion(name) => name.write_redis_args(out),
         }
     }
@@ -91,8 +89,8 @@ impl redis::ToRedisArgs for Second<'_> {
 
 impl Queued {
     /// The lock hash's name, under `prefix`.
-    fn lock<'a>(&'a self, prefix: &str) -> Cow<'a, str> {
-        Names::lock(prefix, &self.key)
+    fn lock<'a>(&'a self, prefix: &'a str) -> LockName<'a> {
+        Names::lock_of(prefix, &self.key)
     }
 
     /// The operation's second key: the fencing counter of a fenced acquisition, the
@@ -247,7 +245,8 @@ fn by_slot(inner: &Inner, batch: Vec<Queued>) -> Vec<Vec<Queued>> {
         super::Conn::Cluster(_) => {
             let mut groups: Vec<(redis::cluster_routing::Slot, Vec<Queued>)> = Vec::new();
             for q in batch {
-                let slot = redis::cluster_routing::Slot::for_key(q.lock(&inner.prefix).as_bytes());
+                let name = Names::lock(&inner.prefix, &q.key);
+                let slot = redis::cluster_routing::Slot::for_key(name.as_bytes());
                 match groups.iter_mut().find(|(s, _)| *s == slot) {
                     Some((_, group)) => group.push(q),
                     None => groups.push((slot, vec![q])),
@@ -284,11 +283,11 @@ async fn send_one(inner: &Inner, q: Queued, deadline: u64) {
     let (lock, second, owner) = (q.lock(prefix), q.second(prefix), q.hold_id.as_str());
     let reply = match q.op {
         Op::Acquire => inner
-            .acquire_one(&lock, second, q.lease_ms, owner, q.fenced, deadline)
+            .acquire_one(lock, second, q.lease_ms, owner, q.fenced, deadline)
             .await
             .map(OpReply::Acquire),
         Op::Release => inner
-            .release_one(&lock, second, q.lease_ms, owner)
+            .release_one(lock, second, q.lease_ms, owner)
             .await
             .map(OpReply::Release),
     };
@@ -301,7 +300,7 @@ async fn send_many(inner: &Inner, batch: Vec<Queued>, deadline: u64) {
     invocation.arg(deadline);
     let prefix = &inner.prefix;
     for q in &batch {
-        invocation.key(&*q.lock(prefix)).key(q.second(prefix));
+        invocation.key(q.lock(prefix)).key(q.second(prefix));
     }
     for q in &batch {
         let tag = match (q.op, q.fenced) {

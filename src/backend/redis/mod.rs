@@ -770,7 +770,7 @@ impl Inner {
     /// with fencing counter `fence`.
     async fn acquire_one(
         &self,
-        lock: &str,
+        lock: impl redis::ToRedisArgs,
         fence: impl redis::ToRedisArgs,
         lease_ms: u64,
         owner: &str,
@@ -795,7 +795,7 @@ impl Inner {
     /// publishing on `channel`.
     async fn release_one(
         &self,
-        lock: &str,
+        lock: impl redis::ToRedisArgs,
         channel: impl redis::ToRedisArgs,
         lease_ms: u64,
         owner: &str,
@@ -1467,7 +1467,36 @@ impl redis::ToRedisArgs for Companion<'_> {
     }
 }
 
+/// The lock hash's name ([`Names::lock`]), written into a command as it is encoded:
+/// no string of its own, with a key prefix or without.
+#[derive(Clone, Copy)]
+pub(super) struct LockName<'a> {
+    prefix: &'a str,
+    key: &'a LockKey,
+}
+
+impl fmt::Display for LockName<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}{}", self.prefix, self.key.as_str())
+    }
+}
+
+impl redis::ToRedisArgs for LockName<'_> {
+    fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
+        if self.prefix.is_empty() {
+            out.write_arg(self.key.as_str().as_bytes());
+        } else {
+            out.write_arg_fmt(self);
+        }
+    }
+}
+
 impl Names {
+    /// The lock hash's name, as a [`LockName`] written in place.
+    pub(super) fn lock_of<'a>(prefix: &'a str, key: &'a LockKey) -> LockName<'a> {
+        LockName { prefix, key }
+    }
+
     /// The release channel, as a [`Companion`] written in place.
     pub(super) fn channel_of<'a>(prefix: &'a str, key: &'a LockKey) -> Companion<'a> {
         Companion {
@@ -1485,9 +1514,7 @@ impl Names {
             key,
         }
     }
-}
 
-impl Names {
     /// The lock hash: the prefix followed by the key.
     fn lock<'a>(prefix: &str, key: &'a LockKey) -> Cow<'a, str> {
         if prefix.is_empty() {
@@ -2236,6 +2263,47 @@ mod tests {
             Names::replay("app:", &key),
             "tower_lock_replay:app:lock:order:{42}"
         );
+    }
+
+    #[test]
+    fn names_written_in_place_are_the_names() {
+        let packed = |arg: &dyn Fn(&mut redis::Cmd)| {
+            let mut cmd = redis::cmd("X");
+            arg(&mut cmd);
+            cmd.get_packed_command()
+        };
+        for key in ["anyLock", "lock:order:{42}", "é:{ü}"] {
+            for prefix in ["", "app:", "a{b}:"] {
+                let key = LockKey::new(key).unwrap();
+                assert_eq!(
+                    packed(&|c| {
+                        c.arg(Names::lock_of(prefix, &key));
+                    }),
+                    packed(&|c| {
+                        c.arg(Names::lock(prefix, &key).as_ref());
+                    }),
+                    "{prefix}{key} lock"
+                );
+                assert_eq!(
+                    packed(&|c| {
+                        c.arg(Names::channel_of(prefix, &key));
+                    }),
+                    packed(&|c| {
+                        c.arg(Names::channel(prefix, &key));
+                    }),
+                    "{prefix}{key} channel"
+                );
+                assert_eq!(
+                    packed(&|c| {
+                        c.arg(Names::fence_of(prefix, &key));
+                    }),
+                    packed(&|c| {
+                        c.arg(Names::fence(prefix, &key));
+                    }),
+                    "{prefix}{key} fence"
+                );
+            }
+        }
     }
 
     #[cfg(feature = "cluster")]

@@ -236,7 +236,7 @@ fn command(inner: &Inner, batch: &[Queued], deadline: u64) -> redis::Cmd {
         [q] if q.op == Op::Acquire => {
             cmd.arg(scripts.acquire.get_hash())
                 .arg(2)
-                .arg(&*q.lock(prefix))
+                .arg(q.lock(prefix))
                 .arg(q.second(prefix))
                 .arg(q.lease_ms)
                 .arg(q.hold_id.as_str())
@@ -246,7 +246,7 @@ fn command(inner: &Inner, batch: &[Queued], deadline: u64) -> redis::Cmd {
         [q] => {
             cmd.arg(scripts.release.get_hash())
                 .arg(2)
-                .arg(&*q.lock(prefix))
+                .arg(q.lock(prefix))
                 .arg(q.second(prefix))
                 .arg(UNLOCK_MESSAGE)
                 .arg(q.lease_ms)
@@ -255,7 +255,7 @@ fn command(inner: &Inner, batch: &[Queued], deadline: u64) -> redis::Cmd {
         _ => {
             cmd.arg(scripts.batch.get_hash()).arg(2 * batch.len());
             for q in batch {
-                cmd.arg(&*q.lock(prefix)).arg(q.second(prefix));
+                cmd.arg(q.lock(prefix)).arg(q.second(prefix));
             }
             cmd.arg(deadline);
             for q in batch {
