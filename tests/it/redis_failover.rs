@@ -470,7 +470,7 @@ async fn hammer_through_failovers(synced: Option<u32>) -> usize {
     hammer
         .every_key_resumes(at, resume + Duration::from_secs(1))
         .await;
-    set.node(old).restart().await;
+    set.restart_as_replica(old).await;
 
     // The primary frozen past the down time, then thawed: the split-brain window.
     let old = set.primary_port().await;
@@ -491,7 +491,7 @@ async fn hammer_through_failovers(synced: Option<u32>) -> usize {
             set.wait_for_new_primary(port, Duration::from_secs(30))
                 .await;
         }
-        set.node(port).restart().await;
+        set.restart_as_replica(port).await;
         // A restarted node resyncs in full, behind a loaded machine's hammer.
         set.wait_until_replicated(Duration::from_secs(60)).await;
         hammer

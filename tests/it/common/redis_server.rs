@@ -265,6 +265,23 @@ impl RedisServer {
         panic!("could not restart redis-server on port {}", self.port);
     }
 
+    /// Restarts the server as a replica of the server on `primary`, whatever it was
+    /// started as: an old primary restarted as it was started would come back an empty
+    /// primary of its own, which the Sentinels may not have reconfigured yet (a failover
+    /// still under way) and which then wins over the one they promoted.
+    pub async fn restart_replicating(&mut self, primary: u16) {
+        let at = self.extra.iter().position(|a| a == "--replicaof");
+        if let Some(at) = at {
+            self.extra.drain(at..(at + 3).min(self.extra.len()));
+        }
+        self.extra.extend([
+            "--replicaof".to_owned(),
+            "127.0.0.1".to_owned(),
+            primary.to_string(),
+        ]);
+        self.restart().await;
+    }
+
     /// Freezes the server (SIGSTOP): connections stay open, nothing is answered.
     pub fn pause(&self) {
         signal(self.pid(), "-STOP");

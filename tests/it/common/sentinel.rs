@@ -262,6 +262,17 @@ impl SentinelSet {
     }
 
     /// The data node listening on `port`.
+    /// Restarts the node on `port` (not the primary) as a replica of the primary the
+    /// Sentinels name now, as a restarted node rejoins a set in production.
+    pub async fn restart_as_replica(&mut self, port: u16) {
+        let primary = self.primary_port().await;
+        assert_ne!(
+            primary, port,
+            "restart the primary only once it was replaced"
+        );
+        self.node(port).restart_replicating(primary).await;
+    }
+
     pub fn node(&mut self, port: u16) -> &mut RedisServer {
         self.nodes
             .iter_mut()
@@ -282,6 +293,13 @@ impl SentinelSet {
     /// Waits until a majority of the Sentinels name a primary other than `old`, and that
     /// primary accepts writes; returns its port.
     pub async fn wait_for_new_primary(&self, old: u16, within: Duration) -> u16 {
+        self.wait_for_agreed_primary(Some(old), within).await
+    }
+
+    /// Waits until a majority of the Sentinels name one primary (not `not`) that accepts
+    /// writes; returns its port. Right after a failover the first Sentinel to answer
+    /// may still name the old one: [`SentinelSet::primary_port`] is not enough there.
+    async fn wait_for_agreed_primary(&self, not: Option<u16>, within: Duration) -> u16 {
         let deadline = Instant::now() + within;
         loop {
             let mut named = Vec::new();
@@ -297,7 +315,7 @@ impl SentinelSet {
             // others' hello messages, in its own time) on a primary that is one now.
             let majority = self.sentinels.len() / 2 + 1;
             for &port in &named {
-                if port != old
+                if Some(port) != not
                     && named.iter().filter(|&&p| p == port).count() >= majority
                     && accepts_writes(port).await
                 {
@@ -306,7 +324,7 @@ impl SentinelSet {
             }
             assert!(
                 Instant::now() < deadline,
-                "no new primary within {within:?} (Sentinels name {named:?}, old {old}); the first Sentinel's log ends:\n{}",
+                "no agreed primary within {within:?} (Sentinels name {named:?}, not {not:?}); the first Sentinel's log ends:\n{}",
                 self.sentinels[0].log_tail(30)
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
