@@ -428,6 +428,26 @@ LANGUAGE sql AS $$
 __UNLOCK_X__
 $$;
 
+-- `_lock_x` for several names at once: the statement of `sql/lock_x_batch.sql`, which
+-- the backend also sends as is, to group the commits of exclusive attempts that arrive
+-- together.
+CREATE OR REPLACE FUNCTION __S__.__T___lock_x_batch(
+    p_names text[], p_owners text[], p_leases_ms bigint[], p_fenced boolean[],
+    p_deadlines_us bigint[], p_fast boolean[])
+RETURNS TABLE (i bigint, acquired boolean, holds integer, token bigint, ttl_ms bigint)
+LANGUAGE sql AS $$
+__LOCK_X_BATCH__
+$$;
+
+-- `_unlock_x` for several names at once: the statement of `sql/unlock_x_batch.sql`,
+-- which the backend also sends as is.
+CREATE OR REPLACE FUNCTION __S__.__T___unlock_x_batch(
+    p_names text[], p_owners text[], p_leases_ms bigint[], p_origin text)
+RETURNS TABLE (i bigint, holds_left integer, durable boolean)
+LANGUAGE sql AS $$
+__UNLOCK_X_BATCH__
+$$;
+
 -- One attempt to take `p_name` for `p_owner` in `p_mode`.
 -- Returns (acquired, holds, token, ttl_ms): holds and token of the grant, or the
 -- remaining lease of what blocks (ttl_ms -1: none to tell; -2: refused, the attempt

@@ -39,6 +39,8 @@ mod observer;
 #[cfg(feature = "axum")]
 mod path_keys;
 #[cfg(feature = "postgres")]
+mod postgres_batch;
+#[cfg(feature = "postgres")]
 mod postgres_faults;
 #[cfg(all(feature = "postgres", feature = "redis"))]
 mod postgres_processes;

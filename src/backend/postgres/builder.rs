@@ -239,6 +239,7 @@ impl PostgresBackendBuilder {
                 response_timeout: self.response_timeout,
                 fast_grants: self.fast_grants,
                 kept,
+                batcher: Default::default(),
                 origin,
                 waiters,
                 hand_over: self.hand_over,

@@ -20,6 +20,12 @@
 //!   is one call of a PL/pgSQL function (`sql/postgres.sql`), which takes a
 //!   transaction-scoped advisory lock on (the table, the name), then the name's row —
 //!   held for microseconds, never across a client round trip.
+//! - **Group commit.** Exclusive acquisitions (and releases) that arrive while one of
+//!   their kind is on its way go together, in one statement and one transaction
+//!   (`sql/lock_x_batch.sql`, `sql/unlock_x_batch.sql`): each name is answered as its
+//!   own statement would answer it, and the grants share one commit. One that finds
+//!   nothing on its way goes at once, alone. Batches are sent by a task of the backend,
+//!   so a caller that gives up or is parked holds up no one.
 //! - **Waiting** is `LISTEN`/`NOTIFY` on one listening connection per backend: a
 //!   release that frees a lock notifies the table's channel with the name, at commit
 //!   (an exclusive one only when a busy attempt marked the name wanted);
@@ -120,6 +126,7 @@ use crate::backend::clock::StoreClock;
 use crate::error::{Error, Result, StoreError, StoreErrorKind};
 use crate::key::LockKey;
 
+mod batch;
 mod builder;
 mod conns;
 mod listener;
@@ -175,6 +182,8 @@ struct Inner {
     fast_grants: Option<Duration>,
     /// Connections kept between statements (see `conns`).
     kept: Arc<conns::Kept>,
+    /// Exclusive operations waiting to go together (see `batch`).
+    batcher: batch::Batcher,
     /// `postgres`; its identity is
     /// `postgres://<host>:<port>/<database>/<schema>.<table>`.
     profile: StoreProfile,

@@ -6,7 +6,7 @@ use std::time::Duration;
 use std::sync::Arc;
 
 use super::listener::{Slot, waiters_of};
-use super::{PostgresBackend, map_error};
+use super::{PostgresBackend, batch, map_error};
 use crate::backend::{
     Acquire, FencingToken, Grant, HoldInfo, LockMode, LockRequest, LockState, Release, Stored,
     WaiterScope, Waiters, queued,
@@ -16,7 +16,8 @@ use crate::hold_id::HoldId;
 use crate::key::LockKey;
 
 /// The schema and functions, with `__S__` / `__T__` for the schema and table, and the
-/// exclusive statements' places (`__LOCK_X__`, `__UNLOCK_X__`) as function bodies.
+/// exclusive statements' places (`__LOCK_X__`, `__UNLOCK_X__`, `__LOCK_X_BATCH__`,
+/// `__UNLOCK_X_BATCH__`) as function bodies.
 const SCHEMA_SQL: &str = include_str!("../../../sql/postgres.sql");
 
 /// An exclusive acquisition: one statement, sent as is (and the body of `_lock_x`).
@@ -25,10 +26,20 @@ const LOCK_X_SQL: &str = include_str!("../../../sql/lock_x.sql");
 /// An exclusive release: one statement, sent as is (and the body of `_unlock_x`).
 const UNLOCK_X_SQL: &str = include_str!("../../../sql/unlock_x.sql");
 
+/// Exclusive acquisitions of several names in one statement (the body of
+/// `_lock_x_batch`).
+const LOCK_X_BATCH_SQL: &str = include_str!("../../../sql/lock_x_batch.sql");
+
+/// Exclusive releases of several names in one statement (the body of
+/// `_unlock_x_batch`).
+const UNLOCK_X_BATCH_SQL: &str = include_str!("../../../sql/unlock_x_batch.sql");
+
 /// The schema script for `schema`.`table` (validated identifiers).
 pub(super) fn schema_sql(schema: &str, table: &str) -> String {
     for_table(
         &SCHEMA_SQL
+            .replace("__LOCK_X_BATCH__", LOCK_X_BATCH_SQL)
+            .replace("__UNLOCK_X_BATCH__", UNLOCK_X_BATCH_SQL)
             .replace("__LOCK_X__", LOCK_X_SQL)
             .replace("__UNLOCK_X__", UNLOCK_X_SQL),
         schema,
@@ -50,6 +61,8 @@ pub(super) struct Statements {
     /// `lock_x` for a waiter's attempt: the lines marked `--W:` in.
     wait_x: String,
     unlock_x: String,
+    pub(super) lock_x_batch: String,
+    pub(super) unlock_x_batch: String,
     renew: String,
     replay_store: String,
     replay_load: String,
@@ -68,6 +81,8 @@ impl Statements {
             lock_x: for_table(LOCK_X_SQL, schema, table),
             wait_x: for_table(&LOCK_X_SQL.replace("--W:", ""), schema, table),
             unlock_x: for_table(UNLOCK_X_SQL, schema, table),
+            lock_x_batch: for_table(LOCK_X_BATCH_SQL, schema, table),
+            unlock_x_batch: for_table(UNLOCK_X_BATCH_SQL, schema, table),
             renew: fill("SELECT * FROM __F___renew($1, $2, $3, $4)", qualified),
             replay_store: fill(
                 "SELECT stored, released FROM __F___replay_store($1, $2, $3, $4, $5, $6, $7, $8)",
@@ -129,10 +144,6 @@ impl PostgresBackend {
     }
 
     pub(super) async fn acquire_now(&self, req: &LockRequest) -> Result<Acquire> {
-        let max = match req.mode {
-            LockMode::Permits { max } => i32::try_from(max.get()).unwrap_or(i32::MAX),
-            _ => 0,
-        };
         // An exclusive waiter's attempt: the lock a release handed it is taken without
         // a statement; else the attempt registers it (with the process's liveness key).
         let slot = if self.inner.hand_over && req.mode == LockMode::Exclusive {
@@ -146,8 +157,26 @@ impl PostgresBackend {
             return Ok(Acquire::Acquired(grant));
         }
         let deadline = self.attempt_deadline().await?;
-        // The exclusive mode straight to its one statement (`_acquire` would only pass
-        // it on).
+        if req.mode == LockMode::Exclusive && slot.is_none() {
+            // Alone, or with others that arrive together (group commit).
+            return batch::acquire(self, req, deadline).await;
+        }
+        self.attempt(req, deadline, slot.as_ref()).await
+    }
+
+    /// One attempt of `req` with its `deadline`, as one statement: an exclusive one
+    /// straight to its statement (`_acquire` would only pass it on), a waiter's (with
+    /// its `slot`) registering it; every other mode through `_acquire`.
+    pub(super) async fn attempt(
+        &self,
+        req: &LockRequest,
+        deadline: i64,
+        slot: Option<&Arc<Slot>>,
+    ) -> Result<Acquire> {
+        let max = match req.mode {
+            LockMode::Permits { max } => i32::try_from(max.get()).unwrap_or(i32::MAX),
+            _ => 0,
+        };
         let query = if req.mode == LockMode::Exclusive {
             let query = sqlx::query_as(match slot {
                 Some(_) => &self.inner.statements.wait_x,
@@ -159,7 +188,7 @@ impl PostgresBackend {
             .bind(req.fenced)
             .bind(deadline)
             .bind(self.inner.fast_grants.is_some_and(|max| req.lease <= max));
-            match &slot {
+            match slot {
                 Some(slot) => query
                     .bind(self.inner.live.key())
                     .bind(self.gives_up_us(slot)),
@@ -178,20 +207,17 @@ impl PostgresBackend {
                 .bind(deadline)
         };
         let sent = std::time::Instant::now();
-        let (acquired, holds, token, ttl_ms): (bool, i32, Option<i64>, Option<i64>) = self
+        let row: AttemptRow = self
             .timed(
                 self.inner
                     .kept
                     .run(&self.inner.pool, async |conn| query.fetch_one(conn).await),
             )
             .await?;
-        if ttl_ms == Some(-2) {
-            return Err(Error::store(
-                StoreErrorKind::Unavailable,
-                "the lock attempt reached PostgreSQL after its deadline and was refused",
-            ));
-        }
-        if let Some(slot) = &slot {
+        let (acquired, holds, _, _) = row;
+        if let Some(slot) = slot
+            && row.3 != Some(-2)
+        {
             if acquired || slot.gives_up().is_some_and(|at| sent >= at) {
                 // Took the lock; or answered busy after the waiter's time was up, so
                 // the database hands it nothing from now on (`gives_up_us`), and had
@@ -202,6 +228,18 @@ impl PostgresBackend {
                 // Registered by this attempt (`sql/lock_x.sql`).
                 slot.asked(sent);
             }
+        }
+        Self::acquire_answer(row)
+    }
+
+    /// What an attempt answered (acquired, holds, token, ttl_ms) as its outcome; a
+    /// refusal past its deadline (ttl_ms -2) as an outage.
+    pub(super) fn acquire_answer((acquired, holds, token, ttl_ms): AttemptRow) -> Result<Acquire> {
+        if ttl_ms == Some(-2) {
+            return Err(Error::store(
+                StoreErrorKind::Unavailable,
+                "the lock attempt reached PostgreSQL after its deadline and was refused",
+            ));
         }
         if acquired {
             let token = token.map(|t| FencingToken::new(t.unsigned_abs()));
@@ -265,6 +303,15 @@ impl PostgresBackend {
     }
 
     pub(super) async fn release_now(&self, req: &LockRequest) -> Result<Release> {
+        if req.mode == LockMode::Exclusive {
+            // Alone, or with others that arrive together (group commit).
+            return batch::release(self, req).await;
+        }
+        self.release_alone(req).await
+    }
+
+    /// One release of `req`, as one statement.
+    pub(super) async fn release_alone(&self, req: &LockRequest) -> Result<Release> {
         let query = if req.mode == LockMode::Exclusive {
             sqlx::query_scalar(&self.inner.statements.unlock_x)
                 .bind(req.key.as_str())
@@ -295,7 +342,7 @@ impl PostgresBackend {
     /// leaves that to the notification, which reaches the waiter the lock was handed
     /// to first (`listener::hand`): woken now, a waiter here would try before it, and
     /// the waiter itself would take its lock with a statement instead of without.
-    fn released(&self, key: &LockKey, left: i32) -> Release {
+    pub(super) fn released(&self, key: &LockKey, left: i32) -> Release {
         match left {
             -1 => Release::NotHeld,
             -2 => Release::Released,
@@ -446,6 +493,9 @@ impl PostgresBackend {
         ))
     }
 }
+
+/// What an attempt answers: acquired, holds, token, ttl_ms (see `sql/lock_x.sql`).
+pub(super) type AttemptRow = (bool, i32, Option<i64>, Option<i64>);
 
 /// A row of the holds table as [`state_of`](PostgresBackend::state_of) reads it: owner,
 /// mode, holds, milliseconds left, token.

@@ -1,0 +1,530 @@
+//! Group commit on PostgreSQL: exclusive acquisitions (and releases) that arrive while
+//! one of their kind is on its way go together, in one statement and one transaction.
+//! Each name in a batch must be answered as its own statement would answer it, the
+//! transaction must commit as durably as its grants need, and no caller — stuck,
+//! cancelled or parked — may hold up the others or leave a hold behind.
+
+use crate::common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::postgres::PgDatabase;
+use sqlx::postgres::PgListener;
+use sqlx::{PgPool, Postgres, Transaction};
+use tower_lock::backend::{Acquire, LockBackend, LockMode, LockRequest, Release};
+use tower_lock::{HoldId, LockClient, LockKey, PostgresBackend};
+
+fn req(key: &str, owner: &str) -> LockRequest {
+    LockRequest::new(
+        LockKey::new(key).unwrap(),
+        HoldId::from_raw(owner).unwrap(),
+        LockMode::Exclusive,
+        Duration::from_secs(30),
+    )
+}
+
+async fn on(db: &PgDatabase) -> PostgresBackend {
+    PostgresBackend::builder(db.pool(6).await)
+        .build()
+        .await
+        .unwrap()
+}
+
+/// A transaction that holds the lock of `name`'s row (made if missing), as an
+/// operation on the name would while it runs.
+async fn lock_row(pool: &PgPool, name: &str) -> Transaction<'static, Postgres> {
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SELECT tower_lock_lock_name($1)")
+        .bind(name)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx
+}
+
+/// Whether a session of this database waits for a lock (a row's, here).
+async fn someone_waits(pool: &PgPool) -> bool {
+    sqlx::query_scalar::<_, i64>(
+        "SELECT count(*) FROM pg_stat_activity \
+          WHERE datname = current_database() AND wait_event_type = 'Lock'",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+        > 0
+}
+
+async fn take(backend: &PostgresBackend, req: &LockRequest) {
+    let taken = backend.acquire(req).await.unwrap();
+    assert!(matches!(taken, Acquire::Acquired(_)), "{taken:?}");
+}
+
+/// What an attempt answered, in classes that do not depend on timing: acquired, holds,
+/// whether a token came and whether it is above `above`, and the ttl's class
+/// ("none", "-2", "-1", "0", "wait").
+type Answer = (bool, i32, Option<bool>, &'static str);
+
+/// A row of `_lock_x_batch`: i, acquired, holds, token, ttl_ms.
+type BatchRow = (i64, bool, i32, Option<i64>, Option<i64>);
+
+fn classify(row: (bool, i32, Option<i64>, Option<i64>), above: i64) -> Answer {
+    let (acquired, holds, token, ttl_ms) = row;
+    let ttl = match ttl_ms {
+        None => "none",
+        Some(-2) => "-2",
+        Some(-1) => "-1",
+        Some(0) => "0",
+        Some(ms) if ms > 0 => "wait",
+        Some(_) => "other",
+    };
+    (acquired, holds, token.map(|t| t > above), ttl)
+}
+
+/// One attempt of the table below: the name's suffix, the owner, fenced, the deadline.
+const ATTEMPTS: [(&str, &str, bool, i64); 8] = [
+    ("never-seen", "a:1", false, 0),
+    ("free-row", "a:2", false, 0),
+    ("held", "a:3", false, 0),
+    ("mine", "me:1", false, 0),
+    ("expired", "a:4", false, 0),
+    ("given-up", "me:2", false, 0),
+    ("late", "a:5", false, 1),
+    ("fenced", "a:6", true, 0),
+];
+
+/// What each attempt of [`ATTEMPTS`] must answer.
+const EXPECTED: [Answer; 8] = [
+    (true, 1, None, "none"),
+    (true, 1, None, "none"),
+    (false, 0, None, "wait"),
+    (true, 2, None, "none"),
+    (true, 1, None, "none"),
+    (false, 0, None, "-1"),
+    (false, 0, None, "-2"),
+    (true, 1, Some(true), "none"),
+];
+
+/// Puts the names of [`ATTEMPTS`] under `prefix` in the states the attempts meet, and
+/// answers the last token of the fenced one.
+async fn prepare(backend: &PostgresBackend, pool: &PgPool, prefix: &str) -> i64 {
+    let name = |suffix: &str| format!("{prefix}{suffix}");
+    let free = req(&name("free-row"), "before:1");
+    take(backend, &free).await;
+    assert_eq!(backend.release(&free).await.unwrap(), Release::Released);
+    take(backend, &req(&name("held"), "other:1")).await;
+    take(backend, &req(&name("mine"), "me:1")).await;
+    let mut short = req(&name("expired"), "other:2");
+    short.lease = Duration::from_millis(1);
+    take(backend, &short).await;
+    backend
+        .abandon(&req(&name("given-up"), "me:2"))
+        .await
+        .unwrap();
+    let fenced = req(&name("fenced"), "before:2").fenced();
+    take(backend, &fenced).await;
+    assert_eq!(backend.release(&fenced).await.unwrap(), Release::Released);
+    common::wait_until(
+        Duration::from_secs(5),
+        "the short lease ends on the database's clock",
+        || async {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT expires_at <= clock_timestamp() FROM tower_lock_names WHERE name = $1",
+            )
+            .bind(name("expired"))
+            .fetch_one(pool)
+            .await
+            .unwrap()
+        },
+    )
+    .await;
+    sqlx::query_scalar("SELECT token FROM tower_lock_names WHERE name = $1")
+        .bind(name("fenced"))
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// The rows the attempts left: owner and holds of each name under `prefix`, by suffix.
+async fn rows(pool: &PgPool, prefix: &str) -> HashMap<String, (Option<String>, i32)> {
+    let rows: Vec<(String, Option<String>, i32)> = sqlx::query_as(
+        "SELECT name, CASE WHEN expires_at > clock_timestamp() THEN owner END, \
+                CASE WHEN expires_at > clock_timestamp() THEN holds ELSE 0 END \
+           FROM tower_lock_names WHERE name LIKE $1 || '%'",
+    )
+    .bind(prefix)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    rows.into_iter()
+        .map(|(name, owner, holds)| (name[prefix.len()..].to_owned(), (owner, holds)))
+        .collect()
+}
+
+/// Every case an exclusive attempt meets, once one statement per name and once all in
+/// one batch: each name is answered alike, and left alike.
+#[tokio::test]
+async fn a_batch_answers_each_name_as_its_own_statement_would() {
+    let db = PgDatabase::create().await;
+    let backend = on(&db).await;
+    let pool = db.pool(2).await;
+    let alone_token = prepare(&backend, &pool, "alone-").await;
+    let batch_token = prepare(&backend, &pool, "batch-").await;
+
+    let mut alone = Vec::new();
+    for (suffix, owner, fenced, deadline) in ATTEMPTS {
+        let row: (bool, i32, Option<i64>, Option<i64>) = sqlx::query_as(
+            "SELECT acquired, holds, token, ttl_ms \
+               FROM tower_lock_lock_x($1, $2, 30000, $3, $4, false)",
+        )
+        .bind(format!("alone-{suffix}"))
+        .bind(owner)
+        .bind(fenced)
+        .bind(deadline)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        alone.push(classify(row, alone_token));
+    }
+    assert_eq!(alone, EXPECTED);
+
+    let names: Vec<String> = ATTEMPTS.iter().map(|a| format!("batch-{}", a.0)).collect();
+    let owners: Vec<&str> = ATTEMPTS.iter().map(|a| a.1).collect();
+    let fenced: Vec<bool> = ATTEMPTS.iter().map(|a| a.2).collect();
+    let deadlines: Vec<i64> = ATTEMPTS.iter().map(|a| a.3).collect();
+    let answered: Vec<BatchRow> = sqlx::query_as(
+        "SELECT i, acquired, holds, token, ttl_ms \
+           FROM tower_lock_lock_x_batch($1, $2, array_fill(30000::bigint, ARRAY[8]), $3, $4, \
+                                        array_fill(false, ARRAY[8]))",
+    )
+    .bind(&names)
+    .bind(&owners)
+    .bind(&fenced)
+    .bind(&deadlines)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let places: Vec<i64> = answered.iter().map(|row| row.0).collect();
+    assert_eq!(places, (1..=8).collect::<Vec<i64>>());
+    let batched: Vec<Answer> = answered
+        .into_iter()
+        .map(|(_, a, h, t, ttl)| classify((a, h, t, ttl), batch_token))
+        .collect();
+    assert_eq!(batched, EXPECTED);
+    assert_eq!(rows(&pool, "batch-").await, rows(&pool, "alone-").await);
+}
+
+/// A batched attempt whose owner was given up for good while it waited for the name's
+/// row (after its snapshot) takes nothing, as a single statement would
+/// (`an_attempt_overtaken_by_its_owners_abandonment_takes_nothing`); the other name of
+/// its batch is taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batched_attempt_overtaken_by_its_owners_abandonment_takes_nothing() {
+    let db = PgDatabase::create().await;
+    let backend = on(&db).await;
+    let pool = db.pool(3).await;
+    let late = req("late", "a:1");
+    take(&backend, &late).await;
+    assert_eq!(backend.release(&late).await.unwrap(), Release::Released);
+    let mut blocker = lock_row(&pool, "late").await;
+    let batch = tokio::spawn({
+        let pool = pool.clone();
+        async move {
+            sqlx::query_as::<_, (i64, bool)>(
+                "SELECT i, acquired FROM tower_lock_lock_x_batch(\
+                     ARRAY['late', 'other'], ARRAY['a:1', 'b:1'], ARRAY[30000, 30000]::bigint[], \
+                     ARRAY[false, false], ARRAY[0, 0]::bigint[], ARRAY[false, false])",
+            )
+            .fetch_all(&pool)
+            .await
+        }
+    });
+    common::wait_until(
+        Duration::from_secs(5),
+        "the batch waits for the row",
+        || someone_waits(&pool),
+    )
+    .await;
+    sqlx::query("SELECT tower_lock_abandon('late', 'a:1', 'x', 60000)")
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    blocker.commit().await.unwrap();
+    let answered = batch.await.unwrap().unwrap();
+    assert_eq!(answered, [(1, false), (2, true)]);
+    let rows = rows(&pool, "").await;
+    assert_eq!(rows["late"], (None, 0));
+    assert_eq!(rows["other"], (Some("b:1".to_owned()), 1));
+}
+
+/// Every case of an exclusive release, once one statement per name and once all in one
+/// batch: answered alike, left alike, and the release of a name a waiter marked wanted
+/// notifies it (and no other).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_releases_answers_each_as_its_own_statement_would() {
+    let db = PgDatabase::create().await;
+    let backend = on(&db).await;
+    let pool = db.pool(3).await;
+    // (suffix, owner of the release)
+    let releases = [
+        ("twice", "me:1"),
+        ("once", "me:2"),
+        ("others", "me:3"),
+        ("never", "me:4"),
+        ("wanted", "me:5"),
+    ];
+    for prefix in ["alone-", "batch-"] {
+        let name = |suffix: &str| format!("{prefix}{suffix}");
+        take(&backend, &req(&name("twice"), "me:1")).await;
+        take(&backend, &req(&name("twice"), "me:1")).await;
+        take(&backend, &req(&name("once"), "me:2")).await;
+        take(&backend, &req(&name("others"), "other:1")).await;
+        take(&backend, &req(&name("wanted"), "me:5")).await;
+        // A busy attempt marks the name wanted.
+        let busy = backend.acquire(&req(&name("wanted"), "w:1")).await.unwrap();
+        assert!(matches!(busy, Acquire::Busy { .. }), "{busy:?}");
+    }
+    let mut listener = PgListener::connect(&db.url).await.unwrap();
+    listener.listen("tower_lock").await.unwrap();
+
+    let mut alone = Vec::new();
+    for (suffix, owner) in releases {
+        let left: i32 = sqlx::query_scalar("SELECT tower_lock_unlock_x($1, $2, 30000, 'test')")
+            .bind(format!("alone-{suffix}"))
+            .bind(owner)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        alone.push(left);
+    }
+    assert_eq!(alone, [1, 0, -1, -1, 0]);
+    let heard = listener.recv().await.unwrap();
+    assert_eq!(heard.payload(), "0test|alone-wanted");
+
+    let names: Vec<String> = releases.iter().map(|r| format!("batch-{}", r.0)).collect();
+    let owners: Vec<&str> = releases.iter().map(|r| r.1).collect();
+    let answered: Vec<(i64, i32)> = sqlx::query_as(
+        "SELECT i, holds_left \
+           FROM tower_lock_unlock_x_batch($1, $2, array_fill(30000::bigint, ARRAY[5]), 'test')",
+    )
+    .bind(&names)
+    .bind(&owners)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let mut answered: Vec<(i64, i32)> = answered;
+    answered.sort();
+    assert_eq!(
+        answered,
+        [(1, 1), (2, 0), (3, -1), (4, -1), (5, 0)],
+        "the batch answered otherwise than the single statements"
+    );
+    let heard = listener.recv().await.unwrap();
+    assert_eq!(heard.payload(), "0test|batch-wanted");
+    assert_eq!(rows(&pool, "batch-").await, rows(&pool, "alone-").await);
+    // Nothing else was notified.
+    let more = tokio::time::timeout(Duration::from_millis(200), listener.recv()).await;
+    assert!(more.is_err(), "an extra notification: {more:?}");
+}
+
+/// A batch that grants commits synchronously whatever the session says (a grant the
+/// client hears of must survive a crash), unless every grant in it may be fast; one that
+/// grants nothing, and a batch of releases that hands nothing over, commit without
+/// waiting for the disk.
+#[tokio::test]
+async fn a_batch_commits_as_durably_as_its_grants_need() {
+    let db = PgDatabase::create().await;
+    let pool = db.pool(2).await;
+    let backend = on(&db).await;
+    let acquire = "SELECT count(*) FROM tower_lock_lock_x_batch($1, ARRAY['o:1', 'o:2'], \
+                   ARRAY[30000, 30000]::bigint[], ARRAY[false, false], ARRAY[0, 0]::bigint[], $2)";
+    let release = "SELECT count(*) FROM tower_lock_unlock_x_batch($1, ARRAY['o:1', 'o:2'], \
+                   ARRAY[30000, 30000]::bigint[], 'test')";
+    take(&backend, &req("e", "holder:1")).await;
+    take(&backend, &req("f", "holder:2")).await;
+    let cases: [(&str, [&str; 2], [bool; 2], &str); 5] = [
+        // Grants, one not fast: durable.
+        (acquire, ["a", "b"], [false, true], "on"),
+        (release, ["a", "b"], [false, false], "off"),
+        // Grants, every one fast.
+        (acquire, ["c", "d"], [true, true], "off"),
+        (release, ["c", "d"], [false, false], "off"),
+        // Grants nothing: both names are held by others.
+        (acquire, ["e", "f"], [false, false], "off"),
+    ];
+    for (sql, names, fast, expected) in cases {
+        let mut tx = pool.begin().await.unwrap();
+        // The opposite of what the batch must leave.
+        let session = if expected == "on" { "off" } else { "on" };
+        sqlx::query(&format!("SET LOCAL synchronous_commit = {session}"))
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let query = sqlx::query_scalar::<_, i64>(sql).bind(names);
+        let query = if sql == acquire {
+            query.bind(fast)
+        } else {
+            query
+        };
+        assert_eq!(query.fetch_one(&mut *tx).await.unwrap(), 2);
+        let setting: String = sqlx::query_scalar("SHOW synchronous_commit")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+        assert_eq!(setting, expected, "{sql} on {names:?}, fast {fast:?}");
+        tx.commit().await.unwrap();
+    }
+}
+
+/// Exclusive acquisitions that arrive together through the backend are granted in
+/// shared transactions (rows written by one transaction share its `xmin`), each by
+/// its own owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exclusive_grants_that_arrive_together_share_a_transaction() {
+    let db = PgDatabase::create().await;
+    let backend = on(&db).await;
+    let pool = db.pool(2).await;
+    // The database's clock sampled: every attempt goes straight to the batcher.
+    take(&backend, &req("warm", "warm:1")).await;
+    let mut transactions = Vec::new();
+    for round in 0..5 {
+        let attempts: Vec<_> = (0..32)
+            .map(|i| {
+                let backend = backend.clone();
+                let req = req(&format!("together-{round}-{i}"), &format!("o:{round}-{i}"));
+                tokio::spawn(async move { (backend.acquire(&req).await, req) })
+            })
+            .collect();
+        for attempt in attempts {
+            let (taken, req) = attempt.await.unwrap();
+            assert!(matches!(taken, Ok(Acquire::Acquired(_))), "{taken:?}");
+            let owner: Option<String> =
+                sqlx::query_scalar("SELECT owner FROM tower_lock_names WHERE name = $1")
+                    .bind(req.key.as_str())
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            assert_eq!(owner.as_deref(), Some(req.hold_id.as_str()));
+        }
+        let shared: i64 = sqlx::query_scalar(
+            "SELECT count(DISTINCT xmin::text) FROM tower_lock_names WHERE name LIKE $1",
+        )
+        .bind(format!("together-{round}-%"))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        transactions.push(shared);
+        if shared < 32 {
+            return;
+        }
+    }
+    panic!("32 grants at once were never batched, transactions per round: {transactions:?}");
+}
+
+/// An acquisition stuck in flight (its statement waits on the name's row, and its
+/// future is not polled) holds up no one else's lock: what arrives meanwhile is sent
+/// by the batcher's task, not queued behind it. Once the row is free, the stuck one is
+/// answered too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquisition_stuck_in_flight_holds_up_no_one_else() {
+    let db = PgDatabase::create().await;
+    let backend = on(&db).await;
+    let pool = db.pool(2).await;
+    take(&backend, &req("stuck", "warm:1")).await;
+    assert_eq!(
+        backend.release(&req("stuck", "warm:1")).await.unwrap(),
+        Release::Released
+    );
+    let blocker = lock_row(&pool, "stuck").await;
+    let stuck_req = req("stuck", "s:1");
+    let mut stuck = Box::pin(backend.acquire(&stuck_req));
+    // Polled until its statement waits on the row, then left alone.
+    common::wait_until(
+        Duration::from_secs(5),
+        "the attempt waits for the row",
+        || {
+            let polled = futures_util::FutureExt::now_or_never(&mut stuck);
+            assert!(
+                polled.is_none(),
+                "answered while the row is locked: {polled:?}"
+            );
+            someone_waits(&pool)
+        },
+    )
+    .await;
+    for i in 0..5 {
+        let other = req(&format!("free-{i}"), &format!("o:{i}"));
+        let taken = tokio::time::timeout(Duration::from_secs(5), backend.acquire(&other))
+            .await
+            .expect("an acquisition waited behind the stuck one");
+        assert!(matches!(taken, Ok(Acquire::Acquired(_))), "{taken:?}");
+        let released = tokio::time::timeout(Duration::from_secs(5), backend.release(&other))
+            .await
+            .expect("a release waited behind the stuck acquisition");
+        assert_eq!(released.unwrap(), Release::Released);
+    }
+    blocker.rollback().await.unwrap();
+    let answered = tokio::time::timeout(Duration::from_secs(5), stuck)
+        .await
+        .expect("the stuck acquisition was never answered");
+    assert!(matches!(answered, Ok(Acquire::Acquired(_))), "{answered:?}");
+}
+
+/// Acquisitions cancelled at random points, queued or in flight, among others that
+/// complete: once the cancelled ones are given up, no name is left held. A queued
+/// attempt whose caller left is still sent, and its grant taken back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_batched_acquisitions_leave_no_hold() {
+    let db = PgDatabase::create().await;
+    let client = LockClient::new(on(&db).await);
+    let pool = db.pool(2).await;
+    let mut rng = fastrand::Rng::with_seed(23);
+    let (mut cancelled, mut completed) = (0, 0);
+    for round in 0..10 {
+        let tasks: Vec<_> = (0..32)
+            .map(|i| {
+                let lock = client.get_lock(format!("cancel-{round}-{i}")).unwrap();
+                let within = Duration::from_micros(rng.u64(0..40_000));
+                tokio::spawn(async move {
+                    match tokio::time::timeout(within, lock.lock()).await {
+                        Ok(guard) => {
+                            guard.unwrap().unlock().await.unwrap();
+                            true
+                        }
+                        Err(_) => false,
+                    }
+                })
+            })
+            .collect();
+        for task in tasks {
+            if task.await.unwrap() {
+                completed += 1;
+            } else {
+                cancelled += 1;
+            }
+        }
+        if cancelled > 32 && completed > 32 {
+            break;
+        }
+    }
+    assert!(
+        cancelled > 0 && completed > 0,
+        "cancelled {cancelled}, completed {completed}"
+    );
+    common::wait_until(
+        Duration::from_secs(10),
+        "no name held (a lease is 30 s)",
+        || async {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM tower_lock_names \
+                  WHERE name LIKE 'cancel-%' AND owner IS NOT NULL \
+                    AND expires_at > clock_timestamp()",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+                == 0
+        },
+    )
+    .await;
+}
