@@ -528,3 +528,52 @@ async fn cancelled_batched_acquisitions_leave_no_hold() {
     )
     .await;
 }
+
+/// A batch of releases that hands a name to a registered waiter (with hand-over) grants
+/// it, so it commits to disk, whatever the session says and whatever the releases
+/// after it in the batch (name order) would set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_releases_that_hands_a_name_over_commits_to_disk() {
+    let db = PgDatabase::create().await;
+    let holder = on(&db).await;
+    let waiter = PostgresBackend::builder(db.pool(3).await)
+        .hand_over(true)
+        .build()
+        .await
+        .unwrap();
+    let pool = db.pool(2).await;
+    take(&holder, &req("handed", "holder:1")).await;
+    let waiting = req("handed", "waiter:1");
+    let _sub = waiter.subscribe(&waiting).await.unwrap();
+    let busy = waiter.acquire(&waiting).await.unwrap();
+    assert!(matches!(busy, Acquire::Busy { .. }), "{busy:?}");
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL synchronous_commit = off")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    // "handed" is handed over; "z-none" (after it in name order) releases nothing,
+    // which alone would commit without waiting for the disk.
+    let mut answered: Vec<(i64, i32)> = sqlx::query_as(
+        "SELECT i, holds_left FROM tower_lock_unlock_x_batch(\
+             ARRAY['handed', 'z-none'], ARRAY['holder:1', 'nobody:1'], \
+             ARRAY[30000, 30000]::bigint[], 'test')",
+    )
+    .fetch_all(&mut *tx)
+    .await
+    .unwrap();
+    answered.sort();
+    assert_eq!(answered, [(1, -2), (2, -1)]);
+    let setting: String = sqlx::query_scalar("SHOW synchronous_commit")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(setting, "on");
+    tx.commit().await.unwrap();
+    let owner: Option<String> =
+        sqlx::query_scalar("SELECT owner FROM tower_lock_names WHERE name = 'handed'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(owner.as_deref(), Some("waiter:1"));
+}
