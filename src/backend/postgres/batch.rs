@@ -10,11 +10,11 @@
 //! its caller, alone, with the single-name statement: no added latency when idle.
 //!
 //! What is queued is sent by a spawned task ([`SENDERS`] per kind at most), never by a
-//! caller's future: a caller that gives up or whose
-//! future is parked costs only itself, and the others' operations go on. An operation
-//! whose caller is gone is still sent; for an acquisition, the lock core gives the
-//! hold up ([`abandon`](crate::backend::LockBackend::abandon)) whether it lands before or
-//! after, as it does for any unanswered attempt.
+//! caller's future: a caller that gives up or whose future is parked costs only
+//! itself, and the others' operations go on. A queued acquisition whose caller is gone
+//! is not sent; one already on its way may land or not. Either way the lock core gives
+//! the hold up ([`abandon`](crate::backend::LockBackend::abandon)), as for any
+//! unanswered attempt. A release is sent whether its caller waits or not.
 //!
 //! Order between batches is not needed: as for single statements over the pool's
 //! connections, each attempt carries its caller's deadline (refused once past it), and
@@ -210,6 +210,7 @@ async fn send_queued(backend: PostgresBackend, op: Op) {
     loop {
         let batch = {
             let mut state = lane.state();
+            drop_given_up(&mut state.queue, op);
             if state.queue.is_empty() {
                 // Counted out under the lock that saw the queue empty: whoever queues
                 // next finds a sender missing and starts one.
@@ -220,6 +221,18 @@ async fn send_queued(backend: PostgresBackend, op: Op) {
             take_batch(&mut state.queue)
         };
         send(&backend, op, batch).await;
+    }
+}
+
+/// Takes out of `queue` the acquisitions whose callers are gone (they gave up, or were
+/// cancelled): they are not sent. Each such caller gives its hold up in the store
+/// (`abandon`), as for any attempt it got no answer to, and an attempt that never lands
+/// takes nothing. So an outage that outlasts the callers leaves no backlog of dead
+/// attempts ahead of the fresh ones. Releases are sent all the same: one frees its lock
+/// before the lease ends.
+fn drop_given_up(queue: &mut Vec<Queued>, op: Op) {
+    if op == Op::Acquire {
+        queue.retain(|queued| !queued.reply.is_closed());
     }
 }
 
@@ -378,17 +391,39 @@ mod tests {
     use std::time::Duration;
 
     fn queued(key: &str, owner: &str) -> Queued {
+        queued_for(key, owner).0
+    }
+
+    /// A queued operation and its caller's end.
+    fn queued_for(key: &str, owner: &str) -> (Queued, oneshot::Receiver<Result<Answer>>) {
         let req = LockRequest::new(
             LockKey::new(key).unwrap(),
             HoldId::from_raw(owner).unwrap(),
             LockMode::Exclusive,
             Duration::from_secs(30),
         );
-        Queued {
+        let (reply, answer) = oneshot::channel();
+        let queued = Queued {
             req,
             deadline: 0,
-            reply: oneshot::channel().0,
-        }
+            reply,
+        };
+        (queued, answer)
+    }
+
+    #[test]
+    fn acquisitions_whose_callers_left_are_not_sent_releases_are() {
+        let (kept, _caller) = queued_for("a", "o:1");
+        let (left, gone) = queued_for("b", "o:2");
+        drop(gone);
+        let mut acquisitions = vec![left, kept];
+        drop_given_up(&mut acquisitions, Op::Acquire);
+        assert_eq!(owners(&acquisitions), ["o:1"]);
+        let (release, gone) = queued_for("c", "o:3");
+        drop(gone);
+        let mut releases = vec![release];
+        drop_given_up(&mut releases, Op::Release);
+        assert_eq!(owners(&releases), ["o:3"]);
     }
 
     fn owners(queue: &[Queued]) -> Vec<&str> {
