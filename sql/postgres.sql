@@ -729,8 +729,10 @@ $$;
 -- commits synchronously (`_durable`).
 --
 -- Holds of the modes kept in `__T__` also raise their names' `others_until`, which a
--- release may lower: the rows of those names are locked first (in name order), so
--- that no release of theirs runs between the renewal and the raise.
+-- release may lower: the rows of every name are locked first, in name order, so that
+-- no release of theirs runs between the renewal and the raise (and so that a batch of
+-- attempts, which locks its rows in name order too, never waits for a renewal in a
+-- cycle).
 CREATE OR REPLACE FUNCTION __S__.__T___renew(
     p_names text[], p_owners text[], p_modes "char"[], p_lease_ms bigint[])
 RETURNS SETOF integer
@@ -741,10 +743,10 @@ BEGIN
     PERFORM __S__.__T___durable();
     SELECT array_agg(DISTINCT r.name ORDER BY r.name) INTO others
       FROM unnest(p_names, p_modes) AS r(name, mode) WHERE r.mode <> 'x';
-    IF others IS NOT NULL THEN
-        PERFORM 1 FROM __S__.__T___names n WHERE n.name = ANY (others)
-          ORDER BY n.name FOR UPDATE;
-    END IF;
+    -- Every name's row, in name order, before any update: a batch of attempts locks
+    -- its rows in name order too, so the two never wait for each other in a cycle.
+    PERFORM 1 FROM __S__.__T___names n WHERE n.name = ANY (p_names)
+      ORDER BY n.name FOR UPDATE;
     RETURN QUERY
     WITH x AS (
         UPDATE __S__.__T___names n

@@ -45,6 +45,11 @@ async fn lock_row(pool: &PgPool, name: &str) -> Transaction<'static, Postgres> {
 
 /// Whether a session of this database waits for a lock (a row's, here).
 async fn someone_waits(pool: &PgPool) -> bool {
+    waiting(pool).await > 0
+}
+
+/// How many sessions of this database wait for a lock.
+async fn waiting(pool: &PgPool) -> i64 {
     sqlx::query_scalar::<_, i64>(
         "SELECT count(*) FROM pg_stat_activity \
           WHERE datname = current_database() AND wait_event_type = 'Lock'",
@@ -52,7 +57,6 @@ async fn someone_waits(pool: &PgPool) -> bool {
     .fetch_one(pool)
     .await
     .unwrap()
-        > 0
 }
 
 async fn take(backend: &PostgresBackend, req: &LockRequest) {
@@ -576,4 +580,58 @@ async fn a_batch_of_releases_that_hands_a_name_over_commits_to_disk() {
             .await
             .unwrap();
     assert_eq!(owner.as_deref(), Some("waiter:1"));
+}
+
+/// The watchdog's renewal of several holds locked their names' rows in the order it
+/// was given them, where a batch locks them in name order: a renewal holding `q` and
+/// waiting for `p`, behind a batch that took `p` and wanted `q`, waited in a cycle until
+/// PostgreSQL cancelled one of them (`deadlock detected`, a second later). Renewals now
+/// lock their rows in name order too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_and_a_batch_never_wait_for_each_other_in_a_cycle() {
+    let db = PgDatabase::create().await;
+    let backend = on(&db).await;
+    let pool = db.pool(4).await;
+    take(&backend, &req("p", "a:1")).await;
+    take(&backend, &req("q", "a:2")).await;
+    let blocker = lock_row(&pool, "p").await;
+    // The batch first: it waits for p, holding nothing.
+    let batch = tokio::spawn({
+        let pool = pool.clone();
+        async move {
+            sqlx::query_as::<_, (i64, bool)>(
+                "SELECT i, acquired FROM tower_lock_lock_x_batch(\
+                     ARRAY['p', 'q'], ARRAY['b:1', 'b:2'], ARRAY[30000, 30000]::bigint[], \
+                     ARRAY[false, false], ARRAY[0, 0]::bigint[], ARRAY[false, false])",
+            )
+            .fetch_all(&pool)
+            .await
+        }
+    });
+    common::wait_until(Duration::from_secs(5), "the batch waits for p", || {
+        someone_waits(&pool)
+    })
+    .await;
+    // Then the renewal, given q before p.
+    let renewal = tokio::spawn({
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i32>(
+                "SELECT * FROM tower_lock_renew(ARRAY['q', 'p'], ARRAY['a:2', 'a:1'], \
+                     ARRAY['x', 'x']::\"char\"[], ARRAY[30000, 30000]::bigint[])",
+            )
+            .fetch_all(&pool)
+            .await
+        }
+    });
+    common::wait_until(Duration::from_secs(5), "the renewal waits too", || async {
+        waiting(&pool).await >= 2
+    })
+    .await;
+    blocker.rollback().await.unwrap();
+    let batch = batch.await.unwrap().expect("the batch failed");
+    assert_eq!(batch, [(1, false), (2, false)]);
+    let mut renewed = renewal.await.unwrap().expect("the renewal failed");
+    renewed.sort();
+    assert_eq!(renewed, [1, 2]);
 }
