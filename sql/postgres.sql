@@ -712,6 +712,44 @@ BEGIN
        AND r.expires_at <= now_ts;
 END $$;
 
+-- `_acquire` for several names at once (group commit of the modes other than the
+-- exclusive one, whose batches are `sql/lock_x_batch.sql`): one attempt a row, each on
+-- a name of its own, called in name order in one transaction, so the names' advisory
+-- locks and rows are taken in one order by every batch. Each attempt is exactly the
+-- single call's (its deadline, its queue place, its grant); the transaction commits
+-- to disk if any of them granted (`_durable` stays set). Answers (i, acquired, holds,
+-- token, ttl_ms) per attempt, `i` its place in the arrays (from 1).
+CREATE OR REPLACE FUNCTION __S__.__T___acquire_batch(
+    p_names text[], p_owners text[], p_modes "char"[], p_max integer[],
+    p_leases_ms bigint[], p_fenced boolean[], p_writers text[], p_waiter_ms bigint,
+    p_deadlines_us bigint[])
+RETURNS TABLE (i bigint, acquired boolean, holds integer, token bigint, ttl_ms bigint)
+LANGUAGE sql AS $$
+    SELECT q.i, a.acquired, a.holds, a.token, a.ttl_ms
+      FROM (SELECT u.*
+              FROM unnest(p_names, p_owners, p_modes, p_max, p_leases_ms, p_fenced,
+                          p_writers, p_deadlines_us)
+                   WITH ORDINALITY AS u(name, owner, mode, max, lease_ms, fenced, writer,
+                                        deadline, i)
+             ORDER BY u.name) q
+     CROSS JOIN LATERAL __S__.__T___acquire(q.name, q.owner, q.mode, q.max, q.lease_ms,
+                                            q.fenced, q.writer, p_waiter_ms, q.deadline) a
+$$;
+
+-- `_release` for several names at once, each of a name of its own, in name order, in
+-- one transaction (which commits without waiting for the disk, as each release
+-- does). Answers (i, left) per release.
+CREATE OR REPLACE FUNCTION __S__.__T___release_batch(
+    p_names text[], p_owners text[], p_modes "char"[], p_leases_ms bigint[], p_origin text)
+RETURNS TABLE (i bigint, holds_left integer)
+LANGUAGE sql AS $$
+    SELECT q.i, __S__.__T___release(q.name, q.owner, q.mode, q.lease_ms, p_origin)
+      FROM (SELECT u.*
+              FROM unnest(p_names, p_owners, p_modes, p_leases_ms)
+                   WITH ORDINALITY AS u(name, owner, mode, lease_ms, i)
+             ORDER BY u.name) q
+$$;
+
 -- The previous version's signature, for its processes during a rolling upgrade: an
 -- attempt without a deadline.
 CREATE OR REPLACE FUNCTION __S__.__T___acquire(

@@ -582,6 +582,237 @@ async fn a_batch_of_releases_that_hands_a_name_over_commits_to_disk() {
     assert_eq!(owner.as_deref(), Some("waiter:1"));
 }
 
+fn moded(key: &str, owner: &str, mode: LockMode) -> LockRequest {
+    LockRequest::new(
+        LockKey::new(key).unwrap(),
+        HoldId::from_raw(owner).unwrap(),
+        mode,
+        Duration::from_secs(30),
+    )
+}
+
+fn permits(max: u32) -> LockMode {
+    LockMode::Permits {
+        max: std::num::NonZeroU32::new(max).unwrap(),
+    }
+}
+
+/// One attempt of the other modes: name suffix, owner, mode, max permits, writer,
+/// deadline.
+type OtherAttempt = (
+    &'static str,
+    &'static str,
+    &'static str,
+    i32,
+    Option<&'static str>,
+    i64,
+);
+
+/// Every case of the modes other than the exclusive one that a batch meets, once one
+/// call per name and once all in one batch: each name is answered alike, and holds and
+/// queues are left alike.
+#[tokio::test]
+async fn other_modes_in_a_batch_answer_as_their_own_calls_would() {
+    let db = PgDatabase::create().await;
+    let backend = on(&db).await;
+    let pool = db.pool(2).await;
+    for prefix in ["alone-", "batch-"] {
+        let name = |suffix: &str| format!("{prefix}{suffix}");
+        for (suffix, owner, mode) in [
+            ("read-shared", "other:1", LockMode::Read),
+            ("write-blocked", "other:2", LockMode::Read),
+            ("downgrade", "me:4", LockMode::Write),
+            ("permits-full", "other:3", permits(2)),
+            ("permits-full", "other:4", permits(2)),
+            ("permits-room", "other:5", permits(2)),
+            ("fair-mine", "me:8", LockMode::Fair),
+        ] {
+            take(&backend, &moded(&name(suffix), owner, mode)).await;
+        }
+        backend
+            .abandon(&moded(&name("given-up"), "me:9", LockMode::Fair))
+            .await
+            .unwrap();
+    }
+    let attempts: [OtherAttempt; 10] = [
+        ("fair-free", "me:1", "f", 0, None, 0),
+        ("read-shared", "me:2", "r", 0, None, 0),
+        ("write-blocked", "me:3", "w", 0, None, 0),
+        ("downgrade", "me:5", "r", 0, Some("me:4"), 0),
+        ("permits-full", "me:6", "p", 2, None, 0),
+        ("permits-room", "me:7", "p", 2, None, 0),
+        ("fair-mine", "me:8", "f", 0, None, 0),
+        ("given-up", "me:9", "f", 0, None, 0),
+        ("late", "me:10", "f", 0, None, 1),
+        ("write-free", "me:11", "w", 0, None, 0),
+    ];
+    let expected: [Answer; 10] = [
+        (true, 1, None, "none"),
+        (true, 1, None, "none"),
+        (false, 0, None, "wait"),
+        (true, 1, None, "none"),
+        (false, 0, None, "wait"),
+        (true, 1, None, "none"),
+        (true, 2, None, "none"),
+        (false, 0, None, "-1"),
+        (false, 0, None, "-2"),
+        (true, 1, None, "none"),
+    ];
+    let mut alone = Vec::new();
+    for (suffix, owner, mode, max, writer, deadline) in attempts {
+        let row: (bool, i32, Option<i64>, Option<i64>) = sqlx::query_as(
+            "SELECT acquired, holds, token, ttl_ms \
+               FROM tower_lock_acquire($1, $2, $3::\"char\", $4, 30000, false, $5, 30000, $6)",
+        )
+        .bind(format!("alone-{suffix}"))
+        .bind(owner)
+        .bind(mode)
+        .bind(max)
+        .bind(writer)
+        .bind(deadline)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        alone.push(classify(row, 0));
+    }
+    assert_eq!(alone, expected);
+
+    let names: Vec<String> = attempts.iter().map(|a| format!("batch-{}", a.0)).collect();
+    let owners: Vec<&str> = attempts.iter().map(|a| a.1).collect();
+    let modes: Vec<&str> = attempts.iter().map(|a| a.2).collect();
+    let max: Vec<i32> = attempts.iter().map(|a| a.3).collect();
+    let writers: Vec<Option<&str>> = attempts.iter().map(|a| a.4).collect();
+    let deadlines: Vec<i64> = attempts.iter().map(|a| a.5).collect();
+    let answered: Vec<BatchRow> = sqlx::query_as(
+        "SELECT i, acquired, holds, token, ttl_ms \
+           FROM tower_lock_acquire_batch($1, $2, $3::\"char\"[], $4, \
+                array_fill(30000::bigint, ARRAY[10]), array_fill(false, ARRAY[10]), $5, 30000, $6) \
+          ORDER BY i",
+    )
+    .bind(&names)
+    .bind(&owners)
+    .bind(&modes)
+    .bind(&max)
+    .bind(&writers)
+    .bind(&deadlines)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let batched: Vec<Answer> = answered
+        .into_iter()
+        .map(|(_, a, h, t, ttl)| classify((a, h, t, ttl), 0))
+        .collect();
+    assert_eq!(batched, expected);
+    let left = |prefix: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_as::<_, (String, String, String, i32)>(
+                "SELECT substr(name, length($1) + 1), owner, mode::text, holds FROM tower_lock \
+                  WHERE name LIKE $1 || '%' AND expires_at > clock_timestamp() \
+                 UNION ALL \
+                 SELECT substr(name, length($1) + 1), owner, 'queued ' || mode::text, 0 \
+                   FROM tower_lock_queue WHERE name LIKE $1 || '%' ORDER BY 1, 2, 3",
+            )
+            .bind(prefix)
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(left("batch-").await, left("alone-").await);
+
+    // And the releases: one held twice, one held once (freed), one not held.
+    let releases = [
+        ("fair-mine", "me:8", "f"),
+        ("read-shared", "me:2", "r"),
+        ("late", "me:10", "f"),
+    ];
+    let mut alone = Vec::new();
+    for (suffix, owner, mode) in releases {
+        let left: i32 =
+            sqlx::query_scalar("SELECT tower_lock_release($1, $2, $3::\"char\", 30000, 'test')")
+                .bind(format!("alone-{suffix}"))
+                .bind(owner)
+                .bind(mode)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        alone.push(left);
+    }
+    assert_eq!(alone, [1, 0, -1]);
+    let names: Vec<String> = releases.iter().map(|r| format!("batch-{}", r.0)).collect();
+    let owners: Vec<&str> = releases.iter().map(|r| r.1).collect();
+    let modes: Vec<&str> = releases.iter().map(|r| r.2).collect();
+    let batched: Vec<i32> = sqlx::query_scalar(
+        "SELECT holds_left FROM tower_lock_release_batch($1, $2, $3::\"char\"[], \
+                array_fill(30000::bigint, ARRAY[3]), 'test') ORDER BY i",
+    )
+    .bind(&names)
+    .bind(&owners)
+    .bind(&modes)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(batched, alone);
+    assert_eq!(left("batch-").await, left("alone-").await);
+}
+
+/// Acquisitions of the other modes that arrive together through the backend are
+/// granted in shared transactions, each by its own owner, and released together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_mode_grants_that_arrive_together_share_a_transaction() {
+    let db = PgDatabase::create().await;
+    let backend = on(&db).await;
+    let pool = db.pool(2).await;
+    take(&backend, &moded("warm", "warm:1", LockMode::Read)).await;
+    let modes = [LockMode::Read, LockMode::Fair, LockMode::Write, permits(3)];
+    let mut transactions = Vec::new();
+    for round in 0..5 {
+        let attempts: Vec<_> = (0..32)
+            .map(|i| {
+                let backend = backend.clone();
+                let req = moded(
+                    &format!("others-{round}-{i}"),
+                    &format!("o:{round}-{i}"),
+                    modes[i % modes.len()],
+                );
+                tokio::spawn(async move { (backend.acquire(&req).await, req) })
+            })
+            .collect();
+        let mut held = Vec::new();
+        for attempt in attempts {
+            let (taken, req) = attempt.await.unwrap();
+            assert!(matches!(taken, Ok(Acquire::Acquired(_))), "{taken:?}");
+            held.push(req);
+        }
+        let (owners, shared): (i64, i64) = sqlx::query_as(
+            "SELECT count(*) FILTER (WHERE owner = 'o:' || substr(name, 8)), \
+                    count(DISTINCT xmin::text) \
+               FROM tower_lock WHERE name LIKE $1",
+        )
+        .bind(format!("others-{round}-%"))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(owners, 32, "a hold under another owner");
+        let releases: Vec<_> = held
+            .into_iter()
+            .map(|req| {
+                let backend = backend.clone();
+                tokio::spawn(async move { backend.release(&req).await })
+            })
+            .collect();
+        for release in releases {
+            assert_eq!(release.await.unwrap().unwrap(), Release::Released);
+        }
+        transactions.push(shared);
+        if shared < 32 {
+            return;
+        }
+    }
+    panic!("32 grants at once were never batched, transactions per round: {transactions:?}");
+}
+
 /// The watchdog's renewal of several holds locked their names' rows in the order it
 /// was given them, where a batch locks them in name order: a renewal holding `q` and
 /// waiting for `p`, behind a batch that took `p` and wanted `q`, waited in a cycle until

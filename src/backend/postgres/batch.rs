@@ -1,13 +1,16 @@
-//! Group commit of exclusive acquisitions and releases.
+//! Group commit of acquisitions and releases.
 //!
 //! What an exclusive lock costs PostgreSQL is mostly what every statement and every
 //! transaction costs (parse and plan, a snapshot, a commit record, and a grant's
 //! `fdatasync`), not the few rows it touches. So while one statement of a kind
-//! (acquisition or release) is on its way, the operations of that kind that arrive
-//! meanwhile wait in a queue, and go together in one statement and one transaction
-//! (`sql/lock_x_batch.sql`, `sql/unlock_x_batch.sql`, up to [`MAX_BATCH`] names, each
-//! name once). An operation that finds nothing of its kind in flight is sent at once by
-//! its caller, alone, with the single-name statement: no added latency when idle.
+//! (acquisition or release, of the exclusive mode or of the others) is on its way, the
+//! operations of that kind that arrive meanwhile wait in a queue, and go together in
+//! one statement and one transaction (up to [`MAX_BATCH`] names, each name once):
+//! `sql/lock_x_batch.sql` and `sql/unlock_x_batch.sql` for the exclusive mode,
+//! `_acquire_batch` and `_release_batch` (the single-name functions called name by
+//! name, in name order) for the others. An operation that finds nothing of its kind in
+//! flight is sent at once by its caller, alone, with the single-name statement: no
+//! added latency when idle.
 //!
 //! What is queued is sent by a spawned task ([`SENDERS`] per kind at most), never by a
 //! caller's future: a caller that gives up or whose future is parked costs only
@@ -26,8 +29,8 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use tokio::sync::oneshot;
 
 use super::PostgresBackend;
-use super::statements::{AttemptRow, millis};
-use crate::backend::{Acquire, LockRequest, Release};
+use super::statements::{AttemptRow, millis, mode_char, permits_max};
+use crate::backend::{Acquire, LockMode, LockRequest, Release};
 use crate::error::{Error, Result, StoreErrorKind};
 
 /// The most names one batch carries.
@@ -38,11 +41,11 @@ pub(super) const MAX_BATCH: usize = 64;
 /// batches and gave 15–20% fewer locks per second.)
 pub(super) const SENDERS: usize = 1;
 
-/// An acquisition's or a release's queue.
+/// The queues: acquisitions and releases, of the exclusive mode and of the others
+/// (which go in statements of their own).
 #[derive(Default)]
 pub(super) struct Batcher {
-    acquire: Lane,
-    release: Lane,
+    lanes: [Lane; 4],
 }
 
 #[derive(Default)]
@@ -72,12 +75,33 @@ enum Op {
     Release,
 }
 
-impl Batcher {
-    fn lane(&self, op: Op) -> &Lane {
-        match op {
-            Op::Acquire => &self.acquire,
-            Op::Release => &self.release,
+/// Which statements an operation goes in: the exclusive mode's own, or the other
+/// modes' (which call the single-name functions row by row).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Family {
+    Exclusive,
+    Other,
+}
+
+impl Family {
+    fn of(req: &LockRequest) -> Self {
+        if req.mode == LockMode::Exclusive {
+            Family::Exclusive
+        } else {
+            Family::Other
         }
+    }
+}
+
+impl Batcher {
+    fn lane(&self, op: Op, family: Family) -> &Lane {
+        let i = match (op, family) {
+            (Op::Acquire, Family::Exclusive) => 0,
+            (Op::Release, Family::Exclusive) => 1,
+            (Op::Acquire, Family::Other) => 2,
+            (Op::Release, Family::Other) => 3,
+        };
+        &self.lanes[i]
     }
 }
 
@@ -109,7 +133,8 @@ impl Drop for DirectGuard<'_> {
     }
 }
 
-/// An exclusive acquisition of `req` (no waiter of a hand-over), with its `deadline`.
+/// An acquisition of `req` (not an exclusive waiter's with hand-over), with its
+/// `deadline`.
 pub(super) async fn acquire(
     backend: &PostgresBackend,
     req: &LockRequest,
@@ -124,7 +149,7 @@ pub(super) async fn acquire(
     }
 }
 
-/// An exclusive release of `req`.
+/// A release of `req`.
 pub(super) async fn release(backend: &PostgresBackend, req: &LockRequest) -> Result<Release> {
     match enter(backend, Op::Release, req, 0) {
         Entry::Direct(_counted) => backend.release_alone(req).await,
@@ -150,7 +175,8 @@ fn enter<'a>(backend: &'a PostgresBackend, op: Op, req: &LockRequest, deadline: 
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return Entry::Direct(None);
     };
-    let lane = backend.inner.batcher.lane(op);
+    let family = Family::of(req);
+    let lane = backend.inner.batcher.lane(op, family);
     let mut state = lane.state();
     if state.direct == 0 && state.senders == 0 {
         state.direct += 1;
@@ -165,7 +191,7 @@ fn enter<'a>(backend: &'a PostgresBackend, op: Op, req: &LockRequest, deadline: 
     if state.senders < SENDERS {
         state.senders += 1;
         drop(state);
-        runtime.spawn(send_queued(backend.clone(), op));
+        runtime.spawn(send_queued(backend.clone(), op, family));
     }
     Entry::Queued(answer)
 }
@@ -192,9 +218,9 @@ async fn wait(
     }
 }
 
-/// A sender task: sends what is queued of `op`'s kind, batch after batch, until the
-/// queue is empty.
-async fn send_queued(backend: PostgresBackend, op: Op) {
+/// A sender task: sends what is queued of `op`'s kind in `family`, batch after batch,
+/// until the queue is empty.
+async fn send_queued(backend: PostgresBackend, op: Op, family: Family) {
     /// Counts the sender out if its task ends without emptying the queue (the runtime
     /// shutting down).
     struct Running<'a>(&'a Lane, bool);
@@ -205,7 +231,7 @@ async fn send_queued(backend: PostgresBackend, op: Op) {
             }
         }
     }
-    let lane = backend.inner.batcher.lane(op);
+    let lane = backend.inner.batcher.lane(op, family);
     let mut running = Running(lane, true);
     loop {
         let batch = {
@@ -220,7 +246,7 @@ async fn send_queued(backend: PostgresBackend, op: Op) {
             }
             take_batch(&mut state.queue)
         };
-        send(&backend, op, batch).await;
+        send(&backend, op, family, batch).await;
     }
 }
 
@@ -257,7 +283,7 @@ fn take_batch(queue: &mut Vec<Queued>) -> Vec<Queued> {
 
 /// Sends `batch` and answers each of its operations: alone with the single-name
 /// statement, or together.
-async fn send(backend: &PostgresBackend, op: Op, mut batch: Vec<Queued>) {
+async fn send(backend: &PostgresBackend, op: Op, family: Family, mut batch: Vec<Queued>) {
     if batch.len() == 1 {
         let Some(queued) = batch.pop() else { return };
         let answer = match op {
@@ -273,9 +299,11 @@ async fn send(backend: &PostgresBackend, op: Op, mut batch: Vec<Queued>) {
         let _ = queued.reply.send(answer);
         return;
     }
-    let answers = match op {
-        Op::Acquire => acquire_all(backend, &batch).await,
-        Op::Release => release_all(backend, &batch).await,
+    let answers = match (op, family) {
+        (Op::Acquire, Family::Exclusive) => acquire_all(backend, &batch).await,
+        (Op::Release, Family::Exclusive) => release_all(backend, &batch).await,
+        (Op::Acquire, Family::Other) => acquire_others(backend, &batch).await,
+        (Op::Release, Family::Other) => release_others(backend, &batch).await,
     };
     match answers {
         Ok(answers) => {
@@ -314,12 +342,69 @@ fn unanswered() -> Error {
 /// [`AttemptRow`].
 type BatchRow = (i64, bool, i32, Option<i64>, Option<i64>);
 
-/// One `lock_x_batch` statement for every acquisition of `batch`.
+/// The rows `query` answers, on a kept connection, within the response timeout.
+async fn fetch<'q, R>(
+    backend: &PostgresBackend,
+    query: sqlx::query::QueryAs<'q, sqlx::Postgres, R, sqlx::postgres::PgArguments>,
+) -> Result<Vec<R>>
+where
+    R: Send + Unpin + for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow>,
+{
+    let inner = &backend.inner;
+    backend
+        .timed(
+            inner
+                .kept
+                .run(&inner.pool, async |conn| query.fetch_all(conn).await),
+        )
+        .await
+}
+
+/// Each acquisition's answer, from the rows of its batch.
+fn acquire_answers(len: usize, rows: Vec<BatchRow>) -> Vec<Result<Answer>> {
+    let rows = rows
+        .into_iter()
+        .map(|(i, acquired, holds, token, ttl_ms)| (i, (acquired, holds, token, ttl_ms)))
+        .collect();
+    by_place(len, rows)
+        .into_iter()
+        .map(|row: Option<AttemptRow>| {
+            let row = row.ok_or_else(unanswered)?;
+            PostgresBackend::acquire_answer(row).map(Answer::Acquire)
+        })
+        .collect()
+}
+
+/// Each release's answer, from the rows (place, holds left) of its batch; a release
+/// that freed its lock wakes this process's waiters now.
+fn release_answers(
+    backend: &PostgresBackend,
+    batch: &[Queued],
+    rows: Vec<(i64, i32)>,
+) -> Vec<Result<Answer>> {
+    by_place(batch.len(), rows)
+        .into_iter()
+        .zip(batch)
+        .map(|(left, queued)| {
+            let left = left.ok_or_else(unanswered)?;
+            Ok(Answer::Release(backend.released(&queued.req.key, left)))
+        })
+        .collect()
+}
+
+/// The names, owners and leases of `batch`'s operations, as the batch statements take
+/// them.
+fn columns(batch: &[Queued]) -> (Vec<&str>, Vec<&str>, Vec<i64>) {
+    let names = batch.iter().map(|q| q.req.key.as_str()).collect();
+    let owners = batch.iter().map(|q| q.req.hold_id.as_str()).collect();
+    let leases = batch.iter().map(|q| millis(q.req.lease)).collect();
+    (names, owners, leases)
+}
+
+/// One `lock_x_batch` statement for every exclusive acquisition of `batch`.
 async fn acquire_all(backend: &PostgresBackend, batch: &[Queued]) -> Result<Vec<Result<Answer>>> {
     let inner = &backend.inner;
-    let names: Vec<&str> = batch.iter().map(|q| q.req.key.as_str()).collect();
-    let owners: Vec<&str> = batch.iter().map(|q| q.req.hold_id.as_str()).collect();
-    let leases: Vec<i64> = batch.iter().map(|q| millis(q.req.lease)).collect();
+    let (names, owners, leases) = columns(batch);
     let fenced: Vec<bool> = batch.iter().map(|q| q.req.fenced).collect();
     let deadlines: Vec<i64> = batch.iter().map(|q| q.deadline).collect();
     let fast: Vec<bool> = batch
@@ -333,53 +418,72 @@ async fn acquire_all(backend: &PostgresBackend, batch: &[Queued]) -> Result<Vec<
         .bind(fenced)
         .bind(deadlines)
         .bind(fast);
-    let rows: Vec<BatchRow> = backend
-        .timed(
-            inner
-                .kept
-                .run(&inner.pool, async |conn| query.fetch_all(conn).await),
-        )
-        .await?;
-    let rows = rows
-        .into_iter()
-        .map(|(i, acquired, holds, token, ttl_ms)| (i, (acquired, holds, token, ttl_ms)))
-        .collect();
-    Ok(by_place(batch.len(), rows)
-        .into_iter()
-        .map(|row: Option<AttemptRow>| {
-            let row = row.ok_or_else(unanswered)?;
-            PostgresBackend::acquire_answer(row).map(Answer::Acquire)
-        })
-        .collect())
+    Ok(acquire_answers(batch.len(), fetch(backend, query).await?))
 }
 
-/// One `unlock_x_batch` statement for every release of `batch`.
+/// One `unlock_x_batch` statement for every exclusive release of `batch`.
 async fn release_all(backend: &PostgresBackend, batch: &[Queued]) -> Result<Vec<Result<Answer>>> {
     let inner = &backend.inner;
-    let names: Vec<&str> = batch.iter().map(|q| q.req.key.as_str()).collect();
-    let owners: Vec<&str> = batch.iter().map(|q| q.req.hold_id.as_str()).collect();
-    let leases: Vec<i64> = batch.iter().map(|q| millis(q.req.lease)).collect();
+    let (names, owners, leases) = columns(batch);
     let query = sqlx::query_as(&inner.statements.unlock_x_batch)
         .bind(names)
         .bind(owners)
         .bind(leases)
         .bind(&inner.origin);
-    let rows: Vec<(i64, i32, bool)> = backend
-        .timed(
-            inner
-                .kept
-                .run(&inner.pool, async |conn| query.fetch_all(conn).await),
-        )
-        .await?;
+    let rows: Vec<(i64, i32, bool)> = fetch(backend, query).await?;
     let rows = rows.into_iter().map(|(i, left, _)| (i, left)).collect();
-    Ok(by_place(batch.len(), rows)
-        .into_iter()
-        .zip(batch)
-        .map(|(left, queued)| {
-            let left = left.ok_or_else(unanswered)?;
-            Ok(Answer::Release(backend.released(&queued.req.key, left)))
-        })
-        .collect())
+    Ok(release_answers(backend, batch, rows))
+}
+
+/// One `_acquire_batch` call for every acquisition of `batch` (modes other than the
+/// exclusive one).
+async fn acquire_others(
+    backend: &PostgresBackend,
+    batch: &[Queued],
+) -> Result<Vec<Result<Answer>>> {
+    let inner = &backend.inner;
+    let (names, owners, leases) = columns(batch);
+    let modes: Vec<i8> = batch.iter().map(|q| mode_char(q.req.mode)).collect();
+    let max: Vec<i32> = batch.iter().map(|q| permits_max(q.req.mode)).collect();
+    let fenced: Vec<bool> = batch.iter().map(|q| q.req.fenced).collect();
+    let writers: Vec<Option<&str>> = batch
+        .iter()
+        .map(|q| q.req.writer.as_ref().map(|w| w.as_str()))
+        .collect();
+    let deadlines: Vec<i64> = batch.iter().map(|q| q.deadline).collect();
+    let query = sqlx::query_as(&inner.statements.acquire_batch)
+        .bind(names)
+        .bind(owners)
+        .bind(modes)
+        .bind(max)
+        .bind(leases)
+        .bind(fenced)
+        .bind(writers)
+        .bind(millis(inner.waiter_timeout))
+        .bind(deadlines);
+    Ok(acquire_answers(batch.len(), fetch(backend, query).await?))
+}
+
+/// One `_release_batch` call for every release of `batch` (modes other than the
+/// exclusive one).
+async fn release_others(
+    backend: &PostgresBackend,
+    batch: &[Queued],
+) -> Result<Vec<Result<Answer>>> {
+    let inner = &backend.inner;
+    let (names, owners, leases) = columns(batch);
+    let modes: Vec<i8> = batch.iter().map(|q| mode_char(q.req.mode)).collect();
+    let query = sqlx::query_as(&inner.statements.release_batch)
+        .bind(names)
+        .bind(owners)
+        .bind(modes)
+        .bind(leases)
+        .bind(&inner.origin);
+    Ok(release_answers(
+        backend,
+        batch,
+        fetch(backend, query).await?,
+    ))
 }
 
 #[cfg(test)]

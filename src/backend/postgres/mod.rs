@@ -20,10 +20,12 @@
 //!   is one call of a PL/pgSQL function (`sql/postgres.sql`), which takes a
 //!   transaction-scoped advisory lock on (the table, the name), then the name's row —
 //!   held for microseconds, never across a client round trip.
-//! - **Group commit.** Exclusive acquisitions (and releases) that arrive while one of
-//!   their kind is on its way go together, in one statement and one transaction
-//!   (`sql/lock_x_batch.sql`, `sql/unlock_x_batch.sql`): each name is answered as its
-//!   own statement would answer it, and the grants share one commit. One that finds
+//! - **Group commit.** Acquisitions (and releases) that arrive while one of their kind
+//!   is on its way go together, in one statement and one transaction
+//!   (`sql/lock_x_batch.sql`, `sql/unlock_x_batch.sql` for the exclusive mode; the
+//!   functions `_acquire_batch` and `_release_batch`, which call the single-name
+//!   functions name by name, for the others): each name is answered as its own
+//!   statement would answer it, and the grants share one commit. One that finds
 //!   nothing on its way goes at once, alone. Batches are sent by a task of the backend,
 //!   so a caller that gives up or is parked holds up no one.
 //! - **Waiting** is `LISTEN`/`NOTIFY` on one listening connection per backend: a

@@ -63,6 +63,10 @@ pub(super) struct Statements {
     unlock_x: String,
     pub(super) lock_x_batch: String,
     pub(super) unlock_x_batch: String,
+    /// Acquisitions of the other modes, several names at once (`_acquire_batch`).
+    pub(super) acquire_batch: String,
+    /// Releases of the other modes, several names at once (`_release_batch`).
+    pub(super) release_batch: String,
     renew: String,
     replay_store: String,
     replay_load: String,
@@ -83,6 +87,15 @@ impl Statements {
             unlock_x: for_table(UNLOCK_X_SQL, schema, table),
             lock_x_batch: for_table(LOCK_X_BATCH_SQL, schema, table),
             unlock_x_batch: for_table(UNLOCK_X_BATCH_SQL, schema, table),
+            acquire_batch: fill(
+                "SELECT i, acquired, holds, token, ttl_ms \
+                   FROM __F___acquire_batch($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+                qualified,
+            ),
+            release_batch: fill(
+                "SELECT i, holds_left FROM __F___release_batch($1, $2, $3, $4, $5)",
+                qualified,
+            ),
             renew: fill("SELECT * FROM __F___renew($1, $2, $3, $4)", qualified),
             replay_store: fill(
                 "SELECT stored, released FROM __F___replay_store($1, $2, $3, $4, $5, $6, $7, $8)",
@@ -157,7 +170,7 @@ impl PostgresBackend {
             return Ok(Acquire::Acquired(grant));
         }
         let deadline = self.attempt_deadline().await?;
-        if req.mode == LockMode::Exclusive && slot.is_none() {
+        if slot.is_none() {
             // Alone, or with others that arrive together (group commit).
             return batch::acquire(self, req, deadline).await;
         }
@@ -173,10 +186,7 @@ impl PostgresBackend {
         deadline: i64,
         slot: Option<&Arc<Slot>>,
     ) -> Result<Acquire> {
-        let max = match req.mode {
-            LockMode::Permits { max } => i32::try_from(max.get()).unwrap_or(i32::MAX),
-            _ => 0,
-        };
+        let max = permits_max(req.mode);
         let query = if req.mode == LockMode::Exclusive {
             let query = sqlx::query_as(match slot {
                 Some(_) => &self.inner.statements.wait_x,
@@ -303,11 +313,8 @@ impl PostgresBackend {
     }
 
     pub(super) async fn release_now(&self, req: &LockRequest) -> Result<Release> {
-        if req.mode == LockMode::Exclusive {
-            // Alone, or with others that arrive together (group commit).
-            return batch::release(self, req).await;
-        }
-        self.release_alone(req).await
+        // Alone, or with others that arrive together (group commit).
+        batch::release(self, req).await
     }
 
     /// One release of `req`, as one statement.
@@ -545,6 +552,14 @@ pub(super) fn mode_char(mode: LockMode) -> i8 {
         LockMode::Permits { .. } => b'p',
     };
     c as i8
+}
+
+/// The permits of a permit mode as the functions take them (0 for the other modes).
+pub(super) fn permits_max(mode: LockMode) -> i32 {
+    match mode {
+        LockMode::Permits { max } => i32::try_from(max.get()).unwrap_or(i32::MAX),
+        _ => 0,
+    }
 }
 
 pub(super) fn millis(d: Duration) -> i64 {
