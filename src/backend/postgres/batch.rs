@@ -197,7 +197,7 @@ fn enter<'a>(backend: &'a PostgresBackend, op: Op, req: &LockRequest, deadline: 
 }
 
 /// The answer to a queued operation, within the response timeout: past it the caller
-/// gives up (the operation may still be sent, as an unanswered one may land).
+/// gives up (an acquisition still queued then is not sent; one on its way may land).
 async fn wait(
     backend: &PostgresBackend,
     answer: oneshot::Receiver<Result<Answer>>,
