@@ -1013,3 +1013,62 @@ async fn without_hand_over_waiters_are_not_registered() {
     assert_eq!(owner_and_waiters(&mut conn, "plain").await, (None, vec![]));
     drop(sub);
 }
+
+/// `.ci/run` failed `a_stalled_statement_times_out_and_leaves_nothing`: a fresh
+/// owner's `try_lock` of a free name answered busy (ttl 0). Its attempt had taken its
+/// snapshot before the abandonment of another owner of the name committed (the stalled
+/// attempt's compensation), and reached the row after it: the row's `gen` had moved,
+/// which makes an attempt take nothing whoever its owner. That answer means "try again
+/// now", and the backend now does, with a new snapshot, before it answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_overtaken_by_another_owners_abandonment_still_takes_a_free_lock() {
+    let db = PgDatabase::create().await;
+    let backend = on(&db).await;
+    let pool = db.pool(2).await;
+    let earlier = req("free", "a:1", LockMode::Exclusive);
+    take(&backend, &earlier).await;
+    assert_eq!(backend.release(&earlier).await.unwrap(), Release::Released);
+    let mut blocker = pool.begin().await.unwrap();
+    sqlx::query("SELECT tower_lock_lock_name('free')")
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    // A fresh owner's attempt starts (its snapshot: no abandonment) and waits for the row.
+    let attempt = tokio::spawn({
+        let backend = backend.clone();
+        async move {
+            backend
+                .acquire(&req("free", "b:1", LockMode::Exclusive))
+                .await
+        }
+    });
+    common::wait_until(
+        Duration::from_secs(5),
+        "the attempt waits for the row",
+        || {
+            let pool = pool.clone();
+            async move {
+                sqlx::query_scalar::<_, i64>(
+                    "SELECT count(*) FROM pg_stat_activity \
+                      WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                    > 0
+            }
+        },
+    )
+    .await;
+    // The earlier owner is given up for good meanwhile, and that commits first.
+    sqlx::query("SELECT tower_lock_abandon('free', 'a:1', 'x', 60000)")
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    blocker.commit().await.unwrap();
+    let outcome = attempt.await.unwrap().unwrap();
+    assert!(
+        matches!(outcome, Acquire::Acquired(_)),
+        "a free lock answered {outcome:?}"
+    );
+}

@@ -169,12 +169,23 @@ impl PostgresBackend {
         {
             return Ok(Acquire::Acquired(grant));
         }
-        let deadline = self.attempt_deadline().await?;
-        if slot.is_none() {
-            // Alone, or with others that arrive together (group commit).
-            return batch::acquire(self, req, deadline).await;
+        let mut again = AGAIN_NOW;
+        loop {
+            let deadline = self.attempt_deadline().await?;
+            let answer = match &slot {
+                // Alone, or with others that arrive together (group commit).
+                None => batch::acquire(self, req, deadline).await?,
+                Some(slot) => self.attempt(req, deadline, Some(slot)).await?,
+            };
+            // Busy with nothing blocking from now on: something changed under the
+            // attempt (the name's `gen` moved past its snapshot: an owner was given up
+            // for good meanwhile, maybe another; or the row appeared after it). Its
+            // answer is "try again now", which a new snapshot settles.
+            match answer {
+                Acquire::Busy { ttl: Some(ttl) } if ttl.is_zero() && again > 0 => again -= 1,
+                answer => return Ok(answer),
+            }
         }
-        self.attempt(req, deadline, slot.as_ref()).await
     }
 
     /// One attempt of `req` with its `deadline`, as one statement: an exclusive one
@@ -500,6 +511,10 @@ impl PostgresBackend {
         ))
     }
 }
+
+/// How many times an acquisition is sent again at once when its attempt answered busy
+/// with nothing blocking (see `acquire_now`), before that answer is passed on.
+const AGAIN_NOW: u32 = 2;
 
 /// What an attempt answers: acquired, holds, token, ttl_ms (see `sql/lock_x.sql`).
 pub(super) type AttemptRow = (bool, i32, Option<i64>, Option<i64>);
