@@ -585,45 +585,7 @@ async fn an_attempt_overtaken_by_its_owners_abandonment_takes_nothing() {
     let db = PgDatabase::create().await;
     let backend = on(&db).await;
     let pool = db.pool(2).await;
-    let late = req("late", "a:1", LockMode::Exclusive);
-    // The name's row exists and is free; a transaction holds its lock.
-    assert!(matches!(
-        backend.acquire(&late).await.unwrap(),
-        Acquire::Acquired(_)
-    ));
-    assert_eq!(backend.release(&late).await.unwrap(), Release::Released);
-    let mut blocker = pool.begin().await.unwrap();
-    sqlx::query("SELECT tower_lock_lock_name('late')")
-        .execute(&mut *blocker)
-        .await
-        .unwrap();
-    // The attempt starts (its snapshot: no abandonment) and waits for the row.
-    let attempt = tokio::spawn({
-        let backend = backend.clone();
-        async move { backend.acquire(&late).await }
-    });
-    common::wait_until(
-        Duration::from_secs(5),
-        "the attempt waits for the row",
-        || {
-            let pool = pool.clone();
-            async move {
-                sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pg_locks WHERE NOT granted")
-                    .fetch_one(&pool)
-                    .await
-                    .unwrap()
-                    > 0
-            }
-        },
-    )
-    .await;
-    // Its owner is given up for good, and that commits before the attempt goes on.
-    sqlx::query("SELECT tower_lock_abandon('late', 'a:1', 'x', 60000)")
-        .execute(&mut *blocker)
-        .await
-        .unwrap();
-    blocker.commit().await.unwrap();
-    let outcome = attempt.await.unwrap().unwrap();
+    let outcome = overtaken_by_an_abandonment(&backend, &pool, "late", "a:1").await;
     assert!(
         !matches!(outcome, Acquire::Acquired(_)),
         "an abandoned owner took the lock: {outcome:?}"
@@ -636,6 +598,56 @@ async fn an_attempt_overtaken_by_its_owners_abandonment_takes_nothing() {
     .unwrap()
     .flatten();
     assert_eq!(owner, None);
+}
+
+/// What an attempt of `owner` on `name` answers when it took its snapshot before the
+/// abandonment of `a:1` on the name committed, and reached the name's row after it:
+/// the row exists and is free (`a:1` took and released it), a transaction holds its
+/// lock while the attempt starts, then abandons `a:1` and commits.
+async fn overtaken_by_an_abandonment(
+    backend: &PostgresBackend,
+    pool: &sqlx::PgPool,
+    name: &str,
+    owner: &str,
+) -> Acquire {
+    let earlier = req(name, "a:1", LockMode::Exclusive);
+    take(backend, &earlier).await;
+    assert_eq!(backend.release(&earlier).await.unwrap(), Release::Released);
+    let mut blocker = pool.begin().await.unwrap();
+    sqlx::query("SELECT tower_lock_lock_name($1)")
+        .bind(name)
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    // The attempt starts (its snapshot: no abandonment) and waits for the row.
+    let attempt = tokio::spawn({
+        let backend = backend.clone();
+        let attempt = req(name, owner, LockMode::Exclusive);
+        async move { backend.acquire(&attempt).await }
+    });
+    common::wait_until(
+        Duration::from_secs(5),
+        "the attempt waits for the row",
+        || async {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity \
+                  WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(pool)
+            .await
+            .unwrap()
+                > 0
+        },
+    )
+    .await;
+    // `a:1` is given up for good, and that commits before the attempt goes on.
+    sqlx::query("SELECT tower_lock_abandon($1, 'a:1', 'x', 60000)")
+        .bind(name)
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    blocker.commit().await.unwrap();
+    attempt.await.unwrap().unwrap()
 }
 
 /// Issue 23: with releases notifying only names marked wanted, a waiter of another
@@ -1025,48 +1037,7 @@ async fn an_attempt_overtaken_by_another_owners_abandonment_still_takes_a_free_l
     let db = PgDatabase::create().await;
     let backend = on(&db).await;
     let pool = db.pool(2).await;
-    let earlier = req("free", "a:1", LockMode::Exclusive);
-    take(&backend, &earlier).await;
-    assert_eq!(backend.release(&earlier).await.unwrap(), Release::Released);
-    let mut blocker = pool.begin().await.unwrap();
-    sqlx::query("SELECT tower_lock_lock_name('free')")
-        .execute(&mut *blocker)
-        .await
-        .unwrap();
-    // A fresh owner's attempt starts (its snapshot: no abandonment) and waits for the row.
-    let attempt = tokio::spawn({
-        let backend = backend.clone();
-        async move {
-            backend
-                .acquire(&req("free", "b:1", LockMode::Exclusive))
-                .await
-        }
-    });
-    common::wait_until(
-        Duration::from_secs(5),
-        "the attempt waits for the row",
-        || {
-            let pool = pool.clone();
-            async move {
-                sqlx::query_scalar::<_, i64>(
-                    "SELECT count(*) FROM pg_stat_activity \
-                      WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                )
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-                    > 0
-            }
-        },
-    )
-    .await;
-    // The earlier owner is given up for good meanwhile, and that commits first.
-    sqlx::query("SELECT tower_lock_abandon('free', 'a:1', 'x', 60000)")
-        .execute(&mut *blocker)
-        .await
-        .unwrap();
-    blocker.commit().await.unwrap();
-    let outcome = attempt.await.unwrap().unwrap();
+    let outcome = overtaken_by_an_abandonment(&backend, &pool, "free", "b:1").await;
     assert!(
         matches!(outcome, Acquire::Acquired(_)),
         "a free lock answered {outcome:?}"
