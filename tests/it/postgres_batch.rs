@@ -15,13 +15,19 @@ use sqlx::{PgPool, Postgres, Transaction};
 use tower_lock::backend::{Acquire, LockBackend, LockMode, LockRequest, Release};
 use tower_lock::{HoldId, LockClient, LockKey, PostgresBackend};
 
-fn req(key: &str, owner: &str) -> LockRequest {
+/// A request of `owner` for `key` in `mode`, with a 30 s lease.
+fn moded(key: &str, owner: &str, mode: LockMode) -> LockRequest {
     LockRequest::new(
         LockKey::new(key).unwrap(),
         HoldId::from_raw(owner).unwrap(),
-        LockMode::Exclusive,
+        mode,
         Duration::from_secs(30),
     )
+}
+
+/// An exclusive request of `owner` for `key`.
+fn req(key: &str, owner: &str) -> LockRequest {
+    moded(key, owner, LockMode::Exclusive)
 }
 
 async fn on(db: &PgDatabase) -> PostgresBackend {
@@ -580,15 +586,6 @@ async fn a_batch_of_releases_that_hands_a_name_over_commits_to_disk() {
             .await
             .unwrap();
     assert_eq!(owner.as_deref(), Some("waiter:1"));
-}
-
-fn moded(key: &str, owner: &str, mode: LockMode) -> LockRequest {
-    LockRequest::new(
-        LockKey::new(key).unwrap(),
-        HoldId::from_raw(owner).unwrap(),
-        mode,
-        Duration::from_secs(30),
-    )
 }
 
 fn permits(max: u32) -> LockMode {
