@@ -35,8 +35,13 @@
 WITH seen AS (
     SELECT n.gen FROM __S__.__T___names n WHERE n.name = $1
 ), gate AS (
-    -- When the gate opens (NULL: it is open).
-    SELECT __S__.__T___gate() AS ready_at
+    -- When the gate opens (no row, or NULL: it is open), as `_gate` answers; `_gate`
+    -- itself only when the epoch is gone, to set it.
+    SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM __S__.__T___fast) THEN NULL::timestamptz
+                WHEN NOT EXISTS (SELECT 1 FROM __S__.__T___epoch) THEN __S__.__T___gate()
+                ELSE (SELECT CASE WHEN e.ready_at > clock_timestamp() THEN e.ready_at END
+                        FROM __S__.__T___epoch e)
+           END AS ready_at
 ), up AS (
     INSERT INTO __S__.__T___names AS n (name, owner, holds, expires_at, fenced, token)
     SELECT $1, $2, 1, clock_timestamp() + $3 * interval '1 millisecond', $4,

@@ -19,7 +19,13 @@ WITH req AS (
     SELECT r.name, n.gen, r.deadline
       FROM req r LEFT JOIN __S__.__T___names n ON n.name = r.name
 ), gate AS (
-    SELECT __S__.__T___gate() AS ready_at
+    -- When the gate opens (no row, or NULL: it is open), as `_gate` answers; `_gate`
+    -- itself only when the epoch is gone, to set it.
+    SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM __S__.__T___fast) THEN NULL::timestamptz
+                WHEN NOT EXISTS (SELECT 1 FROM __S__.__T___epoch) THEN __S__.__T___gate()
+                ELSE (SELECT CASE WHEN e.ready_at > clock_timestamp() THEN e.ready_at END
+                        FROM __S__.__T___epoch e)
+           END AS ready_at
 ), up AS (
     INSERT INTO __S__.__T___names AS n (name, owner, holds, expires_at, fenced, token)
     SELECT r.name, r.owner, 1, clock_timestamp() + r.lease_ms * interval '1 millisecond',
@@ -71,9 +77,11 @@ WITH req AS (
                    - clock_timestamp()) * 1000)::bigint AS ttl_ms
 ), granted AS (
     -- How the transaction commits; evaluated once, for every answer.
-    SELECT __S__.__T___grant(EXISTS (SELECT 1 FROM up),
-                             NOT EXISTS (SELECT 1 FROM up u JOIN req r ON r.name = u.name
-                                          WHERE NOT r.fast)) AS any
+    SELECT __S__.__T___grant(x.acquired, x.fast) AS any
+      FROM (SELECT EXISTS (SELECT 1 FROM up) AS acquired,
+                   NOT EXISTS (SELECT 1 FROM up u JOIN req r ON r.name = u.name
+                                WHERE NOT r.fast) AS fast
+             OFFSET 0) x -- kept a subquery: `_grant` inlined takes columns
 )
 SELECT r.i, u.name IS NOT NULL AND g.any, coalesce(u.holds, 0),
        CASE WHEN r.fenced THEN u.token END,

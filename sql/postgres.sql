@@ -283,23 +283,37 @@ END $$;
 -- What a lock attempt's transaction commits as: a grant synchronously (`_durable`)
 -- unless `p_fast`; anything else (a busy or refused attempt, which changed at most a
 -- mark) without waiting for the disk. Refuses a session not in READ COMMITTED. Returns
--- `p_acquired`.
+-- `p_acquired`. Plain SQL, one expression, so that PostgreSQL inlines it into the
+-- statement that calls it instead of running a function (the lock statements call it
+-- on every attempt): keep it so, and its arguments simple (a column, a constant or a
+-- parameter; one with a subquery in it is used once).
 DROP FUNCTION IF EXISTS __S__.__T___lock_x(text, text, bigint, boolean, bigint);
 DROP FUNCTION IF EXISTS __S__.__T___grant(boolean);
 
 CREATE OR REPLACE FUNCTION __S__.__T___grant(p_acquired boolean, p_fast boolean) RETURNS boolean
-LANGUAGE plpgsql AS $$
-BEGIN
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
-        PERFORM __S__.__T___read_committed();
-    END IF;
-    IF NOT p_acquired OR p_fast THEN
-        PERFORM set_config('synchronous_commit', 'off', true);
-    ELSIF current_setting('synchronous_commit') = 'off' THEN
-        PERFORM set_config('synchronous_commit', 'on', true);
-    END IF;
-    RETURN p_acquired;
-END $$;
+LANGUAGE sql AS $$
+    SELECT CASE WHEN current_setting('transaction_isolation') <> 'read committed'
+                THEN __S__.__T___read_committed() IS NULL -- raises
+                WHEN set_config('synchronous_commit',
+                                CASE WHEN NOT p_acquired OR p_fast THEN 'off'
+                                     WHEN current_setting('synchronous_commit') = 'off' THEN 'on'
+                                     ELSE current_setting('synchronous_commit') END,
+                                true) IS NULL
+                THEN NULL
+                ELSE p_acquired END
+$$;
+
+-- What a release that freed no name a waiter wants, or kept holds, commits as: without
+-- waiting for the disk (lost in a crash, the hold ends with its lease). Refuses a
+-- session not in READ COMMITTED. Returns `p_left`, -1 for none (not held): `_released`
+-- without a notification, in plain SQL that PostgreSQL inlines (see `_grant`).
+CREATE OR REPLACE FUNCTION __S__.__T___left(p_left integer) RETURNS integer
+LANGUAGE sql AS $$
+    SELECT CASE WHEN current_setting('transaction_isolation') <> 'read committed'
+                THEN CASE WHEN __S__.__T___read_committed() IS NULL THEN -1 END -- raises
+                WHEN set_config('synchronous_commit', 'off', true) IS NULL THEN NULL
+                ELSE coalesce(p_left, -1) END
+$$;
 
 -- What an exclusive release's transaction commits as (without waiting for the disk: lost
 -- in a crash, the hold ends with its lease), and its notification: when the release

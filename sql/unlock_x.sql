@@ -1,8 +1,7 @@
 -- Releases one exclusive hold of the owner $2 on the name $1 (a remaining hold's lease
 -- extended to $3 ms, never shortened): what `_release` does for mode 'x', as one
--- statement on the name's row, which stays, free, for the next hold. `_released`
--- answers -1 (not held), 0 (released) or the holds left, and commits without waiting
--- for the disk. A release that would free a name a waiter marked wanted, or that finds
+-- statement on the name's row, which stays, free, for the next hold. `_left`
+-- answers 0 (released) or the holds left, and commits without waiting for the disk. A release that would free a name a waiter marked wanted, or that finds
 -- nothing to release, is `_hand_over`'s instead: it hands the name to a registered
 -- waiter (answering -2), or frees it and notifies the release (origin $4). The
 -- backend sends it as is; `_unlock_x` runs the same text.
@@ -19,5 +18,5 @@ WITH r AS (
     RETURNING n.holds
 )
 SELECT CASE WHEN EXISTS (SELECT 1 FROM r)
-            THEN __S__.__T___released((SELECT r.holds FROM r), false, $1, $4)
+            THEN __S__.__T___left((SELECT r.holds FROM r))
             ELSE __S__.__T___hand_over($1, $2, $3, $4) END

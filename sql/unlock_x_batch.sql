@@ -39,7 +39,8 @@ WITH req AS (
 ), durable AS (
     -- How the transaction commits, set once after every release ran (the aggregate
     -- reads every answer first): to disk when one handed its name to a waiter.
-    SELECT __S__.__T___grant(coalesce(bool_or(a.left = -2), false), false) AS durable
-      FROM answers a
+    SELECT __S__.__T___grant(x.handed, false) AS durable
+      FROM (SELECT coalesce(bool_or(a.left = -2), false) AS handed FROM answers a
+             OFFSET 0) x -- kept a subquery: `_grant` inlined takes columns
 )
 SELECT a.i, a.left, d.durable FROM answers a CROSS JOIN durable d

@@ -67,6 +67,49 @@ async fn a_session_not_in_read_committed_is_refused_not_granted_a_second_hold() 
     assert!(err.to_string().contains("read committed"), "{err}");
 }
 
+/// Releases are refused too, in a session not in READ COMMITTED: the release statement
+/// chooses its commit inline (`_left`) and must refuse as the function did, leaving
+/// the hold as it was.
+#[tokio::test]
+async fn a_release_from_a_session_not_in_read_committed_is_refused_and_changes_nothing() {
+    let db = PgDatabase::create().await;
+    let backend = on(&db).await;
+    let held = req("k", "a:1", LockMode::Exclusive);
+    assert!(matches!(
+        backend.acquire(&held).await.unwrap(),
+        Acquire::Acquired(_)
+    ));
+    let options = db.url.parse::<PgConnectOptions>().unwrap();
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::Executor::execute(
+                    conn,
+                    "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL REPEATABLE READ",
+                )
+                .await
+                .map(|_| ())
+            })
+        })
+        .connect_with(options)
+        .await
+        .unwrap();
+    let other = PostgresBackend::builder(pool)
+        .migrate(false)
+        .build()
+        .await
+        .unwrap();
+    let err = other.release(&held).await.unwrap_err();
+    assert!(err.to_string().contains("read committed"), "{err}");
+    let holds: i32 = sqlx::query_scalar("SELECT holds FROM tower_lock_names WHERE name = 'k'")
+        .fetch_one(&db.pool(1).await)
+        .await
+        .unwrap();
+    assert_eq!(holds, 1);
+    assert_eq!(backend.release(&held).await.unwrap(), Release::Released);
+}
+
 /// A schema that is not there (SQLSTATE 3F000) is a misconfiguration, not an outage:
 /// a fail-open layer must not serve unlocked because of it.
 #[tokio::test]
@@ -1042,4 +1085,89 @@ async fn an_attempt_overtaken_by_another_owners_abandonment_still_takes_a_free_l
         matches!(outcome, Acquire::Acquired(_)),
         "a free lock answered {outcome:?}"
     );
+}
+
+/// Found while making the exclusive statements leaner: reading the epoch gate with a
+/// join of its two tables made the planner, on tables it had no statistics for yet,
+/// estimate the statement above `jit_above_cost`, and every execution then compiled
+/// it with LLVM (hundreds of milliseconds: attempts timed out). Each exclusive
+/// statement must also choose its commit (`_grant`, `_left`) inline, as an expression,
+/// not by running a function per attempt: that is what it was made lean for.
+#[tokio::test]
+async fn the_exclusive_statements_stay_cheap_to_plan_and_choose_their_commit_inline() {
+    let db = PgDatabase::create().await;
+    let _backend = on(&db).await; // installs the schema
+    let pool = db.pool(1).await;
+    let mut conn = pool.acquire().await.unwrap();
+    let jit_above: f64 = sqlx::query_scalar::<_, String>("SHOW jit_above_cost")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap()
+        .parse()
+        .unwrap();
+    sqlx::raw_sql("SET plan_cache_mode = force_generic_plan")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let statements = [
+        (
+            "tower_lock_lock_x",
+            "text, text, bigint, boolean, bigint, boolean",
+            "'k', 'a:1', 30000, false, 0, false",
+        ),
+        (
+            "tower_lock_unlock_x",
+            "text, text, bigint, text",
+            "'k', 'a:1', 30000, 'o'",
+        ),
+        (
+            "tower_lock_lock_x_batch",
+            "text[], text[], bigint[], boolean[], bigint[], boolean[]",
+            "'{k}', '{a:1}', '{30000}', '{f}', '{0}', '{f}'",
+        ),
+        (
+            "tower_lock_unlock_x_batch",
+            "text[], text[], bigint[], text",
+            "'{k}', '{a:1}', '{30000}', 'o'",
+        ),
+    ];
+    for (function, types, args) in statements {
+        // The function's body is the statement the backend sends, parameters and all.
+        let body: String = sqlx::query_scalar("SELECT prosrc FROM pg_proc WHERE proname = $1")
+            .bind(function)
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+        sqlx::raw_sql(&format!("PREPARE s ({types}) AS {body}"))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        let plan: Vec<String> =
+            sqlx::query_scalar(&format!("EXPLAIN (VERBOSE) EXECUTE s ({args})"))
+                .fetch_all(&mut *conn)
+                .await
+                .unwrap();
+        sqlx::raw_sql("DEALLOCATE s")
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        let plan = plan.join("\n");
+        let total: f64 = plan
+            .split_once("..")
+            .and_then(|(_, rest)| rest.split_once(' '))
+            .map(|(cost, _)| cost.parse().unwrap())
+            .unwrap();
+        assert!(
+            total < jit_above / 10.0,
+            "{function}: estimated at {total}, JIT starts at {jit_above}:\n{plan}"
+        );
+        assert!(plan.contains("set_config("), "{function}:\n{plan}");
+        for called in [
+            "tower_lock_grant(",
+            "tower_lock_left(",
+            "tower_lock_released(",
+        ] {
+            assert!(!plan.contains(called), "{function} calls {called}:\n{plan}");
+        }
+    }
 }
