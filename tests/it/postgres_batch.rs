@@ -863,3 +863,83 @@ async fn a_renewal_and_a_batch_never_wait_for_each_other_in_a_cycle() {
     renewed.sort();
     assert_eq!(renewed, [1, 2]);
 }
+
+/// The epoch gate, read by the statements themselves: with fast grants enabled and the
+/// gate gone (a crash emptied it), the first attempt, alone or in a batch, sets it one
+/// max lease ahead and nothing is granted until it opens; then both grant alike.
+#[tokio::test]
+async fn a_closed_epoch_gate_refuses_a_batch_as_it_refuses_a_single_statement() {
+    let db = PgDatabase::create().await;
+    let _backend = on(&db).await;
+    let pool = db.pool(2).await;
+    sqlx::query("SELECT tower_lock_enable_fast(60000)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let single = |name: &'static str| {
+        sqlx::query_as::<_, (bool, Option<i64>)>(
+            "SELECT acquired, ttl_ms FROM tower_lock_lock_x($1, 'a:1', 30000, false, 0, false)",
+        )
+        .bind(name)
+    };
+    let batch = || {
+        sqlx::query_as::<_, (bool, Option<i64>)>(
+            "SELECT acquired, ttl_ms FROM tower_lock_lock_x_batch(\
+             ARRAY['batch-a', 'batch-b'], ARRAY['b:1', 'b:2'], ARRAY[30000, 30000]::bigint[], \
+             ARRAY[false, false], ARRAY[0, 0]::bigint[], ARRAY[false, false]) ORDER BY i",
+        )
+    };
+    // Each form in turn finds the gate gone, as crash recovery leaves the UNLOGGED
+    // table, and must set it itself.
+    for by_batch in [true, false] {
+        sqlx::query("DELETE FROM tower_lock_epoch")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let answered = if by_batch {
+            batch().fetch_all(&pool).await.unwrap()
+        } else {
+            vec![single("alone").fetch_one(&pool).await.unwrap()]
+        };
+        for (acquired, ttl) in answered {
+            assert!(!acquired, "granted with the gate gone (batch: {by_batch})");
+            assert!(matches!(ttl, Some(50_000..=60_000)), "{ttl:?}");
+        }
+        let ready_in: f64 = sqlx::query_scalar(
+            "SELECT extract(epoch FROM ready_at - clock_timestamp())::float8 FROM tower_lock_epoch",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert!(
+            (50.0..=60.0).contains(&ready_in),
+            "the gate opens in {ready_in} s"
+        );
+    }
+    // The gate set and closed: both forms read it so.
+    let answered = batch().fetch_all(&pool).await.unwrap();
+    assert!(
+        answered.iter().all(|(acquired, _)| !acquired),
+        "{answered:?}"
+    );
+    let (acquired, ttl) = single("alone").fetch_one(&pool).await.unwrap();
+    assert!(!acquired && matches!(ttl, Some(50_000..=60_000)), "{ttl:?}");
+    assert_eq!(
+        rows(&pool, "")
+            .await
+            .values()
+            .filter(|r| r.0.is_some())
+            .count(),
+        0
+    );
+
+    sqlx::query("UPDATE tower_lock_epoch SET ready_at = clock_timestamp() - interval '1 second'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert!(single("alone").fetch_one(&pool).await.unwrap().0);
+    assert_eq!(
+        batch().fetch_all(&pool).await.unwrap(),
+        [(true, None), (true, None)]
+    );
+}
