@@ -1,10 +1,11 @@
 -- Releases one exclusive hold of the owner $2 on the name $1 (a remaining hold's lease
 -- extended to $3 ms, never shortened): what `_release` does for mode 'x', as one
 -- statement on the name's row, which stays, free, for the next hold. `_left`
--- answers 0 (released) or the holds left, and commits without waiting for the disk. A release that would free a name a waiter marked wanted, or that finds
--- nothing to release, is `_hand_over`'s instead: it hands the name to a registered
--- waiter (answering -2), or frees it and notifies the release (origin $4). The
--- backend sends it as is; `_unlock_x` runs the same text.
+-- answers 0 (released) or the holds left, and commits without waiting for the disk.
+-- A release that would free a name a waiter marked wanted, or that finds nothing to
+-- release, is `_hand_over`'s instead: it hands the name to a registered waiter
+-- (answering -2), or frees it and notifies the release (origin $4). The backend sends
+-- it as is; `_unlock_x` runs the same text.
 WITH r AS (
     UPDATE __S__.__T___names n
        SET holds = n.holds - 1,

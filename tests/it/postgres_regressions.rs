@@ -36,14 +36,10 @@ async fn handing(db: &PgDatabase) -> PostgresBackend {
         .unwrap()
 }
 
-/// Under REPEATABLE READ a function's snapshot predates the advisory lock it waits for,
-/// so it could not see the holder that committed meanwhile and granted a second hold.
-/// The functions now refuse any isolation but READ COMMITTED, as a misconfiguration.
-#[tokio::test]
-async fn a_session_not_in_read_committed_is_refused_not_granted_a_second_hold() {
-    let db = PgDatabase::create().await;
+/// A pool of `db` whose sessions run REPEATABLE READ.
+async fn repeatable_read_pool(db: &PgDatabase) -> sqlx::PgPool {
     let options = db.url.parse::<PgConnectOptions>().unwrap();
-    let pool = PgPoolOptions::new()
+    PgPoolOptions::new()
         .max_connections(2)
         .after_connect(|conn, _| {
             Box::pin(async move {
@@ -57,7 +53,16 @@ async fn a_session_not_in_read_committed_is_refused_not_granted_a_second_hold() 
         })
         .connect_with(options)
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// Under REPEATABLE READ a function's snapshot predates the advisory lock it waits for,
+/// so it could not see the holder that committed meanwhile and granted a second hold.
+/// The functions now refuse any isolation but READ COMMITTED, as a misconfiguration.
+#[tokio::test]
+async fn a_session_not_in_read_committed_is_refused_not_granted_a_second_hold() {
+    let db = PgDatabase::create().await;
+    let pool = repeatable_read_pool(&db).await;
     let backend = PostgresBackend::builder(pool).build().await.unwrap();
     let err = backend
         .acquire(&req("k", "a:1", LockMode::Exclusive))
@@ -79,22 +84,7 @@ async fn a_release_from_a_session_not_in_read_committed_is_refused_and_changes_n
         backend.acquire(&held).await.unwrap(),
         Acquire::Acquired(_)
     ));
-    let options = db.url.parse::<PgConnectOptions>().unwrap();
-    let pool = PgPoolOptions::new()
-        .max_connections(2)
-        .after_connect(|conn, _| {
-            Box::pin(async move {
-                sqlx::Executor::execute(
-                    conn,
-                    "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL REPEATABLE READ",
-                )
-                .await
-                .map(|_| ())
-            })
-        })
-        .connect_with(options)
-        .await
-        .unwrap();
+    let pool = repeatable_read_pool(&db).await;
     let other = PostgresBackend::builder(pool)
         .migrate(false)
         .build()
