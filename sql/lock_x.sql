@@ -28,20 +28,14 @@
 -- table alone.
 --
 -- While the epoch gate is closed (`_gate`: after a crash of a server where fast grants
--- were made), nothing is granted.
+-- were made), nothing is granted. The backend reads the gate with `sql/gate.sql`.
 --
 -- `_grant` commits a grant synchronously (a fast one, and anything else, without
 -- waiting for the disk), and refuses a session not in READ COMMITTED.
 WITH seen AS (
     SELECT n.gen FROM __S__.__T___names n WHERE n.name = $1
 ), gate AS (
-    -- When the gate opens (no row, or NULL: it is open), as `_gate` answers; `_gate`
-    -- itself only when the epoch is gone, to set it.
-    SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM __S__.__T___fast) THEN NULL::timestamptz
-                WHEN NOT EXISTS (SELECT 1 FROM __S__.__T___epoch) THEN __S__.__T___gate()
-                ELSE (SELECT CASE WHEN e.ready_at > clock_timestamp() THEN e.ready_at END
-                        FROM __S__.__T___epoch e)
-           END AS ready_at
+__GATE__
 ), up AS (
     INSERT INTO __S__.__T___names AS n (name, owner, holds, expires_at, fenced, token)
     SELECT $1, $2, 1, clock_timestamp() + $3 * interval '1 millisecond', $4,

@@ -19,13 +19,7 @@ WITH req AS (
     SELECT r.name, n.gen, r.deadline
       FROM req r LEFT JOIN __S__.__T___names n ON n.name = r.name
 ), gate AS (
-    -- When the gate opens (no row, or NULL: it is open), as `_gate` answers; `_gate`
-    -- itself only when the epoch is gone, to set it.
-    SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM __S__.__T___fast) THEN NULL::timestamptz
-                WHEN NOT EXISTS (SELECT 1 FROM __S__.__T___epoch) THEN __S__.__T___gate()
-                ELSE (SELECT CASE WHEN e.ready_at > clock_timestamp() THEN e.ready_at END
-                        FROM __S__.__T___epoch e)
-           END AS ready_at
+__GATE__
 ), up AS (
     INSERT INTO __S__.__T___names AS n (name, owner, holds, expires_at, fenced, token)
     SELECT r.name, r.owner, 1, clock_timestamp() + r.lease_ms * interval '1 millisecond',

@@ -34,13 +34,21 @@ const LOCK_X_BATCH_SQL: &str = include_str!("../../../sql/lock_x_batch.sql");
 /// `_unlock_x_batch`).
 const UNLOCK_X_BATCH_SQL: &str = include_str!("../../../sql/unlock_x_batch.sql");
 
+/// How the exclusive acquisitions read the epoch gate (their `__GATE__`).
+const GATE_SQL: &str = include_str!("../../../sql/gate.sql");
+
+/// `sql` with its `__GATE__` filled in.
+fn with_gate(sql: &str) -> String {
+    sql.replace("__GATE__", GATE_SQL.trim_end())
+}
+
 /// The schema script for `schema`.`table` (validated identifiers).
 pub(super) fn schema_sql(schema: &str, table: &str) -> String {
     for_table(
         &SCHEMA_SQL
-            .replace("__LOCK_X_BATCH__", LOCK_X_BATCH_SQL)
+            .replace("__LOCK_X_BATCH__", &with_gate(LOCK_X_BATCH_SQL))
             .replace("__UNLOCK_X_BATCH__", UNLOCK_X_BATCH_SQL)
-            .replace("__LOCK_X__", LOCK_X_SQL)
+            .replace("__LOCK_X__", &with_gate(LOCK_X_SQL))
             .replace("__UNLOCK_X__", UNLOCK_X_SQL),
         schema,
         table,
@@ -82,10 +90,10 @@ impl Statements {
                 qualified,
             ),
             release: fill("SELECT __F___release($1, $2, $3, $4, $5)", qualified),
-            lock_x: for_table(LOCK_X_SQL, schema, table),
-            wait_x: for_table(&LOCK_X_SQL.replace("--W:", ""), schema, table),
+            lock_x: for_table(&with_gate(LOCK_X_SQL), schema, table),
+            wait_x: for_table(&with_gate(LOCK_X_SQL).replace("--W:", ""), schema, table),
             unlock_x: for_table(UNLOCK_X_SQL, schema, table),
-            lock_x_batch: for_table(LOCK_X_BATCH_SQL, schema, table),
+            lock_x_batch: for_table(&with_gate(LOCK_X_BATCH_SQL), schema, table),
             unlock_x_batch: for_table(UNLOCK_X_BATCH_SQL, schema, table),
             acquire_batch: fill(
                 "SELECT i, acquired, holds, token, ttl_ms \
