@@ -28,7 +28,10 @@
 -- table alone.
 --
 -- While the epoch gate is closed (`_gate`: after a crash of a server where fast grants
--- were made), nothing is granted. The backend reads the gate with `sql/gate.sql`.
+-- were made), nothing is granted.
+--
+-- The backend fills in two parts this shares with `sql/lock_x_batch.sql`: the gate's
+-- reading (`sql/gate.sql`) and the grant's change of the row (`sql/take_x.sql`).
 --
 -- `_grant` commits a grant synchronously (a fast one, and anything else, without
 -- waiting for the disk), and refuses a session not in READ COMMITTED.
@@ -45,23 +48,7 @@ __GATE__
                         WHERE g.name = $1 AND g.owner = $2 AND g.until > clock_timestamp())
        AND coalesce((SELECT gt.ready_at FROM gate gt) <= clock_timestamp(), true)
     ON CONFLICT (name) DO UPDATE
-       SET owner = excluded.owner,
-           holds = CASE WHEN n.owner = excluded.owner AND n.expires_at > clock_timestamp()
-                        THEN n.holds + 1
---W:                         - 1
-                        ELSE 1 END,
-           expires_at = CASE WHEN n.owner = excluded.owner AND n.expires_at > clock_timestamp()
-                             THEN greatest(n.expires_at, excluded.expires_at)
-                             ELSE excluded.expires_at END,
-           fenced = excluded.fenced
-                    OR coalesce(n.owner = excluded.owner AND n.expires_at > clock_timestamp()
-                                AND n.fenced, false),
-           token = CASE WHEN excluded.fenced
---W:                         AND NOT (n.owner = excluded.owner AND n.expires_at > clock_timestamp())
-                        THEN greatest(coalesce(n.token, 0) + 1, excluded.token)
-                        ELSE n.token END
-     WHERE (n.owner IS NULL OR n.owner = excluded.owner OR n.expires_at <= clock_timestamp())
-       AND n.others_until <= clock_timestamp()
+__TAKE__
        AND n.gen IS NOT DISTINCT FROM (SELECT s.gen FROM seen s)
        AND ($5 = 0 OR __S__.__T___now_us() <= $5)
        AND coalesce((SELECT gt.ready_at FROM gate gt) <= clock_timestamp(), true)

@@ -31,20 +31,7 @@ __GATE__
        AND coalesce((SELECT gt.ready_at FROM gate gt) <= clock_timestamp(), true)
      ORDER BY r.name
     ON CONFLICT (name) DO UPDATE
-       SET owner = excluded.owner,
-           holds = CASE WHEN n.owner = excluded.owner AND n.expires_at > clock_timestamp()
-                        THEN n.holds + 1 ELSE 1 END,
-           expires_at = CASE WHEN n.owner = excluded.owner AND n.expires_at > clock_timestamp()
-                             THEN greatest(n.expires_at, excluded.expires_at)
-                             ELSE excluded.expires_at END,
-           fenced = excluded.fenced
-                    OR coalesce(n.owner = excluded.owner AND n.expires_at > clock_timestamp()
-                                AND n.fenced, false),
-           token = CASE WHEN excluded.fenced
-                        THEN greatest(coalesce(n.token, 0) + 1, excluded.token)
-                        ELSE n.token END
-     WHERE (n.owner IS NULL OR n.owner = excluded.owner OR n.expires_at <= clock_timestamp())
-       AND n.others_until <= clock_timestamp()
+__TAKE__
        -- Checked under the row lock: the snapshot's `gen` still the row's, and the
        -- deadline not passed.
        AND (SELECT s.gen IS NOT DISTINCT FROM n.gen

@@ -37,18 +37,24 @@ const UNLOCK_X_BATCH_SQL: &str = include_str!("../../../sql/unlock_x_batch.sql")
 /// How the exclusive acquisitions read the epoch gate (their `__GATE__`).
 const GATE_SQL: &str = include_str!("../../../sql/gate.sql");
 
-/// `sql` with its `__GATE__` filled in.
-fn with_gate(sql: &str) -> String {
+/// How an exclusive grant changes the name's row, and when it may (the acquisitions'
+/// `__TAKE__`).
+const TAKE_X_SQL: &str = include_str!("../../../sql/take_x.sql");
+
+/// An exclusive acquisition's `sql` with the parts it shares with the other one (the
+/// single statement, the batch) filled in.
+fn with_parts(sql: &str) -> String {
     sql.replace("__GATE__", GATE_SQL.trim_end())
+        .replace("__TAKE__", TAKE_X_SQL.trim_end())
 }
 
 /// The schema script for `schema`.`table` (validated identifiers).
 pub(super) fn schema_sql(schema: &str, table: &str) -> String {
     for_table(
         &SCHEMA_SQL
-            .replace("__LOCK_X_BATCH__", &with_gate(LOCK_X_BATCH_SQL))
+            .replace("__LOCK_X_BATCH__", &with_parts(LOCK_X_BATCH_SQL))
             .replace("__UNLOCK_X_BATCH__", UNLOCK_X_BATCH_SQL)
-            .replace("__LOCK_X__", &with_gate(LOCK_X_SQL))
+            .replace("__LOCK_X__", &with_parts(LOCK_X_SQL))
             .replace("__UNLOCK_X__", UNLOCK_X_SQL),
         schema,
         table,
@@ -90,10 +96,10 @@ impl Statements {
                 qualified,
             ),
             release: fill("SELECT __F___release($1, $2, $3, $4, $5)", qualified),
-            lock_x: for_table(&with_gate(LOCK_X_SQL), schema, table),
-            wait_x: for_table(&with_gate(LOCK_X_SQL).replace("--W:", ""), schema, table),
+            lock_x: for_table(&with_parts(LOCK_X_SQL), schema, table),
+            wait_x: for_table(&with_parts(LOCK_X_SQL).replace("--W:", ""), schema, table),
             unlock_x: for_table(UNLOCK_X_SQL, schema, table),
-            lock_x_batch: for_table(&with_gate(LOCK_X_BATCH_SQL), schema, table),
+            lock_x_batch: for_table(&with_parts(LOCK_X_BATCH_SQL), schema, table),
             unlock_x_batch: for_table(UNLOCK_X_BATCH_SQL, schema, table),
             acquire_batch: fill(
                 "SELECT i, acquired, holds, token, ttl_ms \
