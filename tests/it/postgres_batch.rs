@@ -51,18 +51,7 @@ async fn lock_row(pool: &PgPool, name: &str) -> Transaction<'static, Postgres> {
 
 /// Whether a session of this database waits for a lock (a row's, here).
 async fn someone_waits(pool: &PgPool) -> bool {
-    waiting(pool).await > 0
-}
-
-/// How many sessions of this database wait for a lock.
-async fn waiting(pool: &PgPool) -> i64 {
-    sqlx::query_scalar::<_, i64>(
-        "SELECT count(*) FROM pg_stat_activity \
-          WHERE datname = current_database() AND wait_event_type = 'Lock'",
-    )
-    .fetch_one(pool)
-    .await
-    .unwrap()
+    common::postgres::waiting_for_a_lock(pool).await > 0
 }
 
 async fn take(backend: &PostgresBackend, req: &LockRequest) {
@@ -853,7 +842,7 @@ async fn a_renewal_and_a_batch_never_wait_for_each_other_in_a_cycle() {
         }
     });
     common::wait_until(Duration::from_secs(5), "the renewal waits too", || async {
-        waiting(&pool).await >= 2
+        common::postgres::waiting_for_a_lock(&pool).await >= 2
     })
     .await;
     blocker.rollback().await.unwrap();

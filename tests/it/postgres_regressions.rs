@@ -661,16 +661,7 @@ async fn overtaken_by_an_abandonment(
     common::wait_until(
         Duration::from_secs(5),
         "the attempt waits for the row",
-        || async {
-            sqlx::query_scalar::<_, i64>(
-                "SELECT count(*) FROM pg_stat_activity \
-                  WHERE datname = current_database() AND wait_event_type = 'Lock'",
-            )
-            .fetch_one(pool)
-            .await
-            .unwrap()
-                > 0
-        },
+        || async { common::postgres::waiting_for_a_lock(pool).await > 0 },
     )
     .await;
     // `a:1` is given up for good, and that commits before the attempt goes on.

@@ -27,6 +27,17 @@ pub fn with_database(base: &str, db: &str) -> String {
     format!("{head}/{db}{tail}")
 }
 
+/// How many sessions of `pool`'s database wait for a lock (a row's, in these tests).
+pub async fn waiting_for_a_lock(pool: &PgPool) -> i64 {
+    sqlx::query_scalar::<_, i64>(
+        "SELECT count(*) FROM pg_stat_activity \
+          WHERE datname = current_database() AND wait_event_type = 'Lock'",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
 pub struct PgDatabase {
     pub name: String,
     pub url: String,
