@@ -10,9 +10,16 @@
 -- granted an attempt that may not be granted fast, and otherwise without waiting for
 -- the disk; `_lock_x_batch` runs the same text.
 WITH req AS (
+    -- The arrays are read through a subquery kept as it is (`OFFSET 0`), so that the
+    -- planner estimates every call alike, whatever its arrays hold: as constants, the
+    -- few names of a typical call made a plan of their own look cheaper every time,
+    -- and the statement was planned afresh on each call (as long as running it).
     SELECT r.name, r.owner, r.lease_ms, r.fenced, r.deadline, r.fast, r.i
-      FROM unnest($1::text[], $2::text[], $3::bigint[], $4::boolean[], $5::bigint[],
-                  $6::boolean[])
+      FROM (SELECT $1::text[] AS names, $2::text[] AS owners, $3::bigint[] AS leases,
+                   $4::boolean[] AS fenced, $5::bigint[] AS deadlines,
+                   $6::boolean[] AS fast
+            OFFSET 0) a,
+           unnest(a.names, a.owners, a.leases, a.fenced, a.deadlines, a.fast)
            WITH ORDINALITY AS r(name, owner, lease_ms, fenced, deadline, fast, i)
 ), seen AS (
     -- What each attempt's snapshot saw of its name (`gen`), and its deadline.

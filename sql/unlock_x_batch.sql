@@ -8,8 +8,12 @@
 -- handed its name to a waiter (that is a grant), else without waiting for the disk;
 -- `_unlock_x_batch` runs the same text.
 WITH req AS (
+    -- Read through a subquery kept as it is, to be planned once (see
+    -- `sql/lock_x_batch.sql`).
     SELECT r.name, r.owner, r.lease_ms, r.i
-      FROM unnest($1::text[], $2::text[], $3::bigint[]) WITH ORDINALITY AS r(name, owner, lease_ms, i)
+      FROM (SELECT $1::text[] AS names, $2::text[] AS owners, $3::bigint[] AS leases
+            OFFSET 0) a,
+           unnest(a.names, a.owners, a.leases) WITH ORDINALITY AS r(name, owner, lease_ms, i)
 ), locked AS (
     SELECT n.name FROM __S__.__T___names n
      WHERE n.name IN (SELECT r.name FROM req r)
