@@ -261,18 +261,24 @@ impl SentinelSet {
         panic!("no Sentinel answered");
     }
 
-    /// The data node listening on `port`.
-    /// Restarts the node on `port` (not the primary) as a replica of the primary the
-    /// Sentinels name now, as a restarted node rejoins a set in production.
+    /// Restarts the node on `port` as a replica of the primary a majority of the
+    /// Sentinels name, as a restarted node rejoins a set in production; a killed
+    /// primary's node only once another replaced it.
     pub async fn restart_as_replica(&mut self, port: u16) {
-        let primary = self.primary_port().await;
-        assert_ne!(
-            primary, port,
-            "restart the primary only once it was replaced"
-        );
+        let primary = self
+            .wait_for_agreed_primary(Some(port), Duration::from_secs(30))
+            .await;
         self.node(port).restart_replicating(primary).await;
     }
 
+    /// The primary a majority of the Sentinels name and that accepts writes: right after
+    /// a failover, the first Sentinel to answer may still name the old one.
+    pub async fn agreed_primary_port(&self) -> u16 {
+        self.wait_for_agreed_primary(None, Duration::from_secs(30))
+            .await
+    }
+
+    /// The data node listening on `port`.
     pub fn node(&mut self, port: u16) -> &mut RedisServer {
         self.nodes
             .iter_mut()
