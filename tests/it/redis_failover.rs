@@ -486,7 +486,7 @@ async fn hammer_through_failovers(synced: Option<u32>) -> usize {
     // Every node restarted in turn; the primary is stopped until a replica took over
     // (restarted at once, it would come back empty before the Sentinels noticed).
     for port in set.nodes.iter().map(|n| n.port()).collect::<Vec<_>>() {
-        if port == set.agreed_primary_port().await {
+        if port == set.primary_port().await {
             set.node(port).kill();
             set.wait_for_new_primary(port, Duration::from_secs(30))
                 .await;

@@ -248,17 +248,12 @@ impl SentinelSet {
         self.sentinels.iter().map(Sentinel::url).collect()
     }
 
-    /// The primary's port as the first Sentinel that answers reports it.
+    /// The primary's port, as a majority of the Sentinels name it, once it accepts
+    /// writes: right after a failover, the first Sentinel to answer may still name the
+    /// old one.
     pub async fn primary_port(&self) -> u16 {
-        for sentinel in &self.sentinels {
-            if let Some((_, port)) = sentinel
-                .ask::<(String, u16)>(&["GET-MASTER-ADDR-BY-NAME", MASTER])
-                .await
-            {
-                return port;
-            }
-        }
-        panic!("no Sentinel answered");
+        self.wait_for_agreed_primary(None, Duration::from_secs(30))
+            .await
     }
 
     /// Restarts the node on `port` as a replica of the primary a majority of the
@@ -269,13 +264,6 @@ impl SentinelSet {
             .wait_for_agreed_primary(Some(port), Duration::from_secs(30))
             .await;
         self.node(port).restart_replicating(primary).await;
-    }
-
-    /// The primary a majority of the Sentinels name and that accepts writes: right after
-    /// a failover, the first Sentinel to answer may still name the old one.
-    pub async fn agreed_primary_port(&self) -> u16 {
-        self.wait_for_agreed_primary(None, Duration::from_secs(30))
-            .await
     }
 
     /// The data node listening on `port`.
@@ -304,7 +292,7 @@ impl SentinelSet {
 
     /// Waits until a majority of the Sentinels name one primary (not `not`) that accepts
     /// writes; returns its port. Right after a failover the first Sentinel to answer
-    /// may still name the old one: [`SentinelSet::primary_port`] is not enough there.
+    /// may still name the old one.
     async fn wait_for_agreed_primary(&self, not: Option<u16>, within: Duration) -> u16 {
         let deadline = Instant::now() + within;
         loop {
