@@ -80,10 +80,7 @@ async fn a_release_from_a_session_not_in_read_committed_is_refused_and_changes_n
     let db = PgDatabase::create().await;
     let backend = on(&db).await;
     let held = req("k", "a:1", LockMode::Exclusive);
-    assert!(matches!(
-        backend.acquire(&held).await.unwrap(),
-        Acquire::Acquired(_)
-    ));
+    take(&backend, &held).await;
     let pool = repeatable_read_pool(&db).await;
     let other = PostgresBackend::builder(pool)
         .migrate(false)
@@ -146,10 +143,7 @@ async fn force_releasing_the_read_lock_leaves_a_writer_alone() {
     let backend = on(&db).await;
     let key = LockKey::new("rw").unwrap();
     let w = req("rw", "w:1", LockMode::Write);
-    assert!(matches!(
-        backend.acquire(&w).await.unwrap(),
-        Acquire::Acquired(_)
-    ));
+    take(&backend, &w).await;
     assert!(!backend.force_release(&key, LockMode::Read).await.unwrap());
     assert!(
         backend.renew(&w).await.unwrap(),
@@ -157,10 +151,7 @@ async fn force_releasing_the_read_lock_leaves_a_writer_alone() {
     );
     assert!(backend.force_release(&key, LockMode::Write).await.unwrap());
     let r = req("rw", "r:1", LockMode::Read);
-    assert!(matches!(
-        backend.acquire(&r).await.unwrap(),
-        Acquire::Acquired(_)
-    ));
+    take(&backend, &r).await;
     assert!(!backend.force_release(&key, LockMode::Write).await.unwrap());
     assert!(
         backend.renew(&r).await.unwrap(),
@@ -176,10 +167,7 @@ async fn a_read_without_a_named_writer_passes_its_own_owners_write_hold() {
     let db = PgDatabase::create().await;
     let backend = on(&db).await;
     let mine = req("down", "o:1", LockMode::Write);
-    assert!(matches!(
-        backend.acquire(&mine).await.unwrap(),
-        Acquire::Acquired(_)
-    ));
+    take(&backend, &mine).await;
     let other = req("down", "w:2", LockMode::Write);
     assert!(matches!(
         backend.acquire(&other).await.unwrap(),
@@ -204,10 +192,7 @@ async fn expired_rows_do_not_pile_up() {
     let backend = on(&db).await;
     let mut short = req("gone", "a:1", LockMode::Read);
     short.lease = Duration::from_millis(20);
-    assert!(matches!(
-        backend.acquire(&short).await.unwrap(),
-        Acquire::Acquired(_)
-    ));
+    take(&backend, &short).await;
     for i in 0..5 {
         let mode = if i % 2 == 0 {
             LockMode::Exclusive
@@ -402,10 +387,7 @@ async fn a_late_attempt_of_an_abandoned_owner_takes_nothing() {
         let key = format!("late-{mode}");
         if let Some(blocker) = blocker {
             let held = req(&key, "holder:1", blocker);
-            assert!(matches!(
-                backend.acquire(&held).await.unwrap(),
-                Acquire::Acquired(_)
-            ));
+            take(&backend, &held).await;
         }
         let gone = req(&key, "gone:1", mode);
         // The compensation arrives first ...
@@ -427,10 +409,7 @@ async fn a_late_attempt_of_an_abandoned_owner_takes_nothing() {
     }
     // Someone else still gets the free lock.
     let other = req("late-exclusive", "other:1", LockMode::Exclusive);
-    assert!(matches!(
-        backend.acquire(&other).await.unwrap(),
-        Acquire::Acquired(_)
-    ));
+    take(&backend, &other).await;
 }
 
 /// Issue 20, item 1: an owner holds a key with a fixed 1 s lease; two of its tasks
@@ -734,10 +713,7 @@ async fn a_kept_connection_that_died_fails_once_and_is_replaced() {
         .await
         .unwrap();
     let lock = req("kept", "a:1", LockMode::Exclusive);
-    assert!(matches!(
-        backend.acquire(&lock).await.unwrap(),
-        Acquire::Acquired(_)
-    ));
+    take(&backend, &lock).await;
     assert_eq!(backend.release(&lock).await.unwrap(), Release::Released);
     let admin = db.pool(1).await;
     let killed: i64 = sqlx::query_scalar(
