@@ -9,7 +9,7 @@ use crate::common;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::postgres::PgDatabase;
+use common::postgres::{PgDatabase, take};
 use sqlx::postgres::PgListener;
 use sqlx::{PgPool, Postgres, Transaction};
 use tower_lock::backend::{Acquire, LockBackend, LockMode, LockRequest, Release};
@@ -52,11 +52,6 @@ async fn lock_row(pool: &PgPool, name: &str) -> Transaction<'static, Postgres> {
 /// Whether a session of this database waits for a lock (a row's, here).
 async fn someone_waits(pool: &PgPool) -> bool {
     common::postgres::waiting_for_a_lock(pool).await > 0
-}
-
-async fn take(backend: &PostgresBackend, req: &LockRequest) {
-    let taken = backend.acquire(req).await.unwrap();
-    assert!(matches!(taken, Acquire::Acquired(_)), "{taken:?}");
 }
 
 /// What an attempt answered, in classes that do not depend on timing: acquired, holds,

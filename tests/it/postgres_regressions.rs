@@ -5,7 +5,7 @@ use crate::common;
 
 use std::time::Duration;
 
-use common::postgres::PgDatabase;
+use common::postgres::{PgDatabase, take};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::time::Instant;
 use tower_lock::backend::{Acquire, ClientNames, LockBackend, LockMode, LockRequest, Release};
@@ -766,12 +766,6 @@ async fn a_kept_connection_that_died_fails_once_and_is_replaced() {
     }
     stream.await.unwrap();
     assert_eq!(backend.release(&lock).await.unwrap(), Release::Released);
-}
-
-/// `req` taken by `backend`: the name lets it in.
-async fn take(backend: &PostgresBackend, req: &LockRequest) {
-    let taken = backend.acquire(req).await.unwrap();
-    assert!(matches!(taken, Acquire::Acquired(_)), "{taken:?}");
 }
 
 /// `req` waiting on `backend`: subscribed, and its attempt answered busy (with

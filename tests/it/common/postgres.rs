@@ -7,6 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use sqlx::postgres::{PgPool, PgPoolOptions};
+use tower_lock::PostgresBackend;
+use tower_lock::backend::{Acquire, LockBackend, LockRequest};
 
 /// The server's maintenance database URL.
 pub fn admin_url() -> String {
@@ -25,6 +27,12 @@ pub fn with_database(base: &str, db: &str) -> String {
         _ => head,
     };
     format!("{head}/{db}{tail}")
+}
+
+/// `req` taken by `backend`: the name lets it in.
+pub async fn take(backend: &PostgresBackend, req: &LockRequest) {
+    let taken = backend.acquire(req).await.unwrap();
+    assert!(matches!(taken, Acquire::Acquired(_)), "{taken:?}");
 }
 
 /// How many sessions of `pool`'s database wait for a lock (a row's, in these tests).
