@@ -811,8 +811,8 @@ async fn a_cut_with_batches_in_flight_answers_every_caller_redis() {
     .await;
 }
 
-/// One lock at a time, 200 times: each finds the batcher idle and starts a sender task,
-/// and every one of them sends on the same connection (none is made, and no script
+/// One lock at a time, 200 times: each finds the batcher idle and is sent by its
+/// caller, and every one of them on the same connection (none is made, and no script
 /// loaded, per operation).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn locks_one_at_a_time_share_one_batch_connection_redis() {
@@ -831,4 +831,78 @@ async fn locks_one_at_a_time_share_one_batch_connection_redis() {
         loads,
         "scripts loaded"
     );
+}
+
+/// Many callers at once, on a backend whose batcher keeps going idle: an operation that
+/// arrives while another's caller is putting its own on the wire (the batcher busy, no
+/// drainer running) is still sent, by a drainer started when that caller is done. None
+/// waits for a reply that is not its own, and every lock is let go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operations_queued_behind_a_callers_own_send_are_sent_redis() {
+    let server = RedisServer::start().await;
+    let client = LockClient::new(RedisBackend::connect(server.url()).await.unwrap());
+    let mut callers = tokio::task::JoinSet::new();
+    for n in 0..64 {
+        let lock = client.get_lock(format!("behind-own-send:{n}")).unwrap();
+        callers.spawn(async move {
+            for _ in 0..50 {
+                lock.try_lock().await.unwrap().unlock().await.unwrap();
+                // Spread out, so that the batcher goes idle between operations.
+                if fastrand::u8(..4) == 0 {
+                    tokio::task::yield_now().await;
+                }
+            }
+        });
+    }
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(done) = callers.join_next().await {
+            done.unwrap();
+        }
+    })
+    .await
+    .expect("an operation was never sent");
+    assert_eq!(server.keys("*behind-own-send*").await, Vec::<String>::new());
+}
+
+/// An operation in flight that its caller sent itself (the batcher was idle) still makes
+/// the ones after it wait for the next batch: under load, operations share script calls
+/// instead of going one call each. Eight acquisitions made while the first one's reply
+/// is held go in one call. (On one thread, so that all of them are queued before the
+/// drainer that sends them runs.)
+#[tokio::test(flavor = "current_thread")]
+async fn operations_arriving_while_one_is_in_flight_share_one_call_redis() {
+    let server = RedisServer::start().await;
+    let (proxy, backend, _client) = patient_behind_proxy(&server).await;
+    let mut direct = server.conn().await;
+    proxy.set_flow(Direction::Down, Flow::Hold);
+    let before = scripts_run(&mut direct).await;
+    let first = {
+        let (backend, req) = (backend.clone(), request("in-flight:0", "hold-0"));
+        tokio::spawn(async move { backend.acquire(&req).await })
+    };
+    wait_until(Duration::from_secs(5), "the first one ran", || async {
+        scripts_run(&mut direct.clone()).await == before + 1
+    })
+    .await;
+    let mut later = Vec::new();
+    for n in 1..=8 {
+        let (backend, req) = (
+            backend.clone(),
+            request(&format!("in-flight:{n}"), &format!("hold-{n}")),
+        );
+        later.push(tokio::spawn(async move { backend.acquire(&req).await }));
+    }
+    wait_until(Duration::from_secs(5), "the later ones ran", || async {
+        server.keys("in-flight:*").await.len() == 9
+    })
+    .await;
+    assert_eq!(
+        scripts_run(&mut direct).await,
+        before + 2,
+        "script calls for the first operation and the eight after it"
+    );
+    proxy.set_flow(Direction::Down, Flow::Pass);
+    for taker in std::iter::once(first).chain(later) {
+        assert!(matches!(taker.await.unwrap(), Ok(Acquire::Acquired(_))));
+    }
 }

@@ -4,16 +4,20 @@
 //! commands inside it. So while one exclusive-lock call is on its way, the operations
 //! that arrive meanwhile wait in a queue, and when the call is answered they all go in
 //! one call of `lua/lock_batch.lua` (up to [`MAX_BATCH`]). An operation that finds
-//! nothing in flight goes at once, alone, with the single-key script: no added latency
-//! when idle beyond one task hop.
+//! nothing in flight goes at once, alone, with the single-key script.
 //!
-//! Every operation is sent by a spawned sender task, never by a caller's future: a
-//! caller that gives up (a timeout, a client hanging up) or whose future is parked
-//! without being dropped (a lost `select!` branch, a future kept in a struct) costs only
-//! itself, and the others' operations go on. An operation whose caller is gone is still
-//! sent, in order: the lock's compensating release for a cancelled acquisition is queued
-//! after it and undoes it. Within a batch the operations run in queue order, each alone
-//! against its own key, exactly as the single-key scripts would.
+//! Operations are sent by a spawned sender task, the drainer, never by a caller's
+//! future waiting for its reply: a caller that gives up (a timeout, a client hanging
+//! up) or whose future is parked without being dropped (a lost `select!` branch, a
+//! future kept in a struct) costs only itself, and the others' operations go on. The
+//! one exception costs nothing of the kind: on a single server, an operation that finds
+//! the batcher idle is put into the connection's queue by its caller's first poll
+//! ([`pipeline::direct`]), and from then on redis-rs sends it whether or not that
+//! caller is polled again; the batcher is free again before that poll ends. An
+//! operation whose caller is gone is still sent, in order: the lock's compensating
+//! release for a cancelled acquisition is queued after it and undoes it. Within a batch
+//! the operations run in queue order, each alone against its own key, exactly as the
+//! single-key scripts would.
 //!
 //! Acquisitions carry the deadline of the call that sends them (see
 //! [`clock`](crate::backend::clock)): a call that arrives after it takes nothing.
@@ -54,22 +58,34 @@ pub(super) enum OpReply {
     Release(Release),
 }
 
-/// One queued operation, with everything the batch call needs and where its answer
-/// goes.
+/// One operation, with everything its script call needs.
 ///
 /// It keeps the request's key and hold identity (shared, not copied): the names the
 /// call carries are written into its command as it is encoded, with no strings of their
 /// own on the way (five allocations an exclusive lock and unlock once cost here).
-struct Queued {
+pub(super) struct Job {
     op: Op,
     fenced: bool,
     key: LockKey,
     lease_ms: u64,
     hold_id: HoldId,
+}
+
+/// A queued [`Job`] and where its answer goes.
+struct Queued {
+    job: Job,
     reply: oneshot::Sender<Result<OpReply>>,
 }
 
-/// The second key of a queued operation ([`Queued::second`]).
+impl std::ops::Deref for Queued {
+    type Target = Job;
+
+    fn deref(&self) -> &Job {
+        &self.job
+    }
+}
+
+/// The second key of an operation ([`Job::second`]).
 enum Second<'a> {
     /// An unfenced acquisition's: the lock's own name again. The script never touches
     /// it, and it shares the lock's cluster slot.
@@ -87,7 +103,7 @@ impl redis::ToRedisArgs for Second<'_> {
     }
 }
 
-impl Queued {
+impl Job {
     /// The lock hash's name, under `prefix`.
     fn lock<'a>(&'a self, prefix: &'a str) -> LockName<'a> {
         Names::lock_of(prefix, &self.key)
@@ -122,6 +138,10 @@ struct State {
     queue: Vec<Queued>,
     /// The pipelined batches' connection while no drainer runs (see [`pipeline`]).
     line: Option<pipeline::Line>,
+    /// Operations sent by their callers ([`pipeline::direct`]) and not answered yet (or
+    /// whose callers have not dropped them yet): while any is, the next operation is
+    /// queued, so that what arrives under load is batched.
+    direct: usize,
 }
 
 impl Batcher {
@@ -131,21 +151,29 @@ impl Batcher {
 }
 
 /// Runs `op` for `req` (an exclusive lock): alone when nothing is in flight, else in
-/// the next batch. Sent by a task: dropping or parking this future never holds up
-/// anyone else's operation.
+/// the next batch. Put on the wire by this future's first poll when the batcher is idle
+/// ([`pipeline::direct`]), else sent by a task: either way, dropping or parking this
+/// future after its first poll never holds up anyone else's operation, nor its own.
 pub(super) async fn run(inner: &Arc<Inner>, op: Op, req: &LockRequest) -> Result<OpReply> {
-    let (reply, receiver) = oneshot::channel();
-    let queued = Queued {
+    let job = Job {
         op,
         fenced: req.fenced,
         key: req.key.clone(),
         lease_ms: lease_ms(req.lease),
         hold_id: req.hold_id.clone(),
-        reply,
     };
+    let job = if inner.pipelines() {
+        match pipeline::direct(inner, job).await {
+            Ok(reply) => return reply,
+            Err(job) => job,
+        }
+    } else {
+        job
+    };
+    let (reply, receiver) = oneshot::channel();
     let start = {
         let mut state = inner.batcher.state();
-        state.queue.push(queued);
+        state.queue.push(Queued { job, reply });
         !std::mem::replace(&mut state.busy, true)
     };
     if start {

@@ -1462,8 +1462,26 @@ impl fmt::Display for Companion<'_> {
 }
 
 impl redis::ToRedisArgs for Companion<'_> {
+    /// Written in pieces, without the formatting machinery (on every release's path).
     fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
-        out.write_arg_fmt(self);
+        use std::io::Write as _;
+        let (open, close): (&[u8], &[u8]) = if self.tagged() {
+            (b"", b"")
+        } else {
+            (b"{", b"}")
+        };
+        let mut arg = out.writer_for_next_arg();
+        // Writing into the command's own buffer cannot fail.
+        for piece in [
+            self.kind.as_bytes(),
+            b":",
+            open,
+            self.prefix.as_bytes(),
+            self.key.as_str().as_bytes(),
+            close,
+        ] {
+            let _ = arg.write_all(piece);
+        }
     }
 }
 
@@ -1483,10 +1501,14 @@ impl fmt::Display for LockName<'_> {
 
 impl redis::ToRedisArgs for LockName<'_> {
     fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
+        use std::io::Write as _;
         if self.prefix.is_empty() {
             out.write_arg(self.key.as_str().as_bytes());
         } else {
-            out.write_arg_fmt(self);
+            let mut arg = out.writer_for_next_arg();
+            // Writing into the command's own buffer cannot fail.
+            let _ = arg.write_all(self.prefix.as_bytes());
+            let _ = arg.write_all(self.key.as_str().as_bytes());
         }
     }
 }

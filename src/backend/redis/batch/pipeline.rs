@@ -22,6 +22,13 @@
 //!   operations fail as after a lost connection (the lock core tries a first attempt
 //!   once more at once) and the scripts are loaded again before the next batch.
 //!
+//! An operation that finds the batcher idle is issued the same way by its own caller
+//! ([`direct`]): the batcher stays busy until its command is in the connection's queue,
+//! so nothing can be put ahead of it, and what comes after it goes behind it. The one
+//! difference: when its connection is replaced, nobody waits for its reply, as the
+//! drainer waits for its batches. It is then an attempt over a connection that was cut
+//! (see [`direct`]).
+//!
 //! Not with replica acknowledgement, whose `WAIT` rides with each call (those batches go
 //! one at a time, as before).
 
@@ -35,7 +42,7 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use redis::aio::MultiplexedConnection;
 use redis::{RedisResult, Value};
 
-use super::{Drainer, MAX_BATCH, Op, OpReply, Queued, fail, parse};
+use super::{Drainer, Job, MAX_BATCH, Op, OpReply, Queued, fail, parse, start_drainer};
 use crate::backend::Release;
 use crate::backend::redis::{Inner, UNLOCK_MESSAGE, parse_acquire};
 use crate::error::{Error, Result, StoreError, StoreErrorKind};
@@ -124,6 +131,13 @@ impl Line {
         self.conn.is_some() && self.broken.load(Ordering::Acquire)
     }
 
+    /// The connection, when one can be sent on as it is: made, not broken, its scripts
+    /// loaded.
+    fn ready(&self) -> Option<&MultiplexedConnection> {
+        let fine = !self.broken.load(Ordering::Acquire) && !self.reload.load(Ordering::Acquire);
+        self.conn.as_ref().filter(|_| fine)
+    }
+
     /// The connection to send on: the current one, or a new one (with the scripts
     /// loaded) when there is none or it failed.
     async fn connection(&mut self, inner: &Inner) -> Result<MultiplexedConnection> {
@@ -188,6 +202,119 @@ async fn connect(inner: &Inner) -> Result<MultiplexedConnection> {
     }
 }
 
+/// Sends `job` from its caller's own future, when the batcher is idle (nothing queued,
+/// no drainer, no other operation sent this way unanswered) and needs no I/O before
+/// sending: its connection is made and sound, and an acquisition's deadline can be read
+/// off the clock sample. `Err(job)` otherwise: the caller queues it.
+///
+/// What the drainer would do for it, minus the task: no task is spawned, and the reply
+/// comes to the caller without passing through another task (one wake-up instead of
+/// two). The batcher stays busy while the command goes into the connection's queue, so
+/// no batch can be put ahead of it; an operation queued meanwhile gets a drainer once
+/// that is done, so it never waits for this one's reply. From then on the command no
+/// longer needs its caller: redis-rs sends it whether or not this future is polled
+/// again, and the reply of a caller that left is dropped.
+///
+/// A connection replaced while such a command is on its way is not waited for, unlike
+/// the drainer's batches: like any attempt over a connection that was cut, it is refused
+/// by the script once its deadline has passed, and an acquisition given up meanwhile is
+/// taken back a second time after that deadline (`abandon`), in case it landed after the
+/// first take-back.
+pub(super) async fn direct(
+    inner: &Arc<Inner>,
+    job: Job,
+) -> std::result::Result<Result<OpReply>, Job> {
+    let Some(Slot {
+        mut conn,
+        broken,
+        reload,
+        deadline,
+    }) = claim(inner, job.op)
+    else {
+        return Err(job);
+    };
+    let in_flight = InFlight(inner);
+    let claimed = Claimed(inner);
+    let cmd = command_one(inner, &job, deadline);
+    let mut sending = std::pin::pin!(cmd.query_async::<Value>(&mut conn));
+    // One poll: the command is in the connection's queue now, ahead of any later one.
+    let early = std::future::poll_fn(|cx| {
+        Poll::Ready(match sending.as_mut().poll(cx) {
+            Poll::Ready(reply) => Some(reply),
+            Poll::Pending => None,
+        })
+    })
+    .await;
+    drop(claimed);
+    let reply = match early {
+        Some(reply) => reply,
+        None => sending.await,
+    };
+    drop(in_flight);
+    Ok(checked(inner, reply, &broken, &reload).and_then(|value| single_reply(job.op, value)))
+}
+
+/// What [`direct`] sends on: the line's connection and its flags, and the deadline of
+/// an operation sent now.
+struct Slot {
+    conn: MultiplexedConnection,
+    broken: Arc<AtomicBool>,
+    reload: Arc<AtomicBool>,
+    deadline: u64,
+}
+
+/// A [`Slot`] for `op`, with the batcher claimed (busy, one more direct operation): when
+/// [`direct`] may send it.
+fn claim(inner: &Inner, op: Op) -> Option<Slot> {
+    let mut state = inner.batcher.state();
+    if state.busy || state.direct > 0 {
+        return None;
+    }
+    let line = state.line.as_ref()?;
+    let slot = Slot {
+        conn: line.ready()?.clone(),
+        broken: Arc::clone(&line.broken),
+        reload: Arc::clone(&line.reload),
+        deadline: match op {
+            Op::Acquire => inner.clock.deadline(inner.attempt_window)?,
+            Op::Release => 0,
+        },
+    };
+    state.busy = true;
+    state.direct += 1;
+    Some(slot)
+}
+
+/// An operation [`direct`] sent, until its reply comes or its caller drops it. A caller
+/// parked forever keeps it, and with it every later operation on the queue's path: as
+/// before there was a direct path, never frozen.
+struct InFlight<'a>(&'a Arc<Inner>);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        let mut state = self.0.batcher.state();
+        state.direct = state.direct.saturating_sub(1);
+    }
+}
+
+/// The batcher claimed by [`direct`] while its command goes into the connection's
+/// queue. Dropped, it leaves the batcher idle, or starts a drainer for what was queued
+/// meanwhile.
+struct Claimed<'a>(&'a Arc<Inner>);
+
+impl Drop for Claimed<'_> {
+    fn drop(&mut self) {
+        let mut state = self.0.batcher.state();
+        if state.queue.is_empty() {
+            state.busy = false;
+            return;
+        }
+        // Still busy: the drainer takes over the queue, as `run` hands it one.
+        drop(state);
+        start_drainer(self.0);
+    }
+}
+
 /// Puts `batch` on the wire: its deadline first, then its command into the
 /// connection's queue, before the drainer takes the next batch. `None` when it was
 /// answered at once (an error before sending).
@@ -229,43 +356,56 @@ async fn issue(inner: &Arc<Inner>, line: &mut Line, batch: Vec<Queued>) -> Optio
 /// The bare `EVALSHA` of `batch`: the single-key script for one operation,
 /// `lua/lock_batch.lua` for more.
 fn command(inner: &Inner, batch: &[Queued], deadline: u64) -> redis::Cmd {
-    let scripts = inner.publish.scripts();
+    if let [q] = batch {
+        return command_one(inner, q, deadline);
+    }
     let prefix = &inner.prefix;
     let mut cmd = redis::cmd("EVALSHA");
-    match batch {
-        [q] if q.op == Op::Acquire => {
+    cmd.arg(inner.publish.scripts().batch.get_hash())
+        .arg(2 * batch.len());
+    for q in batch {
+        cmd.arg(q.lock(prefix)).arg(q.second(prefix));
+    }
+    cmd.arg(deadline);
+    for q in batch {
+        let tag = match (q.op, q.fenced) {
+            (Op::Release, _) => "r",
+            (Op::Acquire, true) => "f",
+            (Op::Acquire, false) => "a",
+        };
+        cmd.arg(tag).arg(q.lease_ms).arg(q.hold_id.as_str());
+    }
+    cmd
+}
+
+/// The bare `EVALSHA` of one operation's single-key script, written into buffers sized
+/// for it up front (grown argument by argument, they cost a few reallocations a call).
+fn command_one(inner: &Inner, job: &Job, deadline: u64) -> redis::Cmd {
+    let scripts = inner.publish.scripts();
+    let prefix = &inner.prefix;
+    // EVALSHA, the hash, the key count, two names, three or four values.
+    let size = 192 + 3 * (prefix.len() + job.key.as_str().len()) + job.hold_id.as_str().len();
+    let mut cmd = redis::Cmd::with_capacity(9, size);
+    cmd.arg("EVALSHA");
+    match job.op {
+        Op::Acquire => {
             cmd.arg(scripts.acquire.get_hash())
                 .arg(2)
-                .arg(q.lock(prefix))
-                .arg(q.second(prefix))
-                .arg(q.lease_ms)
-                .arg(q.hold_id.as_str())
-                .arg(if q.fenced { "1" } else { "0" })
+                .arg(job.lock(prefix))
+                .arg(job.second(prefix))
+                .arg(job.lease_ms)
+                .arg(job.hold_id.as_str())
+                .arg(if job.fenced { "1" } else { "0" })
                 .arg(deadline);
         }
-        [q] => {
+        Op::Release => {
             cmd.arg(scripts.release.get_hash())
                 .arg(2)
-                .arg(q.lock(prefix))
-                .arg(q.second(prefix))
+                .arg(job.lock(prefix))
+                .arg(job.second(prefix))
                 .arg(UNLOCK_MESSAGE)
-                .arg(q.lease_ms)
-                .arg(q.hold_id.as_str());
-        }
-        _ => {
-            cmd.arg(scripts.batch.get_hash()).arg(2 * batch.len());
-            for q in batch {
-                cmd.arg(q.lock(prefix)).arg(q.second(prefix));
-            }
-            cmd.arg(deadline);
-            for q in batch {
-                let tag = match (q.op, q.fenced) {
-                    (Op::Release, _) => "r",
-                    (Op::Acquire, true) => "f",
-                    (Op::Acquire, false) => "a",
-                };
-                cmd.arg(tag).arg(q.lease_ms).arg(q.hold_id.as_str());
-            }
+                .arg(job.lease_ms)
+                .arg(job.hold_id.as_str());
         }
     }
     cmd
@@ -279,24 +419,9 @@ fn answer(
     broken: &AtomicBool,
     reload: &AtomicBool,
 ) {
-    let no_script = redis::ErrorKind::Server(redis::ServerErrorKind::NoScript);
-    let value = match reply {
+    let value = match checked(inner, reply, broken, reload) {
         Ok(value) => value,
-        Err(error) if error.kind() == no_script => {
-            // Nothing ran. The scripts are loaded again before the next batch, and the
-            // callers try once more at once, as after a connection lost: a restart or a
-            // failover to a replica costs them no error.
-            reload.store(true, Ordering::Release);
-            let error = StoreError::connection_lost(error)
-                .with_message("the lock scripts were gone from the server; loading them again");
-            return fail(batch, &Error::Store(error));
-        }
-        Err(error) => {
-            if !is_script_error(&error) {
-                broken.store(true, Ordering::Release);
-            }
-            return fail(batch, &inner.failed(error));
-        }
+        Err(error) => return fail(batch, &error),
     };
     if batch.len() == 1
         && let Some(q) = batch.pop()
@@ -308,12 +433,42 @@ fn answer(
     match value {
         Value::Array(values) if values.len() == 3 * batch.len() => {
             for (q, triple) in batch.into_iter().zip(values.chunks_exact(3)) {
-                let _ = q.reply.send(parse(q.op, triple));
+                let _ = q.reply.send(parse(q.job.op, triple));
             }
         }
         other => {
             let message = format!("lock batch of {} answered {other:?}", batch.len());
             fail(batch, &Error::store(StoreErrorKind::Unexpected, message));
+        }
+    }
+}
+
+/// A call's reply, or the error its operations get. A failed call marks its connection
+/// `broken` (nothing more is sent on it), unless the script itself failed; a missing
+/// script marks the scripts for `reload`.
+fn checked(
+    inner: &Inner,
+    reply: RedisResult<Value>,
+    broken: &AtomicBool,
+    reload: &AtomicBool,
+) -> Result<Value> {
+    let no_script = redis::ErrorKind::Server(redis::ServerErrorKind::NoScript);
+    match reply {
+        Ok(value) => Ok(value),
+        Err(error) if error.kind() == no_script => {
+            // Nothing ran. The scripts are loaded again before the next batch, and the
+            // callers try once more at once, as after a connection lost: a restart or a
+            // failover to a replica costs them no error.
+            reload.store(true, Ordering::Release);
+            let error = StoreError::connection_lost(error)
+                .with_message("the lock scripts were gone from the server; loading them again");
+            Err(Error::Store(error))
+        }
+        Err(error) => {
+            if !is_script_error(&error) {
+                broken.store(true, Ordering::Release);
+            }
+            Err(inner.failed(error))
         }
     }
 }
