@@ -1,7 +1,10 @@
 -- Shared helpers of the fair, read-write, permit and mixed-renewal scripts.
 --
--- Not a script of its own: src/backend/redis/mod.rs prepends this file to every script
--- whose header says "with lib.lua", so each operation stays one EVALSHA.
+-- Not a script of its own: src/backend/redis/mod.rs prepends it to every script whose
+-- header says "with lib.lua", so each operation stays one EVALSHA. Only what a script
+-- needs goes in front of it (src/backend/redis/modes.rs, `lib_for`): everything above
+-- the first helper, and each `local function` it calls, directly or through another,
+-- with the comment lines just above it. Redis runs the whole text on every call.
 --
 -- The wait queue (fair and read-write locks) is Redisson RFairLock's pair of keys:
 --   Q  list  redisson_lock_queue:{NAME}    waiters in arrival order

@@ -242,8 +242,9 @@ impl Publish {
     }
 
     /// The shared helpers followed by `body`, as one script that publishes this way.
+    /// `body` after the helpers of `lua/lib.lua` it calls.
     fn with_lib(self, body: &str) -> Script {
-        self.script(&[modes::LIB, body].concat())
+        self.script(&modes::lib_for(body))
     }
 
     fn text(self, source: &str) -> String {
