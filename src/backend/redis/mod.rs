@@ -241,8 +241,8 @@ impl Publish {
         Script::new(&self.text(source))
     }
 
-    /// The shared helpers followed by `body`, as one script that publishes this way.
-    /// `body` after the helpers of `lua/lib.lua` it calls.
+    /// `body` after the helpers of `lua/lib.lua` it calls ([`modes::lib_for`]), as one
+    /// script that publishes this way.
     fn with_lib(self, body: &str) -> Script {
         self.script(&modes::lib_for(body))
     }
