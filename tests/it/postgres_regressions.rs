@@ -1038,6 +1038,21 @@ async fn an_attempt_overtaken_by_another_owners_abandonment_still_takes_a_free_l
     );
 }
 
+/// Runs `sql` (no parameters, no rows wanted) on `conn`.
+async fn run_sql(conn: &mut sqlx::PgConnection, sql: &str) {
+    sqlx::raw_sql(sql).execute(conn).await.unwrap();
+}
+
+/// The body of the installed SQL function `function`: the statement the backend sends,
+/// parameters and all.
+async fn function_body(conn: &mut sqlx::PgConnection, function: &str) -> String {
+    sqlx::query_scalar("SELECT prosrc FROM pg_proc WHERE proname = $1")
+        .bind(function)
+        .fetch_one(conn)
+        .await
+        .unwrap()
+}
+
 /// Found while making the exclusive statements leaner: reading the epoch gate with a
 /// join of its two tables made the planner, on tables it had no statistics for yet,
 /// estimate the statement above `jit_above_cost`, and every execution then compiled
@@ -1056,10 +1071,7 @@ async fn the_exclusive_statements_stay_cheap_to_plan_and_choose_their_commit_inl
         .unwrap()
         .parse()
         .unwrap();
-    sqlx::raw_sql("SET plan_cache_mode = force_generic_plan")
-        .execute(&mut *conn)
-        .await
-        .unwrap();
+    run_sql(&mut conn, "SET plan_cache_mode = force_generic_plan").await;
     let statements = [
         (
             "tower_lock_lock_x",
@@ -1083,25 +1095,14 @@ async fn the_exclusive_statements_stay_cheap_to_plan_and_choose_their_commit_inl
         ),
     ];
     for (function, types, args) in statements {
-        // The function's body is the statement the backend sends, parameters and all.
-        let body: String = sqlx::query_scalar("SELECT prosrc FROM pg_proc WHERE proname = $1")
-            .bind(function)
-            .fetch_one(&mut *conn)
-            .await
-            .unwrap();
-        sqlx::raw_sql(&format!("PREPARE s ({types}) AS {body}"))
-            .execute(&mut *conn)
-            .await
-            .unwrap();
+        let body = function_body(&mut conn, function).await;
+        run_sql(&mut conn, &format!("PREPARE s ({types}) AS {body}")).await;
         let plan: Vec<String> =
             sqlx::query_scalar(&format!("EXPLAIN (VERBOSE) EXECUTE s ({args})"))
                 .fetch_all(&mut *conn)
                 .await
                 .unwrap();
-        sqlx::raw_sql("DEALLOCATE s")
-            .execute(&mut *conn)
-            .await
-            .unwrap();
+        run_sql(&mut conn, "DEALLOCATE s").await;
         let plan = plan.join("\n");
         let total: f64 = plan
             .split_once("..")
@@ -1143,25 +1144,15 @@ async fn the_batch_statements_settle_on_one_plan_instead_of_planning_every_call(
         eprintln!("skipped: PostgreSQL {version} does not count plans per statement");
         return;
     }
-    sqlx::raw_sql("SET plan_cache_mode = auto")
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-    let body = async |conn: &mut sqlx::PgConnection, function: &str| -> String {
-        sqlx::query_scalar("SELECT prosrc FROM pg_proc WHERE proname = $1")
-            .bind(function)
-            .fetch_one(conn)
-            .await
-            .unwrap()
-    };
+    run_sql(&mut conn, "SET plan_cache_mode = auto").await;
     let statements = [
         (
-            body(&mut conn, "tower_lock_lock_x_batch").await,
+            function_body(&mut conn, "tower_lock_lock_x_batch").await,
             "text[], text[], bigint[], boolean[], bigint[], boolean[]",
             "ARRAY['k#', 'j#'], '{a:1,a:1}', '{30000,30000}', '{f,t}', '{0,0}', '{f,f}'",
         ),
         (
-            body(&mut conn, "tower_lock_unlock_x_batch").await,
+            function_body(&mut conn, "tower_lock_unlock_x_batch").await,
             "text[], text[], bigint[], text",
             "ARRAY['k#', 'j#'], '{a:1,a:1}', '{30000,30000}', 'o'",
         ),
@@ -1178,18 +1169,10 @@ async fn the_batch_statements_settle_on_one_plan_instead_of_planning_every_call(
         ),
     ];
     for (statement, types, args) in &statements {
-        sqlx::raw_sql(&format!("PREPARE s ({types}) AS {statement}"))
-            .execute(&mut *conn)
-            .await
-            .unwrap();
+        run_sql(&mut conn, &format!("PREPARE s ({types}) AS {statement}")).await;
         for call in 0..12 {
-            sqlx::raw_sql(&format!(
-                "EXECUTE s ({})",
-                args.replace('#', &call.to_string())
-            ))
-            .execute(&mut *conn)
-            .await
-            .unwrap();
+            let args = args.replace('#', &call.to_string());
+            run_sql(&mut conn, &format!("EXECUTE s ({args})")).await;
         }
         let (generic, custom): (i64, i64) = sqlx::query_as(
             "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE name = 's'",
@@ -1197,10 +1180,7 @@ async fn the_batch_statements_settle_on_one_plan_instead_of_planning_every_call(
         .fetch_one(&mut *conn)
         .await
         .unwrap();
-        sqlx::raw_sql("DEALLOCATE s")
-            .execute(&mut *conn)
-            .await
-            .unwrap();
+        run_sql(&mut conn, "DEALLOCATE s").await;
         assert!(
             custom <= 5 && generic == 12 - custom,
             "planned {custom} times for 12 calls ({generic} with the kept plan):\n{statement}"
