@@ -4,7 +4,8 @@
 //! ```sh
 //! cargo run --release --example bench -- --url redis://127.0.0.1:6379 \
 //!     --workers 32 --seconds 10 --workload w1 [--handoff] [--backend redis|memory] \
-//!     [--kind lock|fair|read|write|permits] [--impl tower-lock|baseline] [--lease-ms L]
+//!     [--kind lock|fair|read|write|permits] [--impl tower-lock|baseline|safe-baseline] \
+//!     [--lease-ms L]
 //! cargo run --release --example bench -- --url postgres://root@127.0.0.1:5432/bench \
 //!     --seconds 10 --workload pg
 //! ```
@@ -21,8 +22,12 @@
 //!   `--impl baseline` runs the hand-rolled reference instead: on Redis `SET key owner
 //!   NX PX` and a Lua compare-and-delete on a multiplexed connection; on PostgreSQL
 //!   `pg_advisory_lock(hashtext(key))` and `pg_advisory_unlock` (session advisory locks)
-//!   on a connection of each worker's own. On PostgreSQL the lines add what the server
-//!   spent per cycle: `pg_cpu_us_per_cycle` (the CPU time of the local `postgres`
+//!   on a connection of each worker's own. `--impl safe-baseline` (Redis) sends the
+//!   baseline's `SET` through `lua/bench_safe_acquire.lua`, which refuses it once the
+//!   server's clock has passed a deadline one second after it was sent: the one safety
+//!   rule tower-lock keeps that the plain baseline does not (a `SET` delayed past its
+//!   sender's timeout takes a lock nobody holds). On PostgreSQL the lines add what the
+//!   server spent per cycle: `pg_cpu_us_per_cycle` (the CPU time of the local `postgres`
 //!   processes, from `/proc`; `null` when the server is not on this machine),
 //!   `pg_write_xacts_per_cycle` (transaction ids assigned: each is a commit that
 //!   writes) and `pg_wal_bytes_per_cycle`.
@@ -47,9 +52,9 @@
 //! - `all`: the whole suite in one run, one JSON line per measurement: redis-benchmark's
 //!   ceilings for tower-lock's own acquire and release scripts (`-c 1 -P 1` and
 //!   `-c 32 -P 16`, when `redis-benchmark` is on `PATH`), w1 with 1 and 32 workers for
-//!   tower-lock and the baseline, w2 for the plain and the fair lock, w2h, w3 at 20 and
-//!   200 waiters, w4, and w5 for each layer at 64 connections and at 1. `--chart F.svg`
-//!   draws the handoff-latency distributions of w2 and w2h.
+//!   tower-lock, the baseline and the safe baseline, w2 for the plain and the fair
+//!   lock, w2h, w3 at 20 and 200 waiters, w4, and w5 for each layer at 64 connections
+//!   and at 1. `--chart F.svg` draws the handoff-latency distributions of w2 and w2h.
 //! - `pg`: the PostgreSQL suite in one run (`--url postgres://...`): w1 with 1 and 32
 //!   workers (and again with fast grants, `--fast-grants-ms`, default 30 s), w2 and w2h
 //!   with 8 (and again with `--hand-over`), each for tower-lock and the advisory-lock
@@ -183,6 +188,8 @@ const PERMITS: u32 = 8;
 enum Impl {
     TowerLock,
     Baseline,
+    /// The baseline with its `SET NX PX` refused past a deadline (Redis, w1).
+    SafeBaseline,
 }
 
 /// The benchmark: one JSON line per run (see the module docs for the workloads).
@@ -219,7 +226,8 @@ struct Args {
     #[arg(long, value_enum, default_value_t = LockKind::Lock)]
     kind: LockKind,
     /// `baseline` runs the hand-rolled reference: SET NX PX (w1) on Redis, advisory
-    /// locks (w1, w2) on PostgreSQL.
+    /// locks (w1, w2) on PostgreSQL; `safe-baseline` the Redis one with its SET refused
+    /// past a deadline (w1).
     #[arg(long = "impl", value_name = "IMPL", value_enum, default_value_t = Impl::TowerLock)]
     implementation: Impl,
     /// A fixed lease in milliseconds (default: the watchdog).
@@ -297,6 +305,9 @@ fn check(a: &Args) -> Result<(), &'static str> {
     if a.implementation == Impl::Baseline && !postgres && a.workload != Workload::W1 {
         return Err("--impl baseline exists for w1 only on Redis (w1 and w2 on PostgreSQL)");
     }
+    if a.implementation == Impl::SafeBaseline && (postgres || a.workload != Workload::W1) {
+        return Err("--impl safe-baseline exists for w1 on Redis only");
+    }
     Ok(())
 }
 
@@ -315,6 +326,9 @@ async fn main() -> ExitCode {
             .exit();
     }
     let result = match args.workload {
+        Workload::W1 if args.implementation == Impl::SafeBaseline => {
+            w1_baseline(&args).await.and_then(|l| say(&l))
+        }
         Workload::W1 if args.implementation == Impl::Baseline => {
             if is_postgres(&args.url) {
                 w1_pg_baseline(&args).await.and_then(|l| say(&l))
@@ -351,6 +365,7 @@ fn peer(args: &Args) -> &'static str {
     match (args.implementation, args.kind) {
         (Impl::Baseline, _) if is_postgres(&args.url) => "pg-advisory-baseline",
         (Impl::Baseline, _) => "redis-setnx-baseline",
+        (Impl::SafeBaseline, _) => "redis-setnx-deadline-baseline",
         (Impl::TowerLock, LockKind::Fair) => "tower-lock-fair",
         (Impl::TowerLock, LockKind::Lock) => "tower-lock",
         (Impl::TowerLock, LockKind::Read) => "tower-lock-read",
@@ -586,14 +601,31 @@ fn w1_line(
     }
 }
 
-const BASELINE_UNLOCK: &str = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end";
-
 /// The hand-rolled reference: SET NX PX + Lua compare-and-delete on one multiplexed
-/// connection (what most Redis lock libraries do, minus their retry loops).
+/// connection (what most Redis lock libraries do, minus their retry loops). With
+/// `--impl safe-baseline` the `SET` goes through `lua/bench_safe_acquire.lua`, which
+/// refuses it past a deadline on the server's clock, as tower-lock refuses every
+/// acquisition that arrives after its sender gave up: what that safety costs a lock
+/// with none of tower-lock's other work.
 async fn w1_baseline(args: &Args) -> Result<W1Line, String> {
-    let conn = redis_conn(&args.url).await?;
+    let mut conn = redis_conn(&args.url).await?;
+    let safe = args.implementation == Impl::SafeBaseline;
+    // The server's clock at a local instant: each attempt's deadline is one second past
+    // the server's time when it is sent (the lower bound of src/backend/clock.rs).
+    let (server_us, sampled): (u64, Instant) = {
+        let (secs, micros): (u64, u64) = redis::cmd("TIME")
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| format!("reading the server's clock: {e}"))?;
+        (secs * 1_000_000 + micros, Instant::now())
+    };
     let cpu_before = redis_cpu_us(&args.url).await?;
-    let unlock = Arc::new(redis::Script::new(BASELINE_UNLOCK));
+    let unlock = Arc::new(redis::Script::new(include_str!(
+        "../lua/bench_baseline_unlock.lua"
+    )));
+    let acquire = Arc::new(redis::Script::new(include_str!(
+        "../lua/bench_safe_acquire.lua"
+    )));
     let ttl_ms = args.lease.map_or(30_000, |l| l.as_millis() as u64);
     let deadline = Instant::now() + Duration::from_secs_f64(args.seconds);
     let failures = Arc::new(AtomicU64::new(0));
@@ -601,7 +633,7 @@ async fn w1_baseline(args: &Args) -> Result<W1Line, String> {
     let mut tasks = Vec::new();
     for w in 0..args.workers {
         let mut conn = conn.clone();
-        let unlock = unlock.clone();
+        let (unlock, acquire) = (unlock.clone(), acquire.clone());
         let failures = failures.clone();
         let mut samples = latencies()?;
         tasks.push(tokio::spawn(async move {
@@ -609,15 +641,28 @@ async fn w1_baseline(args: &Args) -> Result<W1Line, String> {
             let owner = format!("baseline-{w}");
             while Instant::now() < deadline {
                 let t0 = Instant::now();
-                let set: redis::RedisResult<Option<String>> = redis::cmd("SET")
-                    .arg(&key)
-                    .arg(&owner)
-                    .arg("NX")
-                    .arg("PX")
-                    .arg(ttl_ms)
-                    .query_async(&mut conn)
-                    .await;
-                if !matches!(set, Ok(Some(_))) {
+                let acquired = if safe {
+                    let by = server_us + micros(t0.saturating_duration_since(sampled)) + 1_000_000;
+                    let taken: redis::RedisResult<i64> = acquire
+                        .key(&key)
+                        .arg(&owner)
+                        .arg(ttl_ms)
+                        .arg(by)
+                        .invoke_async(&mut conn)
+                        .await;
+                    matches!(taken, Ok(1))
+                } else {
+                    let set: redis::RedisResult<Option<String>> = redis::cmd("SET")
+                        .arg(&key)
+                        .arg(&owner)
+                        .arg("NX")
+                        .arg("PX")
+                        .arg(ttl_ms)
+                        .query_async(&mut conn)
+                        .await;
+                    matches!(set, Ok(Some(_)))
+                };
+                if !acquired {
                     failures.fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
@@ -1796,8 +1841,23 @@ async fn all(args: &Args) -> Result<(), String> {
             format!("w1x{workers}_redis_cpu_per_cycle"),
             ratio(ours.redis_cpu_us_per_cycle, base.redis_cpu_us_per_cycle),
         ));
+        let safe = w1_baseline(&with(&|a| {
+            a.workers = workers;
+            a.workload = Workload::W1;
+            a.implementation = Impl::SafeBaseline;
+        }))
+        .await?;
+        ratios.push((
+            format!("w1x{workers}_cycles_per_s_vs_safe"),
+            ratio(Some(ours.cycles_per_s), Some(safe.cycles_per_s)),
+        ));
+        ratios.push((
+            format!("w1x{workers}_redis_cpu_per_cycle_vs_safe"),
+            ratio(ours.redis_cpu_us_per_cycle, safe.redis_cpu_us_per_cycle),
+        ));
         say(&ours)?;
         say(&base)?;
+        say(&safe)?;
     }
     let (w2_line, w2_samples) = w2_with_samples(&with(&|a| {
         a.workers = 8;
