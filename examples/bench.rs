@@ -24,8 +24,8 @@
 //!   `pg_advisory_lock(hashtext(key))` and `pg_advisory_unlock` (session advisory locks)
 //!   on a connection of each worker's own. `--impl safe-baseline` (Redis) sends the
 //!   baseline's `SET` through `lua/bench_safe_acquire.lua`, which refuses it once the
-//!   server's clock has passed a deadline one second after it was sent: the one safety
-//!   rule tower-lock keeps that the plain baseline does not (a `SET` delayed past its
+//!   server's clock has passed a deadline one second after it was sent: a rule
+//!   tower-lock keeps and the plain baseline does not (a `SET` delayed past its
 //!   sender's timeout takes a lock nobody holds). On PostgreSQL the lines add what the
 //!   server spent per cycle: `pg_cpu_us_per_cycle` (the CPU time of the local `postgres`
 //!   processes, from `/proc`; `null` when the server is not on this machine),

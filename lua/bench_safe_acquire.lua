@@ -1,4 +1,4 @@
--- The benchmark's fault-safe hand-rolled reference (examples/bench.rs, `--impl
+-- The benchmark's hand-rolled reference with a deadline (examples/bench.rs, `--impl
 -- safe-baseline`), not used by the crate: `SET key owner NX PX lease`, refused when it
 -- arrives after its deadline on the server's clock, as every tower-lock acquisition is
 -- (src/backend/clock.rs). A bare `SET NX PX` delayed past its sender's timeout still
