@@ -35,13 +35,13 @@ local now = math.floor(now_us / 1000)
 local evicted = evict_stale(Q, Z, now)
 local ttl
 if redis.call('exists', H) == 0 then
-    local head = redis.call('lindex', Q, 0)
+    local head = redis.call('lindex', Q, '0')
     if not head or head == owner then
         if head then
             redis.call('lpop', Q)
             redis.call('zrem', Z, owner)
         end
-        redis.call('hset', H, owner, 1)
+        redis.call('hset', H, owner, '1')
         redis.call('pexpire', H, lease)
         return granted(1, FENCE, fenced)
     end
@@ -52,7 +52,7 @@ if redis.call('exists', H) == 0 then
     end
 else
     if redis.call('hexists', H, owner) == 1 then
-        local holds = redis.call('hincrby', H, owner, 1)
+        local holds = redis.call('hincrby', H, owner, '1')
         extend(H, tonumber(lease))
         return granted(holds, FENCE, fenced)
     end

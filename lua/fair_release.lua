@@ -23,7 +23,7 @@ if redis.call('hexists', H, owner) == 0 then
     wake_fair(H, Q, CHAN)
     return -1
 end
-local holds = redis.call('hincrby', H, owner, -1)
+local holds = redis.call('hincrby', H, owner, '-1')
 if holds > 0 then
     extend(H, tonumber(lease))
     return holds

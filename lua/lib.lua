@@ -60,7 +60,7 @@ end
 local function evict_stale(Q, Z, now)
     local evicted = false
     while true do
-        local head = redis.call('lindex', Q, 0)
+        local head = redis.call('lindex', Q, '0')
         if not head then
             return evicted
         end
@@ -93,7 +93,7 @@ end
 -- list without a timeout counts as stale and is evicted when it reaches the head.)
 local function leave(Q, Z, entry)
     if redis.call('zrem', Z, entry) == 1 then
-        redis.call('lrem', Q, 0, entry)
+        redis.call('lrem', Q, '0', entry)
         return true
     end
     return false
@@ -103,7 +103,7 @@ end
 -- own channel '<CHAN>:<owner>' (Redisson's).
 local function wake_fair(H, Q, CHAN)
     if redis.call('exists', H) == 0 then
-        local head = redis.call('lindex', Q, 0)
+        local head = redis.call('lindex', Q, '0')
         if head then
             redis.call('publish', CHAN .. ':' .. head, '0')
         end
@@ -138,7 +138,7 @@ local function writer_ahead(Q, Z, entry, now)
                 if at and tonumber(at) > now then
                     return tonumber(at), evicted
                 end
-                redis.call('lrem', Q, 1, e)
+                redis.call('lrem', Q, '1', e)
                 redis.call('zrem', Z, e)
                 removed = removed + 1
                 evicted = true
@@ -202,7 +202,7 @@ local function release_hold(H, CHAN, lease, owner)
         return -1
     end
     if holds ~= '1' then
-        holds = redis.call('hincrby', H, owner, -1)
+        holds = redis.call('hincrby', H, owner, '-1')
         if holds > 0 then
             extend(H, tonumber(lease))
             return holds
@@ -365,7 +365,7 @@ end
 
 -- Permits: both keys expire with the longest lease, and go when nobody holds a permit.
 local function fit_permits(H, E, now)
-    local last = redis.call('zrange', E, -1, -1, 'withscores')
+    local last = redis.call('zrange', E, '-1', '-1', 'withscores')
     if #last == 0 then
         redis.call('del', H, E)
         return

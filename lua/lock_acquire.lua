@@ -41,11 +41,11 @@ if ARGV[4] ~= '0' then
 end
 local holds
 if redis.call('exists', KEYS[1]) == 0 then
-    redis.call('hset', KEYS[1], ARGV[2], 1)
+    redis.call('hset', KEYS[1], ARGV[2], '1')
     redis.call('pexpire', KEYS[1], ARGV[1])
     holds = 1
 elseif redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
-    holds = redis.call('hincrby', KEYS[1], ARGV[2], 1)
+    holds = redis.call('hincrby', KEYS[1], ARGV[2], '1')
     local pttl = redis.call('pttl', KEYS[1])
     if pttl >= 0 and pttl < tonumber(ARGV[1]) then
         redis.call('pexpire', KEYS[1], ARGV[1])

@@ -35,11 +35,11 @@ end
 local function acquire(H, F, lease, owner, fenced)
     local holds
     if redis.call('exists', H) == 0 then
-        redis.call('hset', H, owner, 1)
+        redis.call('hset', H, owner, '1')
         redis.call('pexpire', H, lease)
         holds = 1
     elseif redis.call('hexists', H, owner) == 1 then
-        holds = redis.call('hincrby', H, owner, 1)
+        holds = redis.call('hincrby', H, owner, '1')
         local pttl = redis.call('pttl', H)
         if pttl >= 0 and pttl < tonumber(lease) then
             redis.call('pexpire', H, lease)

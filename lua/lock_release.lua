@@ -21,7 +21,7 @@ if not holds then
 end
 -- The common case, a single hold, in three calls: read it, delete, publish.
 if holds ~= '1' then
-    holds = redis.call('hincrby', KEYS[1], ARGV[3], -1)
+    holds = redis.call('hincrby', KEYS[1], ARGV[3], '-1')
     if holds > 0 then
         local pttl = redis.call('pttl', KEYS[1])
         if pttl >= 0 and pttl < tonumber(ARGV[2]) then

@@ -39,19 +39,19 @@ else
 end
 local held_until = redis.call('zscore', E, owner)
 if held_until then
-    local holds = redis.call('hincrby', H, 'holds:' .. owner, 1)
+    local holds = redis.call('hincrby', H, 'holds:' .. owner, '1')
     -- Re-entering never shortens the permit's lease.
     redis.call('zadd', E, math.max(tonumber(held_until), now + lease), owner)
     fit_permits(H, E, now)
     return granted(holds, FENCE, fenced)
 end
 if redis.call('zcard', E) < max then
-    redis.call('hset', H, 'holds:' .. owner, 1)
+    redis.call('hset', H, 'holds:' .. owner, '1')
     redis.call('zadd', E, now + lease, owner)
     fit_permits(H, E, now)
     return granted(1, FENCE, fenced)
 end
-local first = redis.call('zrange', E, 0, 0, 'withscores')
+local first = redis.call('zrange', E, '0', '0', 'withscores')
 fit_permits(H, E, now)
 -- Read before fit_permits: a last permit in its final millisecond gets a 1 ms expiry
 -- there, which the server's clock may pass before a later read in this script.

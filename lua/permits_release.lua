@@ -25,7 +25,7 @@ if not redis.call('zscore', E, owner) then
     fit_permits(H, E, now)
     return -1
 end
-local holds = redis.call('hincrby', H, 'holds:' .. owner, -1)
+local holds = redis.call('hincrby', H, 'holds:' .. owner, '-1')
 if holds > 0 then
     -- The holds left keep at least the lease they had.
     local held_until = tonumber(redis.call('zscore', E, owner) or '0')

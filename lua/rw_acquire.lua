@@ -58,9 +58,9 @@ elseif reading then
         if reader_live(P, owner, count) then
             -- Re-entering never shortens the lease the hold already has.
             local keep = math.max(lease, reader_pttl(P, owner, count))
-            count = redis.call('hincrby', H, owner, 1)
+            count = redis.call('hincrby', H, owner, '1')
             for i = 1, count do
-                redis.call('set', lease_key(P, owner, i), 1, 'px', keep)
+                redis.call('set', lease_key(P, owner, i), '1', 'px', keep)
             end
             extend(H, keep)
             return granted(count, FENCE, fenced)
@@ -78,7 +78,7 @@ elseif reading then
     end
 elseif mode then
     if redis.call('hexists', H, write_field) == 1 then
-        local holds = redis.call('hincrby', H, write_field, 1)
+        local holds = redis.call('hincrby', H, write_field, '1')
         local own = redis.call('hget', H, owner)
         local ms = lease
         if own then
@@ -104,7 +104,7 @@ if ttl == nil and not (reading and mode == 'write') then
         at, more = writer_ahead(Q, Z, entry, now)
         evicted = evicted or more
     else
-        local head = redis.call('lindex', Q, 0)
+        local head = redis.call('lindex', Q, '0')
         if head and head ~= entry then
             at = tonumber(redis.call('zscore', Z, head) or now)
         end
@@ -116,8 +116,8 @@ end
 
 if ttl == nil then
     if reading then
-        redis.call('hset', H, owner, 1)
-        redis.call('set', lease_key(P, owner, 1), 1, 'px', lease)
+        redis.call('hset', H, owner, '1')
+        redis.call('set', lease_key(P, owner, 1), '1', 'px', lease)
         if not mode then
             redis.call('hset', H, 'mode', 'read')
             redis.call('pexpire', H, lease)
@@ -126,7 +126,7 @@ if ttl == nil then
         end
     else
         redis.call('hset', H, 'mode', 'write')
-        redis.call('hset', H, write_field, 1)
+        redis.call('hset', H, write_field, '1')
         redis.call('pexpire', H, lease)
     end
     leave(Q, Z, entry)

@@ -35,7 +35,7 @@ if not count or count <= 0 then
 end
 
 if count > 1 then
-    redis.call('hincrby', H, field, -1)
+    redis.call('hincrby', H, field, '-1')
     -- The holds left keep at least the lease they had.
     if reading then
         local keep = math.max(lease, reader_pttl(P, owner, count))

@@ -2395,6 +2395,53 @@ mod tests {
         assert_ne!(SCRIPTS.acquire.get_hash(), SCRIPTS.release.get_hash());
     }
 
+    /// Redis 7.0 turns a Lua number passed to `redis.call` into text with `snprintf`
+    /// (`%.17g`): about 2,000 instructions an argument, as much as the command it goes
+    /// to. A constant argument is written as a string (`'1'`, not `1`), so no script
+    /// pays that for a literal.
+    #[test]
+    fn no_script_passes_a_number_literal_to_redis() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("lua");
+        let mut calls = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let source = std::fs::read_to_string(&path).unwrap();
+            for line in source.lines().filter(|l| !l.trim_start().starts_with("--")) {
+                for (at, _) in line.match_indices("redis.call(") {
+                    calls += 1;
+                    let rest = &line[at + "redis.call(".len()..];
+                    // The call's arguments: up to its closing parenthesis, split at
+                    // the commas outside nested calls.
+                    let (mut depth, mut args, mut arg) = (0, Vec::new(), String::new());
+                    for c in rest.chars() {
+                        match c {
+                            '(' => depth += 1,
+                            ')' if depth == 0 => break,
+                            ')' => depth -= 1,
+                            ',' if depth == 0 => {
+                                args.push(std::mem::take(&mut arg));
+                                continue;
+                            }
+                            _ => {}
+                        }
+                        arg.push(c);
+                    }
+                    args.push(arg);
+                    for arg in &args {
+                        assert!(
+                            arg.trim().parse::<f64>().is_err(),
+                            "{}: `{}` passes the number {} to Redis",
+                            path.display(),
+                            line.trim(),
+                            arg.trim()
+                        );
+                    }
+                }
+            }
+        }
+        assert!(calls >= 100, "found only {calls} calls");
+    }
+
     /// The sharded scripts are the files with `PUBLISH` renamed: every publish in
     /// `lua/` must be spelled as [`PUBLISH_CALL`], or the rename would miss it and a
     /// cluster's waiters would sleep through that release.
