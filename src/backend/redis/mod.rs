@@ -2395,17 +2395,27 @@ mod tests {
         assert_ne!(SCRIPTS.acquire.get_hash(), SCRIPTS.release.get_hash());
     }
 
+    /// Every file in `lua/`, with its text.
+    fn lua_files() -> Vec<(std::path::PathBuf, String)> {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("lua");
+        std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|entry| {
+                let path = entry.unwrap().path();
+                let source = std::fs::read_to_string(&path).unwrap();
+                (path, source)
+            })
+            .collect()
+    }
+
     /// Redis 7.0 turns a Lua number passed to `redis.call` into text with `snprintf`
     /// (`%.17g`): about 2,000 instructions an argument, as much as the command it goes
     /// to. A constant argument is written as a string (`'1'`, not `1`), so no script
     /// pays that for a literal.
     #[test]
     fn no_script_passes_a_number_literal_to_redis() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("lua");
         let mut calls = 0;
-        for entry in std::fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
-            let source = std::fs::read_to_string(&path).unwrap();
+        for (path, source) in lua_files() {
             for line in source.lines().filter(|l| !l.trim_start().starts_with("--")) {
                 for (at, _) in line.match_indices("redis.call(") {
                     calls += 1;
@@ -2447,11 +2457,8 @@ mod tests {
     /// cluster's waiters would sleep through that release.
     #[test]
     fn every_publish_in_the_scripts_is_renamed_for_sharded_pubsub() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("lua");
         let mut publishes = 0;
-        for entry in std::fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
-            let source = std::fs::read_to_string(&path).unwrap();
+        for (path, source) in lua_files() {
             let code: String = source
                 .lines()
                 .filter(|l| !l.trim_start().starts_with("--"))
