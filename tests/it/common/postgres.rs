@@ -90,9 +90,27 @@ impl PgDatabase {
     }
 }
 
+/// What the sessions of database `name` are doing, one line each: state, what they wait
+/// for and which sessions block them, how long their transaction and statement have
+/// run, and the statement. Printed for a failed test before its database is dropped, so
+/// that a stall (a session holding a lock the others wait for) can be traced.
+async fn sessions_of(admin: &PgPool, name: &str) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT format('pid %s %s wait %s/%s blocked by %s xact %s stmt %s: %s', \
+                pid, state, wait_event_type, wait_event, pg_blocking_pids(pid), \
+                clock_timestamp() - xact_start, clock_timestamp() - query_start, \
+                left(regexp_replace(query, '\\s+', ' ', 'g'), 160)) \
+           FROM pg_stat_activity WHERE datname = $1 ORDER BY pid",
+    )
+    .bind(name)
+    .fetch_all(admin)
+    .await
+}
+
 impl Drop for PgDatabase {
     fn drop(&mut self) {
         let name = self.name.clone();
+        let failed = std::thread::panicking();
         // Dropped inside a runtime: drop the database from a thread with its own.
         let dropped = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -105,6 +123,16 @@ impl Drop for PgDatabase {
                     .connect(&admin_url())
                     .await
                     .map_err(|e| e.to_string())?;
+                if failed {
+                    match sessions_of(&admin, &name).await {
+                        Ok(sessions) => {
+                            for session in sessions {
+                                eprintln!("{name}: {session}");
+                            }
+                        }
+                        Err(e) => eprintln!("{name}: sessions unknown: {e}"),
+                    }
+                }
                 sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
                     .execute(&admin)
                     .await
