@@ -191,6 +191,16 @@ local function extend(H, ms)
     end
 end
 
+-- The release channel of the Redisson RLock hash H, as Redisson names it (in H's
+-- cluster slot): redisson_lock__channel:{H}, or redisson_lock__channel:H when H has a
+-- hash tag already.
+local function channel_of(H)
+    if string.find(H, '{', 1, true) then
+        return 'redisson_lock__channel:' .. H
+    end
+    return 'redisson_lock__channel:{' .. H .. '}'
+end
+
 -- Releases one hold of `owner` on the Redisson RLock hash H, exactly as
 -- lock_release.lua does (the exclusive batch and the replay store release with this):
 -- -1 not held, nothing changed; 0 released: H deleted and '0' ("wake one waiter")

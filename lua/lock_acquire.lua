@@ -9,12 +9,11 @@
 -- (redisson_lock_token:{NAME}) is INCRed on every acquisition, re-entries included, and
 -- never expires. On top of Redisson, the token is raised to the server clock in
 -- microseconds, so tokens keep increasing when the counter is lost (a restart without
--- persistence). An unfenced acquisition never touches KEYS[2]: it leaves nothing behind
--- once released.
+-- persistence). An unfenced acquisition sends no KEYS[2] and leaves nothing behind once
+-- released.
 --
 -- KEYS[1]  lock name (hash)
--- KEYS[2]  fencing counter (string), read by fenced requests only: an unfenced request
---          may name any key of the lock's cluster slot (the batcher names the lock)
+-- KEYS[2]  fencing counter (string), sent and read by fenced requests only
 -- ARGV[1]  lease in milliseconds
 -- ARGV[2]  owner field
 -- ARGV[3]  '1' fenced, '0' not

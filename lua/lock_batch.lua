@@ -9,13 +9,13 @@
 -- ARGV[1] is the batch's deadline: the server clock in microseconds after which its
 -- acquisitions are refused ('0': none); its sender has given up on them by then.
 -- Operation i (1-based) has
---   KEYS[2i-1]  lock name (hash)
---   KEYS[2i]    acquire: fencing counter (redisson_lock_token:{NAME}; an unfenced
---               acquisition, which does not read it, names the lock again);
---               release: release channel (redisson_lock__channel:{NAME})
 --   ARGV[3i-1]  'a' acquire, 'f' fenced acquire, 'r' release
 --   ARGV[3i]    lease in milliseconds
 --   ARGV[3i+1]  owner field
+-- and its keys next in KEYS, in operation order: the lock name (hash), and for a fenced
+-- acquisition then its fencing counter (redisson_lock_token:{NAME}). A release's
+-- channel is not sent: `channel_of` writes it (an argument costs Redis more to hand to
+-- Lua than the name costs to join).
 --
 -- Returns a flat array, three entries per operation:
 --   acquired   1, holds, token (0 when not fenced)
@@ -53,20 +53,27 @@ local function acquire(H, F, lease, owner, fenced)
     return 1, holds, fence(F)
 end
 
-local function release(H, CHAN, lease, owner)
-    return 2, release_hold(H, CHAN, lease, owner), 0
+local function release(H, lease, owner)
+    return 2, release_hold(H, channel_of(H), lease, owner), 0
 end
 
 local too_late = late(ARGV[1], clock_us())
+local k = 1 -- the operation's first key
 for i = 1, (#ARGV - 1) / 3 do
     local op, lease, owner = ARGV[3 * i - 1], ARGV[3 * i], ARGV[3 * i + 1]
+    local H, F = KEYS[k], nil
+    k = k + 1
+    if op == 'f' then
+        F = KEYS[k]
+        k = k + 1
+    end
     local ok, a, b, c
     if op ~= 'r' and too_late then
         ok, a, b, c = true, -1, 0, 0
     elseif op == 'r' then
-        ok, a, b, c = pcall(release, KEYS[2 * i - 1], KEYS[2 * i], lease, owner)
+        ok, a, b, c = pcall(release, H, lease, owner)
     else
-        ok, a, b, c = pcall(acquire, KEYS[2 * i - 1], KEYS[2 * i], lease, owner, op == 'f')
+        ok, a, b, c = pcall(acquire, H, F, lease, owner, op == 'f')
     end
     if ok then
         push(a, b, c)

@@ -1010,3 +1010,124 @@ async fn a_server_down_at_startup_is_named_without_its_password() {
     assert!(!message.contains("s3cret-pw"), "{message}");
     assert!(err.is_unavailable(), "{err:?}");
 }
+
+/// The channel Redisson listens on for a release of lock hash `name`: its
+/// `prefixName("redisson_lock__channel", name)`, computed here by Redisson's rule rather
+/// than by the crate.
+fn redisson_channel(name: &str) -> String {
+    if name.contains('{') {
+        format!("redisson_lock__channel:{name}")
+    } else {
+        format!("redisson_lock__channel:{{{name}}}")
+    }
+}
+
+/// The release scripts write the release channel's name themselves (it is not sent):
+/// for every shape of name (plain, hash-tagged, tagged mid-name, non-ASCII; with and
+/// without a key prefix), a release alone and releases in one batch call publish `0`
+/// on exactly the channel Redisson listens on, once each, and on nothing else.
+#[tokio::test]
+async fn releases_publish_on_redissons_channel_alone_and_in_a_batch() {
+    let server = RedisServer::start().await;
+    let mut raw = server.conn().await;
+    let mut pubsub = redis::Client::open(server.url())
+        .unwrap()
+        .get_async_pubsub()
+        .await
+        .unwrap();
+    pubsub.psubscribe("*").await.unwrap();
+    let mut messages = pubsub.on_message();
+    let shapes = |i: usize| {
+        [
+            format!("plain{i}"),
+            format!("lock:order:{{{i}}}"),
+            format!("a{{b{i}}}c"),
+            format!("é{i}:{{ü}}"),
+        ]
+    };
+    for prefix in ["", "app"] {
+        let mut builder = RedisBackend::builder(server.url());
+        if !prefix.is_empty() {
+            builder = builder.key_prefix(prefix);
+        }
+        let backend = builder.build().await.unwrap();
+        let name_of = |key: &LockKey| {
+            let name = backend.lock_name(key);
+            assert!(name.ends_with(key.as_str()), "{name}");
+            name
+        };
+        // Alone: one lock at a time, each release its own call.
+        let mut expected = Vec::new();
+        for (i, key) in shapes(0).into_iter().enumerate() {
+            let key = LockKey::new(key).unwrap();
+            let req = exclusive(&key, i);
+            assert!(matches!(
+                backend.acquire(&req).await,
+                Ok(Acquire::Acquired(_))
+            ));
+            assert!(matches!(backend.release(&req).await, Ok(Release::Released)));
+            expected.push(redisson_channel(&name_of(&key)));
+        }
+        // Together: 64 releases in flight at once share calls of the batch script.
+        let keys: Vec<LockKey> = (1..=16)
+            .flat_map(shapes)
+            .map(|k| LockKey::new(k).unwrap())
+            .collect();
+        let reqs: Vec<LockRequest> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| exclusive(k, i))
+            .collect();
+        for req in &reqs {
+            assert!(matches!(
+                backend.acquire(req).await,
+                Ok(Acquire::Acquired(_))
+            ));
+        }
+        let before = command_calls(&mut raw, &["evalsha", "eval"]).await;
+        let released =
+            futures_util::future::join_all(reqs.iter().map(|r| backend.release(r))).await;
+        assert!(
+            released.iter().all(|r| matches!(r, Ok(Release::Released))),
+            "{released:?}"
+        );
+        let calls = command_calls(&mut raw, &["evalsha", "eval"]).await - before;
+        assert!(
+            calls < 64,
+            "64 releases in flight together took {calls} calls"
+        );
+        expected.extend(keys.iter().map(|k| redisson_channel(&name_of(k))));
+
+        // Everything published before the marker has been delivered before it.
+        let marker = format!("marker:{prefix}");
+        let _: i64 = redis::cmd("PUBLISH")
+            .arg(&marker)
+            .arg("end")
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+        let mut heard = Vec::new();
+        loop {
+            let message = tokio::time::timeout(Duration::from_secs(5), messages.next())
+                .await
+                .expect("the marker arrives")
+                .expect("the subscription stays open");
+            let channel = message.get_channel_name().to_owned();
+            if channel == marker {
+                break;
+            }
+            let payload: String = message.get_payload().unwrap();
+            assert_eq!(payload, "0", "on {channel}");
+            heard.push(channel);
+        }
+        heard.sort();
+        expected.sort();
+        let missing: Vec<_> = expected.iter().filter(|c| !heard.contains(c)).collect();
+        let stray: Vec<_> = heard.iter().filter(|c| !expected.contains(c)).collect();
+        assert!(
+            missing.is_empty() && stray.is_empty(),
+            "prefix {prefix:?}: nothing heard on {missing:?}; heard on {stray:?}"
+        );
+        assert_eq!(heard, expected, "prefix {prefix:?}: one message each");
+    }
+}

@@ -85,39 +85,16 @@ impl std::ops::Deref for Queued {
     }
 }
 
-/// The second key of an operation ([`Job::second`]).
-enum Second<'a> {
-    /// An unfenced acquisition's: the lock's own name again. The script never touches
-    /// it, and it shares the lock's cluster slot.
-    Lock(LockName<'a>),
-    /// The fencing counter (a fenced acquisition) or the release channel.
-    Companion(Companion<'a>),
-}
-
-impl redis::ToRedisArgs for Second<'_> {
-    fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
-        match self {
-            Second::Lock(name) => name.write_redis_args(out),
-            Second::Companion(name) => name.write_redis_args(out),
-        }
-    }
-}
-
 impl Job {
     /// The lock hash's name, under `prefix`.
     fn lock<'a>(&'a self, prefix: &'a str) -> LockName<'a> {
         Names::lock_of(prefix, &self.key)
     }
 
-    /// The operation's second key: the fencing counter of a fenced acquisition, the
-    /// release channel of a release, the lock's own name for an unfenced acquisition
-    /// (whose script does not touch it).
-    fn second<'a>(&'a self, prefix: &'a str) -> Second<'a> {
-        match (self.op, self.fenced) {
-            (Op::Acquire, true) => Second::Companion(Names::fence_of(prefix, &self.key)),
-            (Op::Acquire, false) => Second::Lock(self.lock(prefix)),
-            (Op::Release, _) => Second::Companion(Names::channel_of(prefix, &self.key)),
-        }
+    /// The operation's second key, a fenced acquisition's only: its fencing counter.
+    /// Nothing else sends one (a release's script writes its channel's name itself).
+    fn fence<'a>(&'a self, prefix: &'a str) -> Option<Companion<'a>> {
+        (self.op == Op::Acquire && self.fenced).then(|| Names::fence_of(prefix, &self.key))
     }
 }
 
@@ -308,14 +285,14 @@ async fn send(inner: &Inner, mut batch: Vec<Queued>) {
 /// One operation alone: its single-key script.
 async fn send_one(inner: &Inner, q: Queued, deadline: u64) {
     let prefix = &inner.prefix;
-    let (lock, second, owner) = (q.lock(prefix), q.second(prefix), q.hold_id.as_str());
+    let (lock, owner) = (q.lock(prefix), q.hold_id.as_str());
     let reply = match q.op {
         Op::Acquire => inner
-            .acquire_one(lock, second, q.lease_ms, owner, q.fenced, deadline)
+            .acquire_one(lock, q.fence(prefix), q.lease_ms, owner, deadline)
             .await
             .map(OpReply::Acquire),
         Op::Release => inner
-            .release_one(lock, second, q.lease_ms, owner)
+            .release_one(lock, q.lease_ms, owner)
             .await
             .map(OpReply::Release),
     };
@@ -328,7 +305,10 @@ async fn send_many(inner: &Inner, batch: Vec<Queued>, deadline: u64) {
     invocation.arg(deadline);
     let prefix = &inner.prefix;
     for q in &batch {
-        invocation.key(q.lock(prefix)).key(q.second(prefix));
+        invocation.key(q.lock(prefix));
+        if let Some(fence) = q.fence(prefix) {
+            invocation.key(fence);
+        }
     }
     for q in &batch {
         let tag = match (q.op, q.fenced) {

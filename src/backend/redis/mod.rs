@@ -767,23 +767,23 @@ impl Inner {
         Ok(self.clock.deadline(self.attempt_window).unwrap_or(u64::MAX))
     }
 
-    /// One exclusive acquisition, alone (`lua/lock_acquire.lua`), of the hash `lock`
-    /// with fencing counter `fence`.
+    /// One exclusive acquisition, alone (`lua/lock_acquire.lua`), of the hash `lock`;
+    /// fenced with the counter `fence`, when there is one.
     async fn acquire_one(
         &self,
         lock: impl redis::ToRedisArgs,
-        fence: impl redis::ToRedisArgs,
+        fence: Option<impl redis::ToRedisArgs>,
         lease_ms: u64,
         owner: &str,
-        fenced: bool,
         deadline: u64,
     ) -> Result<Acquire> {
+        let mut invocation = self.publish.scripts().acquire.key(lock);
+        let fenced = fence.is_some();
+        if let Some(fence) = fence {
+            invocation.key(fence);
+        }
         self.write_grant(
-            self.publish
-                .scripts()
-                .acquire
-                .key(lock)
-                .key(fence)
+            invocation
                 .arg(lease_ms)
                 .arg(owner)
                 .arg(if fenced { "1" } else { "0" })
@@ -792,12 +792,11 @@ impl Inner {
         .await
     }
 
-    /// One exclusive release, alone (`lua/lock_release.lua`), of the hash `lock`,
-    /// publishing on `channel`.
+    /// One exclusive release, alone (`lua/lock_release.lua`, which publishes on the
+    /// lock's channel), of the hash `lock`.
     async fn release_one(
         &self,
         lock: impl redis::ToRedisArgs,
-        channel: impl redis::ToRedisArgs,
         lease_ms: u64,
         owner: &str,
     ) -> Result<Release> {
@@ -807,8 +806,6 @@ impl Inner {
                     .scripts()
                     .release
                     .key(lock)
-                    .key(channel)
-                    .arg(UNLOCK_MESSAGE)
                     .arg(lease_ms)
                     .arg(owner),
             )
@@ -1644,7 +1641,7 @@ impl Names {
 impl RedisBackendBuilder {
     /// A namespace in front of every Redis key of the backend, joined to the lock's name
     /// with `:` as every prefix of the crate is: `key_prefix("myapp")` gives
-    /// `myapp:NAME` (and `redisson_lock__channel:myapp:NAME` for its channel). Default:
+    /// `myapp:NAME` (and `redisson_lock__channel:{myapp:NAME}` for its channel). Default:
     /// none, so names match Redisson's exactly. A [`Namespace`](crate::Namespace): at
     /// most [`MAX_NAMESPACE_LEN`](crate::MAX_NAMESPACE_LEN) bytes, segments joined by
     /// single `:`s without one at either end (the joining `:` is added), no braces or

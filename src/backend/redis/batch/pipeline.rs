@@ -44,7 +44,7 @@ use redis::{RedisResult, Value};
 
 use super::{Drainer, Job, MAX_BATCH, Op, OpReply, Queued, fail, parse, start_drainer};
 use crate::backend::Release;
-use crate::backend::redis::{Inner, UNLOCK_MESSAGE, parse_acquire};
+use crate::backend::redis::{Inner, parse_acquire};
 use crate::error::{Error, Result, StoreError, StoreErrorKind};
 
 /// The most batches on the wire at once.
@@ -361,10 +361,14 @@ fn command(inner: &Inner, batch: &[Queued], deadline: u64) -> redis::Cmd {
     }
     let prefix = &inner.prefix;
     let mut cmd = redis::cmd("EVALSHA");
+    let fenced = batch.iter().filter(|q| q.fence(prefix).is_some()).count();
     cmd.arg(inner.publish.scripts().batch.get_hash())
-        .arg(2 * batch.len());
+        .arg(batch.len() + fenced);
     for q in batch {
-        cmd.arg(q.lock(prefix)).arg(q.second(prefix));
+        cmd.arg(q.lock(prefix));
+        if let Some(fence) = q.fence(prefix) {
+            cmd.arg(fence);
+        }
     }
     cmd.arg(deadline);
     for q in batch {
@@ -383,27 +387,28 @@ fn command(inner: &Inner, batch: &[Queued], deadline: u64) -> redis::Cmd {
 fn command_one(inner: &Inner, job: &Job, deadline: u64) -> redis::Cmd {
     let scripts = inner.publish.scripts();
     let prefix = &inner.prefix;
-    // EVALSHA, the hash, the key count, two names, three or four values.
-    let size = 192 + 3 * (prefix.len() + job.key.as_str().len()) + job.hold_id.as_str().len();
+    // EVALSHA, the hash, the key count, one or two names, two to four values.
+    let size = 192 + 2 * (prefix.len() + job.key.as_str().len()) + job.hold_id.as_str().len();
     let mut cmd = redis::Cmd::with_capacity(9, size);
     cmd.arg("EVALSHA");
     match job.op {
         Op::Acquire => {
+            let fence = job.fence(prefix);
             cmd.arg(scripts.acquire.get_hash())
-                .arg(2)
-                .arg(job.lock(prefix))
-                .arg(job.second(prefix))
-                .arg(job.lease_ms)
+                .arg(1 + usize::from(fence.is_some()))
+                .arg(job.lock(prefix));
+            if let Some(fence) = fence {
+                cmd.arg(fence);
+            }
+            cmd.arg(job.lease_ms)
                 .arg(job.hold_id.as_str())
                 .arg(if job.fenced { "1" } else { "0" })
                 .arg(deadline);
         }
         Op::Release => {
             cmd.arg(scripts.release.get_hash())
-                .arg(2)
+                .arg(1)
                 .arg(job.lock(prefix))
-                .arg(job.second(prefix))
-                .arg(UNLOCK_MESSAGE)
                 .arg(job.lease_ms)
                 .arg(job.hold_id.as_str());
         }
