@@ -1131,3 +1131,82 @@ async fn releases_publish_on_redissons_channel_alone_and_in_a_batch() {
         assert_eq!(heard, expected, "prefix {prefix:?}: one message each");
     }
 }
+
+/// Only a fenced acquisition sends a second key (its counter), so a batch's keys are
+/// read with a cursor: fenced and unfenced acquisitions and releases mixed in the same
+/// calls each act on their own lock, and counters appear for the fenced names only.
+#[tokio::test]
+async fn a_batch_mixing_fenced_and_unfenced_operations_reads_each_its_own_keys() {
+    let server = RedisServer::start().await;
+    let mut raw = server.conn().await;
+    let backend = RedisBackend::connect(server.url()).await.unwrap();
+    let keys: Vec<LockKey> = (0..64)
+        .map(|i| LockKey::new(format!("mixed:{i}")).unwrap())
+        .collect();
+    // Every third name fenced.
+    let reqs: Vec<LockRequest> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| {
+            let req = exclusive(k, i);
+            if i % 3 == 0 { req.fenced() } else { req }
+        })
+        .collect();
+    // The first half taken alone, beforehand.
+    for req in &reqs[..32] {
+        assert!(matches!(
+            backend.acquire(req).await,
+            Ok(Acquire::Acquired(_))
+        ));
+    }
+    // Then, all in flight together: the second half taken, the first half released.
+    let before = command_calls(&mut raw, &["evalsha", "eval"]).await;
+    let (taken, released) = tokio::join!(
+        futures_util::future::join_all(reqs[32..].iter().map(|r| backend.acquire(r))),
+        futures_util::future::join_all(reqs[..32].iter().map(|r| backend.release(r))),
+    );
+    let calls = command_calls(&mut raw, &["evalsha", "eval"]).await - before;
+    assert!(
+        calls < 64,
+        "64 operations in flight together took {calls} calls"
+    );
+    for (i, outcome) in taken.iter().enumerate() {
+        let i = i + 32;
+        match outcome {
+            Ok(Acquire::Acquired(grant)) => assert_eq!(
+                grant.token().is_some(),
+                i % 3 == 0,
+                "name {i}: a token exactly when fenced"
+            ),
+            other => panic!("name {i}: {other:?}"),
+        }
+    }
+    assert!(
+        released.iter().all(|r| matches!(r, Ok(Release::Released))),
+        "{released:?}"
+    );
+    for (i, key) in keys.iter().enumerate() {
+        let holder = hgetall(&mut raw, &backend.lock_name(key)).await;
+        let expected = if i < 32 {
+            HashMap::new()
+        } else {
+            HashMap::from([(format!("batch-owner:{i}"), "1".to_owned())])
+        };
+        assert_eq!(holder, expected, "name {i}");
+    }
+    let mut counters: Vec<String> = redis::cmd("KEYS")
+        .arg("redisson_lock_token:*")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    counters.sort();
+    let mut fenced: Vec<String> = (0..64)
+        .filter(|i| i % 3 == 0)
+        .map(|i| format!("redisson_lock_token:{{mixed:{i}}}"))
+        .collect();
+    fenced.sort();
+    assert_eq!(
+        counters, fenced,
+        "a counter for each fenced name, and no other"
+    );
+}
