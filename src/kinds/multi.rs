@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::backend::{FencingToken, LockMode};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::lock::acquire::{acquire_as, deadline_after};
 use crate::lock::{FinishOnDrop, Unlocking};
 use crate::lock::{Lease, Lock, LockGuard, LostSignal};
@@ -308,7 +308,9 @@ impl MultiGuard {
     ///
     /// # Errors
     ///
-    /// The first error met ([`Error::Lost`](crate::Error::Lost) if a lock was lost).
+    /// [`Error::Lost`](crate::Error::Lost) when any lock had been lost, whatever else
+    /// failed (a store that could not release another lock does not hide it); else the
+    /// first error met, in lock order.
     pub async fn unlock(self) -> Result<()> {
         match self.start_unlock() {
             Unlocking::Done(outcome) => outcome,
@@ -327,6 +329,11 @@ impl MultiGuard {
             Guards::Many(guards) => Unlocking::Pending(FinishOnDrop::new(None, async move {
                 let outcomes =
                     futures_util::future::join_all(guards.into_iter().map(LockGuard::unlock)).await;
+                // A lost lock first: the holder must hear its work was not all under
+                // the lock, even when another release failed too.
+                if outcomes.iter().any(|o| matches!(o, Err(Error::Lost))) {
+                    return Err(Error::Lost);
+                }
                 outcomes.into_iter().find(Result::is_err).unwrap_or(Ok(()))
             })),
         }
