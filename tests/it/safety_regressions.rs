@@ -2031,8 +2031,8 @@ async fn a_multilock_pin_never_cuts_a_watched_guards_belief_redis() {
 // A MultiLock guard with a lost lock, unlocked while another release fails
 // ---------------------------------------------------------------------------------------
 
-/// Releases of the key named `fails` fail as an outage without reaching the store (on
-/// the fast path too); everything else goes through.
+/// Releases of its key fail as an outage without reaching the store (the fast path is
+/// refused for them too); everything else goes through.
 #[derive(Clone)]
 struct FailReleasesOf(LockKey);
 
@@ -2063,8 +2063,8 @@ impl<B: LockBackend> Intercept<B> for FailReleasesOf {
 /// timed out another of its releases, and `MultiGuard::unlock` answered that store
 /// error, the first error in lock order, instead of `Lost`. A holder told only "the
 /// store is unavailable" may take its work for done under the lock; `Lost` says it was
-/// not. Both orders of the two locks: `Lost` either way, and the failed release does
-/// not make the lock that was still held count as lost.
+/// not. Both orders of the two locks (one store, so they sort by name): `Lost` either
+/// way, with exactly one of the two locks lost before the unlock.
 #[tokio::test(start_paused = true)]
 async fn a_multilock_with_a_lost_lock_unlocks_as_lost_even_when_another_release_fails() {
     for (fails, lost) in [("a", "b"), ("b", "a")] {
