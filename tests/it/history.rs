@@ -7,7 +7,8 @@
 //! | variable | default | meaning |
 //! |---|---|---|
 //! | `HISTORY_SEED` | – | run exactly this seed (decimal or `0x` hex) |
-//! | `HISTORY_COUNT` | 2000 | run seeds `0..HISTORY_COUNT` |
+//! | `HISTORY_COUNT` | 2000 | run seeds `HISTORY_FROM..HISTORY_FROM + HISTORY_COUNT` |
+//! | `HISTORY_FROM` | 0 | the first seed (a campaign past the suite's own seeds) |
 //! | `HISTORY_LEN` | 40 | ops per history |
 //!
 //! ```text

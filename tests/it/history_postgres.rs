@@ -2,8 +2,8 @@
 //! real server, a database of its own for the run (dropped afterwards), real time, random
 //! histories run several at a time, each checked by the oracle after every step.
 //!
-//! Knobs and output as `tests/it/history_redis.rs` (`HISTORY_SEED`, `HISTORY_COUNT`,
-//! default 150 here and 16 with the nemesis, `HISTORY_LEN`, default 30).
+//! Knobs and output as `tests/it/history_redis.rs` (`HISTORY_SEED`, `HISTORY_FROM`,
+//! `HISTORY_COUNT`, default 150 here and 16 with the nemesis, `HISTORY_LEN`, default 30).
 //!
 //! ```text
 //! cargo test --all-features --test it history_postgres::random_histories

@@ -8,13 +8,15 @@
 //! | variable | default | meaning |
 //! |---|---|---|
 //! | `HISTORY_SEED` | – | run exactly this seed (decimal or `0x` hex) |
-//! | `HISTORY_COUNT` | 300 (nemesis: 24) | run seeds `0..HISTORY_COUNT` |
+//! | `HISTORY_COUNT` | 300 (nemesis: 24) | run seeds `HISTORY_FROM..HISTORY_FROM + HISTORY_COUNT` |
+//! | `HISTORY_FROM` | 0 | the first seed (a campaign past the suite's own seeds) |
 //! | `HISTORY_LEN` | 30 | ops per history |
 //!
 //! ```text
 //! cargo test --test it history_redis::random_histories
 //! HISTORY_SEED=17 cargo test --test it history_redis::random_histories -- --nocapture
 //! HISTORY_COUNT=2000 cargo test --release --test it history_redis::nemesis -- --nocapture
+//! HISTORY_FROM=1000 HISTORY_COUNT=1000 HISTORY_LEN=60 cargo test --release --test it history_redis::nemesis -- --nocapture
 //! ```
 //!
 //! # Output

@@ -2162,11 +2162,13 @@ fn exclusion(key: &str, guards: &[(Holder, String)]) -> Vec<(Finding, String)> {
 // ───────────────────────────── the campaign: search, shrink, report ─────────────────────────────
 
 /// The environment knobs: `HISTORY_SEED` (run exactly that seed), `HISTORY_COUNT`
-/// (seeds `0..count`), `HISTORY_LEN` (ops per history), `HISTORY_TRACE` (set: print
+/// (how many seeds), `HISTORY_FROM` (the first of them, default 0: seeds
+/// `from..from + count`, so a campaign can go past the suite's own), `HISTORY_LEN` (ops per history), `HISTORY_TRACE` (set: print
 /// every run's history and trace, failing or not).
 #[derive(Clone, Debug)]
 pub struct Knobs {
     pub seed: Option<u64>,
+    pub from: u64,
     pub count: u64,
     pub len: usize,
     pub trace: bool,
@@ -2189,6 +2191,7 @@ impl Knobs {
         }
         Knobs {
             seed: var("HISTORY_SEED"),
+            from: var("HISTORY_FROM").unwrap_or(0),
             count: var("HISTORY_COUNT").unwrap_or(default_count),
             len: var("HISTORY_LEN").unwrap_or(default_len),
             trace: std::env::var_os("HISTORY_TRACE").is_some(),
@@ -2198,7 +2201,7 @@ impl Knobs {
     fn seeds(&self) -> Vec<u64> {
         match self.seed {
             Some(seed) => vec![seed],
-            None => (0..self.count).collect(),
+            None => (self.from..self.from.saturating_add(self.count)).collect(),
         }
     }
 }
