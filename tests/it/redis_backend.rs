@@ -733,6 +733,13 @@ async fn a_vanished_fence_counter_never_sends_tokens_back() {
 // Group commit of exclusive acquisitions and releases
 // ---------------------------------------------------------------------------------------
 
+/// `n` lock names `<prefix>:0`, `<prefix>:1`, ...
+fn names(prefix: &str, n: usize) -> Vec<LockKey> {
+    (0..n)
+        .map(|i| LockKey::new(format!("{prefix}:{i}")).unwrap())
+        .collect()
+}
+
 fn exclusive(key: &LockKey, n: usize) -> LockRequest {
     LockRequest::new(
         key.clone(),
@@ -750,9 +757,7 @@ async fn acquisitions_in_flight_together_share_script_calls() {
     let server = RedisServer::start().await;
     let mut raw = server.conn().await;
     let backend = RedisBackend::connect(server.url()).await.unwrap();
-    let keys: Vec<LockKey> = (0..64)
-        .map(|i| LockKey::new(format!("batched:{i}")).unwrap())
-        .collect();
+    let keys = names("batched", 64);
     let reqs: Vec<LockRequest> = keys
         .iter()
         .enumerate()
@@ -858,9 +863,7 @@ async fn a_wrong_type_key_fails_alone_in_a_batch() {
     let server = RedisServer::start().await;
     let mut raw = server.conn().await;
     let backend = RedisBackend::connect(server.url()).await.unwrap();
-    let keys: Vec<LockKey> = (0..16)
-        .map(|i| LockKey::new(format!("mixed:{i}")).unwrap())
-        .collect();
+    let keys = names("mixed", 16);
     let _: () = redis::cmd("SET")
         .arg(backend.lock_name(&keys[7]))
         .arg("not a hash")
@@ -1084,14 +1087,14 @@ async fn releases_publish_on_redissons_channel_alone_and_in_a_batch() {
                 Ok(Acquire::Acquired(_))
             ));
         }
-        let before = command_calls(&mut raw, &["evalsha", "eval"]).await;
+        let before = script_calls(&mut raw).await;
         let released =
             futures_util::future::join_all(reqs.iter().map(|r| backend.release(r))).await;
         assert!(
             released.iter().all(|r| matches!(r, Ok(Release::Released))),
             "{released:?}"
         );
-        let calls = command_calls(&mut raw, &["evalsha", "eval"]).await - before;
+        let calls = script_calls(&mut raw).await - before;
         assert!(
             calls < 64,
             "64 releases in flight together took {calls} calls"
@@ -1140,9 +1143,7 @@ async fn a_batch_mixing_fenced_and_unfenced_operations_reads_each_its_own_keys()
     let server = RedisServer::start().await;
     let mut raw = server.conn().await;
     let backend = RedisBackend::connect(server.url()).await.unwrap();
-    let keys: Vec<LockKey> = (0..64)
-        .map(|i| LockKey::new(format!("mixed:{i}")).unwrap())
-        .collect();
+    let keys = names("mixed", 64);
     // Every third name fenced.
     let reqs: Vec<LockRequest> = keys
         .iter()
@@ -1160,12 +1161,12 @@ async fn a_batch_mixing_fenced_and_unfenced_operations_reads_each_its_own_keys()
         ));
     }
     // Then, all in flight together: the second half taken, the first half released.
-    let before = command_calls(&mut raw, &["evalsha", "eval"]).await;
+    let before = script_calls(&mut raw).await;
     let (taken, released) = tokio::join!(
         futures_util::future::join_all(reqs[32..].iter().map(|r| backend.acquire(r))),
         futures_util::future::join_all(reqs[..32].iter().map(|r| backend.release(r))),
     );
-    let calls = command_calls(&mut raw, &["evalsha", "eval"]).await - before;
+    let calls = script_calls(&mut raw).await - before;
     assert!(
         calls < 64,
         "64 operations in flight together took {calls} calls"
