@@ -204,9 +204,9 @@ end
 -- Releases one hold of `owner` on the Redisson RLock hash H, exactly as
 -- lock_release.lua does (the exclusive batch and the replay store release with this):
 -- -1 not held, nothing changed; 0 released: H deleted and '0' ("wake one waiter")
--- published on CHAN, as Redisson's unlock does; n > 0 holds left, H's lease extended to
--- `lease` ms (never shortened).
-local function release_hold(H, CHAN, lease, owner)
+-- published on H's channel (`channel_of`), as Redisson's unlock does; n > 0 holds left,
+-- H's lease extended to `lease` ms (never shortened).
+local function release_hold(H, lease, owner)
     local holds = redis.call('hget', H, owner)
     if not holds then
         return -1
@@ -219,7 +219,7 @@ local function release_hold(H, CHAN, lease, owner)
         end
     end
     redis.call('del', H)
-    redis.call('publish', CHAN, '0')
+    redis.call('publish', channel_of(H), '0')
     return 0
 end
 

@@ -14,7 +14,7 @@
 --   ARGV[3i+1]  owner field
 -- and its keys next in KEYS, in operation order: the lock name (hash), and for a fenced
 -- acquisition then its fencing counter (redisson_lock_token:{NAME}). A release's
--- channel is not sent: `channel_of` writes it (an argument costs Redis more to hand to
+-- channel is not sent: `release_hold` writes it (an argument costs Redis more to hand to
 -- Lua than the name costs to join).
 --
 -- Returns a flat array, three entries per operation:
@@ -54,7 +54,7 @@ local function acquire(H, F, lease, owner, fenced)
 end
 
 local function release(H, lease, owner)
-    return 2, release_hold(H, channel_of(H), lease, owner), 0
+    return 2, release_hold(H, lease, owner), 0
 end
 
 local too_late = late(ARGV[1], clock_us())

@@ -10,9 +10,8 @@
 -- The record is a hash 'token' -> the fencing token of the hold that wrote it (decimal),
 -- 'record' -> its bytes; PEXPIREd after its TTL, so Redis drops it then.
 --
--- KEYS[1]  lock name (hash)
--- KEYS[2]  release channel (redisson_lock__channel:{NAME})
--- KEYS[3]  record (hash, tower_lock_replay:{NAME}: the lock's hash slot)
+-- KEYS[1]  lock name (hash); its release channel is written by `release_hold`
+-- KEYS[2]  record (hash, tower_lock_replay:{NAME}: the lock's hash slot)
 -- ARGV[1]  lease in milliseconds, extended to when holds remain (never shortened; a
 --          hash without expiry keeps none)
 -- ARGV[2]  owner field
@@ -38,12 +37,12 @@ end
 
 local stored = 0
 if redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
-    local kept = redis.call('hget', KEYS[3], 'token')
+    local kept = redis.call('hget', KEYS[2], 'token')
     if not kept or not token_greater(kept, ARGV[3]) then
-        redis.call('hset', KEYS[3], 'token', ARGV[3])
-        redis.call('hset', KEYS[3], 'record', ARGV[4])
-        redis.call('pexpire', KEYS[3], ARGV[5])
+        redis.call('hset', KEYS[2], 'token', ARGV[3])
+        redis.call('hset', KEYS[2], 'record', ARGV[4])
+        redis.call('pexpire', KEYS[2], ARGV[5])
         stored = 1
     end
 end
-return {stored, release_hold(KEYS[1], KEYS[2], ARGV[1], ARGV[2])}
+return {stored, release_hold(KEYS[1], ARGV[1], ARGV[2])}

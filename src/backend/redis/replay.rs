@@ -65,7 +65,6 @@ impl ReplayStore for RedisBackend {
                         .scripts()
                         .replay_store
                         .key(Names::lock(prefix, &req.key).as_ref())
-                        .key(Names::channel(prefix, &req.key))
                         .key(Names::replay(prefix, &req.key))
                         .arg(lease_ms(req.lease))
                         .arg(req.hold_id.as_str())
