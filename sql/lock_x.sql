@@ -33,6 +33,10 @@
 -- The backend fills in two parts this shares with `sql/lock_x_batch.sql`: the gate's
 -- reading (`sql/gate.sql`) and the grant's change of the row (`sql/take_x.sql`).
 --
+-- The parts that write (`up`, `busy`; a waiter's follow from theirs) wait for a row no
+-- longer than `__WAIT_MS__` ms (`_within`: the backend's response timeout; 0 in the
+-- body of `_lock_x`, whose caller has bounded its transaction already).
+--
 -- `_grant` commits a grant synchronously (a fast one, and anything else, without
 -- waiting for the disk), and refuses a session not in READ COMMITTED.
 WITH seen AS (
@@ -47,6 +51,7 @@ __GATE__
        AND NOT EXISTS (SELECT 1 FROM __S__.__T___gone g
                         WHERE g.name = $1 AND g.owner = $2 AND g.until > clock_timestamp())
        AND coalesce((SELECT gt.ready_at FROM gate gt) <= clock_timestamp(), true)
+       AND __S__.__T___within(__WAIT_MS__)
     ON CONFLICT (name) DO UPDATE
 __TAKE__
        AND n.gen IS NOT DISTINCT FROM (SELECT s.gen FROM seen s)
@@ -67,6 +72,7 @@ __TAKE__
        AND ($5 = 0 OR __S__.__T___now_us() <= $5)
        AND NOT EXISTS (SELECT 1 FROM __S__.__T___gone g
                         WHERE g.name = $1 AND g.owner = $2 AND g.until > clock_timestamp())
+       AND __S__.__T___within(__WAIT_MS__)
     RETURNING ceil(extract(epoch FROM
                    greatest(clock_timestamp(), n.others_until,
                             CASE WHEN n.owner IS NOT NULL THEN n.expires_at END,

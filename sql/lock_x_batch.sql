@@ -8,7 +8,9 @@
 -- are locked in name order, so two batches (or a batch and a batched release) never
 -- wait for each other in a cycle. The transaction commits synchronously when it
 -- granted an attempt that may not be granted fast, and otherwise without waiting for
--- the disk; `_lock_x_batch` runs the same text.
+-- the disk; `_lock_x_batch` runs the same text. Every row it locks comes from `req`,
+-- read first, which bounds the transaction's waits for a lock to `__WAIT_MS__` ms
+-- (`_within`, as in `sql/lock_x.sql`).
 WITH req AS (
     -- The arrays are read through a subquery kept as it is (`OFFSET 0`), so that the
     -- planner estimates every call alike, whatever its arrays hold: as constants, the
@@ -18,6 +20,7 @@ WITH req AS (
       FROM (SELECT $1::text[] AS names, $2::text[] AS owners, $3::bigint[] AS leases,
                    $4::boolean[] AS fenced, $5::bigint[] AS deadlines,
                    $6::boolean[] AS fast
+             WHERE __S__.__T___within(__WAIT_MS__)
             OFFSET 0) a,
            unnest(a.names, a.owners, a.leases, a.fenced, a.deadlines, a.fast)
            WITH ORDINALITY AS r(name, owner, lease_ms, fenced, deadline, fast, i)

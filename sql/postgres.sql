@@ -197,6 +197,28 @@ LANGUAGE sql VOLATILE AS $$
     SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint
 $$;
 
+-- Bounds every lock wait left in the caller's transaction (a row's, a name's advisory
+-- lock, `NOTIFY`'s) to `p_ms` milliseconds, when positive: the backend's response
+-- timeout, after which the statement's sender no longer waits for its answer. A
+-- statement stalled behind a lock would otherwise go on waiting in the server after
+-- its sender gave up, and keep its pool connection (the pool takes a connection back
+-- only once its statement has answered) for as long as the stall lasted. True; plain
+-- SQL, which PostgreSQL inlines. Every statement the backend sends evaluates it before
+-- anything it could wait for: as a filter of each part that locks rows, as an
+-- argument of the functions it calls.
+CREATE OR REPLACE FUNCTION __S__.__T___within(p_ms bigint) RETURNS boolean
+LANGUAGE sql AS $$
+    SELECT p_ms <= 0 OR set_config('lock_timeout', p_ms::text, true) IS NOT NULL
+$$;
+
+-- `p_value` once `_within(p_ms)` has run: an argument of a function the backend calls,
+-- evaluated before the function runs.
+CREATE OR REPLACE FUNCTION __S__.__T___within(p_value anyelement, p_ms bigint)
+RETURNS anyelement
+LANGUAGE sql AS $$
+    SELECT CASE WHEN __S__.__T___within(p_ms) THEN p_value END
+$$;
+
 -- Locks the row of `p_name` in `__T___names` (creating it), for the modes kept in
 -- `__T__`, and returns when its exclusive hold ends (NULL: none), which blocks them.
 -- Every function takes the advisory lock of the name first, then this row, then rows

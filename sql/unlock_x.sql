@@ -5,7 +5,8 @@
 -- A release that would free a name a waiter marked wanted, or that finds nothing to
 -- release, is `_hand_over`'s instead: it hands the name to a registered waiter
 -- (answering -2), or frees it and notifies the release (origin $4). The backend sends
--- it as is; `_unlock_x` runs the same text.
+-- it as is; `_unlock_x` runs the same text. It waits for the row no longer than
+-- `__WAIT_MS__` ms (`_within`, evaluated before anything else).
 WITH r AS (
     UPDATE __S__.__T___names n
        SET holds = n.holds - 1,
@@ -21,3 +22,4 @@ WITH r AS (
 SELECT CASE WHEN EXISTS (SELECT 1 FROM r)
             THEN __S__.__T___left((SELECT r.holds FROM r))
             ELSE __S__.__T___hand_over($1, $2, $3, $4) END
+ WHERE __S__.__T___within(__WAIT_MS__)

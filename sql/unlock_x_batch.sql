@@ -6,12 +6,14 @@
 -- place in the arrays (from 1). The rows are locked in name order first (see
 -- `sql/lock_x_batch.sql`). The transaction commits synchronously when a release
 -- handed its name to a waiter (that is a grant), else without waiting for the disk;
--- `_unlock_x_batch` runs the same text.
+-- `_unlock_x_batch` runs the same text. Its waits for a lock are bounded as the
+-- batched attempts' are (`sql/lock_x_batch.sql`).
 WITH req AS (
     -- Read through a subquery kept as it is, to be planned once (see
     -- `sql/lock_x_batch.sql`).
     SELECT r.name, r.owner, r.lease_ms, r.i
       FROM (SELECT $1::text[] AS names, $2::text[] AS owners, $3::bigint[] AS leases
+             WHERE __S__.__T___within(__WAIT_MS__)
             OFFSET 0) a,
            unnest(a.names, a.owners, a.leases) WITH ORDINALITY AS r(name, owner, lease_ms, i)
 ), locked AS (

@@ -145,8 +145,9 @@ async fn a_holder_cut_off_loses_its_lock_before_anyone_else_gets_it() {
 }
 
 /// A statement stalled behind a transaction that holds the name's row lock fails
-/// as an outage after the response timeout; once the stall clears, the attempt the
-/// server still ran is taken back, and nothing is left.
+/// as an outage after the response timeout; the server stops waiting with it (the
+/// statement's lock wait is bounded by the same timeout), the lock core gives the
+/// hold up, and once the stall clears nothing is left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_statement_times_out_and_leaves_nothing() {
     let db = PgDatabase::create().await;
@@ -171,7 +172,7 @@ async fn a_stalled_statement_times_out_and_leaves_nothing() {
         started.elapsed()
     );
     blocker.commit().await.unwrap();
-    // The stalled attempt ran once the blocker committed; its compensation releases it.
+    // Whatever the stalled attempt did, the abandonment that followed it undoes.
     wait_until(Duration::from_secs(10), "nothing held", || async {
         !lock.is_locked().await.unwrap()
     })

@@ -1187,3 +1187,85 @@ async fn the_batch_statements_settle_on_one_plan_instead_of_planning_every_call(
         );
     }
 }
+
+/// Found probing a stalled name (a foreign transaction holding its row): every
+/// statement sent on it gave up in the client at the response timeout, but went on
+/// waiting in the server, and its pool connection with it (sqlx takes a connection
+/// back only once its statement has answered). A few timed-out attempts on one name
+/// took every connection of the pool, and then every other name failed too, for as
+/// long as the stall lasted. A statement of the backend now stops waiting for a lock
+/// in the server when its sender stops waiting for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_name_keeps_no_statement_waiting_past_its_timeout_nor_the_other_names_waiting() {
+    let db = PgDatabase::create().await;
+    let timeout = Duration::from_millis(300);
+    let backend = PostgresBackend::builder(db.pool(4).await)
+        .response_timeout(timeout)
+        .build()
+        .await
+        .unwrap();
+    let stalled = "regress:stalled";
+    let released = "regress:released";
+    let held = req(released, "a:1", LockMode::Exclusive);
+    take(&backend, &held).await;
+    let pool = db.pool(2).await;
+    let mut blocker = pool.begin().await.unwrap();
+    for name in [stalled, released] {
+        sqlx::query("SELECT public.tower_lock_lock_name($1)")
+            .bind(name)
+            .execute(&mut *blocker)
+            .await
+            .unwrap();
+    }
+    // Each kind of statement on a stalled name: an exclusive attempt alone, two more
+    // sent together while it waits (a batch, with a free name before the stalled one),
+    // another mode's attempt, a renewal and a release.
+    let (alone, queued, free) = (
+        req(stalled, "c:1", LockMode::Exclusive),
+        req(stalled, "c:2", LockMode::Exclusive),
+        req("regress:free", "c:3", LockMode::Exclusive),
+    );
+    let (alone, (queued, free)) = tokio::join!(backend.acquire(&alone), async {
+        common::wait_until(Duration::from_secs(1), "the first attempt waits", || {
+            let pool = pool.clone();
+            async move { common::postgres::waiting_for_a_lock(&pool).await > 0 }
+        })
+        .await;
+        tokio::join!(backend.acquire(&queued), backend.acquire(&free))
+    });
+    let outcomes = [
+        alone.map(|_| ()),
+        queued.map(|_| ()),
+        free.map(|_| ()),
+        backend
+            .acquire(&req(stalled, "d:1", LockMode::Fair))
+            .await
+            .map(|_| ()),
+        backend.renew(&held).await.map(|_| ()),
+        backend.release(&held).await.map(|_| ()),
+    ];
+    for outcome in &outcomes {
+        assert!(
+            outcome.as_ref().is_err_and(|e| e.is_unavailable()),
+            "{outcome:?}"
+        );
+    }
+    common::wait_until(
+        Duration::from_secs(3),
+        "no statement waits any more",
+        || {
+            let pool = pool.clone();
+            async move { common::postgres::waiting_for_a_lock(&pool).await == 0 }
+        },
+    )
+    .await;
+    // The stall goes on, and the other names with it.
+    let other = req("regress:other", "e:1", LockMode::Exclusive);
+    take(&backend, &other).await;
+    assert_eq!(backend.release(&other).await.unwrap(), Release::Released);
+    blocker.commit().await.unwrap();
+    // Nothing the stalled statements asked for was done behind their senders' backs.
+    assert_eq!(backend.release(&held).await.unwrap(), Release::Released);
+    take(&backend, &req(stalled, "f:1", LockMode::Exclusive)).await;
+    take(&backend, &req("regress:free", "f:1", LockMode::Exclusive)).await;
+}

@@ -76,6 +76,11 @@ impl PostgresBackendBuilder {
 
     /// How long one call may take before it fails as an outage. Default
     /// [`DEFAULT_RESPONSE_TIMEOUT`].
+    ///
+    /// It bounds the database's side as well: each statement waits for a lock in the
+    /// database (a row, a name's advisory lock) no longer than this (its transaction's
+    /// `lock_timeout`), so that a statement its caller gave up on does not go on
+    /// waiting there and keep its pool connection.
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
         self.response_timeout = timeout;
         self
@@ -227,7 +232,7 @@ impl PostgresBackendBuilder {
         }
         Ok(PostgresBackend {
             inner: Arc::new(Inner {
-                statements: Statements::new(&self.schema, &self.table),
+                statements: Statements::new(&self.schema, &self.table, self.response_timeout),
                 qualified,
                 clock: StoreClock::default(),
                 profile: StoreProfile::new("postgres")

@@ -359,7 +359,7 @@ impl LockBackend for PostgresBackend {
 
     fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            let sql = self.sql("SELECT __F___cancel($1, $2, $3)");
+            let sql = self.sql("SELECT __F___cancel(__F___within($1::text, __WAIT_MS__), $2, $3)");
             self.timed(
                 sqlx::query(&sql)
                     .bind(req.key.as_str())
@@ -380,7 +380,8 @@ impl LockBackend for PostgresBackend {
             // Long enough that an attempt still arriving is one the response timeout
             // already gave up on, and past the lease of anything it could have taken.
             let keep = self.inner.response_timeout * 2 + req.lease;
-            let sql = self.sql("SELECT __F___abandon($1, $2, $3, $4)");
+            let sql =
+                self.sql("SELECT __F___abandon(__F___within($1::text, __WAIT_MS__), $2, $3, $4)");
             self.timed(
                 sqlx::query(&sql)
                     .bind(req.key.as_str())
@@ -400,7 +401,7 @@ impl LockBackend for PostgresBackend {
         mode: LockMode,
     ) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
-            let sql = self.sql("SELECT __F___force($1, $2)");
+            let sql = self.sql("SELECT __F___force(__F___within($1::text, __WAIT_MS__), $2)");
             self.timed(
                 sqlx::query_scalar(&sql)
                     .bind(key.as_str())
@@ -444,7 +445,8 @@ impl ClientNames for PostgresBackend {
         Box::pin(async move {
             let sql = self.sql(
                 "INSERT INTO __F___clients (id, name, expires_at) \
-                 VALUES ($1, $2, clock_timestamp() + $3 * interval '1 millisecond') \
+                 VALUES (__F___within($1::text, __WAIT_MS__), $2, \
+                         clock_timestamp() + $3 * interval '1 millisecond') \
                  ON CONFLICT (id) DO UPDATE SET name = excluded.name, expires_at = excluded.expires_at",
             );
             self.timed(
@@ -463,7 +465,8 @@ impl ClientNames for PostgresBackend {
             // clock, as for a name never seen) is still greater, unless the database's
             // clock steps back an hour.
             let sweep = self.sql(
-                "DELETE FROM __F___names \
+                "SELECT __F___within(__WAIT_MS__); \
+                 DELETE FROM __F___names \
                   WHERE expires_at < clock_timestamp() - interval '1 hour' \
                     AND others_until < clock_timestamp() - interval '1 hour' \
                     AND coalesce(token, 0) < __F___now_us() - 3600000000; \
@@ -506,7 +509,8 @@ impl ClientNames for PostgresBackend {
 
     fn unregister<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            let sql = self.sql("DELETE FROM __F___clients WHERE id = $1");
+            let sql =
+                self.sql("DELETE FROM __F___clients WHERE id = $1 AND __F___within(__WAIT_MS__)");
             self.timed(sqlx::query(&sql).bind(id).execute(&self.inner.pool))
                 .await
                 .map(drop)

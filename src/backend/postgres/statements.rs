@@ -55,7 +55,9 @@ pub(super) fn schema_sql(schema: &str, table: &str) -> String {
             .replace("__LOCK_X_BATCH__", &with_parts(LOCK_X_BATCH_SQL))
             .replace("__UNLOCK_X_BATCH__", UNLOCK_X_BATCH_SQL)
             .replace("__LOCK_X__", &with_parts(LOCK_X_SQL))
-            .replace("__UNLOCK_X__", UNLOCK_X_SQL),
+            .replace("__UNLOCK_X__", UNLOCK_X_SQL)
+            // The functions' callers bound their transactions' waits.
+            .replace("__WAIT_MS__", "0"),
         schema,
         table,
     )
@@ -84,48 +86,63 @@ pub(super) struct Statements {
     renew: String,
     replay_store: String,
     replay_load: String,
+    /// How long a statement waits for a lock in the database, in ms: the response
+    /// timeout (`__WAIT_MS__`, see `_within` in `sql/postgres.sql`).
+    wait_ms: String,
 }
 
 impl Statements {
-    /// The statements for the functions of `schema`.`table`.
-    pub(super) fn new(schema: &str, table: &str) -> Self {
+    /// The statements for the functions of `schema`.`table`, each waiting for a lock
+    /// in the database no longer than `wait` (the response timeout).
+    pub(super) fn new(schema: &str, table: &str, wait: Duration) -> Self {
         let qualified = &format!("{schema}.{table}");
+        let wait_ms = wait_ms(wait);
+        let fill = |body: &str| fill(body, qualified, &wait_ms);
+        let exclusive = |sql: &str| for_table(sql, schema, table).replace("__WAIT_MS__", &wait_ms);
         Statements {
             acquire: fill(
-                "SELECT acquired, holds, token, ttl_ms FROM __F___acquire($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-                qualified,
+                "SELECT acquired, holds, token, ttl_ms \
+                   FROM __F___acquire(__F___within($1::text, __WAIT_MS__), \
+                                      $2, $3, $4, $5, $6, $7, $8, $9)",
             ),
-            release: fill("SELECT __F___release($1, $2, $3, $4, $5)", qualified),
-            lock_x: for_table(&with_parts(LOCK_X_SQL), schema, table),
-            wait_x: for_table(&with_parts(LOCK_X_SQL).replace("--W:", ""), schema, table),
-            unlock_x: for_table(UNLOCK_X_SQL, schema, table),
-            lock_x_batch: for_table(&with_parts(LOCK_X_BATCH_SQL), schema, table),
-            unlock_x_batch: for_table(UNLOCK_X_BATCH_SQL, schema, table),
+            release: fill(
+                "SELECT __F___release(__F___within($1::text, __WAIT_MS__), $2, $3, $4, $5)",
+            ),
+            lock_x: exclusive(&with_parts(LOCK_X_SQL)),
+            wait_x: exclusive(&with_parts(LOCK_X_SQL).replace("--W:", "")),
+            unlock_x: exclusive(UNLOCK_X_SQL),
+            lock_x_batch: exclusive(&with_parts(LOCK_X_BATCH_SQL)),
+            unlock_x_batch: exclusive(UNLOCK_X_BATCH_SQL),
             acquire_batch: fill(
                 "SELECT i, acquired, holds, token, ttl_ms \
-                   FROM __F___acquire_batch($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-                qualified,
+                   FROM __F___acquire_batch(__F___within($1::text[], __WAIT_MS__), \
+                                            $2, $3, $4, $5, $6, $7, $8, $9)",
             ),
             release_batch: fill(
-                "SELECT i, holds_left FROM __F___release_batch($1, $2, $3, $4, $5)",
-                qualified,
+                "SELECT i, holds_left \
+                   FROM __F___release_batch(__F___within($1::text[], __WAIT_MS__), $2, $3, $4, $5)",
             ),
-            renew: fill("SELECT * FROM __F___renew($1, $2, $3, $4)", qualified),
+            renew: fill(
+                "SELECT * FROM __F___renew(__F___within($1::text[], __WAIT_MS__), $2, $3, $4)",
+            ),
             replay_store: fill(
-                "SELECT stored, released FROM __F___replay_store($1, $2, $3, $4, $5, $6, $7, $8)",
-                qualified,
+                "SELECT stored, released \
+                   FROM __F___replay_store(__F___within($1::text, __WAIT_MS__), \
+                                           $2, $3, $4, $5, $6, $7, $8)",
             ),
             replay_load: fill(
                 "SELECT record FROM __F___replay WHERE name = $1 AND expires_at > clock_timestamp()",
-                qualified,
             ),
+            wait_ms,
         }
     }
 }
 
 impl PostgresBackend {
+    /// `body` with the functions' prefix (`__F__`) and the wait for a lock
+    /// (`__WAIT_MS__`) filled in.
     pub(super) fn sql(&self, body: &str) -> String {
-        fill(body, &self.inner.qualified)
+        fill(body, &self.inner.qualified, &self.inner.statements.wait_ms)
     }
 
     /// Runs `call` within the response timeout.
@@ -321,7 +338,8 @@ impl PostgresBackend {
         };
         let backend = self.clone();
         runtime.spawn(async move {
-            let sql = backend.sql("SELECT __F___unwait($1, $2, $3)");
+            let sql =
+                backend.sql("SELECT __F___unwait(__F___within($1::text, __WAIT_MS__), $2, $3)");
             let left = backend
                 .timed(
                     sqlx::query(&sql)
@@ -567,8 +585,16 @@ fn hold_info_of((owner, held, holds, ttl_ms, token): HoldRow, mode: LockMode) ->
 }
 
 /// `body` with `__F__` replaced by the qualified table.
-fn fill(body: &str, qualified: &str) -> String {
+fn fill(body: &str, qualified: &str, wait_ms: &str) -> String {
     body.replace("__F__", qualified)
+        .replace("__WAIT_MS__", wait_ms)
+}
+
+/// `wait` in whole milliseconds, as `lock_timeout` takes it: at least 1 (0 would
+/// turn the bound off), at most what the setting holds.
+fn wait_ms(wait: Duration) -> String {
+    let ms = wait.as_nanos().div_ceil(1_000_000);
+    ms.clamp(1, i32::MAX as u128).to_string()
 }
 
 /// A mode as the functions take it: one byte (PostgreSQL's `"char"`).
@@ -621,5 +647,35 @@ mod tests {
         assert!(sql.contains("s.t_names"));
         assert!(sql.contains("s.t_acquire("));
         assert!(sql.contains("s.t_replay_store("));
+    }
+
+    #[test]
+    fn every_statement_has_every_placeholder_filled_and_bounds_its_waits() {
+        let statements = Statements::new("s", "t", Duration::from_millis(1500));
+        for sql in [
+            &statements.acquire,
+            &statements.release,
+            &statements.lock_x,
+            &statements.wait_x,
+            &statements.unlock_x,
+            &statements.lock_x_batch,
+            &statements.unlock_x_batch,
+            &statements.acquire_batch,
+            &statements.release_batch,
+            &statements.renew,
+            &statements.replay_store,
+        ] {
+            assert!(!sql.contains("__"), "a placeholder is left:\n{sql}");
+            assert!(sql.contains("s.t_within("), "no bound on its waits:\n{sql}");
+            assert!(sql.contains(", 1500)") || sql.contains("(1500)"), "{sql}");
+        }
+    }
+
+    #[test]
+    fn waits_are_whole_milliseconds_within_what_lock_timeout_takes() {
+        assert_eq!(wait_ms(Duration::from_nanos(1)), "1");
+        assert_eq!(wait_ms(Duration::from_micros(1500)), "2");
+        assert_eq!(wait_ms(Duration::from_secs(2)), "2000");
+        assert_eq!(wait_ms(Duration::MAX), i32::MAX.to_string());
     }
 }
