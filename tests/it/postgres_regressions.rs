@@ -1269,3 +1269,157 @@ async fn a_stalled_name_keeps_no_statement_waiting_past_its_timeout_nor_the_othe
     take(&backend, &req(stalled, "f:1", LockMode::Exclusive)).await;
     take(&backend, &req("regress:free", "f:1", LockMode::Exclusive)).await;
 }
+
+/// A backend on `db` through a proxy whose connections can be cut without a word: a
+/// pool of four, a response timeout of 300 ms, `kept` connections kept.
+async fn through_a_proxy(
+    db: &PgDatabase,
+    kept: usize,
+) -> (common::redis_server::FreezableProxy, PostgresBackend) {
+    let proxy = common::redis_server::FreezableProxy::start(5432).await;
+    let through = common::postgres::with_database(
+        &common::postgres::admin_url()
+            .replace("127.0.0.1:5432", &format!("127.0.0.1:{}", proxy.port)),
+        &db.name,
+    );
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect(&through)
+        .await
+        .unwrap();
+    let backend = PostgresBackend::builder(pool)
+        .response_timeout(Duration::from_millis(300))
+        .kept_connections(kept)
+        .build()
+        .await
+        .unwrap();
+    (proxy, backend)
+}
+
+/// Found reading sqlx's pool after the fix above: a connection whose statement timed
+/// out went back to the pool, which takes a connection back only once its statement
+/// has answered and a ping has, however long that takes. On a connection cut silently
+/// (a failover that left the old server's address unanswering, a NAT that forgot the
+/// flow) neither ever comes: each statement in flight at the cut held its place in the
+/// pool for good, and after one cut every lock failed, though the database was up and
+/// new connections reached it. A connection whose statement its caller gave up on is
+/// now closed, and the pool opens another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_cut_silently_mid_statement_are_replaced_not_waited_for() {
+    let db = PgDatabase::create().await;
+    let (proxy, backend) = through_a_proxy(&db, 0).await;
+    let direct = db.pool(2).await;
+    let cycle = async |name: String| -> tower_lock::Result<()> {
+        let req = req(&name, "a:1", LockMode::Exclusive);
+        let taken = backend.acquire(&req).await?;
+        assert!(matches!(taken, Acquire::Acquired(_)), "{taken:?}");
+        assert_eq!(backend.release(&req).await?, Release::Released);
+        Ok(())
+    };
+    let mut name = 0;
+    let mut next_name = || {
+        name += 1;
+        format!("regress:cut:{name}")
+    };
+    for cut in 0..3 {
+        // Every connection of the pool but the listener's busy with a statement that
+        // waits (behind a transaction holding its name's row), then all of them cut;
+        // new connections get through.
+        let stalled = next_name();
+        let held = req(&stalled, "h:1", LockMode::Exclusive);
+        take(&backend, &held).await;
+        let mut blocker = direct.begin().await.unwrap();
+        sqlx::query("SELECT public.tower_lock_lock_name($1)")
+            .bind(&stalled)
+            .execute(&mut *blocker)
+            .await
+            .unwrap();
+        // Three kinds, which the backend sends each at once (of one kind, the later
+        // ones would wait for the first in a batch).
+        let attempts = [
+            tokio::spawn({
+                let (backend, req) = (backend.clone(), req(&stalled, "b:1", LockMode::Exclusive));
+                async move { backend.acquire(&req).await.map(drop) }
+            }),
+            tokio::spawn({
+                let (backend, req) = (backend.clone(), req(&stalled, "b:2", LockMode::Fair));
+                async move { backend.acquire(&req).await.map(drop) }
+            }),
+            tokio::spawn({
+                let (backend, held) = (backend.clone(), held.clone());
+                async move { backend.release(&held).await.map(drop) }
+            }),
+        ];
+        common::wait_until(Duration::from_secs(2), "three statements wait", || async {
+            common::postgres::waiting_for_a_lock(&direct).await == 3
+        })
+        .await;
+        proxy.freeze_existing();
+        for attempt in attempts {
+            let outcome = attempt.await.unwrap();
+            assert!(
+                outcome.as_ref().is_err_and(|e| e.is_unavailable()),
+                "{outcome:?}"
+            );
+        }
+        blocker.commit().await.unwrap();
+        let cut_at = Instant::now();
+        let mut in_a_row = 0;
+        while in_a_row < 3 {
+            assert!(
+                cut_at.elapsed() < Duration::from_secs(5),
+                "cut {cut}: locks still fail {:?} after it",
+                cut_at.elapsed()
+            );
+            match cycle(next_name()).await {
+                Ok(()) => in_a_row += 1,
+                Err(error) => {
+                    assert!(error.is_unavailable(), "{error:?}");
+                    in_a_row = 0;
+                }
+            }
+        }
+    }
+}
+
+/// The same cut, with kept connections idle: one went back to the pool after a
+/// second unused, and the pool's ping of it never answered, so each cut took the
+/// kept connections' places for good. A kept connection now goes back only once it
+/// has answered a ping within the response timeout, and is closed otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_connections_cut_silently_are_closed_not_given_back() {
+    let db = PgDatabase::create().await;
+    let (proxy, backend) = through_a_proxy(&db, 2).await;
+    let mut name = 0;
+    let mut cycle = async || -> tower_lock::Result<()> {
+        name += 1;
+        let req = req(&format!("regress:kept:{name}"), "a:1", LockMode::Exclusive);
+        let taken = backend.acquire(&req).await?;
+        assert!(matches!(taken, Acquire::Acquired(_)), "{taken:?}");
+        assert_eq!(backend.release(&req).await?, Release::Released);
+        Ok(())
+    };
+    for cut in 0..3 {
+        cycle().await.unwrap();
+        proxy.freeze_existing();
+        // Idle past a second: the kept connections go back to the pool, or not.
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        let cut_at = Instant::now();
+        let mut in_a_row = 0;
+        while in_a_row < 3 {
+            assert!(
+                cut_at.elapsed() < Duration::from_secs(5),
+                "cut {cut}: locks still fail {:?} after the sweep",
+                cut_at.elapsed()
+            );
+            match cycle().await {
+                Ok(()) => in_a_row += 1,
+                Err(error) => {
+                    assert!(error.is_unavailable(), "{error:?}");
+                    in_a_row = 0;
+                }
+            }
+        }
+    }
+}

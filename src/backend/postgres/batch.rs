@@ -350,13 +350,8 @@ async fn fetch<'q, R>(
 where
     R: Send + Unpin + for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow>,
 {
-    let inner = &backend.inner;
     backend
-        .timed(
-            inner
-                .kept
-                .run(&inner.pool, async |conn| query.fetch_all(conn).await),
-        )
+        .on_connection(async |conn| query.fetch_all(conn).await)
         .await
 }
 

@@ -139,8 +139,10 @@ impl PostgresBackendBuilder {
     /// included (which then share what is left). At most `max_connections - 2` are kept,
     /// so that the listener (which holds one, and takes one to reconnect) and the other
     /// statements always find one. A kept connection idle for a second goes back to the
-    /// pool; one whose statement failed or was cancelled always does, and the pool tests
-    /// it.
+    /// pool once it has answered a ping within the response timeout (it is closed
+    /// otherwise); one whose statement failed always does, and the pool tests it; one
+    /// whose statement was given up on (the response timeout, a cancelled caller) is
+    /// closed, as is any connection's of the pool.
     pub fn kept_connections(mut self, n: usize) -> Self {
         self.kept_connections = n;
         self
@@ -226,7 +228,10 @@ impl PostgresBackendBuilder {
         let max_kept = usize::try_from(self.pool.options().get_max_connections())
             .unwrap_or(usize::MAX)
             .saturating_sub(2);
-        let kept = Arc::new(Kept::new(self.kept_connections.min(max_kept)));
+        let kept = Arc::new(Kept::new(
+            self.kept_connections.min(max_kept),
+            self.response_timeout,
+        ));
         if kept.cap() > 0 {
             tokio::spawn(Arc::clone(&kept).sweep_until(stop.clone()));
         }

@@ -5,15 +5,24 @@
 //! A lock statement is one short round trip, so that test doubled the server's work
 //! per statement. The backend keeps up to a few of the pool's connections checked out
 //! after a statement that succeeded, and runs the next statement on one of them; one
-//! that failed, or whose statement was dropped mid-way (a timeout, a cancelled caller),
-//! goes back to the pool, which tests it as before.
+//! that failed goes back to the pool, which tests it as before.
+//!
+//! sqlx's pool takes a connection back only once its statement has answered and a ping
+//! has, with no bound on the wait. On a connection that died silently (a failover that
+//! left the old server's address unanswering, a NAT that forgot the flow) neither
+//! comes, and the connection holds its place in the pool for good: a few of them and
+//! every statement of the backend fails, though the database is up and new connections
+//! to it work. So a connection whose statement its caller gave up on (a timeout, a
+//! cancelled caller) is closed instead, and the pool opens another when it needs one;
+//! and a kept connection goes back to the pool only after answering a ping within the
+//! response timeout, or is closed.
 
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use sqlx::Postgres;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnection, PgPool};
+use sqlx::{Connection, Postgres};
 
 /// How long a kept connection may sit unused before it goes back to the pool (which
 /// tests it) instead of carrying the next statement: traffic that stops for longer
@@ -24,15 +33,19 @@ const IDLE_MAX: Duration = Duration::from_secs(1);
 pub(super) struct Kept {
     idle: Mutex<Vec<(PoolConnection<Postgres>, Instant)>>,
     cap: usize,
+    /// How long a kept connection has to answer a ping before it goes back to the pool.
+    ping_within: Duration,
 }
 
 impl Kept {
     /// Keeps at most `cap` connections (0: none, every statement takes one from the
-    /// pool and gives it back).
-    pub(super) fn new(cap: usize) -> Self {
+    /// pool and gives it back); one that goes back answers a ping within `ping_within`
+    /// first, or is closed.
+    pub(super) fn new(cap: usize, ping_within: Duration) -> Self {
         Kept {
             idle: Mutex::new(Vec::with_capacity(cap)),
             cap,
+            ping_within,
         }
     }
 
@@ -42,18 +55,24 @@ impl Kept {
     }
 
     /// Runs `run` on a kept connection, or on one taken from `pool`; keeps the
-    /// connection afterwards if `run` succeeded.
+    /// connection afterwards if `run` succeeded, gives it back to the pool if it
+    /// failed, and closes it if `run` is dropped before it answers.
     pub(super) async fn run<T>(
         &self,
         pool: &PgPool,
         run: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
     ) -> Result<T, sqlx::Error> {
-        let mut conn = match self.take() {
+        let conn = match self.take() {
             Some(conn) => conn,
             None => pool.acquire().await?,
         };
-        let out = run(&mut conn).await?;
-        self.put(conn);
+        let mut unanswered = Unanswered(None);
+        let out = run(unanswered.0.insert(conn)).await;
+        let answered = unanswered.0.take();
+        let out = out?;
+        if let Some(conn) = answered {
+            self.put(conn);
+        }
         Ok(out)
     }
 
@@ -78,32 +97,36 @@ impl Kept {
                 *idle = fresh;
                 stale
             };
-            drop(stale);
+            self.give_back(stale).await;
         }
         // The backend is gone: every kept connection goes back to the pool.
         let idle = std::mem::take(&mut *self.idle.lock().unwrap_or_else(PoisonError::into_inner));
-        drop(idle);
+        self.give_back(idle).await;
     }
 
-    /// A kept connection used within [`IDLE_MAX`]; older ones go back to the pool.
-    fn take(&self) -> Option<PoolConnection<Postgres>> {
-        let mut stale = Vec::new();
-        let fresh = {
-            let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-            loop {
-                match idle.pop() {
-                    Some((conn, since)) if since.elapsed() <= IDLE_MAX => break Some(conn),
-                    Some((conn, _)) => stale.push(conn),
-                    None => break None,
-                }
+    /// Gives `conns` back to the pool, each once it has answered a ping within
+    /// `ping_within`; closes the others.
+    async fn give_back(&self, conns: Vec<(PoolConnection<Postgres>, Instant)>) {
+        for (mut conn, _) in conns {
+            let answered = tokio::time::timeout(self.ping_within, conn.ping()).await;
+            if !matches!(answered, Ok(Ok(()))) {
+                drop(conn.detach());
             }
-        };
-        // Returned (and tested) by the pool, outside the lock.
-        drop(stale);
-        fresh
+        }
     }
 
-    /// Keeps `conn` if there is room; else it goes back to the pool (outside the lock).
+    /// The kept connection used last, if that was within [`IDLE_MAX`]. Older ones
+    /// (all of them, then) stay for the sweep to give back.
+    fn take(&self) -> Option<PoolConnection<Postgres>> {
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        match idle.last() {
+            Some((_, since)) if since.elapsed() <= IDLE_MAX => idle.pop().map(|(conn, _)| conn),
+            _ => None,
+        }
+    }
+
+    /// Keeps `conn` if there is room; else it goes back to the pool (outside the lock),
+    /// which pings it at once: it has just answered.
     fn put(&self, conn: PoolConnection<Postgres>) {
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
         if idle.len() < self.cap {
@@ -112,5 +135,17 @@ impl Kept {
         }
         drop(idle);
         drop(conn);
+    }
+}
+
+/// A connection whose statement has not answered: dropped so, it is closed, not given
+/// back to the pool (see the module's docs).
+struct Unanswered(Option<PoolConnection<Postgres>>);
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if let Some(conn) = self.0.take() {
+            drop(conn.detach());
+        }
     }
 }

@@ -360,13 +360,14 @@ impl LockBackend for PostgresBackend {
     fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             let sql = self.sql("SELECT __F___cancel(__F___within($1::text, __WAIT_MS__), $2, $3)");
-            self.timed(
+            self.on_connection(async |conn| {
                 sqlx::query(&sql)
                     .bind(req.key.as_str())
                     .bind(req.hold_id.as_str())
                     .bind(mode_char(req.mode))
-                    .execute(&self.inner.pool),
-            )
+                    .execute(conn)
+                    .await
+            })
             .await?;
             Ok(())
         })
@@ -382,14 +383,15 @@ impl LockBackend for PostgresBackend {
             let keep = self.inner.response_timeout * 2 + req.lease;
             let sql =
                 self.sql("SELECT __F___abandon(__F___within($1::text, __WAIT_MS__), $2, $3, $4)");
-            self.timed(
+            self.on_connection(async |conn| {
                 sqlx::query(&sql)
                     .bind(req.key.as_str())
                     .bind(req.hold_id.as_str())
                     .bind(mode_char(req.mode))
                     .bind(millis(keep))
-                    .execute(&self.inner.pool),
-            )
+                    .execute(conn)
+                    .await
+            })
             .await?;
             Ok(())
         })
@@ -402,12 +404,13 @@ impl LockBackend for PostgresBackend {
     ) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let sql = self.sql("SELECT __F___force(__F___within($1::text, __WAIT_MS__), $2)");
-            self.timed(
+            self.on_connection(async |conn| {
                 sqlx::query_scalar(&sql)
                     .bind(key.as_str())
                     .bind(mode_char(mode))
-                    .fetch_one(&self.inner.pool),
-            )
+                    .fetch_one(conn)
+                    .await
+            })
             .await
         })
     }
@@ -424,10 +427,10 @@ impl LockBackend for PostgresBackend {
         Some(self)
     }
 
-    /// `SELECT 1` on a connection of the pool, within the response timeout.
+    /// `SELECT 1` on one of the backend's connections, within the response timeout.
     fn ping(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(async move {
-            self.timed(sqlx::query("SELECT 1").execute(&self.inner.pool))
+            self.on_connection(async |conn| sqlx::query("SELECT 1").execute(conn).await)
                 .await
                 .map(drop)
         })
@@ -449,13 +452,14 @@ impl ClientNames for PostgresBackend {
                          clock_timestamp() + $3 * interval '1 millisecond') \
                  ON CONFLICT (id) DO UPDATE SET name = excluded.name, expires_at = excluded.expires_at",
             );
-            self.timed(
+            self.on_connection(async |conn| {
                 sqlx::query(&sql)
                     .bind(id)
                     .bind(name)
                     .bind(millis(ttl))
-                    .execute(&self.inner.pool),
-            )
+                    .execute(conn)
+                    .await
+            })
             .await?;
             // Every client registers now and then: it sweeps what expired, so names
             // locked once (a crashed holder, a vanished waiter) leave no rows behind.
@@ -465,19 +469,34 @@ impl ClientNames for PostgresBackend {
             // clock, as for a name never seen) is still greater, unless the database's
             // clock steps back an hour.
             let sweep = self.sql(
-                "SELECT __F___within(__WAIT_MS__); \
-                 DELETE FROM __F___names \
-                  WHERE expires_at < clock_timestamp() - interval '1 hour' \
-                    AND others_until < clock_timestamp() - interval '1 hour' \
-                    AND coalesce(token, 0) < __F___now_us() - 3600000000; \
-                 DELETE FROM __F__ WHERE expires_at <= clock_timestamp(); \
-                 DELETE FROM __F___queue WHERE evict_at <= clock_timestamp(); \
-                 DELETE FROM __F___clients WHERE expires_at <= clock_timestamp(); \
-                 DELETE FROM __F___gone WHERE until <= clock_timestamp(); \
-                 DELETE FROM __F___waiters WHERE until <= clock_timestamp(); \
-                 DELETE FROM __F___replay WHERE expires_at <= clock_timestamp();",
+                "WITH names AS ( \
+                     DELETE FROM __F___names \
+                      WHERE expires_at < clock_timestamp() - interval '1 hour' \
+                        AND others_until < clock_timestamp() - interval '1 hour' \
+                        AND coalesce(token, 0) < __F___now_us() - 3600000000 \
+                        AND __F___within(__WAIT_MS__) \
+                 ), holds AS ( \
+                     DELETE FROM __F__ \
+                      WHERE expires_at <= clock_timestamp() AND __F___within(__WAIT_MS__) \
+                 ), queue AS ( \
+                     DELETE FROM __F___queue \
+                      WHERE evict_at <= clock_timestamp() AND __F___within(__WAIT_MS__) \
+                 ), clients AS ( \
+                     DELETE FROM __F___clients \
+                      WHERE expires_at <= clock_timestamp() AND __F___within(__WAIT_MS__) \
+                 ), gone AS ( \
+                     DELETE FROM __F___gone \
+                      WHERE until <= clock_timestamp() AND __F___within(__WAIT_MS__) \
+                 ), waiters AS ( \
+                     DELETE FROM __F___waiters \
+                      WHERE until <= clock_timestamp() AND __F___within(__WAIT_MS__) \
+                 ), replay AS ( \
+                     DELETE FROM __F___replay \
+                      WHERE expires_at <= clock_timestamp() AND __F___within(__WAIT_MS__) \
+                 ) \
+                 SELECT 1",
             );
-            self.timed(sqlx::raw_sql(&sweep).execute(&self.inner.pool))
+            self.on_connection(async |conn| sqlx::query(&sweep).execute(conn).await)
                 .await?;
             Ok(())
         })
@@ -490,11 +509,12 @@ impl ClientNames for PostgresBackend {
                   WHERE id = ANY($1) AND expires_at > clock_timestamp()",
             );
             let rows: Vec<(String, String)> = self
-                .timed(
+                .on_connection(async |conn| {
                     sqlx::query_as(&sql)
                         .bind(ids.to_vec())
-                        .fetch_all(&self.inner.pool),
-                )
+                        .fetch_all(conn)
+                        .await
+                })
                 .await?;
             Ok(ids
                 .iter()
@@ -511,7 +531,7 @@ impl ClientNames for PostgresBackend {
         Box::pin(async move {
             let sql =
                 self.sql("DELETE FROM __F___clients WHERE id = $1 AND __F___within(__WAIT_MS__)");
-            self.timed(sqlx::query(&sql).bind(id).execute(&self.inner.pool))
+            self.on_connection(async |conn| sqlx::query(&sql).bind(id).execute(conn).await)
                 .await
                 .map(drop)
         })

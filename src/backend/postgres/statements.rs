@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use sqlx::postgres::PgConnection;
+
 use std::sync::Arc;
 
 use super::listener::{Slot, waiters_of};
@@ -162,6 +164,16 @@ impl PostgresBackend {
         }
     }
 
+    /// Runs `run` on one of the backend's connections (a kept one, or one of the
+    /// pool's) within the response timeout: see [`Kept::run`](super::conns::Kept::run)
+    /// for what becomes of the connection, closed if the timeout ends the statement.
+    pub(super) async fn on_connection<T>(
+        &self,
+        run: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
+    ) -> Result<T> {
+        self.timed(self.inner.kept.run(&self.inner.pool, run)).await
+    }
+
     /// The deadline, on the database's clock in microseconds, of an attempt sent now:
     /// its response times out when the database's clock has passed it (see
     /// [`clock`](crate::backend::clock)). Samples the database's clock first when the
@@ -172,12 +184,13 @@ impl PostgresBackend {
             return Ok(i64::try_from(deadline).unwrap_or(i64::MAX));
         }
         let now_us: i64 = self
-            .timed(
+            .on_connection(async |conn| {
                 sqlx::query_scalar(
                     "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
                 )
-                .fetch_one(&self.inner.pool),
-            )
+                .fetch_one(conn)
+                .await
+            })
             .await?;
         let received = std::time::Instant::now();
         self.inner
@@ -260,11 +273,7 @@ impl PostgresBackend {
         };
         let sent = std::time::Instant::now();
         let row: AttemptRow = self
-            .timed(
-                self.inner
-                    .kept
-                    .run(&self.inner.pool, async |conn| query.fetch_one(conn).await),
-            )
+            .on_connection(async |conn| query.fetch_one(conn).await)
             .await?;
         let (acquired, holds, _, _) = row;
         if let Some(slot) = slot
@@ -341,13 +350,14 @@ impl PostgresBackend {
             let sql =
                 backend.sql("SELECT __F___unwait(__F___within($1::text, __WAIT_MS__), $2, $3)");
             let left = backend
-                .timed(
+                .on_connection(async |conn| {
                     sqlx::query(&sql)
                         .bind(key.as_str())
                         .bind(hold.as_str())
                         .bind(&backend.inner.origin)
-                        .execute(&backend.inner.pool),
-                )
+                        .execute(conn)
+                        .await
+                })
                 .await;
             if let Err(error) = left {
                 tracing::debug!(%error, key = key.as_str(), "PostgreSQL waiter not unregistered");
@@ -377,11 +387,7 @@ impl PostgresBackend {
                 .bind(&self.inner.origin)
         };
         let left: i32 = self
-            .timed(
-                self.inner
-                    .kept
-                    .run(&self.inner.pool, async |conn| query.fetch_one(conn).await),
-            )
+            .on_connection(async |conn| query.fetch_one(conn).await)
             .await?;
         Ok(self.released(&req.key, left))
     }
@@ -428,7 +434,7 @@ impl PostgresBackend {
             )
         })?;
         let (stored, left): (bool, i32) = self
-            .timed(
+            .on_connection(async |conn| {
                 sqlx::query_as(&self.inner.statements.replay_store)
                     .bind(req.key.as_str())
                     .bind(req.hold_id.as_str())
@@ -438,19 +444,21 @@ impl PostgresBackend {
                     .bind(token)
                     .bind(record)
                     .bind(millis(ttl))
-                    .fetch_one(&self.inner.pool),
-            )
+                    .fetch_one(conn)
+                    .await
+            })
             .await?;
         Ok(Stored::new(stored, self.released(&req.key, left)))
     }
 
     /// [`ReplayStore::load`](crate::backend::ReplayStore::load): the unexpired record.
     pub(super) async fn load_now(&self, key: &LockKey) -> Result<Option<Vec<u8>>> {
-        self.timed(
+        self.on_connection(async |conn| {
             sqlx::query_scalar(&self.inner.statements.replay_load)
                 .bind(key.as_str())
-                .fetch_optional(&self.inner.pool),
-        )
+                .fetch_optional(conn)
+                .await
+        })
         .await
     }
 
@@ -460,14 +468,15 @@ impl PostgresBackend {
         let modes: Vec<i8> = reqs.iter().map(|r| mode_char(r.mode)).collect();
         let leases: Vec<i64> = reqs.iter().map(|r| millis(r.lease)).collect();
         let renewed: Vec<i32> = self
-            .timed(
+            .on_connection(async |conn| {
                 sqlx::query_scalar(&self.inner.statements.renew)
                     .bind(names)
                     .bind(owners)
                     .bind(modes)
                     .bind(leases)
-                    .fetch_all(&self.inner.pool),
-            )
+                    .fetch_all(conn)
+                    .await
+            })
             .await?;
         let mut out = vec![false; reqs.len()];
         for i in renewed {
@@ -494,19 +503,21 @@ impl PostgresBackend {
              ORDER BY 1",
         );
         let rows: Vec<HoldRow> = self
-            .timed(
+            .on_connection(async |conn| {
                 sqlx::query_as(&holds_sql)
                     .bind(key.as_str())
-                    .fetch_all(&self.inner.pool),
-            )
+                    .fetch_all(conn)
+                    .await
+            })
             .await?;
         let fence_sql = self.sql("SELECT token FROM __F___names WHERE name = $1");
         let fence: Option<i64> = self
-            .timed(
+            .on_connection(async |conn| {
                 sqlx::query_scalar(&fence_sql)
                     .bind(key.as_str())
-                    .fetch_optional(&self.inner.pool),
-            )
+                    .fetch_optional(conn)
+                    .await
+            })
             .await?
             .flatten();
         let waiters = self.waiters_for(key, mode).await?;
@@ -531,11 +542,12 @@ impl PostgresBackend {
             "SELECT count(*) FROM __F___queue WHERE name = $1 AND evict_at > clock_timestamp()",
         );
         let queued: i64 = self
-            .timed(
+            .on_connection(async |conn| {
                 sqlx::query_scalar(&queue_sql)
                     .bind(key.as_str())
-                    .fetch_one(&self.inner.pool),
-            )
+                    .fetch_one(conn)
+                    .await
+            })
             .await?;
         Ok(Waiters::new(
             usize::try_from(queued).unwrap_or(0),
