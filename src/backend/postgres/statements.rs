@@ -1,11 +1,10 @@
 //! The statements the backend sends: the schema, the hot path's statements (formatted
 //! once), and the calls that send them within the response timeout.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::postgres::PgConnection;
-
-use std::sync::Arc;
 
 use super::listener::{Slot, waiters_of};
 use super::{PostgresBackend, batch, map_error};
