@@ -98,15 +98,15 @@ impl Statements {
     pub(super) fn new(schema: &str, table: &str, wait: Duration) -> Self {
         let qualified = &format!("{schema}.{table}");
         let wait_ms = wait_ms(wait);
-        let fill = |body: &str| fill(body, qualified, &wait_ms);
+        let filled = |body: &str| fill(body, qualified, &wait_ms);
         let exclusive = |sql: &str| for_table(sql, schema, table).replace("__WAIT_MS__", &wait_ms);
         Statements {
-            acquire: fill(
+            acquire: filled(
                 "SELECT acquired, holds, token, ttl_ms \
                    FROM __F___acquire(__F___within($1::text, __WAIT_MS__), \
                                       $2, $3, $4, $5, $6, $7, $8, $9)",
             ),
-            release: fill(
+            release: filled(
                 "SELECT __F___release(__F___within($1::text, __WAIT_MS__), $2, $3, $4, $5)",
             ),
             lock_x: exclusive(&with_parts(LOCK_X_SQL)),
@@ -114,24 +114,24 @@ impl Statements {
             unlock_x: exclusive(UNLOCK_X_SQL),
             lock_x_batch: exclusive(&with_parts(LOCK_X_BATCH_SQL)),
             unlock_x_batch: exclusive(UNLOCK_X_BATCH_SQL),
-            acquire_batch: fill(
+            acquire_batch: filled(
                 "SELECT i, acquired, holds, token, ttl_ms \
                    FROM __F___acquire_batch(__F___within($1::text[], __WAIT_MS__), \
                                             $2, $3, $4, $5, $6, $7, $8, $9)",
             ),
-            release_batch: fill(
+            release_batch: filled(
                 "SELECT i, holds_left \
                    FROM __F___release_batch(__F___within($1::text[], __WAIT_MS__), $2, $3, $4, $5)",
             ),
-            renew: fill(
+            renew: filled(
                 "SELECT * FROM __F___renew(__F___within($1::text[], __WAIT_MS__), $2, $3, $4)",
             ),
-            replay_store: fill(
+            replay_store: filled(
                 "SELECT stored, released \
                    FROM __F___replay_store(__F___within($1::text, __WAIT_MS__), \
                                            $2, $3, $4, $5, $6, $7, $8)",
             ),
-            replay_load: fill(
+            replay_load: filled(
                 "SELECT record FROM __F___replay WHERE name = $1 AND expires_at > clock_timestamp()",
             ),
             wait_ms,
