@@ -423,8 +423,9 @@ async fn client(args: &Args) -> Result<LockClient, String> {
                 args.workers
             };
             // A pool of the benchmark's own: every worker may keep its connection, and
-            // two more for the listener and the other statements.
-            let pool = pg_pool(&args.url, size + 2).await?;
+            // one more for the other statements (the listener's connection is its own,
+            // outside the pool).
+            let pool = pg_pool(&args.url, size + 1).await?;
             let mut builder = PostgresBackend::builder(pool)
                 .kept_connections(size)
                 .hand_over(args.hand_over);

@@ -20,8 +20,8 @@
 //!   [`RedisBackend`], `redis+sentinel://host:26379,host2:26379/mymaster[/db]` for
 //!   [`RedisBackend`] on the primary those Sentinels name (with the `sentinel` feature;
 //!   see [`RedisBackend::from_url`]), `postgres://` (or `postgresql://`) for [`PostgresBackend`] on a
-//!   pool of `--tasks` + 1 connections (one listens for releases), with its tables
-//!   created if missing.
+//!   pool of `--tasks` connections (and one more that listens for releases), with its
+//!   tables created if missing.
 //! - `--counter-url` is where the counter lives (default: the first `--url`), on either
 //!   kind of server. On Redis the counter is the string K, read with `GET` and written
 //!   with `SET`. On PostgreSQL it is the row K of the table `hammer_counter` (created if
@@ -271,8 +271,8 @@ async fn client(args: &Args) -> Result<LockClient, String> {
         return client_on(redlock, args);
     }
     if is_postgres(url) {
-        // One connection per task, and one for the backend's listener.
-        let pool = pg_pool(url, args.tasks + 1).await?;
+        // One connection per task (the backend's listener makes its own).
+        let pool = pg_pool(url, args.tasks.max(1)).await?;
         let backend = PostgresBackend::builder(pool)
             .hand_over(args.hand_over)
             .build()

@@ -467,22 +467,13 @@ async fn concurrent_reentries_keep_the_longest_lease_in_the_database() {
 
 /// A pool of one connection was accepted, and then every locked request waited out the
 /// response timeout and failed as an outage ("PostgreSQL did not answer within 2s"):
-/// the listener keeps the only connection. `build` now refuses it, naming the setting;
-/// two connections are enough to take a lock.
+/// the listener kept the only connection. `build` refused it from then on. The
+/// listener's connection is now its own, outside the pool: one connection is enough to
+/// take a lock and to wait for one.
 #[tokio::test]
-async fn a_pool_too_small_for_the_listener_is_refused_at_build() {
+async fn a_pool_of_one_connection_takes_locks_and_waits_for_them() {
     let db = PgDatabase::create().await;
-    let err = PostgresBackend::builder(db.pool(1).await)
-        .build()
-        .await
-        .expect_err("a one-connection pool is refused");
-    assert!(
-        matches!(&err, tower_lock::Error::InvalidConfig { name, .. } if *name == "max_connections"),
-        "{err:?}"
-    );
-    assert!(err.to_string().contains("at least 2"), "{err}");
-
-    let backend = PostgresBackend::builder(db.pool(2).await)
+    let backend = PostgresBackend::builder(db.pool(1).await)
         .response_timeout(Duration::from_secs(2))
         .build()
         .await
@@ -499,6 +490,27 @@ async fn a_pool_too_small_for_the_listener_is_refused_at_build() {
         .await
         .unwrap();
     assert!(started.elapsed() < Duration::from_secs(1));
+    // A release by another process is heard: the listener does not need the pool.
+    let guard = LockClient::new(on(&db).await)
+        .get_lock("small-pool")
+        .unwrap()
+        .try_lock_for(Duration::ZERO, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let lock = client.get_lock("small-pool").unwrap();
+    let waiter = tokio::spawn(async move {
+        lock.try_lock_for(Duration::from_secs(30), tower_lock::Lease::Watchdog)
+            .await
+    });
+    let admin = db.pool(1).await;
+    common::postgres::wait_until_wanted(&admin, "small-pool").await;
+    guard.unlock().await.unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("the waiter heard the release")
+        .unwrap()
+        .unwrap();
+    got.unlock().await.unwrap();
 }
 
 /// Regression (issue 24, item 10): every start printed PostgreSQL's INFO notices
@@ -673,18 +685,7 @@ async fn a_waiter_of_another_process_hears_the_release() {
             .await
     });
     let pool = db.pool(1).await;
-    common::wait_until(Duration::from_secs(5), "the waiter marked the name", || {
-        let pool = pool.clone();
-        async move {
-            sqlx::query_scalar::<_, bool>(
-                "SELECT wanted_until > clock_timestamp() FROM tower_lock_names WHERE name = 'handoff'",
-            )
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-        }
-    })
-    .await;
+    common::postgres::wait_until_wanted(&pool, "handoff").await;
     guard.unlock().await.unwrap();
     let got = waiter.await.unwrap().expect("the waiter took the lock");
     got.unlock().await.unwrap();
@@ -827,8 +828,8 @@ async fn owner_and_waiters(
 async fn a_release_hands_the_lock_to_its_waiter_which_takes_it_without_a_statement() {
     let db = PgDatabase::create().await;
     let holder = on(&db).await;
-    // Two connections: the listener's, and one for statements.
-    let waiter_pool = db.pool(2).await;
+    // One connection, for statements (the listener's is its own).
+    let waiter_pool = db.pool(1).await;
     let waiter = PostgresBackend::builder(waiter_pool.clone())
         .hand_over(true)
         .build()
@@ -1271,7 +1272,7 @@ async fn a_stalled_name_keeps_no_statement_waiting_past_its_timeout_nor_the_othe
 }
 
 /// A backend on `db` through a proxy whose connections can be cut without a word: a
-/// pool of four, a response timeout of 300 ms, `kept` connections kept.
+/// pool of three, a response timeout of 300 ms, `kept` connections kept.
 async fn through_a_proxy(
     db: &PgDatabase,
     kept: usize,
@@ -1283,7 +1284,7 @@ async fn through_a_proxy(
         &db.name,
     );
     let pool = PgPoolOptions::new()
-        .max_connections(4)
+        .max_connections(3)
         .acquire_timeout(Duration::from_secs(2))
         .connect(&through)
         .await
@@ -1323,7 +1324,7 @@ async fn connections_cut_silently_mid_statement_are_replaced_not_waited_for() {
         format!("regress:cut:{name}")
     };
     for cut in 0..3 {
-        // Every connection of the pool but the listener's busy with a statement that
+        // Every connection of the pool busy with a statement that
         // waits (behind a transaction holding its name's row), then all of them cut;
         // new connections get through.
         let stalled = next_name();
@@ -1421,5 +1422,101 @@ async fn kept_connections_cut_silently_are_closed_not_given_back() {
                 }
             }
         }
+    }
+}
+
+/// Found probing the listening connection after the fixes above: cut without a word, it
+/// never failed (`PgListener` waits for the next message for ever), so releases by
+/// other processes went unheard and each waiter slept out its holder's lease. The
+/// listening connection is now asked to answer every few seconds, within the response
+/// timeout, and made again when it does not; the waiters then all try again. Three cuts
+/// in a row, then a release heard without one: a listener given up on goes back to its
+/// pool with no bound, and on the application's pool each one took a place for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_cut_silently_listens_again_and_hears_the_next_release() {
+    let db = PgDatabase::create().await;
+    let (proxy, waiting) = through_a_proxy(&db, 0).await;
+    let holding = LockClient::new(on(&db).await);
+    let waiting = LockClient::new(waiting);
+    let admin = db.pool(1).await;
+    // The database clock at the last cut: the listener made after it is the one the
+    // next round cuts (the waiter may take the lock before it listens again).
+    let mut cut_at = None::<f64>;
+    for round in 0..4 {
+        let cut = round < 3;
+        if let Some(cut_at) = cut_at {
+            common::wait_until(
+                Duration::from_secs(10),
+                "a listener made after the cut",
+                || {
+                    let admin = admin.clone();
+                    async move {
+                        sqlx::query_scalar::<_, bool>(
+                            "SELECT count(*) > 0 FROM pg_stat_activity \
+                          WHERE datname = current_database() \
+                            AND extract(epoch FROM backend_start) > $1 \
+                            AND query IN ('LISTEN \"tower_lock\"', 'SELECT 1')",
+                        )
+                        .bind(cut_at)
+                        .fetch_one(&admin)
+                        .await
+                        .unwrap()
+                    }
+                },
+            )
+            .await;
+        }
+        let guard = holding
+            .get_lock("regress:listener")
+            .unwrap()
+            .try_lock_for(Duration::ZERO, Duration::from_secs(60))
+            .await
+            .unwrap();
+        let lock = waiting.get_lock("regress:listener").unwrap();
+        let waiter = tokio::spawn(async move {
+            lock.try_lock_for(Duration::from_secs(30), tower_lock::Lease::Watchdog)
+                .await
+        });
+        common::postgres::wait_until_wanted(&admin, "regress:listener").await;
+        // Only the listener is cut while it matters: no statement of the waiter's is in
+        // flight (a statement cut would fail, and the waiter try again by itself).
+        common::wait_until(Duration::from_secs(5), "the waiter sleeps", || {
+            let admin = admin.clone();
+            async move {
+                sqlx::query_scalar::<_, i64>(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                      AND state = 'active' AND pid <> pg_backend_pid()",
+                )
+                .fetch_one(&admin)
+                .await
+                .unwrap()
+                    == 0
+            }
+        })
+        .await;
+        if cut {
+            proxy.freeze_existing();
+            cut_at = Some(
+                sqlx::query_scalar("SELECT extract(epoch FROM clock_timestamp())::float8")
+                    .fetch_one(&admin)
+                    .await
+                    .unwrap(),
+            );
+        }
+        guard.unlock().await.unwrap();
+        let released_at = Instant::now();
+        let got = tokio::time::timeout(Duration::from_secs(10), waiter)
+            .await
+            .unwrap_or_else(|_| {
+                panic!("round {round}: the waiter did not take the lock within 10 s")
+            })
+            .unwrap()
+            .expect("the waiter took the lock");
+        assert!(
+            released_at.elapsed() < Duration::from_secs(5),
+            "round {round}: the waiter took the lock {:?} after the release",
+            released_at.elapsed()
+        );
+        got.unlock().await.unwrap();
     }
 }

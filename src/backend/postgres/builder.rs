@@ -4,15 +4,15 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use sqlx::postgres::{PgListener, PgPool};
+use sqlx::postgres::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use super::conns::Kept;
-use super::listener::{KeyWaiters, Live, listen};
+use super::listener::{KeyWaiters, Listening, Live, listen};
 use super::statements::{Statements, millis};
 use super::{
     DEFAULT_KEPT_CONNECTIONS, DEFAULT_RESPONSE_TIMEOUT, DEFAULT_SCHEMA, DEFAULT_TABLE,
-    DEFAULT_WAITER_TIMEOUT, Inner, MIN_POOL_SIZE, PostgresBackend, map_error, validate_identifier,
+    DEFAULT_WAITER_TIMEOUT, Inner, PostgresBackend, map_error, validate_identifier,
 };
 use crate::backend::clock::StoreClock;
 use crate::backend::{QUEUED_MODES, StoreProfile};
@@ -136,13 +136,12 @@ impl PostgresBackendBuilder {
     ///
     /// Meant for a pool of the backend's own: while locks are busy, kept connections are
     /// not available to anything else on the pool, the backend's other statements
-    /// included (which then share what is left). At most `max_connections - 2` are kept,
-    /// so that the listener (which holds one, and takes one to reconnect) and the other
-    /// statements always find one. A kept connection idle for a second goes back to the
-    /// pool once it has answered a ping within the response timeout (it is closed
-    /// otherwise); one whose statement failed always does, and the pool tests it; one
-    /// whose statement was given up on (the response timeout, a cancelled caller) is
-    /// closed, as is any connection's of the pool.
+    /// included (which then share what is left). At most `max_connections - 1` are kept,
+    /// so that the other statements always find one. A kept connection idle for a second
+    /// goes back to the pool once it has answered a ping within the response timeout (it
+    /// is closed otherwise); one whose statement failed always does, and the pool tests
+    /// it; one whose statement was given up on (the response timeout, a cancelled
+    /// caller) is closed, as is any connection's of the pool.
     pub fn kept_connections(mut self, n: usize) -> Self {
         self.kept_connections = n;
         self
@@ -183,14 +182,13 @@ impl PostgresBackendBuilder {
     }
 
     /// Builds the backend: creates the schema objects (unless turned off) and starts
-    /// listening for releases, on a connection of the pool it keeps for that. Must run
-    /// inside a tokio runtime.
+    /// listening for releases, on a connection of its own made with the pool's connect
+    /// options (outside the pool). Must run inside a tokio runtime.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] naming the bad setting — among them a pool of fewer than
-    /// [`MIN_POOL_SIZE`] connections (`max_connections`), since the listener keeps one;
-    /// backend errors when the server cannot be reached.
+    /// [`Error::InvalidConfig`] naming the bad setting; backend errors when the server
+    /// cannot be reached.
     pub async fn build(self) -> Result<PostgresBackend> {
         self.validate()?;
         if self.migrate {
@@ -204,30 +202,30 @@ impl PostgresBackendBuilder {
                 .await
                 .map_err(map_error)?;
         }
-        let mut listener = PgListener::connect_with(&self.pool)
-            .await
-            .map_err(map_error)?;
         let qualified = format!("{}.{}", self.schema, self.table);
         // The liveness lock this backend's waiters register with, held by the listening
         // session (only when they register: with hand-over).
-        let live = Live::new(&qualified, self.hand_over);
-        live.hold(&mut listener).await.map_err(map_error)?;
-        listener.listen(&self.table).await.map_err(map_error)?;
+        let listening = Listening {
+            pool: self.pool.clone(),
+            channel: self.table.clone(),
+            live: Live::new(&qualified, self.hand_over),
+            within: self.response_timeout,
+        };
+        let listener = listening.connect().await.map_err(map_error)?;
+        let live = listening.live.clone();
         let waiters: Arc<Mutex<HashMap<LockKey, KeyWaiters>>> = Arc::default();
         let stop = CancellationToken::new();
         let origin = uuid::Uuid::new_v4().simple().to_string();
         tokio::spawn(listen(
             listener,
             origin.clone(),
-            self.pool.clone(),
-            self.table.clone(),
-            live.clone(),
+            listening,
             Arc::clone(&waiters),
             stop.clone(),
         ));
         let max_kept = usize::try_from(self.pool.options().get_max_connections())
             .unwrap_or(usize::MAX)
-            .saturating_sub(2);
+            .saturating_sub(1);
         let kept = Arc::new(Kept::new(
             self.kept_connections.min(max_kept),
             self.response_timeout,
@@ -263,17 +261,6 @@ impl PostgresBackendBuilder {
     fn validate(&self) -> Result<()> {
         validate_identifier("schema", &self.schema)?;
         validate_identifier("table", &self.table)?;
-        // The listener keeps one of the pool's connections for `LISTEN`: with no second
-        // one, every statement would wait for a connection until it timed out.
-        let max_connections = self.pool.options().get_max_connections();
-        if max_connections < MIN_POOL_SIZE {
-            return Err(Error::invalid_config(
-                "max_connections",
-                format!(
-                    "the pool allows {max_connections} connection(s), and the backend's listener keeps one for LISTEN; set PgPoolOptions::max_connections to at least {MIN_POOL_SIZE}"
-                ),
-            ));
-        }
         crate::backend::limits::validate_waiter_timeout(self.waiter_timeout)?;
         if self.response_timeout.is_zero() {
             return Err(Error::invalid_config(

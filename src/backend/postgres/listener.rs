@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use sqlx::postgres::{PgListener, PgPool};
+use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -112,66 +112,145 @@ impl Slot {
     }
 }
 
-/// The listening connection's task: wakes the waiters a notification names. After a
-/// lost connection it wakes them all once listening again (a release meanwhile was not
-/// heard): when `PgListener` reconnected by itself (`Ok(None)`), and when it could not
-/// and a new listener is made here.
+/// How often the listening connection is asked to answer (`SELECT 1`, within the
+/// response timeout). A connection cut without a word never fails by itself: `LISTEN`
+/// only reads, and a read on a dead connection waits until the kernel gives up (about
+/// 15 minutes with Linux's defaults), or for ever behind a middlebox that still
+/// acknowledges. Releases meanwhile would go unheard, and waiters sleep out the
+/// holders' leases.
+pub(super) const PROBE_EVERY: Duration = Duration::from_secs(2);
+
+/// Where and how the listening task makes its connections.
+pub(super) struct Listening {
+    /// The application's pool, whose connect options each listening connection uses.
+    pub(super) pool: PgPool,
+    pub(super) channel: String,
+    pub(super) live: Live,
+    /// The response timeout: the bound of every statement on the listening connection.
+    pub(super) within: Duration,
+}
+
+impl Listening {
+    /// A new listening connection, holding the liveness lock and listening.
+    ///
+    /// It is made on a pool of its own, with the application pool's connect options
+    /// (not its `after_connect` hook), and not on the application's pool: a listener
+    /// given up on sends `UNLISTEN` and goes back to its pool with no bound on either,
+    /// which on a connection cut without a word keeps its place in that pool for good.
+    pub(super) async fn connect(&self) -> Result<PgListener, sqlx::Error> {
+        let own = PgPoolOptions::new()
+            .max_connections(1)
+            .min_connections(0)
+            .max_lifetime(None)
+            .idle_timeout(None)
+            .test_before_acquire(false)
+            .acquire_timeout(self.pool.options().get_acquire_timeout())
+            .connect_lazy_with((*self.pool.connect_options()).clone());
+        let mut listener = PgListener::connect_with(&own).await?;
+        within(self.within, self.live.hold(&mut listener)).await?;
+        within(self.within, listener.listen(&self.channel)).await?;
+        Ok(listener)
+    }
+
+    /// Makes a new listening connection, backing off (jittered, doubling up to 2 s)
+    /// between tries, until one listens; `None` when the backend stops first.
+    async fn again(&self, stop: &CancellationToken, backoff: &mut Duration) -> Option<PgListener> {
+        loop {
+            let jittered = *backoff / 2 + backoff.mul_f64(fastrand::f64() / 2.0);
+            tokio::select! {
+                _ = stop.cancelled() => return None,
+                _ = tokio::time::sleep(jittered) => {}
+            }
+            *backoff = (*backoff * 2).min(Duration::from_secs(2));
+            let made = tokio::select! {
+                _ = stop.cancelled() => return None,
+                made = self.connect() => made,
+            };
+            match made {
+                Ok(fresh) => return Some(fresh),
+                Err(error) => {
+                    tracing::debug!(%error, retry_in_ms = backoff.as_millis() as u64, "PostgreSQL listening connection failed");
+                }
+            }
+        }
+    }
+}
+
+/// `work`, or a timeout error once `bound` has passed.
+async fn within<T>(
+    bound: Duration,
+    work: impl Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, sqlx::Error> {
+    tokio::time::timeout(bound, work).await.unwrap_or_else(|_| {
+        Err(sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("the listening connection did not answer within {bound:?}"),
+        )))
+    })
+}
+
+/// The listening connection's task: wakes the waiters a notification names, and asks
+/// the connection to answer every [`PROBE_EVERY`]. After a lost connection it wakes
+/// them all once listening again (a release meanwhile was not heard): when `PgListener`
+/// reconnected by itself (`Ok(None)`), and when it could not, or did not answer, and a
+/// new listener is made here.
 pub(super) async fn listen(
     mut listener: PgListener,
     origin: String,
-    pool: PgPool,
-    channel: String,
-    live: Live,
+    listening: Listening,
     waiters: Arc<Mutex<HashMap<LockKey, KeyWaiters>>>,
     stop: CancellationToken,
 ) {
+    let live = &listening.live;
     let mut backoff = Duration::from_millis(50);
+    let mut probe = tokio::time::interval_at(Instant::now() + PROBE_EVERY, PROBE_EVERY);
+    probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let next = tokio::select! {
             _ = stop.cancelled() => return,
             next = listener.try_recv() => next,
+            _ = probe.tick() => {
+                match within(listening.within, sqlx::Executor::execute(&mut listener, "SELECT 1")).await {
+                    Ok(_) => continue,
+                    Err(error) => Err(error),
+                }
+            }
         };
-        match next {
+        let error = match next {
             Ok(Some(notification)) => {
                 backoff = Duration::from_millis(50);
                 wake_named(&waiters, notification.payload(), &origin);
+                continue;
             }
             Ok(None) => {
-                // The connection was lost, and its session's liveness lock with it; the
-                // next call reconnects and listens again. Notifications meanwhile are
-                // lost: everyone tries again.
+                // The connection was lost, and its session's liveness lock with it;
+                // `PgListener` made another and listens again. Notifications meanwhile
+                // are lost: everyone tries again.
                 tracing::warn!("PostgreSQL listening connection lost; reconnecting");
                 live.lost();
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    held = live.hold(&mut listener) => if let Err(error) = held {
-                        // Waiters register with a key nobody holds, and are never handed
-                        // a lock (they come back by themselves) until the next reconnect.
-                        tracing::warn!(%error, "PostgreSQL liveness lock not taken");
-                    },
+                match within(listening.within, live.hold(&mut listener)).await {
+                    Ok(()) => {
+                        wake_everyone(&waiters);
+                        continue;
+                    }
+                    Err(error) => error,
                 }
-                wake_everyone(&waiters);
             }
-            Err(error) => {
-                tracing::warn!(%error, "PostgreSQL listening connection failed; reconnecting");
-                live.lost();
-                wake_everyone(&waiters);
-                // A new listener, until one listens; `try_recv` would reconnect without a
-                // word, and a release between now and then would go unheard.
-                let Some(fresh) = listen_again(&pool, &channel, &stop, &mut backoff).await else {
-                    return;
-                };
-                listener = fresh;
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    held = live.hold(&mut listener) => if let Err(error) = held {
-                        tracing::warn!(%error, "PostgreSQL liveness lock not taken");
-                    },
-                }
-                tracing::info!("PostgreSQL listening connection re-established");
-                wake_everyone(&waiters);
-            }
-        }
+            Err(error) => error,
+        };
+        tracing::warn!(%error, "PostgreSQL listening connection failed; reconnecting");
+        live.lost();
+        wake_everyone(&waiters);
+        // A new listener, until one listens; `try_recv` would reconnect without a
+        // word, and a release between now and then would go unheard.
+        let Some(fresh) = listening.again(&stop, &mut backoff).await else {
+            return;
+        };
+        // The one given up on goes in the background: see `Listening::connect`.
+        listener = fresh;
+        probe.reset();
+        tracing::info!("PostgreSQL listening connection re-established");
+        wake_everyone(&waiters);
     }
 }
 
@@ -302,36 +381,6 @@ impl Live {
             }
         }
     }
-}
-
-/// Makes a new listening connection, backing off (jittered, doubling up to 2 s) between
-/// tries, until one listens; `None` when the backend stops first.
-async fn listen_again(
-    pool: &PgPool,
-    channel: &str,
-    stop: &CancellationToken,
-    backoff: &mut Duration,
-) -> Option<PgListener> {
-    loop {
-        let jittered = *backoff / 2 + backoff.mul_f64(fastrand::f64() / 2.0);
-        tokio::select! {
-            _ = stop.cancelled() => return None,
-            _ = tokio::time::sleep(jittered) => {}
-        }
-        *backoff = (*backoff * 2).min(Duration::from_secs(2));
-        match relisten(pool, channel).await {
-            Ok(fresh) => return Some(fresh),
-            Err(error) => {
-                tracing::debug!(%error, retry_in_ms = backoff.as_millis() as u64, "PostgreSQL listening connection failed");
-            }
-        }
-    }
-}
-
-async fn relisten(pool: &PgPool, channel: &str) -> Result<PgListener, sqlx::Error> {
-    let mut listener = PgListener::connect_with(pool).await?;
-    listener.listen(channel).await?;
-    Ok(listener)
 }
 
 fn wake_everyone(waiters: &Mutex<HashMap<LockKey, KeyWaiters>>) {

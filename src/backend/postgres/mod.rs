@@ -41,7 +41,9 @@
 //!   (all waiters of the queued modes, whose order the queue enforces). Waiters also
 //!   wake when the holder's lease would end. After the listening connection drops, it
 //!   reconnects, listens again and wakes every waiter (notifications may have been
-//!   missed).
+//!   missed). It is asked to answer every 2 s within the response timeout, since a
+//!   connection cut without a word never fails by itself: one that does not answer is
+//!   given up on and made again the same way.
 //! - **Fencing tokens** are the name's last token plus one, raised to the database
 //!   clock in microseconds (the last is kept in the name's row): strictly increasing
 //!   per name, as on every backend.
@@ -61,11 +63,13 @@
 //! [`PostgresBackend::migrate`]; creating them is idempotent and safe from several
 //! processes at once.
 //!
-//! The listening connection is one of the pool's connections, held for the backend's
-//! life: size the pool one larger, and drop the backend before `PgPool::close`, which
-//! waits for every connection to come back. A pool that carries lock traffic is best
-//! built with `PgPoolOptions::test_before_acquire(false)`: the default pings every
-//! connection before each statement, a second round trip per lock statement.
+//! The listening connection is the backend's own, made with the pool's connect options
+//! (not its `after_connect` hook) and kept outside the pool: each backend opens one
+//! connection to the database beside its pool. Drop the backend before `PgPool::close`,
+//! which waits for every connection to come back (the kept ones too). A pool that
+//! carries lock traffic is best built with `PgPoolOptions::test_before_acquire(false)`:
+//! the default pings every connection before each statement, a second round trip per
+//! lock statement.
 //!
 //! # Example
 //!
@@ -148,12 +152,6 @@ pub const DEFAULT_SCHEMA: &str = "public";
 /// well under a millisecond; one that takes seconds means the server is stalled or
 /// unreachable.
 pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// The fewest connections the backend's pool may allow: 2. The listener keeps one for
-/// `LISTEN` as long as the backend lives, and lock statements need at least one more;
-/// [`PostgresBackendBuilder::build`] refuses a smaller pool, naming `max_connections`.
-/// Size the pool for the statements running at once, plus one.
-pub const MIN_POOL_SIZE: u32 = 2;
 
 pub use crate::backend::limits::DEFAULT_WAITER_TIMEOUT;
 

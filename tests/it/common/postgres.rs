@@ -46,6 +46,26 @@ pub async fn waiting_for_a_lock(pool: &PgPool) -> i64 {
     .unwrap()
 }
 
+/// Waits (up to 5 s) until a waiter's busy attempt has marked `name` wanted in the
+/// default table (a release of it then notifies).
+pub async fn wait_until_wanted(pool: &PgPool, name: &str) {
+    super::wait_until(
+        Duration::from_secs(5),
+        "the waiter marked the name",
+        || async {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT coalesce(bool_or(wanted_until > clock_timestamp()), false) \
+               FROM tower_lock_names WHERE name = $1",
+            )
+            .bind(name)
+            .fetch_one(pool)
+            .await
+            .unwrap()
+        },
+    )
+    .await;
+}
+
 pub struct PgDatabase {
     pub name: String,
     pub url: String,
