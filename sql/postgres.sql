@@ -177,16 +177,18 @@ END $$;
 
 -- Makes this transaction commit synchronously whatever the session says: a grant, a
 -- renewal or an abandonment the client is told about must survive a crash of the
--- server, or after the restart a second owner is granted a lock the first still
--- believes it holds. A session with `synchronous_commit = off` (a common pool setting
--- for speed) would otherwise hear "acquired" before the grant is on disk. Every other
--- setting already waits for the local flush, and is kept (stronger ones wait for
--- standbys too). Local to the transaction, i.e. the one statement that called the
--- function: it holds at that statement's commit, and the session keeps its setting.
+-- server, or a failover to a synchronous standby, or afterwards a second owner is
+-- granted a lock the first still believes it holds. A session with
+-- `synchronous_commit = off` (a common pool setting for speed) would otherwise hear
+-- "acquired" before the grant is on disk, and one with `local` before the synchronous
+-- standbys (`synchronous_standby_names`) have it: both are raised to `on`, which
+-- waits for the local flush and for those standbys. The stronger settings are kept.
+-- Local to the transaction, i.e. the one statement that called the function: it holds
+-- at that statement's commit, and the session keeps its setting.
 CREATE OR REPLACE FUNCTION __S__.__T___durable() RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
-    IF current_setting('synchronous_commit') = 'off' THEN
+    IF current_setting('synchronous_commit') IN ('off', 'local') THEN
         PERFORM set_config('synchronous_commit', 'on', true);
     END IF;
 END $$;
@@ -318,7 +320,8 @@ LANGUAGE sql AS $$
                 THEN __S__.__T___read_committed() IS NULL -- raises
                 WHEN set_config('synchronous_commit',
                                 CASE WHEN NOT p_acquired OR p_fast THEN 'off'
-                                     WHEN current_setting('synchronous_commit') = 'off' THEN 'on'
+                                     WHEN current_setting('synchronous_commit') IN ('off', 'local')
+                                     THEN 'on'
                                      ELSE current_setting('synchronous_commit') END,
                                 true) IS NULL
                 THEN NULL

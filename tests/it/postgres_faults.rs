@@ -1,6 +1,7 @@
 //! The PostgreSQL backend under faults, on real servers: the holder's connections
 //! killed with `pg_terminate_backend`, the holder cut off from the server, a statement
-//! stalled past the response timeout, and a waiter across a server crash and restart.
+//! stalled past the response timeout, a waiter across a server crash and restart, and
+//! a failover to a streaming standby.
 
 use crate::common;
 
@@ -549,4 +550,166 @@ async fn restarted(mut server: PgServer) -> PgServer {
     })
     .await
     .unwrap()
+}
+
+/// A pool of `url` whose sessions run `synchronous_commit = <setting>`.
+async fn pool_committing(url: &str, setting: &'static str) -> sqlx::PgPool {
+    PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(2))
+        .after_connect(move |conn, _| {
+            Box::pin(async move {
+                sqlx::Executor::execute(
+                    conn,
+                    format!("SET synchronous_commit = {setting}").as_str(),
+                )
+                .await
+                .map(|_| ())
+            })
+        })
+        .connect(url)
+        .await
+        .unwrap()
+}
+
+/// Found writing this test: a grant the client was told about was lost in a failover to
+/// a synchronous standby when the pool's sessions ran `synchronous_commit = local`. The
+/// functions raised only `off` to `on` (`local` waits for the local flush, enough for a
+/// crash), so with `local` "acquired" came before the standby had the grant; after the
+/// failover a second client was granted the lock the first still believed it held.
+/// `local` is now raised to `on` too. Sessions with `off` are checked the same way.
+///
+/// The primary's WAL sender is stopped (SIGSTOP) before the last attempts, so that the
+/// standby certainly gets nothing committed after that: those attempts must not be told
+/// "acquired". Then the primary is killed and the standby promoted: every grant a
+/// client was told about is still held there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_survives_a_failover_to_a_synchronous_standby_whatever_the_sessions_setting() {
+    let Some(mut primary) = tokio::task::spawn_blocking(PgServer::start).await.unwrap() else {
+        eprintln!("skipped: no PostgreSQL server binaries (.ci/run installs them)");
+        return;
+    };
+    let standby = tokio::task::block_in_place(|| PgServer::standby_of(&primary));
+    let admin = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&primary.url())
+        .await
+        .unwrap();
+    // Set after the base backup, so that the standby, once promoted, waits for nobody.
+    for sql in [
+        "ALTER SYSTEM SET synchronous_standby_names = '*'",
+        "SELECT pg_reload_conf()",
+    ] {
+        sqlx::raw_sql(sql).execute(&admin).await.unwrap();
+    }
+    wait_until(
+        Duration::from_secs(10),
+        "the standby replicates synchronously",
+        || async {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_replication WHERE sync_state = 'sync'",
+            )
+            .fetch_one(&admin)
+            .await
+            .unwrap()
+                == 1
+        },
+    )
+    .await;
+    admin.close().await;
+
+    let mut clients = Vec::new();
+    for setting in ["off", "local"] {
+        let pool = pool_committing(&primary.url(), setting).await;
+        let backend = PostgresBackend::builder(pool)
+            .response_timeout(Duration::from_secs(1))
+            .build()
+            .await
+            .unwrap();
+        clients.push((setting, client(&backend, Duration::from_secs(60))));
+    }
+    let mut told = Vec::new();
+    for (setting, client) in &clients {
+        for i in 0..3 {
+            let key = LockKey::new(format!("failover:{setting}:{i}")).unwrap();
+            let guard = client
+                .get_lock(&key)
+                .unwrap()
+                .try_lock_for(Duration::ZERO, Duration::from_secs(60))
+                .await
+                .unwrap();
+            told.push((key, guard));
+        }
+    }
+
+    let on_primary = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&primary.url())
+        .await
+        .unwrap();
+    let sender: i32 = sqlx::query_scalar("SELECT pid FROM pg_stat_replication")
+        .fetch_one(&on_primary)
+        .await
+        .unwrap();
+    on_primary.close().await;
+    // SAFETY: kill(2) on the primary's WAL sender, a process of the test's own server.
+    assert_eq!(unsafe { libc::kill(sender, libc::SIGSTOP) }, 0);
+    for (setting, client) in &clients {
+        let key = LockKey::new(format!("failover:{setting}:unreplicated")).unwrap();
+        match client
+            .get_lock(&key)
+            .unwrap()
+            .try_lock_for(Duration::ZERO, Duration::from_secs(60))
+            .await
+        {
+            Err(e) => assert!(e.is_unavailable(), "{key}: {e}"),
+            Ok(guard) => {
+                eprintln!(
+                    "{key}: told \"acquired\" while the synchronous standby received nothing"
+                );
+                told.push((key, guard));
+            }
+        }
+    }
+    // The stopped sender dies with the rest of the primary.
+    tokio::task::block_in_place(|| primary.kill());
+    let promoted = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&standby.url())
+        .await
+        .unwrap();
+    let done: bool = sqlx::query_scalar("SELECT pg_promote(true, 60)")
+        .fetch_one(&promoted)
+        .await
+        .unwrap();
+    assert!(done, "the standby was not promoted");
+    promoted.close().await;
+
+    let other = backend(&standby.url(), "tl-other", Duration::from_secs(2)).await;
+    let other = client(&other, Duration::from_secs(30));
+    let mut granted = Vec::new();
+    for (key, _) in &told {
+        match other.get_lock(key).unwrap().try_lock().await {
+            Err(e) if e.is_busy() => {}
+            Ok(stolen) => {
+                granted.push(key.to_string());
+                stolen.unlock().await.unwrap();
+            }
+            Err(e) => panic!("{key}: {e}"),
+        }
+    }
+    assert!(
+        granted.is_empty(),
+        "granted to a second client after the failover, while the first was told it held them: {granted:?}"
+    );
+    // The promoted standby takes new locks.
+    let fresh = other
+        .get_lock("failover:fresh")
+        .unwrap()
+        .try_lock()
+        .await
+        .unwrap();
+    fresh.unlock().await.unwrap();
+    drop(told);
+    drop(standby);
 }

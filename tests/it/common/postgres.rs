@@ -198,6 +198,22 @@ impl PgServer {
     /// Initializes and starts a server; `None` when the PostgreSQL server binaries are not
     /// installed (`.ci/run` installs them).
     pub fn start() -> Option<Self> {
+        let mut server = Self::new()?;
+        let status = server
+            .command("initdb")
+            .args(["-A", "trust", "-U", "root", "--no-sync", "-E", "UTF8", "-D"])
+            .arg(server.data())
+            .stdout(std::process::Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success(), "initdb failed");
+        server.run();
+        Some(server)
+    }
+
+    /// A server not yet initialized: its directory (owned by the `postgres` user when
+    /// the tests run as root) and a free port.
+    fn new() -> Option<Self> {
         let bin = Self::bin()?;
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let dir = std::env::temp_dir().join(format!(
@@ -211,7 +227,7 @@ impl PgServer {
             .local_addr()
             .unwrap()
             .port();
-        let mut server = PgServer {
+        let server = PgServer {
             port,
             dir,
             bin,
@@ -220,16 +236,24 @@ impl PgServer {
         if let Some((uid, gid)) = postgres_user() {
             std::os::unix::fs::chown(&server.dir, Some(uid), Some(gid)).unwrap();
         }
+        Some(server)
+    }
+
+    /// A hot standby of `primary`, made with `pg_basebackup` and streaming from it
+    /// (`-R`: `primary_conninfo` and `standby.signal`), started and accepting reads.
+    pub fn standby_of(primary: &PgServer) -> Self {
+        let mut server = Self::new().expect("the primary's binaries are installed");
         let status = server
-            .command("initdb")
-            .args(["-A", "trust", "-U", "root", "--no-sync", "-E", "UTF8", "-D"])
+            .command("pg_basebackup")
+            .args(["-h", "127.0.0.1", "-p", &primary.port.to_string()])
+            .args(["-U", "root", "-R", "--no-sync", "-X", "stream", "-D"])
             .arg(server.data())
             .stdout(std::process::Stdio::null())
             .status()
             .unwrap();
-        assert!(status.success(), "initdb failed");
+        assert!(status.success(), "pg_basebackup failed");
         server.run();
-        Some(server)
+        server
     }
 
     fn data(&self) -> std::path::PathBuf {
