@@ -713,3 +713,147 @@ async fn a_grant_survives_a_failover_to_a_synchronous_standby_whatever_the_sessi
     drop(told);
     drop(standby);
 }
+
+/// Fast grants through a failover. A fast grant commits without waiting for the disk or
+/// any standby, so a failover can lose it after its client was told "acquired". The
+/// epoch gate is an UNLOGGED table, which a standby does not have: once promoted, it
+/// grants nothing, in any mode and to any backend, for one max lease from its first
+/// attempt, by when every grant the failover lost has ended. The primary's WAL sender
+/// is stopped before the last fast grant, so that the standby certainly lacks it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fast_grant_lost_in_a_failover_is_never_granted_again_within_its_lease() {
+    const LEASE: Duration = Duration::from_secs(5);
+    let Some(mut primary) = tokio::task::spawn_blocking(PgServer::start).await.unwrap() else {
+        eprintln!("skipped: no PostgreSQL server binaries (.ci/run installs them)");
+        return;
+    };
+    let standby = tokio::task::block_in_place(|| PgServer::standby_of(&primary));
+    let holder = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect(&primary.url())
+        .await
+        .unwrap();
+    let admin = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&primary.url())
+        .await
+        .unwrap();
+    let holder = PostgresBackend::builder(holder)
+        .fast_grants(LEASE)
+        .response_timeout(Duration::from_secs(1))
+        .build()
+        .await
+        .unwrap();
+    let holder = client(&holder, Duration::from_secs(30));
+    let on_standby = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&standby.url())
+        .await
+        .unwrap();
+    // The mark that fast grants are on (a logged row) reaches the standby; the gate
+    // (unlogged) does not.
+    wait_until(
+        Duration::from_secs(10),
+        "the standby has the fast-grants mark",
+        || async {
+            // Until the tables reach it, the standby has no such table: not yet.
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM tower_lock_fast")
+                .fetch_one(&on_standby)
+                .await
+                .unwrap_or(0)
+                == 1
+        },
+    )
+    .await;
+    on_standby.close().await;
+    let sender: i32 = sqlx::query_scalar("SELECT pid FROM pg_stat_replication")
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    admin.close().await;
+    // SAFETY: kill(2) on the primary's WAL sender, a process of the test's own server.
+    assert_eq!(unsafe { libc::kill(sender, libc::SIGSTOP) }, 0);
+    let key = LockKey::new("failover:fast:lost").unwrap();
+    let asked = Instant::now();
+    let guard = holder
+        .get_lock(&key)
+        .unwrap()
+        .try_lock_for(Duration::ZERO, LEASE)
+        .await
+        .unwrap();
+    // The holder counts its lease from before it asked; so does this test.
+    let end = asked + LEASE;
+    tokio::task::block_in_place(|| primary.kill());
+    let promoted = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&standby.url())
+        .await
+        .unwrap();
+    let done: bool = sqlx::query_scalar("SELECT pg_promote(true, 60)")
+        .fetch_one(&promoted)
+        .await
+        .unwrap();
+    assert!(done, "the standby was not promoted");
+    let kept: Option<String> = sqlx::query_scalar(
+        "SELECT owner FROM tower_lock_names WHERE name = $1 AND owner IS NOT NULL",
+    )
+    .bind(key.as_str())
+    .fetch_optional(&promoted)
+    .await
+    .unwrap();
+    assert_eq!(
+        kept, None,
+        "the standby had the grant: the test shows nothing"
+    );
+    promoted.close().await;
+
+    // A backend without fast grants: the gate holds for it too.
+    let other = backend(&standby.url(), "tl-other", Duration::from_secs(1)).await;
+    let other = client(&other, Duration::from_secs(30));
+    let fresh = other.get_read_write_lock("failover:fast:fresh").unwrap();
+    let first_poll = Instant::now();
+    assert!(
+        first_poll < end,
+        "the failover took longer than the lease: the test shows nothing"
+    );
+    let (mut lost_granted, mut fresh_granted) = (false, false);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !lost_granted || !fresh_granted {
+        assert!(Instant::now() < deadline, "the gate never opened");
+        if !lost_granted {
+            match other.get_lock(&key).unwrap().try_lock().await {
+                Ok(got) => {
+                    let at = Instant::now();
+                    assert!(
+                        at >= end,
+                        "{key} granted {:?} before the lost grant's lease ended",
+                        end - at
+                    );
+                    got.unlock().await.unwrap();
+                    lost_granted = true;
+                }
+                Err(e) if e.is_busy() || e.is_unavailable() => {}
+                Err(e) => panic!("{key}: {e}"),
+            }
+        }
+        if !fresh_granted {
+            match fresh.read_lock().try_lock().await {
+                Ok(got) => {
+                    assert!(
+                        Instant::now() >= end,
+                        "a read lock granted while the gate was closed"
+                    );
+                    got.unlock().await.unwrap();
+                    fresh_granted = true;
+                }
+                Err(e) if e.is_busy() || e.is_unavailable() => {}
+                Err(e) => panic!("read: {e}"),
+            }
+        }
+        // Polling the gate, which opens by the clock.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(guard);
+    drop(standby);
+}
