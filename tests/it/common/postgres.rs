@@ -243,15 +243,28 @@ impl PgServer {
     /// (`-R`: `primary_conninfo` and `standby.signal`), started and accepting reads.
     pub fn standby_of(primary: &PgServer) -> Self {
         let mut server = Self::new().expect("the primary's binaries are installed");
-        let status = server
-            .command("pg_basebackup")
-            .args(["-h", "127.0.0.1", "-p", &primary.port.to_string()])
-            .args(["-U", "root", "-R", "--no-sync", "-X", "stream", "-D"])
-            .arg(server.data())
-            .stdout(std::process::Stdio::null())
-            .status()
-            .unwrap();
-        assert!(status.success(), "pg_basebackup failed");
+        // The primary may still be starting up ("the database system is starting up")
+        // when its port first answers: tried again until it takes the backup.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let _ = std::fs::remove_dir_all(server.data());
+            let out = server
+                .command("pg_basebackup")
+                .args(["-h", "127.0.0.1", "-p", &primary.port.to_string()])
+                .args(["-U", "root", "-R", "--no-sync", "-X", "stream", "-D"])
+                .arg(server.data())
+                .output()
+                .unwrap();
+            if out.status.success() {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "pg_basebackup failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
         server.run();
         server
     }

@@ -225,6 +225,12 @@ impl FaultProxy {
         self.controls.send_modify(|c| c.refusing = refusing);
     }
 
+    /// Sends new connections to `upstream` from now on (a virtual address moved to a
+    /// promoted standby). Current connections are not affected.
+    pub fn redirect(&self, upstream: SocketAddr) {
+        self.controls.send_modify(|c| c.redirected = Some(upstream));
+    }
+
     /// What the proxy has done so far, for assertions.
     pub fn stats(&self) -> Stats {
         let count = |counter: &AtomicU64| counter.load(Ordering::SeqCst);
@@ -312,6 +318,8 @@ struct Controls {
     /// was accepted under.
     cuts: u64,
     refusing: bool,
+    /// Where new connections go instead of the upstream the proxy started with.
+    redirected: Option<SocketAddr>,
 }
 
 impl Controls {
@@ -383,9 +391,9 @@ async fn admit(
     pumps: &mut JoinSet<()>,
 ) {
     add(&counters.accepted, 1);
-    let (refusing, cuts) = {
+    let (refusing, cuts, upstream) = {
         let c = controls.borrow();
-        (c.refusing, c.cuts)
+        (c.refusing, c.cuts, c.redirected.unwrap_or(upstream))
     };
     if refusing {
         add(&counters.refused, 1);
