@@ -1432,6 +1432,8 @@ async fn kept_connections_cut_silently_are_closed_not_given_back() {
 /// timeout, and made again when it does not; the waiters then all try again. Three cuts
 /// in a row, then a release heard without one: a listener given up on goes back to its
 /// pool with no bound, and on the application's pool each one took a place for good.
+/// The cut session, which the server keeps (it sees an idle client), is ended there by
+/// the new listener.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_listener_cut_silently_listens_again_and_hears_the_next_release() {
     let db = PgDatabase::create().await;
@@ -1461,6 +1463,27 @@ async fn a_listener_cut_silently_listens_again_and_hears_the_next_release() {
                         .fetch_one(&admin)
                         .await
                         .unwrap()
+                    }
+                },
+            )
+            .await;
+            // The cut listening session, which the server cannot tell from an idle one,
+            // is ended there: two listen, this backend's and the holding one's.
+            common::wait_until(
+                Duration::from_secs(5),
+                "the cut listening session ended",
+                || {
+                    let admin = admin.clone();
+                    async move {
+                        sqlx::query_scalar::<_, i64>(
+                            "SELECT count(*) FROM pg_stat_activity \
+                              WHERE datname = current_database() \
+                                AND query IN ('LISTEN \"tower_lock\"', 'SELECT 1')",
+                        )
+                        .fetch_one(&admin)
+                        .await
+                        .unwrap()
+                            == 2
                     }
                 },
             )

@@ -202,6 +202,7 @@ pub(super) async fn listen(
     stop: CancellationToken,
 ) {
     let live = &listening.live;
+    let mut session = Session::of(&mut listener, listening.within).await;
     let mut backoff = Duration::from_millis(50);
     let mut probe = tokio::time::interval_at(Instant::now() + PROBE_EVERY, PROBE_EVERY);
     probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -230,6 +231,7 @@ pub(super) async fn listen(
                 live.lost();
                 match within(listening.within, live.hold(&mut listener)).await {
                     Ok(()) => {
+                        session = Session::of(&mut listener, listening.within).await;
                         wake_everyone(&waiters);
                         continue;
                     }
@@ -248,9 +250,63 @@ pub(super) async fn listen(
         };
         // The one given up on goes in the background: see `Listening::connect`.
         listener = fresh;
+        if let Some(cut) = session.take() {
+            cut.end(&mut listener, listening.within).await;
+        }
+        session = Session::of(&mut listener, listening.within).await;
         probe.reset();
         tracing::info!("PostgreSQL listening connection re-established");
         wake_everyone(&waiters);
+    }
+}
+
+/// A listening session on the server, as its process and start time name it (a process
+/// id alone may be a later session's).
+struct Session {
+    pid: i32,
+    started: String,
+}
+
+impl Session {
+    /// The session `listener` is on; `None` when it does not say within `bound`.
+    async fn of(listener: &mut PgListener, bound: Duration) -> Option<Self> {
+        let asked = sqlx::query_as::<_, (i32, String)>(
+            "SELECT pid, backend_start::text FROM pg_stat_activity WHERE pid = pg_backend_pid()",
+        )
+        .fetch_one(&mut *listener);
+        match within(bound, asked).await {
+            Ok((pid, started)) => Some(Session { pid, started }),
+            Err(error) => {
+                tracing::debug!(%error, "PostgreSQL listening session not identified");
+                None
+            }
+        }
+    }
+
+    /// Ends this session from `listener`'s, if it still runs. A listening connection
+    /// given up on without a word from the server (a silent cut) is, to the server, an
+    /// idle client: it keeps the session (its `LISTEN`, its liveness lock, its place
+    /// among the server's connections) until TCP gives up, for ever behind a middlebox
+    /// that still acknowledges. Best effort: a role that may not signal it (another
+    /// role's session) leaves it to TCP.
+    async fn end(self, listener: &mut PgListener, bound: Duration) {
+        let ended = sqlx::query_scalar::<_, bool>(
+            "SELECT coalesce(bool_or(pg_terminate_backend(pid)), false) FROM pg_stat_activity \
+              WHERE pid = $1 AND backend_start::text = $2",
+        )
+        .bind(self.pid)
+        .bind(&self.started)
+        .fetch_one(&mut *listener);
+        match within(bound, ended).await {
+            Ok(ended) => tracing::debug!(
+                pid = self.pid,
+                ended,
+                "PostgreSQL listening session given up on"
+            ),
+            Err(error) => {
+                tracing::debug!(%error, pid = self.pid, "PostgreSQL listening session given up on not ended")
+            }
+        }
     }
 }
 
