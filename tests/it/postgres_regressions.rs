@@ -719,7 +719,8 @@ async fn a_kept_connection_that_died_fails_once_and_is_replaced() {
     let admin = db.pool(1).await;
     let killed: i64 = sqlx::query_scalar(
         "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
-          WHERE application_name = 'tl-kept' AND query NOT LIKE 'LISTEN%'",
+          WHERE application_name = 'tl-kept' AND query NOT LIKE 'LISTEN%' \
+            AND query NOT LIKE '/* tower-lock listener */%'",
     )
     .fetch_one(&admin)
     .await
@@ -1457,7 +1458,7 @@ async fn a_listener_cut_silently_listens_again_and_hears_the_next_release() {
                             "SELECT count(*) > 0 FROM pg_stat_activity \
                           WHERE datname = current_database() \
                             AND extract(epoch FROM backend_start) > $1 \
-                            AND query IN ('LISTEN \"tower_lock\"', 'SELECT 1')",
+                            AND (query LIKE 'LISTEN%' OR query LIKE '/* tower-lock listener */%')",
                         )
                         .bind(cut_at)
                         .fetch_one(&admin)
@@ -1478,7 +1479,7 @@ async fn a_listener_cut_silently_listens_again_and_hears_the_next_release() {
                         sqlx::query_scalar::<_, i64>(
                             "SELECT count(*) FROM pg_stat_activity \
                               WHERE datname = current_database() \
-                                AND query IN ('LISTEN \"tower_lock\"', 'SELECT 1')",
+                                AND (query LIKE 'LISTEN%' OR query LIKE '/* tower-lock listener */%')",
                         )
                         .fetch_one(&admin)
                         .await

@@ -113,7 +113,9 @@ impl Slot {
 }
 
 /// How often the listening connection is asked to answer (`SELECT 1`, within the
-/// response timeout). A connection cut without a word never fails by itself: `LISTEN`
+/// response timeout). Every statement the listening task sends starts with the comment
+/// `/* tower-lock listener */`, so that `pg_stat_activity` names the listening sessions
+/// (their last statement is that or `LISTEN`). A connection cut without a word never fails by itself: `LISTEN`
 /// only reads, and a read on a dead connection waits until the kernel gives up (about
 /// 15 minutes with Linux's defaults), or for ever behind a middlebox that still
 /// acknowledges. Releases meanwhile would go unheard, and waiters sleep out the
@@ -152,8 +154,9 @@ impl Listening {
         Ok(listener)
     }
 
-    /// Makes a new listening connection, backing off (jittered, doubling up to 2 s)
-    /// between tries, until one listens; `None` when the backend stops first.
+    /// Makes a new listening connection, backing off (jittered, doubling up to 2 s, from
+    /// 50 ms again once one listens) between tries, until one listens; `None` when the
+    /// backend stops first.
     async fn again(&self, stop: &CancellationToken, backoff: &mut Duration) -> Option<PgListener> {
         loop {
             let jittered = *backoff / 2 + backoff.mul_f64(fastrand::f64() / 2.0);
@@ -211,7 +214,7 @@ pub(super) async fn listen(
             _ = stop.cancelled() => return,
             next = listener.try_recv() => next,
             _ = probe.tick() => {
-                match within(listening.within, sqlx::Executor::execute(&mut listener, "SELECT 1")).await {
+                match within(listening.within, sqlx::Executor::execute(&mut listener, "/* tower-lock listener */ SELECT 1")).await {
                     Ok(_) => continue,
                     Err(error) => Err(error),
                 }
@@ -250,6 +253,7 @@ pub(super) async fn listen(
         };
         // The one given up on goes in the background: see `Listening::connect`.
         listener = fresh;
+        backoff = Duration::from_millis(50);
         if let Some(cut) = session.take() {
             cut.end(&mut listener, listening.within).await;
         }
@@ -271,7 +275,8 @@ impl Session {
     /// The session `listener` is on; `None` when it does not say within `bound`.
     async fn of(listener: &mut PgListener, bound: Duration) -> Option<Self> {
         let asked = sqlx::query_as::<_, (i32, String)>(
-            "SELECT pid, backend_start::text FROM pg_stat_activity WHERE pid = pg_backend_pid()",
+            "/* tower-lock listener */ SELECT pid, backend_start::text FROM pg_stat_activity \
+              WHERE pid = pg_backend_pid()",
         )
         .fetch_one(&mut *listener);
         match within(bound, asked).await {
@@ -291,7 +296,8 @@ impl Session {
     /// role's session) leaves it to TCP.
     async fn end(self, listener: &mut PgListener, bound: Duration) {
         let ended = sqlx::query_scalar::<_, bool>(
-            "SELECT coalesce(bool_or(pg_terminate_backend(pid)), false) FROM pg_stat_activity \
+            "/* tower-lock listener */ SELECT coalesce(bool_or(pg_terminate_backend(pid)), false) \
+               FROM pg_stat_activity \
               WHERE pid = $1 AND backend_start::text = $2",
         )
         .bind(self.pid)
@@ -426,11 +432,13 @@ impl Live {
         }
         loop {
             let key = fastrand::i32(2..);
-            let taken: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext($1), $2)")
-                .bind(&*self.class)
-                .bind(key)
-                .fetch_one(&mut *listener)
-                .await?;
+            let taken: bool = sqlx::query_scalar(
+                "/* tower-lock listener */ SELECT pg_try_advisory_lock(hashtext($1), $2)",
+            )
+            .bind(&*self.class)
+            .bind(key)
+            .fetch_one(&mut *listener)
+            .await?;
             if taken {
                 self.key.store(key, Ordering::Release);
                 return Ok(());
