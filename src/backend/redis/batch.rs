@@ -30,6 +30,14 @@
 //! slot, in queue order, and each slot's share goes in its own call, all at once (each
 //! to the master of its slot). Operations on one key share its slot, so they still run
 //! in queue order; the next batch waits for every call of this one.
+//!
+//! While a slot migrates, Redis runs a call on the source when every key it names is
+//! there. An operation that deletes a lock there (its last release) leaves the ones
+//! behind it in the same call looking at a key that is the target's now, and Redis
+//! refuses their first look at it ([`super::moved_away`]). Each operation's first
+//! command reads its lock, so a refused one changed nothing, and neither did those of
+//! the same key behind it (all refused alike): they go first in the next batch, in
+//! their order, which Redis sends to the target. [`MAX_RESENDS`] bounds that.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -44,6 +52,10 @@ use crate::key::LockKey;
 
 /// The most operations one batch call carries.
 pub(super) const MAX_BATCH: usize = 128;
+
+/// How many times an operation refused as [moved away](super::moved_away) is sent
+/// again before it is answered as an outage (which its lock core retries while it may).
+const MAX_RESENDS: u8 = 3;
 
 /// What an operation asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,6 +87,8 @@ pub(super) struct Job {
 struct Queued {
     job: Job,
     reply: oneshot::Sender<Result<OpReply>>,
+    /// Times sent again after a refusal as moved away.
+    resent: u8,
 }
 
 impl std::ops::Deref for Queued {
@@ -150,7 +164,11 @@ pub(super) async fn run(inner: &Arc<Inner>, op: Op, req: &LockRequest) -> Result
     let (reply, receiver) = oneshot::channel();
     let start = {
         let mut state = inner.batcher.state();
-        state.queue.push(Queued { job, reply });
+        state.queue.push(Queued {
+            job,
+            reply,
+            resent: 0,
+        });
         !std::mem::replace(&mut state.busy, true)
     };
     if start {
@@ -237,7 +255,13 @@ async fn drain(mut drainer: Drainer) {
             state.queue.drain(..n).collect()
         };
         let groups = by_slot(&inner, batch);
-        futures_util::future::join_all(groups.into_iter().map(|g| send(&inner, g))).await;
+        let sent = futures_util::future::join_all(groups.into_iter().map(|g| send(&inner, g)));
+        let again: Vec<Queued> = sent.await.into_iter().flatten().collect();
+        if !again.is_empty() {
+            // Ahead of what was queued meanwhile: a compensating release queued after
+            // its acquisition stays after it.
+            inner.batcher.state().queue.splice(0..0, again);
+        }
     }
 }
 
@@ -263,13 +287,17 @@ fn by_slot(inner: &Inner, batch: Vec<Queued>) -> Vec<Vec<Queued>> {
 }
 
 /// One call for `batch` — the single-key script for one operation, `lock_batch.lua`
-/// for more; every operation gets its answer.
-async fn send(inner: &Inner, mut batch: Vec<Queued>) {
+/// for more; every operation gets its answer, but those to send again (refused as
+/// moved away), returned in their order.
+async fn send(inner: &Inner, mut batch: Vec<Queued>) -> Vec<Queued> {
     let acquires = batch.iter().any(|q| q.op == Op::Acquire);
     let deadline = if acquires {
         match inner.attempt_deadline().await {
             Ok(deadline) => deadline,
-            Err(error) => return fail(batch, &error),
+            Err(error) => {
+                fail(batch, &error);
+                return Vec::new();
+            }
         }
     } else {
         0
@@ -277,9 +305,12 @@ async fn send(inner: &Inner, mut batch: Vec<Queued>) {
     if batch.len() == 1
         && let Some(q) = batch.pop()
     {
-        return send_one(inner, q, deadline).await;
+        // The single-key scripts are never refused as moved away: Redis sends a call
+        // whose one lock is missing from a migrating slot to the target itself.
+        send_one(inner, q, deadline).await;
+        return Vec::new();
     }
-    send_many(inner, batch, deadline).await;
+    send_many(inner, batch, deadline).await
 }
 
 /// One operation alone: its single-key script.
@@ -299,8 +330,9 @@ async fn send_one(inner: &Inner, q: Queued, deadline: u64) {
     let _ = q.reply.send(reply);
 }
 
-/// Several operations: one `lock_batch.lua` call, three values per operation.
-async fn send_many(inner: &Inner, batch: Vec<Queued>, deadline: u64) {
+/// Several operations: one `lock_batch.lua` call, three values per operation. Returns
+/// the operations to send again.
+async fn send_many(inner: &Inner, batch: Vec<Queued>, deadline: u64) -> Vec<Queued> {
     let mut invocation = inner.publish.scripts().batch.prepare_invoke();
     invocation.arg(deadline);
     let prefix = &inner.prefix;
@@ -321,9 +353,19 @@ async fn send_many(inner: &Inner, batch: Vec<Queued>, deadline: u64) {
     // With replica acknowledgement the batch waits once; a grant of it that too few
     // replicas acknowledged is an outage (its lock core gives it up, which releases it).
     let reply: Result<(Vec<Value>, super::Replicated)> = inner.write(&invocation).await;
+    let mut again = Vec::new();
     match reply {
         Ok((values, replicated)) if values.len() == 3 * batch.len() => {
-            for (q, triple) in batch.into_iter().zip(values.chunks_exact(3)) {
+            for (mut q, triple) in batch.into_iter().zip(values.chunks_exact(3)) {
+                if q.resent < MAX_RESENDS && refused_as_moved(triple) {
+                    tracing::debug!(
+                        op = ?q.op,
+                        "lock operation refused: its slot is migrating; sending it again"
+                    );
+                    q.resent += 1;
+                    again.push(q);
+                    continue;
+                }
                 let reply = parse(q.op, triple).and_then(|reply| match reply {
                     OpReply::Acquire(Acquire::Acquired(_)) => replicated.check().map(|()| reply),
                     other => Ok(other),
@@ -340,6 +382,19 @@ async fn send_many(inner: &Inner, batch: Vec<Queued>, deadline: u64) {
             fail(batch, &Error::store(StoreErrorKind::Unexpected, message));
         }
         Err(error) => fail(batch, &error),
+    }
+    again
+}
+
+/// Whether one operation's three values are its refusal as
+/// [moved away](super::moved_away).
+fn refused_as_moved(triple: &[Value]) -> bool {
+    match (triple.first().and_then(int), triple.get(1)) {
+        (Some(3), Some(Value::BulkString(message))) => {
+            super::moved_away(&String::from_utf8_lossy(message))
+        }
+        (Some(3), Some(Value::SimpleString(message))) => super::moved_away(message),
+        _ => false,
     }
 }
 

@@ -1391,17 +1391,19 @@ fn map_error(error: RedisError) -> Error {
 
 /// The kind of a redis-rs error, with the error as the source. The server could not be
 /// reached or did not answer (I/O, a dropped or refused connection, a timeout, a cluster
-/// redirection or a cluster that is down): unavailable; a connection that broke under
-/// the command (not one that timed out) says so, for the lock core's retry. A reply
-/// redis-rs could not parse or convert: unexpected. Anything else the server answered
-/// (authentication, permissions, a script error): misconfigured; but a write refused by
-/// a replica that was the primary (`READONLY`) is a connection to replace.
+/// redirection or a cluster that is down, inside a script too): unavailable; a
+/// connection that broke under the command (not one that timed out) says so, for the
+/// lock core's retry. A reply redis-rs could not parse or convert: unexpected. Anything
+/// else the server answered (authentication, permissions, a script error):
+/// misconfigured; but a write refused by a replica that was the primary (`READONLY`)
+/// is a connection to replace.
 fn store_error(error: RedisError) -> StoreError {
     let unavailable = error.is_io_error()
         || error.is_connection_dropped()
         || error.is_connection_refusal()
         || error.is_timeout()
-        || error.is_cluster_error();
+        || error.is_cluster_error()
+        || cluster_refused_script(&error);
     if unavailable {
         if error.is_connection_dropped() && !error.is_timeout() {
             return StoreError::connection_lost(error);
@@ -1420,6 +1422,23 @@ fn store_error(error: RedisError) -> StoreError {
         _ => StoreErrorKind::Misconfigured,
     };
     StoreError::new(kind, error)
+}
+
+/// Whether Redis Cluster stopped a script at a command whose key is not served here
+/// now ([`moved_away`]) or because the cluster is down. Every name of a lock shares its
+/// slot, so neither says anything about the script: the slot is migrating, or the
+/// cluster is failing over. The script may have written before it was stopped; the
+/// lock core takes back what a failed attempt may have taken, as for any outage.
+fn cluster_refused_script(error: &RedisError) -> bool {
+    let said = |text: &str| moved_away(text) || text.contains("cluster is down");
+    error.detail().is_some_and(said) || said(&error.to_string())
+}
+
+/// Whether `message` is Redis Cluster's refusal of a script's command on a key the node
+/// does not serve now: in a migrating slot, a key missing from the source is the
+/// target's, so a script that deletes a lock there cannot look at it again.
+pub(super) fn moved_away(message: &str) -> bool {
+    message.contains("non local key")
 }
 
 /// The Redis names of one lock. Built without `format!`: this is on every operation's

@@ -613,24 +613,36 @@ impl RedisCluster {
     /// `ASK` or `TRYAGAIN` meanwhile), then every master learns the new owner. Returns
     /// when every node agrees.
     pub async fn migrate_slot(&self, slot: u16, to: u16, batch: usize, pause: Duration) {
+        let migration = self.open_migration(slot, to).await;
+        self.move_keys(&migration, batch, pause).await;
+        self.close_migration(migration).await;
+    }
+
+    /// The first step of [`migrate_slot`](Self::migrate_slot): `slot` is marked
+    /// importing on the master on `to` and migrating on its master now. Its keys stay
+    /// where they are until [`move_keys`](Self::move_keys).
+    pub async fn open_migration(&self, slot: u16, to: u16) -> Migration {
         let from = self.master_of(slot).await;
         assert_ne!(from, to, "slot {slot} is already on {to}");
         let from_id: String = cluster_query(from, &["MYID"]).await.expect("source id");
         let to_id: String = cluster_query(to, &["MYID"]).await.expect("target id");
-        let slot_arg = slot.to_string();
-        let set = |port: u16, args: Vec<String>| async move {
-            let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            let ok: Option<String> = cluster_query(port, &args).await;
-            assert_eq!(ok.as_deref(), Some("OK"), "CLUSTER {args:?} on {port}");
+        let migration = Migration {
+            slot,
+            from,
+            to,
+            to_id,
         };
-        let setslot = |state: &str, id: &str| {
-            ["SETSLOT", &slot_arg, state, id]
-                .map(str::to_owned)
-                .to_vec()
-        };
-        set(to, setslot("IMPORTING", &from_id)).await;
-        set(from, setslot("MIGRATING", &to_id)).await;
-        let mut source = redis::Client::open(format!("redis://127.0.0.1:{from}"))
+        migration.set_slot(to, "IMPORTING", &from_id).await;
+        migration
+            .set_slot(from, "MIGRATING", &migration.to_id)
+            .await;
+        migration
+    }
+
+    /// Moves the keys of an open migration with `MIGRATE` (TTLs kept), `batch` at a
+    /// time and `pause` apart, until the source has none left.
+    pub async fn move_keys(&self, migration: &Migration, batch: usize, pause: Duration) {
+        let mut source = redis::Client::open(format!("redis://127.0.0.1:{}", migration.from))
             .unwrap()
             .get_multiplexed_async_connection()
             .await
@@ -638,7 +650,7 @@ impl RedisCluster {
         loop {
             let keys: Vec<String> = redis::cmd("CLUSTER")
                 .arg("GETKEYSINSLOT")
-                .arg(slot)
+                .arg(migration.slot)
                 .arg(batch)
                 .query_async(&mut source)
                 .await
@@ -649,7 +661,7 @@ impl RedisCluster {
             // A key deleted meanwhile is skipped (NOKEY when none is left).
             let _: redis::RedisResult<redis::Value> = redis::cmd("MIGRATE")
                 .arg("127.0.0.1")
-                .arg(to)
+                .arg(migration.to)
                 .arg("")
                 .arg(0)
                 .arg(5000)
@@ -660,11 +672,20 @@ impl RedisCluster {
                 .await;
             tokio::time::sleep(pause).await;
         }
-        set(to, setslot("NODE", &to_id)).await;
-        set(from, setslot("NODE", &to_id)).await;
+    }
+
+    /// The last step of [`migrate_slot`](Self::migrate_slot), once the source has no
+    /// key of the slot left: every master learns the new owner. Returns when every
+    /// node agrees.
+    pub async fn close_migration(&self, migration: Migration) {
+        let Migration { slot, from, to, .. } = migration;
+        migration.set_slot(to, "NODE", &migration.to_id).await;
+        migration.set_slot(from, "NODE", &migration.to_id).await;
         for node in self.topology().await.unwrap_or_default() {
             if node.is_master() && node.port != from && node.port != to {
-                set(node.port, setslot("NODE", &to_id)).await;
+                migration
+                    .set_slot(node.port, "NODE", &migration.to_id)
+                    .await;
             }
         }
         super::wait_until(
@@ -851,5 +872,25 @@ async fn pump(
 impl Drop for FreezableProxy {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+/// A slot migration opened by [`RedisCluster::open_migration`].
+pub struct Migration {
+    pub slot: u16,
+    /// The master the slot is moving from.
+    pub from: u16,
+    /// The master the slot is moving to.
+    pub to: u16,
+    to_id: String,
+}
+
+impl Migration {
+    /// `CLUSTER SETSLOT <slot> <state> <id>` on the node on `port`.
+    async fn set_slot(&self, port: u16, state: &str, id: &str) {
+        let slot = self.slot.to_string();
+        let args = ["SETSLOT", slot.as_str(), state, id];
+        let ok: Option<String> = cluster_query(port, &args).await;
+        assert_eq!(ok.as_deref(), Some("OK"), "CLUSTER {args:?} on {port}");
     }
 }
