@@ -138,7 +138,7 @@ fn report(outcome: Result<(), Error>, key: Option<&LockKey>, client: &LockClient
         error => tracing::warn!(
             key = shown,
             %error,
-            "releasing the request's lock failed; its lease will end the hold"
+            "releasing the request's lock failed"
         ),
     }
 }

@@ -38,9 +38,9 @@ const NO_TTL_RECHECK: Duration = Duration::from_secs(1);
 const LINE_UP_MAX: Duration = Duration::from_secs(1);
 
 /// The first and the longest pause before retrying after a transient store failure
-/// (connection lost, timeout) while waiting.
-const MIN_ERROR_BACKOFF: Duration = Duration::from_millis(20);
-const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(1);
+/// (connection lost, timeout) while waiting, or releasing.
+pub(super) const MIN_ERROR_BACKOFF: Duration = Duration::from_millis(20);
+pub(super) const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(1);
 
 /// The shortest sleep between attempts, so a TTL of zero (a lease ending right now)
 /// cannot spin.

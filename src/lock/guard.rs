@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use tokio::runtime::Handle;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::registry::{Hold, Left};
 use super::unlocking::{FinishOnDrop, Unlocking};
@@ -166,7 +167,8 @@ impl fmt::Debug for LostSignal {
 ///
 /// Dropping the guard stops its watchdog renewal at once and, if it was the hold's last
 /// guard, spawns the release on the runtime the guard was made on; it never blocks.
-/// Should that runtime be gone, or the store unreachable, the lease ends the hold.
+/// Should that runtime be gone, the lease ends the hold; should the store be
+/// unreachable, the release is tried again until it answers or the lease ends.
 #[must_use = "the lock is released as soon as the guard is dropped"]
 pub struct LockGuard {
     inner: Option<Held>,
@@ -331,8 +333,11 @@ impl LockGuard {
     /// - [`Error::Lost`] when the lock had been lost (the store no longer had it for
     ///   this hold, or the lost signal had fired), even if the release then failed too;
     ///   nothing of another hold is touched.
-    /// - A backend error when the store could not be reached; the lease then ends the
-    ///   hold (renewal has already stopped).
+    /// - A backend error when the store could not be reached (renewal has already
+    ///   stopped). An [outage](Error::is_unavailable) is not the end of it: the release
+    ///   is tried again in the background, with backoff, until the store answers or
+    ///   the hold's lease ends, so the lock is free soon after the store is back
+    ///   rather than when the lease runs out.
     pub async fn unlock(self) -> Result<()> {
         match self.start_unlock() {
             Unlocking::Done(outcome) => outcome,
@@ -521,6 +526,7 @@ impl Held {
     /// The release of a dropped guard, observed and logged: nobody is left to tell.
     fn after_drop(&self, outcome: Result<Release>, was_lost: bool) {
         self.observe(&outcome, was_lost);
+        self.release_again_later(&outcome, was_lost);
         let key = self.client.hooks().key(&self.hold.slot.key);
         match outcome {
             Ok(Release::NotHeld) => {
@@ -529,7 +535,7 @@ impl Held {
             }
             Ok(_) => {}
             Err(error) => {
-                tracing::warn!(%key, %error, "release of a dropped guard failed; the lease will end the hold");
+                tracing::warn!(%key, %error, "release of a dropped guard failed");
             }
         }
     }
@@ -537,6 +543,7 @@ impl Held {
     /// What `unlock` reports for the release's `outcome`, observed.
     fn finish(&self, outcome: Result<Release>, was_lost: bool) -> Result<()> {
         self.observe(&outcome, was_lost);
+        self.release_again_later(&outcome, was_lost);
         match outcome {
             Ok(Release::NotHeld) => {
                 self.hold.lost.set();
@@ -547,6 +554,54 @@ impl Held {
             Ok(_) => Ok(()),
             Err(error) => Err(error),
         }
+    }
+
+    /// After a release that met an outage (`outcome`): the hold is likely still in the
+    /// store, and every other owner would wait out its lease. The release is tried
+    /// again in a task until the store answers or the lease ends. Safe however late
+    /// a try lands: it names this hold's own identity, which nothing else uses.
+    fn release_again_later(&self, outcome: &Result<Release>, was_lost: bool) {
+        let Err(error) = outcome else {
+            return;
+        };
+        if was_lost || !error.is_unavailable() {
+            return;
+        }
+        let until = self
+            .hold
+            .expiry
+            .get()
+            .unwrap_or_else(|| Instant::now() + self.lease);
+        let backend = Arc::clone(self.client.backend());
+        let req = self.hold.store.clone();
+        let key = self.client.hooks().key(&self.hold.slot.key).to_string();
+        self.runtime.spawn(
+            async move {
+                let mut backoff = super::acquire::MIN_ERROR_BACKOFF;
+                loop {
+                    let at = Instant::now() + backoff;
+                    if at >= until {
+                        tracing::warn!("release still failing; the lease ends the hold");
+                        return;
+                    }
+                    tokio::time::sleep_until(at).await;
+                    match release_fully(Arc::clone(&backend), req.clone()).await {
+                        Ok(release) => {
+                            tracing::info!(?release, "release went through on a later try");
+                            return;
+                        }
+                        Err(error) if error.is_unavailable() => {
+                            backoff = (backoff * 2).min(super::acquire::MAX_ERROR_BACKOFF);
+                        }
+                        Err(error) => {
+                            tracing::warn!(%error, "release failed; the lease ends the hold");
+                            return;
+                        }
+                    }
+                }
+            }
+            .instrument(tracing::debug_span!("tower_lock.release_again", %key)),
+        );
     }
 
     fn observe(&self, outcome: &Result<Release>, was_lost: bool) {
@@ -613,7 +668,7 @@ where
         Ok(()) => Ok(value),
         Err(Error::Lost) => Err(Error::Lost),
         Err(error) => {
-            tracing::warn!(%error, "unlock after work under the lock failed; the lease will end the hold");
+            tracing::warn!(%error, "unlock after work under the lock failed");
             Ok(value)
         }
     }

@@ -972,7 +972,7 @@ impl Lock {
     /// The errors of [`lock`](Self::lock); [`Error::Lost`] when the lock was lost before
     /// `work` was done, or found lost when unlocking after it. A store error while
     /// unlocking a lock that was not lost is logged, not returned: `work` was done
-    /// under the lock, and the lease ends the hold.
+    /// under the lock, and the release is tried again as [`LockGuard::unlock`] says.
     ///
     /// # Cancel safety
     ///

@@ -110,8 +110,9 @@ pub trait LockObserver: Send + Sync + 'static {
         let _ = (event, error);
     }
 
-    /// Releasing this hold in the store failed (the store could not be reached); its
-    /// lease will end it.
+    /// Releasing this hold in the store failed. After an outage the release is tried
+    /// again in the background until the store answers or the lease ends it; this is
+    /// told once, for the first failure.
     fn release_failed(&self, event: LockEvent<'_>, error: &Error) {
         let _ = (event, error);
     }

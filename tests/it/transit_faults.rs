@@ -906,3 +906,60 @@ async fn operations_arriving_while_one_is_in_flight_share_one_call_redis() {
         assert!(matches!(taker.await.unwrap(), Ok(Acquire::Acquired(_))));
     }
 }
+
+/// A release that gets no answer (its request lost on the way: a connection cut, a
+/// failover) fails the unlock as an outage, and the hold stays in the store. It used to
+/// stay until its lease ended (a minute here): a phantom hold every other owner waited
+/// out. The release is now tried again in the background until the store answers or
+/// the lease ends, so the lock is free soon after the store can be reached again.
+async fn a_release_that_met_an_outage(
+    proxy: &FaultProxy,
+    client: &LockClient,
+    store: &dyn LockBackend,
+    key: &str,
+) {
+    let lock_key = LockKey::new(key).unwrap();
+    let holders = || async {
+        store
+            .inspect(&lock_key, LockMode::Exclusive)
+            .await
+            .unwrap()
+            .holders
+            .len()
+    };
+    let guard = client
+        .get_lock(key)
+        .unwrap()
+        .try_lock_for(Duration::ZERO, LONG)
+        .await
+        .unwrap();
+    proxy.set_flow(Direction::Up, Flow::Discard);
+    let unlocked = guard.unlock().await;
+    assert!(
+        unlocked.as_ref().is_err_and(Error::is_unavailable),
+        "the unanswered release: {unlocked:?}"
+    );
+    assert_eq!(holders().await, 1, "the hold is still in the store");
+    proxy.set_flow(Direction::Up, Flow::Pass);
+    wait_until(
+        Duration::from_secs(5),
+        "the hold released once the store could be reached",
+        || async { holders().await == 0 },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_that_met_an_outage_is_tried_again_redis() {
+    let server = RedisServer::start().await;
+    let (proxy, _backend, client) = redis_behind_proxy(&server).await;
+    let direct = RedisBackend::connect(server.url()).await.unwrap();
+    a_release_that_met_an_outage(&proxy, &client, &direct, "release-outage").await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_that_met_an_outage_is_tried_again_postgres() {
+    let pg = postgres_behind_proxy().await;
+    a_release_that_met_an_outage(&pg.proxy, &pg.client, &pg.direct, "release-outage").await;
+}
