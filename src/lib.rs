@@ -117,11 +117,11 @@
 //! - **A release that gets no answer** (a connection cut, a store failing over) fails
 //!   its unlock as an outage and is tried again in the background, with backoff, until
 //!   the store answers or the hold's lease ends: the lock is free soon after the store
-//!   is back, not when the lease runs out.
+//!   is back, not when the lease runs out. So is the taking back of an attempt that got
+//!   no answer.
 //!
-//! What is left when the store cannot be reached to take an attempt back, or a release
-//! through: a hold until its lease ends, a place in a fair or read-write queue until
-//! the waiter timeout. Each
+//! What is left when the store stays unreachable: a hold until its lease ends, a place
+//! in a fair or read-write queue until the waiter timeout. Each
 //! rule is a test against real servers through a fault-injecting proxy
 //! (`tests/it/transit_faults.rs`), and the history checker runs with that proxy as a
 //! nemesis.

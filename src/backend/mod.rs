@@ -696,7 +696,9 @@ pub trait LockBackend: Send + Sync + 'static {
     /// The caller gave up on `req` for good — an attempt dropped in flight or left
     /// unanswered, or a wait that failed — and its hold identity `req.hold_id` will
     /// never be used again: undo whatever its attempts did, or will do when one still in
-    /// flight arrives late. The lock core spawns it and does not wait for it.
+    /// flight arrives late. The lock core spawns it and does not wait for it; should it
+    /// fail as an [outage](crate::Error::is_unavailable), the core calls it again, with
+    /// backoff, until it is answered or `req.lease` has passed.
     ///
     /// Required, because what it takes depends on the store. Releasing the hold
     /// and, in a [queued mode](StoreProfile::queues_waiters), leaving the queue covers

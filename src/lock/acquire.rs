@@ -39,8 +39,8 @@ const LINE_UP_MAX: Duration = Duration::from_secs(1);
 
 /// The first and the longest pause before retrying after a transient store failure
 /// (connection lost, timeout) while waiting, or releasing.
-pub(super) const MIN_ERROR_BACKOFF: Duration = Duration::from_millis(20);
-pub(super) const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(1);
+const MIN_ERROR_BACKOFF: Duration = Duration::from_millis(20);
+const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(1);
 
 /// The shortest sleep between attempts, so a TTL of zero (a lease ending right now)
 /// cannot spin.
@@ -969,14 +969,61 @@ async fn attempt(client: &LockClient, req: &LockRequest) -> Result<AttemptAnswer
 }
 
 /// Takes back, in a spawned task, whatever an unanswered attempt of `req` may have done:
-/// a hold, and a place in the store's wait queue.
+/// a hold, and a place in the store's wait queue. Should the store not answer, that is
+/// tried again until it does or whatever the attempt took has ended with its lease (a
+/// shutdown waits for the first try only).
 fn abandon_later(client: &LockClient, req: &LockRequest) {
     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
         let backend = client.backend().clone();
         let req = req.clone();
+        let later = runtime.clone();
         runtime.spawn(client.registry().track(async move {
-            let _ = backend.abandon(&req).await;
+            let Err(error) = backend.abandon(&req).await else {
+                return;
+            };
+            if !error.is_unavailable() {
+                return;
+            }
+            let until = Instant::now() + req.lease;
+            later.spawn(again_while_unavailable(until, "abandon", async move || {
+                backend.abandon(&req).await
+            }));
         }));
+    }
+}
+
+/// After `what` (a release, an abandonment) failed as an outage: runs `op` again, with
+/// backoff, until it is answered (or fails otherwise) or the next try would start at
+/// `until`, by when what it was to end has ended with its lease.
+pub(super) async fn again_while_unavailable<T>(
+    until: Instant,
+    what: &'static str,
+    mut op: impl AsyncFnMut() -> Result<T>,
+) {
+    let mut backoff = MIN_ERROR_BACKOFF;
+    loop {
+        let at = Instant::now() + backoff;
+        if at >= until {
+            tracing::warn!(
+                what,
+                "still failing as the lease ends; the lease ends the hold"
+            );
+            return;
+        }
+        tokio::time::sleep_until(at).await;
+        match op().await {
+            Ok(_) => {
+                tracing::info!(what, "went through on a later try");
+                return;
+            }
+            Err(error) if error.is_unavailable() => {
+                backoff = (backoff * 2).min(MAX_ERROR_BACKOFF);
+            }
+            Err(error) => {
+                tracing::warn!(what, %error, "failed; the lease ends the hold");
+                return;
+            }
+        }
     }
 }
 

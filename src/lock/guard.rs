@@ -575,33 +575,11 @@ impl Held {
         let backend = Arc::clone(self.client.backend());
         let req = self.hold.store.clone();
         let key = self.client.hooks().key(&self.hold.slot.key).to_string();
-        self.runtime.spawn(
-            async move {
-                let mut backoff = super::acquire::MIN_ERROR_BACKOFF;
-                loop {
-                    let at = Instant::now() + backoff;
-                    if at >= until {
-                        tracing::warn!("release still failing; the lease ends the hold");
-                        return;
-                    }
-                    tokio::time::sleep_until(at).await;
-                    match release_fully(Arc::clone(&backend), req.clone()).await {
-                        Ok(release) => {
-                            tracing::info!(?release, "release went through on a later try");
-                            return;
-                        }
-                        Err(error) if error.is_unavailable() => {
-                            backoff = (backoff * 2).min(super::acquire::MAX_ERROR_BACKOFF);
-                        }
-                        Err(error) => {
-                            tracing::warn!(%error, "release failed; the lease ends the hold");
-                            return;
-                        }
-                    }
-                }
-            }
-            .instrument(tracing::debug_span!("tower_lock.release_again", %key)),
-        );
+        let again = super::acquire::again_while_unavailable(until, "release", async move || {
+            release_fully(Arc::clone(&backend), req.clone()).await
+        });
+        self.runtime
+            .spawn(again.instrument(tracing::debug_span!("tower_lock.release", %key)));
     }
 
     fn observe(&self, outcome: &Result<Release>, was_lost: bool) {

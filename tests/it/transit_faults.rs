@@ -963,3 +963,78 @@ async fn a_release_that_met_an_outage_is_tried_again_postgres() {
     let pg = postgres_behind_proxy().await;
     a_release_that_met_an_outage(&pg.proxy, &pg.client, &pg.direct, "release-outage").await;
 }
+
+/// How long the store stays unreachable in the abandonment tests: longer than an
+/// abandonment waits before its last try of its own (the response timeout and a margin).
+const OUTAGE: Duration = Duration::from_secs(2);
+
+/// An attempt the store granted, whose answer was lost with its connection, while the
+/// store then could not be reached for a while: the lock core's abandonment of it
+/// failed, and the grant stayed in the store until its lease ended (a minute here),
+/// though its caller had been told the attempt failed. The abandonment is now tried
+/// again until the store answers or that lease ends.
+async fn an_abandonment_that_met_an_outage(
+    proxy: &FaultProxy,
+    client: &LockClient,
+    store: &dyn LockBackend,
+    key: &str,
+) {
+    let lock_key = LockKey::new(key).unwrap();
+    let holders = || async {
+        store
+            .inspect(&lock_key, LockMode::Exclusive)
+            .await
+            .unwrap()
+            .holders
+            .len()
+    };
+    // The attempt is held on its way until answers are thrown away (a connection's
+    // check before it, on PostgreSQL, is answered), then goes on to the store.
+    let trap = proxy.trap(Direction::Up, key.as_bytes());
+    let attempt = {
+        let lock = client.get_lock(key).unwrap();
+        tokio::spawn(async move { lock.try_lock_for(Duration::ZERO, LONG).await.map(drop) })
+    };
+    trap.caught().await;
+    proxy.set_flow(Direction::Down, Flow::Discard);
+    trap.release();
+    wait_until(
+        Duration::from_secs(5),
+        "the attempt took the lock in the store",
+        || async { holders().await == 1 },
+    )
+    .await;
+    // Before the attempt times out: its connection is cut and no new one gets through.
+    proxy.refuse(true);
+    proxy.cut();
+    let outcome = attempt.await.unwrap();
+    assert!(
+        outcome.as_ref().is_err_and(Error::is_unavailable),
+        "the attempt whose answer was lost: {outcome:?}"
+    );
+    tokio::time::sleep(OUTAGE).await;
+    assert_eq!(holders().await, 1, "the grant is still in the store");
+    proxy.set_flow(Direction::Down, Flow::Pass);
+    proxy.refuse(false);
+    wait_until(
+        Duration::from_secs(5),
+        "the grant taken back once the store could be reached",
+        || async { holders().await == 0 },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandonment_that_met_an_outage_is_tried_again_redis() {
+    let server = RedisServer::start().await;
+    let (proxy, _backend, client) = redis_behind_proxy(&server).await;
+    let direct = RedisBackend::connect(server.url()).await.unwrap();
+    an_abandonment_that_met_an_outage(&proxy, &client, &direct, "abandon-outage").await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandonment_that_met_an_outage_is_tried_again_postgres() {
+    let pg = postgres_behind_proxy().await;
+    an_abandonment_that_met_an_outage(&pg.proxy, &pg.client, &pg.direct, "abandon-outage").await;
+}
