@@ -1526,16 +1526,27 @@ async fn a_listener_cut_silently_listens_again_and_hears_the_next_release() {
             .await
             .unwrap();
         let lock = waiting.get_lock("regress:listener").unwrap();
-        let waiter = tokio::spawn(async move {
-            // A first attempt that times out twice (300 ms, a loaded machine) fails the
-            // call, as documented; that is not what this test is about.
-            loop {
-                match lock
-                    .try_lock_for(Duration::from_secs(30), tower_lock::Lease::Watchdog)
-                    .await
-                {
-                    Err(error) if error.is_unavailable() => continue,
-                    done => break done,
+        // The waiter's failed calls, for the message should it not get the lock.
+        let failures = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(Duration, String)>::new()));
+        let waiter = tokio::spawn({
+            let failures = std::sync::Arc::clone(&failures);
+            let started = Instant::now();
+            async move {
+                // A first attempt that times out twice (300 ms, a loaded machine) fails
+                // the call, as documented; that is not what this test is about.
+                loop {
+                    match lock
+                        .try_lock_for(Duration::from_secs(30), tower_lock::Lease::Watchdog)
+                        .await
+                    {
+                        Err(error) if error.is_unavailable() => {
+                            failures
+                                .lock()
+                                .unwrap()
+                                .push((started.elapsed(), error.to_string()));
+                        }
+                        done => break done,
+                    }
                 }
             }
         });
@@ -1567,13 +1578,26 @@ async fn a_listener_cut_silently_listens_again_and_hears_the_next_release() {
         }
         guard.unlock().await.unwrap();
         let released_at = Instant::now();
-        let got = tokio::time::timeout(Duration::from_secs(10), waiter)
-            .await
-            .unwrap_or_else(|_| {
-                panic!("round {round}: the waiter did not take the lock within 10 s")
-            })
-            .unwrap()
-            .unwrap_or_else(|e| panic!("round {round}: the waiter failed: {e:?}"));
+        let got = match tokio::time::timeout(Duration::from_secs(10), waiter).await {
+            Ok(got) => got,
+            Err(_) => {
+                let sessions: Vec<(i32, String, String, String)> = sqlx::query_as(
+                    "SELECT pid, coalesce(state, ''), backend_start::text, left(query, 60) \
+                       FROM pg_stat_activity \
+                      WHERE datname = current_database() AND pid <> pg_backend_pid()",
+                )
+                .fetch_all(&admin)
+                .await
+                .unwrap();
+                panic!(
+                    "round {round}: the waiter did not take the lock within 10 s; its failed \
+                     calls: {:?}; the sessions now: {sessions:?}",
+                    failures.lock().unwrap()
+                )
+            }
+        }
+        .unwrap()
+        .unwrap_or_else(|e| panic!("round {round}: the waiter failed: {e:?}"));
         assert!(
             released_at.elapsed() < Duration::from_secs(5),
             "round {round}: the waiter took the lock {:?} after the release",
