@@ -61,6 +61,8 @@ mod redis_cluster_pubsub;
 mod redis_failover;
 #[cfg(feature = "redis")]
 mod redis_faults;
+#[cfg(all(feature = "postgres", feature = "redis"))]
+mod redis_processes;
 #[cfg(feature = "sentinel")]
 mod redis_sentinel_url;
 #[cfg(feature = "redis")]

@@ -25,7 +25,7 @@ use tokio::time::Instant;
 
 /// The tests start several processes each and one bounds a timing: they run one at a
 /// time even when libtest runs tests in parallel.
-static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+pub(crate) static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_hammer_processes_keep_a_postgres_counter_exact() {
@@ -351,12 +351,12 @@ async fn waiters(pool: &PgPool, name: &str) -> Vec<String> {
 }
 
 /// A `hammer` process; killed on drop.
-struct Hammer {
-    child: Child,
+pub(crate) struct Hammer {
+    pub(crate) child: Child,
 }
 
 impl Hammer {
-    fn spawn(args: &[&str]) -> Self {
+    pub(crate) fn spawn(args: &[&str]) -> Self {
         let child = Command::new(example_binary("hammer"))
             .args(args)
             .stdout(Stdio::null())
@@ -366,7 +366,7 @@ impl Hammer {
         Hammer { child }
     }
 
-    fn id(&self) -> u32 {
+    pub(crate) fn id(&self) -> u32 {
         self.child.id()
     }
 
@@ -385,7 +385,7 @@ impl Hammer {
         }
     }
 
-    fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         // `Child::kill` is SIGKILL.
         self.child.kill().expect("SIGKILL the hammer");
     }
@@ -400,7 +400,7 @@ impl Drop for Hammer {
 
 /// Waits for the processes to exit, for at most `within` (then kills them and fails: a
 /// hammer that does not finish is an outcome too, not a hang of the suite).
-async fn outputs(mut hammers: Vec<Hammer>, within: Duration) -> Vec<Output> {
+pub(crate) async fn outputs(mut hammers: Vec<Hammer>, within: Duration) -> Vec<Output> {
     let deadline = Instant::now() + within;
     loop {
         let mut running = 0;
@@ -423,7 +423,7 @@ async fn outputs(mut hammers: Vec<Hammer>, within: Duration) -> Vec<Output> {
 }
 
 /// The counter's value (0 when it was never written).
-async fn counter(pool: &PgPool, key: &str) -> i64 {
+pub(crate) async fn counter(pool: &PgPool, key: &str) -> i64 {
     sqlx::query_scalar::<_, i64>("SELECT value FROM hammer_counter WHERE key = $1")
         .bind(key)
         .fetch_optional(pool)
@@ -433,20 +433,20 @@ async fn counter(pool: &PgPool, key: &str) -> i64 {
 }
 
 /// What `hammer_counter_writes` says about one counter.
-struct Writes {
-    count: i64,
+pub(crate) struct Writes {
+    pub(crate) count: i64,
     distinct: i64,
     min: i64,
     max: i64,
     /// The first write, by the database's clock, in microseconds since the epoch.
-    first_at_us: i64,
+    pub(crate) first_at_us: i64,
     per_pid: Vec<(i32, i64)>,
 }
 
 impl Writes {
     /// Every value from 1 to `n` written exactly once: no two holders read the same
     /// value, and nobody wrote outside the sequence.
-    fn assert_each_value_once(&self, n: u64) {
+    pub(crate) fn assert_each_value_once(&self, n: u64) {
         let n = n as i64;
         assert_eq!(
             (self.count, self.distinct, self.min, self.max),
@@ -456,7 +456,7 @@ impl Writes {
     }
 
     /// The writes of process `pid`.
-    fn by(&self, pid: u32) -> i64 {
+    pub(crate) fn by(&self, pid: u32) -> i64 {
         self.per_pid
             .iter()
             .find(|&&(p, _)| i64::from(p) == i64::from(pid))
@@ -464,7 +464,7 @@ impl Writes {
     }
 }
 
-async fn writes(pool: &PgPool, key: &str) -> Writes {
+pub(crate) async fn writes(pool: &PgPool, key: &str) -> Writes {
     let (count, distinct, min, max, first_at_us): (
         i64,
         i64,
@@ -531,7 +531,7 @@ async fn hold(pool: &PgPool, name: &str) -> Option<(String, i64)> {
 }
 
 /// The database's clock, in microseconds since the epoch.
-async fn db_clock_us(pool: &PgPool) -> i64 {
+pub(crate) async fn db_clock_us(pool: &PgPool) -> i64 {
     sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint")
         .fetch_one(pool)
         .await
@@ -540,7 +540,7 @@ async fn db_clock_us(pool: &PgPool) -> i64 {
 
 /// Connections of `app` (its `application_name`) whose last statement is like `query`
 /// and that are idle, waiting for the next one.
-async fn activity(pool: &PgPool, app: &str, query: &str) -> i64 {
+pub(crate) async fn activity(pool: &PgPool, app: &str, query: &str) -> i64 {
     sqlx::query_scalar(
         "SELECT count(*) FROM pg_stat_activity \
           WHERE application_name = $1 AND query LIKE $2 \
