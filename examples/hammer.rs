@@ -6,6 +6,9 @@
 //!     --name hammer --iters 1000 --counter-key hammer:counter [--lease-ms 5000] \
 //!     [--kind lock|fair|write|redlock|permits] [--permits N] [--tasks T] \
 //!     [--counter-url URL] [--wait-ms W] [--watchdog-ms L] [--hold-us H]
+//! cargo run --release --features cluster --example hammer -- --cluster \
+//!     --url redis://127.0.0.1:7000,redis://127.0.0.1:7001 --counter-url postgres://... \
+//!     --name '{h}' --iters 1000 --counter-key h:counter
 //! cargo run --release --example hammer -- --url postgres://root@127.0.0.1:5432/app \
 //!     --name hammer --iters 1000 --counter-key hammer:counter
 //! ```
@@ -22,6 +25,9 @@
 //!   see [`RedisBackend::from_url`]), `postgres://` (or `postgresql://`) for [`PostgresBackend`] on a
 //!   pool of `--tasks` connections (and one more that listens for releases), with its
 //!   tables created if missing.
+//! - `--cluster` (with the `cluster` feature): the `--url` list is the seed nodes of one
+//!   Redis Cluster, and the locks are taken there ([`RedisBackend::cluster`]); the
+//!   counter then needs a `--counter-url` of its own.
 //! - `--counter-url` is where the counter lives (default: the first `--url`), on either
 //!   kind of server. On Redis the counter is the string K, read with `GET` and written
 //!   with `SET`. On PostgreSQL it is the row K of the table `hammer_counter` (created if
@@ -117,6 +123,9 @@ struct Cli {
     /// (`PostgresBackendBuilder::hand_over`).
     #[arg(long)]
     hand_over: bool,
+    /// The `--url` list is the seed nodes of one Redis Cluster (`cluster` feature).
+    #[arg(long)]
+    cluster: bool,
 }
 
 fn millis(value: &str) -> Result<Duration, std::num::ParseIntError> {
@@ -141,6 +150,7 @@ struct Args {
     watchdog: Option<Duration>,
     hold: Duration,
     hand_over: bool,
+    cluster: bool,
 }
 
 fn is_postgres(url: &str) -> bool {
@@ -198,7 +208,14 @@ fn parse_args() -> Result<Args, String> {
     if urls.is_empty() {
         return Err("--url needs at least one URL".to_owned());
     }
-    if cli.kind != Kind::RedLock && urls.len() > 1 {
+    if cli.cluster {
+        if cli.kind == Kind::RedLock || urls.iter().any(|u| is_postgres(u) || is_sentinel(u)) {
+            return Err("--cluster takes the redis:// seed nodes of one cluster".to_owned());
+        }
+        if cli.counter_url.is_none() {
+            return Err("--cluster needs a --counter-url of its own".to_owned());
+        }
+    } else if cli.kind != Kind::RedLock && urls.len() > 1 {
         return Err("several --url values are RedLock nodes: use --kind redlock".to_owned());
     }
     if cli.kind == Kind::RedLock && urls.iter().any(|u| is_postgres(u)) {
@@ -229,6 +246,7 @@ fn parse_args() -> Result<Args, String> {
         watchdog: cli.watchdog,
         hold,
         hand_over: cli.hand_over,
+        cluster: cli.cluster,
     })
 }
 
@@ -251,7 +269,24 @@ fn client_on(backend: impl LockBackend, args: &Args) -> Result<LockClient, Strin
     builder.build().map_err(|e| format!("lock client: {e}"))
 }
 
+#[cfg(feature = "cluster")]
+async fn cluster_client(args: &Args) -> Result<LockClient, String> {
+    let backend = RedisBackend::cluster(args.urls.iter().map(String::as_str))
+        .build()
+        .await
+        .map_err(|e| format!("connecting to the cluster at {}: {e}", args.urls.join(",")))?;
+    client_on(backend, args)
+}
+
+#[cfg(not(feature = "cluster"))]
+async fn cluster_client(_args: &Args) -> Result<LockClient, String> {
+    Err("--cluster needs the `cluster` feature".to_owned())
+}
+
 async fn client(args: &Args) -> Result<LockClient, String> {
+    if args.cluster {
+        return cluster_client(args).await;
+    }
     let url = &args.urls[0];
     if args.kind == Kind::RedLock {
         let mut nodes = Vec::new();

@@ -198,3 +198,152 @@ async fn sigkilled_holder_frees_the_redis_lock_after_its_lease_and_the_count_sta
     );
     pool.close().await;
 }
+
+/// Three `hammer` processes of two tasks each on one lock of a three-master Redis
+/// Cluster, its slot moved to another master and back, key by key, while they run:
+/// the counter comes out exact, every value written once, every process did all of its
+/// increments, no lock call failed (a `hammer` exits 1 on any), and nothing is left on
+/// any node.
+///
+/// Few increments land while the slot is between masters (4 to 8 in a move of about
+/// 1.1 s, against about 200 a second between the moves): a release that runs on the
+/// target (the lock missing from the source) publishes its wake-up there with
+/// `SPUBLISH`, and the waiters, subscribed on the source, which serves the slot's
+/// channels until the move ends, do not hear it. They go on by their own re-checks.
+/// (`INFO commandstats` in one run: 4 of the 7 releases of a move published on the
+/// target.)
+#[cfg(feature = "cluster")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hammer_processes_on_a_cluster_keep_the_count_exact_through_a_slot_move() {
+    use common::redis_server::RedisCluster;
+
+    const ITERS: u64 = 200;
+    const TASKS: u64 = 2;
+    const NAME: &str = "{moving-hammer}";
+    let _serial = ONE_AT_A_TIME.lock().await;
+    let cluster = RedisCluster::start(3).await;
+    let db = PgDatabase::create().await;
+    let pool = db.pool(2).await;
+    let urls = cluster.urls().join(",");
+    let (iters, tasks) = (ITERS.to_string(), TASKS.to_string());
+    let hammers: Vec<Hammer> = (0..3)
+        .map(|_| {
+            Hammer::spawn(&[
+                "--cluster",
+                "--url",
+                &urls,
+                "--counter-url",
+                &db.url,
+                "--name",
+                NAME,
+                "--iters",
+                &iters,
+                "--tasks",
+                &tasks,
+                "--counter-key",
+                NAME,
+                // A wake-up lost in the move costs a waiter a lease at most.
+                "--watchdog-ms",
+                "3000",
+            ])
+        })
+        .collect();
+    let pids: Vec<u32> = hammers.iter().map(Hammer::id).collect();
+    let total = 3 * TASKS * ITERS;
+    let progress = |at_least: u64| {
+        let pool = pool.clone();
+        async move {
+            wait_until(
+                Duration::from_secs(60),
+                &format!("the counter reaches {at_least}"),
+                || {
+                    let pool = pool.clone();
+                    async move {
+                        // The hammers make the counter's table once they run.
+                        let made: Option<String> =
+                            sqlx::query_scalar("SELECT to_regclass('hammer_counter')::text")
+                                .fetch_one(&pool)
+                                .await
+                                .unwrap();
+                        made.is_some() && counter(&pool, NAME).await >= at_least as i64
+                    }
+                },
+            )
+            .await;
+        }
+    };
+    progress(total / 6).await;
+    let slot = cluster.slot_of(NAME).await;
+    // Keys beside the lock in its slot, so that a move, a key at a time, lasts a second
+    // or so (the lock's key moves somewhere among them).
+    let mut raw = redis::cluster::ClusterClient::new(cluster.urls())
+        .unwrap()
+        .get_async_connection()
+        .await
+        .unwrap();
+    for i in 0..50 {
+        let () = redis::cmd("SET")
+            .arg(format!("{NAME}:filler:{i}"))
+            .arg(i)
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+    }
+    let home = cluster.master_of(slot).await;
+    let away = cluster
+        .nodes
+        .iter()
+        .map(|n| n.port())
+        .find(|&p| p != home)
+        .unwrap();
+    let (before, started) = (counter(&pool, NAME).await, Instant::now());
+    cluster
+        .migrate_slot(slot, away, 1, Duration::from_millis(20))
+        .await;
+    let (moved_at, moved) = (counter(&pool, NAME).await, Instant::now());
+    println!(
+        "{} increments while the slot moved away, in {:?}",
+        moved_at - before,
+        moved - started
+    );
+    progress((moved_at as u64 + total / 6).min(total)).await;
+    let (before, started) = (counter(&pool, NAME).await, Instant::now());
+    println!(
+        "{} increments between the moves, in {:?}",
+        before - moved_at,
+        started - moved
+    );
+    cluster
+        .migrate_slot(slot, home, 1, Duration::from_millis(20))
+        .await;
+    println!(
+        "{} increments while the slot moved back, in {:?}",
+        counter(&pool, NAME).await - before,
+        started.elapsed()
+    );
+    for out in outputs(hammers, Duration::from_secs(120)).await {
+        assert!(
+            out.status.success(),
+            "hammer failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let counter = counter(&pool, NAME).await;
+    let writes = writes(&pool, NAME).await;
+    println!(
+        "three hammers of {TASKS} tasks through a slot move there and back: counter \
+         {counter}, {} writes",
+        writes.count
+    );
+    assert_eq!(counter, total as i64, "lost or extra updates");
+    writes.assert_each_value_once(total);
+    for pid in pids {
+        assert_eq!(writes.by(pid), (TASKS * ITERS) as i64, "process {pid}");
+    }
+    for node in &cluster.nodes {
+        let mut left = node.keys("*moving-hammer*").await;
+        left.retain(|k| !k.contains(":filler:"));
+        assert!(left.is_empty(), "left on {}: {left:?}", node.port());
+    }
+    pool.close().await;
+}
