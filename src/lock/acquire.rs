@@ -1004,10 +1004,7 @@ pub(super) async fn again_while_unavailable<T>(
     loop {
         let at = Instant::now() + backoff;
         if at >= until {
-            tracing::warn!(
-                what,
-                "still failing as the lease ends; the lease ends the hold"
-            );
+            tracing::warn!(what, "still failing; the hold ends with its lease");
             return;
         }
         tokio::time::sleep_until(at).await;
@@ -1020,7 +1017,7 @@ pub(super) async fn again_while_unavailable<T>(
                 backoff = (backoff * 2).min(MAX_ERROR_BACKOFF);
             }
             Err(error) => {
-                tracing::warn!(what, %error, "failed; the lease ends the hold");
+                tracing::warn!(what, %error, "failed; the hold ends with its lease");
                 return;
             }
         }
