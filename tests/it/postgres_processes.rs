@@ -49,13 +49,7 @@ async fn three_hammer_processes_keep_a_postgres_counter_exact() {
         })
         .collect();
     let pids: Vec<u32> = hammers.iter().map(Hammer::id).collect();
-    for out in outputs(hammers, Duration::from_secs(120)).await {
-        assert!(
-            out.status.success(),
-            "hammer failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    succeeded(hammers, Duration::from_secs(120)).await;
     let took = started.elapsed();
 
     let pool = db.pool(2).await;
@@ -187,13 +181,7 @@ async fn sigkilled_holder_frees_the_lock_after_its_lease_and_the_count_stays_exa
         Some(libc::SIGKILL)
     );
 
-    for out in outputs(others, Duration::from_secs(120)).await {
-        assert!(
-            out.status.success(),
-            "hammer failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    succeeded(others, Duration::from_secs(120)).await;
     let counter = counter(&pool, "pg:killed").await;
     let writes = writes(&pool, "pg:killed").await;
     let lease_left = Duration::from_micros((lease_end - killed_at).max(0).unsigned_abs());
@@ -420,6 +408,17 @@ pub(crate) async fn outputs(mut hammers: Vec<Hammer>, within: Duration) -> Vec<O
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     hammers.into_iter().map(Hammer::output).collect()
+}
+
+/// Waits for the processes to exit, as [`outputs`], and fails unless each succeeded.
+pub(crate) async fn succeeded(hammers: Vec<Hammer>, within: Duration) {
+    for out in outputs(hammers, within).await {
+        assert!(
+            out.status.success(),
+            "hammer failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
 
 /// The counter's value (0 when it was never written).

@@ -312,12 +312,7 @@ async fn an_acquisition_batched_behind_its_locks_release_in_a_slot_move_is_sent_
     let name = backend.lock_name(&key);
     let slot = cluster.slot_of(&name).await;
     let home = cluster.master_of(slot).await;
-    let away = cluster
-        .nodes
-        .iter()
-        .map(|n| n.port())
-        .find(|&p| p != home)
-        .unwrap();
+    let away = cluster.another_master(home).await;
     let request = |owner: &str| {
         LockRequest::new(
             key.clone(),

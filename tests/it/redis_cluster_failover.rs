@@ -310,12 +310,7 @@ async fn a_slot_moved_under_the_hammer_loses_no_lock_and_leaves_none() {
         .progress(100, Duration::from_secs(10), "hammering before the move")
         .await;
     let home = cluster.master_of(slot).await;
-    let away = cluster
-        .nodes
-        .iter()
-        .map(|n| n.port())
-        .find(|&p| p != home)
-        .unwrap();
+    let away = cluster.another_master(home).await;
     for to in [away, home] {
         let started = Instant::now();
         cluster

@@ -17,7 +17,7 @@ use common::wait_until;
 use tokio::time::Instant;
 
 use crate::postgres_processes::{
-    Hammer, ONE_AT_A_TIME, activity, counter, db_clock_us, outputs, writes,
+    Hammer, ONE_AT_A_TIME, activity, counter, db_clock_us, succeeded, writes,
 };
 
 const NAME: &str = "redis-killed";
@@ -151,13 +151,7 @@ async fn sigkilled_holder_frees_the_redis_lock_after_its_lease_and_the_count_sta
     );
     let lease_end_us = now_us + pttl * 1000;
 
-    for out in outputs(others, Duration::from_secs(120)).await {
-        assert!(
-            out.status.success(),
-            "hammer failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    succeeded(others, Duration::from_secs(120)).await;
     let counter = counter(&pool, NAME).await;
     let writes = writes(&pool, NAME).await;
     let first_after_end = writes.first_at_us - lease_end_us;
@@ -290,12 +284,7 @@ async fn hammer_processes_on_a_cluster_keep_the_count_exact_through_a_slot_move(
             .unwrap();
     }
     let home = cluster.master_of(slot).await;
-    let away = cluster
-        .nodes
-        .iter()
-        .map(|n| n.port())
-        .find(|&p| p != home)
-        .unwrap();
+    let away = cluster.another_master(home).await;
     let (before, started) = (counter(&pool, NAME).await, Instant::now());
     cluster
         .migrate_slot(slot, away, 1, Duration::from_millis(20))
@@ -321,13 +310,7 @@ async fn hammer_processes_on_a_cluster_keep_the_count_exact_through_a_slot_move(
         counter(&pool, NAME).await - before,
         started.elapsed()
     );
-    for out in outputs(hammers, Duration::from_secs(120)).await {
-        assert!(
-            out.status.success(),
-            "hammer failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    succeeded(hammers, Duration::from_secs(120)).await;
     let counter = counter(&pool, NAME).await;
     let writes = writes(&pool, NAME).await;
     println!(

@@ -907,6 +907,16 @@ async fn operations_arriving_while_one_is_in_flight_share_one_call_redis() {
     }
 }
 
+/// How many hold the exclusive lock `key` in `store`.
+async fn holders_of(store: &dyn LockBackend, key: &LockKey) -> usize {
+    store
+        .inspect(key, LockMode::Exclusive)
+        .await
+        .unwrap()
+        .holders
+        .len()
+}
+
 /// A release that gets no answer (its request lost on the way: a connection cut, a
 /// failover) fails the unlock as an outage, and the hold stays in the store. It used to
 /// stay until its lease ended (a minute here): a phantom hold every other owner waited
@@ -919,14 +929,7 @@ async fn a_release_that_met_an_outage(
     key: &str,
 ) {
     let lock_key = LockKey::new(key).unwrap();
-    let holders = || async {
-        store
-            .inspect(&lock_key, LockMode::Exclusive)
-            .await
-            .unwrap()
-            .holders
-            .len()
-    };
+    let holders = || holders_of(store, &lock_key);
     let guard = client
         .get_lock(key)
         .unwrap()
@@ -980,14 +983,7 @@ async fn an_abandonment_that_met_an_outage(
     key: &str,
 ) {
     let lock_key = LockKey::new(key).unwrap();
-    let holders = || async {
-        store
-            .inspect(&lock_key, LockMode::Exclusive)
-            .await
-            .unwrap()
-            .holders
-            .len()
-    };
+    let holders = || holders_of(store, &lock_key);
     // The attempt is held on its way until answers are thrown away (a connection's
     // check before it, on PostgreSQL, is answered), then goes on to the store.
     let trap = proxy.trap(Direction::Up, key.as_bytes());

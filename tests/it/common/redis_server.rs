@@ -607,6 +607,19 @@ impl RedisCluster {
             .expect("a master serves the slot")
     }
 
+    /// The port of a master other than the one on `than`, as the first node that
+    /// answers sees the cluster.
+    pub async fn another_master(&self, than: u16) -> u16 {
+        self.topology()
+            .await
+            .and_then(|view| {
+                view.into_iter()
+                    .find(|n| n.is_master() && !n.is_failed() && n.port != than)
+            })
+            .map(|n| n.port)
+            .expect("another master")
+    }
+
     /// Moves `slot` to the master on `to`, as `redis-cli --cluster reshard` does: the
     /// slot is marked importing and migrating, its keys move with `MIGRATE` (TTLs kept)
     /// in batches of `batch`, `pause` apart, while clients go on using it (they get
