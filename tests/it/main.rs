@@ -62,7 +62,7 @@ mod redis_failover;
 #[cfg(feature = "redis")]
 mod redis_faults;
 #[cfg(all(feature = "postgres", feature = "redis"))]
-mod redis_processes;
+mod redis_hammers;
 #[cfg(feature = "sentinel")]
 mod redis_sentinel_url;
 #[cfg(feature = "redis")]

@@ -182,42 +182,23 @@ async fn sigkilled_holder_frees_the_lock_after_its_lease_and_the_count_stays_exa
     );
 
     succeeded(others, Duration::from_secs(120)).await;
-    let counter = counter(&pool, "pg:killed").await;
-    let writes = writes(&pool, "pg:killed").await;
     let lease_left = Duration::from_micros((lease_end - killed_at).max(0).unsigned_abs());
-    let first_after_end = writes.first_at_us - lease_end;
-    println!(
-        "SIGKILL with {lease_left:?} of the lease left; first write {:.1} ms after the \
-         lease ended ({:.1} ms after the kill); counter {counter}, {} writes",
-        first_after_end as f64 / 1000.0,
-        (writes.first_at_us - killed_at) as f64 / 1000.0,
-        writes.count
-    );
-    // Nobody got in before the lease ended, and the waiters got in soon after.
-    assert!(
-        first_after_end >= 0,
-        "a write {} µs before the killed holder's lease ended",
-        -first_after_end
-    );
-    assert!(
-        first_after_end <= 300_000,
-        "the first write came {first_after_end} µs after the lease ended"
-    );
     assert!(
         lease_left <= lease,
         "{lease_left:?} of a {lease:?} lease left"
     );
-    // Exact, and without the victim's unfinished increment: it read 0 and never wrote 1.
-    assert_eq!(
-        counter,
-        2 * ITERS as i64,
-        "lost or extra updates around the kill"
+    let writes = the_kill_cost_nothing(
+        &pool,
+        "pg:killed",
+        lease_end,
+        (victim.id(), &other_pids),
+        ITERS,
+    )
+    .await;
+    println!(
+        "SIGKILL with {lease_left:?} of the lease left; first write {:.1} ms after the kill",
+        (writes.first_at_us - killed_at) as f64 / 1000.0
     );
-    writes.assert_each_value_once(2 * ITERS);
-    assert_eq!(writes.by(victim.id()), 0, "the killed process wrote");
-    for pid in other_pids {
-        assert_eq!(writes.by(pid), ITERS as i64, "process {pid}");
-    }
     assert_eq!(
         holds(&pool, "pg-killed").await,
         0,
@@ -419,6 +400,50 @@ pub(crate) async fn succeeded(hammers: Vec<Hammer>, within: Duration) {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+}
+
+/// What a holder SIGKILLed mid read-modify-write must leave in the counter `key`, whose
+/// lease ended at `lease_end_us` (the database's clock): no write before that end and
+/// the first soon after it, every value written once, nothing by the `victim`, and
+/// `iters` by each of the `others`. Returns the log of writes.
+pub(crate) async fn the_kill_cost_nothing(
+    pool: &PgPool,
+    key: &str,
+    lease_end_us: i64,
+    (victim, others): (u32, &[u32]),
+    iters: u64,
+) -> Writes {
+    let counter = counter(pool, key).await;
+    let writes = writes(pool, key).await;
+    let first_after_end = writes.first_at_us - lease_end_us;
+    println!(
+        "first write {:.1} ms after the killed holder's lease ended; counter {counter}, {} \
+         writes",
+        first_after_end as f64 / 1000.0,
+        writes.count
+    );
+    // Nobody got in before the lease ended, and the waiters got in soon after.
+    assert!(
+        first_after_end >= 0,
+        "a write {} µs before the killed holder's lease ended",
+        -first_after_end
+    );
+    assert!(
+        first_after_end <= 300_000,
+        "the first write came {first_after_end} µs after the lease ended"
+    );
+    // Exact, and without the victim's unfinished increment: it read 0 and never wrote 1.
+    let total = others.len() as u64 * iters;
+    assert_eq!(
+        counter, total as i64,
+        "lost or extra updates around the kill"
+    );
+    writes.assert_each_value_once(total);
+    assert_eq!(writes.by(victim), 0, "the killed process wrote");
+    for &pid in others {
+        assert_eq!(writes.by(pid), iters as i64, "process {pid}");
+    }
+    writes
 }
 
 /// The counter's value (0 when it was never written).
