@@ -216,7 +216,10 @@ pub struct LockLayerBuilder<K> {
 impl<K: KeyExtractor> LockLayerBuilder<K> {
     /// The longest a request waits for a busy lock before it is rejected as busy. Zero:
     /// one attempt. Default [`DEFAULT_WAIT`](super::DEFAULT_WAIT); at most
-    /// [`MAX_WAIT`](super::MAX_WAIT).
+    /// [`MAX_WAIT`](super::MAX_WAIT). A store outage (a failover, a restart) is waited
+    /// out within the same bound: the request is answered as unavailable (or served
+    /// without its lock, with [`fail_open`](Self::fail_open)) only when the store has
+    /// not answered by then.
     pub fn max_wait(mut self, wait: Duration) -> Self {
         self.config.wait = wait;
         self
@@ -260,8 +263,9 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
         self
     }
 
-    /// When the lock store cannot answer (unreachable, timed out, no quorum), serve
-    /// requests without their lock instead of answering 503. Either way the outage is
+    /// When the lock store cannot answer (unreachable, timed out, no quorum) within a
+    /// request's [`max_wait`](Self::max_wait), serve requests without their lock
+    /// instead of answering 503. Either way the outage is
     /// logged as a warning, at most once per
     /// [`OUTAGE_LOG_INTERVAL`](super::OUTAGE_LOG_INTERVAL) with the count of requests
     /// since.

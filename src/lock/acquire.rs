@@ -632,19 +632,30 @@ async fn run(
     // A busy answer the fast path just got is the first attempt's: not asked again.
     let mut ttl = busy.flatten();
     let mut answered = busy.is_some();
+    let mut failing = Failing::default();
     if !line_up && !answered {
-        match first_attempt(client, pending, deadline).await? {
-            AttemptAnswer::Acquired(acquired) => return Ok(acquired),
-            AttemptAnswer::Busy(holder_ttl) => {
+        match first_attempt(client, pending).await {
+            Ok(AttemptAnswer::Acquired(acquired)) => return Ok(acquired),
+            Ok(AttemptAnswer::Busy(holder_ttl)) => {
                 ttl = holder_ttl;
                 answered = true;
             }
+            // An outage with time left to wait: the wait rides it out, backing off,
+            // under a new identity (the failed attempt's is being taken back). A call
+            // without a deadline gave no time to spend on outages: it learns at once.
+            Err(error)
+                if error.is_unavailable() && deadline.is_some_and(|d| Instant::now() < d) =>
+            {
+                tracing::debug!(%error, "lock store failed with time left to wait; retrying");
+                pending.reidentify(client);
+                failing.failed(error);
+            }
+            Err(error) => return Err(error),
         }
     }
     // The waiting state lives in its own allocation, made only when there is something
     // to wait for: the uncontended path's future stays small (it is built, boxed and
     // moved on every acquisition).
-    let mut failing = Failing::default();
     loop {
         let waited = Box::pin(wait(
             client,
@@ -670,27 +681,20 @@ async fn run(
     }
 }
 
-/// The attempt before any waiting. Its failures are the caller's to know at once, but
-/// for a connection that had to be replaced: one that died while idle (the store
-/// restarted) fails the first command sent over it, and one to a primary that failed
-/// over times out or is refused as read-only; the backend then reconnects, to the
-/// primary as it is now. So an attempt whose connection broke under it is tried once
-/// more, at once, as a new hold — and so is any outage while the caller still has time
-/// to wait (`deadline`). A restart or a failover then costs no caller an error.
-async fn first_attempt(
-    client: &LockClient,
-    pending: &mut Pending<'_>,
-    deadline: Option<Instant>,
-) -> Result<AttemptAnswer> {
+/// The attempt before any waiting. Its failures are the caller's to know at once (or
+/// the wait's to ride out, when the caller has time left: see [`run`]), but for a
+/// connection that had to be replaced: one that died while idle (the store restarted)
+/// fails the first command sent over it, and the backend then reconnects. So an attempt
+/// whose connection broke under it is tried once more, at once, as a new hold: a
+/// restart costs not even a single try (`try_lock`) an error.
+async fn first_attempt(client: &LockClient, pending: &mut Pending<'_>) -> Result<AttemptAnswer> {
     let mut retried = false;
     loop {
         match attempt(client, pending.store()).await {
             Ok(outcome) => return Ok(outcome),
             Err(error) => {
                 compensate_later(client, pending.store());
-                let time_left = deadline.is_some_and(|d| Instant::now() < d);
-                let worth_it = error.is_connection_lost() || (time_left && error.is_unavailable());
-                if retried || !worth_it {
+                if retried || !error.is_connection_lost() {
                     return Err(error);
                 }
                 tracing::debug!(%error, "lock store connection lost; trying once more");
@@ -701,11 +705,12 @@ async fn first_attempt(
     }
 }
 
-/// A run of transient store failures while waiting: when it began, and the next
-/// backoff.
+/// A run of transient store failures while waiting: when it began, the next backoff,
+/// and the last failure (what a wait that runs out during the outage fails with).
 struct Failing {
     since: Option<Instant>,
     backoff: Duration,
+    last: Option<Error>,
 }
 
 impl Default for Failing {
@@ -713,7 +718,22 @@ impl Default for Failing {
         Failing {
             since: None,
             backoff: MIN_ERROR_BACKOFF,
+            last: None,
         }
+    }
+}
+
+impl Failing {
+    /// Notes a failure; the run of failures began with the first.
+    fn failed(&mut self, error: Error) {
+        self.since.get_or_insert_with(Instant::now);
+        self.last = Some(error);
+    }
+
+    /// What a wait that ran out fails with: the outage, when the store's last word was
+    /// a failure, else the lock being held (`ttl`: the holder's lease left).
+    fn out_of_time(&mut self, ttl: Option<Duration>) -> Error {
+        self.last.take().unwrap_or(Error::Busy { holder_ttl: ttl })
     }
 }
 
@@ -750,7 +770,7 @@ async fn wait(
     };
     if expired(Instant::now()) {
         in_line.give_up().await;
-        return Waited::Failed(Error::Busy { holder_ttl: ttl });
+        return Waited::Failed(failing.out_of_time(ttl));
     }
     let _reported = WaitReport::start(client, req, owner);
     let sub = match subscribe_until(client, req, deadline).await {
@@ -762,7 +782,7 @@ async fn wait(
         }
         Ok(None) => {
             in_line.give_up().await;
-            return Waited::Failed(Error::Busy { holder_ttl: ttl });
+            return Waited::Failed(failing.out_of_time(ttl));
         }
         Err(error) => return Waited::Failed(error),
     };
@@ -883,9 +903,12 @@ async fn back_off(
         return Waited::Failed(error);
     }
     let backoff = failing.backoff;
-    tracing::warn!(%error, retry_in_ms = backoff.as_millis() as u64, "lock store failed while waiting; retrying");
+    // Debug, not warn: every caller in an outage retries so, and the outage reaches
+    // the caller (and the layer's rate-limited report) if it outlasts the wait.
+    tracing::debug!(%error, retry_in_ms = backoff.as_millis() as u64, "lock store failed while waiting; retrying");
     let until = deadline.map_or(now + backoff, |d| d.min(now + backoff));
     failing.backoff = (backoff * 2).min(MAX_ERROR_BACKOFF);
+    failing.last = Some(error);
     // A reconnect notification cuts the backoff short.
     waiting.woken = waiting.sub.wait(until).await == Wake::Notified;
     Waited::Unanswered

@@ -807,7 +807,10 @@ impl Lock {
     ///
     /// # Errors
     ///
-    /// Backend errors; never [`Error::Busy`].
+    /// Backend errors; never [`Error::Busy`]. Without a deadline there is no time to
+    /// spend on an outage: one that meets the first attempt is returned at once (after
+    /// one more try if the connection had to be replaced), and one met while waiting
+    /// once the store has failed for a whole watchdog lease.
     pub async fn lock(&self) -> Result<LockGuard> {
         acquire::acquire(self, None, Lease::Watchdog).await
     }
@@ -828,7 +831,10 @@ impl Lock {
     /// # Errors
     ///
     /// [`Error::Busy`] when the wait runs out, [`Error::InvalidConfig`] for a lease
-    /// outside [`MIN_LEASE`](crate::MIN_LEASE)..=[`MAX_LEASE`](crate::MAX_LEASE).
+    /// outside [`MIN_LEASE`](crate::MIN_LEASE)..=[`MAX_LEASE`](crate::MAX_LEASE). A
+    /// store outage (a failover, a restart, no quorum) is ridden out within `wait`,
+    /// trying again with backoff; when the wait runs out during one, the error is the
+    /// outage's ([`Error::is_unavailable`]), not [`Error::Busy`].
     pub async fn try_lock_for(&self, wait: Duration, lease: impl Into<Lease>) -> Result<LockGuard> {
         acquire::acquire(self, Some(wait), lease.into()).await
     }

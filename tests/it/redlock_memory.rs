@@ -242,8 +242,11 @@ async fn two_nodes_stalled_still_acquires_and_excludes() {
     hammer(&nodes, Duration::from_millis(30), 1, 4).await;
 }
 
+/// Too few nodes to make a quorum is an outage: a call with time to wait rides it out
+/// (the nodes may come back) and fails with the quorum error when its wait ends, neither
+/// sooner nor hanging past it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn three_nodes_down_is_a_clean_quorum_error_within_the_wait() {
+async fn three_nodes_down_is_a_clean_quorum_error_when_the_wait_ends() {
     for fault in [State::Down, State::Stalled] {
         let nodes = nodes(5);
         for n in &nodes[..3] {
@@ -267,7 +270,10 @@ async fn three_nodes_down_is_a_clean_quorum_error_within_the_wait() {
                 panic!("{fault:?}: expected no quorum (2 of 3 needed, 5 nodes), got {other:?}")
             }
         }
-        assert!(took < wait, "{fault:?}: took the whole wait: {took:?}");
+        assert!(
+            took >= wait && took < wait + Duration::from_secs(1),
+            "{fault:?}: a wait of {wait:?} without a quorum took {took:?}"
+        );
         assert!(
             !residue(&nodes, &k),
             "{fault:?}: the 2 grants were not undone"

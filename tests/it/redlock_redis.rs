@@ -137,8 +137,11 @@ impl Fixture for Red {
 
 tower_lock::testing::conformance_tests!(Red::start());
 
+/// Too few nodes to make a quorum is an outage: a call with time to wait rides it out
+/// (the nodes may come back) and fails with the quorum error when its wait ends, neither
+/// sooner nor hanging past it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn three_nodes_killed_is_a_clean_quorum_error_within_the_wait() {
+async fn three_nodes_killed_is_a_clean_quorum_error_when_the_wait_ends() {
     let mut red = Red::start().await;
     for server in &mut red.servers[..3] {
         server.kill();
@@ -161,7 +164,10 @@ async fn three_nodes_killed_is_a_clean_quorum_error_within_the_wait() {
         ),
         "expected no quorum (2 of 3 needed, 5 nodes), got {err:?}"
     );
-    assert!(took < wait, "took the whole wait: {took:?}");
+    assert!(
+        took >= wait && took < wait + Duration::from_secs(1),
+        "a wait of {wait:?} without a quorum took {took:?}"
+    );
     assert!(
         !red.exists_anywhere(&LockKey::new("no-quorum").unwrap())
             .await,

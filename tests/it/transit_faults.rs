@@ -1034,3 +1034,84 @@ async fn an_abandonment_that_met_an_outage_is_tried_again_postgres() {
     let pg = postgres_behind_proxy().await;
     an_abandonment_that_met_an_outage(&pg.proxy, &pg.client, &pg.direct, "abandon-outage").await;
 }
+
+/// A lock call that meets an outage while it still has time to wait: it used to try
+/// twice (the second at once, as a new hold) and fail, however much of its wait was
+/// left, so a failover longer than two response timeouts cost a caller that came during
+/// it an error. It now rides the outage out within its wait, backing off as a waiter
+/// does; and a wait that runs out during an outage fails as the outage it met, not as
+/// a busy lock.
+async fn a_lock_call_with_wait_left_rides_out_an_outage(
+    proxy: &FaultProxy,
+    client: &LockClient,
+    store: &dyn LockBackend,
+    key: &str,
+) {
+    let lock_key = LockKey::new(key).unwrap();
+    let holders = || holders_of(store, &lock_key);
+    proxy.refuse(true);
+    proxy.cut();
+    let call = {
+        let lock = client.get_lock(key).unwrap();
+        tokio::spawn(async move { lock.try_lock_for(Duration::from_secs(20), LONG).await })
+    };
+    // Ten response timeouts: far longer than two attempts take.
+    tokio::time::sleep(OUTAGE).await;
+    assert!(
+        !call.is_finished(),
+        "the call gave up with most of its wait left: {:?}",
+        call.await.unwrap().map(drop)
+    );
+    proxy.refuse(false);
+    let guard = call
+        .await
+        .unwrap()
+        .expect("the lock, once the store could be reached again");
+    assert_eq!(holders().await, 1, "the call's hold is in the store");
+    guard.unlock().await.unwrap();
+    assert_eq!(holders().await, 0);
+
+    // A wait shorter than the outage: it ends with the wait, as an outage.
+    proxy.refuse(true);
+    proxy.cut();
+    let wait = Duration::from_millis(600);
+    let started = Instant::now();
+    let outcome = client
+        .get_lock(key)
+        .unwrap()
+        .try_lock_for(wait, LONG)
+        .await
+        .map(drop);
+    let took = started.elapsed();
+    assert!(
+        outcome.as_ref().is_err_and(Error::is_unavailable),
+        "a wait that ran out in an outage: {outcome:?}"
+    );
+    assert!(
+        took >= wait && took < wait + 3 * TIMEOUT,
+        "a wait of {wait:?} in an outage took {took:?}"
+    );
+    proxy.refuse(false);
+    wait_until(
+        Duration::from_secs(5),
+        "nothing held once the store could be reached",
+        || async { holders().await == 0 },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_call_with_wait_left_rides_out_an_outage_redis() {
+    let server = RedisServer::start().await;
+    let (proxy, _backend, client) = redis_behind_proxy(&server).await;
+    let direct = RedisBackend::connect(server.url()).await.unwrap();
+    a_lock_call_with_wait_left_rides_out_an_outage(&proxy, &client, &direct, "ride-out").await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_call_with_wait_left_rides_out_an_outage_postgres() {
+    let pg = postgres_behind_proxy().await;
+    a_lock_call_with_wait_left_rides_out_an_outage(&pg.proxy, &pg.client, &pg.direct, "ride-out")
+        .await;
+}
