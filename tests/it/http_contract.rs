@@ -904,6 +904,92 @@ async fn misconfiguration_fails_closed_and_an_outage_fails_open_on_redis() {
     );
 }
 
+/// A store outage shorter than the layer's `max_wait` (a failover, a restart) costs a
+/// request time, not an answer: sent while no connection to Redis can be made, it is
+/// held, then served with its lock once the store is back (it was answered 503 after
+/// two tries, with most of its wait left). One whose outage outlasts `max_wait` is
+/// answered 503 with `Retry-After` when the wait ends (not 409: the lock is not busy,
+/// the store is gone), without running the handler. Over HTTP/1.1 and HTTP/2.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_in_a_store_outage_waits_for_the_store_then_is_answered() {
+    use common::proxy::FaultProxy;
+
+    let redis = RedisServer::start().await;
+    let proxy = FaultProxy::start(([127, 0, 0, 1], redis.port()).into()).await;
+    let backend = RedisBackend::builder(format!("redis://127.0.0.1:{}", proxy.port()))
+        .response_timeout(Duration::from_millis(200))
+        .build()
+        .await
+        .unwrap();
+    let locked = Arc::new(Mutex::new(Vec::new()));
+    let l = locked.clone();
+    let handler = move |held: Option<HeldLock>| {
+        l.lock().unwrap().push(held.map(|h| h.key().to_string()));
+        async { "ran" }
+    };
+    let app = |wait: Duration| {
+        let layer = LockLayer::builder(
+            backend.clone(),
+            PathParamKey::new("id").namespace("item").unwrap(),
+        )
+        .max_wait(wait)
+        .build()
+        .unwrap();
+        Router::new()
+            .route("/items/{id}", post(handler.clone()))
+            .route_layer(layer)
+    };
+    let patient = serve(app(Duration::from_secs(20))).await;
+    let hasty = serve(app(Duration::from_millis(500))).await;
+    let outage = Duration::from_millis(1500);
+
+    for proto in [Proto::Http1, Proto::Http2] {
+        // Shorter than the wait: served, with its lock, once the store is back.
+        proxy.refuse(true);
+        proxy.cut();
+        let started = Instant::now();
+        let request = tokio::spawn(send(patient.addr, proto, Method::POST, "/items/a", &[]));
+        tokio::time::sleep(outage).await;
+        assert!(
+            !request.is_finished(),
+            "{proto:?}: answered during the outage, with most of the wait left"
+        );
+        proxy.refuse(false);
+        let res = request.await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK, "{proto:?}");
+        assert_eq!(text(res).await, "ran");
+        assert!(started.elapsed() >= outage);
+        assert_eq!(
+            locked.lock().unwrap().pop(),
+            Some(Some("item:{a}".to_owned())),
+            "{proto:?}: served with its lock"
+        );
+
+        // Longer than the wait: 503 when the wait ends; the handler does not run.
+        proxy.refuse(true);
+        proxy.cut();
+        let started = Instant::now();
+        let res = send(hasty.addr, proto, Method::POST, "/items/b", &[]).await;
+        let took = started.elapsed();
+        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE, "{proto:?}");
+        assert!(header_of(&res, header::RETRY_AFTER).is_some(), "{proto:?}");
+        assert!(
+            took >= Duration::from_millis(500) && took < Duration::from_millis(1500),
+            "{proto:?}: a 500 ms wait in an outage answered after {took:?}"
+        );
+        proxy.refuse(false);
+        assert!(
+            locked.lock().unwrap().is_empty(),
+            "{proto:?}: the handler ran"
+        );
+    }
+    wait_until(Duration::from_secs(5), "no lock left in Redis", || async {
+        redis.keys("*").await.is_empty()
+    })
+    .await;
+}
+
 /// A missing request extension for `ExtensionKey` is the server's wiring fault: 500,
 /// with a generic body that names neither the type nor this crate's module, and the
 /// handler does not run. (The old layer answered 400 and blamed the client.)

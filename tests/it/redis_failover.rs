@@ -126,6 +126,42 @@ async fn the_backend_follows_a_failover_with_its_holds_and_waiters() {
         .unwrap();
 }
 
+/// A caller that comes while the primary is down and the Sentinels have not promoted a
+/// replica yet (a second of down time, then an election): with time left to wait, it
+/// gets the lock on the new primary, where it tried twice and failed (connection
+/// refused) before. A single try in the same window fails as an outage at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_during_a_failover_gets_the_lock_on_the_new_primary() {
+    let mut set = SentinelSet::start(2, 3).await;
+    let backend = behind(&set, None).await;
+    let c = client(&backend);
+    let lock = c.get_lock("failover:arriving").unwrap();
+    lock.try_lock().await.unwrap().unlock().await.unwrap();
+    let old = set.primary_port().await;
+    set.node(old).kill();
+
+    let single = lock.try_lock().await.map(drop);
+    assert!(
+        single
+            .as_ref()
+            .is_err_and(tower_lock::Error::is_unavailable),
+        "a single try with the primary down: {single:?}"
+    );
+    let guard = lock
+        .try_lock_for(Duration::from_secs(30), Lease::Watchdog)
+        .await
+        .expect("a caller with time to wait gets the lock through the failover");
+    let new = set.primary_port().await;
+    assert_ne!(new, old, "the lock was taken before a replica was promoted");
+    let held: bool = redis::cmd("EXISTS")
+        .arg(backend.lock_name(guard.key()))
+        .query_async(&mut set.node(new).conn().await)
+        .await
+        .unwrap();
+    assert!(held, "the lock is held on the new primary");
+    guard.unlock().await.unwrap();
+}
+
 /// What a grant that never reached a replica becomes when its primary is lost: the
 /// replication stream to every replica is dropped (in the proxies it flows through),
 /// client A takes a key, the primary is killed (SIGKILL), the Sentinels promote a
