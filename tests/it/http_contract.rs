@@ -908,7 +908,7 @@ async fn misconfiguration_fails_closed_and_an_outage_fails_open_on_redis() {
 /// request time, not an answer: sent while no connection to Redis can be made, it is
 /// held, then served with its lock once the store is back (it was answered 503 after
 /// two tries, with most of its wait left). One whose outage outlasts `max_wait` is
-/// answered 503 with `Retry-After` when the wait ends (not 409: the lock is not busy,
+/// answered 503 with `Retry-After` when the wait ends (not 429: the lock is not busy,
 /// the store is gone), without running the handler. Over HTTP/1.1 and HTTP/2.
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
