@@ -227,3 +227,226 @@ async fn a_release_before_a_late_subscribe_is_confirmed_is_not_slept_through() {
     assert!(took < Duration::from_secs(4), "took {took:?}");
     g.unlock().await.unwrap();
 }
+
+/// Whether `server` is still reading its data back (`INFO persistence`, which Redis
+/// answers while loading).
+async fn loading(server: &RedisServer) -> bool {
+    let info: String = redis::cmd("INFO")
+        .arg("persistence")
+        .query_async(&mut server.conn().await)
+        .await
+        .unwrap();
+    info.contains("loading:1")
+}
+
+/// A Redis restarted with its data answers every command `LOADING` until it has read
+/// it all back: seconds for a large dataset. That refusal was taken for a
+/// misconfigured store: a lock call failed at once with time left to wait (a layer
+/// answered 500, even failing open), and an unlock during it was not tried again, so
+/// its hold, read back with the data, outlived the restart for its whole lease. It is
+/// now an outage: ridden out within the wait, and the unlock tried again until it
+/// lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_loading_its_data_after_a_restart_is_an_outage() {
+    // 1 ms a key, answering between keys: 2,000 keys take 2 s to read back.
+    let mut server = RedisServer::start_with(&[
+        "--key-load-delay",
+        "1000",
+        "--loading-process-events-interval-bytes",
+        "1024",
+    ])
+    .await;
+    let mut raw = server.conn().await;
+    let mut filler = redis::pipe();
+    for i in 0..2_000 {
+        filler.set(format!("filler:{i}"), i).ignore();
+    }
+    let () = filler.query_async(&mut raw).await.unwrap();
+    let holder = LockClient::new(RedisBackend::connect(server.url()).await.unwrap());
+    let other = LockClient::new(RedisBackend::connect(server.url()).await.unwrap());
+    let key = LockKey::new("loading").unwrap();
+    let held = holder
+        .get_lock(&key)
+        .unwrap()
+        .try_lock_for(Duration::ZERO, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let () = redis::cmd("SAVE").query_async(&mut raw).await.unwrap();
+    server.restart().await;
+    assert!(loading(&server).await, "the server reads its data back");
+
+    let single = other.get_lock(&key).unwrap().try_lock().await.map(drop);
+    assert!(
+        single.as_ref().is_err_and(Error::is_unavailable),
+        "a single try while loading: {single:?}"
+    );
+    let waiter = {
+        let lock = other.get_lock(&key).unwrap();
+        tokio::spawn(async move {
+            lock.try_lock_for(Duration::from_secs(30), Lease::Watchdog)
+                .await
+        })
+    };
+    let unlocked = held.unlock().await;
+    assert!(
+        unlocked.as_ref().is_err_and(Error::is_unavailable),
+        "an unlock while loading: {unlocked:?}"
+    );
+    assert!(loading(&server).await, "all of this happened while loading");
+    let started = Instant::now();
+    let guard = tokio::time::timeout(Duration::from_secs(15), waiter)
+        .await
+        .expect("the waiter still waits: the holder's unlock was not tried again")
+        .unwrap()
+        .expect("the waiter rides out the loading and takes the released lock");
+    assert!(started.elapsed() < Duration::from_secs(15));
+    guard.unlock().await.unwrap();
+    assert_eq!(server.keys("loading*").await, Vec::<String>::new());
+}
+
+/// How a test makes a running server refuse lock calls for a while, and ends it.
+#[derive(Clone, Copy, Debug)]
+enum Refusal {
+    /// `min-replicas-to-write 1` without a replica: `NOREPLICAS` for every write.
+    NoReplicas,
+    /// `maxmemory` below what is used: `OOM` for every write that adds data.
+    OutOfMemory,
+    /// Another client's script running past `busy-reply-threshold`: `BUSY` for every
+    /// command.
+    Busy,
+}
+
+impl Refusal {
+    async fn begin(self, server: &RedisServer) {
+        match self {
+            Refusal::NoReplicas => config_set(server, "min-replicas-to-write", "1").await,
+            Refusal::OutOfMemory => config_set(server, "maxmemory", "1").await,
+            Refusal::Busy => {
+                config_set(server, "busy-reply-threshold", "100").await;
+                let mut runner = server.conn().await;
+                tokio::spawn(async move {
+                    let _: redis::RedisResult<()> = redis::cmd("EVAL")
+                        .arg("while true do end")
+                        .arg(0)
+                        .query_async(&mut runner)
+                        .await;
+                });
+                wait_until(
+                    Duration::from_secs(5),
+                    "the server answers BUSY",
+                    || async { ping(server).await.is_err_and(|e| e.code() == Some("BUSY")) },
+                )
+                .await;
+            }
+        }
+    }
+
+    async fn end(self, server: &RedisServer) {
+        match self {
+            Refusal::NoReplicas => config_set(server, "min-replicas-to-write", "0").await,
+            Refusal::OutOfMemory => config_set(server, "maxmemory", "0").await,
+            Refusal::Busy => {
+                let () = redis::cmd("SCRIPT")
+                    .arg("KILL")
+                    .query_async(&mut server.conn().await)
+                    .await
+                    .unwrap();
+                // The script stops at its next check, not at once.
+                wait_until(Duration::from_secs(5), "the script killed", || async {
+                    ping(server).await.is_ok()
+                })
+                .await;
+            }
+        }
+    }
+}
+
+async fn config_set(server: &RedisServer, name: &str, value: &str) {
+    let () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg(name)
+        .arg(value)
+        .query_async(&mut server.conn().await)
+        .await
+        .unwrap();
+}
+
+/// The server's answer to a `PING` on a connection of its own.
+async fn ping(server: &RedisServer) -> redis::RedisResult<String> {
+    redis::cmd("PING")
+        .query_async(&mut server.conn().await)
+        .await
+}
+
+/// A server that refuses writes for a while (no replica for `min-replicas-to-write`,
+/// memory full, a script running too long) is an outage, not a misconfigured store:
+/// a single try fails as one, a call with time to wait rides it out and takes the
+/// lock, and an unlock that met it is tried again until it lands. For the single-key
+/// scripts and the batch script alike (eight callers at once make batches).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_refusing_writes_for_a_while_is_an_outage() {
+    for refusal in [Refusal::NoReplicas, Refusal::OutOfMemory, Refusal::Busy] {
+        let server = RedisServer::start().await;
+        let holder = LockClient::new(RedisBackend::connect(server.url()).await.unwrap());
+        let other = LockClient::new(RedisBackend::connect(server.url()).await.unwrap());
+        let held = holder
+            .get_lock("refused")
+            .unwrap()
+            .try_lock_for(Duration::ZERO, Duration::from_secs(60))
+            .await
+            .unwrap();
+        refusal.begin(&server).await;
+
+        let single = other
+            .get_lock("refused-alone")
+            .unwrap()
+            .try_lock()
+            .await
+            .map(drop);
+        assert!(
+            single.as_ref().is_err_and(Error::is_unavailable),
+            "{refusal:?}: a single try: {single:?}"
+        );
+        let waiters: Vec<_> = (0..8)
+            .map(|i| {
+                let name = if i == 0 {
+                    "refused".to_owned()
+                } else {
+                    format!("refused-{i}")
+                };
+                let lock = other.get_lock(&name).unwrap();
+                tokio::spawn(async move {
+                    lock.try_lock_for(Duration::from_secs(30), Lease::Watchdog)
+                        .await
+                })
+            })
+            .collect();
+        let unlocked = held.unlock().await;
+        // A full memory refuses only what adds data: a release deletes.
+        let released = matches!(refusal, Refusal::OutOfMemory);
+        let as_expected = match &unlocked {
+            Ok(()) => released,
+            Err(error) => !released && error.is_unavailable(),
+        };
+        assert!(as_expected, "{refusal:?}: an unlock: {unlocked:?}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(
+            waiters.iter().all(|w| !w.is_finished()),
+            "{refusal:?}: a waiter gave up with its wait left"
+        );
+        refusal.end(&server).await;
+        for waiter in waiters {
+            let guard = tokio::time::timeout(Duration::from_secs(15), waiter)
+                .await
+                .unwrap_or_else(|_| panic!("{refusal:?}: a waiter still waits"))
+                .unwrap()
+                .unwrap_or_else(|e| panic!("{refusal:?}: a waiter failed: {e:?}"));
+            guard.unlock().await.unwrap();
+        }
+        assert_eq!(
+            server.keys("*").await,
+            Vec::<String>::new(),
+            "{refusal:?}: nothing left"
+        );
+    }
+}

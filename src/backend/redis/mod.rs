@@ -106,9 +106,12 @@
 //!
 //! Failures surface as [`Error::Store`], the redis-rs error as its source (for its
 //! `code()`), with the kind that decides what is done about them: connection failures,
-//! timeouts and cluster redirections are [unavailable](crate::StoreErrorKind::Unavailable)
-//! (retried while waiting; a layer that fails open lets the request through); an error
-//! the server answered (a wrong password, `NOPERM`, `READONLY`, a script error) is
+//! timeouts, cluster redirections, and what a server answers while it cannot serve
+//! writes for a while (`LOADING` after a restart, `BUSY` behind a long script,
+//! `NOREPLICAS`, `OOM`, `MASTERDOWN`, `READONLY` from a demoted primary) are
+//! [unavailable](crate::StoreErrorKind::Unavailable) (retried while waiting, an unlock
+//! tried again; a layer that fails open lets the request through); any other error the
+//! server answered (a wrong password, `NOPERM`, a script error) is
 //! [misconfigured](crate::StoreErrorKind::Misconfigured), and a reply this crate does not
 //! understand [unexpected](crate::StoreErrorKind::Unexpected): both fail closed. A key
 //! that holds another type (a string at `NAME`) is [`Error::WrongType`].
@@ -1391,19 +1394,20 @@ fn map_error(error: RedisError) -> Error {
 
 /// The kind of a redis-rs error, with the error as the source. The server could not be
 /// reached or did not answer (I/O, a dropped or refused connection, a timeout, a cluster
-/// redirection or a cluster that is down, inside a script too): unavailable; a
-/// connection that broke under the command (not one that timed out) says so, for the
-/// lock core's retry. A reply redis-rs could not parse or convert: unexpected. Anything
-/// else the server answered (authentication, permissions, a script error):
-/// misconfigured; but a write refused by a replica that was the primary (`READONLY`)
-/// is a connection to replace.
+/// redirection or a cluster that is down, inside a script too), or refused the command
+/// for now ([`REFUSED_FOR_NOW`]): unavailable; a connection that broke under the command
+/// (not one that timed out) says so, for the lock core's retry. A reply redis-rs could
+/// not parse or convert: unexpected. Anything else the server answered
+/// (authentication, permissions, a script error): misconfigured; but a write refused by
+/// a replica that was the primary (`READONLY`) is a connection to replace.
 fn store_error(error: RedisError) -> StoreError {
     let unavailable = error.is_io_error()
         || error.is_connection_dropped()
         || error.is_connection_refusal()
         || error.is_timeout()
         || error.is_cluster_error()
-        || cluster_refused_script(&error);
+        || cluster_refused_script(&error)
+        || refused_for_now(&error);
     if unavailable {
         if error.is_connection_dropped() && !error.is_timeout() {
             return StoreError::connection_lost(error);
@@ -1422,6 +1426,32 @@ fn store_error(error: RedisError) -> StoreError {
         _ => StoreErrorKind::Misconfigured,
     };
     StoreError::new(kind, error)
+}
+
+/// What a server answers while it cannot serve writes, for a while, whoever asks:
+/// reading its data back after a restart, another client's script running too long,
+/// too few replicas for `min-replicas-to-write`, memory full, a replica cut off from
+/// its primary. Each is an outage (retried while waiting, an unlock tried again), not
+/// a misconfiguration.
+const REFUSED_FOR_NOW: [&str; 5] = ["LOADING", "BUSY", "NOREPLICAS", "OOM", "MASTERDOWN"];
+
+/// Whether the server refused the command, or a script's command, with one of
+/// [`REFUSED_FOR_NOW`]. A refusal inside the batch script arrives as its text.
+fn refused_for_now(error: &RedisError) -> bool {
+    let names = |text: &str| {
+        let word = text.trim_start_matches(['-', '"']);
+        REFUSED_FOR_NOW.iter().any(|code| {
+            word.strip_prefix(code)
+                .is_some_and(|rest| rest.starts_with([' ', '"', ':']))
+        })
+    };
+    matches!(
+        error.kind(),
+        redis::ErrorKind::Server(redis::ServerErrorKind::BusyLoading)
+    ) || error
+        .code()
+        .is_some_and(|code| REFUSED_FOR_NOW.contains(&code))
+        || error.detail().is_some_and(names)
 }
 
 /// Whether Redis Cluster stopped a script at a command whose key is not served here
@@ -2247,6 +2277,38 @@ impl fmt::Debug for RedisBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A batch operation's refusal, as `lock_batch.lua` returns its text.
+    fn in_batch(message: &str) -> RedisError {
+        RedisError::from((
+            redis::ErrorKind::Extension,
+            "lock script error",
+            message.to_owned(),
+        ))
+    }
+
+    #[test]
+    fn refusals_for_now_are_outages_and_nothing_like_them_is() {
+        for message in [
+            "NOREPLICAS Not enough good replicas to write. script: 89, on @user_script:43.",
+            "OOM command not allowed when used memory > 'maxmemory'.",
+            "\"BUSY\": Redis is busy running a script.",
+            "MASTERDOWN Link with MASTER is down",
+            "LOADING Redis is loading the dataset in memory",
+        ] {
+            let kind = store_error(in_batch(message)).kind();
+            assert_eq!(kind, StoreErrorKind::Unavailable, "{message}");
+        }
+        for message in [
+            "BUSYGROUP Consumer Group name already exists",
+            "ERR OOM in the middle",
+            "NOPERM this user has no permissions",
+            "user_script:1: Script attempted to access nonexistent global variable",
+        ] {
+            let kind = store_error(in_batch(message)).kind();
+            assert_eq!(kind, StoreErrorKind::Misconfigured, "{message}");
+        }
+    }
 
     #[test]
     fn names_follow_redisson() {

@@ -365,8 +365,8 @@ fn client_for(url: &str, tls_ca: Option<&[u8]>) -> redis::Client {
     }
 }
 
-/// Whether the server answers; a password-protected one answers PING with NOAUTH, which
-/// counts.
+/// Whether the server answers; a password-protected one answers PING with NOAUTH, and
+/// one reading its data back after a restart with LOADING, which both count.
 async fn ping(client: &redis::Client) -> bool {
     let connecting = tokio::time::timeout(
         Duration::from_millis(500),
@@ -378,7 +378,7 @@ async fn ping(client: &redis::Client) -> bool {
     let pong: redis::RedisResult<String> = redis::cmd("PING").query_async(&mut conn).await;
     match pong {
         Ok(_) => true,
-        Err(e) => e.code() == Some("NOAUTH"),
+        Err(e) => matches!(e.code(), Some("NOAUTH" | "LOADING")),
     }
 }
 
