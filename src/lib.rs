@@ -113,7 +113,10 @@
 //!   while any runtime that took or re-entered it lives.
 //! - **A connection that broke under an attempt** (a store restarted while the connection
 //!   was idle) costs no caller an error: the attempt is tried once more, at once, as a
-//!   new hold. Timeouts and refused connections still fail fast.
+//!   new hold. **Any outage with time left to wait** (timeouts, refused connections, a
+//!   failover, a server reading its data back, no quorum) is ridden out within the wait,
+//!   with backoff, each try a new hold; a wait that ends in it fails as the outage. A
+//!   call without a wait (`try_lock`) or without a deadline (`lock`) still fails fast.
 //! - **A release that gets no answer** (a connection cut, a store failing over) fails
 //!   its unlock as an outage and is tried again in the background, with backoff, until
 //!   the store answers or the hold's lease ends: the lock is free soon after the store

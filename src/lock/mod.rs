@@ -810,7 +810,7 @@ impl Lock {
     /// Backend errors; never [`Error::Busy`]. Without a deadline there is no time to
     /// spend on an outage: one that meets the first attempt is returned at once (after
     /// one more try if the connection had to be replaced), and one met while waiting
-    /// once the store has failed for a whole watchdog lease.
+    /// is returned once the store has failed for a whole watchdog lease.
     pub async fn lock(&self) -> Result<LockGuard> {
         acquire::acquire(self, None, Lease::Watchdog).await
     }
