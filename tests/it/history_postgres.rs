@@ -94,6 +94,7 @@ const NEMESIS_TIMING: Timing = Timing {
         twin_percent: 40,
         relaxed_percent: 40,
         crash_percent: 12,
+        refuse_writes_percent: 0,
     }),
 };
 

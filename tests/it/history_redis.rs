@@ -47,13 +47,17 @@
 //! server directly. The backends answer within [`NEMESIS_TIMING`]'s response timeout.
 //! A crash pauses every write (`CLIENT PAUSE WRITE`), reads the holds the server has
 //! (`EVAL_RO` of the snapshot script), kills it (SIGKILL) and restarts it empty on its
-//! port: those holds are the ones lost with it. The residue check reads, per key, every
+//! port: those holds are the ones lost with it. A refusal of writes sets
+//! `min-replicas-to-write 1` on the server (which has no replica) for a while: every
+//! write and every script that writes is answered `NOREPLICAS`, as by a primary short
+//! of replicas, a full memory or a restart reading its data back; the lock calls must
+//! take it as the outage it is. The residue check reads, per key, every
 //! Redis key that names it but its fencing counter.
 
 use crate::common;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::Duration;
 
 use common::history::{
@@ -115,6 +119,7 @@ const NEMESIS_TIMING: Timing = Timing {
         twin_percent: 40,
         relaxed_percent: 0,
         crash_percent: 12,
+        refuse_writes_percent: 15,
     }),
 };
 
@@ -180,6 +185,20 @@ struct Redis {
     /// With a nemesis: its proxy (which the backends connect through) and the server,
     /// which a crash kills and restarts.
     nemesis: Option<(Nemesis, Arc<tokio::sync::Mutex<RedisServer>>)>,
+    /// Refusals of writes begun: the one that ends a refusal is the last one's.
+    refusals: Arc<AtomicU64>,
+}
+
+/// Sets `min-replicas-to-write` on the test's own connection: with 1 and no replica,
+/// the server answers every write (and every script that writes) `NOREPLICAS`. An
+/// error is ignored: a server down (a crash) restarts with none.
+async fn min_replicas_to_write(conn: &ConnectionManager, n: u8) {
+    let _: redis::RedisResult<()> = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("min-replicas-to-write")
+        .arg(n)
+        .query_async(&mut conn.clone())
+        .await;
 }
 
 impl Redis {
@@ -224,6 +243,7 @@ impl Redis {
             snapshot: redis::Script::new(SNAPSHOT),
             timing,
             nemesis: None,
+            refusals: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -458,6 +478,24 @@ impl Fixture for Redis {
         self.nemesis.as_ref().map(|(n, _)| n)
     }
 
+    async fn refuse_writes(&self, for_: Duration) {
+        let mine = self.refusals.fetch_add(1, Ordering::SeqCst) + 1;
+        min_replicas_to_write(&self.conn, 1).await;
+        let (conn, refusals) = (self.conn.clone(), Arc::clone(&self.refusals));
+        tokio::spawn(async move {
+            tokio::time::sleep(for_).await;
+            // Unless a later refusal took over.
+            if refusals.load(Ordering::SeqCst) == mine {
+                min_replicas_to_write(&conn, 0).await;
+            }
+        });
+    }
+
+    async fn accept_writes(&self) {
+        self.refusals.fetch_add(1, Ordering::SeqCst);
+        min_replicas_to_write(&self.conn, 0).await;
+    }
+
     /// Pauses every write, reads the holds (they are what the crash loses), kills the
     /// server, and restarts it empty after `down`.
     async fn crash(&self, down: Duration) -> Crashed {
@@ -590,6 +628,8 @@ impl NemesisWorker {
             let via_proxy = format!("redis://127.0.0.1:{}", proxy.port());
             let mut store =
                 Redis::connect(&self.url, &via_proxy, &namespace, history, &NEMESIS_TIMING).await;
+            // The server is this worker's for every history: none begins refusing.
+            min_replicas_to_write(&store.conn, 0).await;
             let patterns = store
                 .keys
                 .iter()

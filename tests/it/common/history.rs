@@ -803,6 +803,17 @@ pub trait Fixture {
         async move { panic!("this store cannot crash (asked to stay down {down:?})") }
     }
 
+    /// Makes the store refuse every write for `for_` (with a nemesis whose timing
+    /// draws such faults).
+    fn refuse_writes(&self, for_: Duration) -> impl Future<Output = ()> {
+        async move { panic!("this store cannot refuse writes (asked for {for_:?})") }
+    }
+
+    /// Ends a refusal of writes in force, if any.
+    fn accept_writes(&self) -> impl Future<Output = ()> {
+        async {}
+    }
+
     /// What the store keeps for each key (holds, queue entries; not fencing counters),
     /// described; `None` when it cannot be read right now (a nemesis's residue check).
     fn residue(&self) -> impl Future<Output = Option<Vec<Vec<String>>>> {
@@ -1445,6 +1456,9 @@ impl<F: Fixture> Driver<'_, F> {
                     sh.lost_in_crash.insert(holder, crashed.killed_at);
                 }
             }
+            Op::Fault(Fault::RefuseWrites { for_ms }) => {
+                self.fx.refuse_writes(Duration::from_millis(*for_ms)).await;
+            }
             Op::Fault(fault) => self
                 .fx
                 .nemesis()
@@ -1802,6 +1816,7 @@ impl<F: Fixture> Driver<'_, F> {
         if let Some(nemesis) = self.fx.nemesis() {
             nemesis.calm();
         }
+        self.fx.accept_writes().await;
         for task in self.pending.values() {
             task.abort();
         }

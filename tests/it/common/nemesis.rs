@@ -91,6 +91,10 @@ pub struct NemesisTiming {
     pub relaxed_percent: u8,
     /// How often (percent of faults) a fault is a store crash.
     pub crash_percent: u8,
+    /// How often (percent of the other faults) the store refuses writes for a while
+    /// (as long as new connections are refused: `refuse_for_ms`); 0 for a store that
+    /// cannot.
+    pub refuse_writes_percent: u8,
 }
 
 impl NemesisTiming {
@@ -140,6 +144,9 @@ pub enum Fault {
     Refuse { for_ms: u64 },
     /// The store is killed (SIGKILL), stays down `down_ms`, and restarts on its port.
     Crash { down_ms: u64 },
+    /// The store answers and refuses every write, for `for_ms`, as a server does that
+    /// is short of replicas (`NOREPLICAS`), full (`OOM`) or reading its data back.
+    RefuseWrites { for_ms: u64 },
 }
 
 impl fmt::Display for Fault {
@@ -171,6 +178,9 @@ impl fmt::Display for Fault {
             Fault::Crash { down_ms } => {
                 write!(f, "nemesis: kill the store, restart it {down_ms}ms later")
             }
+            Fault::RefuseWrites { for_ms } => {
+                write!(f, "nemesis: the store refuses writes for {for_ms}ms")
+            }
         }
     }
 }
@@ -189,6 +199,12 @@ impl Fault {
         if rng.u8(0..100) < t.crash_percent {
             return Fault::Crash {
                 down_ms: ms(rng, t.down_ms),
+            };
+        }
+        // Drawn only where the store can (not to change other stores' histories).
+        if t.refuse_writes_percent > 0 && rng.u8(0..100) < t.refuse_writes_percent {
+            return Fault::RefuseWrites {
+                for_ms: ms(rng, t.refuse_for_ms),
             };
         }
         match rng.u8(0..100) {
@@ -294,7 +310,9 @@ impl Nemesis {
             Fault::Trap { dir, key, hold_ms } => self.trap(dir, key, hold_ms),
             Fault::Cut => self.proxy.cut(),
             Fault::Refuse { for_ms } => self.refuse(for_ms),
-            Fault::Crash { .. } => unreachable!("a crash is the fixture's"),
+            Fault::Crash { .. } | Fault::RefuseWrites { .. } => {
+                unreachable!("the store's faults are the fixture's")
+            }
         }
     }
 
