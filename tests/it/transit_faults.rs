@@ -49,6 +49,28 @@ async fn redis_behind_proxy(server: &RedisServer) -> (FaultProxy, RedisBackend, 
     (proxy, backend, client)
 }
 
+/// A server of the test's own, a client reaching it through a fault proxy (see
+/// [`redis_behind_proxy`]), and a backend on it directly, for the store's side of the
+/// scenarios both stores share.
+struct RedisBehindProxy {
+    _server: RedisServer,
+    proxy: FaultProxy,
+    direct: RedisBackend,
+    client: LockClient,
+}
+
+async fn redis_and_direct() -> RedisBehindProxy {
+    let server = RedisServer::start().await;
+    let (proxy, _backend, client) = redis_behind_proxy(&server).await;
+    let direct = RedisBackend::connect(server.url()).await.unwrap();
+    RedisBehindProxy {
+        _server: server,
+        proxy,
+        direct,
+        client,
+    }
+}
+
 /// Releases `trap` and waits until the proxy has handed everything it held to the
 /// store; then, since the store runs it in a moment, checks `clean` for a while:
 /// whatever the late write would leave behind must never show up.
@@ -954,10 +976,8 @@ async fn a_release_that_met_an_outage(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_that_met_an_outage_is_tried_again_redis() {
-    let server = RedisServer::start().await;
-    let (proxy, _backend, client) = redis_behind_proxy(&server).await;
-    let direct = RedisBackend::connect(server.url()).await.unwrap();
-    a_release_that_met_an_outage(&proxy, &client, &direct, "release-outage").await;
+    let r = redis_and_direct().await;
+    a_release_that_met_an_outage(&r.proxy, &r.client, &r.direct, "release-outage").await;
 }
 
 #[cfg(feature = "postgres")]
@@ -1022,10 +1042,8 @@ async fn an_abandonment_that_met_an_outage(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abandonment_that_met_an_outage_is_tried_again_redis() {
-    let server = RedisServer::start().await;
-    let (proxy, _backend, client) = redis_behind_proxy(&server).await;
-    let direct = RedisBackend::connect(server.url()).await.unwrap();
-    an_abandonment_that_met_an_outage(&proxy, &client, &direct, "abandon-outage").await;
+    let r = redis_and_direct().await;
+    an_abandonment_that_met_an_outage(&r.proxy, &r.client, &r.direct, "abandon-outage").await;
 }
 
 #[cfg(feature = "postgres")]
@@ -1102,10 +1120,9 @@ async fn a_lock_call_with_wait_left_rides_out_an_outage(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lock_call_with_wait_left_rides_out_an_outage_redis() {
-    let server = RedisServer::start().await;
-    let (proxy, _backend, client) = redis_behind_proxy(&server).await;
-    let direct = RedisBackend::connect(server.url()).await.unwrap();
-    a_lock_call_with_wait_left_rides_out_an_outage(&proxy, &client, &direct, "ride-out").await;
+    let r = redis_and_direct().await;
+    a_lock_call_with_wait_left_rides_out_an_outage(&r.proxy, &r.client, &r.direct, "ride-out")
+        .await;
 }
 
 #[cfg(feature = "postgres")]
