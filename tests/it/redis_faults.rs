@@ -293,13 +293,12 @@ async fn a_server_loading_its_data_after_a_restart_is_an_outage() {
         "an unlock while loading: {unlocked:?}"
     );
     assert!(loading(&server).await, "all of this happened while loading");
-    let started = Instant::now();
+    // Well before the hold's 60 s lease.
     let guard = tokio::time::timeout(Duration::from_secs(15), waiter)
         .await
         .expect("the waiter still waits: the holder's unlock was not tried again")
         .unwrap()
         .expect("the waiter rides out the loading and takes the released lock");
-    assert!(started.elapsed() < Duration::from_secs(15));
     guard.unlock().await.unwrap();
     assert_eq!(server.keys("loading*").await, Vec::<String>::new());
 }
