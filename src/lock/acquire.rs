@@ -908,7 +908,7 @@ async fn back_off(
     tracing::debug!(%error, retry_in_ms = backoff.as_millis() as u64, "lock store failed while waiting; retrying");
     let until = deadline.map_or(now + backoff, |d| d.min(now + backoff));
     failing.backoff = (backoff * 2).min(MAX_ERROR_BACKOFF);
-    failing.last = Some(error);
+    failing.failed(error);
     // A reconnect notification cuts the backoff short.
     waiting.woken = waiting.sub.wait(until).await == Wake::Notified;
     Waited::Unanswered

@@ -1445,10 +1445,7 @@ fn refused_for_now(error: &RedisError) -> bool {
                 .is_some_and(|rest| rest.starts_with([' ', '"', ':']))
         })
     };
-    matches!(
-        error.kind(),
-        redis::ErrorKind::Server(redis::ServerErrorKind::BusyLoading)
-    ) || error
+    error
         .code()
         .is_some_and(|code| REFUSED_FOR_NOW.contains(&code))
         || error.detail().is_some_and(names)
