@@ -939,6 +939,35 @@ async fn holders_of(store: &dyn LockBackend, key: &LockKey) -> usize {
         .len()
 }
 
+/// Waits (5 s at most) until nobody holds the exclusive lock `key` in `store`: what a
+/// retried release or abandonment must bring about soon after the store is back.
+async fn nothing_held_soon(store: &dyn LockBackend, key: &LockKey, what: &str) {
+    wait_until(Duration::from_secs(5), what, || async {
+        holders_of(store, key).await == 0
+    })
+    .await;
+}
+
+/// The Redis test and the PostgreSQL test of a scenario both stores share:
+/// `scenario(proxy, client, direct store, key)`, each store behind a fault proxy of
+/// its own.
+macro_rules! on_both_stores {
+    ($scenario:ident($key:literal): $redis:ident, $postgres:ident) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $redis() {
+            let r = redis_and_direct().await;
+            $scenario(&r.proxy, &r.client, &r.direct, $key).await;
+        }
+
+        #[cfg(feature = "postgres")]
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $postgres() {
+            let pg = postgres_behind_proxy().await;
+            $scenario(&pg.proxy, &pg.client, &pg.direct, $key).await;
+        }
+    };
+}
+
 /// A release that gets no answer (its request lost on the way: a connection cut, a
 /// failover) fails the unlock as an outage, and the hold stays in the store. It used to
 /// stay until its lease ended (a minute here): a phantom hold every other owner waited
@@ -966,26 +995,19 @@ async fn a_release_that_met_an_outage(
     );
     assert_eq!(holders().await, 1, "the hold is still in the store");
     proxy.set_flow(Direction::Up, Flow::Pass);
-    wait_until(
-        Duration::from_secs(5),
+    nothing_held_soon(
+        store,
+        &lock_key,
         "the hold released once the store could be reached",
-        || async { holders().await == 0 },
     )
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_release_that_met_an_outage_is_tried_again_redis() {
-    let r = redis_and_direct().await;
-    a_release_that_met_an_outage(&r.proxy, &r.client, &r.direct, "release-outage").await;
-}
-
-#[cfg(feature = "postgres")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_release_that_met_an_outage_is_tried_again_postgres() {
-    let pg = postgres_behind_proxy().await;
-    a_release_that_met_an_outage(&pg.proxy, &pg.client, &pg.direct, "release-outage").await;
-}
+on_both_stores!(
+    a_release_that_met_an_outage("release-outage"):
+    a_release_that_met_an_outage_is_tried_again_redis,
+    a_release_that_met_an_outage_is_tried_again_postgres
+);
 
 /// How long the store stays unreachable in the abandonment tests: longer than an
 /// abandonment waits before its last try of its own (the response timeout and a margin).
@@ -1032,26 +1054,19 @@ async fn an_abandonment_that_met_an_outage(
     assert_eq!(holders().await, 1, "the grant is still in the store");
     proxy.set_flow(Direction::Down, Flow::Pass);
     proxy.refuse(false);
-    wait_until(
-        Duration::from_secs(5),
+    nothing_held_soon(
+        store,
+        &lock_key,
         "the grant taken back once the store could be reached",
-        || async { holders().await == 0 },
     )
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_abandonment_that_met_an_outage_is_tried_again_redis() {
-    let r = redis_and_direct().await;
-    an_abandonment_that_met_an_outage(&r.proxy, &r.client, &r.direct, "abandon-outage").await;
-}
-
-#[cfg(feature = "postgres")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_abandonment_that_met_an_outage_is_tried_again_postgres() {
-    let pg = postgres_behind_proxy().await;
-    an_abandonment_that_met_an_outage(&pg.proxy, &pg.client, &pg.direct, "abandon-outage").await;
-}
+on_both_stores!(
+    an_abandonment_that_met_an_outage("abandon-outage"):
+    an_abandonment_that_met_an_outage_is_tried_again_redis,
+    an_abandonment_that_met_an_outage_is_tried_again_postgres
+);
 
 /// A lock call that meets an outage while it still has time to wait: it used to try
 /// twice (the second at once, as a new hold) and fail, however much of its wait was
@@ -1110,25 +1125,16 @@ async fn a_lock_call_with_wait_left_rides_out_an_outage(
         "a wait of {wait:?} in an outage took {took:?}"
     );
     proxy.refuse(false);
-    wait_until(
-        Duration::from_secs(5),
+    nothing_held_soon(
+        store,
+        &lock_key,
         "nothing held once the store could be reached",
-        || async { holders().await == 0 },
     )
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lock_call_with_wait_left_rides_out_an_outage_redis() {
-    let r = redis_and_direct().await;
-    a_lock_call_with_wait_left_rides_out_an_outage(&r.proxy, &r.client, &r.direct, "ride-out")
-        .await;
-}
-
-#[cfg(feature = "postgres")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lock_call_with_wait_left_rides_out_an_outage_postgres() {
-    let pg = postgres_behind_proxy().await;
-    a_lock_call_with_wait_left_rides_out_an_outage(&pg.proxy, &pg.client, &pg.direct, "ride-out")
-        .await;
-}
+on_both_stores!(
+    a_lock_call_with_wait_left_rides_out_an_outage("ride-out"):
+    a_lock_call_with_wait_left_rides_out_an_outage_redis,
+    a_lock_call_with_wait_left_rides_out_an_outage_postgres
+);
