@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::proxy::{Direction, Flow};
-use common::redis_server::RedisServer;
+use common::redis_server::{RedisServer, command_calls};
 use common::sentinel::{MASTER, Sentinel, SentinelSet, info_replication};
 use tower_lock::{Lease, LockClient, LostSignal, RedisBackend};
 
@@ -160,6 +160,222 @@ async fn a_caller_during_a_failover_gets_the_lock_on_the_new_primary() {
         .unwrap();
     assert!(held, "the lock is held on the new primary");
     guard.unlock().await.unwrap();
+}
+
+/// A Sentinel set whose primary the Sentinels cannot demote: its `REPLICAOF` is renamed
+/// away. See [`promote_a_replica_past_the_primary`].
+async fn a_set_whose_primary_stays_one() -> SentinelSet {
+    let demotion_refused = [
+        "--rename-command",
+        "REPLICAOF",
+        "tl-replicaof-renamed",
+        "--rename-command",
+        "SLAVEOF",
+        "tl-slaveof-renamed",
+    ];
+    SentinelSet::start_with_primary_args(1, 3, &demotion_refused).await
+}
+
+/// A primary cut off from its replicas and from the Sentinels while they promote one
+/// stays a primary, and with `min-replicas-to-write` refuses every write `NOREPLICAS`
+/// for as long as the cut lasts: the Sentinels cannot reach it to demote it. In a set
+/// of [`a_set_whose_primary_stays_one`], a replica is promoted past the primary, which
+/// then refuses writes so; returns the old primary's port and the new one's.
+async fn promote_a_replica_past_the_primary(set: &mut SentinelSet) -> (u16, u16) {
+    let old = set.primary_port().await;
+    let mut on_old = set.node(old).conn().await;
+    let () = redis::cmd("CONFIG")
+        .arg(&["SET", "min-replicas-to-write", "1"])
+        .query_async(&mut on_old)
+        .await
+        .unwrap();
+    let new = set.failover().await;
+    let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut on_old).await.unwrap();
+    assert_eq!(
+        role.first(),
+        Some(&redis::Value::BulkString(b"master".to_vec())),
+        "the old primary is one still"
+    );
+    let refused: redis::RedisResult<()> = redis::cmd("SET")
+        .arg(&["refused:probe", "1"])
+        .query_async(&mut on_old)
+        .await;
+    assert_eq!(
+        refused.map_err(|e| e.code().map(str::to_owned)),
+        Err(Some("NOREPLICAS".to_owned())),
+        "the old primary refuses writes"
+    );
+    (old, new)
+}
+
+/// With the backend's connection on a primary refusing writes: a single try of `lock`
+/// fails as an outage, and one with time to wait takes it on the primary `new`, where
+/// the backend moved; then lets it go.
+async fn taken_on_the_new_primary(
+    lock: &tower_lock::Lock,
+    backend: &RedisBackend,
+    set: &mut SentinelSet,
+    new: u16,
+) {
+    let first = lock.try_lock().await.map(drop);
+    assert!(
+        first.as_ref().is_err_and(tower_lock::Error::is_unavailable),
+        "a try on the refusing primary: {first:?}"
+    );
+    let guard = lock
+        .try_lock_for(Duration::from_secs(10), Lease::Watchdog)
+        .await
+        .expect("the backend moves to the new primary and takes the lock there");
+    let held: bool = redis::cmd("EXISTS")
+        .arg(backend.lock_name(guard.key()))
+        .query_async(&mut set.node(new).conn().await)
+        .await
+        .unwrap();
+    assert!(held, "the lock is held on the new primary");
+    guard.unlock().await.unwrap();
+}
+
+/// A backend connected to a primary that refuses writes for want of replicas (see
+/// [`promote_a_replica_past_the_primary`]) asks the Sentinels on the first refusal and
+/// moves to the primary they name, with its lock calls, its batches and its pub/sub: a
+/// single try fails as an outage, the next one takes the lock on the new primary, and
+/// a waiter is woken there by a release. Before, every call was refused until its wait
+/// ran out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_refusing_writes_for_want_of_replicas_sends_the_backend_to_the_sentinels() {
+    let mut set = a_set_whose_primary_stays_one().await;
+    let backend = behind(&set, Some(0)).await;
+    let c = client(&backend);
+    let lock = c.get_lock("refused:try").unwrap();
+    lock.try_lock().await.unwrap().unlock().await.unwrap();
+    let (old, new) = promote_a_replica_past_the_primary(&mut set).await;
+
+    taken_on_the_new_primary(&lock, &backend, &mut set, new).await;
+
+    // A waiter is woken on the new primary: the hold it waits for has a minute left
+    // when it is released.
+    let other = client(&behind(&set, Some(0)).await);
+    let held = other
+        .get_lock("refused:wait")
+        .unwrap()
+        .try_lock_for(
+            Duration::from_secs(5),
+            Lease::Fixed(Duration::from_secs(60)),
+        )
+        .await
+        .unwrap();
+    let waiter = {
+        let lock = c.get_lock("refused:wait").unwrap();
+        tokio::spawn(async move {
+            let guard = lock
+                .try_lock_for(Duration::from_secs(20), Lease::Watchdog)
+                .await;
+            (tokio::time::Instant::now(), guard)
+        })
+    };
+    let until = tokio::time::Instant::now() + Duration::from_secs(10);
+    let waiting = |channels: Vec<String>| channels.iter().any(|c| c.contains("refused:wait"));
+    while !waiting(set.node(new).active_channels().await) {
+        assert!(
+            tokio::time::Instant::now() < until,
+            "the waiter never subscribed on the new primary (the old one has {:?})",
+            set.node(old).active_channels().await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let released = tokio::time::Instant::now();
+    held.unlock().await.unwrap();
+    let (acquired, taken) = waiter.await.unwrap();
+    taken
+        .expect("the waiter gets the lock")
+        .unlock()
+        .await
+        .unwrap();
+    assert!(
+        acquired - released < Duration::from_secs(2),
+        "the waiter resumed {:?} after the release",
+        acquired - released
+    );
+}
+
+/// The same for a fair lock, whose calls go on the command connection, not in
+/// batches: it moves on the first refusal too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fair_lock_on_a_primary_refusing_writes_moves_to_the_new_primary() {
+    let mut set = a_set_whose_primary_stays_one().await;
+    let backend = behind(&set, Some(0)).await;
+    let c = client(&backend);
+    let lock = c.get_fair_lock("refused:fair").unwrap();
+    lock.try_lock().await.unwrap().unlock().await.unwrap();
+    let (_, new) = promote_a_replica_past_the_primary(&mut set).await;
+
+    taken_on_the_new_primary(&lock, &backend, &mut set, new).await;
+}
+
+/// A primary that refuses writes for want of replicas with no failover (its replicas
+/// fell behind): every waiter meets the refusal on each try, and the Sentinels are
+/// asked at most every 200 ms between them, not once a try. They name the same
+/// primary, so the backend stays, and every waiter gets its lock once the refusal ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_refusing_writes_with_no_failover_keeps_the_backend_and_spares_the_sentinels() {
+    let set = SentinelSet::start(1, 1).await;
+    let backend = behind(&set, Some(0)).await;
+    let c = client(&backend);
+    let lock = c.get_lock("spared:0").unwrap();
+    lock.try_lock().await.unwrap().unlock().await.unwrap();
+    let primary = set.primary_port().await;
+    let mut on_primary = redis::Client::open(format!("redis://127.0.0.1:{primary}"))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    // Each time the backend asks the Sentinels, it checks the primary they name with
+    // `ROLE` (Sentinels keep no command statistics).
+    let asks = ["role"];
+    let asked_before = command_calls(&mut on_primary, &asks).await;
+    let () = redis::cmd("CONFIG")
+        .arg(&["SET", "min-replicas-to-write", "2"])
+        .query_async(&mut on_primary)
+        .await
+        .unwrap();
+    let refused_at = tokio::time::Instant::now();
+    let waiters: Vec<_> = (0..8)
+        .map(|i| {
+            let lock = c.get_lock(format!("spared:{i}")).unwrap();
+            tokio::spawn(async move {
+                lock.try_lock_for(Duration::from_secs(30), Lease::Watchdog)
+                    .await
+            })
+        })
+        .collect();
+    // Refused for 2 s: every waiter tries several times meanwhile.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        waiters.iter().all(|w| !w.is_finished()),
+        "a waiter got past the refusal"
+    );
+    let () = redis::cmd("CONFIG")
+        .arg(&["SET", "min-replicas-to-write", "0"])
+        .query_async(&mut on_primary)
+        .await
+        .unwrap();
+    let refused_for = refused_at.elapsed();
+    for waiter in waiters {
+        let guard = waiter.await.unwrap().expect("a waiter gets its lock");
+        let held: bool = redis::cmd("EXISTS")
+            .arg(backend.lock_name(guard.key()))
+            .query_async(&mut on_primary)
+            .await
+            .unwrap();
+        assert!(held, "the lock is held on the same primary");
+        guard.unlock().await.unwrap();
+    }
+    let asked = command_calls(&mut on_primary, &asks).await - asked_before;
+    let bound = refused_for.as_millis() as u64 / 200 + 2;
+    assert!(
+        (1..=bound).contains(&asked),
+        "the Sentinels were asked {asked} times in {refused_for:?} of refusals (at most {bound})"
+    );
 }
 
 /// What a grant that never reached a replica becomes when its primary is lost: the

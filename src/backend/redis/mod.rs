@@ -442,12 +442,23 @@ impl SingleConn {
                 return Err(error);
             }
         };
-        if let Err(error) = &result
-            && self.primary.calls_for_new_connection(error)
-        {
-            self.replace(generation, error).await;
+        if let Err(error) = &result {
+            if self.primary.calls_for_new_connection(error) {
+                self.replace(generation, error).await;
+            } else {
+                self.after_refusal(error).await;
+            }
         }
         result
+    }
+
+    /// Behind Sentinel, after a refusal that may mean this server is no longer the
+    /// primary ([`PRIMARY_IN_DOUBT`]): asks the Sentinels, at most every
+    /// [`ASK_EVERY`](primary::ASK_EVERY), and moves if they name another primary.
+    async fn after_refusal(&self, error: &RedisError) {
+        if refused_with(error, &PRIMARY_IN_DOUBT) && self.primary.may_ask_again() {
+            self.follow_primary().await;
+        }
     }
 
     async fn replace(&self, generation: u64, why: &RedisError) {
@@ -460,9 +471,9 @@ impl SingleConn {
     }
 
     /// Behind Sentinel, moves to the primary the Sentinels name, if the connection is
-    /// not there: a write that too few replicas acknowledged may mean this server lost
-    /// them in a failover, and a primary that was replaced keeps taking writes until the
-    /// Sentinels demote it.
+    /// not there: a write that too few replicas acknowledged, or one refused for want of
+    /// them, may mean this server lost them in a failover, and a primary that was
+    /// replaced keeps answering until the Sentinels demote it.
     async fn follow_primary(&self) {
         if !self.primary.follows_failovers() {
             return;
@@ -514,7 +525,12 @@ impl SingleConn {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if current.0 == generation {
             tracing::warn!(why, to = %addr, "replacing the Redis command connection");
+            let moved = current.2 != addr;
             *current = (generation + 1, fresh, addr);
+            drop(current);
+            if moved {
+                self.primary.note_move();
+            }
         }
     }
 }
@@ -745,6 +761,14 @@ impl Inner {
             self.clock.forget();
         }
         map_error(error)
+    }
+
+    /// How many times the command connection moved to another primary (behind
+    /// Sentinel; 0 otherwise).
+    fn primary_moves(&self) -> u64 {
+        self.conn
+            .single()
+            .map_or(0, |single| single.primary.moves())
     }
 
     /// Whether exclusive batches may be pipelined: on a single server without replica
@@ -978,7 +1002,10 @@ impl RedisBackend {
     /// them again whenever its connection cannot serve any more — a timeout, a
     /// connection gone or refused, a write refused as `READONLY` — so it follows a
     /// failover without a restart: commands, the batcher, the watchdog and the pub/sub
-    /// connection move to the new primary.
+    /// connection move to the new primary. A write refused as `NOREPLICAS` or
+    /// `MASTERDOWN` makes it ask them too (at most every 200 ms), and move if they name
+    /// another primary: one cut off from its replicas and from the Sentinels is not
+    /// demoted while the cut lasts.
     ///
     /// Locks wait for [replica acknowledgement](RedisBackendBuilder::synced_replicas)
     /// by default here: one replica, within half the response timeout.
@@ -1093,8 +1120,22 @@ impl RedisBackend {
         self.inner.invoke(invocation).await
     }
 
+    /// Runs `op` for `req` in a batch; behind Sentinel, a refusal that may mean the
+    /// server is no longer the primary makes the backend ask the Sentinels (see
+    /// [`SingleConn::after_refusal`]).
+    async fn batched(&self, op: batch::Op, req: &LockRequest) -> Result<batch::OpReply> {
+        let reply = batch::run(&self.inner, op, req).await;
+        if let Err(error) = &reply
+            && let Some(single) = self.inner.conn.single()
+            && let Some(error) = redis_error_of(error)
+        {
+            single.after_refusal(error).await;
+        }
+        reply
+    }
+
     async fn acquire_exclusive(&self, req: &LockRequest) -> Result<Acquire> {
-        match batch::run(&self.inner, batch::Op::Acquire, req).await? {
+        match self.batched(batch::Op::Acquire, req).await? {
             batch::OpReply::Acquire(acquire) => Ok(acquire),
             batch::OpReply::Release(_) => Err(Error::store(
                 StoreErrorKind::Unexpected,
@@ -1104,7 +1145,7 @@ impl RedisBackend {
     }
 
     async fn release_exclusive(&self, req: &LockRequest) -> Result<Release> {
-        match batch::run(&self.inner, batch::Op::Release, req).await? {
+        match self.batched(batch::Op::Release, req).await? {
             batch::OpReply::Release(release) => Ok(release),
             batch::OpReply::Acquire(_) => Err(Error::store(
                 StoreErrorKind::Unexpected,
@@ -1435,20 +1476,36 @@ fn store_error(error: RedisError) -> StoreError {
 /// a misconfiguration.
 const REFUSED_FOR_NOW: [&str; 5] = ["LOADING", "BUSY", "NOREPLICAS", "OOM", "MASTERDOWN"];
 
+/// Of [`REFUSED_FOR_NOW`], what a server answers when it may no longer be the primary:
+/// one cut off from its replicas, which the Sentinels may have replaced by one of them
+/// (`NOREPLICAS`), or a replica cut off from its primary (`MASTERDOWN`).
+const PRIMARY_IN_DOUBT: [&str; 2] = ["NOREPLICAS", "MASTERDOWN"];
+
 /// Whether the server refused the command, or a script's command, with one of
-/// [`REFUSED_FOR_NOW`]. A refusal inside the batch script arrives as its text.
+/// [`REFUSED_FOR_NOW`].
 fn refused_for_now(error: &RedisError) -> bool {
+    refused_with(error, &REFUSED_FOR_NOW)
+}
+
+/// Whether the server refused the command, or a script's command, with one of `codes`.
+/// A refusal inside the batch script arrives as its text.
+fn refused_with(error: &RedisError, codes: &[&str]) -> bool {
     let names = |text: &str| {
         let word = text.trim_start_matches(['-', '"']);
-        REFUSED_FOR_NOW.iter().any(|code| {
+        codes.iter().any(|code| {
             word.strip_prefix(code)
                 .is_some_and(|rest| rest.starts_with([' ', '"', ':']))
         })
     };
-    error
-        .code()
-        .is_some_and(|code| REFUSED_FOR_NOW.contains(&code))
-        || error.detail().is_some_and(names)
+    error.code().is_some_and(|code| codes.contains(&code)) || error.detail().is_some_and(names)
+}
+
+/// The redis-rs error behind one of this crate's, if it has one.
+fn redis_error_of(error: &Error) -> Option<&RedisError> {
+    match error {
+        Error::Store(store) => std::error::Error::source(store)?.downcast_ref(),
+        _ => None,
+    }
 }
 
 /// Whether Redis Cluster stopped a script at a command whose key is not served here
@@ -2009,7 +2066,7 @@ impl RedisBackendBuilder {
             redis::sentinel::SentinelServerType::Master,
         )
         .map_err(map_error)?;
-        let primary = Primary::Sentinel(Arc::new(tokio::sync::Mutex::new(client)));
+        let primary = Primary::Sentinel(Arc::new(primary::Sentinels::new(client)));
         self.connect_single(primary, store_id).await
     }
 
@@ -2305,6 +2362,29 @@ mod tests {
             let kind = store_error(in_batch(message)).kind();
             assert_eq!(kind, StoreErrorKind::Misconfigured, "{message}");
         }
+    }
+
+    /// What makes a backend behind Sentinel ask where the primary is, found behind
+    /// this crate's error as the batch path sees it: only the two refusals of a server
+    /// that may no longer be the primary.
+    #[test]
+    fn a_primary_in_doubt_is_found_behind_the_crates_error() {
+        let in_doubt = |message: &str| {
+            let error = map_error(in_batch(message));
+            redis_error_of(&error).is_some_and(|e| refused_with(e, &PRIMARY_IN_DOUBT))
+        };
+        assert!(in_doubt(
+            "\"NOREPLICAS\": Not enough good replicas to write."
+        ));
+        assert!(in_doubt("MASTERDOWN Link with MASTER is down"));
+        for message in [
+            "LOADING Redis is loading the dataset in memory",
+            "OOM command not allowed when used memory > 'maxmemory'.",
+            "ERR NOREPLICAS in the middle",
+        ] {
+            assert!(!in_doubt(message), "{message}");
+        }
+        assert!(redis_error_of(&Error::WrongType).is_none());
     }
 
     #[test]

@@ -7,8 +7,21 @@
 //! gone or refused, or is refused as `READONLY` (a primary demoted to a replica) — so
 //! the command connection, the batcher and the watchdog that use it, and the pub/sub
 //! connection all move to the new primary after a failover, without a restart.
+//!
+//! A primary cut off from its replicas and from the Sentinels is not demoted while the
+//! cut lasts: it goes on answering, and refuses writes `NOREPLICAS` where
+//! `min-replicas-to-write` is set. Such a refusal (and `MASTERDOWN`, from a replica)
+//! makes the backend ask the Sentinels too, at most every [`ASK_EVERY`]; it moves only
+//! when they name another primary. Whichever connection sees the move first, the
+//! others follow it: the batches' connection is made again, and the pub/sub connection
+//! reconnects ([`Primary::moved`]).
 
 use redis::{Client, RedisError, RedisResult};
+
+/// How often a refusal that may mean the primary moved makes the backend ask the
+/// Sentinels, at most: every waiter meets the refusal on each try.
+#[cfg(feature = "sentinel")]
+pub(super) const ASK_EVERY: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// The server a connection goes to. (Built once per backend and per pub/sub node, so
 /// the size of a client does not matter.)
@@ -19,7 +32,31 @@ pub(super) enum Primary {
     Fixed(Client),
     /// The primary the Sentinels name, asked again for every new connection.
     #[cfg(feature = "sentinel")]
-    Sentinel(std::sync::Arc<tokio::sync::Mutex<redis::sentinel::SentinelClient>>),
+    Sentinel(std::sync::Arc<Sentinels>),
+}
+
+/// The Sentinels of one backend, and word of the primary's moves among its connections.
+#[cfg(feature = "sentinel")]
+pub(super) struct Sentinels {
+    client: tokio::sync::Mutex<redis::sentinel::SentinelClient>,
+    /// How many times the command connection moved to another primary.
+    moves: std::sync::atomic::AtomicU64,
+    /// Tells the pub/sub task of a move (a permit is kept when it is not listening).
+    moved: tokio::sync::Notify,
+    /// When a refusal last made the backend ask the Sentinels.
+    asked: std::sync::Mutex<Option<tokio::time::Instant>>,
+}
+
+#[cfg(feature = "sentinel")]
+impl Sentinels {
+    pub(super) fn new(client: redis::sentinel::SentinelClient) -> Self {
+        Sentinels {
+            client: tokio::sync::Mutex::new(client),
+            moves: std::sync::atomic::AtomicU64::new(0),
+            moved: tokio::sync::Notify::new(),
+            asked: std::sync::Mutex::new(None),
+        }
+    }
 }
 
 impl Primary {
@@ -28,7 +65,62 @@ impl Primary {
         match self {
             Primary::Fixed(client) => Ok(client.clone()),
             #[cfg(feature = "sentinel")]
-            Primary::Sentinel(sentinels) => sentinels.lock().await.async_get_client().await,
+            Primary::Sentinel(sentinels) => sentinels.client.lock().await.async_get_client().await,
+        }
+    }
+
+    /// How many times the command connection moved to another primary: a connection
+    /// made before the last move goes to a server that is no longer the primary.
+    pub(super) fn moves(&self) -> u64 {
+        match self {
+            Primary::Fixed(_) => 0,
+            #[cfg(feature = "sentinel")]
+            Primary::Sentinel(sentinels) => {
+                sentinels.moves.load(std::sync::atomic::Ordering::Acquire)
+            }
+        }
+    }
+
+    /// Records that the command connection moved to another primary, for the
+    /// connections that did not see it.
+    pub(super) fn note_move(&self) {
+        #[cfg(feature = "sentinel")]
+        if let Primary::Sentinel(sentinels) = self {
+            sentinels
+                .moves
+                .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            sentinels.moved.notify_one();
+        }
+    }
+
+    /// Completes when the command connection moved to another primary since the last
+    /// time it completed; never for a fixed server.
+    pub(super) async fn moved(&self) {
+        match self {
+            Primary::Fixed(_) => std::future::pending().await,
+            #[cfg(feature = "sentinel")]
+            Primary::Sentinel(sentinels) => sentinels.moved.notified().await,
+        }
+    }
+
+    /// Whether a refusal that may mean the primary moved should make the backend ask
+    /// the Sentinels now: behind Sentinel, and not within [`ASK_EVERY`] of the last time.
+    pub(super) fn may_ask_again(&self) -> bool {
+        match self {
+            Primary::Fixed(_) => false,
+            #[cfg(feature = "sentinel")]
+            Primary::Sentinel(sentinels) => {
+                let now = tokio::time::Instant::now();
+                let mut asked = sentinels
+                    .asked
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                if asked.is_some_and(|at| now < at + ASK_EVERY) {
+                    return false;
+                }
+                *asked = Some(now);
+                true
+            }
         }
     }
 

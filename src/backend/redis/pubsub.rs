@@ -294,6 +294,8 @@ async fn run(
         let Some(client) = nodes.get(node % nodes.len().max(1)) else {
             return;
         };
+        // Read first: a move while connecting makes the task connect again at once.
+        let moves = client.moves();
         let pubsub = match connect(client, &shutdown).await {
             Connecting::Up(pubsub) => pubsub,
             Connecting::Shutdown => return,
@@ -322,7 +324,11 @@ async fn run(
         warn_next_failure = true;
         // After a reconnect, messages may have been missed: every waiter tries again.
         let wake_all = std::mem::replace(&mut connected_before, true);
-        match serve(&shared, pubsub, keepalive_every, wake_all, &shutdown).await {
+        let on = On {
+            node: client,
+            moves,
+        };
+        match serve(&shared, pubsub, &on, keepalive_every, wake_all, &shutdown).await {
             Served::Shutdown => return,
             Served::Unresponsive => node = node.wrapping_add(1),
             Served::Lost => {}
@@ -360,6 +366,13 @@ async fn connect(node: &Primary, shutdown: &CancellationToken) -> Connecting {
     }
 }
 
+/// The node a connection goes to, and the primary's moves when it was made (see
+/// `Primary::moves`).
+struct On<'a> {
+    node: &'a Primary,
+    moves: u64,
+}
+
 /// How serving one connection ended.
 enum Served {
     /// The connection dropped, or (un)subscribing failed on it.
@@ -371,10 +384,13 @@ enum Served {
 
 /// Serves one connection: subscribes every channel of the registry (and keeps the
 /// server's subscriptions in line with it), wakes every waiter once that is done if
-/// `wake_all`, and dispatches messages, until the connection ends or `shutdown`.
+/// `wake_all`, and dispatches messages, until the connection ends, the lock calls'
+/// connection moves to another primary (behind Sentinel: a release is published
+/// there now), or `shutdown`.
 async fn serve(
     shared: &Shared,
     pubsub: redis::aio::PubSub,
+    on: &On<'_>,
     keepalive_every: Duration,
     mut wake_all: bool,
     shutdown: &CancellationToken,
@@ -409,6 +425,12 @@ async fn serve(
                 }
             },
             _ = shared.changed.notified() => {}
+            () = on.node.moved() => {
+                if on.node.moves() != on.moves {
+                    tracing::warn!("the Redis primary moved; the pub/sub connection follows");
+                    return Served::Lost;
+                }
+            }
             _ = keepalive.tick() => {
                 let patience = keepalive_every / KEEPALIVE_TIMEOUT_SHARE;
                 let pong = tokio::time::timeout(patience, sink.ping::<redis::Value>()).await;

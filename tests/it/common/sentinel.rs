@@ -188,24 +188,38 @@ impl SentinelSet {
     /// A primary with `replicas` replicas and `sentinels` Sentinels (quorum: a
     /// majority of them), all in sync and known to each other.
     pub async fn start(replicas: usize, sentinels: usize) -> Self {
-        Self::start_inner(replicas, sentinels, false).await
+        Self::start_inner(replicas, sentinels, false, &[]).await
+    }
+
+    /// The same, with extra `redis-server` arguments for the first primary only.
+    pub async fn start_with_primary_args(
+        replicas: usize,
+        sentinels: usize,
+        primary_args: &[&str],
+    ) -> Self {
+        Self::start_inner(replicas, sentinels, false, primary_args).await
     }
 
     /// The same, with each replica replicating from the primary through a
     /// [`FaultProxy`] of its own ([`SentinelSet::replication`]). Once the Sentinels
     /// promote a replica, the others follow it directly.
     pub async fn start_behind_proxies(replicas: usize, sentinels: usize) -> Self {
-        Self::start_inner(replicas, sentinels, true).await
+        Self::start_inner(replicas, sentinels, true, &[]).await
     }
 
-    async fn start_inner(replicas: usize, sentinels: usize, proxied: bool) -> Self {
+    async fn start_inner(
+        replicas: usize,
+        sentinels: usize,
+        proxied: bool,
+        primary_args: &[&str],
+    ) -> Self {
         let fast_sync = [
             "--repl-diskless-sync",
             "yes",
             "--repl-diskless-sync-delay",
             "0",
         ];
-        let primary = RedisServer::start_with(&fast_sync).await;
+        let primary = RedisServer::start_with(&[&fast_sync[..], primary_args].concat()).await;
         let mut nodes = vec![primary];
         let mut replication = Vec::new();
         for _ in 0..replicas {

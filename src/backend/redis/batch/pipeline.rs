@@ -70,7 +70,7 @@ pub(super) async fn drain(mut drainer: Drainer) {
     let mut line = inner.batcher.state().line.take().unwrap_or_default();
     let mut in_flight: FuturesUnordered<Sending> = FuturesUnordered::new();
     loop {
-        if line.is_broken() && !in_flight.is_empty() {
+        if line.is_broken(&inner) && !in_flight.is_empty() {
             // Nothing more on a connection that failed: its batches first.
             while in_flight.next().await.is_some() {}
         }
@@ -124,24 +124,31 @@ pub(super) struct Line {
     broken: Arc<AtomicBool>,
     /// A call found the scripts missing (a restart, `SCRIPT FLUSH`): load them first.
     reload: Arc<AtomicBool>,
+    /// The primary's moves when `conn` was made (see `Primary::moves`): behind
+    /// Sentinel, once the command connection moved to another primary, `conn` goes to
+    /// a server that is not one any more, and is broken.
+    moves: u64,
 }
 
 impl Line {
-    fn is_broken(&self) -> bool {
-        self.conn.is_some() && self.broken.load(Ordering::Acquire)
+    fn is_broken(&self, inner: &Inner) -> bool {
+        self.conn.is_some()
+            && (self.broken.load(Ordering::Acquire) || self.moves != inner.primary_moves())
     }
 
     /// The connection, when one can be sent on as it is: made, not broken, its scripts
     /// loaded.
-    fn ready(&self) -> Option<&MultiplexedConnection> {
-        let fine = !self.broken.load(Ordering::Acquire) && !self.reload.load(Ordering::Acquire);
+    fn ready(&self, inner: &Inner) -> Option<&MultiplexedConnection> {
+        let fine = !self.broken.load(Ordering::Acquire)
+            && !self.reload.load(Ordering::Acquire)
+            && self.moves == inner.primary_moves();
         self.conn.as_ref().filter(|_| fine)
     }
 
     /// The connection to send on: the current one, or a new one (with the scripts
     /// loaded) when there is none or it failed.
     async fn connection(&mut self, inner: &Inner) -> Result<MultiplexedConnection> {
-        if self.is_broken() {
+        if self.is_broken(inner) {
             self.conn = None;
         }
         let conn = match &self.conn {
@@ -149,7 +156,10 @@ impl Line {
             None => {
                 // Every batch that finds no connection tries to make one: a server
                 // back from a restart is used at once (a refused connect costs little).
+                // Read first: a move while connecting makes this one broken at once.
+                let moves = inner.primary_moves();
                 let conn = connect(inner).await?;
+                self.moves = moves;
                 self.broken = Arc::new(AtomicBool::new(false));
                 self.reload.store(true, Ordering::Release);
                 self.conn = Some(conn.clone());
@@ -272,7 +282,7 @@ fn claim(inner: &Inner, op: Op) -> Option<Slot> {
     }
     let line = state.line.as_ref()?;
     let slot = Slot {
-        conn: line.ready()?.clone(),
+        conn: line.ready(inner)?.clone(),
         broken: Arc::clone(&line.broken),
         reload: Arc::clone(&line.reload),
         deadline: match op {
