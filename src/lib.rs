@@ -122,6 +122,11 @@
 //!   the store answers or the hold's lease ends: the lock is free soon after the store
 //!   is back, not when the lease runs out. So is the taking back of an attempt that got
 //!   no answer.
+//! - **A hold the watchdog gives up is released in the store.** Renewals whose answers
+//!   were lost (a one-way partition, a store answering too slowly) may have reached the
+//!   store; the guard is told its hold is lost when its lease runs out by the client's
+//!   clock, and the hold is released there at once (tried again while the store cannot
+//!   be reached), not left for up to a lease more, whether or not the guard lives on.
 //!
 //! What is left when the store stays unreachable: a hold until its lease ends, a place
 //! in a fair or read-write queue until the waiter timeout. Each

@@ -1021,8 +1021,36 @@ fn abandon_later(client: &LockClient, req: &LockRequest) {
 pub(super) async fn again_while_unavailable<T>(
     until: Instant,
     what: &'static str,
+    op: impl AsyncFnMut() -> Result<T>,
+) {
+    while_unavailable(until, what, false, op).await;
+}
+
+/// `op`, at once, then as [`again_while_unavailable`] if it failed as an outage.
+pub(super) async fn now_and_while_unavailable<T>(
+    until: Instant,
+    what: &'static str,
+    op: impl AsyncFnMut() -> Result<T>,
+) {
+    while_unavailable(until, what, true, op).await;
+}
+
+async fn while_unavailable<T>(
+    until: Instant,
+    what: &'static str,
+    at_once: bool,
     mut op: impl AsyncFnMut() -> Result<T>,
 ) {
+    if at_once {
+        match op().await {
+            Ok(_) => return,
+            Err(error) if error.is_unavailable() => {}
+            Err(error) => {
+                tracing::warn!(what, %error, "failed; the hold ends with its lease");
+                return;
+            }
+        }
+    }
     let mut backoff = MIN_ERROR_BACKOFF;
     loop {
         let at = Instant::now() + backoff;

@@ -26,7 +26,10 @@
 //! A renewal extends a hold's [expiry](super::registry::Expiry) to the renewal's send
 //! time plus its lease, less the backend's [clock
 //! drift](crate::backend::StoreProfile::clock_drift). A renewal that says "not held"
-//! marks the hold lost at once; renewals that fail mark it lost when its expiry passes.
+//! marks the hold lost at once; renewals that fail mark it lost when its expiry passes,
+//! and so does a renewal answered only after that. A hold lost so may still be in the
+//! store (its renewals may have landed, their answers lost), so it is released there,
+//! in a task, while its guards are told it is lost.
 //! A loss is logged with the hold's identity as the store shows it (`hold_id`, the hash
 //! field or row owner an operator finds there) and, beside it, the logical owner the
 //! guards were taken as.
@@ -40,6 +43,8 @@ use tokio::runtime::{Handle, Id};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use super::acquire::now_and_while_unavailable;
+use super::guard::release_fully;
 use super::registry::{Hold, Inner};
 use crate::backend::LockRequest;
 use crate::error::Result;
@@ -181,9 +186,31 @@ fn apply(
         if lost {
             inner.mark_lost(hold);
             events.push((i, true));
+            // Unless the store said it no longer holds it, it may: renewals it applied
+            // whose answers were lost, or one that came after the lease ran out here.
+            if !matches!(results.get(i), Some(Ok(false))) {
+                take_back(inner, &reqs[i]);
+            }
         }
     }
     (events, failures)
+}
+
+/// Releases in the store, in a task, a hold the watchdog gave up while the store may
+/// still keep it: its guards were told it is lost, so it protects nothing any more, and
+/// every other owner would wait out what is left of its lease there (up to a whole
+/// lease, when renewals reached the store and only their answers were lost). Tried
+/// again while the store cannot be reached, for a lease; safe however late a try lands:
+/// it names this hold's own identity, which nothing else uses.
+fn take_back(inner: &Inner, req: &LockRequest) {
+    let backend = Arc::clone(&inner.backend);
+    let req = req.clone();
+    let until = Instant::now() + req.lease;
+    tokio::spawn(now_and_while_unavailable(
+        until,
+        "taking back a lost hold",
+        async move || release_fully(Arc::clone(&backend), req.clone()).await,
+    ));
 }
 
 /// Tells the observer, if any, of each event [`apply`] returned.

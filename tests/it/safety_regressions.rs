@@ -51,6 +51,9 @@ struct Faults {
     /// The next `renew_many` (the watchdog's) reaches the store and takes effect there,
     /// then its reply waits until this gate opens.
     hold_next_renewals_reply: Option<Gate>,
+    /// Every `renew_many` reaches the store and takes effect there, then its answer is
+    /// lost: it fails as an outage.
+    lose_renewal_answers: bool,
 }
 
 /// A gate a call waits at until the test opens it.
@@ -84,6 +87,8 @@ struct Seen {
     releases_finished: AtomicUsize,
     /// Watchdog renewals applied by the store whose reply is held at a gate.
     held_renewal_replies: AtomicUsize,
+    /// Watchdog renewals applied by the store whose answer was lost.
+    lost_renewal_answers: AtomicUsize,
 }
 
 /// A real backend with faults injected around its calls by an [`Injector`]. Every call
@@ -225,13 +230,29 @@ impl Intercept<Inner> for Injector {
         reqs: &'a [LockRequest],
     ) -> BoxFuture<'a, Vec<Result<bool>>> {
         Box::pin(async move {
-            let gate = self.faults.lock().unwrap().hold_next_renewals_reply.take();
+            let (gate, lose) = {
+                let mut faults = self.faults.lock().unwrap();
+                (
+                    faults.hold_next_renewals_reply.take(),
+                    faults.lose_renewal_answers,
+                )
+            };
             let renewed = inner.renew_many(reqs).await;
             if let Some(gate) = gate {
                 self.seen
                     .held_renewal_replies
                     .fetch_add(1, Ordering::SeqCst);
                 gate.pass().await;
+            }
+            if lose {
+                self.seen
+                    .lost_renewal_answers
+                    .fetch_add(1, Ordering::SeqCst);
+                let lost = StoreError::msg(
+                    StoreErrorKind::Unavailable,
+                    "the renewal's answer was lost (injected)",
+                );
+                return reqs.iter().map(|_| Err(lost.clone().into())).collect();
             }
             renewed
         })
@@ -2109,4 +2130,80 @@ async fn a_multilock_with_a_lost_lock_unlocks_as_lost_even_when_another_release_
             "{fails} fails to release, {lost} lost: {unlocked:?}"
         );
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// A hold the watchdog gave up, kept by the store
+// ---------------------------------------------------------------------------------------
+
+/// The watchdog's renewals reach the store and take effect there, but their answers are
+/// lost (a one-way partition, a store that answers after the watchdog stopped waiting).
+/// The guard is told its hold is lost when its lease runs out by the client's clock,
+/// while the store, which applied every renewal, keeps the hold for up to a lease more:
+/// a phantom every other owner waited out, for as long as the lost guard lived (a
+/// handler that does not watch its lost signal) or its release met the same outage.
+/// The watchdog now takes back in the store a hold it gives up: nothing is held a
+/// third of a lease after the guard is told, with the guard still alive.
+async fn a_hold_the_watchdog_gave_up(faulty: &Faulty, store: &dyn LockBackend) {
+    let lease = Duration::from_secs(3);
+    let client = LockClient::builder(faulty.clone())
+        .watchdog_lease(lease)
+        .build()
+        .unwrap();
+    let key = key("watchdog-gave-up");
+    let guard = client.get_lock(&key).unwrap().lock().await.unwrap();
+    faulty.intercept().arm(|f| f.lose_renewal_answers = true);
+    wait_until(lease * 2, "the guard is told its hold is lost", || {
+        let lost = guard.is_lost();
+        async move { lost }
+    })
+    .await;
+    assert!(
+        faulty
+            .intercept()
+            .seen
+            .lost_renewal_answers
+            .load(Ordering::SeqCst)
+            > 0,
+        "renewals reached the store"
+    );
+    wait_until(
+        lease / 3,
+        "the lost hold taken back in the store",
+        || async {
+            store
+                .inspect(&key, LockMode::Exclusive)
+                .await
+                .unwrap()
+                .holders
+                .is_empty()
+        },
+    )
+    .await;
+    assert!(guard.is_lost());
+    drop(guard);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hold_the_watchdog_gave_up_is_taken_back_in_the_store_memory() {
+    let store = Memory::new();
+    a_hold_the_watchdog_gave_up(&store.faulty, &store.backend).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_hold_the_watchdog_gave_up_is_taken_back_in_the_store_redis() {
+    let store = Redis::start().await;
+    a_hold_the_watchdog_gave_up(&store.faulty, &store.backend).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn a_hold_the_watchdog_gave_up_is_taken_back_in_the_store_postgres() {
+    let db = common::postgres::PgDatabase::create().await;
+    let backend = tower_lock::PostgresBackend::builder(db.pool(4).await)
+        .build()
+        .await
+        .unwrap();
+    a_hold_the_watchdog_gave_up(&faulty(backend.clone()), &backend).await;
 }
