@@ -303,6 +303,43 @@ async fn a_server_loading_its_data_after_a_restart_is_an_outage() {
     assert_eq!(server.keys("loading*").await, Vec::<String>::new());
 }
 
+/// With replica acknowledgement each lock script goes in a pipeline with its `WAIT`,
+/// where redis-rs names the code only of the errors it knows: `NOREPLICAS`, `OOM` and
+/// `BUSY` from a server refusing writes came back as "Pipeline failure" and failed the
+/// call as a misconfigured store, not an outage (for exclusive locks, sent one batch at
+/// a time, and for fair locks alike). The server here has no replica, so no grant could
+/// stand: what is checked is that the refusal itself is what fails the call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_replica_acknowledgement_a_refusal_for_now_is_an_outage_too() {
+    for (refusal, code) in [
+        (Refusal::NoReplicas, "NOREPLICAS"),
+        (Refusal::OutOfMemory, "OOM"),
+        (Refusal::Busy, "BUSY"),
+    ] {
+        let server = RedisServer::start().await;
+        let backend = RedisBackend::builder(server.url())
+            .synced_replicas(1, Duration::from_millis(100))
+            .build()
+            .await
+            .unwrap();
+        let client = LockClient::new(backend);
+        refusal.begin(&server).await;
+        for lock in [
+            client.get_lock("refused-synced").unwrap(),
+            client.get_fair_lock("refused-synced-fair").unwrap(),
+        ] {
+            let single = lock.try_lock().await.map(drop);
+            assert!(
+                single
+                    .as_ref()
+                    .is_err_and(|e| e.is_unavailable() && e.to_string().contains(code)),
+                "{refusal:?}: a single try: {single:?}"
+            );
+        }
+        refusal.end(&server).await;
+    }
+}
+
 /// How a test makes a running server refuse lock calls for a while, and ends it.
 #[derive(Clone, Copy, Debug)]
 enum Refusal {

@@ -1488,7 +1488,9 @@ fn refused_for_now(error: &RedisError) -> bool {
 }
 
 /// Whether the server refused the command, or a script's command, with one of `codes`.
-/// A refusal inside the batch script arrives as its text.
+/// A refusal inside the batch script arrives as its text; one in a pipeline (a script
+/// and its `WAIT`, with replica acknowledgement) among the pipeline's errors, where
+/// redis-rs names the code only of the errors it knows.
 fn refused_with(error: &RedisError, codes: &[&str]) -> bool {
     let names = |text: &str| {
         let word = text.trim_start_matches(['-', '"']);
@@ -1497,7 +1499,14 @@ fn refused_with(error: &RedisError, codes: &[&str]) -> bool {
                 .is_some_and(|rest| rest.starts_with([' ', '"', ':']))
         })
     };
-    error.code().is_some_and(|code| codes.contains(&code)) || error.detail().is_some_and(names)
+    if error.code().is_some_and(|code| codes.contains(&code)) || error.detail().is_some_and(names) {
+        return true;
+    }
+    error.clone().into_server_errors().is_some_and(|errors| {
+        errors
+            .iter()
+            .any(|(_, e)| codes.contains(&e.code()) || e.details().is_some_and(names))
+    })
 }
 
 /// The redis-rs error behind one of this crate's, if it has one.
