@@ -162,9 +162,10 @@ async fn a_caller_during_a_failover_gets_the_lock_on_the_new_primary() {
     guard.unlock().await.unwrap();
 }
 
-/// A Sentinel set whose primary the Sentinels cannot demote: its `REPLICAOF` is renamed
-/// away. See [`promote_a_replica_past_the_primary`].
-async fn a_set_whose_primary_stays_one() -> SentinelSet {
+/// A Sentinel set (three Sentinels, `replicas` replicas) whose primary the Sentinels
+/// cannot demote: its `REPLICAOF` is renamed away. See
+/// [`promote_a_replica_past_the_primary`].
+async fn a_set_whose_primary_stays_one(replicas: usize) -> SentinelSet {
     let demotion_refused = [
         "--rename-command",
         "REPLICAOF",
@@ -173,7 +174,7 @@ async fn a_set_whose_primary_stays_one() -> SentinelSet {
         "SLAVEOF",
         "tl-slaveof-renamed",
     ];
-    SentinelSet::start_with_primary_args(1, 3, &demotion_refused).await
+    SentinelSet::start_with_primary_args(replicas, 3, &demotion_refused).await
 }
 
 /// A primary cut off from its replicas and from the Sentinels while they promote one
@@ -190,6 +191,22 @@ async fn promote_a_replica_past_the_primary(set: &mut SentinelSet) -> (u16, u16)
         .await
         .unwrap();
     let new = set.failover().await;
+    // Every Sentinel names the new primary, whichever the backend asks first.
+    let until = tokio::time::Instant::now() + Duration::from_secs(10);
+    for sentinel in &set.sentinels {
+        while sentinel
+            .ask::<(String, u16)>(&["GET-MASTER-ADDR-BY-NAME", MASTER])
+            .await
+            .map(|(_, port)| port)
+            != Some(new)
+        {
+            assert!(
+                tokio::time::Instant::now() < until,
+                "a Sentinel never named the new primary"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
     let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut on_old).await.unwrap();
     assert_eq!(
         role.first(),
@@ -243,7 +260,7 @@ async fn taken_on_the_new_primary(
 /// ran out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_primary_refusing_writes_for_want_of_replicas_sends_the_backend_to_the_sentinels() {
-    let mut set = a_set_whose_primary_stays_one().await;
+    let mut set = a_set_whose_primary_stays_one(1).await;
     let backend = behind(&set, Some(0)).await;
     let c = client(&backend);
     let lock = c.get_lock("refused:try").unwrap();
@@ -298,18 +315,30 @@ async fn a_primary_refusing_writes_for_want_of_replicas_sends_the_backend_to_the
     );
 }
 
-/// The same for a fair lock, whose calls go on the command connection, not in
-/// batches: it moves on the first refusal too.
+/// The same with replica acknowledgement, the default behind Sentinel: exclusive calls
+/// go one batch at a time from the backend's sender task, and a fair lock's on the
+/// command connection. Both move on the first refusal. (A second replica follows the
+/// new primary, which can then acknowledge.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_fair_lock_on_a_primary_refusing_writes_moves_to_the_new_primary() {
-    let mut set = a_set_whose_primary_stays_one().await;
-    let backend = behind(&set, Some(0)).await;
-    let c = client(&backend);
-    let lock = c.get_fair_lock("refused:fair").unwrap();
-    lock.try_lock().await.unwrap().unlock().await.unwrap();
+async fn with_replica_acknowledgement_every_lock_on_a_refusing_primary_moves() {
+    let mut set = a_set_whose_primary_stays_one(2).await;
+    // A backend each: the first refusal moves the backend that met it.
+    let (exclusive, fair) = (behind(&set, None).await, behind(&set, None).await);
+    let locks = [
+        (
+            client(&exclusive).get_lock("refused:synced").unwrap(),
+            exclusive,
+        ),
+        (client(&fair).get_fair_lock("refused:fair").unwrap(), fair),
+    ];
+    for (lock, _) in &locks {
+        lock.try_lock().await.unwrap().unlock().await.unwrap();
+    }
     let (_, new) = promote_a_replica_past_the_primary(&mut set).await;
 
-    taken_on_the_new_primary(&lock, &backend, &mut set, new).await;
+    for (lock, backend) in &locks {
+        taken_on_the_new_primary(lock, backend, &mut set, new).await;
+    }
 }
 
 /// A primary that refuses writes for want of replicas with no failover (its replicas

@@ -453,10 +453,15 @@ impl SingleConn {
     }
 
     /// Behind Sentinel, after a refusal that may mean this server is no longer the
-    /// primary ([`PRIMARY_IN_DOUBT`]): asks the Sentinels, at most every
-    /// [`ASK_EVERY`](primary::ASK_EVERY), and moves if they name another primary.
+    /// primary ([`PRIMARY_IN_DOUBT`]): asks the Sentinels, one caller at a time and at
+    /// most every [`ASK_EVERY`](primary::ASK_EVERY), and moves if they name another
+    /// primary. The others go on at once; the one asking waits for the answer, within
+    /// the connection timeout.
     async fn after_refusal(&self, error: &RedisError) {
-        if refused_with(error, &PRIMARY_IN_DOUBT) && self.primary.may_ask_again() {
+        if !refused_with(error, &PRIMARY_IN_DOUBT) {
+            return;
+        }
+        if let Some(_asking) = self.primary.may_ask_again() {
             self.follow_primary().await;
         }
     }

@@ -43,8 +43,37 @@ pub(super) struct Sentinels {
     moves: std::sync::atomic::AtomicU64,
     /// Tells the pub/sub task of a move (a permit is kept when it is not listening).
     moved: tokio::sync::Notify,
-    /// When a refusal last made the backend ask the Sentinels.
-    asked: std::sync::Mutex<Option<tokio::time::Instant>>,
+    /// When a refusal last made the backend ask the Sentinels, and whether that ask is
+    /// still going on.
+    asked: std::sync::Mutex<Asked>,
+}
+
+/// See [`Sentinels::asked`].
+#[cfg(feature = "sentinel")]
+#[derive(Default)]
+struct Asked {
+    at: Option<std::time::Instant>,
+    asking: bool,
+}
+
+/// The one ask of the Sentinels a refusal allowed ([`Primary::may_ask_again`]); the
+/// next may start [`ASK_EVERY`] after this one started, once this one is dropped.
+pub(super) struct Asking {
+    #[cfg(feature = "sentinel")]
+    sentinels: std::sync::Arc<Sentinels>,
+}
+
+impl Drop for Asking {
+    fn drop(&mut self) {
+        #[cfg(feature = "sentinel")]
+        {
+            self.sentinels
+                .asked
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .asking = false;
+        }
+    }
 }
 
 #[cfg(feature = "sentinel")]
@@ -54,7 +83,7 @@ impl Sentinels {
             client: tokio::sync::Mutex::new(client),
             moves: std::sync::atomic::AtomicU64::new(0),
             moved: tokio::sync::Notify::new(),
-            asked: std::sync::Mutex::new(None),
+            asked: std::sync::Mutex::new(Asked::default()),
         }
     }
 }
@@ -104,22 +133,28 @@ impl Primary {
     }
 
     /// Whether a refusal that may mean the primary moved should make the backend ask
-    /// the Sentinels now: behind Sentinel, and not within [`ASK_EVERY`] of the last time.
-    pub(super) fn may_ask_again(&self) -> bool {
+    /// the Sentinels now: behind Sentinel, no other such ask going on, and not within
+    /// [`ASK_EVERY`] of the last one's start. Held while asking.
+    pub(super) fn may_ask_again(&self) -> Option<Asking> {
         match self {
-            Primary::Fixed(_) => false,
+            Primary::Fixed(_) => None,
             #[cfg(feature = "sentinel")]
             Primary::Sentinel(sentinels) => {
-                let now = tokio::time::Instant::now();
+                let now = std::time::Instant::now();
                 let mut asked = sentinels
                     .asked
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner);
-                if asked.is_some_and(|at| now < at + ASK_EVERY) {
-                    return false;
+                if asked.asking || asked.at.is_some_and(|at| now < at + ASK_EVERY) {
+                    return None;
                 }
-                *asked = Some(now);
-                true
+                *asked = Asked {
+                    at: Some(now),
+                    asking: true,
+                };
+                Some(Asking {
+                    sentinels: std::sync::Arc::clone(sentinels),
+                })
             }
         }
     }

@@ -12,8 +12,9 @@
 //! - a reconnect inside the connection (`ConnectionManager` parks commands while it
 //!   reconnects, and wakes them in no promised order): the batches go on a plain
 //!   multiplexed connection of their own, which never reconnects. When a call on it
-//!   fails, nothing more is sent on it; once every batch in flight on it is answered,
-//!   it is replaced. A command of the old connection that reaches Redis late is a
+//!   fails (or, behind Sentinel, the lock calls' connection moved to another primary),
+//!   nothing more is sent on it from the drainer's next pass; once every batch in
+//!   flight on it is answered, it is replaced. A command of the old connection that reaches Redis late is a
 //!   release (harmless: hold identities are never reused) or an acquisition past its
 //!   deadline, which the scripts refuse;
 //! - redis-rs's `NOSCRIPT` fallback (load the script, send it again, after whatever
@@ -70,7 +71,11 @@ pub(super) async fn drain(mut drainer: Drainer) {
     let mut line = inner.batcher.state().line.take().unwrap_or_default();
     let mut in_flight: FuturesUnordered<Sending> = FuturesUnordered::new();
     loop {
-        if line.is_broken(&inner) && !in_flight.is_empty() {
+        // Decided once a pass: a connection that fails (or is left behind by a move)
+        // between here and the send still carries this pass's batch, behind the ones in
+        // flight on it, and is replaced on the next pass, once they are answered.
+        let broken = line.is_broken(&inner);
+        if broken && !in_flight.is_empty() {
             // Nothing more on a connection that failed: its batches first.
             while in_flight.next().await.is_some() {}
         }
@@ -82,7 +87,7 @@ pub(super) async fn drain(mut drainer: Drainer) {
         match took {
             Took::Idle => return,
             Took::Batch(batch) => {
-                if let Some(sending) = issue(&inner, &mut line, batch).await {
+                if let Some(sending) = issue(&inner, &mut line, batch, broken).await {
                     in_flight.push(sending);
                 }
             }
@@ -146,9 +151,10 @@ impl Line {
     }
 
     /// The connection to send on: the current one, or a new one (with the scripts
-    /// loaded) when there is none or it failed.
-    async fn connection(&mut self, inner: &Inner) -> Result<MultiplexedConnection> {
-        if self.is_broken(inner) {
+    /// loaded) when there is none or `replace` (it was found broken with nothing in
+    /// flight on it).
+    async fn connection(&mut self, inner: &Inner, replace: bool) -> Result<MultiplexedConnection> {
+        if replace {
             self.conn = None;
         }
         let conn = match &self.conn {
@@ -327,9 +333,14 @@ impl Drop for Claimed<'_> {
 
 /// Puts `batch` on the wire: its deadline first, then its command into the
 /// connection's queue, before the drainer takes the next batch. `None` when it was
-/// answered at once (an error before sending).
-async fn issue(inner: &Arc<Inner>, line: &mut Line, batch: Vec<Queued>) -> Option<Sending> {
-    let conn = match line.connection(inner).await {
+/// answered at once (an error before sending). `replace`: see [`Line::connection`].
+async fn issue(
+    inner: &Arc<Inner>,
+    line: &mut Line,
+    batch: Vec<Queued>,
+    replace: bool,
+) -> Option<Sending> {
+    let conn = match line.connection(inner, replace).await {
         Ok(conn) => conn,
         Err(error) => {
             fail(batch, &error);
