@@ -2207,3 +2207,54 @@ async fn a_hold_the_watchdog_gave_up_is_taken_back_in_the_store_postgres() {
         .unwrap();
     a_hold_the_watchdog_gave_up(&faulty(backend.clone()), &backend).await;
 }
+
+/// The same for a renewal the store applied whose answer came only after the lease had
+/// run out by the client's clock: the guard was told its hold is lost, and the late
+/// "renewed" does not bring it back; the store, though, keeps the hold for a lease from
+/// that renewal. It is taken back too. (Renewals' answers are lost until just before
+/// the lease ends, so the one answered late is the last the watchdog sends.)
+#[tokio::test(start_paused = true)]
+async fn a_hold_renewed_only_after_its_lease_ran_out_is_taken_back_in_the_store() {
+    let store = Memory::new();
+    let lease = Duration::from_secs(3);
+    let client = LockClient::builder(store.faulty.clone())
+        .watchdog_lease(lease)
+        .build()
+        .unwrap();
+    let key = key("renewed-too-late");
+    let start = Instant::now();
+    let guard = client.get_lock(&key).unwrap().lock().await.unwrap();
+    let faults = store.faulty.intercept();
+    faults.arm(|f| f.lose_renewal_answers = true);
+    tokio::time::sleep_until(start + lease - lease / 15).await;
+    assert!(!guard.is_lost());
+    let gate = Gate::new();
+    faults.arm(|f| {
+        f.lose_renewal_answers = false;
+        f.hold_next_renewals_reply = Some(gate.clone());
+    });
+    wait_until(lease, "the guard is told its hold is lost", || {
+        let lost = guard.is_lost();
+        async move { lost }
+    })
+    .await;
+    wait_until(
+        lease,
+        "a renewal reached the store, its answer held",
+        || async { faults.held_renewal_replies() == 1 },
+    )
+    .await;
+    assert_eq!(
+        store.holders(&key).await.len(),
+        1,
+        "the renewals kept it there"
+    );
+    gate.open();
+    wait_until(
+        lease / 6,
+        "the lost hold taken back in the store",
+        || async { store.holders(&key).await.is_empty() },
+    )
+    .await;
+    drop(guard);
+}
