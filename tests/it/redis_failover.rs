@@ -33,6 +33,21 @@ fn client(backend: &RedisBackend) -> LockClient {
         .unwrap()
 }
 
+/// A task waiting up to 20 s for `lock`: when it got it, and what it got.
+fn waiter_on(
+    lock: tower_lock::Lock,
+) -> tokio::task::JoinHandle<(
+    tokio::time::Instant,
+    tower_lock::Result<tower_lock::LockGuard>,
+)> {
+    tokio::spawn(async move {
+        let guard = lock
+            .try_lock_for(Duration::from_secs(20), Lease::Watchdog)
+            .await;
+        (tokio::time::Instant::now(), guard)
+    })
+}
+
 /// A failover the Sentinels are asked for: the held lock keeps its holder and its
 /// renewals (which move to the new primary), nobody else gets it meanwhile, the waiter is
 /// woken on the new primary when it is released, and new locks go there.
@@ -67,15 +82,7 @@ async fn the_backend_follows_a_failover_with_its_holds_and_waiters() {
         .lock()
         .await
         .unwrap();
-    let waiter = {
-        let lock = other.get_lock("failover:held").unwrap();
-        tokio::spawn(async move {
-            let guard = lock
-                .try_lock_for(Duration::from_secs(20), Lease::Watchdog)
-                .await;
-            (tokio::time::Instant::now(), guard)
-        })
-    };
+    let waiter = waiter_on(other.get_lock("failover:held").unwrap());
     let new = set.failover().await;
 
     // Two watchdog leases on the new primary: still held, by the same hold.
@@ -281,15 +288,7 @@ async fn a_primary_refusing_writes_for_want_of_replicas_sends_the_backend_to_the
         )
         .await
         .unwrap();
-    let waiter = {
-        let lock = c.get_lock("refused:wait").unwrap();
-        tokio::spawn(async move {
-            let guard = lock
-                .try_lock_for(Duration::from_secs(20), Lease::Watchdog)
-                .await;
-            (tokio::time::Instant::now(), guard)
-        })
-    };
+    let waiter = waiter_on(c.get_lock("refused:wait").unwrap());
     let until = tokio::time::Instant::now() + Duration::from_secs(10);
     let waiting = |channels: Vec<String>| channels.iter().any(|c| c.contains("refused:wait"));
     while !waiting(set.node(new).active_channels().await) {
