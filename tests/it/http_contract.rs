@@ -1409,6 +1409,13 @@ fn with_log<F: std::future::Future<Output = ()>>(
         })
         .finish();
     let _default = tracing::subscriber::set_default(subscriber);
+    // Whether a callsite is enabled is cached once, for every thread. A callsite first
+    // hit on another thread (another test of this binary hitting the same outage
+    // WARN, with no subscriber of its own) while this subscriber was being registered
+    // can store an interest computed without it, and the line never reaches the
+    // capture: `.ci/run` once saw no WARN for five 503s. Computed again with this
+    // subscriber registered.
+    tracing::callsite::rebuild_interest_cache();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
