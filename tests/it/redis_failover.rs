@@ -48,6 +48,26 @@ fn waiter_on(
     })
 }
 
+/// Unlocks `held`, then waits for `waiter` (see [`waiter_on`]) to get the lock and lets
+/// it go: how long after the release the waiter had it.
+async fn released_and_taken(
+    held: tower_lock::LockGuard,
+    waiter: tokio::task::JoinHandle<(
+        tokio::time::Instant,
+        tower_lock::Result<tower_lock::LockGuard>,
+    )>,
+) -> Duration {
+    let released = tokio::time::Instant::now();
+    held.unlock().await.unwrap();
+    let (acquired, taken) = waiter.await.unwrap();
+    taken
+        .expect("the waiter gets the lock")
+        .unlock()
+        .await
+        .unwrap();
+    acquired - released
+}
+
 /// A failover the Sentinels are asked for: the held lock keeps its holder and its
 /// renewals (which move to the new primary), nobody else gets it meanwhile, the waiter is
 /// woken on the new primary when it is released, and new locks go there.
@@ -108,18 +128,10 @@ async fn the_backend_follows_a_failover_with_its_holds_and_waiters() {
         vec![guard.hold_id().as_str()],
         "the new primary has the hold"
     );
-    let released = tokio::time::Instant::now();
-    guard.unlock().await.unwrap();
-    let (acquired, taken) = waiter.await.unwrap();
-    taken
-        .expect("the waiter gets the lock")
-        .unlock()
-        .await
-        .unwrap();
+    let resumed = released_and_taken(guard, waiter).await;
     assert!(
-        acquired - released < Duration::from_millis(3000 + 1000),
-        "the waiter resumed {:?} after the release",
-        acquired - released
+        resumed < Duration::from_millis(3000 + 1000),
+        "the waiter resumed {resumed:?} after the release"
     );
     // New locks go to the new primary.
     other
@@ -299,18 +311,10 @@ async fn a_primary_refusing_writes_for_want_of_replicas_sends_the_backend_to_the
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let released = tokio::time::Instant::now();
-    held.unlock().await.unwrap();
-    let (acquired, taken) = waiter.await.unwrap();
-    taken
-        .expect("the waiter gets the lock")
-        .unlock()
-        .await
-        .unwrap();
+    let resumed = released_and_taken(held, waiter).await;
     assert!(
-        acquired - released < Duration::from_secs(2),
-        "the waiter resumed {:?} after the release",
-        acquired - released
+        resumed < Duration::from_secs(2),
+        "the waiter resumed {resumed:?} after the release"
     );
 }
 
