@@ -1426,6 +1426,171 @@ async fn kept_connections_cut_silently_are_closed_not_given_back() {
     }
 }
 
+/// Found following the listener-cut test below, which took up to 10 s to get a lock
+/// after a cut: a silent cut kills every idle connection of the pool at once, and
+/// each one cost the statement that met it a response timeout, one failed call after
+/// another (and a waiter's backoff between them) until the pool had met them all. A
+/// statement that gets no answer now has every idle connection (the pool's and the
+/// kept ones) pinged at once within the response timeout, and the silent ones closed:
+/// one failed call, whatever the pool's size, with the pool's own test before each
+/// statement or without. The response timeout is a second: this machine's disk holds a
+/// commit up to a few hundred milliseconds at times, which is a slow server, not a cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_statement_meeting_a_silent_cut_clears_every_dead_idle_connection() {
+    const POOL: u32 = 8;
+    let db = PgDatabase::create().await;
+    for (test_before_acquire, kept) in [(false, 0), (true, 2)] {
+        let proxy = common::redis_server::FreezableProxy::start(5432).await;
+        let through = common::postgres::with_database(
+            &common::postgres::admin_url()
+                .replace("127.0.0.1:5432", &format!("127.0.0.1:{}", proxy.port)),
+            &db.name,
+        );
+        let pool = PgPoolOptions::new()
+            .max_connections(POOL)
+            .test_before_acquire(test_before_acquire)
+            .acquire_timeout(Duration::from_secs(2))
+            .connect(&through)
+            .await
+            .unwrap();
+        let backend = PostgresBackend::builder(pool.clone())
+            .response_timeout(Duration::from_secs(1))
+            .kept_connections(kept)
+            .build()
+            .await
+            .unwrap();
+        let client = LockClient::new(backend);
+        let mut name = 0;
+        let mut cycle = async || -> tower_lock::Result<()> {
+            name += 1;
+            let lock = client.get_lock(format!("regress:idle:{name}")).unwrap();
+            lock.try_lock().await?.unlock().await
+        };
+        cycle().await.unwrap();
+        // Every connection the pool may open, open and idle (but for the one the
+        // backend may keep).
+        let all = futures_util::future::join_all(
+            (0..POOL).map(|_| tokio::time::timeout(Duration::from_millis(500), pool.acquire())),
+        )
+        .await;
+        drop(all);
+        common::wait_until(Duration::from_secs(5), "every connection idle", || async {
+            pool.size() == POOL && pool.num_idle() >= POOL as usize - 1
+        })
+        .await;
+        proxy.freeze_existing();
+        let cut_at = Instant::now();
+        let (mut failed, mut in_a_row) = (0, 0);
+        while in_a_row < 3 {
+            assert!(
+                cut_at.elapsed() < Duration::from_secs(15),
+                "test before acquire {test_before_acquire}, {kept} kept: locks still \
+                 fail {:?} after the cut, {failed} failed calls",
+                cut_at.elapsed()
+            );
+            match cycle().await {
+                Ok(()) => in_a_row += 1,
+                Err(error) => {
+                    assert!(error.is_unavailable(), "{error:?}");
+                    failed += 1;
+                    in_a_row = 0;
+                }
+            }
+        }
+        assert!(
+            failed <= 1,
+            "test before acquire {test_before_acquire}, {kept} kept: {failed} calls \
+             failed after the cut, each on a dead idle connection"
+        );
+        drop(client);
+    }
+}
+
+/// The same, with every session of the pool ended by the server (as a restart or an
+/// administrator's `pg_terminate_backend` ends them): each idle connection failed the
+/// statement that met it, at once, one failed call after another. Now the first
+/// failure has the others checked, and they are all replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_ended_by_the_server_cost_one_failed_call_not_one_each() {
+    const POOL: u32 = 8;
+    let db = PgDatabase::create().await;
+    let admin = db.pool(1).await;
+    for (test_before_acquire, kept) in [(false, 0), (false, 2)] {
+        let app = format!("tl-ended-{kept}");
+        let options: PgConnectOptions = db
+            .url
+            .parse::<PgConnectOptions>()
+            .unwrap()
+            .application_name(&app);
+        let pool = PgPoolOptions::new()
+            .max_connections(POOL)
+            .test_before_acquire(test_before_acquire)
+            .acquire_timeout(Duration::from_secs(2))
+            .connect_with(options)
+            .await
+            .unwrap();
+        let backend = PostgresBackend::builder(pool.clone())
+            .response_timeout(Duration::from_secs(1))
+            .kept_connections(kept)
+            .build()
+            .await
+            .unwrap();
+        let client = LockClient::new(backend);
+        let mut name = 0;
+        let mut cycle = async || -> tower_lock::Result<()> {
+            name += 1;
+            let lock = client
+                .get_lock(format!("regress:ended:{kept}:{name}"))
+                .unwrap();
+            lock.try_lock().await?.unlock().await
+        };
+        cycle().await.unwrap();
+        let all = futures_util::future::join_all(
+            (0..POOL).map(|_| tokio::time::timeout(Duration::from_millis(500), pool.acquire())),
+        )
+        .await;
+        drop(all);
+        common::wait_until(Duration::from_secs(5), "every connection idle", || async {
+            pool.size() == POOL && pool.num_idle() >= POOL as usize - 1
+        })
+        .await;
+        let ended: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+              WHERE application_name = $1) t",
+        )
+        .bind(&app)
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+        // The pool's, and the listening connection (made with the same options).
+        assert!(ended > i64::from(POOL), "{ended} sessions ended");
+        let ended_at = Instant::now();
+        let (mut failed, mut in_a_row) = (0, 0);
+        while in_a_row < 3 {
+            assert!(
+                ended_at.elapsed() < Duration::from_secs(15),
+                "{kept} kept: locks still fail {:?} after the sessions ended, {failed} \
+                 failed calls",
+                ended_at.elapsed()
+            );
+            match cycle().await {
+                Ok(()) => in_a_row += 1,
+                Err(error) => {
+                    assert!(error.is_unavailable(), "{error:?}");
+                    failed += 1;
+                    in_a_row = 0;
+                }
+            }
+        }
+        assert!(
+            failed <= 1,
+            "{kept} kept: {failed} calls failed after the sessions ended, each on a dead \
+             idle connection"
+        );
+        drop(client);
+    }
+}
+
 /// Found probing the listening connection after the fixes above: cut without a word, it
 /// never failed (`PgListener` waits for the next message for ever), so releases by
 /// other processes went unheard and each waiter slept out its holder's lease. The

@@ -16,8 +16,17 @@
 //! cancelled caller) is closed instead, and the pool opens another when it needs one;
 //! and a kept connection goes back to the pool only after answering a ping within the
 //! response timeout, or is closed.
+//!
+//! A cut or a failover takes every connection at once, and the pool hands out its idle
+//! ones untested (`test_before_acquire(false)`), or tests them with no bound: each dead
+//! one cost the statement that met it a failed call (a response timeout, when the cut
+//! was silent), one after the other until the pool had met them all. So a statement
+//! that meets a dead connection has every idle connection, the pool's and the kept
+//! ones, taken at once and pinged together in a task ([`Kept::check_idle`]): the next
+//! statements open fresh connections, and the ones that answer go back to the pool.
 
-use std::sync::{Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use sqlx::pool::PoolConnection;
@@ -35,6 +44,8 @@ pub(super) struct Kept {
     cap: usize,
     /// How long a kept connection has to answer a ping before it goes back to the pool.
     ping_within: Duration,
+    /// Set while [`check_idle`](Self::check_idle) pings what it took.
+    checking: AtomicBool,
 }
 
 impl Kept {
@@ -46,6 +57,7 @@ impl Kept {
             idle: Mutex::new(Vec::with_capacity(cap)),
             cap,
             ping_within,
+            checking: AtomicBool::new(false),
         }
     }
 
@@ -76,12 +88,44 @@ impl Kept {
         Ok(out)
     }
 
+    /// After a statement met a dead connection (no answer within the response timeout,
+    /// or the connection's end): takes every idle connection, kept or in `pool`, so the
+    /// next statements open fresh ones, and gives back in a task the ones that answer a
+    /// ping within the response timeout, all pinged at once; closes the others. One
+    /// check at a time: a statement that fails while one runs starts none.
+    pub(super) fn check_idle(self: &Arc<Self>, pool: &PgPool) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.checking.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let mut idle =
+            std::mem::take(&mut *self.idle.lock().unwrap_or_else(PoisonError::into_inner));
+        // Bounded: the ones taken stay out of the pool until the task gives them back.
+        for _ in 0..pool.num_idle() {
+            let Some(conn) = pool.try_acquire() else {
+                break;
+            };
+            idle.push((conn, Instant::now()));
+        }
+        /// Ends the check however its task ends.
+        struct Checking(Arc<Kept>);
+        impl Drop for Checking {
+            fn drop(&mut self) {
+                self.0.checking.store(false, Ordering::Release);
+            }
+        }
+        let checking = Checking(Arc::clone(self));
+        runtime.spawn(async move {
+            checking.0.give_back(idle).await;
+            drop(checking);
+        });
+    }
+
     /// Gives back to the pool every connection idle for longer than [`IDLE_MAX`], every
     /// [`IDLE_MAX`], until `stop` (the backend's end).
-    pub(super) async fn sweep_until(
-        self: std::sync::Arc<Self>,
-        stop: tokio_util::sync::CancellationToken,
-    ) {
+    pub(super) async fn sweep_until(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
         let mut tick = tokio::time::interval(IDLE_MAX);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -105,14 +149,16 @@ impl Kept {
     }
 
     /// Gives `conns` back to the pool, each once it has answered a ping within
-    /// `ping_within`; closes the others.
+    /// `ping_within` (all pinged at once); closes the others.
     async fn give_back(&self, conns: Vec<(PoolConnection<Postgres>, Instant)>) {
-        for (mut conn, _) in conns {
-            let answered = tokio::time::timeout(self.ping_within, conn.ping()).await;
+        let within = self.ping_within;
+        futures_util::future::join_all(conns.into_iter().map(async |(mut conn, _)| {
+            let answered = tokio::time::timeout(within, conn.ping()).await;
             if !matches!(answered, Ok(Ok(()))) {
                 drop(conn.detach());
             }
-        }
+        }))
+        .await;
     }
 
     /// The kept connection used last, if that was within [`IDLE_MAX`]. Older ones
@@ -125,11 +171,13 @@ impl Kept {
         }
     }
 
-    /// Keeps `conn` if there is room; else it goes back to the pool (outside the lock),
-    /// which pings it at once: it has just answered.
+    /// Keeps `conn` if there is room, and no check runs (which holds the pool's idle
+    /// connections: one kept then could leave the pool none to give); else it goes
+    /// back to the pool (outside the lock), which pings it at once: it has just
+    /// answered.
     fn put(&self, conn: PoolConnection<Postgres>) {
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        if idle.len() < self.cap {
+        if idle.len() < self.cap && !self.checking.load(Ordering::Acquire) {
             idle.push((conn, Instant::now()));
             return;
         }

@@ -593,6 +593,17 @@ fn validate_identifier(name: &'static str, value: &str) -> Result<()> {
     }
 }
 
+/// Whether `error` says the connection it came on is gone (its socket failed, or the
+/// server is ending its sessions: SQLSTATE class 57P, a shutdown or a crash): the
+/// connections idle beside it likely are too.
+fn connection_lost(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_) => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| code.starts_with("57P")),
+        _ => false,
+    }
+}
+
 /// sqlx's error → the crate's, the `sqlx::Error` as the source. A store set up wrong
 /// is a misconfiguration, which fails closed: undefined objects, syntax, permissions
 /// (SQLSTATE classes 42, 28), a schema that is not there (3F), an isolation level the

@@ -7,7 +7,7 @@ use std::time::Duration;
 use sqlx::postgres::PgConnection;
 
 use super::listener::{Slot, waiters_of};
-use super::{PostgresBackend, batch, map_error};
+use super::{PostgresBackend, batch, connection_lost, map_error};
 use crate::backend::{
     Acquire, FencingToken, Grant, HoldInfo, LockMode, LockRequest, LockState, Release, Stored,
     WaiterScope, Waiters, queued,
@@ -146,31 +146,36 @@ impl PostgresBackend {
         fill(body, &self.inner.qualified, &self.inner.statements.wait_ms)
     }
 
-    /// Runs `call` within the response timeout.
-    pub(super) async fn timed<T>(
-        &self,
-        call: impl Future<Output = Result<T, sqlx::Error>>,
-    ) -> Result<T> {
-        match tokio::time::timeout(self.inner.response_timeout, call).await {
-            Ok(result) => result.map_err(map_error),
-            Err(_) => Err(Error::store(
-                StoreErrorKind::Unavailable,
-                format!(
-                    "PostgreSQL did not answer within {:?}",
-                    self.inner.response_timeout
-                ),
-            )),
-        }
-    }
-
     /// Runs `run` on one of the backend's connections (a kept one, or one of the
     /// pool's) within the response timeout: see [`Kept::run`](super::conns::Kept::run)
     /// for what becomes of the connection, closed if the timeout ends the statement.
+    /// A connection found dead (no answer, or its end) has every idle one checked
+    /// ([`Kept::check_idle`](super::conns::Kept::check_idle)).
     pub(super) async fn on_connection<T>(
         &self,
         run: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
     ) -> Result<T> {
-        self.timed(self.inner.kept.run(&self.inner.pool, run)).await
+        let inner = &*self.inner;
+        let ran = tokio::time::timeout(inner.response_timeout, inner.kept.run(&inner.pool, run));
+        match ran.await {
+            Ok(Ok(out)) => Ok(out),
+            Ok(Err(error)) => {
+                if connection_lost(&error) {
+                    inner.kept.check_idle(&inner.pool);
+                }
+                Err(map_error(error))
+            }
+            Err(_) => {
+                inner.kept.check_idle(&inner.pool);
+                Err(Error::store(
+                    StoreErrorKind::Unavailable,
+                    format!(
+                        "PostgreSQL did not answer within {:?}",
+                        inner.response_timeout
+                    ),
+                ))
+            }
+        }
     }
 
     /// The deadline, on the database's clock in microseconds, of an attempt sent now:
