@@ -18,12 +18,14 @@
 //! response timeout, or is closed.
 //!
 //! A cut or a failover takes every connection at once, and the pool hands out its idle
-//! ones untested (`test_before_acquire(false)`), or tests them with no bound: each dead
-//! one cost the statement that met it a failed call (a response timeout, when the cut
-//! was silent), one after the other until the pool had met them all. So a statement
-//! that meets a dead connection has every idle connection, the pool's and the kept
-//! ones, taken at once and pinged together in a task ([`Kept::check_idle`]): the next
-//! statements open fresh connections, and the ones that answer go back to the pool.
+//! ones untested (`test_before_acquire(false)`), or tests them within its acquire
+//! timeout only: each dead one cost the statement that met it a failed call (a
+//! response timeout, when the cut was silent), one after the other until the pool had
+//! met them all. So a statement that meets a dead connection has every idle
+//! connection, the pool's and the kept ones, taken at once and pinged together in a
+//! task ([`Kept::check_idle`]): the next statements open fresh connections, and the
+//! ones that answer go back to the pool (whose own ping on taking a connection back
+//! has no bound: a cut landing between the two holds that place, as before).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -97,9 +99,17 @@ impl Kept {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
+        /// Ends the check however it ends.
+        struct Checking(Arc<Kept>);
+        impl Drop for Checking {
+            fn drop(&mut self) {
+                self.0.checking.store(false, Ordering::Release);
+            }
+        }
         if self.checking.swap(true, Ordering::AcqRel) {
             return;
         }
+        let checking = Checking(Arc::clone(self));
         let mut idle =
             std::mem::take(&mut *self.idle.lock().unwrap_or_else(PoisonError::into_inner));
         // Bounded: the ones taken stay out of the pool until the task gives them back.
@@ -109,14 +119,6 @@ impl Kept {
             };
             idle.push((conn, Instant::now()));
         }
-        /// Ends the check however its task ends.
-        struct Checking(Arc<Kept>);
-        impl Drop for Checking {
-            fn drop(&mut self) {
-                self.0.checking.store(false, Ordering::Release);
-            }
-        }
-        let checking = Checking(Arc::clone(self));
         runtime.spawn(async move {
             checking.0.give_back(idle).await;
             drop(checking);

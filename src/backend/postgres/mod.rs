@@ -594,11 +594,13 @@ fn validate_identifier(name: &'static str, value: &str) -> Result<()> {
 }
 
 /// Whether `error` says the connection it came on is gone (its socket failed, or the
-/// server is ending its sessions: SQLSTATE class 57P, a shutdown or a crash): the
-/// connections idle beside it likely are too.
+/// server is ending its sessions: SQLSTATE class 57P, a shutdown or a crash), or may
+/// be (the pool timed out handing one out: with its test before acquire, that is a
+/// dead idle connection's ping, unanswered): the connections idle beside it likely
+/// are too.
 fn connection_lost(error: &sqlx::Error) -> bool {
     match error {
-        sqlx::Error::Io(_) => true,
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut => true,
         sqlx::Error::Database(db) => db.code().is_some_and(|code| code.starts_with("57P")),
         _ => false,
     }
