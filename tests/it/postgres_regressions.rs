@@ -548,6 +548,7 @@ async fn a_migration_of_existing_tables_sends_no_notices() {
         .unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
     let subscriber = tracing_subscriber::registry().with(Notices(Arc::clone(&seen)));
+    crate::common::log_capture_sees_every_callsite();
     let _default = tracing::subscriber::set_default(subscriber);
     PostgresBackend::migrate(&pool, "public", "tower_lock")
         .await

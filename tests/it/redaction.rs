@@ -47,6 +47,7 @@ fn redacted_keys_never_reach_spans_or_events() {
             move || captured.clone()
         })
         .finish();
+    crate::common::log_capture_sees_every_callsite();
     let _default = tracing::subscriber::set_default(subscriber);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

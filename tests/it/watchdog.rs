@@ -188,6 +188,7 @@ async fn a_lost_lock_is_logged_with_the_hold_id_the_store_shows() {
     }
 
     let seen = Arc::new(Mutex::new(Vec::new()));
+    crate::common::log_capture_sees_every_callsite();
     let _default = tracing::subscriber::set_default(
         tracing_subscriber::registry().with(Errors(Arc::clone(&seen))),
     );

@@ -1308,6 +1308,7 @@ pub async fn run<F: Fixture>(fx: &F, history: &History) -> Outcome {
     SpinBreaker::quiet_panics();
     let spin = SpinBreaker::default();
     // This thread runs the runtime (current-thread): every task's events come here.
+    super::log_capture_sees_every_callsite();
     let _default = tracing::subscriber::set_default(spin.clone());
     let activity = fx.nemesis().map(|n| Activity {
         bound: n.residue_bound(),

@@ -22,6 +22,18 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+/// Call before `tracing::subscriber::set_default` in a test that captures a log. Whether
+/// a callsite is enabled is decided once, for every thread, and while a single
+/// subscriber is registered tracing-core decides with the subscriber of the thread that
+/// hits the callsite first: another test of this binary hitting it first, with no
+/// subscriber, made the line silent for the capture (`.ci/run` saw no WARN for five
+/// 503s, twice). With a second subscriber registered for the binary's life it decides
+/// over every registered subscriber, the capture's included.
+pub fn log_capture_sees_every_callsite() {
+    static SECOND: std::sync::OnceLock<tracing::Dispatch> = std::sync::OnceLock::new();
+    SECOND.get_or_init(|| tracing::Dispatch::new(tracing::subscriber::NoSubscriber::default()));
+}
+
 /// Polls `cond` every few milliseconds until it holds or `within` has passed; panics
 /// with `what` on timeout. The way to wait for an outcome without sleeping and hoping.
 pub async fn wait_until<F, Fut>(within: Duration, what: &str, mut cond: F)
