@@ -240,6 +240,49 @@ async fn a_waiter_gets_the_lock_across_a_server_restart() {
     drop(server);
 }
 
+/// Found with the idle check (`postgres_regressions.rs`,
+/// `connections_ended_under_the_pool_cost_one_failed_call_not_one_each`), for the fault it
+/// is for: a crash and restart leaves every idle connection of the pool dead, their
+/// sockets closed with no word from the server. The first lock call after the restart
+/// fails; the others go through new connections, not one failed call per dead one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_server_crash_one_failed_call_clears_every_dead_idle_connection() {
+    const POOL: u32 = 8;
+    let Some(server) = tokio::task::spawn_blocking(PgServer::start).await.unwrap() else {
+        eprintln!("skipped: no PostgreSQL server binaries (.ci/run installs them)");
+        return;
+    };
+    let url = server.url();
+    let pool = PgPoolOptions::new()
+        .max_connections(POOL)
+        .test_before_acquire(false)
+        .acquire_timeout(Duration::from_secs(4))
+        .connect(&url)
+        .await
+        .unwrap();
+    let mut cycle =
+        common::postgres::lock_cycles(&pool, Duration::from_secs(2), 0, "faults:crash").await;
+    cycle().await.unwrap();
+    common::postgres::every_connection_idle(&pool, POOL).await;
+    let server = restarted(server).await;
+    wait_until(
+        Duration::from_secs(30),
+        "the server takes sessions again",
+        || async {
+            use sqlx::Connection;
+            sqlx::PgConnection::connect(&url).await.is_ok()
+        },
+    )
+    .await;
+    let failed =
+        common::postgres::failed_before_three_in_a_row(Duration::from_secs(15), cycle).await;
+    assert!(
+        failed <= 1,
+        "{failed} calls failed after the restart, each on a dead idle connection"
+    );
+    drop(server);
+}
+
 /// Releases `guard`'s hold through the backend (the guard itself is consumed by unlock,
 /// which cannot be retried).
 async fn guard_release(

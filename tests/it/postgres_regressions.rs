@@ -1462,73 +1462,38 @@ async fn one_statement_meeting_a_silent_cut_clears_every_dead_idle_connection() 
             .connect(&through)
             .await
             .unwrap();
-        let backend = PostgresBackend::builder(pool.clone())
-            .response_timeout(RESPONSE)
-            .kept_connections(kept)
-            .build()
-            .await
-            .unwrap();
-        let client = LockClient::new(backend);
-        let mut name = 0;
-        let mut cycle = async || -> tower_lock::Result<()> {
-            name += 1;
-            let lock = client.get_lock(format!("regress:idle:{name}")).unwrap();
-            lock.try_lock().await?.unlock().await
-        };
+        let mut cycle = common::postgres::lock_cycles(&pool, RESPONSE, kept, "regress:idle").await;
         cycle().await.unwrap();
-        // Every connection the pool may open, open and idle (but for the one the
-        // backend may keep).
-        let all = futures_util::future::join_all(
-            (0..POOL).map(|_| tokio::time::timeout(Duration::from_millis(500), pool.acquire())),
-        )
-        .await;
-        drop(all);
-        common::wait_until(Duration::from_secs(5), "every connection idle", || async {
-            pool.size() == POOL && pool.num_idle() >= POOL as usize - 1
-        })
-        .await;
+        common::postgres::every_connection_idle(&pool, POOL).await;
         proxy.freeze_existing();
-        let cut_at = Instant::now();
-        let (mut failed, mut in_a_row) = (0, 0);
-        while in_a_row < 3 {
-            assert!(
-                cut_at.elapsed() < Duration::from_secs(30),
-                "test before acquire {test_before_acquire}, {kept} kept: locks still \
-                 fail {:?} after the cut, {failed} failed calls",
-                cut_at.elapsed()
-            );
-            match cycle().await {
-                Ok(()) => in_a_row += 1,
-                Err(error) => {
-                    assert!(error.is_unavailable(), "{error:?}");
-                    failed += 1;
-                    in_a_row = 0;
-                }
-            }
-        }
+        let failed =
+            common::postgres::failed_before_three_in_a_row(Duration::from_secs(30), cycle).await;
         assert!(
             failed <= 1,
             "test before acquire {test_before_acquire}, {kept} kept, acquire timeout \
              {acquire:?}: {failed} calls failed after the cut, each on a dead idle \
              connection"
         );
-        drop(client);
     }
 }
 
-/// The same, with every session of the pool ended by the server (as a restart or an
-/// administrator's `pg_terminate_backend` ends them): each idle connection failed the
-/// statement that met it, at once, one failed call after another. Now the first
-/// failure has the others checked, and they are all replaced.
+/// The same, with every connection of the pool ended under it: its sessions ended by
+/// the server (as an administrator's `pg_terminate_backend` or a crash ends them, with
+/// a `57P01` each), or its sockets reset on the way (a middlebox or a lost host: an I/O
+/// error each). Each idle connection failed the statement that met it, at once, one
+/// failed call after another. Now the first failure has the others checked, and they
+/// are all replaced.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sessions_ended_by_the_server_cost_one_failed_call_not_one_each() {
+async fn connections_ended_under_the_pool_cost_one_failed_call_not_one_each() {
     const POOL: u32 = 8;
     let db = PgDatabase::create().await;
     let admin = db.pool(1).await;
-    for kept in [0, 2] {
-        let app = format!("tl-ended-{kept}");
+    for (reset, kept) in [(false, 0), (false, 2), (true, 0)] {
+        let proxy = common::proxy::FaultProxy::start(([127, 0, 0, 1], 5432).into()).await;
+        let app = format!("tl-ended-{reset}-{kept}");
         let options: PgConnectOptions = db
             .url
+            .replace("127.0.0.1:5432", &format!("127.0.0.1:{}", proxy.port()))
             .parse::<PgConnectOptions>()
             .unwrap()
             .application_name(&app);
@@ -1541,66 +1506,34 @@ async fn sessions_ended_by_the_server_cost_one_failed_call_not_one_each() {
             .connect_with(options)
             .await
             .unwrap();
-        let backend = PostgresBackend::builder(pool.clone())
-            .response_timeout(Duration::from_secs(2))
-            .kept_connections(kept)
-            .build()
+        let prefix = format!("regress:ended:{reset}:{kept}");
+        let mut cycle =
+            common::postgres::lock_cycles(&pool, Duration::from_secs(2), kept, &prefix).await;
+        cycle().await.unwrap();
+        common::postgres::every_connection_idle(&pool, POOL).await;
+        if reset {
+            proxy.cut();
+        } else {
+            let ended: i64 = sqlx::query_scalar(
+                // With a timeout: returns once each session has ended, not when signalled.
+                "SELECT count(*) FILTER (WHERE ended) FROM \
+                   (SELECT pg_terminate_backend(pid, 5000) AS ended \
+                      FROM pg_stat_activity WHERE application_name = $1) t",
+            )
+            .bind(&app)
+            .fetch_one(&admin)
             .await
             .unwrap();
-        let client = LockClient::new(backend);
-        let mut name = 0;
-        let mut cycle = async || -> tower_lock::Result<()> {
-            name += 1;
-            let lock = client
-                .get_lock(format!("regress:ended:{kept}:{name}"))
-                .unwrap();
-            lock.try_lock().await?.unlock().await
-        };
-        cycle().await.unwrap();
-        let all = futures_util::future::join_all(
-            (0..POOL).map(|_| tokio::time::timeout(Duration::from_millis(500), pool.acquire())),
-        )
-        .await;
-        drop(all);
-        common::wait_until(Duration::from_secs(5), "every connection idle", || async {
-            pool.size() == POOL && pool.num_idle() >= POOL as usize - 1
-        })
-        .await;
-        let ended: i64 = sqlx::query_scalar(
-            // With a timeout: returns once each session has ended, not when signalled.
-            "SELECT count(*) FILTER (WHERE ended) FROM (SELECT pg_terminate_backend(pid, 5000) \
-               AS ended FROM pg_stat_activity WHERE application_name = $1) t",
-        )
-        .bind(&app)
-        .fetch_one(&admin)
-        .await
-        .unwrap();
-        // The pool's, and the listening connection (made with the same options).
-        assert!(ended > i64::from(POOL), "{ended} sessions ended");
-        let ended_at = Instant::now();
-        let (mut failed, mut in_a_row) = (0, 0);
-        while in_a_row < 3 {
-            assert!(
-                ended_at.elapsed() < Duration::from_secs(15),
-                "{kept} kept: locks still fail {:?} after the sessions ended, {failed} \
-                 failed calls",
-                ended_at.elapsed()
-            );
-            match cycle().await {
-                Ok(()) => in_a_row += 1,
-                Err(error) => {
-                    assert!(error.is_unavailable(), "{error:?}");
-                    failed += 1;
-                    in_a_row = 0;
-                }
-            }
+            // The pool's, and the listening connection (made with the same options).
+            assert!(ended > i64::from(POOL), "{ended} sessions ended");
         }
+        let failed =
+            common::postgres::failed_before_three_in_a_row(Duration::from_secs(15), cycle).await;
         assert!(
             failed <= 1,
-            "{kept} kept: {failed} calls failed after the sessions ended, each on a dead \
+            "reset {reset}, {kept} kept: {failed} calls failed after the sessions ended, each on a dead \
              idle connection"
         );
-        drop(client);
     }
 }
 

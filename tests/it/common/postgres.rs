@@ -66,6 +66,71 @@ pub async fn wait_until_wanted(pool: &PgPool, name: &str) {
     .await;
 }
 
+/// A lock cycle (take a lock, release it) on a fresh name under `prefix` at each call,
+/// through a backend on `pool` with `response` as its response timeout and `kept`
+/// connections kept.
+pub async fn lock_cycles(
+    pool: &PgPool,
+    response: Duration,
+    kept: usize,
+    prefix: &str,
+) -> impl AsyncFnMut() -> tower_lock::Result<()> {
+    let backend = PostgresBackend::builder(pool.clone())
+        .response_timeout(response)
+        .kept_connections(kept)
+        .build()
+        .await
+        .unwrap();
+    let client = tower_lock::LockClient::new(backend);
+    let prefix = prefix.to_owned();
+    let mut name = 0;
+    async move || {
+        name += 1;
+        let lock = client.get_lock(format!("{prefix}:{name}")).unwrap();
+        lock.try_lock().await?.unlock().await
+    }
+}
+
+/// Opens every connection `pool` may have (`max`) and waits until they are idle, but
+/// for one a backend may keep.
+pub async fn every_connection_idle(pool: &PgPool, max: u32) {
+    let all = futures_util::future::join_all(
+        (0..max).map(|_| tokio::time::timeout(Duration::from_millis(500), pool.acquire())),
+    )
+    .await;
+    drop(all);
+    super::wait_until(Duration::from_secs(5), "every connection idle", || async {
+        pool.size() == max && pool.num_idle() >= max as usize - 1
+    })
+    .await;
+}
+
+/// Runs `cycle` until it succeeds three times in a row, within `within`; how many times
+/// it failed (each an outage) before.
+pub async fn failed_before_three_in_a_row(
+    within: Duration,
+    mut cycle: impl AsyncFnMut() -> tower_lock::Result<()>,
+) -> usize {
+    let started = tokio::time::Instant::now();
+    let (mut failed, mut in_a_row) = (0, 0);
+    while in_a_row < 3 {
+        assert!(
+            started.elapsed() < within,
+            "locks still fail {:?} on, {failed} failed calls",
+            started.elapsed()
+        );
+        match cycle().await {
+            Ok(()) => in_a_row += 1,
+            Err(error) => {
+                assert!(error.is_unavailable(), "{error:?}");
+                failed += 1;
+                in_a_row = 0;
+            }
+        }
+    }
+    failed
+}
+
 pub struct PgDatabase {
     pub name: String,
     pub url: String,
