@@ -98,11 +98,7 @@ async fn killing_the_holders_connections_keeps_a_watched_lock() {
 async fn a_holder_cut_off_loses_its_lock_before_anyone_else_gets_it() {
     let db = PgDatabase::create().await;
     let proxy = FreezableProxy::start(5432).await;
-    let through = common::postgres::with_database(
-        &common::postgres::admin_url()
-            .replace("127.0.0.1:5432", &format!("127.0.0.1:{}", proxy.port)),
-        &db.name,
-    );
+    let through = db.url_through(proxy.port);
     let holder = backend(&through, "tl-cut", Duration::from_millis(200)).await;
     let other = backend(&db.url, "tl-other", Duration::from_secs(1)).await;
     let lease = Duration::from_millis(900);

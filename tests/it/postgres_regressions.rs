@@ -1280,11 +1280,7 @@ async fn through_a_proxy(
     kept: usize,
 ) -> (common::redis_server::FreezableProxy, PostgresBackend) {
     let proxy = common::redis_server::FreezableProxy::start(5432).await;
-    let through = common::postgres::with_database(
-        &common::postgres::admin_url()
-            .replace("127.0.0.1:5432", &format!("127.0.0.1:{}", proxy.port)),
-        &db.name,
-    );
+    let through = db.url_through(proxy.port);
     let pool = PgPoolOptions::new()
         .max_connections(3)
         .acquire_timeout(Duration::from_secs(2))
@@ -1450,11 +1446,7 @@ async fn one_statement_meeting_a_silent_cut_clears_every_dead_idle_connection() 
         (true, 0, RESPONSE),
     ] {
         let proxy = common::redis_server::FreezableProxy::start(5432).await;
-        let through = common::postgres::with_database(
-            &common::postgres::admin_url()
-                .replace("127.0.0.1:5432", &format!("127.0.0.1:{}", proxy.port)),
-            &db.name,
-        );
+        let through = db.url_through(proxy.port);
         let pool = PgPoolOptions::new()
             .max_connections(POOL)
             .test_before_acquire(test_before_acquire)
@@ -1492,8 +1484,7 @@ async fn connections_ended_under_the_pool_cost_one_failed_call_not_one_each() {
         let proxy = common::proxy::FaultProxy::start(([127, 0, 0, 1], 5432).into()).await;
         let app = format!("tl-ended-{reset}-{kept}");
         let options: PgConnectOptions = db
-            .url
-            .replace("127.0.0.1:5432", &format!("127.0.0.1:{}", proxy.port()))
+            .url_through(proxy.port())
             .parse::<PgConnectOptions>()
             .unwrap()
             .application_name(&app);

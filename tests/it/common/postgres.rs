@@ -164,6 +164,12 @@ impl PgDatabase {
         PgDatabase { name, url }
     }
 
+    /// The URL of this database through a proxy on `port` in front of the server.
+    pub fn url_through(&self, port: u16) -> String {
+        self.url
+            .replace("127.0.0.1:5432", &format!("127.0.0.1:{port}"))
+    }
+
     /// A pool on this database.
     pub async fn pool(&self, max: u32) -> PgPool {
         PgPoolOptions::new()
