@@ -37,6 +37,7 @@ use axum::extract::Path;
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use bytes::Bytes;
+use common::log::with_log;
 use common::{Server, serve, wait_until};
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Empty, Full};
@@ -1361,61 +1362,6 @@ fn outcomes_are_counted_by_layer_and_blame_the_right_side() {
 // ---------------------------------------------------------------------------------------
 // 9. What an operator sees: the log of an outage and of a wiring mistake
 // ---------------------------------------------------------------------------------------
-
-/// A log written to memory.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Captured {
-    /// The lines at `level` (`WARN`, ...) that contain `text`.
-    fn lines(&self, level: &str, text: &str) -> Vec<String> {
-        let log = self.0.lock().unwrap().clone();
-        String::from_utf8(log)
-            .unwrap()
-            .lines()
-            .filter(|l| l.split_whitespace().next() == Some(level) && l.contains(text))
-            .map(str::to_owned)
-            .collect()
-    }
-}
-
-/// Runs `test` on a current-thread runtime (so that every event is on this thread, and
-/// time can jump) with a log at `level` captured.
-fn with_log<F: std::future::Future<Output = ()>>(
-    level: tracing::Level,
-    test: impl FnOnce(Captured) -> F,
-) {
-    let captured = Captured::default();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(level)
-        .with_ansi(false)
-        .without_time()
-        .with_writer({
-            let captured = captured.clone();
-            move || captured.clone()
-        })
-        .finish();
-    common::log_capture_sees_every_callsite();
-    let _default = tracing::subscriber::set_default(subscriber);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(test(captured));
-}
 
 /// The capture's own flake, found when `.ci/run` saw no WARN for five 503s a second
 /// time: while one subscriber is live, tracing-core decides whether a callsite is

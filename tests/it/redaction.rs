@@ -4,11 +4,10 @@
 
 use crate::common;
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::log::Captured;
 use common::redis_server::RedisServer;
 use http::Request;
 use http_body_util::Full;
@@ -18,22 +17,6 @@ use tower_lock::{Error, LockClient, LockKey, RedisBackend};
 use tracing_subscriber::fmt::format::FmtSpan;
 
 const SECRET: &str = "alice@example.com";
-
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 #[test]
 fn redacted_keys_never_reach_spans_or_events() {

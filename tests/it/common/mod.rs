@@ -9,6 +9,7 @@
 
 pub mod history;
 pub mod kinds;
+pub mod log;
 pub mod nemesis;
 #[cfg(feature = "postgres")]
 pub mod postgres;
