@@ -191,6 +191,11 @@ impl Error {
         matches!(self, Error::Store(error) if error.is_connection_lost())
     }
 
+    /// Whether the operation never reached the store: see [`StoreError::not_sent`].
+    pub(crate) fn is_not_sent(&self) -> bool {
+        matches!(self, Error::Store(error) if error.is_not_sent())
+    }
+
     /// The same error again, for each of several operations that failed together (a
     /// batch of renewals): every variant's data is cloneable, a store error's source
     /// shared.
@@ -307,6 +312,7 @@ pub struct StoreError {
     message: String,
     source: Option<Arc<dyn std::error::Error + Send + Sync + 'static>>,
     connection_lost: bool,
+    not_sent: bool,
 }
 
 impl StoreError {
@@ -319,6 +325,7 @@ impl StoreError {
             message: source.to_string(),
             source: Some(Arc::from(source)),
             connection_lost: false,
+            not_sent: false,
         }
     }
 
@@ -330,6 +337,7 @@ impl StoreError {
             message: message.into(),
             source: None,
             connection_lost: false,
+            not_sent: false,
         }
     }
 
@@ -341,6 +349,21 @@ impl StoreError {
     pub fn connection_lost(source: impl Into<BoxError>) -> Self {
         StoreError {
             connection_lost: true,
+            ..StoreError::new(StoreErrorKind::Unavailable, source)
+        }
+    }
+
+    /// An [unavailable](StoreErrorKind::Unavailable) store that the operation never
+    /// reached: no connection could be made (refused, or none to be had from a pool), so
+    /// nothing was written and the store cannot have applied it. The lock core then has
+    /// nothing to take back: an acquisition that failed so sends no
+    /// [`abandon`](crate::backend::LockBackend::abandon), which in an outage would only
+    /// be one more command to retry, and to land on the store the moment it is back.
+    /// Say it only when it is certain: a command written to a connection that then
+    /// broke may have been applied.
+    pub fn not_sent(source: impl Into<BoxError>) -> Self {
+        StoreError {
+            not_sent: true,
             ..StoreError::new(StoreErrorKind::Unavailable, source)
         }
     }
@@ -372,6 +395,20 @@ impl StoreError {
         self.connection_lost
     }
 
+    /// Whether the operation never reached the store (see [`StoreError::not_sent`]).
+    pub fn is_not_sent(&self) -> bool {
+        self.not_sent
+    }
+
+    /// Marks the failure as also one of a connection that broke
+    /// ([`StoreError::connection_lost`]): a connection refused while the backend
+    /// reconnects is both, never sent and worth one more try at once.
+    #[cfg(feature = "redis")]
+    pub(crate) fn and_connection_lost(mut self) -> Self {
+        self.connection_lost = true;
+        self
+    }
+
     /// The driver's error behind this one, if it is an `E`: a `redis::RedisError` (its
     /// `code()`), a `sqlx::Error` (a `Database` error's `code()` is the SQLSTATE), an
     /// `std::io::Error`.
@@ -395,6 +432,9 @@ impl fmt::Debug for StoreError {
         }
         if self.connection_lost {
             d.field("connection_lost", &true);
+        }
+        if self.not_sent {
+            d.field("not_sent", &true);
         }
         d.finish()
     }

@@ -175,6 +175,7 @@ mod key;
 pub mod kinds;
 pub mod layer;
 mod lock;
+mod log_limit;
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub mod metrics;

@@ -14,13 +14,15 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::log_limit::RateLimit;
+
 /// How often, at most, a layer logs that its lock store cannot answer: 10 s. The first
 /// request that finds the store down is logged at once (WARN); those that follow within
 /// the interval are only counted (and logged at DEBUG), and the first one after it is
 /// logged with that count. Short enough that a log shows an outage going on, second by
 /// second of a dashboard's resolution; long enough that an outage at any request rate is
 /// a handful of lines a minute.
-pub const OUTAGE_LOG_INTERVAL: Duration = Duration::from_secs(10);
+pub const OUTAGE_LOG_INTERVAL: Duration = crate::log_limit::LOG_INTERVAL;
 
 /// How many distinct misconfiguration causes a layer remembers to log each once at
 /// ERROR; further new causes are logged at DEBUG. A cause is a message the crate or the
@@ -81,47 +83,6 @@ impl Report {
     }
 }
 
-/// At most one line per interval: the first event at once, then the first event after
-/// the interval, with the count of those in between.
-#[derive(Debug)]
-struct RateLimit {
-    interval: Duration,
-    state: Mutex<RateState>,
-}
-
-#[derive(Debug, Default)]
-struct RateState {
-    /// When the last line was logged; `None`: never.
-    logged: Option<Instant>,
-    /// Events not logged since.
-    suppressed: u64,
-}
-
-impl RateLimit {
-    fn new(interval: Duration) -> Self {
-        RateLimit {
-            interval,
-            state: Mutex::new(RateState::default()),
-        }
-    }
-
-    /// An event at `now`: `Some(suppressed)` to log it, with the count of events not
-    /// logged since the last line; `None` to count it instead.
-    fn check(&self, now: Instant) -> Option<u64> {
-        // A panic elsewhere while the lock was held leaves a consistent count.
-        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        let due = state
-            .logged
-            .is_none_or(|last| now.saturating_duration_since(last) >= self.interval);
-        if !due {
-            state.suppressed = state.suppressed.saturating_add(1);
-            return None;
-        }
-        state.logged = Some(now);
-        Some(std::mem::take(&mut state.suppressed))
-    }
-}
-
 /// Remembers which causes were logged, to log each once.
 #[derive(Debug, Default)]
 struct OncePerCause {
@@ -142,29 +103,6 @@ impl OncePerCause {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[tokio::test(start_paused = true)]
-    async fn the_first_event_then_one_line_per_interval_with_the_count() {
-        let limit = RateLimit::new(Duration::from_secs(10));
-        assert_eq!(limit.check(Instant::now()), Some(0), "the first at once");
-        for _ in 0..5 {
-            tokio::time::advance(Duration::from_secs(1)).await;
-            assert_eq!(limit.check(Instant::now()), None);
-        }
-        tokio::time::advance(Duration::from_millis(4999)).await;
-        assert_eq!(limit.check(Instant::now()), None, "9.999 s: still counted");
-        tokio::time::advance(Duration::from_millis(1)).await;
-        assert_eq!(
-            limit.check(Instant::now()),
-            Some(6),
-            "10 s after the first line: logged, with the 6 in between"
-        );
-        assert_eq!(limit.check(Instant::now()), None);
-        // A quiet spell: the next event is logged at once, with the one before it.
-        tokio::time::advance(Duration::from_secs(60)).await;
-        assert_eq!(limit.check(Instant::now()), Some(1));
-        assert_eq!(limit.check(Instant::now()), None);
-    }
 
     #[test]
     fn each_cause_once_and_a_bounded_memory() {

@@ -20,6 +20,7 @@ use tokio::runtime::Handle;
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use super::cleanup;
 use super::guard::LockGuard;
 use super::registry::{Entered, Hold, Registry, Slot};
 use super::{Lease, Lock, LockClient, LockEvent};
@@ -38,9 +39,10 @@ const NO_TTL_RECHECK: Duration = Duration::from_secs(1);
 const LINE_UP_MAX: Duration = Duration::from_secs(1);
 
 /// The first and the longest pause before retrying after a transient store failure
-/// (connection lost, timeout) while waiting, or releasing.
-const MIN_ERROR_BACKOFF: Duration = Duration::from_millis(20);
-const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(1);
+/// (connection lost, timeout) while waiting, and between two probes of a key's waiting
+/// cleanups.
+pub(super) const MIN_ERROR_BACKOFF: Duration = Duration::from_millis(20);
+pub(super) const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(1);
 
 /// The shortest sleep between attempts, so a TTL of zero (a lease ending right now)
 /// cannot spin.
@@ -339,7 +341,7 @@ fn answered_now(
         // Busy: waiting is the async path's (nothing was left in the store).
         Ok(Acquire::Busy { ttl }) => Fast::Busy(ttl),
         Err(error) => {
-            compensate_later(client, req);
+            compensate_later(client, req, &error);
             Fast::Done(Err(start.failed(client, &span, error, waited)))
         }
     }
@@ -693,7 +695,7 @@ async fn first_attempt(client: &LockClient, pending: &mut Pending<'_>) -> Result
         match attempt(client, pending.store()).await {
             Ok(outcome) => return Ok(outcome),
             Err(error) => {
-                compensate_later(client, pending.store());
+                compensate_later(client, pending.store(), &error);
                 if retried || !error.is_connection_lost() {
                     return Err(error);
                 }
@@ -834,8 +836,9 @@ async fn attempt_while_waiting(
             );
         }
         Err(error) => {
-            compensate_later(client, req);
-            waiting.in_line.queued = false;
+            if compensate_later(client, req, &error) {
+                waiting.in_line.queued = false;
+            }
             return ControlFlow::Break(Waited::Failed(error));
         }
     };
@@ -892,8 +895,9 @@ async fn back_off(
     failing: &mut Failing,
     error: Error,
 ) -> Waited {
-    compensate_later(client, req);
-    waiting.in_line.queued = false;
+    if compensate_later(client, req, &error) {
+        waiting.in_line.queued = false;
+    }
     let now = Instant::now();
     let since = *failing.since.get_or_insert(now);
     // Without a deadline, give up once the store has failed for a whole lease: by then
@@ -909,8 +913,13 @@ async fn back_off(
     let until = deadline.map_or(now + backoff, |d| d.min(now + backoff));
     failing.backoff = (backoff * 2).min(MAX_ERROR_BACKOFF);
     failing.failed(error);
-    // A reconnect notification cuts the backoff short.
-    waiting.woken = waiting.sub.wait(until).await == Wake::Notified;
+    // A reconnect notification cuts the backoff short. Whatever woke it, this waiter
+    // tries again itself as soon as the wait goes on: it hands no turn on as it leaves
+    // this identity, or each failure in an outage would wake another waiter out of its
+    // backoff, and the waiters would take turns failing as fast as the store refuses.
+    waiting.sub.wait(until).await;
+    waiting.woken = false;
+    waiting.settled = true;
     Waited::Unanswered
 }
 
@@ -960,7 +969,7 @@ async fn attempt(client: &LockClient, req: &LockRequest) -> Result<AttemptAnswer
     impl Drop for InFlight<'_> {
         fn drop(&mut self) {
             if self.armed {
-                abandon_later(self.client, self.req);
+                abandon_later(self.client, self.req, false);
             }
         }
     }
@@ -993,92 +1002,39 @@ async fn attempt(client: &LockClient, req: &LockRequest) -> Result<AttemptAnswer
 
 /// Takes back, in a spawned task, whatever an unanswered attempt of `req` may have done:
 /// a hold, and a place in the store's wait queue. Should the store not answer, that is
-/// tried again until it does or whatever the attempt took has ended with its lease (a
-/// shutdown waits for the first try only).
-fn abandon_later(client: &LockClient, req: &LockRequest) {
+/// tried again, with the other cleanups of the key, until it does or whatever the
+/// attempt took has ended with its lease (a shutdown waits for the first try only).
+/// After an outage (`failed_unavailable`: the attempt met one) it waits with them from
+/// the start: the store just failed to answer, and one probe per key and backoff step
+/// is enough to find out when it answers again.
+fn abandon_later(client: &LockClient, req: &LockRequest, failed_unavailable: bool) {
     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-        let backend = client.backend().clone();
-        let req = req.clone();
-        let later = runtime.clone();
-        runtime.spawn(client.registry().track(async move {
-            let Err(error) = backend.abandon(&req).await else {
-                return;
-            };
-            if !error.is_unavailable() {
-                return;
-            }
-            let until = Instant::now() + req.lease;
-            later.spawn(again_while_unavailable(until, "abandon", async move || {
-                backend.abandon(&req).await
-            }));
-        }));
-    }
-}
-
-/// After `what` (a release, an abandonment) failed as an outage: runs `op` again, with
-/// backoff, until it is answered (or fails otherwise) or the next try would start at
-/// `until`, by when what it was to end has ended with its lease.
-pub(super) async fn again_while_unavailable<T>(
-    until: Instant,
-    what: &'static str,
-    op: impl AsyncFnMut() -> Result<T>,
-) {
-    while_unavailable(until, what, false, op).await;
-}
-
-/// `op`, at once, then as [`again_while_unavailable`] if it failed as an outage.
-pub(super) async fn now_and_while_unavailable<T>(
-    until: Instant,
-    what: &'static str,
-    op: impl AsyncFnMut() -> Result<T>,
-) {
-    while_unavailable(until, what, true, op).await;
-}
-
-async fn while_unavailable<T>(
-    until: Instant,
-    what: &'static str,
-    at_once: bool,
-    mut op: impl AsyncFnMut() -> Result<T>,
-) {
-    if at_once {
-        match op().await {
-            Ok(_) => return,
-            Err(error) if error.is_unavailable() => {}
-            Err(error) => {
-                tracing::warn!(what, %error, "failed; the hold ends with its lease");
-                return;
-            }
-        }
-    }
-    let mut backoff = MIN_ERROR_BACKOFF;
-    loop {
-        let at = Instant::now() + backoff;
-        if at >= until {
-            tracing::warn!(what, "still failing; the hold ends with its lease");
-            return;
-        }
-        tokio::time::sleep_until(at).await;
-        match op().await {
-            Ok(_) => {
-                tracing::info!(what, "went through on a later try");
-                return;
-            }
-            Err(error) if error.is_unavailable() => {
-                backoff = (backoff * 2).min(MAX_ERROR_BACKOFF);
-            }
-            Err(error) => {
-                tracing::warn!(what, %error, "failed; the hold ends with its lease");
-                return;
-            }
+        let job = cleanup::Job {
+            what: cleanup::What::Abandon,
+            req: req.clone(),
+            until: Instant::now() + req.lease,
+        };
+        let inner = &client.registry().inner;
+        if failed_unavailable {
+            cleanup::again(inner, &runtime, job);
+        } else {
+            cleanup::now_and_again(inner, &runtime, job);
         }
     }
 }
 
-/// After an attempt failed or was given up, the store may or may not have applied it:
-/// its identity is never used again, and whatever it took is taken back in a task.
-fn compensate_later(client: &LockClient, req: &LockRequest) {
-    abandon_later(client, req);
+/// After an attempt failed with `error`, the store may or may not have applied it: its
+/// identity is never used again, and whatever it took is taken back in a task — unless
+/// the attempt never reached the store ([`Error::is_not_sent`]), which then has nothing
+/// of it: in an outage that would be one more command per attempt to retry, all landing
+/// on the store the moment it is back. Returns whether a task takes it back (and so
+/// also takes the identity out of a wait queue an earlier attempt put it in).
+fn compensate_later(client: &LockClient, req: &LockRequest, error: &Error) -> bool {
+    if error.is_not_sent() {
+        return false;
+    }
+    abandon_later(client, req, error.is_unavailable());
+    true
 }
 
 /// A waiter's place in the store's wait queue (a fair or read-write queue), when the

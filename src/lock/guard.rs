@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use tokio::runtime::Handle;
 use tokio::time::Instant;
-use tracing::Instrument;
 
 use super::registry::{Hold, Left};
 use super::unlocking::{FinishOnDrop, Unlocking};
@@ -572,14 +571,12 @@ impl Held {
             .expiry
             .get()
             .unwrap_or_else(|| Instant::now() + self.lease);
-        let backend = Arc::clone(self.client.backend());
-        let req = self.hold.store.clone();
-        let key = self.client.hooks().key(&self.hold.slot.key).to_string();
-        let again = super::acquire::again_while_unavailable(until, "release", async move || {
-            release_fully(Arc::clone(&backend), req.clone()).await
-        });
-        self.runtime
-            .spawn(again.instrument(tracing::debug_span!("tower_lock.release", %key)));
+        let job = super::cleanup::Job {
+            what: super::cleanup::What::Release,
+            req: self.hold.store.clone(),
+            until,
+        };
+        super::cleanup::again(&self.client.registry().inner, &self.runtime, job);
     }
 
     fn observe(&self, outcome: &Result<Release>, was_lost: bool) {

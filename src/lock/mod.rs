@@ -80,6 +80,7 @@ use crate::kinds::ReadWriteLock;
 use crate::owner::Owner;
 
 pub(crate) mod acquire;
+mod cleanup;
 mod guard;
 mod observer;
 mod registry;

@@ -52,10 +52,12 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::Hooks;
+use super::cleanup::Cleanups;
 use super::watchdog::Tasks;
 use crate::backend::{FencingToken, LockBackend, LockMode, LockRequest};
 use crate::hold_id::HoldId;
 use crate::key::LockKey;
+use crate::log_limit::PerCause;
 use crate::owner::Owner;
 
 /// A hold's "lost" alarm: set once, never cleared, awaitable. Like a cancellation
@@ -353,6 +355,10 @@ pub(crate) struct Inner {
     /// The store work the client spawns and nobody awaits (releases of dropped guards,
     /// compensations, leaving a queue): shutting down waits for it.
     tracker: TaskTracker,
+    /// Cleanups waiting for the store to answer again.
+    pub(crate) cleanups: Cleanups,
+    /// What the client logs of failures, once per cause and interval.
+    pub(crate) log: PerCause,
 }
 
 pub(crate) struct State {
@@ -361,6 +367,16 @@ pub(crate) struct State {
     /// counter) unless the application passes owners of its own.
     pub(crate) slots: HashMap<Slot, Arc<Hold>, foldhash::fast::RandomState>,
     pub(crate) tasks: Tasks,
+}
+
+impl Inner {
+    /// `future`, counted until it ends among the work a shutdown waits for.
+    pub(crate) fn track<F: std::future::Future>(
+        &self,
+        future: F,
+    ) -> tokio_util::task::task_tracker::TrackedFuture<F> {
+        self.tracker.track_future(future)
+    }
 }
 
 impl Registry {
@@ -377,6 +393,8 @@ impl Registry {
                 closed: AtomicBool::new(false),
                 closing: CancellationToken::new(),
                 tracker: TaskTracker::new(),
+                cleanups: Cleanups::default(),
+                log: PerCause::default(),
             }),
         }
     }
@@ -578,7 +596,7 @@ impl Registry {
         &self,
         future: F,
     ) -> tokio_util::task::task_tracker::TrackedFuture<F> {
-        self.inner.tracker.track_future(future)
+        self.inner.track(future)
     }
 
     /// Shuts the registry down: no hold is activated from now on, waiting acquisitions

@@ -43,11 +43,11 @@ use tokio::runtime::{Handle, Id};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::acquire::now_and_while_unavailable;
-use super::guard::release_fully;
+use super::cleanup;
 use super::registry::{Hold, Inner};
 use crate::backend::LockRequest;
 use crate::error::Result;
+use crate::log_limit::warn_limited;
 
 /// The shortest pause before retrying a failed renewal.
 const MIN_RETRY: Duration = Duration::from_millis(5);
@@ -122,11 +122,12 @@ async fn run(inner: Arc<Inner>, runtime: Id) {
         report(&inner, &holds, &results, events);
         if failures > 0 {
             let first_error = results.iter().find_map(|r| r.as_ref().err());
-            tracing::warn!(
+            warn_limited!(
+                inner.log,
+                "lock renewal failed; retrying",
                 failures,
                 error = first_error.map(tracing::field::display),
-                retry_in_ms = retry.as_millis() as u64,
-                "lock renewal failed; retrying"
+                retry_in_ms = retry.as_millis() as u64
             );
             next = sent_at + retry;
         } else {
@@ -141,7 +142,7 @@ async fn run(inner: Arc<Inner>, runtime: Id) {
 /// index, and whether it was lost rather than failed to renew) and how many renewals
 /// failed.
 fn apply(
-    inner: &Inner,
+    inner: &Arc<Inner>,
     holds: &[Arc<Hold>],
     reqs: &[LockRequest],
     results: &[Result<bool>],
@@ -202,15 +203,13 @@ fn apply(
 /// lease, when renewals reached the store and only their answers were lost). Tried
 /// again while the store cannot be reached, for a lease; safe however late a try lands:
 /// it names this hold's own identity, which nothing else uses.
-fn take_back(inner: &Inner, req: &LockRequest) {
-    let backend = Arc::clone(&inner.backend);
-    let req = req.clone();
-    let until = Instant::now() + req.lease;
-    tokio::spawn(now_and_while_unavailable(
-        until,
-        "taking back a lost hold",
-        async move || release_fully(Arc::clone(&backend), req.clone()).await,
-    ));
+fn take_back(inner: &Arc<Inner>, req: &LockRequest) {
+    let job = cleanup::Job {
+        what: cleanup::What::Release,
+        req: req.clone(),
+        until: Instant::now() + req.lease,
+    };
+    cleanup::now_and_again(inner, &Handle::current(), job);
 }
 
 /// Tells the observer, if any, of each event [`apply`] returned.

@@ -17,6 +17,8 @@ mod conformance_redis;
 mod conformance_redlock;
 #[cfg(feature = "axum")]
 mod extract;
+#[cfg(feature = "redis")]
+mod fault_costs;
 mod history;
 #[cfg(feature = "postgres")]
 mod history_postgres;

@@ -1455,6 +1455,11 @@ fn store_error(error: RedisError) -> StoreError {
         || cluster_refused_script(&error)
         || refused_for_now(&error);
     if unavailable {
+        // Refused while connecting: nothing was written. redis-rs counts it as a
+        // dropped connection too, and so does the lock core's retry at once.
+        if error.is_connection_refusal() {
+            return StoreError::not_sent(error).and_connection_lost();
+        }
         if error.is_connection_dropped() && !error.is_timeout() {
             return StoreError::connection_lost(error);
         }

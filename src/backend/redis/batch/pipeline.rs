@@ -486,7 +486,8 @@ fn checked(
             // callers try once more at once, as after a connection lost: a restart or a
             // failover to a replica costs them no error.
             reload.store(true, Ordering::Release);
-            let error = StoreError::connection_lost(error)
+            let error = StoreError::not_sent(error)
+                .and_connection_lost()
                 .with_message("the lock scripts were gone from the server; loading them again");
             Err(Error::Store(error))
         }
