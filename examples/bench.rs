@@ -354,7 +354,7 @@ async fn main() -> ExitCode {
 }
 
 /// Prints one JSON line. The line types declare their fields in the order the lines
-/// have always had them: `docs/bench-results.jsonl` and the README quote them.
+/// have always had them: `bench/bench-results.jsonl` and the README quote them.
 fn say(line: &impl Serialize) -> Result<(), String> {
     let text = serde_json::to_string(line).map_err(|e| format!("printing a line: {e}"))?;
     println!("{text}");

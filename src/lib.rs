@@ -230,3 +230,7 @@ pub struct RedlockDoctests;
 #[cfg(all(doctest, feature = "axum"))]
 #[doc = include_str!("../docs/idempotency.md")]
 pub struct IdempotencyDoctests;
+
+#[cfg(all(doctest, feature = "redis", feature = "axum", feature = "metrics"))]
+#[doc = include_str!("../docs/operations.md")]
+pub struct OperationsDoctests;
