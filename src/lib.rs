@@ -203,8 +203,8 @@ pub use idempotency::IdempotencyLayer;
 pub use key::{IntoLockKey, LockKey, MAX_KEY_LEN};
 pub use layer::LockLayer;
 pub use lock::{
-    CLIENT_NAME_TTL, LayerEvent, LayerOutcome, Lease, Lock, LockClient, LockClientBuilder,
-    LockEvent, LockGuard, LockObserver, LostSignal, MAX_CLIENT_NAME_LEN,
+    CLIENT_NAME_TTL, DEFAULT_OUTAGE_GRACE, LayerEvent, LayerOutcome, Lease, Lock, LockClient,
+    LockClientBuilder, LockEvent, LockGuard, LockObserver, LostSignal, MAX_CLIENT_NAME_LEN,
 };
 pub use namespace::{MAX_NAMESPACE_LEN, Namespace};
 pub use owner::{MAX_OWNER_LEN, Owner};

@@ -625,6 +625,14 @@ async fn run(
     let expired = |now: Instant| deadline.is_some_and(|d| now >= d);
     let backend = client.backend();
     let queued_mode = backend.profile().queues_waiters(pending.store().mode);
+    // Begun in an outage that has lasted the grace already: no riding it out.
+    let grace = client.outage_grace();
+    let in_outage = client
+        .registry()
+        .inner
+        .health
+        .failing_since()
+        .is_some_and(|since| since.elapsed() >= grace);
 
     // No barging within a process: when others here already wait for this key, a new
     // acquirer lines up behind them (they are woken first to last) instead of snatching
@@ -646,7 +654,9 @@ async fn run(
             // under a new identity (the failed attempt's is being taken back). A call
             // without a deadline gave no time to spend on outages: it learns at once.
             Err(error)
-                if error.is_unavailable() && deadline.is_some_and(|d| Instant::now() < d) =>
+                if error.is_unavailable()
+                    && deadline.is_some_and(|d| Instant::now() < d)
+                    && !in_outage =>
             {
                 tracing::debug!(%error, "lock store failed with time left to wait; retrying");
                 pending.reidentify(client);
@@ -987,6 +997,7 @@ async fn attempt(client: &LockClient, req: &LockRequest) -> Result<AttemptAnswer
         None => backend.acquire(req).await,
     };
     let answered_at = Instant::now();
+    client.registry().inner.health.note(&outcome);
     // Answered (even with an error): the caller decides what to compensate, and when,
     // since it may try again as the same owner.
     in_flight.armed = false;

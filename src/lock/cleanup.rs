@@ -53,12 +53,14 @@ pub(crate) struct Job {
 
 impl Job {
     async fn run(&self, inner: &Inner) -> Result<()> {
-        match self.what {
+        let done = match self.what {
             What::Abandon => inner.backend.abandon(&self.req).await,
             What::Release => release_fully(Arc::clone(&inner.backend), self.req.clone())
                 .await
                 .map(drop),
-        }
+        };
+        inner.health.note(&done);
+        done
     }
 }
 

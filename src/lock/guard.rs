@@ -541,6 +541,7 @@ impl Held {
 
     /// What `unlock` reports for the release's `outcome`, observed.
     fn finish(&self, outcome: Result<Release>, was_lost: bool) -> Result<()> {
+        self.client.registry().inner.health.note(&outcome);
         self.observe(&outcome, was_lost);
         self.release_again_later(&outcome, was_lost);
         match outcome {

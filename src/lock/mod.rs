@@ -82,6 +82,7 @@ use crate::owner::Owner;
 pub(crate) mod acquire;
 mod cleanup;
 mod guard;
+mod health;
 mod observer;
 mod registry;
 mod unlocking;
@@ -114,6 +115,13 @@ impl From<Duration> for Lease {
     }
 }
 
+/// How long an outage lasts, by default, before a lock call that begins in it gives up
+/// at its first failed attempt: 1 s ([`LockClientBuilder::outage_grace`]). A store's
+/// restart, a reconnect or a failover that has just begun is ridden out by the calls
+/// that meet it; once it has lasted a second, a request is answered (503, or served by
+/// a fail-open layer) at once rather than at the end of its wait.
+pub const DEFAULT_OUTAGE_GRACE: Duration = Duration::from_secs(1);
+
 /// How long a client's name stays registered in the store after its last registration:
 /// 1 hour. A client that takes locks registers again every half of it; a stopped
 /// process's name is gone at most an hour later.
@@ -144,6 +152,9 @@ struct ClientInner {
     /// When the name is next due for registration, in seconds after `born`.
     name_due: AtomicU64,
     born: std::time::Instant,
+    /// How long an outage lasts before lock calls that begin in it stop riding it out
+    /// ([`LockClientBuilder::outage_grace`]).
+    outage_grace: Duration,
 }
 
 impl LockClient {
@@ -163,7 +174,7 @@ impl LockClient {
             }
             None => DEFAULT_WATCHDOG_LEASE,
         };
-        Self::with_parts(backend, lease, Hooks::default(), None)
+        Self::with_parts(backend, lease, Hooks::default(), None, DEFAULT_OUTAGE_GRACE)
     }
 
     /// Configures a client: see [`LockClientBuilder`].
@@ -174,6 +185,7 @@ impl LockClient {
             observer: None,
             redact_keys: None,
             name: None,
+            outage_grace: DEFAULT_OUTAGE_GRACE,
         }
     }
 
@@ -182,6 +194,7 @@ impl LockClient {
         watchdog_lease: Duration,
         hooks: Hooks,
         name: Option<Arc<str>>,
+        outage_grace: Duration,
     ) -> Self {
         let hooks = hooks.on_backend(backend.profile().name());
         let client = LockClient {
@@ -195,6 +208,7 @@ impl LockClient {
                 name,
                 name_due: AtomicU64::new(0),
                 born: std::time::Instant::now(),
+                outage_grace,
             }),
         };
         if let Some(name) = client.name() {
@@ -510,7 +524,28 @@ impl LockClient {
         if self.is_shut_down() {
             return Err(Error::Shutdown);
         }
-        self.backend().ping().await
+        let answered = self.backend().ping().await;
+        self.registry().inner.health.note(&answered);
+        answered
+    }
+
+    /// How long the store has failed every call of this client, as an outage: `None`
+    /// while its last call was answered. Learned from the calls the client makes anyway
+    /// (lock attempts, renewals, releases, [`ping`](Self::ping)), so it costs no call
+    /// to the store; a readiness probe that must not wait can read it, and one that may
+    /// can [`ping`](Self::ping), which also updates it.
+    ///
+    /// Once it is longer than the [outage grace](LockClientBuilder::outage_grace), a
+    /// lock call that begins gives up at its first failed attempt.
+    pub fn outage(&self) -> Option<Duration> {
+        let since = self.registry().inner.health.failing_since()?;
+        Some(tokio::time::Instant::now().saturating_duration_since(since))
+    }
+
+    /// How long an outage lasts before lock calls that begin in it stop riding it out
+    /// ([`LockClientBuilder::outage_grace`]).
+    pub(crate) fn outage_grace(&self) -> Duration {
+        self.inner.outage_grace
     }
 
     /// The backend.
@@ -649,6 +684,7 @@ pub struct LockClientBuilder {
     observer: Option<Arc<dyn LockObserver>>,
     redact_keys: Option<Option<[u8; 16]>>,
     name: Option<String>,
+    outage_grace: Duration,
 }
 
 impl LockClientBuilder {
@@ -683,6 +719,23 @@ impl LockClientBuilder {
     /// [`MIN_WATCHDOG_LEASE`](crate::MIN_WATCHDOG_LEASE).
     pub fn watchdog_lease(mut self, lease: Duration) -> Self {
         self.watchdog_lease = Some(lease);
+        self
+    }
+
+    /// How long an outage lasts before a lock call that begins in it stops riding it
+    /// out: [`DEFAULT_OUTAGE_GRACE`] by default.
+    ///
+    /// A lock call with time to wait rides an outage out, retrying with backoff until
+    /// its deadline. Once the store has failed every call of this client for the grace
+    /// ([`LockClient::outage`]), a call that begins gives up at its first failed
+    /// attempt instead: the outage is no blip, and a request that waits out its whole
+    /// wait only to be answered 503 holds its connection and its client for nothing. A
+    /// call that began earlier (waiting for a busy lock, or in a younger outage) still
+    /// rides it out until its own deadline; the first answer from the store ends the
+    /// outage for every call. Zero: a call that begins after any failed call gives up
+    /// at its first failure.
+    pub fn outage_grace(mut self, grace: Duration) -> Self {
+        self.outage_grace = grace;
         self
     }
 
@@ -731,6 +784,7 @@ impl LockClientBuilder {
             lease,
             Hooks::new(self.observer, self.redact_keys),
             name,
+            self.outage_grace,
         ))
     }
 }

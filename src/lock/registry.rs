@@ -53,6 +53,7 @@ use tokio_util::task::TaskTracker;
 
 use super::Hooks;
 use super::cleanup::Cleanups;
+use super::health::Health;
 use super::watchdog::Tasks;
 use crate::backend::{FencingToken, LockBackend, LockMode, LockRequest};
 use crate::hold_id::HoldId;
@@ -359,6 +360,8 @@ pub(crate) struct Inner {
     pub(crate) cleanups: Cleanups,
     /// What the client logs of failures, once per cause and interval.
     pub(crate) log: PerCause,
+    /// Whether the store answers, as the client's calls found it.
+    pub(crate) health: Health,
 }
 
 pub(crate) struct State {
@@ -395,6 +398,7 @@ impl Registry {
                 tracker: TaskTracker::new(),
                 cleanups: Cleanups::default(),
                 log: PerCause::default(),
+                health: Health::new(),
             }),
         }
     }

@@ -118,6 +118,10 @@ async fn run(inner: Arc<Inner>, runtime: Id) {
         let results = tokio::time::timeout(period, inner.backend.renew_many(&reqs))
             .await
             .unwrap_or_default();
+        match results.iter().find(|r| r.is_ok()) {
+            Some(answered) => inner.health.note(answered),
+            None => results.iter().for_each(|r| inner.health.note(r)),
+        }
         let (events, failures) = apply(&inner, &holds, &reqs, &results, sent_at);
         report(&inner, &holds, &results, events);
         if failures > 0 {

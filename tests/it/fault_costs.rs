@@ -14,7 +14,9 @@ use common::redis_server::RedisServer;
 use common::wait_until;
 use tokio::time::Instant;
 use tower_lock::backend::{Acquire, BoxFuture, Intercept, Intercepted, LockBackend, LockRequest};
-use tower_lock::{Lease, LockClient, LockKey, RedisBackend, Result};
+use tower_lock::{
+    Lease, LockClient, LockKey, MemoryBackend, RedisBackend, Result, StoreError, StoreErrorKind,
+};
 
 /// Counts the store calls a client makes: acquisitions and abandonments.
 #[derive(Clone, Default)]
@@ -262,4 +264,156 @@ fn an_outage_longer_than_the_leases_is_one_warning_per_cause() {
             "{given_up:?}"
         );
     });
+}
+
+/// A memory store that can be switched off: while off, every acquisition fails as an
+/// outage (the fast path defers to the async one, which fails).
+#[derive(Clone, Default)]
+struct Switch(Arc<std::sync::atomic::AtomicBool>);
+
+impl Switch {
+    fn set_down(&self, down: bool) {
+        self.0.store(down, Ordering::Relaxed);
+    }
+    fn is_down(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+fn switched_off<'a, T: Send + 'a>() -> BoxFuture<'a, Result<T>> {
+    let down = StoreError::msg(StoreErrorKind::Unavailable, "switched off");
+    Box::pin(async move { Err(down.into()) })
+}
+
+impl Intercept<MemoryBackend> for Switch {
+    fn acquire<'a>(
+        &'a self,
+        inner: &'a MemoryBackend,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, Result<Acquire>> {
+        if self.is_down() {
+            return switched_off();
+        }
+        inner.acquire(req)
+    }
+    fn abandon<'a>(
+        &'a self,
+        inner: &'a MemoryBackend,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, Result<()>> {
+        if self.is_down() {
+            return switched_off();
+        }
+        inner.abandon(req)
+    }
+    fn acquire_now(&self, inner: &MemoryBackend, req: &LockRequest) -> Option<Result<Acquire>> {
+        if self.is_down() {
+            return None;
+        }
+        inner.local()?.acquire_now(req)
+    }
+}
+
+/// Issue 44, finding 6: every request waited out its whole wait (2 s) for its 503, also
+/// when the store had been down for long. Now a call that begins in an outage that has
+/// lasted the grace gives up at its first failed attempt, while one that met it
+/// younger, or was waiting when it began, rides it out until its deadline; and the
+/// client says since when the store has been failing.
+#[tokio::test(start_paused = true)]
+async fn a_call_that_begins_in_a_lasting_outage_gives_up_at_once() {
+    let switch = Switch::default();
+    let client = LockClient::builder(Intercepted::new(MemoryBackend::new(), switch.clone()))
+        .outage_grace(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let lock = client.get_lock("grace").unwrap();
+    let wait = Duration::from_secs(5);
+    assert_eq!(client.outage(), None);
+
+    switch.set_down(true);
+    let started = Instant::now();
+    let error = lock.try_lock_for(wait, Lease::Watchdog).await.unwrap_err();
+    assert!(error.is_unavailable(), "{error}");
+    assert_eq!(started.elapsed(), wait, "the first to meet it rides it out");
+    assert_eq!(
+        client.outage(),
+        Some(wait),
+        "failing since the first attempt"
+    );
+
+    let started = Instant::now();
+    let error = lock.try_lock_for(wait, Lease::Watchdog).await.unwrap_err();
+    assert!(error.is_unavailable(), "{error}");
+    assert_eq!(started.elapsed(), Duration::ZERO, "5 s into it: at once");
+
+    switch.set_down(false);
+    lock.try_lock().await.unwrap().unlock().await.unwrap();
+    assert_eq!(client.outage(), None, "the store answered");
+
+    // An outage younger than the grace is ridden out, and the answer that ends it ends
+    // it for everyone.
+    switch.set_down(true);
+    let error = lock.try_lock().await.unwrap_err();
+    assert!(error.is_unavailable(), "{error}");
+    let up = tokio::spawn({
+        let switch = switch.clone();
+        async move {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            switch.set_down(false);
+        }
+    });
+    let started = Instant::now();
+    let guard = lock.try_lock_for(wait, Lease::Watchdog).await.unwrap();
+    assert!(started.elapsed() >= Duration::from_secs(2));
+    assert_eq!(client.outage(), None);
+    up.await.unwrap();
+
+    // A call waiting for a busy lock when an outage begins rides it out, however long.
+    let waiter = tokio::spawn({
+        let lock = client.get_lock("grace").unwrap();
+        async move {
+            lock.try_lock_for(Duration::from_secs(10), Lease::Watchdog)
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    switch.set_down(true);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    switch.set_down(false);
+    guard.unlock().await.unwrap();
+    let guard = waiter
+        .await
+        .unwrap()
+        .expect("the waiter rode the outage out");
+    guard.unlock().await.unwrap();
+}
+
+/// Issue 44, finding 5: after a Redis restart, the first `ping` (a readiness probe), the
+/// first stored-response read and the first inspection failed with "broken pipe",
+/// since nothing retried them as lock calls are retried. Now each is sent once more on
+/// a connection that broke under it, and the restart costs none of them an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_costs_no_single_call_an_error() {
+    let mut server = RedisServer::start().await;
+    let backend = RedisBackend::connect(server.url()).await.unwrap();
+    let client = LockClient::new(backend.clone());
+    let key = LockKey::new("single-calls").unwrap();
+    let replays = backend.replays().expect("Redis keeps records");
+    client.ping().await.unwrap();
+    assert_eq!(replays.load(&key).await.unwrap(), None);
+    client.get_lock(&key).unwrap().inspect().await.unwrap();
+
+    for call in ["ping", "load", "inspect"] {
+        server.restart().await;
+        let outcome = match call {
+            "ping" => client.ping().await,
+            "load" => replays.load(&key).await.map(drop),
+            _ => client.get_lock(&key).unwrap().inspect().await.map(drop),
+        };
+        assert!(
+            outcome.is_ok(),
+            "the first {call} after a restart: {outcome:?}"
+        );
+        assert_eq!(client.outage(), None);
+    }
 }

@@ -279,6 +279,58 @@ async fn after_a_server_crash_one_failed_call_clears_every_dead_idle_connection(
     drop(server);
 }
 
+/// Issue 44, finding 5, on PostgreSQL: after a crash and restart every idle connection
+/// of the pool is dead, and the first `ping` (a readiness probe) and the first stored
+/// response read each failed on one. They now go once more, at once, on a connection
+/// found dead, and so does a first lock attempt (as a new hold): a restart costs none of
+/// them an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_costs_no_single_call_an_error_postgres() {
+    use tower_lock::backend::LockBackend;
+    let Some(server) = tokio::task::spawn_blocking(PgServer::start).await.unwrap() else {
+        eprintln!("skipped: no PostgreSQL server binaries (.ci/run installs them)");
+        return;
+    };
+    let url = server.url();
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .test_before_acquire(false)
+        .connect(&url)
+        .await
+        .unwrap();
+    let backend = PostgresBackend::builder(pool.clone())
+        .build()
+        .await
+        .unwrap();
+    let client = LockClient::new(backend.clone());
+    let key = LockKey::new("single-calls").unwrap();
+    let replays = backend.replays().expect("PostgreSQL keeps records");
+    let mut server = server;
+    for call in ["ping", "load", "try_lock"] {
+        client.ping().await.unwrap();
+        common::postgres::every_connection_idle(&pool, 4).await;
+        server = restarted(server).await;
+        wait_until(Duration::from_secs(30), "sessions again", || async {
+            use sqlx::Connection;
+            sqlx::PgConnection::connect(&url).await.is_ok()
+        })
+        .await;
+        let outcome = match call {
+            "ping" => client.ping().await,
+            "load" => replays.load(&key).await.map(drop),
+            _ => match client.get_lock(&key).unwrap().try_lock().await {
+                Ok(guard) => guard.unlock().await,
+                Err(error) => Err(error),
+            },
+        };
+        assert!(
+            outcome.is_ok(),
+            "the first {call} after a restart: {outcome:?}"
+        );
+    }
+    drop(server);
+}
+
 /// Releases `guard`'s hold through the backend (the guard itself is consumed by unlock,
 /// which cannot be retried).
 async fn guard_release(

@@ -70,16 +70,19 @@ impl Kept {
 
     /// Runs `run` on a kept connection, or on one taken from `pool`; keeps the
     /// connection afterwards if `run` succeeded, gives it back to the pool if it
-    /// failed, and closes it if `run` is dropped before it answers.
+    /// failed, and closes it if `run` is dropped before it answers. `sent` is set once
+    /// `run` has a connection: until then, nothing of it can have reached the server.
     pub(super) async fn run<T>(
         &self,
         pool: &PgPool,
+        sent: &AtomicBool,
         run: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
     ) -> Result<T, sqlx::Error> {
         let conn = match self.take() {
             Some(conn) => conn,
             None => pool.acquire().await?,
         };
+        sent.store(true, Ordering::Relaxed);
         let mut unanswered = Unanswered(None);
         let out = run(unanswered.0.insert(conn)).await;
         let answered = unanswered.0.take();

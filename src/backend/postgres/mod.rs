@@ -428,9 +428,16 @@ impl LockBackend for PostgresBackend {
     /// `SELECT 1` on one of the backend's connections, within the response timeout.
     fn ping(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(async move {
-            self.on_connection(async |conn| sqlx::query("SELECT 1").execute(conn).await)
-                .await
-                .map(drop)
+            let mut attempt = 0;
+            loop {
+                let answered = self
+                    .on_connection(async |conn| sqlx::query("SELECT 1").execute(conn).await)
+                    .await;
+                match answered {
+                    Err(error) if Self::read_again(attempt, &error) => attempt += 1,
+                    answered => return answered.map(drop),
+                }
+            }
         })
     }
 }
@@ -606,6 +613,31 @@ fn connection_lost(error: &sqlx::Error) -> bool {
     }
 }
 
+/// A statement's error on a connection found dead ([`connection_lost`]): an outage
+/// whose connection broke under it, which the lock core tries once more at once.
+fn lost_connection(error: sqlx::Error) -> Error {
+    let described = sqlstate_of(&error).map(|(code, message)| described("failed", &message, &code));
+    let lost = StoreError::connection_lost(error);
+    match described {
+        Some(message) => lost.with_message(message).into(),
+        None => lost.into(),
+    }
+}
+
+/// The SQLSTATE and message of an error the database answered.
+fn sqlstate_of(error: &sqlx::Error) -> Option<(String, String)> {
+    match error {
+        sqlx::Error::Database(db) => db
+            .code()
+            .map(|code| (code.into_owned(), db.message().to_owned())),
+        _ => None,
+    }
+}
+
+fn described(what: &str, message: &str, code: &str) -> String {
+    format!("PostgreSQL {what} a lock statement: {message} (SQLSTATE {code})")
+}
+
 /// sqlx's error → the crate's, the `sqlx::Error` as the source. A store set up wrong
 /// is a misconfiguration, which fails closed: undefined objects, syntax, permissions
 /// (SQLSTATE classes 42, 28), a schema that is not there (3F), an isolation level the
@@ -614,13 +646,7 @@ fn connection_lost(error: &sqlx::Error) -> bool {
 /// accepting connections, a cancelled statement) is an outage. An error the database
 /// answered keeps its SQLSTATE in the message.
 fn map_error(error: sqlx::Error) -> Error {
-    let sqlstate = match &error {
-        sqlx::Error::Database(db) => db
-            .code()
-            .map(|code| (code.into_owned(), db.message().to_owned())),
-        _ => None,
-    };
-    let Some((code, message)) = sqlstate else {
+    let Some((code, message)) = sqlstate_of(&error) else {
         return StoreError::new(StoreErrorKind::Unavailable, error).into();
     };
     let misconfigured = ["42", "28", "3F", "0A", "22"]
@@ -633,9 +659,7 @@ fn map_error(error: sqlx::Error) -> Error {
         (StoreErrorKind::Unavailable, "failed")
     };
     StoreError::new(kind, error)
-        .with_message(format!(
-            "PostgreSQL {what} a lock statement: {message} (SQLSTATE {code})"
-        ))
+        .with_message(described(what, &message, &code))
         .into()
 }
 

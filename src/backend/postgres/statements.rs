@@ -2,17 +2,18 @@
 //! once), and the calls that send them within the response timeout.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use sqlx::postgres::PgConnection;
 
 use super::listener::{Slot, waiters_of};
-use super::{PostgresBackend, batch, connection_lost, map_error};
+use super::{PostgresBackend, batch, connection_lost, lost_connection, map_error};
 use crate::backend::{
     Acquire, FencingToken, Grant, HoldInfo, LockMode, LockRequest, LockState, Release, Stored,
     WaiterScope, Waiters, queued,
 };
-use crate::error::{Error, Result, StoreErrorKind};
+use crate::error::{Error, Result, StoreError, StoreErrorKind};
 use crate::hold_id::HoldId;
 use crate::key::LockKey;
 
@@ -156,26 +157,53 @@ impl PostgresBackend {
         run: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
     ) -> Result<T> {
         let inner = &*self.inner;
-        let ran = tokio::time::timeout(inner.response_timeout, inner.kept.run(&inner.pool, run));
-        match ran.await {
+        let sent = AtomicBool::new(false);
+        let run = inner.kept.run(&inner.pool, &sent, run);
+        let ran = tokio::time::timeout(inner.response_timeout, run).await;
+        let sent = sent.load(Ordering::Relaxed);
+        match ran {
             Ok(Ok(out)) => Ok(out),
+            Ok(Err(error)) if !sent => {
+                // No connection to be had: the statement never left.
+                inner.kept.check_idle(&inner.pool);
+                Err(StoreError::not_sent(error).into())
+            }
             Ok(Err(error)) => {
                 if connection_lost(&error) {
                     inner.kept.check_idle(&inner.pool);
+                    return Err(lost_connection(error));
                 }
                 Err(map_error(error))
             }
             Err(_) => {
                 inner.kept.check_idle(&inner.pool);
-                Err(Error::store(
-                    StoreErrorKind::Unavailable,
-                    format!(
-                        "PostgreSQL did not answer within {:?}",
-                        inner.response_timeout
-                    ),
-                ))
+                let message = format!(
+                    "PostgreSQL did not answer within {:?}",
+                    inner.response_timeout
+                );
+                Err(match sent {
+                    true => Error::store(StoreErrorKind::Unavailable, message),
+                    false => StoreError::not_sent(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        message,
+                    ))
+                    .into(),
+                })
             }
         }
+    }
+
+    /// Whether a statement that may run twice (a read, `SELECT 1`) and failed with
+    /// `error` on its `attempt`-th try (from 0) goes once more: at once, when its
+    /// connection was found dead (a server restarted while the connection sat in the
+    /// pool), so that a single call (a readiness probe, a stored response read) costs
+    /// the restart no error, as a lock call does not.
+    pub(super) fn read_again(attempt: u32, error: &Error) -> bool {
+        let again = attempt == 0 && error.is_connection_lost();
+        if again {
+            tracing::debug!(%error, "a PostgreSQL connection was dead; the statement goes again");
+        }
+        again
     }
 
     /// The deadline, on the database's clock in microseconds, of an attempt sent now:
@@ -457,13 +485,21 @@ impl PostgresBackend {
 
     /// [`ReplayStore::load`](crate::backend::ReplayStore::load): the unexpired record.
     pub(super) async fn load_now(&self, key: &LockKey) -> Result<Option<Vec<u8>>> {
-        self.on_connection(async |conn| {
-            sqlx::query_scalar(&self.inner.statements.replay_load)
-                .bind(key.as_str())
-                .fetch_optional(conn)
-                .await
-        })
-        .await
+        let mut attempt = 0;
+        loop {
+            let loaded = self
+                .on_connection(async |conn| {
+                    sqlx::query_scalar(&self.inner.statements.replay_load)
+                        .bind(key.as_str())
+                        .fetch_optional(conn)
+                        .await
+                })
+                .await;
+            match loaded {
+                Err(error) if Self::read_again(attempt, &error) => attempt += 1,
+                loaded => return loaded,
+            }
+        }
     }
 
     pub(super) async fn renew_all(&self, reqs: &[LockRequest]) -> Result<Vec<bool>> {

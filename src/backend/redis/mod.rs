@@ -678,9 +678,34 @@ impl Inner {
         self.checked(result)
     }
 
+    /// Runs `cmd`, a command that may be sent twice (a read, `PING`, `TIME`, a `SET`
+    /// or `DEL` of a client name). A connection found broken (a server restarted while
+    /// the connection was idle) fails the first command sent over it, and the
+    /// connection reconnects; so a command that met one is sent once more, at once,
+    /// and a single call (a readiness probe, a stored response read) costs the restart
+    /// no error, as a lock call does not.
     async fn query<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T> {
         let result = self.conn.query(cmd).await;
-        self.checked(result)
+        match self.checked(result) {
+            Err(error) if error.is_connection_lost() => {
+                tracing::debug!(%error, "the Redis connection broke under a command; sending it again");
+                let result = self.conn.query(cmd).await;
+                self.checked(result)
+            }
+            result => result,
+        }
+    }
+
+    /// Runs `invocation`, a script that only reads, as [`query`](Self::query) runs a
+    /// command: once more, at once, if it met a broken connection.
+    async fn read<T: FromRedisValue>(&self, invocation: &redis::ScriptInvocation<'_>) -> Result<T> {
+        match self.invoke(invocation).await {
+            Err(error) if error.is_connection_lost() => {
+                tracing::debug!(%error, "the Redis connection broke under a script; running it again");
+                self.invoke(invocation).await
+            }
+            result => result,
+        }
     }
 
     /// Runs `invocation`, a write. With replica acknowledgement, `WAIT` follows it in
@@ -1171,7 +1196,8 @@ impl RedisBackend {
     async fn inspect_state(&self, key: &LockKey, mode: LockMode) -> Result<LockState> {
         let prefix = &self.inner.prefix;
         let reply: Vec<String> = self
-            .invoke(
+            .inner
+            .read(
                 self.inner
                     .publish
                     .scripts()
