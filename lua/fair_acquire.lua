@@ -23,13 +23,14 @@
 --                        fenced request's token
 --   {0, ttl}             busy and queued: try again within ttl ms (the holder's lease or
 --                        the waiter ahead's eviction, at most a third of the timeout)
---   {-1}                 refused: it arrived after its deadline; nothing changed
+--   {-1, now}            refused: it arrived after its deadline; nothing changed;
+--                        now is the server clock in microseconds
 local H, Q, Z, FENCE, CHAN = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lease, owner, timeout = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local fenced = ARGV[4] == '1'
 local now_us = clock_us()
 if late(ARGV[5], now_us) then
-    return {-1}
+    return {-1, now_us}
 end
 local now = math.floor(now_us / 1000)
 local evicted = evict_stale(Q, Z, now)

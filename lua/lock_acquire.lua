@@ -26,7 +26,10 @@
 --                      re-entered
 --   {1, holds, token}  acquired, fenced
 --   {0, pttl}          busy: the holder's remaining lease in ms (-1: no expiry)
---   {-1}               refused: it arrived after its deadline; nothing changed
+--   {-1, now}          refused: it arrived after its deadline; nothing changed. now is
+--                      the server clock in microseconds, a sample for the sender's
+--                      next deadline (its last one was computed from a clock that
+--                      stepped, or from another server's)
 
 -- Effects replication (the default from Redis 5) lets writes follow TIME.
 if redis.replicate_commands then
@@ -34,8 +37,9 @@ if redis.replicate_commands then
 end
 if ARGV[4] ~= '0' then
     local t = redis.call('time')
-    if tonumber(t[1]) * 1000000 + tonumber(t[2]) > tonumber(ARGV[4]) then
-        return {-1}
+    local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    if now > tonumber(ARGV[4]) then
+        return {-1, now}
     end
 end
 local holds

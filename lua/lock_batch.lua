@@ -20,7 +20,8 @@
 -- Returns a flat array, three entries per operation:
 --   acquired   1, holds, token (0 when not fenced)
 --   busy       0, pttl (-1: no expiry), 0
---   refused    -1, 0, 0 (an acquisition that arrived after the deadline; nothing changed)
+--   refused    -1, now, 0 (an acquisition that arrived after the deadline; nothing
+--              changed; now is the server clock in microseconds)
 --   released   2, n (0: the lock is gone and waiters were told; n > 0: holds left;
 --              -1: not held by this owner), 0
 --   error      3, the error's message, 0
@@ -57,7 +58,8 @@ local function release(H, lease, owner)
     return 2, release_hold(H, lease, owner), 0
 end
 
-local too_late = late(ARGV[1], clock_us())
+local now_us = clock_us()
+local too_late = late(ARGV[1], now_us)
 local k = 1 -- the operation's first key
 for i = 1, (#ARGV - 1) / 3 do
     local op, lease, owner = ARGV[3 * i - 1], ARGV[3 * i], ARGV[3 * i + 1]
@@ -69,7 +71,7 @@ for i = 1, (#ARGV - 1) / 3 do
     end
     local ok, a, b, c
     if op ~= 'r' and too_late then
-        ok, a, b, c = true, -1, 0, 0
+        ok, a, b, c = true, -1, now_us, 0
     elseif op == 'r' then
         ok, a, b, c = pcall(release, H, lease, owner)
     else

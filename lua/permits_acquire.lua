@@ -21,13 +21,14 @@
 --                        fenced request's token
 --   {0, ttl}             all permits taken: ttl ms until the first lease ends
 --                        (-1: another kind of lock without expiry holds the name)
---   {-1}                 refused: it arrived after its deadline; nothing changed
+--   {-1, now}            refused: it arrived after its deadline; nothing changed;
+--                        now is the server clock in microseconds
 local H, E, FENCE = KEYS[1], KEYS[2], KEYS[3]
 local lease, owner, max = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
 local fenced = ARGV[4] == '1'
 local now_us = clock_us()
 if late(ARGV[5], now_us) then
-    return {-1}
+    return {-1, now_us}
 end
 local now = math.floor(now_us / 1000)
 if redis.call('exists', E) == 0 then

@@ -32,7 +32,8 @@
 --   {1, holds[, token]}  acquired: holds 1 for a fresh hold, more when re-entered; a
 --                        fenced request's token
 --   {0, ttl}             busy and queued: try again within ttl ms
---   {-1}                 refused: it arrived after its deadline; nothing changed
+--   {-1, now}            refused: it arrived after its deadline; nothing changed;
+--                        now is the server clock in microseconds
 local H, P, Q, Z, FENCE, CHAN = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local lease, owner, timeout = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[4])
 local reading = ARGV[3] == 'read'
@@ -42,7 +43,7 @@ local write_field = (reading and ARGV[6] or owner) .. ':write'
 local entry = owner .. (reading and ':read' or ':write')
 local now_us = clock_us()
 if late(ARGV[7], now_us) then
-    return {-1}
+    return {-1, now_us}
 end
 local now = math.floor(now_us / 1000)
 local evicted = evict_stale(Q, Z, now)

@@ -191,9 +191,22 @@ impl Error {
         matches!(self, Error::Store(error) if error.is_connection_lost())
     }
 
-    /// Whether the operation never reached the store: see [`StoreError::not_sent`].
-    pub(crate) fn is_not_sent(&self) -> bool {
-        matches!(self, Error::Store(error) if error.is_not_sent())
+    /// Whether the store cannot have applied the operation: see
+    /// [`StoreError::not_applied`].
+    pub(crate) fn is_not_applied(&self) -> bool {
+        matches!(self, Error::Store(error) if error.is_not_applied())
+    }
+
+    /// Whether the store gave no answer (a timeout, a connection that broke or could
+    /// not be made), rather than answering with a refusal.
+    pub(crate) fn is_unanswered(&self) -> bool {
+        matches!(self, Error::Store(error) if error.unanswered)
+    }
+
+    /// Whether one more try at once may well work: the connection broke under the
+    /// operation, or the store's refusal mended its own cause.
+    pub(crate) fn again_at_once(&self) -> bool {
+        matches!(self, Error::Store(error) if error.again_at_once)
     }
 
     /// The same error again, for each of several operations that failed together (a
@@ -312,7 +325,15 @@ pub struct StoreError {
     message: String,
     source: Option<Arc<dyn std::error::Error + Send + Sync + 'static>>,
     connection_lost: bool,
-    not_sent: bool,
+    not_applied: bool,
+    /// Worth one more try at once: the connection broke (and is being replaced), or
+    /// the store refused the attempt for a reason the refusal itself mended (a clock
+    /// sample it brought).
+    again_at_once: bool,
+    /// The store gave no answer (a timeout, a connection that broke or could not be
+    /// made), as opposed to one that answered with a refusal: a cleanup sent now would
+    /// most likely meet the same.
+    unanswered: bool,
 }
 
 impl StoreError {
@@ -325,7 +346,9 @@ impl StoreError {
             message: source.to_string(),
             source: Some(Arc::from(source)),
             connection_lost: false,
-            not_sent: false,
+            not_applied: false,
+            again_at_once: false,
+            unanswered: false,
         }
     }
 
@@ -337,7 +360,9 @@ impl StoreError {
             message: message.into(),
             source: None,
             connection_lost: false,
-            not_sent: false,
+            not_applied: false,
+            again_at_once: false,
+            unanswered: false,
         }
     }
 
@@ -349,21 +374,23 @@ impl StoreError {
     pub fn connection_lost(source: impl Into<BoxError>) -> Self {
         StoreError {
             connection_lost: true,
+            again_at_once: true,
+            unanswered: true,
             ..StoreError::new(StoreErrorKind::Unavailable, source)
         }
     }
 
-    /// An [unavailable](StoreErrorKind::Unavailable) store that the operation never
-    /// reached: no connection could be made (refused, or none to be had from a pool), so
-    /// nothing was written and the store cannot have applied it. The lock core then has
-    /// nothing to take back: an acquisition that failed so sends no
-    /// [`abandon`](crate::backend::LockBackend::abandon), which in an outage would only
-    /// be one more command to retry, and to land on the store the moment it is back.
-    /// Say it only when it is certain: a command written to a connection that then
-    /// broke may have been applied.
-    pub fn not_sent(source: impl Into<BoxError>) -> Self {
+    /// An [unavailable](StoreErrorKind::Unavailable) store that cannot have applied the
+    /// operation: it never reached the store (no connection could be made, or none was
+    /// to be had from a pool), or the store refused it having changed nothing (an
+    /// attempt past its deadline). The lock core then has nothing to take back: an
+    /// acquisition that failed so sends no [`abandon`](crate::backend::LockBackend::abandon),
+    /// which in an outage would only be one more command to retry, and to land on the
+    /// store the moment it is back. Say it only when it is certain: a command written
+    /// to a connection that then broke may have been applied.
+    pub fn not_applied(source: impl Into<BoxError>) -> Self {
         StoreError {
-            not_sent: true,
+            not_applied: true,
             ..StoreError::new(StoreErrorKind::Unavailable, source)
         }
     }
@@ -395,9 +422,10 @@ impl StoreError {
         self.connection_lost
     }
 
-    /// Whether the operation never reached the store (see [`StoreError::not_sent`]).
-    pub fn is_not_sent(&self) -> bool {
-        self.not_sent
+    /// Whether the store cannot have applied the operation (see
+    /// [`StoreError::not_applied`]).
+    pub fn is_not_applied(&self) -> bool {
+        self.not_applied
     }
 
     /// Marks the failure as also one of a connection that broke
@@ -406,6 +434,24 @@ impl StoreError {
     #[cfg(feature = "redis")]
     pub(crate) fn and_connection_lost(mut self) -> Self {
         self.connection_lost = true;
+        self.again_at_once = true;
+        self
+    }
+
+    /// Marks the failure as one the store gave no answer to (a timeout, an I/O error),
+    /// as opposed to a refusal it answered.
+    #[cfg(any(feature = "redis", feature = "postgres"))]
+    pub(crate) fn and_unanswered(mut self) -> Self {
+        self.unanswered = true;
+        self
+    }
+
+    /// Marks the failure as worth one more try at once, though no connection broke: a
+    /// refusal that mended its own cause (an attempt refused as late, whose refusal
+    /// brought the store's clock).
+    #[cfg(any(feature = "redis", feature = "postgres"))]
+    pub(crate) fn and_again_at_once(mut self) -> Self {
+        self.again_at_once = true;
         self
     }
 
@@ -433,8 +479,8 @@ impl fmt::Debug for StoreError {
         if self.connection_lost {
             d.field("connection_lost", &true);
         }
-        if self.not_sent {
-            d.field("not_sent", &true);
+        if self.not_applied {
+            d.field("not_applied", &true);
         }
         d.finish()
     }

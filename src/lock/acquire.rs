@@ -631,7 +631,7 @@ async fn run(
         .registry()
         .inner
         .health
-        .failing_since()
+        .outage_now()
         .is_some_and(|since| since.elapsed() >= grace);
 
     // No barging within a process: when others here already wait for this key, a new
@@ -706,10 +706,10 @@ async fn first_attempt(client: &LockClient, pending: &mut Pending<'_>) -> Result
             Ok(outcome) => return Ok(outcome),
             Err(error) => {
                 compensate_later(client, pending.store(), &error);
-                if retried || !error.is_connection_lost() {
+                if retried || !error.again_at_once() {
                     return Err(error);
                 }
-                tracing::debug!(%error, "lock store connection lost; trying once more");
+                tracing::debug!(%error, "lock store connection lost or clock resampled; trying once more");
                 retried = true;
                 pending.reidentify(client);
             }
@@ -1015,10 +1015,11 @@ async fn attempt(client: &LockClient, req: &LockRequest) -> Result<AttemptAnswer
 /// a hold, and a place in the store's wait queue. Should the store not answer, that is
 /// tried again, with the other cleanups of the key, until it does or whatever the
 /// attempt took has ended with its lease (a shutdown waits for the first try only).
-/// After an outage (`failed_unavailable`: the attempt met one) it waits with them from
-/// the start: the store just failed to answer, and one probe per key and backoff step
-/// is enough to find out when it answers again.
-fn abandon_later(client: &LockClient, req: &LockRequest, failed_unavailable: bool) {
+/// After an attempt the store gave no answer to (`unanswered`: a timeout, a broken
+/// connection) it waits with them from the start: one probe per key and backoff step
+/// is enough to find out when the store answers again. After a refusal the store
+/// answered (a grant too few replicas acknowledged), it is tried at once.
+fn abandon_later(client: &LockClient, req: &LockRequest, unanswered: bool) {
     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
         let job = cleanup::Job {
             what: cleanup::What::Abandon,
@@ -1026,7 +1027,7 @@ fn abandon_later(client: &LockClient, req: &LockRequest, failed_unavailable: boo
             until: Instant::now() + req.lease,
         };
         let inner = &client.registry().inner;
-        if failed_unavailable {
+        if unanswered {
             cleanup::again(inner, &runtime, job);
         } else {
             cleanup::now_and_again(inner, &runtime, job);
@@ -1036,15 +1037,15 @@ fn abandon_later(client: &LockClient, req: &LockRequest, failed_unavailable: boo
 
 /// After an attempt failed with `error`, the store may or may not have applied it: its
 /// identity is never used again, and whatever it took is taken back in a task — unless
-/// the attempt never reached the store ([`Error::is_not_sent`]), which then has nothing
+/// the attempt never reached the store ([`Error::is_not_applied`]), which then has nothing
 /// of it: in an outage that would be one more command per attempt to retry, all landing
 /// on the store the moment it is back. Returns whether a task takes it back (and so
 /// also takes the identity out of a wait queue an earlier attempt put it in).
 fn compensate_later(client: &LockClient, req: &LockRequest, error: &Error) -> bool {
-    if error.is_not_sent() {
+    if error.is_not_applied() {
         return false;
     }
-    abandon_later(client, req, error.is_unavailable());
+    abandon_later(client, req, error.is_unanswered());
     true
 }
 

@@ -3,19 +3,28 @@
 //! (attempts, renewals, releases, cleanups, pings), so knowing costs no call.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use tokio::time::Instant;
 
 use crate::error::{Error, Result};
 
+/// How far apart two failures may be, with no answer between, and still be one outage:
+/// twice the longest backoff of a waiter, which fails again at least that often while
+/// the store is down. A client that made no call for longer does not know whether the
+/// store came back meanwhile: its next failure starts a new outage.
+const SAME_OUTAGE: Duration = Duration::from_secs(2);
+
 /// Whether the store answers, as the client's calls found it.
 #[derive(Debug)]
 pub(crate) struct Health {
-    /// What [`failing_since`](Self::failing_since) counts from.
+    /// What the times below count from.
     base: Instant,
     /// Milliseconds from `base` to the first of the failures since the last answer,
     /// plus one; 0 while the last call was answered.
     failing_since: AtomicU64,
+    /// Milliseconds from `base` to the last failure, plus one.
+    failed_last: AtomicU64,
 }
 
 impl Health {
@@ -23,6 +32,7 @@ impl Health {
         Health {
             base: Instant::now(),
             failing_since: AtomicU64::new(0),
+            failed_last: AtomicU64::new(0),
         }
     }
 
@@ -37,14 +47,21 @@ impl Health {
 
     pub(crate) fn note_error(&self, error: &Error) {
         if error.is_unavailable() {
-            let ms = Instant::now()
-                .saturating_duration_since(self.base)
-                .as_millis();
-            let since = u64::try_from(ms).unwrap_or(u64::MAX - 1) + 1;
-            // The first failure since the last answer is when the outage began.
-            let _ =
-                self.failing_since
-                    .compare_exchange(0, since, Ordering::Relaxed, Ordering::Relaxed);
+            let now = self.stamp(Instant::now());
+            let last = self.failed_last.swap(now, Ordering::Relaxed);
+            let same = last != 0 && now - last <= millis(SAME_OUTAGE);
+            // The first failure since the last answer, or since failures too far
+            // apart to tell, is when the outage began.
+            if !same {
+                self.failing_since.store(now, Ordering::Relaxed);
+            } else {
+                let _ = self.failing_since.compare_exchange(
+                    0,
+                    now,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                );
+            }
         } else if error.is_backend() {
             self.answered();
         }
@@ -60,17 +77,33 @@ impl Health {
 
     /// When the store began failing every call, if its last call failed as an outage.
     pub(crate) fn failing_since(&self) -> Option<Instant> {
-        match self.failing_since.load(Ordering::Relaxed) {
-            0 => None,
-            ms => Some(self.base + std::time::Duration::from_millis(ms - 1)),
-        }
+        self.instant(self.failing_since.load(Ordering::Relaxed))
     }
+
+    /// When the outage going on now began, if the client knows of one: its last call
+    /// failed, recently enough that nothing says the store came back since.
+    pub(crate) fn outage_now(&self) -> Option<Instant> {
+        let since = self.failing_since()?;
+        let last = self.instant(self.failed_last.load(Ordering::Relaxed))?;
+        (last.elapsed() <= SAME_OUTAGE).then_some(since)
+    }
+
+    fn stamp(&self, at: Instant) -> u64 {
+        let ms = at.saturating_duration_since(self.base).as_millis();
+        u64::try_from(ms).unwrap_or(u64::MAX - 1) + 1
+    }
+
+    fn instant(&self, stamp: u64) -> Option<Instant> {
+        (stamp != 0).then(|| self.base + Duration::from_millis(stamp - 1))
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
     use crate::StoreErrorKind;
 
@@ -96,5 +129,23 @@ mod tests {
         assert!(health.failing_since().is_some());
         health.note(&Ok(()));
         assert_eq!(health.failing_since(), None);
+    }
+
+    /// A client whose last call failed long ago does not know the outage goes on: the
+    /// store may have come back meanwhile (another client saw it), and its next failure
+    /// starts a new outage.
+    #[tokio::test(start_paused = true)]
+    async fn failures_far_apart_are_outages_of_their_own() {
+        let health = Health::new();
+        let down = || Err::<(), _>(Error::store(StoreErrorKind::Unavailable, "refused"));
+        health.note(&down());
+        let first = Instant::now();
+        tokio::time::advance(SAME_OUTAGE).await;
+        assert_eq!(health.outage_now(), Some(first), "still going");
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert_eq!(health.outage_now(), None, "nothing says it goes on");
+        assert_eq!(health.failing_since(), Some(first));
+        health.note(&down());
+        assert_eq!(health.outage_now(), Some(Instant::now()), "a new one");
     }
 }

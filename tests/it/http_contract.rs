@@ -929,9 +929,13 @@ async fn a_request_in_a_store_outage_waits_for_the_store_then_is_answered() {
         l.lock().unwrap().push(held.map(|h| h.key().to_string()));
         async { "ran" }
     };
+    // One client for both layers, as an application shares one: what it knows of the
+    // store (an outage going on for longer than the outage grace fails a new request
+    // at once) is what both layers' requests found.
+    let client = LockClient::new(backend);
     let app = |wait: Duration| {
         let layer = LockLayer::builder(
-            backend.clone(),
+            client.clone(),
             PathParamKey::new("id").namespace("item").unwrap(),
         )
         .max_wait(wait)

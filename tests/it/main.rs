@@ -9,6 +9,8 @@
 mod common;
 
 mod acquire_cancellation;
+#[cfg(feature = "redis")]
+mod clock_steps;
 mod conformance_memory;
 #[cfg(feature = "postgres")]
 mod conformance_postgres;

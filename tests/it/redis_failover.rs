@@ -410,6 +410,69 @@ async fn a_primary_refusing_writes_with_no_failover_keeps_the_backend_and_spares
     );
 }
 
+/// Issue 44, finding 2: with one replica and the default replica acknowledgement, a
+/// failover left the new primary with no replica, and every grant was refused ("only 0
+/// of 1 Redis replicas acknowledged") until the old host came back as a replica (67 s
+/// in the trial; never, had it not). The count now follows the replicas the primary
+/// has: a primary with none cannot lose a grant to a promotion. With the strict count
+/// (`strict_replicas`), the grants are refused as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_failover_to_the_last_replica_locks_go_on() {
+    let mut set = SentinelSet::start(1, 3).await;
+    let backend = behind(&set, None).await;
+    let strict = RedisBackend::sentinel(MASTER, set.sentinel_urls())
+        .response_timeout(Duration::from_millis(600))
+        .connection_timeout(Duration::from_millis(600))
+        .strict_replicas(true)
+        .build()
+        .await
+        .unwrap();
+    let c = client(&backend);
+    let lock = c.get_lock("failover:last-replica").unwrap();
+    lock.try_lock().await.unwrap().unlock().await.unwrap();
+    assert_eq!(backend.acknowledging_replicas(), Some(1));
+    let old = set.primary_port().await;
+    set.node(old).kill();
+    let new = set.wait_for_new_primary(old, Duration::from_secs(30)).await;
+    let promoted = tokio::time::Instant::now();
+    lock.try_lock_for(Duration::from_secs(10), Lease::Watchdog)
+        .await
+        .expect("a lock on the new primary, which has no replica")
+        .unlock()
+        .await
+        .unwrap();
+    assert!(
+        promoted.elapsed() < Duration::from_secs(3),
+        "{:?} after {new} was promoted",
+        promoted.elapsed()
+    );
+    assert_eq!(backend.acknowledging_replicas(), Some(0));
+
+    let refused = LockClient::new(strict)
+        .get_lock("failover:strict")
+        .unwrap()
+        .try_lock_for(Duration::from_secs(2), Lease::Watchdog)
+        .await
+        .map(drop);
+    let error = refused.expect_err("the strict count wants a replica");
+    assert!(
+        error.is_unavailable() && error.to_string().contains("0 of 1"),
+        "{error}"
+    );
+
+    // The old primary back as a replica: once it has its copy (it is counted from
+    // then), writes wait for it again.
+    set.restart_as_replica(old).await;
+    common::wait_until(Duration::from_secs(30), "a replica again", || async {
+        let cycle = match lock.try_lock().await {
+            Ok(guard) => guard.unlock().await.is_ok(),
+            Err(_) => false,
+        };
+        cycle && backend.acknowledging_replicas() == Some(1)
+    })
+    .await;
+}
+
 /// What a grant that never reached a replica becomes when its primary is lost: the
 /// replication stream to every replica is dropped (in the proxies it flows through),
 /// client A takes a key, the primary is killed (SIGKILL), the Sentinels promote a

@@ -31,7 +31,7 @@ use tokio::sync::oneshot;
 use super::PostgresBackend;
 use super::statements::{AttemptRow, millis, mode_char, permits_max};
 use crate::backend::{Acquire, LockMode, LockRequest, Release};
-use crate::error::{Error, Result, StoreErrorKind};
+use crate::error::{Error, Result, StoreError, StoreErrorKind};
 
 /// The most names one batch carries.
 pub(super) const MAX_BATCH: usize = 64;
@@ -208,13 +208,15 @@ async fn wait(
             StoreErrorKind::Unavailable,
             "the lock operation's sender stopped before PostgreSQL answered",
         )),
-        Err(_) => Err(Error::store(
+        Err(_) => Err(StoreError::msg(
             StoreErrorKind::Unavailable,
             format!(
                 "PostgreSQL did not answer within {:?}",
                 backend.inner.response_timeout
             ),
-        )),
+        )
+        .and_unanswered()
+        .into()),
     }
 }
 

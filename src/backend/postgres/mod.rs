@@ -282,7 +282,17 @@ impl LockBackend for PostgresBackend {
     }
 
     fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
-        Box::pin(self.acquire_now(req))
+        Box::pin(async move {
+            let acquired = self.acquire_now(req).await;
+            if let Err(error) = &acquired
+                && crate::backend::clock::ArrivedLate::of(error).is_some()
+            {
+                // The database's clock is not where the sample put it (a step, a
+                // failover): the retry samples it anew.
+                self.inner.clock.forget();
+            }
+            acquired
+        })
     }
 
     fn renew<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<bool>> {

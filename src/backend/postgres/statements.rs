@@ -9,6 +9,7 @@ use sqlx::postgres::PgConnection;
 
 use super::listener::{Slot, waiters_of};
 use super::{PostgresBackend, batch, connection_lost, lost_connection, map_error};
+use crate::backend::clock::ArrivedLate;
 use crate::backend::{
     Acquire, FencingToken, Grant, HoldInfo, LockMode, LockRequest, LockState, Release, Stored,
     WaiterScope, Waiters, queued,
@@ -166,29 +167,30 @@ impl PostgresBackend {
             Ok(Err(error)) if !sent => {
                 // No connection to be had: the statement never left.
                 inner.kept.check_idle(&inner.pool);
-                Err(StoreError::not_sent(error).into())
+                Err(StoreError::not_applied(error).and_unanswered().into())
             }
             Ok(Err(error)) => {
                 if connection_lost(&error) {
+                    // The next connections may reach another server (a failover).
+                    inner.clock.forget();
                     inner.kept.check_idle(&inner.pool);
                     return Err(lost_connection(error));
                 }
                 Err(map_error(error))
             }
             Err(_) => {
+                inner.clock.forget();
                 inner.kept.check_idle(&inner.pool);
                 let message = format!(
                     "PostgreSQL did not answer within {:?}",
                     inner.response_timeout
                 );
-                Err(match sent {
-                    true => Error::store(StoreErrorKind::Unavailable, message),
-                    false => StoreError::not_sent(std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        message,
-                    ))
-                    .into(),
-                })
+                let timed_out = std::io::Error::new(std::io::ErrorKind::TimedOut, message);
+                let error = match sent {
+                    true => StoreError::new(StoreErrorKind::Unavailable, timed_out),
+                    false => StoreError::not_applied(timed_out),
+                };
+                Err(error.and_unanswered().into())
             }
         }
     }
@@ -212,7 +214,7 @@ impl PostgresBackend {
     /// last sample is too old.
     pub(super) async fn attempt_deadline(&self) -> Result<i64> {
         let window = self.inner.response_timeout;
-        if let Some(deadline) = self.inner.clock.deadline(window) {
+        if let Some(deadline) = self.inner.clock.deadline(&(), window, 0) {
             return Ok(i64::try_from(deadline).unwrap_or(i64::MAX));
         }
         let now_us: i64 = self
@@ -227,8 +229,12 @@ impl PostgresBackend {
         let received = std::time::Instant::now();
         self.inner
             .clock
-            .record(u64::try_from(now_us).unwrap_or(0), received);
-        let deadline = self.inner.clock.deadline(window).unwrap_or(u64::MAX);
+            .record((), u64::try_from(now_us).unwrap_or(0), received, 0);
+        let deadline = self
+            .inner
+            .clock
+            .deadline(&(), window, 0)
+            .unwrap_or(u64::MAX);
         Ok(i64::try_from(deadline).unwrap_or(i64::MAX))
     }
 
@@ -329,10 +335,7 @@ impl PostgresBackend {
     /// refusal past its deadline (ttl_ms -2) as an outage.
     pub(super) fn acquire_answer((acquired, holds, token, ttl_ms): AttemptRow) -> Result<Acquire> {
         if ttl_ms == Some(-2) {
-            return Err(Error::store(
-                StoreErrorKind::Unavailable,
-                "the lock attempt reached PostgreSQL after its deadline and was refused",
-            ));
+            return Err(ArrivedLate::error("PostgreSQL", None));
         }
         if acquired {
             let token = token.map(|t| FencingToken::new(t.unsigned_abs()));
@@ -357,7 +360,7 @@ impl PostgresBackend {
         slot.gives_up()
             .and_then(|at| {
                 let left = at.saturating_duration_since(std::time::Instant::now());
-                self.inner.clock.deadline(left)
+                self.inner.clock.deadline(&(), left, 0)
             })
             .map_or(0, |us| i64::try_from(us).unwrap_or(i64::MAX).max(1))
     }

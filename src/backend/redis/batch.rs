@@ -46,7 +46,7 @@ use tokio::sync::{Notify, oneshot};
 
 use super::{Companion, Inner, LockName, Names, UNLOCK_MESSAGE, lease_ms, ttl_of};
 use crate::backend::{Acquire, FencingToken, Grant, LockRequest, Release};
-use crate::error::{Error, Result, StoreErrorKind};
+use crate::error::{Error, Result, StoreError, StoreErrorKind};
 use crate::hold_id::HoldId;
 use crate::key::LockKey;
 
@@ -226,12 +226,11 @@ impl Drop for Drainer {
     }
 }
 
-/// A queued operation that was never sent: retryable, like an outage.
+/// A queued operation that was never sent: retryable, like an outage, and nothing to
+/// take back.
 fn unsent(why: &str) -> Error {
-    Error::store(
-        StoreErrorKind::Unavailable,
-        format!("lock operation not sent: {why}"),
-    )
+    let why = std::io::Error::other(format!("lock operation not sent: {why}"));
+    StoreError::not_applied(why).and_unanswered().into()
 }
 
 /// Sends the queue in batches until it is empty: several at once on a single server
@@ -290,9 +289,10 @@ fn by_slot(inner: &Inner, batch: Vec<Queued>) -> Vec<Vec<Queued>> {
 /// for more; every operation gets its answer, but those to send again (refused as
 /// moved away), returned in their order.
 async fn send(inner: &Inner, mut batch: Vec<Queued>) -> Vec<Queued> {
-    let acquires = batch.iter().any(|q| q.op == Op::Acquire);
-    let deadline = if acquires {
-        match inner.attempt_deadline().await {
+    // On a cluster a batch is one slot's: its first key's clock is every key's.
+    let acquiring = batch.iter().find(|q| q.op == Op::Acquire);
+    let deadline = if let Some(first) = acquiring {
+        match inner.attempt_deadline(&first.key).await {
             Ok(deadline) => deadline,
             Err(error) => {
                 fail(batch, &error);
@@ -434,7 +434,7 @@ fn parse(op: Op, triple: &[Value]) -> Result<OpReply> {
             ))))
         }
         (Op::Acquire, 0, Some(ttl)) => Ok(OpReply::Acquire(Acquire::Busy { ttl: ttl_of(ttl) })),
-        (Op::Acquire, -1, _) => Err(super::arrived_late()),
+        (Op::Acquire, -1, now) => Err(super::arrived_late(now)),
         (Op::Release, 2, Some(n)) => Ok(OpReply::Release(match n {
             -1 => Release::NotHeld,
             0 => Release::Released,

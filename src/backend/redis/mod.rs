@@ -143,7 +143,7 @@ use super::{
     LockRequest, LockState, QUEUED_MODES, Release, ReplayStore, StoreProfile, Subscription,
     WaiterScope, Waiters, queued,
 };
-use crate::backend::clock::{COMPENSATION_MARGIN, StoreClock};
+use crate::backend::clock::{ArrivedLate, COMPENSATION_MARGIN, StoreClock};
 use crate::error::{Error, Result, StoreError, StoreErrorKind};
 use crate::hold_id::HoldId;
 use crate::key::LockKey;
@@ -203,6 +203,8 @@ struct Scripts {
     force_release: Script,
     inspect: Script,
     replay_store: Script,
+    #[cfg(feature = "cluster")]
+    time: Script,
 }
 
 impl Scripts {
@@ -216,6 +218,8 @@ impl Scripts {
             force_release: publish.script(include_str!("../../../lua/lock_force_release.lua")),
             inspect: publish.with_lib(include_str!("../../../lua/inspect.lua")),
             replay_store: publish.with_lib(include_str!("../../../lua/replay_store.lua")),
+            #[cfg(feature = "cluster")]
+            time: publish.script(include_str!("../../../lua/time.lua")),
         }
     }
 }
@@ -343,7 +347,21 @@ struct SingleConn {
     connection_timeout: Duration,
     /// The connection, its generation and the address it goes to.
     current: std::sync::RwLock<(u64, ConnectionManager, String)>,
+    /// Behind Sentinel, when the Sentinels last named this connection's server the
+    /// primary while it had fewer replicas than acknowledgement wants: the connection's
+    /// generation, the replicas it had, and when (see [`confirmed_primary`]).
+    ///
+    /// [`confirmed_primary`]: SingleConn::confirmed_primary
+    confirmed: std::sync::Mutex<Option<(u64, u32, std::time::Instant)>>,
+    /// One confirmation asked at a time; the others wait for its answer.
+    confirming: tokio::sync::Mutex<()>,
 }
+
+/// How long the Sentinels' word that a primary short of replicas is the primary holds.
+/// A primary that lost its replicas to a failover (paused, cut off, then back) would
+/// grant locks its successor grants too, were its shortfall taken for the deployment:
+/// it is asked again within this, and whenever its count of replicas changes.
+const CONFIRMED_FOR: Duration = Duration::from_secs(1);
 
 impl SingleConn {
     fn new(
@@ -357,6 +375,71 @@ impl SingleConn {
             config,
             connection_timeout,
             current: std::sync::RwLock::new((0, conn, addr)),
+            confirmed: std::sync::Mutex::new(None),
+            confirming: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// Whether writes on this connection may count on `replicas` replicas, fewer than
+    /// acknowledgement wants, as all the deployment has. Without Sentinel, yes: nothing
+    /// promotes a replica behind the client's back. Behind Sentinel, only while the
+    /// Sentinels name this server the primary: a primary paused or cut off while they
+    /// promoted one of its replicas comes back with none, and must not grant what its
+    /// successor grants. Asked at most every [`CONFIRMED_FOR`] for the same count; a
+    /// primary that moved is followed.
+    async fn confirmed_primary(&self, replicas: u32) -> bool {
+        if !self.primary.follows_failovers() {
+            return true;
+        }
+        let holds = || {
+            let generation = self.current().0;
+            let confirmed = *self
+                .confirmed
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            confirmed.is_some_and(|(g, n, at)| {
+                g == generation && n == replicas && at.elapsed() < CONFIRMED_FOR
+            })
+        };
+        if holds() {
+            return true;
+        }
+        let _one_at_a_time = self.confirming.lock().await;
+        if holds() {
+            return true;
+        }
+        let (generation, here) = {
+            let current = self
+                .current
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            (current.0, current.2.clone())
+        };
+        let asked_at = std::time::Instant::now();
+        let Some(client) = self.primary_now().await else {
+            return false;
+        };
+        if client.get_connection_info().addr().to_string() != here {
+            self.swap(generation, client, "the Sentinels name another primary");
+            return false;
+        }
+        *self
+            .confirmed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            Some((generation, replicas, asked_at));
+        true
+    }
+
+    /// A write's `ROLE` listed `replicas`: a confirmation for another count no longer
+    /// holds (a replica that came and went may have been promoted meanwhile).
+    fn note_replicas(&self, replicas: u32) {
+        let mut confirmed = self
+            .confirmed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if confirmed.is_some_and(|(_, n, _)| n != replicas) {
+            *confirmed = None;
         }
     }
 
@@ -396,17 +479,21 @@ impl SingleConn {
         self.after(generation, result).await
     }
 
-    /// `invocation` followed by `then` in one write on one connection: `then` (a
-    /// `WAIT`) covers the script's writes, also when the connection is replaced right
-    /// after. A script the server does not have yet is loaded, and the pair sent again.
-    async fn invoke_then<T: FromRedisValue, U: FromRedisValue>(
+    /// `invocation` followed by `then` in one write on one connection, the replies as
+    /// `R` (a tuple, the script's first): `then` (a `WAIT`) covers the script's writes,
+    /// also when the connection is replaced right after. A script the server does not
+    /// have yet is loaded, and the whole sent again.
+    async fn invoke_then<R: FromRedisValue>(
         &self,
         invocation: &redis::ScriptInvocation<'_>,
-        then: &redis::Cmd,
-    ) -> RedisResult<(T, U)> {
+        then: &[redis::Cmd],
+    ) -> RedisResult<R> {
         let (generation, mut conn) = self.current();
         let mut pipe = redis::pipe();
-        pipe.invoke_script(invocation).add_command(then.clone());
+        pipe.invoke_script(invocation);
+        for cmd in then {
+            pipe.add_command(cmd.clone());
+        }
         let no_script = redis::ErrorKind::Server(redis::ServerErrorKind::NoScript);
         let mut result = Unpoisoned::new(pipe.query_async(&mut conn)).await;
         // Loaded and sent again; twice, should the cache be emptied in between.
@@ -589,6 +676,13 @@ enum Target {
     },
 }
 
+/// Which server a clock sample is of: the one server, or on a cluster the master
+/// serving a slot.
+#[cfg(feature = "cluster")]
+type Node = Option<redis::cluster_routing::Slot>;
+#[cfg(not(feature = "cluster"))]
+type Node = ();
+
 struct Inner {
     conn: Conn,
     prefix: String,
@@ -600,8 +694,8 @@ struct Inner {
     waiter_timeout: Duration,
     /// Group commit of exclusive acquisitions and releases (per hash slot on a cluster).
     batcher: batch::Batcher,
-    /// The server's clock, for the deadlines of attempts.
-    clock: StoreClock,
+    /// The server's clock (each master's, on a cluster), for the deadlines of attempts.
+    clock: StoreClock<Node>,
     /// An attempt's deadline is this long after it is sent: the response timeout, so
     /// that a reply that timed out leaves no attempt that could still take a lock.
     attempt_window: Duration,
@@ -610,6 +704,22 @@ struct Inner {
     /// How the scripts publish releases (sharded on a Redis 7 cluster).
     publish: Publish,
     _stop_hub: DropGuard,
+}
+
+/// The replicas that `ROLE`, asked of a primary, lists: the ones online (a replica
+/// still taking its first copy is not). `None` for another reply (not a primary).
+fn replicas_of_role(role: &redis::Value) -> Option<u32> {
+    let redis::Value::Array(fields) = role else {
+        return None;
+    };
+    match (fields.first(), fields.get(2)) {
+        (Some(redis::Value::BulkString(kind)), Some(redis::Value::Array(replicas)))
+            if kind == b"master" =>
+        {
+            u32::try_from(replicas.len()).ok()
+        }
+        _ => None,
+    }
 }
 
 /// Whether enough replicas acknowledged a write.
@@ -648,14 +758,17 @@ impl Replicated {
 /// the master of the script's slot (`WAIT` itself names no key), and a redirection moves
 /// both. A script the node does not have yet is loaded, and the pair sent again.
 #[cfg(feature = "cluster")]
-async fn cluster_invoke_then<T: FromRedisValue, U: FromRedisValue>(
+async fn cluster_invoke_then<R: FromRedisValue>(
     conn: &redis::cluster_async::ClusterConnection,
     invocation: &redis::ScriptInvocation<'_>,
-    then: &redis::Cmd,
-) -> RedisResult<(T, U)> {
+    then: &[redis::Cmd],
+) -> RedisResult<R> {
     let mut conn = conn.clone();
     let mut pipe = redis::pipe();
-    pipe.invoke_script(invocation).add_command(then.clone());
+    pipe.invoke_script(invocation);
+    for cmd in then {
+        pipe.add_command(cmd.clone());
+    }
     let no_script = redis::ErrorKind::Server(redis::ServerErrorKind::NoScript);
     let mut result = pipe.query_async(&mut conn).await;
     for _ in 0..2 {
@@ -711,37 +824,68 @@ impl Inner {
     /// Runs `invocation`, a write. With replica acknowledgement, `WAIT` follows it in
     /// the same write on the same connection (on a cluster: to the master of the
     /// script's slot, in one pipeline), and the answer says whether enough replicas
-    /// acknowledged.
+    /// acknowledged. `ROLE` follows the `WAIT`: it says how many replicas the primary
+    /// had then, so that, unless the count is strict, the count waited for follows them
+    /// (see [`RedisBackendBuilder::synced_replicas`]).
     async fn write<T: FromRedisValue>(
         &self,
         invocation: &redis::ScriptInvocation<'_>,
     ) -> Result<(T, Replicated)> {
-        let Some(synced) = self.synced else {
+        let Some(synced) = &self.synced else {
             return Ok((self.invoke(invocation).await?, Replicated::Enough));
         };
-        let mut wait = redis::cmd("WAIT");
-        wait.arg(synced.replicas).arg(lease_ms(synced.timeout));
-        let result = match &self.conn {
-            Conn::Single(single) => single.invoke_then::<T, i64>(invocation, &wait).await,
+        let asked = synced.asked();
+        let then = [synced.wait(asked), redis::cmd("ROLE")];
+        let result: RedisResult<(T, i64, Option<redis::Value>)> = match &self.conn {
+            Conn::Single(single) => single.invoke_then(invocation, &then).await,
             #[cfg(feature = "cluster")]
-            Conn::Cluster(conn) => cluster_invoke_then(conn, invocation, &wait).await,
+            Conn::Cluster(conn) => cluster_invoke_then(conn, invocation, &then).await,
         };
-        let (value, acked) = self.checked(result)?;
-        let replicated = if acked >= i64::from(synced.replicas) {
+        let (value, acked, role) = self.checked(result)?;
+        // What this write needed: the configured count, or no more than the replicas
+        // the primary had, if that is all the deployment has (a replica that came since
+        // the count was read makes this one short, and the next one waits for it too).
+        let connected = role.as_ref().and_then(replicas_of_role);
+        if let (Some(connected), Conn::Single(single)) = (connected, &self.conn) {
+            single.note_replicas(connected);
+        }
+        let mut wanted = match connected {
+            Some(connected) => synced.now_connected(connected),
+            None => synced.replicas,
+        };
+        if let Some(connected) = connected
+            && wanted < synced.replicas
+            && !self.deployment_has(connected).await
+        {
+            wanted = synced.replicas;
+        }
+        let replicated = if acked >= i64::from(wanted) {
             Replicated::Enough
         } else {
-            match &self.conn {
-                Conn::Single(single) => single.follow_primary().await,
-                #[cfg(feature = "cluster")]
-                Conn::Cluster(_) => {}
+            if let Conn::Single(single) = &self.conn
+                && let Some(_asking) = single.primary.may_ask_again()
+            {
+                single.follow_primary().await;
             }
             Replicated::Short {
                 acked,
-                wanted: synced.replicas,
+                wanted,
                 timeout: synced.timeout,
             }
         };
         Ok((value, replicated))
+    }
+
+    /// Whether `replicas`, fewer than acknowledgement wants, are all the deployment
+    /// has (see [`SingleConn::confirmed_primary`]). On a cluster, never: a master that
+    /// comes back after its replica was promoted in its place cannot be told from one
+    /// whose replicas are down, and the count stays the configured one.
+    async fn deployment_has(&self, replicas: u32) -> bool {
+        match &self.conn {
+            Conn::Single(single) => single.confirmed_primary(replicas).await,
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(_) => false,
+        }
     }
 
     /// A write that must reach the replicas (a renewal): an outage when it did not.
@@ -807,21 +951,75 @@ impl Inner {
         self.conn.single().is_some() && self.synced.is_none()
     }
 
-    /// The deadline, on the server's clock in microseconds, of an attempt sent now: its
-    /// reply times out when the server's clock has passed it (see
-    /// [`clock`](crate::backend::clock)). Samples the server's clock first when the
-    /// last sample is too old.
-    async fn attempt_deadline(&self) -> Result<u64> {
-        if let Some(deadline) = self.clock.deadline(self.attempt_window) {
+    /// The server whose clock an attempt on `key` meets: the one server, or on a
+    /// cluster the master of the key's slot.
+    fn node_of(&self, key: &LockKey) -> Node {
+        match &self.conn {
+            Conn::Single(_) => Node::default(),
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(_) => Some(redis::cluster_routing::Slot::for_key(
+                Names::lock(&self.prefix, key).as_bytes(),
+            )),
+        }
+    }
+
+    /// The deadline, on the clock of the server serving `key` in microseconds, of an
+    /// attempt sent now: its reply times out when that clock has passed it (see
+    /// [`clock`](crate::backend::clock)). Samples the clock first when the last sample
+    /// is too old, or was taken before the connection moved to another server.
+    async fn attempt_deadline(&self, key: &LockKey) -> Result<u64> {
+        let node = self.node_of(key);
+        let epoch = self.primary_moves();
+        if let Some(deadline) = self.clock.deadline(&node, self.attempt_window, epoch) {
             return Ok(deadline);
         }
-        let (secs, micros): (u64, u64) = self.query(&redis::cmd("TIME")).await?;
+        let (secs, micros): (u64, u64) = match &self.conn {
+            Conn::Single(_) => self.query(&redis::cmd("TIME")).await?,
+            // `TIME` names no key: a script that does goes to the key's master.
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(_) => {
+                self.read(
+                    &self
+                        .publish
+                        .scripts()
+                        .time
+                        .key(Names::lock(&self.prefix, key).as_ref()),
+                )
+                .await?
+            }
+        };
         let received = std::time::Instant::now();
-        self.clock.record(
-            secs.saturating_mul(1_000_000).saturating_add(micros),
-            received,
-        );
-        Ok(self.clock.deadline(self.attempt_window).unwrap_or(u64::MAX))
+        let now_us = secs.saturating_mul(1_000_000).saturating_add(micros);
+        self.clock.record(node, now_us, received, epoch);
+        Ok(self
+            .clock
+            .deadline(&node, self.attempt_window, epoch)
+            .unwrap_or(u64::MAX))
+    }
+
+    /// After an attempt on `key` failed with `error`: a refusal as late brought the
+    /// server's clock, the sample for the next attempt's deadline.
+    fn sample_refusal(&self, key: &LockKey, error: &Error) {
+        if let Some(ArrivedLate {
+            now_us: Some(now_us),
+            ..
+        }) = ArrivedLate::of(error)
+        {
+            let epoch = self.primary_moves();
+            let received = std::time::Instant::now();
+            self.clock
+                .record(self.node_of(key), *now_us, received, epoch);
+        }
+    }
+
+    /// The deadline of an attempt on `key` sent now, if the clock sample allows it
+    /// without I/O (the pipelined path, which never waits).
+    fn deadline_now(&self, key: &LockKey) -> Option<u64> {
+        self.clock.deadline(
+            &self.node_of(key),
+            self.attempt_window,
+            self.primary_moves(),
+        )
     }
 
     /// One exclusive acquisition, alone (`lua/lock_acquire.lua`), of the hash `lock`;
@@ -890,8 +1088,9 @@ pub struct RedisBackendBuilder {
     pubsub_keepalive: Duration,
     lazy: bool,
     /// Replica acknowledgement: `None` for the target's default.
-    synced: Option<Synced>,
+    synced: Option<SyncedConfig>,
     sharded_pubsub: ShardedPubSub,
+    strict_replicas: bool,
     #[cfg(feature = "sentinel")]
     sentinel_node: Option<redis::sentinel::SentinelNodeConnectionInfo>,
 }
@@ -919,11 +1118,63 @@ pub enum ShardedPubSub {
     Off,
 }
 
-/// Writes wait until this many replicas have them, for at most this long.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Synced {
+/// Replica acknowledgement as configured ([`RedisBackendBuilder::synced_replicas`]):
+/// writes wait until this many replicas have them, for at most this long.
+#[derive(Clone, Copy, Debug)]
+struct SyncedConfig {
     replicas: u32,
     timeout: Duration,
+}
+
+/// Replica acknowledgement in force.
+#[derive(Debug)]
+struct Synced {
+    /// The most replicas a write waits for (all of them, when strict).
+    replicas: u32,
+    timeout: Duration,
+    /// Wait for `replicas` whatever the primary has, not for the ones it has.
+    strict: bool,
+    /// The replicas the primary had at the last write's `ROLE` (`u32::MAX` before
+    /// the first).
+    connected: std::sync::atomic::AtomicU32,
+}
+
+impl Synced {
+    fn new(replicas: u32, timeout: Duration, strict: bool) -> Self {
+        Synced {
+            replicas,
+            timeout,
+            strict,
+            connected: std::sync::atomic::AtomicU32::new(u32::MAX),
+        }
+    }
+
+    /// How many replicas the next write asks for: the configured count, or when it
+    /// follows the deployment, no more than the primary had at the last write.
+    fn asked(&self) -> u32 {
+        if self.strict {
+            return self.replicas;
+        }
+        let connected = self.connected.load(std::sync::atomic::Ordering::Relaxed);
+        self.replicas.min(connected)
+    }
+
+    /// A write's `ROLE` listed `connected` replicas: the count that write needed.
+    fn now_connected(&self, connected: u32) -> u32 {
+        self.connected
+            .store(connected, std::sync::atomic::Ordering::Relaxed);
+        if self.strict {
+            self.replicas
+        } else {
+            self.replicas.min(connected)
+        }
+    }
+
+    fn wait(&self, replicas: u32) -> redis::Cmd {
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(replicas).arg(lease_ms(self.timeout));
+        wait
+    }
 }
 
 impl RedisBackend {
@@ -1086,6 +1337,7 @@ impl RedisBackend {
             lazy: false,
             synced: None,
             sharded_pubsub: ShardedPubSub::Auto,
+            strict_replicas: false,
             #[cfg(feature = "sentinel")]
             sentinel_node: None,
         }
@@ -1123,6 +1375,15 @@ impl RedisBackend {
     /// ([`ReplayStore`]): `tower_lock_replay:{NAME}`, in the lock's hash slot.
     pub fn replay_name(&self, key: &LockKey) -> String {
         Names::replay(&self.inner.prefix, key)
+    }
+
+    /// How many replicas each write waits for now, with replica acknowledgement
+    /// ([`RedisBackendBuilder::synced_replicas`]): the configured count when strict,
+    /// else no more than the replicas the primary had at the last write or
+    /// [`ping`](crate::LockClient::ping) (the configured count before the first).
+    /// `None` when writes wait for no replica.
+    pub fn acknowledging_replicas(&self) -> Option<u32> {
+        self.inner.synced.as_ref().map(Synced::asked)
     }
 
     /// The configured waiter timeout; see [`RedisBackendBuilder::waiter_timeout`].
@@ -1359,20 +1620,22 @@ fn fenced_arg(req: &LockRequest) -> &'static str {
     if req.fenced { "1" } else { "0" }
 }
 
-/// The error of an attempt the server refused because it arrived after its deadline:
-/// retryable, as the timeout it is.
-fn arrived_late() -> Error {
-    Error::store(
-        StoreErrorKind::Unavailable,
-        "the lock attempt reached Redis after its deadline and was refused",
-    )
+/// The error of an attempt the server refused because it arrived after its deadline
+/// (`now_us`: the server's clock at the refusal, when the script said it).
+fn arrived_late(now_us: Option<i64>) -> Error {
+    let now_us = now_us
+        .and_then(|t| u64::try_from(t).ok())
+        .filter(|&t| t > 0);
+    ArrivedLate::error("Redis", now_us)
 }
 
-/// `{1, holds}`, `{1, holds, token}`, `{0, ttl}` or `{-1}` (arrived late) → the outcome.
+/// `{1, holds}`, `{1, holds, token}`, `{0, ttl}` or `{-1, now}` (arrived late) → the
+/// outcome.
 fn parse_acquire(op: &str, reply: &[i64]) -> Result<Acquire> {
     let holds = |h: i64| u32::try_from(h).unwrap_or(u32::MAX);
     match reply {
-        [-1] => Err(arrived_late()),
+        [-1] => Err(arrived_late(None)),
+        [-1, now] => Err(arrived_late(Some(*now))),
         [1, h] => Ok(Acquire::Acquired(Grant::new(holds(*h), None))),
         [1, h, token] if *token > 0 => Ok(Acquire::Acquired(Grant::new(
             holds(*h),
@@ -1473,6 +1736,16 @@ fn map_error(error: RedisError) -> Error {
 /// (authentication, permissions, a script error): misconfigured; but a write refused by
 /// a replica that was the primary (`READONLY`) is a connection to replace.
 fn store_error(error: RedisError) -> StoreError {
+    // The Sentinels named no primary: they are moving it (a failover), or cannot be
+    // reached. An outage, as a primary that cannot be reached is; nothing was sent.
+    #[cfg(feature = "sentinel")]
+    if matches!(
+        error.kind(),
+        redis::ErrorKind::MasterNameNotFoundBySentinel
+            | redis::ErrorKind::NoValidReplicasFoundBySentinel
+    ) {
+        return StoreError::not_applied(error).and_unanswered();
+    }
     let unavailable = error.is_io_error()
         || error.is_connection_dropped()
         || error.is_connection_refusal()
@@ -1484,12 +1757,20 @@ fn store_error(error: RedisError) -> StoreError {
         // Refused while connecting: nothing was written. redis-rs counts it as a
         // dropped connection too, and so does the lock core's retry at once.
         if error.is_connection_refusal() {
-            return StoreError::not_sent(error).and_connection_lost();
+            return StoreError::not_applied(error)
+                .and_connection_lost()
+                .and_unanswered();
         }
         if error.is_connection_dropped() && !error.is_timeout() {
             return StoreError::connection_lost(error);
         }
-        return StoreError::new(StoreErrorKind::Unavailable, error);
+        let unanswered = error.is_io_error() || error.is_timeout();
+        let error = StoreError::new(StoreErrorKind::Unavailable, error);
+        return if unanswered {
+            error.and_unanswered()
+        } else {
+            error
+        };
     }
     // A primary demoted to a replica (a Sentinel failover): the backend moves to the new
     // primary, and trying again at once goes there.
@@ -1858,27 +2139,53 @@ impl RedisBackendBuilder {
     }
 
     /// Replica acknowledgement, as Redisson's synced eval: every acquisition, renewal
-    /// and release is followed, in the same write on the same connection, by
-    /// `WAIT replicas timeout`. An acquisition or renewal that fewer replicas
-    /// acknowledged in time fails as an outage (retryable): the lock core gives the
-    /// attempt up, which releases the grant, and the watchdog counts the renewal as
-    /// failed. A release is waited for, not failed (one lost in a failover leaves the
-    /// hold until its lease ends, never a second holder). A batch of grouped
-    /// operations waits once. On a cluster the `WAIT` goes with the script to the
-    /// master of its slot. `replicas` 0 turns it off.
+    /// and release is followed, in the same write on the same connection, by `WAIT`
+    /// for the replicas the primary has, at most `replicas` of them, within `timeout`.
+    /// An acquisition or renewal that fewer replicas acknowledged in time fails as an
+    /// outage (retryable): the lock core gives the attempt up, which releases the
+    /// grant, and the watchdog counts the renewal as failed. A release is waited for,
+    /// not failed (one lost in a failover leaves the hold until its lease ends, never a
+    /// second holder). A batch of grouped operations waits once. On a cluster the
+    /// `WAIT` goes with the script to the master of its slot. `replicas` 0 turns it
+    /// off.
+    ///
+    /// The count follows the deployment, as Redisson's does: a write waits for
+    /// `min(replicas, the replicas the primary has)`, read with `ROLE` after every
+    /// write (online replicas; one still taking its first copy is not counted). A
+    /// primary with no replica cannot lose a grant to a promotion, and a replica that
+    /// connects takes a whole copy first; so after a failover to the last replica, or
+    /// while a replica is down, locks go on instead of failing until a replica is back.
+    /// Behind Sentinel a primary short of replicas counts on the ones it has only while
+    /// the Sentinels name it the primary (asked at most every second, and whenever its
+    /// count changes): one that lost its replicas to a failover while it was paused or
+    /// cut off must not grant what its successor grants. A replica that is connected
+    /// but does not acknowledge (stalled, cut off) still fails writes until the primary
+    /// drops it. On a cluster the count is strict: a master back from such a failover
+    /// cannot be told from one whose replicas are down.
+    /// [`strict_replicas`](Self::strict_replicas) waits for `replicas` whatever the
+    /// primary has; see [`RedisBackend::acknowledging_replicas`] for the count in force.
     ///
     /// Default: off for a single server and a cluster; 1 replica within half the
     /// response timeout behind [Sentinel](RedisBackend::sentinel).
     ///
-    /// What it promises: a grant the client was told about had reached `replicas`
-    /// replicas, so a failover that promotes one of them keeps it. What it does not:
-    /// replication stays asynchronous and `WAIT` is not consensus — a failover may
-    /// promote a replica that had not acknowledged, and a write the primary applied but
-    /// failed to replicate in time stays on the primary until the release undoes it.
-    /// Fencing tokens remain the protection a store that must never take a stale write
-    /// should use.
+    /// What it promises: a grant the client was told about had reached every replica
+    /// the primary had (up to `replicas`), so a failover that promotes one of them
+    /// keeps it. What it does not: replication stays asynchronous and `WAIT` is not
+    /// consensus — a failover may promote a replica that had not acknowledged, and a
+    /// write the primary applied but failed to replicate in time stays on the primary
+    /// until the release undoes it. Fencing tokens remain the protection a store that
+    /// must never take a stale write should use.
     pub fn synced_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
-        self.synced = Some(Synced { replicas, timeout });
+        self.synced = Some(SyncedConfig { replicas, timeout });
+        self
+    }
+
+    /// With replica acknowledgement, wait for the configured count of replicas
+    /// whatever the primary has: a primary with fewer fails every grant and renewal as
+    /// an outage until enough replicas are back. Default: `false` (the count follows
+    /// the replicas the primary has; see [`synced_replicas`](Self::synced_replicas)).
+    pub fn strict_replicas(mut self, strict: bool) -> Self {
+        self.strict_replicas = strict;
         self
     }
 
@@ -1950,13 +2257,19 @@ impl RedisBackendBuilder {
         let configured = match self.synced {
             Some(synced) => Some(synced),
             #[cfg(feature = "sentinel")]
-            None if matches!(self.target, Target::Sentinel { .. }) => Some(Synced {
+            None if matches!(self.target, Target::Sentinel { .. }) => Some(SyncedConfig {
                 replicas: 1,
                 timeout: self.response_timeout / 2,
             }),
             None => None,
         };
-        configured.filter(|s| s.replicas > 0)
+        configured.filter(|s| s.replicas > 0).map(|s| {
+            Synced::new(
+                s.replicas,
+                s.timeout,
+                self.strict_replicas || self.is_cluster(),
+            )
+        })
     }
 
     fn is_cluster(&self) -> bool {
@@ -2202,10 +2515,14 @@ impl LockBackend for RedisBackend {
 
     fn acquire<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<Acquire>> {
         Box::pin(async move {
-            match req.mode {
+            let acquired = match req.mode {
                 LockMode::Exclusive => self.acquire_exclusive(req).await,
                 _ => self.acquire_mode(req).await,
+            };
+            if let Err(error) = &acquired {
+                self.inner.sample_refusal(&req.key, error);
             }
+            acquired
         })
     }
 
@@ -2314,9 +2631,20 @@ impl LockBackend for RedisBackend {
         Some(self)
     }
 
-    /// `PING`, on the connection lock calls use.
+    /// `PING`, on the connection lock calls use; with replica acknowledgement `ROLE`
+    /// instead, which also reads how many replicas the primary has now (see
+    /// [`RedisBackend::acknowledging_replicas`]).
     fn ping(&self) -> BoxFuture<'_, Result<()>> {
-        Box::pin(async move { self.inner.query::<()>(&redis::cmd("PING")).await })
+        Box::pin(async move {
+            let Some(synced) = &self.inner.synced else {
+                return self.inner.query::<()>(&redis::cmd("PING")).await;
+            };
+            let role: redis::Value = self.inner.query(&redis::cmd("ROLE")).await?;
+            if let Some(connected) = replicas_of_role(&role) {
+                synced.now_connected(connected);
+            }
+            Ok(())
+        })
     }
 }
 
@@ -2407,6 +2735,46 @@ mod tests {
             let kind = store_error(in_batch(message)).kind();
             assert_eq!(kind, StoreErrorKind::Misconfigured, "{message}");
         }
+    }
+
+    /// Issue 44, finding 3: the Sentinels naming no primary while they move it was a
+    /// misconfiguration (the layer answered 500, releases were given up). It is an
+    /// outage, and nothing was sent.
+    #[cfg(feature = "sentinel")]
+    #[test]
+    fn sentinels_naming_no_primary_is_an_outage() {
+        for kind in [
+            redis::ErrorKind::MasterNameNotFoundBySentinel,
+            redis::ErrorKind::NoValidReplicasFoundBySentinel,
+        ] {
+            let error = store_error(RedisError::from((kind, "no primary now")));
+            assert_eq!(error.kind(), StoreErrorKind::Unavailable, "{kind:?}");
+            assert!(error.is_not_applied(), "{kind:?}");
+        }
+    }
+
+    /// The replicas `ROLE` lists, asked of a primary; nothing for a replica's answer.
+    #[test]
+    fn a_primarys_role_lists_its_replicas() {
+        use redis::Value;
+        let bulk = |s: &str| Value::BulkString(s.as_bytes().to_vec());
+        let replica = Value::Array(vec![bulk("127.0.0.1"), bulk("6380"), bulk("42")]);
+        let primary = |replicas: Vec<Value>| {
+            Value::Array(vec![bulk("master"), Value::Int(42), Value::Array(replicas)])
+        };
+        assert_eq!(replicas_of_role(&primary(vec![])), Some(0));
+        assert_eq!(
+            replicas_of_role(&primary(vec![replica.clone(), replica])),
+            Some(2)
+        );
+        let of_a_replica = Value::Array(vec![
+            bulk("slave"),
+            bulk("127.0.0.1"),
+            Value::Int(6379),
+            bulk("connected"),
+            Value::Int(42),
+        ]);
+        assert_eq!(replicas_of_role(&of_a_replica), None);
     }
 
     /// What makes a backend behind Sentinel ask where the primary is, found behind

@@ -202,7 +202,7 @@ impl RedisBackend {
         if req.mode == LockMode::Exclusive {
             return self.acquire_exclusive(req).await;
         }
-        let deadline = self.inner.attempt_deadline().await?;
+        let deadline = self.inner.attempt_deadline(&req.key).await?;
         let Some(invocation) = self.acquire_script(req, deadline) else {
             return self.acquire_exclusive(req).await;
         };

@@ -7,6 +7,7 @@
 //! of it.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod clock;
 pub mod history;
 pub mod kinds;
 pub mod log;

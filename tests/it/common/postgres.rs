@@ -250,6 +250,8 @@ pub struct PgServer {
     dir: std::path::PathBuf,
     bin: std::path::PathBuf,
     child: Option<std::process::Child>,
+    /// Environment variables the server starts with (a clock shim).
+    env: Vec<(String, String)>,
 }
 
 impl PgServer {
@@ -269,7 +271,14 @@ impl PgServer {
     /// Initializes and starts a server; `None` when the PostgreSQL server binaries are not
     /// installed (`.ci/run` installs them).
     pub fn start() -> Option<Self> {
+        Self::start_with_env(Vec::new())
+    }
+
+    /// The same, with environment variables for the server (e.g. a
+    /// [`ClockShift`](super::clock::ClockShift)'s), kept across restarts.
+    pub fn start_with_env(env: Vec<(String, String)>) -> Option<Self> {
         let mut server = Self::new()?;
+        server.env = env;
         let status = server
             .command("initdb")
             .args(["-A", "trust", "-U", "root", "--no-sync", "-E", "UTF8", "-D"])
@@ -303,6 +312,7 @@ impl PgServer {
             dir,
             bin,
             child: None,
+            env: Vec::new(),
         };
         if let Some((uid, gid)) = postgres_user() {
             std::os::unix::fs::chown(&server.dir, Some(uid), Some(gid)).unwrap();
@@ -383,6 +393,7 @@ impl PgServer {
 
     fn spawn(&self) -> std::process::Child {
         self.command("postgres")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .arg("-D")
             .arg(self.data())
             .args(["-p", &self.port.to_string(), "-k"])

@@ -48,6 +48,8 @@ pub struct RedisServer {
     port: u16,
     dir: PathBuf,
     extra: Vec<String>,
+    /// Environment variables the server starts with (a clock shim).
+    env: Vec<(String, String)>,
     /// PEM of the CA that signed the server's certificate, when it speaks only TLS.
     tls_ca: Option<Vec<u8>>,
 }
@@ -60,6 +62,12 @@ impl RedisServer {
 
     /// A fresh server with extra `redis-server` arguments (e.g. `["--requirepass", "x"]`).
     pub async fn start_with(extra: &[&str]) -> Self {
+        Self::start_with_env(extra, Vec::new()).await
+    }
+
+    /// A fresh server with extra arguments and environment variables (e.g. a
+    /// [`ClockShift`](super::clock::ClockShift)'s), kept across restarts.
+    pub async fn start_with_env(extra: &[&str], env: Vec<(String, String)>) -> Self {
         let dir = std::env::temp_dir().join(format!(
             "tower-lock-redis-{}-{}",
             std::process::id(),
@@ -71,6 +79,7 @@ impl RedisServer {
             port: 0,
             dir,
             extra: extra.iter().map(|s| s.to_string()).collect(),
+            env,
             tls_ca: None,
         };
         server.start_on_free_port().await;
@@ -123,6 +132,7 @@ impl RedisServer {
             tls_ca: Some(std::fs::read(dir.join("ca.crt")).expect("the CA certificate")),
             dir,
             extra,
+            env: Vec::new(),
         };
         server.start_on_free_port().await;
         server
@@ -306,6 +316,7 @@ impl RedisServer {
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .args(["--dir", &dir, "--logfile", &log, "--daemonize", "no"])
             .args(&self.extra)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
@@ -455,33 +466,47 @@ impl ClusterNode {
 impl RedisCluster {
     /// `masters` masters and no replicas.
     pub async fn start(masters: usize) -> Self {
-        Self::start_inner(masters, 0, Duration::from_millis(5000)).await
+        Self::start_inner(masters, 0, Duration::from_millis(5000), &[]).await
+    }
+
+    /// `masters` masters and no replicas, node `i` started with `env[i]` (a
+    /// [`ClockShift`](super::clock::ClockShift)'s environment), if given.
+    pub async fn start_with_env(masters: usize, env: &[Vec<(String, String)>]) -> Self {
+        Self::start_inner(masters, 0, Duration::from_millis(5000), env).await
     }
 
     /// `masters` masters with `replicas` replicas each (`--cluster-replicas`), all in
     /// sync and known to every node, with a short node timeout
     /// ([`FAILOVER_NODE_TIMEOUT`]) so a dead master's replica takes over quickly.
     pub async fn start_with_replicas(masters: usize, replicas: usize) -> Self {
-        Self::start_inner(masters, replicas, FAILOVER_NODE_TIMEOUT).await
+        Self::start_inner(masters, replicas, FAILOVER_NODE_TIMEOUT, &[]).await
     }
 
-    async fn start_inner(masters: usize, replicas: usize, node_timeout: Duration) -> Self {
+    async fn start_inner(
+        masters: usize,
+        replicas: usize,
+        node_timeout: Duration,
+        env: &[Vec<(String, String)>],
+    ) -> Self {
         let node_timeout = node_timeout.as_millis().to_string();
         let mut nodes = Vec::new();
-        for _ in 0..masters * (1 + replicas) {
+        for i in 0..masters * (1 + replicas) {
             nodes.push(
-                RedisServer::start_with(&[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    &node_timeout,
-                    "--repl-diskless-sync",
-                    "yes",
-                    "--repl-diskless-sync-delay",
-                    "0",
-                ])
+                RedisServer::start_with_env(
+                    &[
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                        "--cluster-node-timeout",
+                        &node_timeout,
+                        "--repl-diskless-sync",
+                        "yes",
+                        "--repl-diskless-sync-delay",
+                        "0",
+                    ],
+                    env.get(i).cloned().unwrap_or_default(),
+                )
                 .await,
             );
         }

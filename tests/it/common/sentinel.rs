@@ -188,7 +188,17 @@ impl SentinelSet {
     /// A primary with `replicas` replicas and `sentinels` Sentinels (quorum: a
     /// majority of them), all in sync and known to each other.
     pub async fn start(replicas: usize, sentinels: usize) -> Self {
-        Self::start_inner(replicas, sentinels, false, &[]).await
+        Self::start_inner(replicas, sentinels, false, &[], &[]).await
+    }
+
+    /// The same, data node `i` (0: the first primary) started with `env[i]` (a
+    /// [`ClockShift`](super::clock::ClockShift)'s environment), if given.
+    pub async fn start_with_env(
+        replicas: usize,
+        sentinels: usize,
+        env: &[Vec<(String, String)>],
+    ) -> Self {
+        Self::start_inner(replicas, sentinels, false, &[], env).await
     }
 
     /// The same, with extra `redis-server` arguments for the first primary only.
@@ -197,14 +207,14 @@ impl SentinelSet {
         sentinels: usize,
         primary_args: &[&str],
     ) -> Self {
-        Self::start_inner(replicas, sentinels, false, primary_args).await
+        Self::start_inner(replicas, sentinels, false, primary_args, &[]).await
     }
 
     /// The same, with each replica replicating from the primary through a
     /// [`FaultProxy`] of its own ([`SentinelSet::replication`]). Once the Sentinels
     /// promote a replica, the others follow it directly.
     pub async fn start_behind_proxies(replicas: usize, sentinels: usize) -> Self {
-        Self::start_inner(replicas, sentinels, true, &[]).await
+        Self::start_inner(replicas, sentinels, true, &[], &[]).await
     }
 
     async fn start_inner(
@@ -212,14 +222,17 @@ impl SentinelSet {
         sentinels: usize,
         proxied: bool,
         primary_args: &[&str],
+        env: &[Vec<(String, String)>],
     ) -> Self {
+        let env_of = |i: usize| env.get(i).cloned().unwrap_or_default();
         let fast_sync = [
             "--repl-diskless-sync",
             "yes",
             "--repl-diskless-sync-delay",
             "0",
         ];
-        let primary = RedisServer::start_with(&[&fast_sync[..], primary_args].concat()).await;
+        let primary =
+            RedisServer::start_with_env(&[&fast_sync[..], primary_args].concat(), env_of(0)).await;
         let mut nodes = vec![primary];
         let mut replication = Vec::new();
         for _ in 0..replicas {
@@ -234,7 +247,7 @@ impl SentinelSet {
             let upstream = upstream.to_string();
             let mut args = fast_sync.to_vec();
             args.extend(["--replicaof", "127.0.0.1", upstream.as_str()]);
-            nodes.push(RedisServer::start_with(&args).await);
+            nodes.push(RedisServer::start_with_env(&args, env_of(nodes.len())).await);
         }
         let base = std::env::temp_dir().join(format!(
             "tower-lock-sentinel-{}-{}",

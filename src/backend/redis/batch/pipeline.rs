@@ -211,10 +211,13 @@ async fn connect(inner: &Inner) -> Result<MultiplexedConnection> {
     };
     match tokio::time::timeout(single.connection_timeout, connecting).await {
         Ok(result) => inner.checked(result),
-        Err(_) => Err(Error::store(
-            StoreErrorKind::Unavailable,
-            "connecting for lock batches timed out",
-        )),
+        Err(_) => {
+            let timed_out = std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "connecting for lock batches timed out",
+            );
+            Err(StoreError::not_applied(timed_out).and_unanswered().into())
+        }
     }
 }
 
@@ -245,7 +248,7 @@ pub(super) async fn direct(
         broken,
         reload,
         deadline,
-    }) = claim(inner, job.op)
+    }) = claim(inner, &job)
     else {
         return Err(job);
     };
@@ -281,7 +284,7 @@ struct Slot {
 
 /// A [`Slot`] for `op`, with the batcher claimed (busy, one more direct operation): when
 /// [`direct`] may send it.
-fn claim(inner: &Inner, op: Op) -> Option<Slot> {
+fn claim(inner: &Inner, job: &Job) -> Option<Slot> {
     let mut state = inner.batcher.state();
     if state.busy || state.direct > 0 {
         return None;
@@ -291,8 +294,8 @@ fn claim(inner: &Inner, op: Op) -> Option<Slot> {
         conn: line.ready(inner)?.clone(),
         broken: Arc::clone(&line.broken),
         reload: Arc::clone(&line.reload),
-        deadline: match op {
-            Op::Acquire => inner.clock.deadline(inner.attempt_window)?,
+        deadline: match job.op {
+            Op::Acquire => inner.deadline_now(&job.key)?,
             Op::Release => 0,
         },
     };
@@ -347,8 +350,8 @@ async fn issue(
             return None;
         }
     };
-    let deadline = if batch.iter().any(|q| q.op == Op::Acquire) {
-        match inner.attempt_deadline().await {
+    let deadline = if let Some(first) = batch.iter().find(|q| q.op == Op::Acquire) {
+        match inner.attempt_deadline(&first.key).await {
             Ok(deadline) => deadline,
             Err(error) => {
                 fail(batch, &error);
@@ -486,7 +489,7 @@ fn checked(
             // callers try once more at once, as after a connection lost: a restart or a
             // failover to a replica costs them no error.
             reload.store(true, Ordering::Release);
-            let error = StoreError::not_sent(error)
+            let error = StoreError::not_applied(error)
                 .and_connection_lost()
                 .with_message("the lock scripts were gone from the server; loading them again");
             Err(Error::Store(error))
