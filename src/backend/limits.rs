@@ -57,13 +57,19 @@ pub(crate) fn validate_lease(name: &'static str, lease: Duration) -> Result<Dura
 
 /// Checks a watchdog lease: at least [`MIN_WATCHDOG_LEASE`], and a valid lease.
 pub(crate) fn validate_watchdog_lease(lease: Duration) -> Result<Duration> {
+    validate_renewed_lease("watchdog_lease", lease)
+}
+
+/// Checks the lease of a setting `name` renewed by the watchdog: at least
+/// [`MIN_WATCHDOG_LEASE`], and a valid lease.
+pub(crate) fn validate_renewed_lease(name: &'static str, lease: Duration) -> Result<Duration> {
     if lease < MIN_WATCHDOG_LEASE {
         return Err(Error::invalid_config(
-            "watchdog_lease",
-            format!("must be at least 30 ms (got {lease:?})"),
+            name,
+            format!("must be at least 30 ms when the watchdog renews it (got {lease:?})"),
         ));
     }
-    validate_lease("watchdog_lease", lease)
+    validate_lease(name, lease)
 }
 
 /// Checks a backend's waiter timeout: between [`MIN_WAITER_TIMEOUT`] and [`MAX_LEASE`].

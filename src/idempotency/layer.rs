@@ -150,9 +150,7 @@ impl Config {
         if let Some(name) = &self.name {
             check_layer_name(name)?;
         }
-        if let Lease::Fixed(lease) = self.lease {
-            crate::lock::validate_lease("lease", lease)?;
-        }
+        crate::lock::validate_lease_setting("lease", self.lease)?;
         Ok(())
     }
 }
@@ -235,6 +233,7 @@ impl<K: KeyExtractor> IdempotencyLayer<K> {
             scope,
             config: Config::new(),
             error: None,
+            lease_set: false,
         }
     }
 }
@@ -279,6 +278,8 @@ pub struct IdempotencyLayerBuilder<K> {
     config: Config,
     /// The first setter's error, reported by `build`.
     error: Option<Error>,
+    /// Whether [`lease`](Self::lease) was set: else the client's request lease.
+    lease_set: bool,
 }
 
 impl<K: KeyExtractor> IdempotencyLayerBuilder<K> {
@@ -350,10 +351,12 @@ impl<K: KeyExtractor> IdempotencyLayerBuilder<K> {
         self
     }
 
-    /// The lease of the layer's locks. Default: the watchdog's, renewed while the
-    /// handler runs.
+    /// The lease of the layer's locks. Default: renewed while the handler runs, with
+    /// [`DEFAULT_REQUEST_LEASE`](crate::layer::DEFAULT_REQUEST_LEASE), as
+    /// [`LockLayer`](crate::LockLayer)'s.
     pub fn lease(mut self, lease: impl Into<Lease>) -> Self {
         self.config.lease = lease.into();
+        self.lease_set = true;
         self
     }
 
@@ -419,9 +422,12 @@ impl<K: KeyExtractor> IdempotencyLayerBuilder<K> {
     /// [`MAX_TTL`], `max_key_len` outside 1..=512, `max_body` zero, `methods` empty,
     /// `max_wait` over [`MAX_WAIT`], a retry-after zero or over an hour, `name`
     /// empty, too long or with control characters, `lease` out of range.
-    pub fn build(self) -> Result<IdempotencyLayer<K>> {
+    pub fn build(mut self) -> Result<IdempotencyLayer<K>> {
         if let Some(error) = self.error {
             return Err(error);
+        }
+        if !self.lease_set {
+            self.config.lease = self.client.request_lease();
         }
         if self.client.backend().replays().is_none() {
             return Err(Error::invalid_config(

@@ -115,7 +115,12 @@ impl<K: KeyExtractor> LockLayer<K> {
     /// # Ok::<(), tower_lock::Error>(())
     /// ```
     pub fn new(client: impl Into<LockClient>, keys: K) -> Self {
-        LockLayer::from_parts(client.into(), keys, Config::default())
+        let client = client.into();
+        let config = Config {
+            lease: client.request_lease(),
+            ..Config::default()
+        };
+        LockLayer::from_parts(client, keys, config)
     }
 
     /// Configures a layer; see [`LockLayerBuilder`]. `client` as for
@@ -127,6 +132,7 @@ impl<K: KeyExtractor> LockLayer<K> {
             config: Config::default(),
             mode: Ok(ModeSelect::Fixed(LockMode::Exclusive)),
             mode_setter: None,
+            lease_set: false,
         }
     }
 
@@ -211,6 +217,8 @@ pub struct LockLayerBuilder<K> {
     mode: Result<ModeSelect>,
     /// The setter that chose the mode, to name both when another one conflicts.
     mode_setter: Option<&'static str>,
+    /// Whether [`lease`](Self::lease) was set: else the client's request lease.
+    lease_set: bool,
 }
 
 impl<K: KeyExtractor> LockLayerBuilder<K> {
@@ -225,12 +233,14 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
         self
     }
 
-    /// How the lock is held: [`Lease::Watchdog`] (the default: renewed while the
-    /// request runs) or a fixed lease (a `Duration`): the lock is freed when it ends,
-    /// and the request is then treated as having lost it (see
-    /// [`on_lost`](Self::on_lost)).
+    /// How the lock is held: renewed while the request runs — by default with
+    /// [`DEFAULT_REQUEST_LEASE`](super::DEFAULT_REQUEST_LEASE) ([`Lease::Renewed`]), with
+    /// the client's watchdog lease ([`Lease::Watchdog`]) — or a fixed lease (a
+    /// `Duration`): the lock is freed when it ends, and the request is then treated as
+    /// having lost it (see [`on_lost`](Self::on_lost)).
     pub fn lease(mut self, lease: impl Into<Lease>) -> Self {
         self.config.lease = lease.into();
+        self.lease_set = true;
         self
     }
 
@@ -419,6 +429,9 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
     pub fn build(self) -> Result<LockLayer<K>> {
         let mut config = self.config;
         config.mode = self.mode?;
+        if !self.lease_set {
+            config.lease = self.client.request_lease();
+        }
         config.validate()?;
         Ok(LockLayer::from_parts(self.client, self.keys, config))
     }

@@ -157,7 +157,9 @@ mod request_locks;
 mod service;
 
 pub use body::LockBody;
-pub use config::{DEFAULT_WAIT, MAX_LAYER_NAME_LEN, MAX_WAIT, OnLost, ReleaseOn};
+pub use config::{
+    DEFAULT_REQUEST_LEASE, DEFAULT_WAIT, MAX_LAYER_NAME_LEN, MAX_WAIT, OnLost, ReleaseOn,
+};
 pub use future::ResponseFuture;
 pub use keys::{
     ExtensionKey, Extracted, HeaderKey, IntoKeys, KeyError, KeyExtractor, Keys, key_fn,

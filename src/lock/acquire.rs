@@ -100,6 +100,7 @@ fn start(lock: &Lock, acting: Acting, lease: Lease) -> Result<Start> {
     }
     let (lease_len, watched) = match lease {
         Lease::Watchdog => (client.watchdog_lease(), true),
+        Lease::Renewed(lease) => (super::validate_renewed_lease("lease", lease)?, true),
         Lease::Fixed(lease) => (super::validate_lease("lease", lease)?, false),
     };
     // Releases and renewals run as tasks on the runtime the lock is taken on.
@@ -131,11 +132,16 @@ fn start(lock: &Lock, acting: Acting, lease: Lease) -> Result<Start> {
 }
 
 impl Start {
+    /// The lease the watchdog renews this acquisition's hold with, if it is watched.
+    fn watch(&self) -> Option<Duration> {
+        self.watched.then_some(self.lease_len)
+    }
+
     fn enter(&self, client: &LockClient) -> Entered {
         let slot = &self.slot;
         client
             .registry()
-            .enter(slot, self.watched, &self.runtime, |state| {
+            .enter(slot, self.watch(), &self.runtime, |state| {
                 let hold_id = if self.fresh {
                     HoldId::of_fresh_owner(&slot.owner)
                 } else {
@@ -215,7 +221,7 @@ impl Start {
         let Some(hold) = pending.activate(
             attempt.grant.token(),
             expires_at,
-            self.watched,
+            self.watch(),
             &self.runtime,
         ) else {
             return Err(Error::Shutdown);
@@ -566,12 +572,12 @@ impl Pending<'_> {
         mut self,
         token: Option<crate::FencingToken>,
         expires_at: Option<Instant>,
-        watched: bool,
+        watch: Option<Duration>,
         runtime: &Handle,
     ) -> Option<Arc<Hold>> {
         let hold = self.hold.take()?;
         self.registry
-            .activate(&hold, token, expires_at, watched, runtime)
+            .activate(&hold, token, expires_at, watch, runtime)
             .then_some(hold)
     }
 }

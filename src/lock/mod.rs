@@ -96,13 +96,31 @@ use registry::Registry;
 pub(crate) use unlocking::{FinishOnDrop, Unlocking};
 
 use crate::backend::limits::DEFAULT_WATCHDOG_LEASE;
-pub(crate) use crate::backend::limits::{validate_lease, validate_watchdog_lease};
+pub(crate) use crate::backend::limits::{
+    validate_lease, validate_renewed_lease, validate_watchdog_lease,
+};
+
+/// Checks a lease setting `name` of a layer: a fixed lease in range, a renewed one no
+/// shorter than the watchdog allows.
+pub(crate) fn validate_lease_setting(name: &'static str, lease: Lease) -> Result<()> {
+    match lease {
+        Lease::Watchdog => Ok(()),
+        Lease::Renewed(lease) => validate_renewed_lease(name, lease).map(drop),
+        Lease::Fixed(lease) => validate_lease(name, lease).map(drop),
+    }
+}
 
 /// How a lock's lease is kept.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Lease {
     /// The client's watchdog lease, renewed every third of it while the guard lives.
     Watchdog,
+    /// Renewed by the watchdog as [`Watchdog`](Lease::Watchdog) is, with a lease of its
+    /// own instead of the client's: every third of it while the guard lives, and free
+    /// that long after its holder stops (a process killed while holding it). At least
+    /// [`MIN_WATCHDOG_LEASE`](crate::MIN_WATCHDOG_LEASE). A layer's request locks take
+    /// [`DEFAULT_REQUEST_LEASE`](crate::layer::DEFAULT_REQUEST_LEASE) so by default.
+    Renewed(Duration),
     /// A fixed lease: the lock is freed when it ends, whether or not the guard lives
     /// (Redisson's `leaseTime`). Between [`MIN_LEASE`](crate::MIN_LEASE) and
     /// [`MAX_LEASE`](crate::MAX_LEASE).
@@ -540,6 +558,19 @@ impl LockClient {
     pub fn outage(&self) -> Option<Duration> {
         let since = self.registry().inner.health.failing_since()?;
         Some(tokio::time::Instant::now().saturating_duration_since(since))
+    }
+
+    /// The lease a request's lock is held with by default, in [`LockLayer`] and
+    /// [`IdempotencyLayer`](crate::IdempotencyLayer): renewed by the watchdog, with
+    /// [`DEFAULT_REQUEST_LEASE`](crate::layer::DEFAULT_REQUEST_LEASE), or the client's
+    /// watchdog lease if that is shorter.
+    pub(crate) fn request_lease(&self) -> Lease {
+        let lease = crate::layer::DEFAULT_REQUEST_LEASE;
+        if self.watchdog_lease() <= lease {
+            Lease::Watchdog
+        } else {
+            Lease::Renewed(lease)
+        }
     }
 
     /// How long an outage lasts before lock calls that begin in it stop riding it out

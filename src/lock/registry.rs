@@ -189,8 +189,19 @@ struct HoldState {
     /// Of which taken without an explicit lease, counted by the runtime each was taken
     /// on: the hold is renewed while any is alive, by the first live one's watchdog task.
     watched: Runtimes,
+    /// The lease its renewals ask for: the shortest of its watched guards' (a layer's
+    /// request lease, or the client's watchdog lease).
+    watch_lease: Option<Duration>,
     /// When the store granted it (wall clock, for inspection).
     since: Option<std::time::SystemTime>,
+}
+
+impl HoldState {
+    /// One more watched guard, taken on `runtime` with the lease `lease`.
+    fn watch(&mut self, runtime: Id, lease: Duration) {
+        self.watched.add(runtime);
+        self.watch_lease = Some(self.watch_lease.map_or(lease, |l| l.min(lease)));
+    }
 }
 
 /// The runtimes a hold's watched guards were taken on, each with how many of them, in
@@ -264,6 +275,7 @@ impl Hold {
                 token: None,
                 guards: 0,
                 watched: Runtimes::default(),
+                watch_lease: None,
                 since: None,
             }),
         }
@@ -364,6 +376,13 @@ pub(crate) struct Inner {
     pub(crate) health: Health,
 }
 
+/// What a watchdog task renews at a tick: the holds due, with their renewals, and how
+/// long until the next tick (a third of the shortest lease it watches).
+pub(crate) struct Due {
+    pub(crate) holds: Vec<(Arc<Hold>, LockRequest)>,
+    pub(crate) period: Duration,
+}
+
 pub(crate) struct State {
     /// Hashed with foldhash, not SipHash: three lookups per lock and unlock, and a slot
     /// names the owner too, a string of the client's own (a random client id and a
@@ -403,14 +422,14 @@ impl Registry {
         }
     }
 
-    /// Finds where an acquisition of `slot` stands, as one more guard (`watched`: one
-    /// without an explicit lease, renewed on `runtime`). When nobody holds the slot, a
-    /// new hold is made with the store request `store()` returns; that request's hold
-    /// identity must be used by no other hold.
+    /// Finds where an acquisition of `slot` stands, as one more guard (`watch`: one
+    /// renewed by the watchdog on `runtime`, with this lease). When nobody holds the
+    /// slot, a new hold is made with the store request `store()` returns; that request's
+    /// hold identity must be used by no other hold.
     pub(crate) fn enter(
         &self,
         slot: &Slot,
-        watched: bool,
+        watch: Option<Duration>,
         runtime: &Handle,
         store: impl FnOnce(&State) -> LockRequest,
     ) -> Entered {
@@ -426,9 +445,9 @@ impl Registry {
                 Phase::Held if !hold.is_lost_at(now) => {
                     hs.guards += 1;
                     let count = hs.guards;
-                    if watched {
-                        hs.watched.add(runtime.id());
-                        state.tasks.ensure(&self.inner, runtime);
+                    if let Some(lease) = watch {
+                        hs.watch(runtime.id(), lease);
+                        state.tasks.ensure(&self.inner, runtime, lease);
                     }
                     drop(hs);
                     return Entered::Reentered { hold, count };
@@ -469,13 +488,13 @@ impl Registry {
     }
 
     /// The store granted `hold`: it now has its first guard, valid until `expires_at`
-    /// (renewed on `runtime` if `watched`).
+    /// (renewed on `runtime`, with the lease `watch`, if watched).
     pub(crate) fn activate(
         &self,
         hold: &Arc<Hold>,
         token: Option<FencingToken>,
         expires_at: Option<Instant>,
-        watched: bool,
+        watch: Option<Duration>,
         runtime: &Handle,
     ) -> bool {
         let mut state = self.inner.state();
@@ -499,9 +518,9 @@ impl Registry {
         hs.token = token;
         hs.guards = 1;
         hs.since = Some(std::time::SystemTime::now());
-        if watched {
-            hs.watched.add(runtime.id());
-            state.tasks.ensure(&self.inner, runtime);
+        if let Some(lease) = watch {
+            hs.watch(runtime.id(), lease);
+            state.tasks.ensure(&self.inner, runtime, lease);
         }
         drop(hs);
         drop(state);
@@ -689,20 +708,22 @@ impl Inner {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The watched holds the task of `runtime` renews, with their renewal requests: the
-    /// watchdog lease, or what the hold has left if that is longer (an outer guard with
-    /// a longer explicit lease). A hold is renewed by the first of its runtimes (in the
+    /// The watched holds the task of `runtime` renews that are due (a third of their
+    /// lease has passed since their last renewal), with their renewal requests: the
+    /// hold's watch lease, or what the hold has left if that is longer (an outer guard
+    /// with a longer explicit lease). A hold is renewed by the first of its runtimes (in the
     /// order they entered it) whose task is alive, so by exactly one task, and by
     /// another as soon as that runtime is gone. A task with nothing to renew stays while
     /// its runtime has watched guards (it may have to take over); with none, it is
     /// retired (under the same lock, so a hold registered meanwhile starts a new one)
     /// and `None` is returned.
-    pub(crate) fn due_or_retire(&self, runtime: Id) -> Option<Vec<(Arc<Hold>, LockRequest)>> {
+    pub(crate) fn due_or_retire(&self, runtime: Id) -> Option<Due> {
         let mut state = self.state();
         let State { slots, tasks } = &mut *state;
         let now = Instant::now();
         let mut watches = false;
-        let due: Vec<_> = slots
+        let mut shortest = self.lease;
+        let holds: Vec<_> = slots
             .values()
             .filter_map(|hold| {
                 let hs = hold.state();
@@ -717,20 +738,32 @@ impl Inner {
                 if renewer != Some(runtime) {
                     return None;
                 }
-                Some((Arc::clone(hold), self.renewal(hold, now)))
+                let lease = hs.watch_lease.unwrap_or(self.lease);
+                shortest = shortest.min(lease);
+                // Due once a third of its lease has passed since its last renewal: a
+                // hold with a longer lease than the task's shortest is not renewed at
+                // every tick.
+                let due = hold
+                    .expiry
+                    .get()
+                    .is_none_or(|at| at.saturating_duration_since(now) <= lease - lease / 3);
+                due.then(|| (Arc::clone(hold), self.renewal(hold, lease, now)))
             })
             .collect();
         if !watches {
             tasks.retire(runtime);
             return None;
         }
-        Some(due)
+        Some(Due {
+            holds,
+            period: shortest / 3,
+        })
     }
 
-    /// The request that renews `hold` at `now`.
-    fn renewal(&self, hold: &Hold, now: Instant) -> LockRequest {
+    /// The request that renews `hold`, watched with `lease`, at `now`.
+    fn renewal(&self, hold: &Hold, lease: Duration, now: Instant) -> LockRequest {
         let mut renewal = hold.store.clone();
-        renewal.lease = self.lease;
+        renewal.lease = lease;
         if let Some(at) = hold.expiry.get() {
             let left = at.saturating_duration_since(now);
             if left > renewal.lease {

@@ -37,9 +37,11 @@
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::runtime::{Handle, Id};
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -55,20 +57,57 @@ const MIN_RETRY: Duration = Duration::from_millis(5);
 /// The renewal tasks of one client, one per runtime with watched holds.
 #[derive(Default)]
 pub(crate) struct Tasks {
-    running: HashMap<Id, JoinHandle<()>, foldhash::fast::RandomState>,
+    running: HashMap<Id, Task, foldhash::fast::RandomState>,
+}
+
+/// A runtime's renewal task, and how often it ticks.
+struct Task {
+    handle: JoinHandle<()>,
+    pace: Arc<Pace>,
+}
+
+/// How often a task ticks: a third of the shortest lease it watches. A hold with a
+/// shorter lease than that makes it tick sooner.
+struct Pace {
+    period_ms: AtomicU64,
+    sooner: Notify,
+}
+
+impl Pace {
+    fn period(&self) -> Duration {
+        Duration::from_millis(self.period_ms.load(Ordering::Relaxed))
+    }
+
+    fn set(&self, period: Duration) {
+        let ms = u64::try_from(period.as_millis()).unwrap_or(u64::MAX).max(1);
+        self.period_ms.store(ms, Ordering::Relaxed);
+    }
 }
 
 impl Tasks {
-    /// Makes sure a renewal task runs on `runtime`.
-    pub(crate) fn ensure(&mut self, inner: &Arc<Inner>, runtime: &Handle) {
+    /// Makes sure a renewal task runs on `runtime`, ticking often enough for a hold
+    /// watched with `lease`.
+    pub(crate) fn ensure(&mut self, inner: &Arc<Inner>, runtime: &Handle, lease: Duration) {
         let id = runtime.id();
-        if self.is_alive(id) {
+        let period = lease / 3;
+        if let Some(task) = self.running.get(&id)
+            && !task.handle.is_finished()
+        {
+            if period < task.pace.period() {
+                task.pace.set(period);
+                task.pace.sooner.notify_one();
+            }
             return;
         }
         // Tasks of runtimes that shut down (or of a panic) are finished: forget them.
-        self.running.retain(|_, task| !task.is_finished());
-        self.running
-            .insert(id, runtime.spawn(run(Arc::clone(inner), id)));
+        self.running.retain(|_, task| !task.handle.is_finished());
+        let pace = Arc::new(Pace {
+            period_ms: AtomicU64::new(0),
+            sooner: Notify::new(),
+        });
+        pace.set(period.min(inner.lease / 3));
+        let handle = runtime.spawn(run(Arc::clone(inner), id, Arc::clone(&pace)));
+        self.running.insert(id, Task { handle, pace });
     }
 
     /// Whether the task of `runtime` is running: a runtime that shut down (or whose
@@ -76,13 +115,13 @@ impl Tasks {
     pub(crate) fn is_alive(&self, runtime: Id) -> bool {
         self.running
             .get(&runtime)
-            .is_some_and(|task| !task.is_finished())
+            .is_some_and(|task| !task.handle.is_finished())
     }
 
     /// Stops every task: the client shut down.
     pub(crate) fn stop_all(&mut self) {
         for (_, task) in self.running.drain() {
-            task.abort();
+            task.handle.abort();
         }
     }
 
@@ -92,28 +131,39 @@ impl Tasks {
     }
 }
 
-/// The renewal task of `runtime`: renews its due holds every period (sooner after a
-/// failure), until it has none left to watch.
-async fn run(inner: Arc<Inner>, runtime: Id) {
-    let period = inner.lease / 3;
-    let retry = (period / 4).max(MIN_RETRY);
+/// The renewal task of `runtime`: renews its due holds every period (a third of the
+/// shortest lease it watches; sooner after a failure), until it has none left to watch.
+async fn run(inner: Arc<Inner>, runtime: Id, pace: Arc<Pace>) {
     // Ticks are scheduled from when the last renewal was sent, so time spent after it
     // (a slow or panicking observer, a busy runtime) shortens the pause instead of
     // pushing renewals past the lease.
-    let mut next = Instant::now() + period;
+    let mut last = Instant::now();
+    let mut next = last + pace.period();
     loop {
-        tokio::time::sleep_until(next).await;
+        tokio::select! {
+            () = tokio::time::sleep_until(next) => {}
+            // A hold with a shorter lease came: tick at its pace from the last tick on.
+            () = pace.sooner.notified() => {
+                next = next.min(last + pace.period());
+                continue;
+            }
+        }
         let Some(due) = inner.due_or_retire(runtime) else {
             return;
         };
-        if due.is_empty() {
-            // Every hold this runtime watches is renewed by an earlier live runtime; look
-            // again in a period, in case that runtime is gone by then.
-            next = Instant::now() + period;
+        let period = due.period;
+        pace.set(period);
+        let retry = (period / 4).max(MIN_RETRY);
+        last = Instant::now();
+        if due.holds.is_empty() {
+            // Nothing due: every hold this runtime watches was renewed less than a third
+            // of its lease ago, or is renewed by an earlier live runtime; look again in a
+            // period, in case that runtime is gone by then.
+            next = last + period;
             continue;
         }
-        let (holds, reqs): (Vec<_>, Vec<_>) = due.into_iter().unzip();
-        let sent_at = Instant::now();
+        let (holds, reqs): (Vec<_>, Vec<_>) = due.holds.into_iter().unzip();
+        let sent_at = last;
         // A renewal slower than a period counts as failed.
         let results = tokio::time::timeout(period, inner.backend.renew_many(&reqs))
             .await

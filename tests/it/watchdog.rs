@@ -224,3 +224,169 @@ async fn a_lost_lock_is_logged_with_the_hold_id_the_store_shows() {
         "{line}"
     );
 }
+
+/// Counts the holds each renewal call of the watchdog renews, by key.
+#[derive(Clone, Default)]
+struct Renewals(std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, usize>>>);
+
+impl Renewals {
+    fn of(&self, key: &str) -> usize {
+        self.0.lock().unwrap().get(key).copied().unwrap_or(0)
+    }
+}
+
+impl tower_lock::backend::Intercept<MemoryBackend> for Renewals {
+    fn renew_many<'a>(
+        &'a self,
+        inner: &'a MemoryBackend,
+        reqs: &'a [tower_lock::backend::LockRequest],
+    ) -> tower_lock::backend::BoxFuture<'a, Vec<tower_lock::Result<bool>>> {
+        for req in reqs {
+            *self
+                .0
+                .lock()
+                .unwrap()
+                .entry(req.key.to_string())
+                .or_default() += 1;
+        }
+        inner.renew_many(reqs)
+    }
+}
+
+/// Issue 44, finding 7: a request's lock had the client's 30 s watchdog lease, so a
+/// replica killed while holding one kept that user out for half a minute. A lock may
+/// now be renewed with a lease of its own (`Lease::Renewed`, the layers' default at
+/// 10 s): it is renewed every third of its lease, and a hold with the client's longer
+/// lease beside it is still renewed every third of that, not at the shorter pace.
+#[tokio::test(start_paused = true)]
+async fn each_hold_is_renewed_at_the_pace_of_its_own_lease() {
+    let renewals = Renewals::default();
+    let backend = tower_lock::backend::Intercepted::new(MemoryBackend::new(), renewals.clone());
+    let client = LockClient::new(backend.clone());
+    let long = client.get_lock("long").unwrap().lock().await.unwrap();
+    let short = client
+        .get_lock("short")
+        .unwrap()
+        .try_lock_for(
+            Duration::ZERO,
+            tower_lock::Lease::Renewed(Duration::from_secs(9)),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert!(!long.is_lost() && !short.is_lost());
+    // 60 s: the 9 s lease every 3 s, the 30 s one once a third of it has passed, at
+    // the next tick: every 12 s.
+    assert!(
+        (4..=6).contains(&renewals.of("long")),
+        "{}",
+        renewals.of("long")
+    );
+    assert!(
+        (19..=20).contains(&renewals.of("short")),
+        "{}",
+        renewals.of("short")
+    );
+    let state = client.get_lock("short").unwrap().inspect().await.unwrap();
+    let left = state.holders[0].ttl.unwrap();
+    assert!(
+        left <= Duration::from_secs(9),
+        "the store keeps 9 s at most: {left:?}"
+    );
+    short.unlock().await.unwrap();
+    long.unlock().await.unwrap();
+}
+
+/// The same hold given up with its runtime, as a killed replica gives up its holds:
+/// another client gets the lock within the hold's own lease (here 10 s), not the
+/// client's watchdog lease.
+#[test]
+fn a_hold_whose_process_is_gone_is_free_within_its_own_lease() {
+    let backend = MemoryBackend::new();
+    let dying = LockClient::new(backend.clone());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let guard = dying
+            .get_lock("request")
+            .unwrap()
+            .try_lock_for(
+                Duration::ZERO,
+                tower_lock::Lease::Renewed(Duration::from_secs(10)),
+            )
+            .await
+            .unwrap();
+        std::mem::forget(guard);
+    });
+    drop(runtime); // its watchdog task with it
+    let other = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    other.block_on(async {
+        let started = Instant::now();
+        let guard = LockClient::new(backend)
+            .get_lock("request")
+            .unwrap()
+            .try_lock_for(Duration::from_secs(60), tower_lock::Lease::Watchdog)
+            .await
+            .unwrap();
+        assert!(
+            started.elapsed() <= Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
+        guard.unlock().await.unwrap();
+    });
+}
+
+/// A layer's locks take the request lease by default: 10 s in the store, not the
+/// client's 30 s; and the client's when that is shorter.
+#[cfg(feature = "axum")]
+#[tokio::test]
+async fn a_layers_locks_have_the_request_lease_by_default() {
+    use bytes::Bytes;
+    use http_body_util::Empty;
+    use tower::{Layer, ServiceExt, service_fn};
+    use tower_lock::layer::{DEFAULT_REQUEST_LEASE, HeaderKey, LockLayer};
+    for (client_lease, expected) in [
+        (Duration::from_secs(30), DEFAULT_REQUEST_LEASE),
+        (Duration::from_secs(4), Duration::from_secs(4)),
+    ] {
+        let client = LockClient::builder(MemoryBackend::new())
+            .watchdog_lease(client_lease)
+            .build()
+            .unwrap();
+        let layer = LockLayer::new(
+            client.clone(),
+            HeaderKey::new(http::header::HeaderName::from_static("x-user"))
+                .namespace("user")
+                .unwrap(),
+        );
+        let inner = client.clone();
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let ttl_seen = seen.clone();
+        let svc = layer.layer(service_fn(move |_req: http::Request<Empty<Bytes>>| {
+            let (client, seen) = (inner.clone(), ttl_seen.clone());
+            async move {
+                let key = LockKey::namespaced("user", "u").unwrap();
+                let state = client.get_lock(&key).unwrap().inspect().await.unwrap();
+                *seen.lock().unwrap() = state.holders[0].ttl;
+                Ok::<_, std::convert::Infallible>(http::Response::new(Empty::<Bytes>::new()))
+            }
+        }));
+        let req = http::Request::builder()
+            .header("x-user", "u")
+            .body(Empty::<Bytes>::new())
+            .unwrap();
+        svc.oneshot(req).await.unwrap();
+        let ttl = seen.lock().unwrap().take().unwrap();
+        assert!(
+            ttl <= expected && ttl > expected - Duration::from_secs(1),
+            "{client_lease:?}: {ttl:?}"
+        );
+    }
+}
