@@ -14,7 +14,8 @@
 -- ARGV[1]  lease in milliseconds
 -- ARGV[2]  owner
 -- ARGV[3]  waiter timeout in milliseconds
--- ARGV[4]  '1' fenced, '0' not
+-- ARGV[4]  the token retention in ms for a fenced request (see lib.lua's `fence`); '0'
+--          not fenced
 -- ARGV[5]  deadline: server clock in microseconds after which the attempt is refused
 --          ('0': none)
 --
@@ -27,7 +28,7 @@
 --                        now is the server clock in microseconds
 local H, Q, Z, FENCE, CHAN = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lease, owner, timeout = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local fenced = ARGV[4] == '1'
+local retention = ARGV[4]
 local now_us = clock_us()
 if late(ARGV[5], now_us) then
     return {-1, now_us}
@@ -44,7 +45,7 @@ if redis.call('exists', H) == 0 then
         end
         redis.call('hset', H, owner, '1')
         redis.call('pexpire', H, lease)
-        return granted(1, FENCE, fenced)
+        return granted(1, FENCE, retention)
     end
     -- The head is alive (stale heads were evicted): it goes first.
     ttl = tonumber(redis.call('zscore', Z, head) or now) - now
@@ -55,7 +56,7 @@ else
     if redis.call('hexists', H, owner) == 1 then
         local holds = redis.call('hincrby', H, owner, '1')
         extend(H, tonumber(lease))
-        return granted(holds, FENCE, fenced)
+        return granted(holds, FENCE, retention)
     end
     ttl = redis.call('pttl', H)
 end

@@ -26,7 +26,8 @@
 -- longest lease.
 --
 -- Fencing tokens (fenced requests only) come from Redisson RFencedLock's counter
--- redisson_lock_token:{NAME}, one for every kind of lock on NAME.
+-- redisson_lock_token:{NAME}, one for every kind of lock on NAME, which expires a token
+-- retention after its last token (see `fence`).
 --
 -- Every key named here shares NAME's hash slot.
 
@@ -225,8 +226,12 @@ end
 
 -- The next fencing token of counter F (Redisson RFencedLock's
 -- redisson_lock_token:{NAME}): INCR, raised to the server clock in microseconds so that
--- tokens keep increasing when the counter is lost. F never expires.
-local function fence(F)
+-- tokens keep increasing when the counter is lost. F expires `keep` ms (the backend's
+-- token retention) after its token would be reached by the clock: once it is gone the
+-- clock is past every token it gave, so the next counter, starting from the clock, is
+-- above them all, unless the clock steps back by more than `keep` meanwhile. So a name
+-- locked once leaves nothing behind for longer than that.
+local function fence(F, keep)
     local t = redis.call('time')
     local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
     local token = redis.call('incr', F)
@@ -234,13 +239,16 @@ local function fence(F)
         redis.call('set', F, string.format('%.0f', floor))
         token = floor
     end
+    redis.call('pexpire', F,
+        string.format('%.0f', math.floor((token - floor) / 1000) + tonumber(keep)))
     return token
 end
 
--- An acquisition's reply: {1, holds}, with the next token when `fenced`.
-local function granted(holds, F, fenced)
-    if fenced then
-        return {1, holds, fence(F)}
+-- An acquisition's reply: {1, holds}, with the next token when fenced (`retention`,
+-- the token retention in ms; '0': not fenced).
+local function granted(holds, F, retention)
+    if retention ~= '0' then
+        return {1, holds, fence(F, retention)}
     end
     return {1, holds}
 end

@@ -5,18 +5,20 @@
 -- -> hold count, lease by PEXPIRE in milliseconds. A re-entry extends the lease to
 -- ARGV[1] but never shortens it (and a hash without expiry keeps none).
 --
--- Fencing (ARGV[3] = '1') is Redisson RFencedLock's: the counter KEYS[2]
--- (redisson_lock_token:{NAME}) is INCRed on every acquisition, re-entries included, and
--- never expires. On top of Redisson, the token is raised to the server clock in
--- microseconds, so tokens keep increasing when the counter is lost (a restart without
--- persistence). An unfenced acquisition sends no KEYS[2] and leaves nothing behind once
+-- Fencing (ARGV[3] ~= '0') is Redisson RFencedLock's: the counter KEYS[2]
+-- (redisson_lock_token:{NAME}) is INCRed on every acquisition, re-entries included. On
+-- top of Redisson, the token is raised to the server clock in microseconds, so tokens
+-- keep increasing when the counter is lost (a restart without persistence), and the
+-- counter expires ARGV[3] ms (the token retention) after the clock would reach its
+-- token: when it is gone the clock is past every token it gave (lib.lua's `fence`
+-- says why). An unfenced acquisition sends no KEYS[2] and leaves nothing behind once
 -- released.
 --
 -- KEYS[1]  lock name (hash)
 -- KEYS[2]  fencing counter (string), sent and read by fenced requests only
 -- ARGV[1]  lease in milliseconds
 -- ARGV[2]  owner field
--- ARGV[3]  '1' fenced, '0' not
+-- ARGV[3]  the token retention in ms for a fenced acquisition; '0' not fenced
 -- ARGV[4]  deadline: the server clock in microseconds after which this attempt is
 --          refused ('0': none). Its sender has given up on it by then (a reply that
 --          timed out, a connection it replaced): arriving later, it must take nothing.
@@ -56,7 +58,7 @@ elseif redis.call('hexists', KEYS[1], ARGV[2]) == 1 then
 else
     return {0, redis.call('pttl', KEYS[1])}
 end
-if ARGV[3] ~= '1' then
+if ARGV[3] == '0' then
     return {1, holds}
 end
 local t = redis.call('time')
@@ -66,4 +68,6 @@ if token < floor then
     redis.call('set', KEYS[2], string.format('%.0f', floor))
     token = floor
 end
+redis.call('pexpire', KEYS[2],
+    string.format('%.0f', math.floor((token - floor) / 1000) + tonumber(ARGV[3])))
 return {1, holds, token}

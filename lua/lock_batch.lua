@@ -8,10 +8,11 @@
 --
 -- ARGV[1] is the batch's deadline: the server clock in microseconds after which its
 -- acquisitions are refused ('0': none); its sender has given up on them by then.
+-- ARGV[2] is the token retention in ms, for fenced acquisitions (lib.lua's `fence`).
 -- Operation i (1-based) has
---   ARGV[3i-1]  'a' acquire, 'f' fenced acquire, 'r' release
---   ARGV[3i]    lease in milliseconds
---   ARGV[3i+1]  owner field
+--   ARGV[3i]    'a' acquire, 'f' fenced acquire, 'r' release
+--   ARGV[3i+1]  lease in milliseconds
+--   ARGV[3i+2]  owner field
 -- and its keys next in KEYS, in operation order: the lock name (hash), and for a fenced
 -- acquisition then its fencing counter (redisson_lock_token:{NAME}). A release's
 -- channel is not sent: `release_hold` writes it (an argument costs Redis more to hand to
@@ -51,7 +52,7 @@ local function acquire(H, F, lease, owner, fenced)
     if not fenced then
         return 1, holds, 0
     end
-    return 1, holds, fence(F)
+    return 1, holds, fence(F, ARGV[2])
 end
 
 local function release(H, lease, owner)
@@ -61,8 +62,8 @@ end
 local now_us = clock_us()
 local too_late = late(ARGV[1], now_us)
 local k = 1 -- the operation's first key
-for i = 1, (#ARGV - 1) / 3 do
-    local op, lease, owner = ARGV[3 * i - 1], ARGV[3 * i], ARGV[3 * i + 1]
+for i = 1, (#ARGV - 2) / 3 do
+    local op, lease, owner = ARGV[3 * i], ARGV[3 * i + 1], ARGV[3 * i + 2]
     local H, F = KEYS[k], nil
     k = k + 1
     if op == 'f' then

@@ -12,7 +12,8 @@
 -- ARGV[1]  lease in milliseconds
 -- ARGV[2]  owner
 -- ARGV[3]  most holders at once (max)
--- ARGV[4]  '1' fenced, '0' not
+-- ARGV[4]  the token retention in ms for a fenced request (see lib.lua's `fence`); '0'
+--          not fenced
 -- ARGV[5]  deadline: server clock in microseconds after which the attempt is refused
 --          ('0': none)
 --
@@ -25,7 +26,7 @@
 --                        now is the server clock in microseconds
 local H, E, FENCE = KEYS[1], KEYS[2], KEYS[3]
 local lease, owner, max = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
-local fenced = ARGV[4] == '1'
+local retention = ARGV[4]
 local now_us = clock_us()
 if late(ARGV[5], now_us) then
     return {-1, now_us}
@@ -44,13 +45,13 @@ if held_until then
     -- Re-entering never shortens the permit's lease.
     redis.call('zadd', E, math.max(tonumber(held_until), now + lease), owner)
     fit_permits(H, E, now)
-    return granted(holds, FENCE, fenced)
+    return granted(holds, FENCE, retention)
 end
 if redis.call('zcard', E) < max then
     redis.call('hset', H, 'holds:' .. owner, '1')
     redis.call('zadd', E, now + lease, owner)
     fit_permits(H, E, now)
-    return granted(1, FENCE, fenced)
+    return granted(1, FENCE, retention)
 end
 local first = redis.call('zrange', E, '0', '0', 'withscores')
 fit_permits(H, E, now)

@@ -23,7 +23,8 @@
 -- ARGV[2]  owner
 -- ARGV[3]  'read' or 'write'
 -- ARGV[4]  waiter timeout in milliseconds
--- ARGV[5]  '1' fenced, '0' not
+-- ARGV[5]  the token retention in ms for a fenced request (see lib.lua's `fence`); '0'
+--          not fenced
 -- ARGV[6]  the write holder a read may go past (usually ARGV[2])
 -- ARGV[7]  deadline: server clock in microseconds after which the attempt is refused
 --          ('0': none)
@@ -37,7 +38,7 @@
 local H, P, Q, Z, FENCE, CHAN = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local lease, owner, timeout = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[4])
 local reading = ARGV[3] == 'read'
-local fenced = ARGV[5] == '1'
+local retention = ARGV[5]
 -- A writer's own field; for a read, the field of the write hold it may go past.
 local write_field = (reading and ARGV[6] or owner) .. ':write'
 local entry = owner .. (reading and ':read' or ':write')
@@ -64,7 +65,7 @@ elseif reading then
                 redis.call('set', lease_key(P, owner, i), '1', 'px', keep)
             end
             extend(H, keep)
-            return granted(count, FENCE, fenced)
+            return granted(count, FENCE, retention)
         end
         -- The hold's leases ended: forget it, and ask as a newcomer.
         redis.call('hdel', H, owner)
@@ -86,7 +87,7 @@ elseif mode then
             ms = math.max(ms, reader_pttl(P, owner, tonumber(own) or 0))
         end
         extend(H, ms)
-        return granted(holds, FENCE, fenced)
+        return granted(holds, FENCE, retention)
     end
     -- A writer needs every hold gone, its owner's read holds too.
     prune_rw(H, P)
@@ -135,7 +136,7 @@ if ttl == nil then
         -- A stale writer went: readers queued behind it may go too.
         wake_rw(H, Q, CHAN)
     end
-    return granted(1, FENCE, fenced)
+    return granted(1, FENCE, retention)
 end
 
 touch(Q, Z, entry, now + timeout, timeout)

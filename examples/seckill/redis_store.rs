@@ -28,7 +28,7 @@ use crate::app::{BoxFut, Order, Store, StoreError, VoucherView};
 /// The prefix of the store's keys and (given to `RedisBackendBuilder::key_prefix`) of
 /// the lock keys, `seckill:lock:order:{<user id>}`. The locks' fencing counters follow
 /// the backend's naming, `redisson_lock_token:seckill:lock:order:{<user id>}`, and stay
-/// after the sale: fencing tokens must never go backwards.
+/// for the backend's token retention (an hour) after a user's last order.
 pub const NAMESPACE: &str = "seckill";
 
 static TAKE_STOCK: LazyLock<Script> =

@@ -726,6 +726,16 @@ impl MemoryBackend {
         table.map.len()
     }
 
+    /// How many responses are kept for replay ([`ReplayStore`]); expired ones are
+    /// dropped first, so this counts only live ones.
+    pub fn records(&self) -> usize {
+        let mut table = self.table();
+        let now = Instant::now();
+        table.replays.retain(|_, kept| kept.live(now));
+        table.replays_swept_len = table.replays.len();
+        table.replays.len()
+    }
+
     /// Whether no key is held or waited on.
     pub fn is_empty(&self) -> bool {
         self.len() == 0

@@ -310,7 +310,9 @@ impl LockClient {
     /// earlier holder's, for the storage the lock protects to refuse stale writers. On
     /// Redis the counter is Redisson `RFencedLock`'s, so a Java service fencing the same
     /// name shares it; it is one small key per name that stays after the lock is
-    /// released (a plain lock leaves nothing). Same as `get_lock(key)?.fenced()`.
+    /// released for the backend's token retention (an hour by default), so that tokens
+    /// never go backwards (a plain lock leaves nothing). Same as
+    /// `get_lock(key)?.fenced()`.
     ///
     /// ```
     /// use tower_lock::{LockClient, MemoryBackend};

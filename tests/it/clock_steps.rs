@@ -257,3 +257,63 @@ async fn a_failover_to_a_primary_whose_clock_is_ahead_costs_one_round_trip() {
         promoted.elapsed()
     );
 }
+
+/// Issue 49, finding 1: every fencing counter lived forever. It now expires a token
+/// retention after its last token, and tokens still never go backwards: they are at
+/// least the server clock in microseconds, the counter outlives its last token by the
+/// retention, and the same clock runs its expiry. Shown across the counter's expiry,
+/// and a step of the clock back by less than the retention after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_tokens_keep_increasing_past_their_counters_expiry() {
+    let clock = ClockShift::new();
+    let server = RedisServer::start_with_env(&[], clock.env()).await;
+    let backend = RedisBackend::builder(server.url())
+        .token_retention(Duration::from_secs(10))
+        .build()
+        .await
+        .unwrap();
+    let client = LockClient::new(backend.clone());
+    let lock = client.get_fenced_lock("fenced").unwrap();
+    let key = tower_lock::LockKey::new("fenced").unwrap();
+    let counter = backend.fence_name(&key);
+    let mut conn = server.conn().await;
+
+    let mut last = 0u64;
+    let mut token = async || {
+        let guard = lock.try_lock().await.unwrap();
+        let token = guard.fencing_token().unwrap().get();
+        guard.unlock().await.unwrap();
+        token
+    };
+    for step in 0..4 {
+        let next = token().await;
+        assert!(next > last, "step {step}: {next} after {last}");
+        last = next;
+        let ttl: i64 = redis::cmd("PTTL")
+            .arg(&counter)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        // A retention after the clock reaches the token: just that while tokens are
+        // the clock, more while the clock is behind them (after a step back).
+        assert!(
+            ttl >= 9_000 && (step != 0 || ttl <= 10_100),
+            "step {step}: the counter expires a retention after its token ({ttl} ms)"
+        );
+        match step {
+            // Past the counter's expiry: it is gone, and the next starts from the clock.
+            0 => clock.ahead(Duration::from_secs(11)),
+            // Back by less than the retention, after that.
+            1 => clock.ahead(Duration::from_secs(2)),
+            _ => clock.ahead(Duration::from_secs(25)),
+        }
+        if step == 2 {
+            let exists: bool = redis::cmd("EXISTS")
+                .arg(&counter)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            assert!(!exists, "the counter expired");
+        }
+    }
+}

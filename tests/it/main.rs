@@ -21,6 +21,7 @@ mod conformance_redlock;
 mod extract;
 #[cfg(feature = "redis")]
 mod fault_costs;
+mod growth;
 mod history;
 #[cfg(feature = "postgres")]
 mod history_postgres;

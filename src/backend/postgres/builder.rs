@@ -12,7 +12,8 @@ use super::listener::{KeyWaiters, Listening, Live, listen};
 use super::statements::{Statements, millis};
 use super::{
     DEFAULT_KEPT_CONNECTIONS, DEFAULT_RESPONSE_TIMEOUT, DEFAULT_SCHEMA, DEFAULT_TABLE,
-    DEFAULT_WAITER_TIMEOUT, Inner, PostgresBackend, map_error, validate_identifier,
+    DEFAULT_TOKEN_RETENTION, DEFAULT_WAITER_TIMEOUT, Inner, PostgresBackend, map_error,
+    validate_identifier,
 };
 use crate::backend::clock::StoreClock;
 use crate::backend::{QUEUED_MODES, StoreProfile};
@@ -32,6 +33,7 @@ pub struct PostgresBackendBuilder {
     kept_connections: usize,
     hand_over: bool,
     migrate: bool,
+    token_retention: Duration,
 }
 
 impl PostgresBackendBuilder {
@@ -48,6 +50,7 @@ impl PostgresBackendBuilder {
             kept_connections: DEFAULT_KEPT_CONNECTIONS,
             hand_over: false,
             migrate: true,
+            token_retention: DEFAULT_TOKEN_RETENTION,
         }
     }
 
@@ -83,6 +86,19 @@ impl PostgresBackendBuilder {
     /// waiting there and keep its pool connection.
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
         self.response_timeout = timeout;
+        self
+    }
+
+    /// How long a name's row (`<table>_names`, which keeps the name's last fencing
+    /// token) outlives its last hold and token: [`DEFAULT_TOKEN_RETENTION`] by default.
+    /// The backend sweeps on a schedule (every retention, between 1 s and 1 min, at
+    /// most 1,000 rows of a table a statement) every row that expired and every name
+    /// free for the retention whose token is a retention behind the database's clock:
+    /// a token taken after that starts from the clock in microseconds, above every
+    /// earlier one, unless the database's clock steps back by more than the retention.
+    /// A name locked once leaves no row behind for longer than that. At least 1 s.
+    pub fn token_retention(mut self, retention: Duration) -> Self {
+        self.token_retention = retention;
         self
     }
 
@@ -233,7 +249,7 @@ impl PostgresBackendBuilder {
         if kept.cap() > 0 {
             tokio::spawn(Arc::clone(&kept).sweep_until(stop.clone()));
         }
-        Ok(PostgresBackend {
+        let backend = PostgresBackend {
             inner: Arc::new(Inner {
                 statements: Statements::new(&self.schema, &self.table, self.response_timeout),
                 qualified,
@@ -252,9 +268,16 @@ impl PostgresBackendBuilder {
                 waiters,
                 hand_over: self.hand_over,
                 live,
-                _stop_listener: stop.drop_guard(),
+                token_retention: self.token_retention,
+                _stop_listener: stop.clone().drop_guard(),
             }),
-        })
+        };
+        tokio::spawn(super::sweep::sweep_until(
+            Arc::downgrade(&backend.inner),
+            super::sweep::period(self.token_retention),
+            stop,
+        ));
+        Ok(backend)
     }
 
     /// Checks every setting, in the order of their errors.
@@ -270,6 +293,16 @@ impl PostgresBackendBuilder {
         }
         if let Some(lease) = self.watchdog_lease {
             crate::backend::limits::validate_watchdog_lease(lease)?;
+        }
+        if self.token_retention < Duration::from_secs(1) || self.token_retention > crate::MAX_LEASE
+        {
+            return Err(Error::invalid_config(
+                "token_retention",
+                format!(
+                    "must be between 1 s and 365 days (got {:?})",
+                    self.token_retention
+                ),
+            ));
         }
         if self
             .fast_grants

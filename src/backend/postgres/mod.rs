@@ -137,6 +137,7 @@ mod builder;
 mod conns;
 mod listener;
 mod statements;
+mod sweep;
 
 pub use builder::PostgresBackendBuilder;
 use listener::{KeyWaiters, Live, PgSubscription, Slot, waiters_of};
@@ -147,6 +148,10 @@ pub const DEFAULT_TABLE: &str = "tower_lock";
 
 /// The schema when none is configured: `public`.
 pub const DEFAULT_SCHEMA: &str = "public";
+
+/// How long a name's row outlives its last hold and fencing token by default: 1 hour
+/// ([`PostgresBackendBuilder::token_retention`]).
+pub const DEFAULT_TOKEN_RETENTION: Duration = Duration::from_secs(60 * 60);
 
 /// How long one call may take before it fails as an outage: 2 s. A lock statement takes
 /// well under a millisecond; one that takes seconds means the server is stalled or
@@ -195,6 +200,9 @@ struct Inner {
     hand_over: bool,
     /// The listening session's liveness lock, which exclusive waiters register with.
     live: Live,
+    /// How long a name's row outlives its last fencing token
+    /// ([`PostgresBackendBuilder::token_retention`]).
+    token_retention: Duration,
     _stop_listener: DropGuard,
 }
 
@@ -452,7 +460,7 @@ impl LockBackend for PostgresBackend {
     }
 }
 
-/// Names live in `<table>_clients`, swept of expired rows by every registration.
+/// Names live in `<table>_clients`, swept of expired rows by the backend's sweep.
 impl ClientNames for PostgresBackend {
     fn register<'a>(
         &'a self,
@@ -476,43 +484,6 @@ impl ClientNames for PostgresBackend {
                     .await
             })
             .await?;
-            // Every client registers now and then: it sweeps what expired, so names
-            // locked once (a crashed holder, a vanished waiter) leave no rows behind.
-            // Expired rows count as absent everywhere, so deleting them changes nothing.
-            // A name's row goes when it has been free for an hour and its last fencing
-            // token is an hour behind the clock: a token taken after that (from the
-            // clock, as for a name never seen) is still greater, unless the database's
-            // clock steps back an hour.
-            let sweep = self.sql(
-                "WITH names AS ( \
-                     DELETE FROM __F___names \
-                      WHERE expires_at < clock_timestamp() - interval '1 hour' \
-                        AND others_until < clock_timestamp() - interval '1 hour' \
-                        AND coalesce(token, 0) < __F___now_us() - 3600000000 \
-                        AND __F___within(__WAIT_MS__) \
-                 ), holds AS ( \
-                     DELETE FROM __F__ \
-                      WHERE expires_at <= clock_timestamp() AND __F___within(__WAIT_MS__) \
-                 ), queue AS ( \
-                     DELETE FROM __F___queue \
-                      WHERE evict_at <= clock_timestamp() AND __F___within(__WAIT_MS__) \
-                 ), clients AS ( \
-                     DELETE FROM __F___clients \
-                      WHERE expires_at <= clock_timestamp() AND __F___within(__WAIT_MS__) \
-                 ), gone AS ( \
-                     DELETE FROM __F___gone \
-                      WHERE until <= clock_timestamp() AND __F___within(__WAIT_MS__) \
-                 ), waiters AS ( \
-                     DELETE FROM __F___waiters \
-                      WHERE until <= clock_timestamp() AND __F___within(__WAIT_MS__) \
-                 ), replay AS ( \
-                     DELETE FROM __F___replay \
-                      WHERE expires_at <= clock_timestamp() AND __F___within(__WAIT_MS__) \
-                 ) \
-                 SELECT 1",
-            );
-            self.on_connection(async |conn| sqlx::query(&sweep).execute(conn).await)
-                .await?;
             Ok(())
         })
     }

@@ -334,7 +334,7 @@ async fn send_one(inner: &Inner, q: Queued, deadline: u64) {
 /// the operations to send again.
 async fn send_many(inner: &Inner, batch: Vec<Queued>, deadline: u64) -> Vec<Queued> {
     let mut invocation = inner.publish.scripts().batch.prepare_invoke();
-    invocation.arg(deadline);
+    invocation.arg(deadline).arg(inner.token_retention.as_str());
     let prefix = &inner.prefix;
     for q in &batch {
         invocation.key(q.lock(prefix));

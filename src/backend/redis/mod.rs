@@ -9,7 +9,7 @@
 //! |---|---|---|
 //! | the lock (exclusive, fair) | `NAME` (after the optional key prefix) | `RLock`'s hash: `<client uuid>:<owner id>` → hold count, lease by `PEXPIRE` (ms) |
 //! | release channel | `redisson_lock__channel:{NAME}` | message `0`: wake one waiter; `1`: wake all |
-//! | fencing counter (fenced locks only) | `redisson_lock_token:{NAME}` | `RFencedLock`'s string counter, `INCR`ed on every fenced acquisition (and raised to the server clock in µs), never expires |
+//! | fencing counter (fenced locks only) | `redisson_lock_token:{NAME}` | `RFencedLock`'s string counter, `INCR`ed on every fenced acquisition (and raised to the server clock in µs), expires a [token retention](RedisBackendBuilder::token_retention) after its last token |
 //! | fair and read-write wait queue | `redisson_lock_queue:{NAME}`, `redisson_lock_timeout:{NAME}` | `RFairLock`'s list of waiters and sorted set of their eviction times (server clock, ms) |
 //! | fair waiter's wake-up | `redisson_lock__channel:{NAME}:<owner>` | `RFairLock`'s: `0` to the head of the queue |
 //! | read-write lock | `NAME` | `RReadWriteLock`'s hash: `mode` → `read`/`write`, `<owner>` → read holds, `<owner>:write` → write holds |
@@ -183,6 +183,12 @@ pub const DEFAULT_PUBSUB_KEEPALIVE: Duration = Duration::from_secs(5);
 /// backoff), so an outage surfaces as an error quickly instead of stalling callers
 /// behind a long retry chain; the next command tries again.
 pub const DEFAULT_RECONNECT_RETRIES: usize = 2;
+
+/// How long a fencing counter outlives its last token by default: 1 hour
+/// ([`RedisBackendBuilder::token_retention`]). Tokens stay increasing through clock
+/// steps back of up to an hour; a name locked once, fenced, leaves its counter in Redis
+/// for that long.
+pub const DEFAULT_TOKEN_RETENTION: Duration = Duration::from_secs(60 * 60);
 
 pub use crate::backend::limits::{DEFAULT_WAITER_TIMEOUT, MIN_WAITER_TIMEOUT};
 
@@ -703,6 +709,9 @@ struct Inner {
     synced: Option<Synced>,
     /// How the scripts publish releases (sharded on a Redis 7 cluster).
     publish: Publish,
+    /// How long a fencing counter outlives its last token, in milliseconds, as the
+    /// scripts take it ([`RedisBackendBuilder::token_retention`]).
+    token_retention: String,
     _stop_hub: DropGuard,
 }
 
@@ -951,6 +960,16 @@ impl Inner {
         self.conn.single().is_some() && self.synced.is_none()
     }
 
+    /// The scripts' argument for whether `req` is fenced: the token retention in
+    /// milliseconds, or `0` for an unfenced request.
+    fn fenced_arg(&self, req: &LockRequest) -> &str {
+        if req.fenced {
+            &self.token_retention
+        } else {
+            "0"
+        }
+    }
+
     /// The server whose clock an attempt on `key` meets: the one server, or on a
     /// cluster the master of the key's slot.
     fn node_of(&self, key: &LockKey) -> Node {
@@ -1041,7 +1060,11 @@ impl Inner {
             invocation
                 .arg(lease_ms)
                 .arg(owner)
-                .arg(if fenced { "1" } else { "0" })
+                .arg(if fenced {
+                    self.token_retention.as_str()
+                } else {
+                    "0"
+                })
                 .arg(deadline),
         )
         .await
@@ -1091,6 +1114,7 @@ pub struct RedisBackendBuilder {
     synced: Option<SyncedConfig>,
     sharded_pubsub: ShardedPubSub,
     strict_replicas: bool,
+    token_retention: Duration,
     #[cfg(feature = "sentinel")]
     sentinel_node: Option<redis::sentinel::SentinelNodeConnectionInfo>,
 }
@@ -1338,6 +1362,7 @@ impl RedisBackend {
             synced: None,
             sharded_pubsub: ShardedPubSub::Auto,
             strict_replicas: false,
+            token_retention: DEFAULT_TOKEN_RETENTION,
             #[cfg(feature = "sentinel")]
             sentinel_node: None,
         }
@@ -1613,11 +1638,6 @@ fn ttl_of(pttl: i64) -> Option<Duration> {
         -1 => None,
         ms => Some(Duration::from_millis(u64::try_from(ms).unwrap_or(0))),
     }
-}
-
-/// `'1'` for a fenced request, `'0'` for a plain one, as the acquire scripts take it.
-fn fenced_arg(req: &LockRequest) -> &'static str {
-    if req.fenced { "1" } else { "0" }
 }
 
 /// The error of an attempt the server refused because it arrived after its deadline
@@ -2180,6 +2200,24 @@ impl RedisBackendBuilder {
         self
     }
 
+    /// How long a fencing counter (`redisson_lock_token:{NAME}`) outlives the last
+    /// token it gave: [`DEFAULT_TOKEN_RETENTION`] by default. Each fenced acquisition
+    /// gives the counter an expiry: this long after the server's clock reaches the
+    /// token (tokens are at least the clock in microseconds). Once the counter is gone
+    /// the clock is past every token it gave, and the next counter starts from the
+    /// clock, above them all: tokens never go backwards, unless the server's clock
+    /// steps back by more than the retention after the counter expired (the same
+    /// clock runs the expiry, so a step before it only delays it). A name locked once,
+    /// fenced, leaves nothing in Redis after it.
+    ///
+    /// A Redisson `RFencedLock` sharing the name `INCR`s the counter without the clock:
+    /// after an idle spell of the retention its tokens start again from 1, as after a
+    /// Redis restart without persistence. At least 1 s.
+    pub fn token_retention(mut self, retention: Duration) -> Self {
+        self.token_retention = retention;
+        self
+    }
+
     /// With replica acknowledgement, wait for the configured count of replicas
     /// whatever the primary has: a primary with fewer fails every grant and renewal as
     /// an outage until enough replicas are back. Default: `false` (the count follows
@@ -2246,6 +2284,7 @@ impl RedisBackendBuilder {
                 attempt_window: self.response_timeout,
                 synced,
                 publish,
+                token_retention: lease_ms(self.token_retention).to_string(),
                 _stop_hub: shutdown.drop_guard(),
             }),
         })
@@ -2282,6 +2321,16 @@ impl RedisBackendBuilder {
 
     /// Checks every setting but the target, in the order of their errors.
     fn validate(&self) -> Result<()> {
+        if self.token_retention < Duration::from_secs(1) || self.token_retention > crate::MAX_LEASE
+        {
+            return Err(Error::invalid_config(
+                "token_retention",
+                format!(
+                    "must be between 1 s and 365 days (got {:?})",
+                    self.token_retention
+                ),
+            ));
+        }
         if let Some(synced) = self.synced
             && synced.replicas > 0
             && (synced.timeout.is_zero() || synced.timeout >= self.response_timeout)

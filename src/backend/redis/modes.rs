@@ -22,7 +22,7 @@ use std::sync::LazyLock;
 
 use redis::Script;
 
-use super::{Names, Publish, RedisBackend, fenced_arg, lease_ms};
+use super::{Names, Publish, RedisBackend, lease_ms};
 use crate::backend::{Acquire, LockMode, LockRequest, Release};
 use crate::error::Result;
 use crate::key::LockKey;
@@ -236,7 +236,7 @@ impl RedisBackend {
                     .arg(lease_ms(req.lease))
                     .arg(req.hold_id.as_str())
                     .arg(self.waiter_timeout_ms())
-                    .arg(fenced_arg(req))
+                    .arg(self.inner.fenced_arg(req))
                     .arg(deadline);
                 invocation
             }
@@ -258,7 +258,7 @@ impl RedisBackend {
                     .arg(req.hold_id.as_str())
                     .arg(rw_arg(req.mode))
                     .arg(self.waiter_timeout_ms())
-                    .arg(fenced_arg(req))
+                    .arg(self.inner.fenced_arg(req))
                     .arg(req.write_hold_id().as_str())
                     .arg(deadline);
                 invocation
@@ -277,7 +277,7 @@ impl RedisBackend {
                     .arg(lease_ms(req.lease))
                     .arg(req.hold_id.as_str())
                     .arg(max.get())
-                    .arg(fenced_arg(req))
+                    .arg(self.inner.fenced_arg(req))
                     .arg(deadline);
                 invocation
             }

@@ -394,7 +394,7 @@ fn command(inner: &Inner, batch: &[Queued], deadline: u64) -> redis::Cmd {
             cmd.arg(fence);
         }
     }
-    cmd.arg(deadline);
+    cmd.arg(deadline).arg(inner.token_retention.as_str());
     for q in batch {
         let tag = match (q.op, q.fenced) {
             (Op::Release, _) => "r",
@@ -426,7 +426,11 @@ fn command_one(inner: &Inner, job: &Job, deadline: u64) -> redis::Cmd {
             }
             cmd.arg(job.lease_ms)
                 .arg(job.hold_id.as_str())
-                .arg(if job.fenced { "1" } else { "0" })
+                .arg(if job.fenced {
+                    inner.token_retention.as_str()
+                } else {
+                    "0"
+                })
                 .arg(deadline);
         }
         Op::Release => {
