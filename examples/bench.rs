@@ -66,6 +66,9 @@
 //!
 //! Benchmarks are not tests: nothing here asserts a timing.
 
+#[path = "shared/shown.rs"]
+mod shown;
+use shown::shown;
 use std::collections::HashMap;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -405,7 +408,7 @@ async fn redis_conn(url: &str) -> Result<MultiplexedConnection, String> {
         .map_err(|e| e.to_string())?
         .get_multiplexed_async_connection()
         .await
-        .map_err(|e| format!("connecting to {url}: {e}"))
+        .map_err(|e| format!("connecting to {}: {e}", shown(url)))
 }
 
 async fn client(args: &Args) -> Result<LockClient, String> {
@@ -413,7 +416,7 @@ async fn client(args: &Args) -> Result<LockClient, String> {
         BackendKind::Redis => Arc::new(
             RedisBackend::connect(args.url.as_str())
                 .await
-                .map_err(|e| format!("connecting to {}: {e}", args.url))?,
+                .map_err(|e| format!("connecting to {}: {e}", shown(&args.url)))?,
         ),
         BackendKind::Postgres => {
             // One connection per worker (per connection in w5).
@@ -436,7 +439,7 @@ async fn client(args: &Args) -> Result<LockClient, String> {
                 builder
                     .build()
                     .await
-                    .map_err(|e| format!("PostgreSQL locks at {}: {e}", args.url))?,
+                    .map_err(|e| format!("PostgreSQL locks at {}: {e}", shown(&args.url)))?,
             )
         }
         BackendKind::Memory | BackendKind::None | BackendKind::Noop => {
@@ -718,7 +721,7 @@ async fn pg_vacuum(url: &str) -> Result<(), String> {
 async fn pg_conn(url: &str) -> Result<PgConnection, String> {
     PgConnection::connect(url)
         .await
-        .map_err(|e| format!("connecting to {url}: {e}"))
+        .map_err(|e| format!("connecting to {}: {e}", shown(url)))
 }
 
 /// A pool of `size` connections, all of them opened before it is returned (the run
@@ -733,10 +736,10 @@ async fn pg_pool(url: &str, size: usize) -> Result<PgPool, String> {
         .test_before_acquire(false)
         .connect(url)
         .await
-        .map_err(|e| format!("connecting to {url}: {e}"))?;
+        .map_err(|e| format!("connecting to {}: {e}", shown(url)))?;
     let opened = futures_util::future::join_all((0..size).map(|_| pool.acquire())).await;
     for conn in opened {
-        conn.map_err(|e| format!("connecting to {url}: {e}"))?;
+        conn.map_err(|e| format!("connecting to {}: {e}", shown(url)))?;
     }
     Ok(pool)
 }

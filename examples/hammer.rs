@@ -49,6 +49,9 @@
 //! Exits 0 when done, 1 with a message on stderr on any lock or counter error (a lost
 //! lock, a wait that ran out, no RedLock quorum, a server gone), 2 on bad arguments.
 
+#[path = "shared/shown.rs"]
+mod shown;
+use shown::shown;
 use std::process::ExitCode;
 use std::sync::LazyLock;
 use std::time::Duration;
@@ -175,7 +178,7 @@ async fn redis_conn(url: &str) -> Result<redis::aio::MultiplexedConnection, Stri
     client
         .get_multiplexed_async_connection()
         .await
-        .map_err(|e| format!("counter connection to {url}: {e}"))
+        .map_err(|e| format!("counter connection to {}: {e}", shown(url)))
 }
 
 #[cfg(feature = "sentinel")]
@@ -257,7 +260,7 @@ async fn pg_pool(url: &str, size: u64) -> Result<PgPool, String> {
         .acquire_timeout(Duration::from_secs(10))
         .connect(url)
         .await
-        .map_err(|e| format!("connecting to {url}: {e}"))
+        .map_err(|e| format!("connecting to {}: {e}", shown(url)))
 }
 
 /// A client on `backend`, with `--watchdog-ms` when given.
@@ -299,7 +302,7 @@ async fn client(args: &Args) -> Result<LockClient, String> {
                 .lazy_connect(true)
                 .build()
                 .await
-                .map_err(|e| format!("node {url}: {e}"))?;
+                .map_err(|e| format!("node {}: {e}", shown(url)))?;
             nodes.push(node);
         }
         let redlock = RedLock::new(nodes).map_err(|e| format!("redlock: {e}"))?;
@@ -312,13 +315,13 @@ async fn client(args: &Args) -> Result<LockClient, String> {
             .hand_over(args.hand_over)
             .build()
             .await
-            .map_err(|e| format!("PostgreSQL locks at {url}: {e}"))?;
+            .map_err(|e| format!("PostgreSQL locks at {}: {e}", shown(url)))?;
         return client_on(backend, args);
     }
     let backend = RedisBackend::from_url(url)
         .build()
         .await
-        .map_err(|e| format!("connecting to {url}: {e}"))?;
+        .map_err(|e| format!("connecting to {}: {e}", shown(url)))?;
     client_on(backend, args)
 }
 
@@ -383,7 +386,7 @@ impl Counter {
             sqlx::raw_sql(PG_SCHEMA)
                 .execute(&pool)
                 .await
-                .map_err(|e| format!("creating the counter table at {url}: {e}"))?;
+                .map_err(|e| format!("creating the counter table at {}: {e}", shown(url)))?;
             return Ok(Counter::Postgres(pool));
         }
         Ok(Counter::Redis(redis_conn(url).await?))

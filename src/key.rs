@@ -47,6 +47,33 @@ use crate::namespace::Namespace;
 /// request body used as a key).
 pub const MAX_KEY_LEN: usize = 1024;
 
+/// The beginnings of the names a lock's companion keys take (on Redis: the fencing
+/// counter, the release channel, the wait queue, the read-write lock's keys, the
+/// permits, the stored responses, the client names; Redisson's and the crate's own).
+/// A lock key or namespace that starts with one could be another lock's companion, so
+/// none may.
+pub const RESERVED_PREFIXES: [&str; 8] = [
+    "redisson_lock__channel:",
+    "redisson_lock_token:",
+    "redisson_lock_queue:",
+    "redisson_lock_timeout:",
+    "redisson_rwlock:",
+    "tower_lock_permits:",
+    "tower_lock_replay:",
+    "tower_lock_client:",
+];
+
+/// Whether `name` (a key, or a namespace with its joining `:`) begins like a companion
+/// key: the reason it may not, if so.
+pub(crate) fn check_not_reserved(name: &str) -> std::result::Result<(), String> {
+    match RESERVED_PREFIXES.iter().find(|p| name.starts_with(*p)) {
+        Some(prefix) => Err(format!(
+            "names starting with `{prefix}` are kept for the locks' companion keys"
+        )),
+        None => Ok(()),
+    }
+}
+
 /// The name of one lock: non-empty, at most [`MAX_KEY_LEN`] bytes, no control
 /// characters, and either no braces or exactly one non-empty hash tag `{...}`.
 ///
@@ -60,7 +87,8 @@ impl LockKey {
     /// # Errors
     ///
     /// [`Error::InvalidKey`] when the key is empty, longer than [`MAX_KEY_LEN`] bytes,
-    /// contains a control character, or has braces other than one non-empty `{tag}`.
+    /// contains a control character, has braces other than one non-empty `{tag}`, or
+    /// starts like a companion key ([`RESERVED_PREFIXES`]).
     pub fn new(key: impl AsRef<str>) -> Result<Self> {
         let key = key.as_ref();
         validate(key)?;
@@ -161,6 +189,7 @@ fn validate(key: &str) -> Result<()> {
     if key.is_empty() {
         return Err(Error::invalid_key("key is empty"));
     }
+    check_not_reserved(key).map_err(Error::invalid_key)?;
     if key.len() > MAX_KEY_LEN {
         return Err(Error::invalid_key(format!(
             "key is {} bytes long, the limit is {MAX_KEY_LEN}",

@@ -200,7 +200,7 @@ pub use backend::{FencingToken, HoldInfo, LockMode, LockState, WaiterScope, Wait
 pub use error::{BoxError, Error, Result, StoreError, StoreErrorKind};
 pub use hold_id::HoldId;
 pub use idempotency::IdempotencyLayer;
-pub use key::{IntoLockKey, LockKey, MAX_KEY_LEN};
+pub use key::{IntoLockKey, LockKey, MAX_KEY_LEN, RESERVED_PREFIXES};
 pub use layer::LockLayer;
 pub use lock::{
     CLIENT_NAME_TTL, DEFAULT_OUTAGE_GRACE, LayerEvent, LayerOutcome, Lease, Lock, LockClient,

@@ -101,6 +101,7 @@ pub(crate) fn check(namespace: &str) -> std::result::Result<(), String> {
             Shortened(namespace),
         ));
     }
+    crate::key::check_not_reserved(&[namespace, ":"].concat())?;
     if !namespace.is_empty()
         && (namespace.starts_with(':') || namespace.ends_with(':') || namespace.contains("::"))
     {

@@ -279,7 +279,7 @@ async fn fencing_tokens_keep_increasing_past_their_counters_expiry() {
     let mut conn = server.conn().await;
 
     let mut last = 0u64;
-    let mut token = async || {
+    let token = async || {
         let guard = lock.try_lock().await.unwrap();
         let token = guard.fencing_token().unwrap().get();
         guard.unlock().await.unwrap();

@@ -27,6 +27,16 @@ async fn on(db: &PgDatabase) -> PostgresBackend {
         .unwrap()
 }
 
+/// A backend that sweeps every 2 s, keeping a free name's row 2 s (its token
+/// retention).
+async fn sweeping(db: &PgDatabase) -> PostgresBackend {
+    PostgresBackend::builder(db.pool(4).await)
+        .token_retention(Duration::from_secs(2))
+        .build()
+        .await
+        .unwrap()
+}
+
 /// A backend whose exclusive waiters are handed released locks.
 async fn handing(db: &PgDatabase) -> PostgresBackend {
     PostgresBackend::builder(db.pool(4).await)
@@ -183,13 +193,13 @@ async fn a_read_without_a_named_writer_passes_its_own_owners_write_hold() {
 
 /// Expired holds, stale queue entries and expired client names were only ever deleted
 /// by a later acquisition of the same name: with per-user keys they piled up. A
-/// release of an expired hold deletes it, and client registration sweeps what expired.
+/// release of an expired hold deletes it, and the backend's sweep takes what expired.
 /// The names table keeps a row per name (exclusive holds live there, updated in place):
-/// registration sweeps the rows free for an hour.
+/// the sweep takes the rows free for the token retention.
 #[tokio::test]
 async fn expired_rows_do_not_pile_up() {
     let db = PgDatabase::create().await;
-    let backend = on(&db).await;
+    let backend = sweeping(&db).await;
     let mut short = req("gone", "a:1", LockMode::Read);
     short.lease = Duration::from_millis(20);
     take(&backend, &short).await;
@@ -226,39 +236,30 @@ async fn expired_rows_do_not_pile_up() {
         .register("new", "pod", Duration::from_secs(60))
         .await
         .unwrap();
-    assert_eq!(rows("SELECT count(*) FROM tower_lock").await, 0, "swept");
-    assert_eq!(rows("SELECT count(*) FROM tower_lock_clients").await, 1);
+    common::wait_until(Duration::from_secs(10), "swept", || async {
+        rows("SELECT count(*) FROM tower_lock").await == 0
+            && rows("SELECT count(*) FROM tower_lock_clients").await == 1
+    })
+    .await;
     assert_eq!(
         rows("SELECT count(*) FROM tower_lock_names").await,
         6,
         "a name used a moment ago keeps its row"
     );
-    // An hour on: the rows are free and their last use (and token) an hour old.
-    rows(
-        "WITH aged AS (UPDATE tower_lock_names \
-            SET expires_at = expires_at - interval '61 minutes', \
-                others_until = others_until - interval '61 minutes' RETURNING 1) \
-         SELECT count(*) FROM aged",
-    )
+    // The retention on: the rows are free and their last use (and token) that old.
+    common::wait_until(Duration::from_secs(10), "the names swept", || async {
+        rows("SELECT count(*) FROM tower_lock_names").await == 0
+    })
     .await;
-    backend
-        .register("new", "pod", Duration::from_secs(60))
-        .await
-        .unwrap();
-    assert_eq!(
-        rows("SELECT count(*) FROM tower_lock_names").await,
-        0,
-        "swept"
-    );
 }
 
-/// The names table's sweep keeps a name whose fencing token is less than an hour behind
-/// the clock (tokens taken fast run ahead of it): deleting it would let the next token,
-/// taken from the clock, go backwards.
+/// The names table's sweep keeps a name whose fencing token is less than the token
+/// retention behind the clock (tokens taken fast run ahead of it): deleting it would
+/// let the next token, taken from the clock, go backwards.
 #[tokio::test]
 async fn a_swept_name_never_takes_a_smaller_token() {
     let db = PgDatabase::create().await;
-    let backend = on(&db).await;
+    let backend = sweeping(&db).await;
     let mut fenced = req("fenced", "a:1", LockMode::Exclusive);
     fenced.fenced = true;
     let Acquire::Acquired(grant) = backend.acquire(&fenced).await.unwrap() else {
@@ -266,9 +267,9 @@ async fn a_swept_name_never_takes_a_smaller_token() {
     };
     let first = grant.token().unwrap().get();
     assert_eq!(backend.release(&fenced).await.unwrap(), Release::Released);
-    // Free for an hour, but its token a minute ahead of the clock.
+    // Free for longer than the retention, but its token a minute ahead of the clock.
     sqlx::query(
-        "UPDATE tower_lock_names SET expires_at = expires_at - interval '61 minutes', \
+        "UPDATE tower_lock_names SET expires_at = expires_at - interval '1 minute', \
                 token = tower_lock_now_us() + 60000000",
     )
     .execute(backend.pool())
@@ -279,10 +280,13 @@ async fn a_swept_name_never_takes_a_smaller_token() {
         .await
         .unwrap();
     assert!(ahead.unsigned_abs() > first);
-    backend
-        .register("pod", "pod", Duration::from_secs(60))
+    // Two sweeps and more: the row stays, its token ahead.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM tower_lock_names")
+        .fetch_one(backend.pool())
         .await
         .unwrap();
+    assert_eq!(kept, 1, "a name whose token is ahead of the clock is kept");
     let Acquire::Acquired(grant) = backend.acquire(&fenced).await.unwrap() else {
         panic!("busy")
     };
@@ -295,7 +299,7 @@ async fn a_swept_name_never_takes_a_smaller_token() {
 /// Issue 25: records kept for replay expire, and nothing else would ever delete those
 /// of names never written again (one idempotency key per request): they would pile up
 /// as expired holds did. Each store deletes up to 8 expired records of any name, and
-/// client registration sweeps them all with the other expired rows.
+/// the backend's sweep takes them all with the other expired rows.
 #[tokio::test]
 async fn expired_records_do_not_pile_up() {
     use tower_lock::backend::ReplayStore;
@@ -357,17 +361,14 @@ async fn expired_records_do_not_pile_up() {
     assert_eq!(expired_now().await, 0, "the next store deletes the rest");
     assert_eq!(count("SELECT count(*) FROM tower_lock_replay").await, 2);
 
+    let sweeping = sweeping(&db).await;
     expired(3).await;
-    backend
-        .register("new", "pod", Duration::from_secs(60))
-        .await
-        .unwrap();
-    assert_eq!(
-        expired_now().await,
-        0,
-        "registration sweeps expired records"
-    );
+    common::wait_until(Duration::from_secs(10), "the sweep takes them", || async {
+        expired_now().await == 0
+    })
+    .await;
     assert_eq!(count("SELECT count(*) FROM tower_lock_replay").await, 2);
+    drop(sweeping);
 }
 
 /// An attempt dropped in flight was compensated by a release on another of the pool's

@@ -395,7 +395,9 @@ impl PostgresBackend {
                 })
                 .await;
             if let Err(error) = left {
-                tracing::debug!(%error, key = key.as_str(), "PostgreSQL waiter not unregistered");
+                // The hold, not the key: the backend does not know whether its client
+                // redacts keys, and a hold id names no user.
+                tracing::debug!(%error, hold_id = %hold, "PostgreSQL waiter not unregistered");
             }
         });
     }

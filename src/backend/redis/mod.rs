@@ -2849,6 +2849,41 @@ mod tests {
         assert!(redis_error_of(&Error::WrongType).is_none());
     }
 
+    /// Issue 49: no lock key can be another lock's companion key. Every companion the
+    /// backend names begins with one of the reserved prefixes, and no key or
+    /// namespace may.
+    #[test]
+    fn every_companion_name_is_reserved() {
+        let key = LockKey::new("anyLock").unwrap();
+        let companions = [
+            Names::channel("", &key),
+            Names::fence("", &key),
+            Names::replay("", &key),
+            Names::queue("", &key),
+            Names::queue_timeouts("", &key),
+            Names::rw_channel("", &key),
+            Names::permits("", &key),
+            Names::client("", "id"),
+        ];
+        for name in &companions {
+            assert!(
+                crate::RESERVED_PREFIXES.iter().any(|p| name.starts_with(p)),
+                "{name}"
+            );
+            assert!(LockKey::new(name).is_err(), "{name} taken as a lock key");
+        }
+        for prefix in crate::RESERVED_PREFIXES {
+            let namespace = prefix.trim_end_matches(':');
+            assert!(LockKey::namespaced(namespace, "x").is_err(), "{namespace}");
+            assert!(crate::Namespace::new(namespace).is_err(), "{namespace}");
+        }
+        assert!(
+            LockKey::new("redisson_lock").is_ok(),
+            "only the companions' forms"
+        );
+        assert!(LockKey::new(crate::backend::PING_KEY).is_ok());
+    }
+
     #[test]
     fn names_follow_redisson() {
         let key = LockKey::new("anyLock").unwrap();

@@ -7,8 +7,8 @@
 //! ```
 //!
 //! A host without a port is a Sentinel on 26379; IPv6 addresses go in brackets. User
-//! and password (percent-encoded, as in a `redis://` URL) and the database are the
-//! primary's; Sentinels that want a password of their own are named with
+//! and password (percent-encoded, as in a `redis://` URL, or as they are: everything up
+//! to the last `@` is the credentials) and the database are the primary's; Sentinels that want a password of their own are named with
 //! [`RedisBackend::sentinel`](super::RedisBackend::sentinel) instead. redis-rs has no
 //! parser for this form (1.8), hence this one: it never panics, and its errors name
 //! what is wrong without repeating the credentials.
@@ -127,16 +127,18 @@ impl SentinelUrl {
     pub(super) fn parse_reason(url: &str) -> std::result::Result<Self, String> {
         let rest = strip_scheme(url)
             .ok_or_else(|| format!("must start with {}", super::SENTINEL_SCHEME))?;
+        // The credentials first, up to the last `@`: a generated password may hold any
+        // of `/`, `:`, `?` or `#`, and nothing before the `@` is ever quoted in an error.
+        let (userinfo, rest) = match rest.rsplit_once('@') {
+            Some((userinfo, rest)) => (Some(userinfo), rest),
+            None => (None, rest),
+        };
         if rest.contains(['?', '#']) {
             return Err("takes no query string or fragment".into());
         }
-        let (authority, path) = rest
+        let (hosts, path) = rest
             .split_once('/')
             .ok_or_else(|| format!("names no master (expected {FORM})"))?;
-        let (userinfo, hosts) = match authority.rsplit_once('@') {
-            Some((userinfo, hosts)) => (Some(userinfo), hosts),
-            None => (None, authority),
-        };
         let (username, password) = match userinfo {
             None => (None, None),
             Some(userinfo) => match userinfo.split_once(':') {
@@ -291,6 +293,54 @@ mod tests {
         url.sentinel_client().unwrap();
         let debug = format!("{url:?}");
         assert!(!debug.contains("s@cret"), "{debug}");
+    }
+
+    /// Issue 49, finding 4: a password holding `/` or `:` was split as the host and
+    /// path, and quoted in the error (`has a Sentinel port that is not 1 to 65535:
+    /// "Zx81"`). The credentials are everything up to the last `@`, and no error, nor
+    /// the parsed URL's `Debug`, repeats any of them, however the rest is malformed.
+    #[test]
+    fn no_error_repeats_a_password() {
+        let secrets = [
+            "Zx81/kQ9+w",
+            "qZ7x:Y9v/pW4k?Tr3#Hj2",
+            "pQ7s@sWw9/wR6d:d9Kx",
+            "sE4k%2FcrQ7%3At",
+        ];
+        let malformed = [
+            "{}@10.0.0.1/mymaster",
+            "{}@10.0.0.1:notaport/mymaster",
+            "{}@10.0.0.1:0/mymaster",
+            "{}@/mymaster",
+            "{}@10.0.0.1",
+            "{}@10.0.0.1/mymaster/nodb",
+            "{}@10.0.0.1/mymaster/1/extra",
+            "{}@10.0.0.1/mymaster?x=1",
+            "{}@[::1/mymaster",
+            "{}@::1:5/mymaster",
+            "{}@host name/mymaster",
+            "{}@10.0.0.1,,10.0.0.2/mymaster",
+            "{}@10.0.0.1/%FF",
+        ];
+        for secret in secrets {
+            for form in malformed {
+                for userinfo in [format!(":{secret}"), format!("app:{secret}")] {
+                    let url = format!("redis+sentinel://{}", form.replace("{}", &userinfo));
+                    let shown = match SentinelUrl::parse(&url) {
+                        Ok(parsed) => format!("{parsed:?}"),
+                        Err(error) => format!("{error} {error:?}"),
+                    };
+                    for part in secret.split(['/', ':', '?', '#', '@', '%']) {
+                        if part.len() >= 4 {
+                            assert!(!shown.contains(part), "{url}: {shown}");
+                        }
+                    }
+                }
+            }
+        }
+        let url = parse("redis+sentinel://app:Zx81/kQ9+w@10.0.0.1/mymaster").unwrap();
+        assert_eq!(url.password.as_deref(), Some("Zx81/kQ9+w"));
+        assert_eq!(url.sentinels, ["redis://10.0.0.1:26379"]);
     }
 
     #[test]
