@@ -36,10 +36,23 @@ pub const MAX_TTL: Duration = Duration::from_secs(30 * 24 * 60 * 60);
 /// The longest key accepted by default: 255 bytes (a UUID is 36).
 pub const DEFAULT_MAX_KEY_LEN: usize = 255;
 
-/// The largest request body read to fingerprint a request by default, and the largest
-/// response body stored: 1 MiB. Larger requests are refused (`413`); larger responses
-/// are passed through unstored.
+/// The largest request body read to fingerprint a request by default: 1 MiB. Larger
+/// requests are refused (`413`).
 pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
+
+/// The largest response body stored for replay by default: 16 KiB
+/// ([`IdempotencyLayerBuilder::max_stored_body`]). An API's answers to the requests an
+/// idempotency key guards (an order, a payment) are a few hundred bytes; a larger one
+/// is passed through unstored.
+pub const DEFAULT_MAX_STORED_BODY: usize = 16 * 1024;
+
+/// How many stored responses one caller (one scope) may have at once by default:
+/// 1,000 ([`IdempotencyLayerBuilder::max_records_per_scope`]).
+pub const DEFAULT_MAX_RECORDS_PER_SCOPE: u32 = 1_000;
+
+/// How many stored responses the layer may have at once, all callers together, by
+/// default: 100,000 ([`IdempotencyLayerBuilder::max_records`]).
+pub const DEFAULT_MAX_RECORDS: u32 = 100_000;
 
 /// The `Prefix` of every key: `idempotency`.
 pub const DEFAULT_KEY_PREFIX: &str = "idempotency";
@@ -64,6 +77,27 @@ pub const DEFAULT_STORED_HEADERS: [HeaderName; 8] = [
 type FingerprintFn = dyn Fn(&Parts, &Bytes) -> Fingerprint + Send + Sync;
 type StoreIf = dyn Fn(StatusCode) -> bool + Send + Sync;
 
+/// The names of the quotas' permits.
+pub(crate) struct Quotas {
+    /// A caller's permits are `<this>:{<scope>}`.
+    pub(crate) scope: Namespace,
+    /// Every caller's together.
+    pub(crate) total: LockKey,
+}
+
+impl Quotas {
+    fn under(prefix: &Namespace) -> Result<Self> {
+        let name = |suffix: &str| match prefix.as_str() {
+            "" => suffix.to_owned(),
+            prefix => format!("{prefix}:{suffix}"),
+        };
+        Ok(Quotas {
+            scope: Namespace::for_setting("key_prefix", name("quota"))?,
+            total: LockKey::namespaced(&name("quota-total"), "records")?,
+        })
+    }
+}
+
 pub(crate) struct Config {
     pub(crate) header: HeaderName,
     pub(crate) prefix: Namespace,
@@ -71,6 +105,12 @@ pub(crate) struct Config {
     pub(crate) ttl: Duration,
     pub(crate) max_key_len: usize,
     pub(crate) max_body: usize,
+    pub(crate) max_stored_body: usize,
+    pub(crate) max_records_per_scope: u32,
+    pub(crate) max_records: u32,
+    /// Where the quotas' permits live: `<prefix>:quota` (a caller's, in the hash tag of
+    /// its scope) and `<prefix>:quota-total:{records}`; set by `build`.
+    pub(crate) quotas: Option<Quotas>,
     pub(crate) required: bool,
     pub(crate) methods: Vec<Method>,
     pub(crate) wait: Duration,
@@ -94,6 +134,10 @@ impl Config {
             ttl: DEFAULT_TTL,
             max_key_len: DEFAULT_MAX_KEY_LEN,
             max_body: DEFAULT_MAX_BODY,
+            max_stored_body: DEFAULT_MAX_STORED_BODY,
+            max_records_per_scope: DEFAULT_MAX_RECORDS_PER_SCOPE,
+            max_records: DEFAULT_MAX_RECORDS,
+            quotas: None,
             required: false,
             methods: vec![Method::POST, Method::PATCH],
             wait: Duration::ZERO,
@@ -132,6 +176,15 @@ impl Config {
         }
         if self.max_body == 0 {
             return bad("max_body", "must be at least 1 byte".into());
+        }
+        if self.max_stored_body == 0 {
+            return bad("max_stored_body", "must be at least 1 byte".into());
+        }
+        if self.max_records_per_scope == 0 {
+            return bad("max_records_per_scope", "must be at least 1".into());
+        }
+        if self.max_records == 0 {
+            return bad("max_records", "must be at least 1".into());
         }
         if self.methods.is_empty() {
             return bad(
@@ -319,11 +372,49 @@ impl<K: KeyExtractor> IdempotencyLayerBuilder<K> {
         self
     }
 
-    /// The largest request body read to fingerprint a request (larger: `413`), and the
-    /// largest response body stored (larger: passed through unstored). Default:
-    /// [`DEFAULT_MAX_BODY`].
+    /// The largest request body read to fingerprint a request (larger: `413`). Default:
+    /// [`DEFAULT_MAX_BODY`]. Responses stored are bounded by
+    /// [`max_stored_body`](Self::max_stored_body).
     pub fn max_body(mut self, bytes: usize) -> Self {
         self.config.max_body = bytes;
+        self
+    }
+
+    /// The largest response body stored for replay, in bytes; a larger one (or one of
+    /// unknown length) is passed through unstored. Default:
+    /// [`DEFAULT_MAX_STORED_BODY`]. The most a store keeps for the layer is
+    /// [`max_records`](Self::max_records) times this (and the headers kept with it).
+    pub fn max_stored_body(mut self, bytes: usize) -> Self {
+        self.config.max_stored_body = bytes;
+        self
+    }
+
+    /// How many stored responses one caller may have at once: a request with a new
+    /// key from a caller who has this many is refused with `429 Too Many Requests` and
+    /// a `Retry-After` of when the caller's oldest one expires, without running the
+    /// handler. Default: [`DEFAULT_MAX_RECORDS_PER_SCOPE`]. A caller is the layer's
+    /// scope (the keys its scope extractor gives); callers without one pass through
+    /// unprotected and store nothing.
+    ///
+    /// Rejection, not eviction: evicting a caller's oldest response would let a retry of
+    /// it run the handler again, which the layer is there to prevent. Each stored
+    /// response holds one of the caller's permits (a lease of the response's
+    /// [`ttl`](Self::ttl), on the lock store, `<prefix>:quota:{<scope>}`).
+    pub fn max_records_per_scope(mut self, records: u32) -> Self {
+        self.config.max_records_per_scope = records;
+        self
+    }
+
+    /// How many stored responses the layer may have at once, all callers together: a
+    /// request with a new key once there are this many is refused with `503 Service
+    /// Unavailable` and a `Retry-After` of when the oldest expires, without running the
+    /// handler. Default: [`DEFAULT_MAX_RECORDS`]. With
+    /// [`max_stored_body`](Self::max_stored_body) it bounds what the layer keeps in the
+    /// store: at most `max_records × max_stored_body` (1.6 GB with the defaults, a few
+    /// dozen MB for responses of a few hundred bytes), and never more than `new keys per
+    /// second × ttl` responses. Size it to that for your traffic (`<prefix>:quota-total`).
+    pub fn max_records(mut self, records: u32) -> Self {
+        self.config.max_records = records;
         self
     }
 
@@ -429,6 +520,7 @@ impl<K: KeyExtractor> IdempotencyLayerBuilder<K> {
         if !self.lease_set {
             self.config.lease = self.client.request_lease();
         }
+        self.config.quotas = Some(Quotas::under(&self.config.prefix)?);
         if self.client.backend().replays().is_none() {
             return Err(Error::invalid_config(
                 "client",

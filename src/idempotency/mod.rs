@@ -9,7 +9,7 @@
 //!
 //! | case | answer |
 //! |---|---|
-//! | first request with the key | the handler runs under the key's lock; its response is stored (a final status — below 500 by default — and a body of known length up to [`max_body`](IdempotencyLayerBuilder::max_body)), then the lock is released |
+//! | first request with the key | the handler runs under the key's lock; its response is stored (a final status — below 500 by default — and a body of known length up to [`max_stored_body`](IdempotencyLayerBuilder::max_stored_body)), then the lock is released; past the caller's [quota](IdempotencyLayerBuilder::max_records_per_scope) of stored responses, `429` |
 //! | retry after the first finished, same request | the stored response, byte for byte, with `Idempotent-Replayed: true`; the handler does not run |
 //! | retry while the first is in flight | `409 Conflict` + `Retry-After`; or, with [`max_wait`](IdempotencyLayerBuilder::max_wait), wait for the first and replay its response |
 //! | the key used before for another request (method, path, query, body) | `422 Unprocessable Content` |
@@ -93,6 +93,7 @@ mod service;
 pub use body::IdempotencyBody;
 pub use layer::{
     DEFAULT_IN_FLIGHT_RETRY_AFTER, DEFAULT_KEY_PREFIX, DEFAULT_MAX_BODY, DEFAULT_MAX_KEY_LEN,
+    DEFAULT_MAX_RECORDS, DEFAULT_MAX_RECORDS_PER_SCOPE, DEFAULT_MAX_STORED_BODY,
     DEFAULT_STORED_HEADERS, DEFAULT_TTL, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyLayer,
     IdempotencyLayerBuilder, MAX_TTL,
 };

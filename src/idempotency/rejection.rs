@@ -63,6 +63,22 @@ pub enum IdempotencyRejection {
         /// `Retry-After` to send.
         retry_after: Duration,
     },
+    /// The caller has as many stored responses as it may
+    /// ([`max_records_per_scope`](super::IdempotencyLayerBuilder::max_records_per_scope));
+    /// the handler did not run. Default: `429 Too Many Requests` with `Retry-After`:
+    /// when the caller's oldest stored response expires.
+    TooManyRecords {
+        /// `Retry-After` to send.
+        retry_after: Duration,
+    },
+    /// The layer has as many stored responses as it may, all callers together
+    /// ([`max_records`](super::IdempotencyLayerBuilder::max_records)); the handler did
+    /// not run. Default: `503 Service Unavailable` with `Retry-After`: when the oldest
+    /// expires.
+    RecordsFull {
+        /// `Retry-After` to send.
+        retry_after: Duration,
+    },
     /// The server's wiring or the store is at fault (a missing request extension the
     /// scope needs, a corrupt stored response, no tokio runtime). Default: `500`, with
     /// a generic text; the cause is logged.
@@ -80,20 +96,23 @@ impl IdempotencyRejection {
             }
             IdempotencyRejection::Scope(e) => e.status(),
             IdempotencyRejection::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            IdempotencyRejection::Unavailable { .. } | IdempotencyRejection::Lost { .. } => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            IdempotencyRejection::Unavailable { .. }
+            | IdempotencyRejection::Lost { .. }
+            | IdempotencyRejection::RecordsFull { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            IdempotencyRejection::TooManyRecords { .. } => StatusCode::TOO_MANY_REQUESTS,
             IdempotencyRejection::Misconfigured(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
     /// When a retry makes sense, for `Retry-After`: for a request in flight, the store
-    /// down, a lock lost.
+    /// down, a lock lost, a quota full.
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             IdempotencyRejection::InFlight { retry_after }
             | IdempotencyRejection::Unavailable { retry_after, .. }
-            | IdempotencyRejection::Lost { retry_after } => Some(*retry_after),
+            | IdempotencyRejection::Lost { retry_after }
+            | IdempotencyRejection::TooManyRecords { retry_after }
+            | IdempotencyRejection::RecordsFull { retry_after } => Some(*retry_after),
             _ => None,
         }
     }
@@ -110,6 +129,8 @@ impl IdempotencyRejection {
             IdempotencyRejection::BadBody => "#bad-body",
             IdempotencyRejection::Unavailable { .. } => "#unavailable",
             IdempotencyRejection::Lost { .. } => "#lost",
+            IdempotencyRejection::TooManyRecords { .. } => "#too-many-records",
+            IdempotencyRejection::RecordsFull { .. } => "#records-full",
             IdempotencyRejection::Misconfigured(_) => "#server-error",
         }
     }
@@ -128,6 +149,8 @@ impl IdempotencyRejection {
             IdempotencyRejection::BadBody => "Request body could not be read",
             IdempotencyRejection::Unavailable { .. } => "Service unavailable",
             IdempotencyRejection::Lost { .. } => "Request interrupted",
+            IdempotencyRejection::TooManyRecords { .. } => "Too many idempotency keys",
+            IdempotencyRejection::RecordsFull { .. } => "Service unavailable",
             IdempotencyRejection::Misconfigured(_) => "Internal server error",
         }
     }
@@ -156,6 +179,12 @@ impl IdempotencyRejection {
             IdempotencyRejection::Lost { .. } => {
                 "the request lost its idempotency lock before it completed and nothing was stored; retry with the same key".into()
             }
+            IdempotencyRejection::TooManyRecords { .. } => {
+                "this caller has as many responses kept for replay as it may; a new key is taken once an older one expires (`Retry-After`)".into()
+            }
+            IdempotencyRejection::RecordsFull { .. } => {
+                "the server keeps as many responses for replay as it may; retry later".into()
+            }
             IdempotencyRejection::Misconfigured(_) => {
                 "the server could not handle this idempotency key".into()
             }
@@ -173,6 +202,8 @@ impl IdempotencyRejection {
             | IdempotencyRejection::BadBody => LayerOutcome::BadKey,
             IdempotencyRejection::Unavailable { .. } => LayerOutcome::Unavailable,
             IdempotencyRejection::Lost { .. } => LayerOutcome::Lost,
+            IdempotencyRejection::TooManyRecords { .. }
+            | IdempotencyRejection::RecordsFull { .. } => LayerOutcome::OverQuota,
             IdempotencyRejection::Misconfigured(_) => LayerOutcome::Misconfigured,
         }
     }

@@ -187,15 +187,38 @@ where
         shared: &shared,
         key,
         fingerprint,
+        scope: scope.into_vec(),
     };
     request.run(svc, parts, body).await
 }
 
-/// A request the layer covers, with its key and fingerprint.
+/// A request the layer covers, with its key, fingerprint and caller.
 struct Covered<'a, K> {
     shared: &'a Shared<K>,
     key: LockKey,
     fingerprint: Fingerprint,
+    scope: Vec<LockKey>,
+}
+
+/// A new key's places in the quotas of stored responses: the caller's and everyone's.
+/// Kept for the response's lifetime once it is stored; given back when nothing is.
+struct Places {
+    caller: LockGuard,
+    total: LockGuard,
+}
+
+impl Places {
+    /// The response was stored: each place is held until the response expires.
+    fn keep(self) {
+        self.caller.keep_until_lease_end();
+        self.total.keep_until_lease_end();
+    }
+
+    /// Nothing was stored: the places are free for another key.
+    async fn free(self) {
+        let _ = self.caller.unlock().await;
+        let _ = self.total.unlock().await;
+    }
 }
 
 impl<K> Covered<'_, K> {
@@ -266,20 +289,79 @@ impl<K> Covered<'_, K> {
                 return Ok(self.reject(rejection));
             }
         }
+        // A new key: a place for its response in the caller's quota and everyone's,
+        // before the handler runs.
+        let places = match self.places().await {
+            Ok(places) => places,
+            Err(rejection) => {
+                let _ = guard.unlock().await;
+                return Ok(self.reject(rejection));
+            }
+        };
         let mut req = Request::from_parts(parts, ReqB::from(body));
         // An outer `LockLayer`'s lock is the one the handler fences its writes with:
         // it keeps its `HeldLock`; else the handler gets this one's.
         Locks::record_held(req.extensions_mut(), HeldLock::of_guard(&guard), true);
         match call_while_held(svc, req, owner, &guard).await {
-            Handled::Response(Ok(response)) => Ok(self.store(response, guard).await),
+            Handled::Response(Ok(response)) => Ok(self.store(response, guard, places).await),
             Handled::Response(Err(error)) => {
                 let _ = guard.unlock().await;
+                places.free().await;
                 Err(error)
             }
             Handled::Lost => {
                 let _ = guard.unlock().await;
+                places.free().await;
                 let retry_after = config.unavailable_retry_after;
                 Ok(self.reject(IdempotencyRejection::Lost { retry_after }))
+            }
+        }
+    }
+
+    /// A place in the caller's quota of stored responses and one in everyone's: a
+    /// permit of each, leased for the response's TTL, under an owner of its own (each
+    /// response its own permit). `429` when the caller's are taken, `503` when
+    /// everyone's are, each with `Retry-After` of when the oldest expires.
+    async fn places(&self) -> Result<Places, IdempotencyRejection> {
+        let config = &self.shared.config;
+        let client = &self.shared.client;
+        let Some(quotas) = &config.quotas else {
+            return Err(IdempotencyRejection::Misconfigured(Error::invalid_config(
+                "quotas",
+                "are set when the layer is built",
+            )));
+        };
+        let mut scope = String::new();
+        for key in &self.scope {
+            scope.push_str(key.as_str());
+            scope.push('\n');
+        }
+        let lease = crate::Lease::Fixed(config.ttl);
+        let take = async |key: LockKey, max: u32| {
+            let permit = client.get_permits(key, max)?.with_owner(client.new_owner());
+            permit.try_lock_for(std::time::Duration::ZERO, lease).await
+        };
+        let over = |error: Error, full: fn(std::time::Duration) -> IdempotencyRejection| match error
+        {
+            Error::Busy { holder_ttl } => full(holder_ttl.unwrap_or(config.ttl)),
+            error => self.failure(error),
+        };
+        let caller_key = LockKey::in_namespace(&quotas.scope, &scope)
+            .map_err(IdempotencyRejection::Misconfigured)?;
+        let caller = take(caller_key, config.max_records_per_scope)
+            .await
+            .map_err(|e| {
+                over(e, |retry_after| IdempotencyRejection::TooManyRecords {
+                    retry_after,
+                })
+            })?;
+        match take(quotas.total.clone(), config.max_records).await {
+            Ok(total) => Ok(Places { caller, total }),
+            Err(error) => {
+                let _ = caller.unlock().await;
+                Err(over(error, |retry_after| {
+                    IdempotencyRejection::RecordsFull { retry_after }
+                }))
             }
         }
     }
@@ -323,6 +405,7 @@ impl<K> Covered<'_, K> {
         &self,
         response: Response<ResB>,
         guard: LockGuard,
+        places: Places,
     ) -> Response<IdempotencyBody<ResB>>
     where
         ResB: Body<Data = Bytes>,
@@ -333,9 +416,10 @@ impl<K> Covered<'_, K> {
         let fits = body
             .size_hint()
             .exact()
-            .is_some_and(|len| len <= config.max_body as u64);
+            .is_some_and(|len| len <= config.max_stored_body as u64);
         if !(config.store_if)(head.status) || !fits {
             let _ = guard.unlock().await;
+            places.free().await;
             self.shared
                 .outcome(Some(&self.key), LayerOutcome::NotStored);
             return Response::from_parts(head, IdempotencyBody::inner(body));
@@ -353,6 +437,7 @@ impl<K> Covered<'_, K> {
                     format!("the handler's response body failed: {e}"),
                 );
                 let _ = guard.unlock().await;
+                places.free().await;
                 return self.reject(IdempotencyRejection::Misconfigured(error));
             }
         };
@@ -364,10 +449,17 @@ impl<K> Covered<'_, K> {
             bytes.clone(),
         );
         let outcome = match guard.unlock_storing(record.encode(), config.ttl).await {
-            Ok(true) => LayerOutcome::Stored,
-            Ok(false) => LayerOutcome::NotStored,
+            Ok(true) => {
+                places.keep();
+                LayerOutcome::Stored
+            }
+            Ok(false) => {
+                places.free().await;
+                LayerOutcome::NotStored
+            }
             Err(error) => {
                 tracing::warn!(%error, key = %self.shared.client.display_key(&self.key), "response not stored for replay; a retry will run the handler again");
+                places.free().await;
                 LayerOutcome::NotStored
             }
         };

@@ -379,6 +379,16 @@ impl LockGuard {
 }
 
 impl LockGuard {
+    /// Leaves the hold in the store until its lease ends, releasing nothing: the guard
+    /// is gone for the client (its watchdog renewal, if any, stops), and the store
+    /// frees the hold when its lease runs out. For a hold whose lease is what it stands
+    /// for: a stored response's place in a quota, taken for the response's lifetime.
+    pub(crate) fn keep_until_lease_end(mut self) {
+        if let Some(held) = self.inner.take() {
+            held.leave();
+        }
+    }
+
     /// [`unlock`](Self::unlock), keeping `record` for `ttl` in the store's
     /// [`ReplayStore`](crate::backend::ReplayStore) in the same atomic step, if this
     /// hold still holds its lock there: `Ok(true)` when the record was kept.

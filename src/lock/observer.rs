@@ -198,12 +198,16 @@ pub enum LayerOutcome {
     /// `IdempotencyLayer`: served, and nothing stored (a 5xx, a body too large or
     /// streamed, a lock lost before the store): a retry runs the handler again.
     NotStored,
+    /// `IdempotencyLayer`: rejected before the handler ran: the caller, or the layer,
+    /// has as many stored responses as it may (`429`, `503`).
+    OverQuota,
 }
 
 impl LayerOutcome {
     /// A short lowercase name, for labels and trace fields: `served`, `busy`,
     /// `unavailable`, `fail_open`, `bad_key`, `misconfigured`, `lost`, and the
-    /// idempotency layer's `replayed`, `in_flight`, `mismatch`, `stored`, `not_stored`.
+    /// idempotency layer's `replayed`, `in_flight`, `mismatch`, `stored`, `not_stored`,
+    /// `over_quota`.
     pub fn as_str(self) -> &'static str {
         match self {
             LayerOutcome::Served => "served",
@@ -218,6 +222,7 @@ impl LayerOutcome {
             LayerOutcome::Mismatch => "mismatch",
             LayerOutcome::Stored => "stored",
             LayerOutcome::NotStored => "not_stored",
+            LayerOutcome::OverQuota => "over_quota",
         }
     }
 }

@@ -142,7 +142,9 @@ fn scope() -> impl tower_lock::layer::KeyExtractor {
 }
 
 fn builder(client: LockClient) -> IdempotencyLayerBuilder<impl tower_lock::layer::KeyExtractor> {
-    IdempotencyLayer::builder(client, scope()).max_body(1024)
+    IdempotencyLayer::builder(client, scope())
+        .max_body(1024)
+        .max_stored_body(1024)
 }
 
 struct App {
@@ -333,7 +335,8 @@ fn spawn_send(addr: SocketAddr, proto: Proto, req: Req<'static>) -> tokio::task:
     tokio::spawn(async move { send(addr, proto, &req).await })
 }
 
-/// Observes the layer's outcomes, and counts the locks taken.
+/// Observes the layer's outcomes, and counts the keys' locks taken (not the quotas'
+/// permits).
 #[derive(Default)]
 struct Outcomes(Mutex<Vec<LayerOutcome>>, AtomicUsize);
 
@@ -342,8 +345,10 @@ impl tower_lock::LockObserver for Outcomes {
         self.0.lock().unwrap().push(outcome);
     }
 
-    fn acquired(&self, _event: tower_lock::LockEvent<'_>, _waited: Duration) {
-        self.1.fetch_add(1, Ordering::SeqCst);
+    fn acquired(&self, event: tower_lock::LockEvent<'_>, _waited: Duration) {
+        if event.key.namespace() == "idempotency" {
+            self.1.fetch_add(1, Ordering::SeqCst);
+        }
     }
 }
 
@@ -1192,6 +1197,63 @@ async fn a_retry_storm_through_a_faulty_link_replays_only_what_a_run_made_redis(
     );
 }
 
+/// Issue 49, finding 3: nothing limited how many responses one caller could have
+/// stored (20,000 keys from one user: 10.8 MB in memory, for 24 h; 1 MiB a response
+/// filled any store). Each caller may have `max_records_per_scope` at once: a new key
+/// past that is `429` with `Retry-After`, and its handler does not run; a retry of a
+/// stored key still replays, other callers go on, a response not stored takes no place,
+/// and once the caller's oldest expires a new key runs. All callers together may have
+/// `max_records`: past that, `503`.
+async fn stored_responses_are_capped_per_caller_and_in_all(store: &impl Store) {
+    let ttl = Duration::from_secs(3);
+    let layer = builder(store.client().await)
+        .max_records_per_scope(2)
+        .max_records(3)
+        .ttl(ttl)
+        .build()
+        .unwrap();
+    let app = app(layer).await;
+    let order =
+        async |user: &str, key: &str| send(app.addr(), Proto::Http1, &post_as(user, key)).await;
+    let started = tokio::time::Instant::now();
+    assert_eq!(order("alice", "a1").await.status, StatusCode::CREATED);
+    // A 5xx is not stored: it takes no place.
+    let failed = send(
+        app.addr(),
+        Proto::Http2,
+        &post_as("alice", "a-fail").with("x-behave", "fail"),
+    )
+    .await;
+    assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(order("alice", "a2").await.status, StatusCode::CREATED);
+    let runs = app.runs();
+    let over = order("alice", "a3").await;
+    assert_eq!(over.status, StatusCode::TOO_MANY_REQUESTS, "{over:?}");
+    let retry_after: u64 = over.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=3).contains(&retry_after), "{retry_after}");
+    assert_eq!(
+        over.problem()["type"].as_str().unwrap().rsplit('#').next(),
+        Some("too-many-records")
+    );
+    assert_eq!(app.runs(), runs, "the handler did not run");
+    assert!(
+        order("alice", "a1").await.replayed(),
+        "a stored key still replays"
+    );
+    // Another caller goes on, until everyone's are taken.
+    assert_eq!(order("bob", "b1").await.status, StatusCode::CREATED);
+    let full = order("carol", "c1").await;
+    assert_eq!(full.status, StatusCode::SERVICE_UNAVAILABLE, "{full:?}");
+    assert!(full.header("retry-after").is_some());
+    assert_eq!(app.runs(), runs + 1);
+    // Once alice's oldest has expired, her new key runs.
+    wait_until(ttl + DEADLINE, "a place free again", || async {
+        order("alice", "a4").await.status == StatusCode::CREATED
+    })
+    .await;
+    assert!(started.elapsed() >= ttl - Duration::from_secs(1));
+}
+
 macro_rules! idempotency_tests {
     ($module:ident, $store:expr; $($case:ident),* $(,)?) => {
         mod $module {
@@ -1218,6 +1280,7 @@ macro_rules! idempotency_tests {
             a_lost_lock_cancels_the_handler_and_stores_nothing,
             uncovered_methods_pass_and_rejections_can_be_customized,
             a_seeded_retry_storm_runs_each_key_once_and_replays_it_exactly,
+            stored_responses_are_capped_per_caller_and_in_all,
         );
     };
 }
