@@ -94,6 +94,21 @@ macro_rules! warn_limited {
             None => tracing::debug!($($fields)+, $msg),
         }
     };
+    ($limit:expr, $msg:literal) => {
+        match $limit.check($msg) {
+            Some(suppressed) => tracing::warn!(suppressed, $msg),
+            None => tracing::debug!($msg),
+        }
+    };
+}
+
+/// What the stores' connections log of their faults (a connection lost, a primary not
+/// found), once per cause and interval in the whole process: every backend meets the
+/// same outage at once.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) fn stores() -> &'static PerCause {
+    static STORES: std::sync::LazyLock<PerCause> = std::sync::LazyLock::new(PerCause::default);
+    &STORES
 }
 pub(crate) use warn_limited;
 

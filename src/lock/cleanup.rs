@@ -114,20 +114,20 @@ impl Cleanups {
     }
 }
 
-/// Runs `job` at once, in a task on `runtime`; if the store cannot answer,
-/// it waits with the other cleanups of its key ([`again`]).
-/// While cleanups of the key already wait for the store, `job` joins them instead: the
-/// store did not answer them, and one more try now would only be one more command for
-/// it when it is back.
+/// Runs `job` at once, in a task on `runtime`; if the store cannot answer, it waits
+/// with the other cleanups of its key ([`again`]). If it went through while others of
+/// its key wait (the store answers again: a refusal it answered, a release), they go
+/// now too rather than at their next probe.
 pub(crate) fn now_and_again(inner: &Arc<Inner>, runtime: &Handle, job: Job) {
-    if let Some(jobs) = inner.cleanups.waiting().get_mut(&job.req.key) {
-        jobs.push(job);
-        return;
-    }
     let task_inner = Arc::clone(inner);
     runtime.spawn(inner.track(async move {
         match job.run(&task_inner).await {
-            Ok(()) => {}
+            Ok(()) => {
+                let waiting = task_inner.cleanups.take(&job.req.key);
+                if !waiting.is_empty() {
+                    run_all(&task_inner, waiting).await;
+                }
+            }
             Err(error) if error.is_unavailable() => {
                 if let Ok(runtime) = Handle::try_current() {
                     again(&task_inner, &runtime, job);
@@ -136,6 +136,22 @@ pub(crate) fn now_and_again(inner: &Arc<Inner>, runtime: &Handle, job: Job) {
             Err(error) => failed(&task_inner, &job, &error),
         }
     }));
+}
+
+/// Runs `jobs` at once, together; those the store cannot answer wait again.
+async fn run_all(inner: &Arc<Inner>, jobs: Vec<Job>) {
+    let results = futures_util::future::join_all(jobs.iter().map(|job| job.run(inner))).await;
+    for (job, result) in jobs.into_iter().zip(results) {
+        match result {
+            Ok(()) => {}
+            Err(error) if error.is_unavailable() => {
+                if let Ok(runtime) = Handle::try_current() {
+                    again(inner, &runtime, job);
+                }
+            }
+            Err(error) => failed(inner, &job, &error),
+        }
+    }
 }
 
 /// `job` met an outage: it waits with the other cleanups of its key, one of which
@@ -182,15 +198,7 @@ async fn drain(inner: Arc<Inner>, key: LockKey) {
         // The store answers again: the others go now.
         let rest = cleanups.take(&key);
         let done = rest.len() + 1;
-        let results = futures_util::future::join_all(rest.iter().map(|job| job.run(&inner))).await;
-        let mut again = Vec::new();
-        for (job, result) in rest.into_iter().zip(results) {
-            match result {
-                Ok(()) => {}
-                Err(error) if error.is_unavailable() => again.push(job),
-                Err(error) => failed(&inner, &job, &error),
-            }
-        }
+        run_all(&inner, rest).await;
         if inner
             .log
             .check("cleanups went through once the lock store answered again")
@@ -198,11 +206,10 @@ async fn drain(inner: Arc<Inner>, key: LockKey) {
         {
             tracing::info!(
                 namespace = key.namespace(),
-                cleanups = done - again.len(),
+                cleanups = done,
                 "cleanups went through once the lock store answered again"
             );
         }
-        cleanups.put_back(&key, again);
         backoff = MIN_ERROR_BACKOFF;
     }
 }

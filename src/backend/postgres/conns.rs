@@ -86,7 +86,19 @@ impl Kept {
         let mut unanswered = Unanswered(None);
         let out = run(unanswered.0.insert(conn)).await;
         let answered = unanswered.0.take();
-        let out = out?;
+        let out = match out {
+            Ok(out) => out,
+            Err(error) => {
+                // A connection found dead is closed, not given back for the pool to
+                // test (and log, once per dead connection, that the test failed).
+                if let Some(mut conn) = answered
+                    && super::connection_lost(&error)
+                {
+                    conn.close_on_drop();
+                }
+                return Err(error);
+            }
+        };
         if let Some(conn) = answered {
             self.put(conn);
         }

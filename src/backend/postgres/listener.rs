@@ -230,7 +230,10 @@ pub(super) async fn listen(
                 // The connection was lost, and its session's liveness lock with it;
                 // `PgListener` made another and listens again. Notifications meanwhile
                 // are lost: everyone tries again.
-                tracing::warn!("PostgreSQL listening connection lost; reconnecting");
+                crate::log_limit::warn_limited!(
+                    crate::log_limit::stores(),
+                    "PostgreSQL listening connection lost; reconnecting"
+                );
                 live.lost();
                 match within(listening.within, live.hold(&mut listener)).await {
                     Ok(()) => {
@@ -243,7 +246,7 @@ pub(super) async fn listen(
             }
             Err(error) => error,
         };
-        tracing::warn!(%error, "PostgreSQL listening connection failed; reconnecting");
+        crate::log_limit::warn_limited!(crate::log_limit::stores(), "PostgreSQL listening connection failed; reconnecting", %error);
         live.lost();
         wake_everyone(&waiters);
         // A new listener, until one listens; `try_recv` would reconnect without a

@@ -303,7 +303,7 @@ async fn run(
                 let delay = reconnect_delay(backoff);
                 // Said once per outage (a RedLock node can be down for long), then quietly.
                 if std::mem::take(&mut warn_next_failure) {
-                    tracing::warn!(%error, retry_in_ms = delay.as_millis() as u64, "pub/sub connection failed; retrying");
+                    crate::log_limit::warn_limited!(crate::log_limit::stores(), "pub/sub connection failed; retrying", %error, retry_in_ms = delay.as_millis() as u64);
                 } else {
                     tracing::debug!(%error, retry_in_ms = delay.as_millis() as u64, "pub/sub connection failed");
                 }
@@ -408,7 +408,7 @@ async fn serve(
     keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         if let Err(error) = reconcile(shared, &mut sink, &mut subscribed).await {
-            tracing::warn!(%error, "pub/sub (un)subscribe failed; reconnecting");
+            crate::log_limit::warn_limited!(crate::log_limit::stores(), "pub/sub (un)subscribe failed; reconnecting", %error);
             return Served::Lost;
         }
         if std::mem::take(&mut wake_all) {
@@ -420,14 +420,14 @@ async fn serve(
             msg = stream.next() => match msg {
                 Some(msg) => dispatch(shared, msg.get_channel_name(), msg.get_payload_bytes()),
                 None => {
-                    tracing::warn!("pub/sub connection lost; reconnecting");
+                    crate::log_limit::warn_limited!(crate::log_limit::stores(), "pub/sub connection lost; reconnecting");
                     return Served::Lost;
                 }
             },
             _ = shared.changed.notified() => {}
             () = on.node.moved() => {
                 if on.node.moves() != on.moves {
-                    tracing::warn!("the Redis primary moved; the pub/sub connection follows");
+                    crate::log_limit::warn_limited!(crate::log_limit::stores(), "the Redis primary moved; the pub/sub connection follows");
                     return Served::Lost;
                 }
             }
@@ -435,7 +435,7 @@ async fn serve(
                 let patience = keepalive_every / KEEPALIVE_TIMEOUT_SHARE;
                 let pong = tokio::time::timeout(patience, sink.ping::<redis::Value>()).await;
                 if !matches!(pong, Ok(Ok(_))) {
-                    tracing::warn!("pub/sub connection unresponsive; reconnecting");
+                    crate::log_limit::warn_limited!(crate::log_limit::stores(), "pub/sub connection unresponsive; reconnecting");
                     return Served::Unresponsive;
                 }
             }

@@ -79,7 +79,7 @@ pub(super) async fn run(
             Err(error) => {
                 // What failed stays dirty; the waiters of those channels were told.
                 let delay = reconnect_delay(backoff);
-                tracing::warn!(%error, retry_in_ms = delay.as_millis() as u64, "sharded (un)subscribe failed; retrying");
+                crate::log_limit::warn_limited!(crate::log_limit::stores(), "sharded (un)subscribe failed; retrying", %error, retry_in_ms = delay.as_millis() as u64);
                 if sleep_or_shutdown(delay, &shutdown).await {
                     return;
                 }
@@ -131,7 +131,7 @@ async fn connect(
         };
         let delay = reconnect_delay(backoff);
         if std::mem::take(&mut warn) {
-            tracing::warn!(%error, retry_in_ms = delay.as_millis() as u64, "sharded pub/sub connection failed; retrying");
+            crate::log_limit::warn_limited!(crate::log_limit::stores(), "sharded pub/sub connection failed; retrying", %error, retry_in_ms = delay.as_millis() as u64);
         }
         if sleep_or_shutdown(delay, shutdown).await {
             return None;
@@ -164,7 +164,10 @@ fn handle(shared: &Shared, subs: &mut Subscriptions, push: PushInfo) {
             }
         }
         PushKind::Disconnection => {
-            tracing::warn!("sharded pub/sub connection to a node lost; resubscribing");
+            crate::log_limit::warn_limited!(
+                crate::log_limit::stores(),
+                "sharded pub/sub connection to a node lost; resubscribing"
+            );
             subs.subscribed.clear();
             subs.rewake_all = true;
             {
