@@ -156,6 +156,8 @@ mod replay;
 #[cfg(feature = "sentinel")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sentinel")))]
 pub mod sentinel_url;
+#[cfg(feature = "sentinel")]
+mod switches;
 
 #[cfg(feature = "sentinel")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sentinel")))]
@@ -361,6 +363,10 @@ struct SingleConn {
     confirmed: std::sync::Mutex<Option<(u64, u32, std::time::Instant)>>,
     /// One confirmation asked at a time; the others wait for its answer.
     confirming: tokio::sync::Mutex<()>,
+    /// The connection's moves to another server, for commands in flight to hear of
+    /// them (not of a replacement to the same server: a command only slow there is
+    /// still answered).
+    moved: tokio::sync::watch::Sender<u64>,
 }
 
 /// How long the Sentinels' word that a primary short of replicas is the primary holds.
@@ -383,16 +389,42 @@ impl SingleConn {
             current: std::sync::RwLock::new((0, conn, addr)),
             confirmed: std::sync::Mutex::new(None),
             confirming: tokio::sync::Mutex::new(()),
+            moved: tokio::sync::watch::Sender::new(0),
+        }
+    }
+
+    /// `command`, unless the connection moves to another server (behind Sentinel: the
+    /// primary moved) while it is in flight: it is given up then, as a connection that
+    /// broke under it, and the lock core tries again at once on the new one. Its
+    /// answer, should the old server ever give it, is nobody's (an attempt is refused
+    /// once past its deadline; a late release is harmless).
+    async fn unless_moved<T>(
+        &self,
+        command: impl std::future::Future<Output = Result<RedisResult<T>, Poisoned>>,
+    ) -> Result<RedisResult<T>, Poisoned> {
+        if !self.primary.follows_failovers() {
+            return command.await;
+        }
+        let mut moved = self.moved.subscribe();
+        let moves = *moved.borrow_and_update();
+        tokio::select! {
+            out = command => out,
+            _ = moved.wait_for(|m| *m != moves) => {
+                Ok(Err(RedisError::from(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionAborted,
+                    "the Redis primary moved while the command was in flight",
+                ))))
+            }
         }
     }
 
     /// Whether writes on this connection may count on `replicas` replicas, fewer than
     /// acknowledgement wants, as all the deployment has. Without Sentinel, yes: nothing
-    /// promotes a replica behind the client's back. Behind Sentinel, only while the
-    /// Sentinels name this server the primary: a primary paused or cut off while they
-    /// promoted one of its replicas comes back with none, and must not grant what its
-    /// successor grants. Asked at most every [`CONFIRMED_FOR`] for the same count; a
-    /// primary that moved is followed.
+    /// promotes a replica behind the client's back. Behind Sentinel, only while a
+    /// majority of the Sentinels name this server the primary: a primary paused or cut
+    /// off while they promoted one of its replicas comes back with none, and must not
+    /// grant what its successor grants. Asked at most every [`CONFIRMED_FOR`] for the
+    /// same count; a primary that moved is followed.
     async fn confirmed_primary(&self, replicas: u32) -> bool {
         if !self.primary.follows_failovers() {
             return true;
@@ -422,11 +454,14 @@ impl SingleConn {
             (current.0, current.2.clone())
         };
         let asked_at = std::time::Instant::now();
-        let Some(client) = self.primary_now().await else {
-            return false;
-        };
-        if client.get_connection_info().addr().to_string() != here {
-            self.swap(generation, client, "the Sentinels name another primary");
+        if !self
+            .primary
+            .named_by_majority(&here, self.connection_timeout)
+            .await
+        {
+            // Not this server, or not yet agreed: follow whoever they name now, and
+            // count on no shortfall until a majority names the server written to.
+            self.follow_primary().await;
             return false;
         }
         *self
@@ -467,21 +502,27 @@ impl SingleConn {
         invocation: &redis::ScriptInvocation<'_>,
     ) -> RedisResult<T> {
         let (generation, mut conn) = self.current();
-        let result = Unpoisoned::new(invocation.invoke_async(&mut conn)).await;
-        let no_script = redis::ErrorKind::Server(redis::ServerErrorKind::NoScript);
-        let result = match result {
-            Ok(Err(error)) if error.kind() == no_script => {
-                tracing::debug!("the Redis script cache was emptied while a script loaded; again");
-                Unpoisoned::new(invocation.invoke_async(&mut conn)).await
+        let sent = async {
+            let result = Unpoisoned::new(invocation.invoke_async(&mut conn)).await;
+            let no_script = redis::ErrorKind::Server(redis::ServerErrorKind::NoScript);
+            match result {
+                Ok(Err(error)) if error.kind() == no_script => {
+                    tracing::debug!(
+                        "the Redis script cache was emptied while a script loaded; again"
+                    );
+                    Unpoisoned::new(invocation.invoke_async(&mut conn)).await
+                }
+                result => result,
             }
-            result => result,
         };
+        let result = self.unless_moved(sent).await;
         self.after(generation, result).await
     }
 
     async fn query<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> RedisResult<T> {
         let (generation, mut conn) = self.current();
-        let result = Unpoisoned::new(cmd.query_async(&mut conn)).await;
+        let sent = Unpoisoned::new(cmd.query_async(&mut conn));
+        let result = self.unless_moved(sent).await;
         self.after(generation, result).await
     }
 
@@ -501,19 +542,23 @@ impl SingleConn {
             pipe.add_command(cmd.clone());
         }
         let no_script = redis::ErrorKind::Server(redis::ServerErrorKind::NoScript);
-        let mut result = Unpoisoned::new(pipe.query_async(&mut conn)).await;
-        // Loaded and sent again; twice, should the cache be emptied in between.
-        for _ in 0..2 {
-            let Ok(Err(error)) = &result else { break };
-            if error.kind() != no_script {
-                break;
+        let sent = async {
+            let mut result = Unpoisoned::new(pipe.query_async(&mut conn)).await;
+            // Loaded and sent again; twice, should the cache be emptied in between.
+            for _ in 0..2 {
+                let Ok(Err(error)) = &result else { break };
+                if error.kind() != no_script {
+                    break;
+                }
+                result = match Unpoisoned::new(invocation.load_async(&mut conn)).await {
+                    Ok(Ok(_)) => Unpoisoned::new(pipe.query_async(&mut conn)).await,
+                    Ok(Err(error)) => Ok(Err(error)),
+                    Err(poisoned) => Err(poisoned),
+                };
             }
-            result = match Unpoisoned::new(invocation.load_async(&mut conn)).await {
-                Ok(Ok(_)) => Unpoisoned::new(pipe.query_async(&mut conn)).await,
-                Ok(Err(error)) => Ok(Err(error)),
-                Err(poisoned) => Err(poisoned),
-            };
-        }
+            result
+        };
+        let result = self.unless_moved(sent).await;
         self.after(generation, result).await
     }
 
@@ -596,11 +641,14 @@ impl SingleConn {
         match tokio::time::timeout(self.connection_timeout, self.primary.client()).await {
             Ok(Ok(client)) => Some(client),
             Ok(Err(error)) => {
-                tracing::warn!(%error, "could not find the Redis primary; keeping the connection");
+                crate::log_limit::warn_limited!(crate::log_limit::stores(), "could not find the Redis primary; keeping the connection", %error);
                 None
             }
             Err(_) => {
-                tracing::warn!("finding the Redis primary timed out; keeping the connection");
+                crate::log_limit::warn_limited!(
+                    crate::log_limit::stores(),
+                    "finding the Redis primary timed out; keeping the connection"
+                );
                 None
             }
         }
@@ -613,7 +661,7 @@ impl SingleConn {
         let fresh = match ConnectionManager::new_lazy_with_config(client, self.config.clone()) {
             Ok(fresh) => fresh,
             Err(error) => {
-                tracing::warn!(%error, "could not replace the Redis command connection");
+                crate::log_limit::warn_limited!(crate::log_limit::stores(), "could not replace the Redis command connection", %error);
                 return;
             }
         };
@@ -622,11 +670,12 @@ impl SingleConn {
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if current.0 == generation {
-            tracing::warn!(why, to = %addr, "replacing the Redis command connection");
+            crate::log_limit::warn_limited!(crate::log_limit::stores(), "replacing the Redis command connection", why, to = %addr);
             let moved = current.2 != addr;
             *current = (generation + 1, fresh, addr);
             drop(current);
             if moved {
+                self.moved.send_modify(|m| *m += 1);
                 self.primary.note_move();
             }
         }
@@ -843,14 +892,15 @@ impl Inner {
         let Some(synced) = &self.synced else {
             return Ok((self.invoke(invocation).await?, Replicated::Enough));
         };
-        let asked = synced.asked();
+        let epoch = self.primary_moves();
+        let asked = synced.asked(epoch);
         let then = [synced.wait(asked), redis::cmd("ROLE")];
         let result: RedisResult<(T, i64, Option<redis::Value>)> = match &self.conn {
             Conn::Single(single) => single.invoke_then(invocation, &then).await,
             #[cfg(feature = "cluster")]
             Conn::Cluster(conn) => cluster_invoke_then(conn, invocation, &then).await,
         };
-        let (value, acked, role) = self.checked(result)?;
+        let (value, mut acked, role) = self.checked(result)?;
         // What this write needed: the configured count, or no more than the replicas
         // the primary had, if that is all the deployment has (a replica that came since
         // the count was read makes this one short, and the next one waits for it too).
@@ -859,7 +909,7 @@ impl Inner {
             single.note_replicas(connected);
         }
         let mut wanted = match connected {
-            Some(connected) => synced.now_connected(connected),
+            Some(connected) => synced.now_connected(epoch, connected),
             None => synced.replicas,
         };
         if let Some(connected) = connected
@@ -867,6 +917,15 @@ impl Inner {
             && !self.deployment_has(connected).await
         {
             wanted = synced.replicas;
+        }
+        // Asked for fewer than it needed (a primary not asked yet, or one that gained
+        // a replica): it waits again, on the same connection, which covers its write.
+        if acked < i64::from(wanted)
+            && asked < wanted
+            && let Conn::Single(single) = &self.conn
+        {
+            let again = single.query(&synced.wait(wanted)).await;
+            acked = self.checked(again)?;
         }
         let replicated = if acked >= i64::from(wanted) {
             Replicated::Enough
@@ -974,7 +1033,10 @@ impl Inner {
     /// cluster the master of the key's slot.
     fn node_of(&self, key: &LockKey) -> Node {
         match &self.conn {
-            Conn::Single(_) => Node::default(),
+            Conn::Single(_) => {
+                let _ = key;
+                Node::default()
+            }
             #[cfg(feature = "cluster")]
             Conn::Cluster(_) => Some(redis::cluster_routing::Slot::for_key(
                 Names::lock(&self.prefix, key).as_bytes(),
@@ -1158,9 +1220,10 @@ struct Synced {
     timeout: Duration,
     /// Wait for `replicas` whatever the primary has, not for the ones it has.
     strict: bool,
-    /// The replicas the primary had at the last write's `ROLE` (`u32::MAX` before
-    /// the first).
-    connected: std::sync::atomic::AtomicU32,
+    /// The replicas the primary had at the last write's `ROLE`, and the connection's
+    /// epoch (its moves to another primary) then: `epoch << 32 | replicas`, `u64::MAX`
+    /// before the first.
+    connected: std::sync::atomic::AtomicU64,
 }
 
 impl Synced {
@@ -1169,24 +1232,32 @@ impl Synced {
             replicas,
             timeout,
             strict,
-            connected: std::sync::atomic::AtomicU32::new(u32::MAX),
+            connected: std::sync::atomic::AtomicU64::new(u64::MAX),
         }
     }
 
-    /// How many replicas the next write asks for: the configured count, or when it
-    /// follows the deployment, no more than the primary had at the last write.
-    fn asked(&self) -> u32 {
+    /// How many replicas the next write, on the connection of `epoch`, asks for: the
+    /// configured count; or when it follows the deployment, no more than the primary
+    /// had at the last write, and none on a primary not yet asked (the write's `ROLE`
+    /// says, and it waits again for what it needed): a primary just moved to waits for
+    /// no replica it may not have.
+    fn asked(&self, epoch: u64) -> u32 {
         if self.strict {
             return self.replicas;
         }
         let connected = self.connected.load(std::sync::atomic::Ordering::Relaxed);
-        self.replicas.min(connected)
+        if connected == u64::MAX || connected >> 32 != epoch & 0xffff_ffff {
+            return 0;
+        }
+        self.replicas.min((connected & 0xffff_ffff) as u32)
     }
 
-    /// A write's `ROLE` listed `connected` replicas: the count that write needed.
-    fn now_connected(&self, connected: u32) -> u32 {
+    /// A write on the connection of `epoch` found, by its `ROLE`, `connected` replicas:
+    /// the count that write needed.
+    fn now_connected(&self, epoch: u64, connected: u32) -> u32 {
+        let packed = (epoch & 0xffff_ffff) << 32 | u64::from(connected);
         self.connected
-            .store(connected, std::sync::atomic::Ordering::Relaxed);
+            .store(packed, std::sync::atomic::Ordering::Relaxed);
         if self.strict {
             self.replicas
         } else {
@@ -1405,10 +1476,12 @@ impl RedisBackend {
     /// How many replicas each write waits for now, with replica acknowledgement
     /// ([`RedisBackendBuilder::synced_replicas`]): the configured count when strict,
     /// else no more than the replicas the primary had at the last write or
-    /// [`ping`](crate::LockClient::ping) (the configured count before the first).
+    /// [`ping`](crate::LockClient::ping) (0 before the first on this primary: it reads
+    /// the count, and waits for what it needs).
     /// `None` when writes wait for no replica.
     pub fn acknowledging_replicas(&self) -> Option<u32> {
-        self.inner.synced.as_ref().map(Synced::asked)
+        let epoch = self.inner.primary_moves();
+        self.inner.synced.as_ref().map(|synced| synced.asked(epoch))
     }
 
     /// The configured waiter timeout; see [`RedisBackendBuilder::waiter_timeout`].
@@ -2269,7 +2342,7 @@ impl RedisBackendBuilder {
         let synced = self.synced();
         let shutdown = CancellationToken::new();
         let hub = pubsub::Hub::start(pubsub, self.pubsub_keepalive, shutdown.clone());
-        Ok(RedisBackend {
+        let backend = RedisBackend {
             inner: Arc::new(Inner {
                 conn,
                 profile: StoreProfile::new("redis")
@@ -2285,9 +2358,16 @@ impl RedisBackendBuilder {
                 synced,
                 publish,
                 token_retention: lease_ms(self.token_retention).to_string(),
-                _stop_hub: shutdown.drop_guard(),
+                _stop_hub: shutdown.clone().drop_guard(),
             }),
-        })
+        };
+        #[cfg(feature = "sentinel")]
+        if let Some(single) = backend.inner.conn.single()
+            && let Some((master, nodes)) = single.primary.sentinels()
+        {
+            switches::watch(Arc::downgrade(&backend.inner), master, nodes, shutdown);
+        }
+        Ok(backend)
     }
 
     /// Replica acknowledgement as configured, or the target's default: one replica
@@ -2467,13 +2547,17 @@ impl RedisBackendBuilder {
             self.key_prefix
         );
         let client = redis::sentinel::SentinelClient::build(
-            sentinels,
+            sentinels.clone(),
             String::from(master),
             self.sentinel_node.clone(),
             redis::sentinel::SentinelServerType::Master,
         )
         .map_err(map_error)?;
-        let primary = Primary::Sentinel(Arc::new(primary::Sentinels::new(client)));
+        let primary = Primary::Sentinel(Arc::new(primary::Sentinels::new(
+            client,
+            String::from(master),
+            sentinels,
+        )));
         self.connect_single(primary, store_id).await
     }
 
@@ -2688,9 +2772,10 @@ impl LockBackend for RedisBackend {
             let Some(synced) = &self.inner.synced else {
                 return self.inner.query::<()>(&redis::cmd("PING")).await;
             };
+            let epoch = self.inner.primary_moves();
             let role: redis::Value = self.inner.query(&redis::cmd("ROLE")).await?;
             if let Some(connected) = replicas_of_role(&role) {
-                synced.now_connected(connected);
+                synced.now_connected(epoch, connected);
             }
             Ok(())
         })

@@ -39,6 +39,10 @@ pub(super) enum Primary {
 #[cfg(feature = "sentinel")]
 pub(super) struct Sentinels {
     client: tokio::sync::Mutex<redis::sentinel::SentinelClient>,
+    /// The name they monitor the primary under.
+    master: String,
+    /// Each Sentinel, to ask on its own (see [`Primary::named_by_majority`]).
+    nodes: Vec<redis::ConnectionInfo>,
     /// How many times the command connection moved to another primary.
     moves: std::sync::atomic::AtomicU64,
     /// Tells the pub/sub task of a move (a permit is kept when it is not listening).
@@ -78,9 +82,15 @@ impl Drop for Asking {
 
 #[cfg(feature = "sentinel")]
 impl Sentinels {
-    pub(super) fn new(client: redis::sentinel::SentinelClient) -> Self {
+    pub(super) fn new(
+        client: redis::sentinel::SentinelClient,
+        master: String,
+        nodes: Vec<redis::ConnectionInfo>,
+    ) -> Self {
         Sentinels {
             client: tokio::sync::Mutex::new(client),
+            master,
+            nodes,
             moves: std::sync::atomic::AtomicU64::new(0),
             moved: tokio::sync::Notify::new(),
             asked: std::sync::Mutex::new(Asked::default()),
@@ -155,6 +165,57 @@ impl Primary {
                 Some(Asking {
                     sentinels: std::sync::Arc::clone(sentinels),
                 })
+            }
+        }
+    }
+
+    /// Whether a majority of the Sentinels, each asked on its own within `within`, name
+    /// the server at `addr` (`host:port`) the primary now (`GET-MASTER-ADDR-BY-NAME`).
+    /// Stricter than the address redis-rs's client settles on: while a failover is
+    /// under way, the Sentinel running it may still list the old primary, which answers
+    /// `ROLE` as a primary once it is back from a pause; the majority names the
+    /// promoted one from the moment it is chosen. Always true for a fixed server.
+    pub(super) async fn named_by_majority(&self, addr: &str, within: std::time::Duration) -> bool {
+        match self {
+            Primary::Fixed(_) => true,
+            #[cfg(feature = "sentinel")]
+            Primary::Sentinel(sentinels) => {
+                let ask = |node: &redis::ConnectionInfo| {
+                    let node = node.clone();
+                    let master = sentinels.master.clone();
+                    async move {
+                        let asked = async {
+                            let client = Client::open(node).ok()?;
+                            let mut conn = client.get_multiplexed_async_connection().await.ok()?;
+                            let named: Option<(String, u16)> = redis::cmd("SENTINEL")
+                                .arg("GET-MASTER-ADDR-BY-NAME")
+                                .arg(&master)
+                                .query_async(&mut conn)
+                                .await
+                                .ok()?;
+                            named.map(|(host, port)| format!("{host}:{port}"))
+                        };
+                        tokio::time::timeout(within, asked).await.ok().flatten()
+                    }
+                };
+                let named = futures_util::future::join_all(sentinels.nodes.iter().map(ask)).await;
+                let agree = named
+                    .iter()
+                    .flatten()
+                    .filter(|named| *named == addr)
+                    .count();
+                agree > sentinels.nodes.len() / 2
+            }
+        }
+    }
+
+    /// Behind Sentinel: the master name and every Sentinel, to listen to.
+    #[cfg(feature = "sentinel")]
+    pub(super) fn sentinels(&self) -> Option<(String, Vec<redis::ConnectionInfo>)> {
+        match self {
+            Primary::Fixed(_) => None,
+            Primary::Sentinel(sentinels) => {
+                Some((sentinels.master.clone(), sentinels.nodes.clone()))
             }
         }
     }
