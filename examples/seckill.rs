@@ -340,16 +340,16 @@ async fn on_redis(url: &str, args: &Args) -> Result<(LockClient, Arc<dyn Store>)
     use tower_lock::RedisBackend;
 
     // Where, without the password the URL may carry; behind Sentinel, the primary they
-    // name now, where the store's connection goes (it does not follow a failover; the
-    // locks do).
-    let (server, store_client) = redis_server(url).await?;
+    // name now, where the store's connection goes (and follows a failover, as the locks
+    // do).
+    let (server, store_client, sentinels) = redis_server(url).await?;
     let backend = RedisBackend::from_url(url)
         .key_prefix(NAMESPACE)
         .build()
         .await
         // The error names the server already (never with its password).
         .map_err(|e| format!("cannot reach Redis for the locks: {e}"))?;
-    let store = RedisStore::with_client(store_client)
+    let store = RedisStore::with_client(store_client, sentinels)
         .await
         .map_err(|e| format!("cannot reach Redis at {server} for the store: {}", e.0))?;
     println!(
@@ -377,10 +377,13 @@ async fn on_redis(url: &str, args: &Args) -> Result<(LockClient, Arc<dyn Store>)
     Ok((client_on(backend, args)?, Arc::new(store)))
 }
 
-/// Where `url` points (without its password), and a client for it: the server of a
-/// `redis://` URL, or the primary the Sentinels of a `redis+sentinel://` URL name now.
+/// Where `url` points (without its password), a client for it, and behind Sentinel
+/// what asks them where the primary is: the server of a `redis://` URL, or the primary
+/// the Sentinels of a `redis+sentinel://` URL name now.
 #[cfg(feature = "redis")]
-async fn redis_server(url: &str) -> Result<(String, redis::Client), String> {
+async fn redis_server(
+    url: &str,
+) -> Result<(String, redis::Client, Option<redis_store::Sentinels>), String> {
     use redis::IntoConnectionInfo;
 
     #[cfg(feature = "sentinel")]
@@ -390,9 +393,10 @@ async fn redis_server(url: &str) -> Result<(String, redis::Client), String> {
     {
         let parsed = tower_lock::backend::redis::SentinelUrl::parse(url)
             .map_err(|e| format!("REDIS_URL: {e}"))?;
-        let client = parsed
+        let mut sentinels = parsed
             .sentinel_client()
-            .map_err(|e| format!("REDIS_URL: {e}"))?
+            .map_err(|e| format!("REDIS_URL: {e}"))?;
+        let client = sentinels
             .async_get_client()
             .await
             .map_err(|e| format!("the Sentinels of REDIS_URL name no primary: {e}"))?;
@@ -402,7 +406,7 @@ async fn redis_server(url: &str) -> Result<(String, redis::Client), String> {
             parsed.master(),
             parsed.sentinels().join(",")
         );
-        return Ok((server, client));
+        return Ok((server, client, Some(tokio::sync::Mutex::new(sentinels))));
     }
     let server = url
         .into_connection_info()
@@ -410,7 +414,7 @@ async fn redis_server(url: &str) -> Result<(String, redis::Client), String> {
         .addr()
         .to_string();
     let client = redis::Client::open(url).map_err(|e| format!("REDIS_URL: {e}"))?;
-    Ok((server, client))
+    Ok((server, client, None))
 }
 
 #[cfg(not(feature = "redis"))]

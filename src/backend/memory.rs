@@ -736,6 +736,14 @@ impl MemoryBackend {
         table.replays.len()
     }
 
+    /// The keys held or waited on (a diagnostic; expired, unwatched entries are swept
+    /// first).
+    pub fn keys(&self) -> Vec<LockKey> {
+        let mut table = self.table();
+        table.sweep(Instant::now());
+        table.map.keys().cloned().collect()
+    }
+
     /// Whether no key is held or waited on.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
