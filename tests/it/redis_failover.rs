@@ -258,7 +258,10 @@ async fn taken_on_the_new_primary(
     let first = lock.try_lock().await;
     match first {
         Ok(guard) => guard.unlock().await.unwrap(),
-        Err(error) => assert!(error.is_unavailable(), "a try on the refusing primary: {error:?}"),
+        Err(error) => assert!(
+            error.is_unavailable(),
+            "a try on the refusing primary: {error:?}"
+        ),
     }
     let guard = lock
         .try_lock_for(Duration::from_secs(10), Lease::Watchdog)
@@ -901,7 +904,10 @@ async fn a_primary_only_one_sentinel_names_grants_nothing() {
                 .query_async(&mut conn)
                 .await
                 .unwrap();
-            assert_eq!(held, 1, "granted, but not on the primary the majority names");
+            assert_eq!(
+                held, 1,
+                "granted, but not on the primary the majority names"
+            );
             guard.unlock().await.unwrap();
         }
         Err(error) => assert!(error.is_unavailable(), "{error:?}"),
