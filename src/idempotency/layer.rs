@@ -77,23 +77,39 @@ pub const DEFAULT_STORED_HEADERS: [HeaderName; 8] = [
 type FingerprintFn = dyn Fn(&Parts, &Bytes) -> Fingerprint + Send + Sync;
 type StoreIf = dyn Fn(StatusCode) -> bool + Send + Sync;
 
+/// At most this many parts hold everyone's quota of stored responses.
+const MAX_TOTAL_PARTS: u32 = 16;
+/// Everyone's quota gets a part per this many records (at least one part).
+const RECORDS_PER_PART: u32 = 4_096;
+
 /// The names of the quotas' permits.
 pub(crate) struct Quotas {
     /// A caller's permits are `<this>:{<scope>}`.
     pub(crate) scope: Namespace,
-    /// Every caller's together.
-    pub(crate) total: LockKey,
+    /// Every caller's together, in parts: `<prefix>:quota-total:{records-<i>}`, each
+    /// with its share of the records. One name taken by every new key of every caller
+    /// serialized them all on it (on PostgreSQL a transaction each, under one advisory
+    /// lock); in parts, as many go at once as there are parts.
+    pub(crate) total: Vec<(LockKey, u32)>,
 }
 
 impl Quotas {
-    fn under(prefix: &Namespace) -> Result<Self> {
+    fn under(prefix: &Namespace, max_records: u32) -> Result<Self> {
         let name = |suffix: &str| match prefix.as_str() {
             "" => suffix.to_owned(),
             prefix => format!("{prefix}:{suffix}"),
         };
+        let parts = (max_records / RECORDS_PER_PART).clamp(1, MAX_TOTAL_PARTS);
+        let total = (0..parts)
+            .map(|i| {
+                let share = max_records / parts + u32::from(i < max_records % parts);
+                let key = LockKey::namespaced(&name("quota-total"), &format!("records-{i}"))?;
+                Ok((key, share))
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(Quotas {
             scope: Namespace::for_setting("key_prefix", name("quota"))?,
-            total: LockKey::namespaced(&name("quota-total"), "records")?,
+            total,
         })
     }
 }
@@ -412,7 +428,13 @@ impl<K: KeyExtractor> IdempotencyLayerBuilder<K> {
     /// [`max_stored_body`](Self::max_stored_body) it bounds what the layer keeps in the
     /// store: at most `max_records × max_stored_body` (1.6 GB with the defaults, a few
     /// dozen MB for responses of a few hundred bytes), and never more than `new keys per
-    /// second × ttl` responses. Size it to that for your traffic (`<prefix>:quota-total`).
+    /// second × ttl` responses. Size it to that for your traffic.
+    ///
+    /// Kept in parts on the store (`<prefix>:quota-total:{records-<i>}`, one per 4,096
+    /// records, at most 16), each new key in a part chosen at random or, if that one is
+    /// full, a second: new keys do not queue on one name. The first `503` can come when
+    /// both parts a key tries are full, a little before the cap (about 98% of it with
+    /// the default).
     pub fn max_records(mut self, records: u32) -> Self {
         self.config.max_records = records;
         self
@@ -520,7 +542,7 @@ impl<K: KeyExtractor> IdempotencyLayerBuilder<K> {
         if !self.lease_set {
             self.config.lease = self.client.request_lease();
         }
-        self.config.quotas = Some(Quotas::under(&self.config.prefix)?);
+        self.config.quotas = Some(Quotas::under(&self.config.prefix, self.config.max_records)?);
         if self.client.backend().replays().is_none() {
             return Err(Error::invalid_config(
                 "client",

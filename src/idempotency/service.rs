@@ -355,15 +355,31 @@ impl<K> Covered<'_, K> {
                     retry_after,
                 })
             })?;
-        match take(quotas.total.clone(), config.max_records).await {
-            Ok(total) => Ok(Places { caller, total }),
-            Err(error) => {
-                let _ = caller.unlock().await;
-                Err(over(error, |retry_after| {
-                    IdempotencyRejection::RecordsFull { retry_after }
-                }))
+        // A part of everyone's quota at random, and another if that one is full: no
+        // caller can aim at one part, and the parts fill evenly.
+        let parts = quotas.total.len();
+        let first = fastrand::usize(..parts);
+        let mut tries = vec![first];
+        if parts > 1 {
+            tries.push((first + 1 + fastrand::usize(..parts - 1)) % parts);
+        }
+        let mut full = None;
+        for part in tries {
+            let (key, share) = &quotas.total[part];
+            match take(key.clone(), *share).await {
+                Ok(total) => return Ok(Places { caller, total }),
+                Err(error) if error.is_busy() => full = Some(error),
+                Err(error) => {
+                    let _ = caller.unlock().await;
+                    return Err(self.failure(error));
+                }
             }
         }
+        let _ = caller.unlock().await;
+        let error = full.unwrap_or(Error::Busy { holder_ttl: None });
+        Err(over(error, |retry_after| {
+            IdempotencyRejection::RecordsFull { retry_after }
+        }))
     }
 
     /// The record kept for the key, if any; `Err` is the rejection to answer.

@@ -46,6 +46,7 @@ async fn every_kind(client: &LockClient, ttl: Duration, round: &str) {
             b"{\"order\":42}",
         ))))
     }));
+    let began = std::time::Instant::now();
     let requests = futures_util::stream::iter(0..KEYS).for_each_concurrent(AT_ONCE, |i| {
         let svc = svc.clone();
         let round = round.to_owned();
@@ -65,6 +66,10 @@ async fn every_kind(client: &LockClient, ttl: Duration, round: &str) {
         }
     });
     requests.await;
+    eprintln!(
+        "{round}: {KEYS} new idempotency keys in {:.1} s",
+        began.elapsed().as_secs_f64()
+    );
 }
 
 #[cfg(feature = "redis")]
@@ -296,4 +301,61 @@ async fn ten_thousand_keys_of_each_kind_leave_nothing_in_memory() {
     })
     .await;
     let _ = LockKey::new("unused");
+}
+
+/// Everyone's quota of stored responses in parts (one per 4,096 records): the layer
+/// never keeps more than `max_records`, nearly that many before its first `503`, and
+/// both parts fill. With one name for everyone's quota, every new key of every caller
+/// queued on it (on PostgreSQL some waited past their turn and were answered 503 far
+/// below the cap).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn everyones_quota_in_parts_keeps_at_most_max_records() {
+    const MAX: u32 = 8_192;
+    const SENT: usize = 9_000;
+    let backend = tower_lock::MemoryBackend::new();
+    let client = LockClient::new(backend.clone());
+    let layer = IdempotencyLayer::builder(
+        client.clone(),
+        HeaderKey::new(http::header::HeaderName::from_static("x-user-id")),
+    )
+    .max_records(MAX)
+    .build()
+    .unwrap();
+    let svc = layer.layer(service_fn(|_req: Request<Full<Bytes>>| async {
+        Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(Bytes::from_static(b"{}"))))
+    }));
+    let statuses = futures_util::stream::iter(0..SENT)
+        .map(|i| {
+            let svc = svc.clone();
+            async move {
+                let req = Request::post("/orders")
+                    .header("x-user-id", (i % 10).to_string())
+                    .header("idempotency-key", format!("key-{i}"))
+                    .body(Full::new(Bytes::new()))
+                    .unwrap();
+                svc.oneshot(req).await.unwrap().status()
+            }
+        })
+        .buffer_unordered(AT_ONCE)
+        .collect::<Vec<_>>()
+        .await;
+    let stored = statuses
+        .iter()
+        .filter(|s| **s == http::StatusCode::OK)
+        .count();
+    let full = statuses
+        .iter()
+        .filter(|s| **s == http::StatusCode::SERVICE_UNAVAILABLE)
+        .count();
+    eprintln!("{stored} stored of {SENT} sent, {full} answered 503; at most {MAX}");
+    assert_eq!(stored + full, SENT, "only stored or refused as full");
+    assert!(stored <= MAX as usize, "{stored} stored, over {MAX}");
+    assert!(stored >= MAX as usize * 97 / 100, "only {stored} stored");
+    let parts: std::collections::BTreeSet<String> = backend
+        .keys()
+        .iter()
+        .filter(|k| k.namespace().ends_with("quota-total"))
+        .map(|k| k.as_str().to_owned())
+        .collect();
+    assert_eq!(parts.len(), 2, "{parts:?}");
 }
