@@ -623,13 +623,21 @@ fn described(what: &str, message: &str, code: &str) -> String {
 /// is a misconfiguration, which fails closed: undefined objects, syntax, permissions
 /// (SQLSTATE classes 42, 28), a schema that is not there (3F), an isolation level the
 /// functions refuse or another unsupported feature (0A), bad data (22), a read-only
-/// standby (25006). Anything else (I/O, timeouts, a server shutting down or not
-/// accepting connections, a cancelled statement) is an outage. An error the database
-/// answered keeps its SQLSTATE in the message.
+/// standby (25006). A transaction the database rolled back for a deadlock or a
+/// serialization failure (class 40) applied nothing and is worth one more try at once.
+/// Anything else (I/O, timeouts, a server shutting down or not accepting connections,
+/// a cancelled statement) is an outage. An error the database answered keeps its
+/// SQLSTATE in the message.
 fn map_error(error: sqlx::Error) -> Error {
     let Some((code, message)) = sqlstate_of(&error) else {
         return StoreError::new(StoreErrorKind::Unavailable, error).into();
     };
+    if code.starts_with("40") {
+        return StoreError::not_applied(error)
+            .with_message(described("rolled back", &message, &code))
+            .and_again_at_once()
+            .into();
+    }
     let misconfigured = ["42", "28", "3F", "0A", "22"]
         .iter()
         .any(|class| code.starts_with(class))
@@ -647,6 +655,52 @@ fn map_error(error: sqlx::Error) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A deadlock's victim (the sweep's with a batch, before the sweep skipped held
+    /// rows) failed its requests: a rollback applied nothing, and goes again at once.
+    #[test]
+    fn a_rolled_back_transaction_applied_nothing_and_goes_again() {
+        for code in ["40P01", "40001"] {
+            let error = map_error(sqlx::Error::Database(Box::new(Rolled(code))));
+            assert!(error.is_unavailable(), "{code}");
+            assert!(error.is_not_applied(), "{code}");
+            assert!(error.again_at_once(), "{code}");
+            assert!(error.to_string().contains(code), "{error}");
+        }
+    }
+
+    /// A database error with the SQLSTATE `.0`.
+    #[derive(Debug)]
+    struct Rolled(&'static str);
+
+    impl std::fmt::Display for Rolled {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("deadlock detected")
+        }
+    }
+
+    impl std::error::Error for Rolled {}
+
+    impl sqlx::error::DatabaseError for Rolled {
+        fn message(&self) -> &str {
+            "deadlock detected"
+        }
+        fn code(&self) -> Option<std::borrow::Cow<'_, str>> {
+            Some(self.0.into())
+        }
+        fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+            self
+        }
+        fn kind(&self) -> sqlx::error::ErrorKind {
+            sqlx::error::ErrorKind::Other
+        }
+    }
 
     #[test]
     fn identifiers_are_checked() {

@@ -65,6 +65,12 @@ pub(super) async fn sweep_until(inner: Weak<Inner>, period: Duration, stop: Canc
 impl PostgresBackend {
     /// One bounded sweep: at most [`SWEEP_BATCH`] rows of each table. Returns the most
     /// rows one table had deleted.
+    ///
+    /// It skips every row another transaction holds (`FOR UPDATE SKIP LOCKED`), so it
+    /// never waits for one: an acquisition deletes its names' expired holds one name
+    /// after another, and a sweep that waited for the rows it met could hold a row the
+    /// acquisition waits for while waiting for one the acquisition holds, a deadlock
+    /// PostgreSQL ended by failing one of them. A row skipped is the next sweep's.
     pub(super) async fn sweep(&self) -> Result<i64> {
         let sql = self.sql(
             "WITH names AS ( \
@@ -73,31 +79,31 @@ impl PostgresBackend {
                       WHERE expires_at < clock_timestamp() - $1 * interval '1 millisecond' \
                         AND others_until < clock_timestamp() - $1 * interval '1 millisecond' \
                         AND coalesce(token, 0) < __F___now_us() - $1 * 1000 \
-                      LIMIT $2) \
+                      LIMIT $2 FOR UPDATE SKIP LOCKED) \
                    AND __F___within(__WAIT_MS__) RETURNING 1 \
              ), holds AS ( \
                  DELETE FROM __F__ WHERE ctid IN ( \
-                     SELECT ctid FROM __F__ WHERE expires_at <= clock_timestamp() LIMIT $2) \
+                     SELECT ctid FROM __F__ WHERE expires_at <= clock_timestamp() LIMIT $2 FOR UPDATE SKIP LOCKED) \
                    AND __F___within(__WAIT_MS__) RETURNING 1 \
              ), queue AS ( \
                  DELETE FROM __F___queue WHERE ctid IN ( \
-                     SELECT ctid FROM __F___queue WHERE evict_at <= clock_timestamp() LIMIT $2) \
+                     SELECT ctid FROM __F___queue WHERE evict_at <= clock_timestamp() LIMIT $2 FOR UPDATE SKIP LOCKED) \
                    AND __F___within(__WAIT_MS__) RETURNING 1 \
              ), clients AS ( \
                  DELETE FROM __F___clients WHERE ctid IN ( \
-                     SELECT ctid FROM __F___clients WHERE expires_at <= clock_timestamp() LIMIT $2) \
+                     SELECT ctid FROM __F___clients WHERE expires_at <= clock_timestamp() LIMIT $2 FOR UPDATE SKIP LOCKED) \
                    AND __F___within(__WAIT_MS__) RETURNING 1 \
              ), gone AS ( \
                  DELETE FROM __F___gone WHERE ctid IN ( \
-                     SELECT ctid FROM __F___gone WHERE until <= clock_timestamp() LIMIT $2) \
+                     SELECT ctid FROM __F___gone WHERE until <= clock_timestamp() LIMIT $2 FOR UPDATE SKIP LOCKED) \
                    AND __F___within(__WAIT_MS__) RETURNING 1 \
              ), waiters AS ( \
                  DELETE FROM __F___waiters WHERE ctid IN ( \
-                     SELECT ctid FROM __F___waiters WHERE until <= clock_timestamp() LIMIT $2) \
+                     SELECT ctid FROM __F___waiters WHERE until <= clock_timestamp() LIMIT $2 FOR UPDATE SKIP LOCKED) \
                    AND __F___within(__WAIT_MS__) RETURNING 1 \
              ), replay AS ( \
                  DELETE FROM __F___replay WHERE ctid IN ( \
-                     SELECT ctid FROM __F___replay WHERE expires_at <= clock_timestamp() LIMIT $2) \
+                     SELECT ctid FROM __F___replay WHERE expires_at <= clock_timestamp() LIMIT $2 FOR UPDATE SKIP LOCKED) \
                    AND __F___within(__WAIT_MS__) RETURNING 1 \
              ) \
              SELECT greatest((SELECT count(*) FROM names), (SELECT count(*) FROM holds), \
