@@ -36,7 +36,7 @@
 //!   [lost signal](LockGuard::lost), and [`unlock`](LockGuard::unlock).
 //! - [`LockLayer`] is the tower middleware: it locks each request on the key(s) its
 //!   key function derives, as the request's own owner; the [`extract`] module gives
-//!   handlers their lock ([`HeldLock`](extract::HeldLock)) and more
+//!   handlers their lock ([`HeldLock`]) and more
 //!   ([`Locks`](extract::Locks)).
 //! - A [`LockObserver`] on the client feeds your metrics.
 //!
@@ -186,8 +186,6 @@ mod scratch;
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
 
-#[allow(deprecated)]
-pub use backend::Holder;
 pub use backend::limits::{DEFAULT_WATCHDOG_LEASE, MAX_LEASE, MIN_LEASE, MIN_WATCHDOG_LEASE};
 pub use backend::memory::MemoryBackend;
 #[cfg(feature = "postgres")]
@@ -203,8 +201,9 @@ pub use idempotency::IdempotencyLayer;
 pub use key::{IntoLockKey, LockKey, MAX_KEY_LEN, RESERVED_PREFIXES};
 pub use layer::LockLayer;
 pub use lock::{
-    CLIENT_NAME_TTL, DEFAULT_OUTAGE_GRACE, LayerEvent, LayerOutcome, Lease, Lock, LockClient,
-    LockClientBuilder, LockEvent, LockGuard, LockObserver, LostSignal, MAX_CLIENT_NAME_LEN,
+    CLIENT_NAME_TTL, DEFAULT_OUTAGE_GRACE, HeldLock, LayerEvent, LayerOutcome, Lease, Lock,
+    LockClient, LockClientBuilder, LockEvent, LockGuard, LockObserver, LostSignal,
+    MAX_CLIENT_NAME_LEN,
 };
 pub use namespace::{MAX_NAMESPACE_LEN, Namespace};
 pub use owner::{MAX_OWNER_LEN, Owner};

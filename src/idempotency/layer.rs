@@ -540,7 +540,7 @@ impl<K: KeyExtractor> IdempotencyLayerBuilder<K> {
             return Err(error);
         }
         if !self.lease_set {
-            self.config.lease = self.client.request_lease();
+            self.config.lease = crate::layer::config::request_lease(&self.client);
         }
         self.config.quotas = Some(Quotas::under(&self.config.prefix, self.config.max_records)?);
         if self.client.backend().replays().is_none() {

@@ -7,10 +7,9 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::backend::{FencingToken, LockMode};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::lock::acquire::{acquire_as, deadline_after};
-use crate::lock::{FinishOnDrop, Unlocking};
-use crate::lock::{Lease, Lock, LockGuard, LostSignal};
+use crate::lock::{Guards, Lease, Lock, LockGuard, LostSignal};
 use crate::owner::Owner;
 
 /// Several locks taken as one (Redisson `RedissonMultiLock`): all of them or none.
@@ -150,14 +149,16 @@ impl MultiLock {
 
     async fn acquire(&self, wait: Option<Duration>, lease: Lease) -> Result<MultiGuard> {
         let Some(first) = self.locks.first() else {
-            return Ok(MultiGuard::from_guards(Vec::new()));
+            return Ok(MultiGuard::new(Guards::from_vec(Vec::new())));
         };
         let owner = self
             .owner
             .clone()
             .or_else(Owner::current)
             .unwrap_or_else(|| first.client().new_owner());
-        self.acquire_as(owner, wait, lease).await
+        self.acquire_as(owner, wait, lease)
+            .await
+            .map(MultiGuard::new)
     }
 
     /// Acquires all as `owner` (the middleware passes the request's owner).
@@ -166,7 +167,7 @@ impl MultiLock {
         owner: Owner,
         wait: Option<Duration>,
         lease: Lease,
-    ) -> Result<MultiGuard> {
+    ) -> Result<Guards> {
         let deadline = deadline_after(wait);
         // With a fixed lease, a lock taken early must not run out while the later ones
         // are waited for: each is taken with the lease plus the wait left (Redisson's
@@ -194,7 +195,7 @@ impl MultiLock {
                 }
             }
             let Some(exact) = pinned else {
-                return Ok(MultiGuard::from_guards(guards));
+                return Ok(Guards::from_vec(guards));
             };
             let mut all_held = true;
             for guard in &mut guards {
@@ -209,7 +210,7 @@ impl MultiLock {
                 }
             }
             if all_held {
-                return Ok(MultiGuard::from_guards(guards));
+                return Ok(Guards::from_vec(guards));
             }
             // A lock ran out while the others were waited for (only possible without a
             // deadline, whose leases cannot be stretched to cover it): start over.
@@ -245,63 +246,35 @@ pub struct MultiGuard {
     guards: Guards,
 }
 
-/// One guard (every single-key request through the layer) needs no vector.
-#[derive(Debug)]
-enum Guards {
-    One(LockGuard),
-    Many(Vec<LockGuard>),
-}
-
 impl MultiGuard {
-    pub(crate) fn from_guards(mut guards: Vec<LockGuard>) -> Self {
-        let guards = match guards.pop() {
-            Some(guard) if guards.is_empty() => Guards::One(guard),
-            Some(last) => {
-                guards.push(last);
-                Guards::Many(guards)
-            }
-            None => Guards::Many(guards),
-        };
+    pub(crate) fn new(guards: Guards) -> Self {
         MultiGuard { guards }
-    }
-
-    /// A single lock's guard, as a `MultiGuard`.
-    pub(crate) fn one(guard: LockGuard) -> Self {
-        MultiGuard {
-            guards: Guards::One(guard),
-        }
     }
 
     /// The held locks, in acquisition order.
     pub fn guards(&self) -> &[LockGuard] {
-        match &self.guards {
-            Guards::One(guard) => std::slice::from_ref(guard),
-            Guards::Many(guards) => guards,
-        }
+        self.guards.as_slice()
     }
 
     /// Each lock's fencing token (`None` for a lock that is not fenced), in acquisition
     /// order.
     pub fn fencing_tokens(&self) -> Vec<Option<FencingToken>> {
-        self.guards().iter().map(LockGuard::fencing_token).collect()
+        self.guards.fencing_tokens()
     }
 
     /// Fires as soon as any of the locks is lost.
     pub fn lost(&self) -> LostSignal {
-        LostSignal::any(self.guards().iter().map(LockGuard::lost))
+        self.guards.lost()
     }
 
     /// Whether any of the locks has been lost.
     pub fn is_lost(&self) -> bool {
-        self.guards().iter().any(LockGuard::is_lost)
+        self.guards.is_lost()
     }
 
     /// The guards, to release separately.
     pub fn into_guards(self) -> Vec<LockGuard> {
-        match self.guards {
-            Guards::One(guard) => vec![guard],
-            Guards::Many(guards) => guards,
-        }
+        self.guards.into_vec()
     }
 
     /// Releases every lock, all at once, even when some fail.
@@ -312,31 +285,7 @@ impl MultiGuard {
     /// failed (a store that could not release another lock does not hide it); else the
     /// first error met, in lock order.
     pub async fn unlock(self) -> Result<()> {
-        match self.start_unlock() {
-            Unlocking::Done(outcome) => outcome,
-            Unlocking::Pending(release) => release.await,
-        }
-    }
-
-    /// [`unlock`](Self::unlock) as far as it goes without waiting, as
-    /// [`LockGuard::start_unlock`].
-    pub(crate) fn start_unlock(self) -> Unlocking {
-        match self.guards {
-            Guards::One(guard) => guard.start_unlock(),
-            Guards::Many(guards) if guards.is_empty() => Unlocking::Done(Ok(())),
-            // All at once: a slow or unreachable store costs one timeout, not one per
-            // lock. Each guard's release finishes on its own if this is dropped.
-            Guards::Many(guards) => Unlocking::Pending(FinishOnDrop::new(None, async move {
-                let outcomes =
-                    futures_util::future::join_all(guards.into_iter().map(LockGuard::unlock)).await;
-                // A lost lock first: the holder must hear its work was not all under
-                // the lock, even when another release failed too.
-                if outcomes.iter().any(|o| matches!(o, Err(Error::Lost))) {
-                    return Err(Error::Lost);
-                }
-                outcomes.into_iter().find(Result::is_err).unwrap_or(Ok(()))
-            })),
-        }
+        self.guards.unlock().await
     }
 }
 

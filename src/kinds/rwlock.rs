@@ -1,8 +1,21 @@
 //! The read-write lock handle.
 
 use crate::backend::LockMode;
-use crate::key::LockKey;
+use crate::error::Result;
+use crate::key::{IntoLockKey, LockKey};
 use crate::lock::{Lock, LockClient};
+
+impl LockClient {
+    /// The read-write lock named `key` (Redisson `getReadWriteLock`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidKey`](crate::Error::InvalidKey) when `key` is not a valid
+    /// [`LockKey`].
+    pub fn get_read_write_lock(&self, key: impl IntoLockKey) -> Result<ReadWriteLock> {
+        Ok(ReadWriteLock::new(self.clone(), key.into_lock_key()?))
+    }
+}
 
 /// A read-write lock on one key (Redisson `RReadWriteLock`): many owners may hold the
 /// [read lock](ReadWriteLock::read_lock) at once, or one owner the
@@ -41,7 +54,7 @@ pub struct ReadWriteLock {
 }
 
 impl ReadWriteLock {
-    pub(crate) fn new(client: LockClient, key: LockKey) -> Self {
+    fn new(client: LockClient, key: LockKey) -> Self {
         ReadWriteLock { client, key }
     }
 

@@ -182,15 +182,16 @@ mod tests {
     use http_body_util::BodyExt;
 
     use super::*;
-    use crate::kinds::MultiLock;
     use crate::{Lease, LockClient, LockKey, MemoryBackend};
 
     async fn held(client: &LockClient, key: &LockKey) -> RequestLocks {
-        let guard = MultiLock::new([client.get_lock(key).unwrap()])
+        let guard = client
+            .get_lock(key)
+            .unwrap()
             .try_lock_for(Duration::ZERO, Lease::Watchdog)
             .await
             .unwrap();
-        RequestLocks::new(guard, client.clone())
+        RequestLocks::new(crate::lock::Guards::One(guard), client.clone())
     }
 
     /// A body whose frames arrive through a channel.

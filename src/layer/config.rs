@@ -35,6 +35,17 @@ pub const DEFAULT_WAIT: Duration = Duration::from_secs(5);
 /// [`lease`](super::LockLayerBuilder::lease) to [`Lease::Watchdog`] for the client's.
 pub const DEFAULT_REQUEST_LEASE: Duration = Duration::from_secs(10);
 
+/// The lease a request's lock is held with by default, in [`LockLayer`](super::LockLayer)
+/// and [`IdempotencyLayer`](crate::IdempotencyLayer): renewed by the watchdog, with
+/// [`DEFAULT_REQUEST_LEASE`], or the client's watchdog lease if that is shorter.
+pub(crate) fn request_lease(client: &crate::LockClient) -> Lease {
+    if client.watchdog_lease() <= DEFAULT_REQUEST_LEASE {
+        Lease::Watchdog
+    } else {
+        Lease::Renewed(DEFAULT_REQUEST_LEASE)
+    }
+}
+
 /// The longest wait accepted: 10 minutes. No HTTP client waits longer; a larger value
 /// is a unit mix-up.
 pub const MAX_WAIT: Duration = Duration::from_secs(10 * 60);

@@ -23,10 +23,10 @@ use crate::backend::BoxFuture;
 use crate::error::Result;
 use crate::extract::{HeldLock, Locks};
 use crate::key::LockKey;
-use crate::kinds::{MultiGuard, MultiLock};
+use crate::kinds::MultiLock;
 use crate::lock::LayerOutcome;
 use crate::lock::acquire::deadline_after;
-use crate::lock::{Acquisition, Acting, LostSignal, begin_acquire};
+use crate::lock::{Acquisition, Acting, Guards, LostSignal, begin_acquire};
 use crate::owner::Owner;
 
 /// The response future of [`LockService`](super::LockService).
@@ -84,7 +84,7 @@ where
     },
     /// Waiting for the locks.
     Acquiring {
-        acquire: BoxFuture<'static, Result<MultiGuard>>,
+        acquire: BoxFuture<'static, Result<Guards>>,
     },
     /// Locked, or passing through unlocked: waiting for the inner service's readiness.
     Ready,
@@ -294,7 +294,7 @@ where
 
     /// The acquisition's outcome: ready to call the inner service with the locks held
     /// (or, failing open, without them), or rejected.
-    fn acquired<KF>(&mut self, outcome: Result<MultiGuard>) -> Step<S, B, KF, ResB> {
+    fn acquired<KF>(&mut self, outcome: Result<Guards>) -> Step<S, B, KF, ResB> {
         let error = match outcome {
             Ok(guard) => {
                 self.hold(guard);
@@ -326,7 +326,7 @@ where
 
     /// The locks are held: the request carries them (for the extractors), and so does
     /// the future, until they are released.
-    fn hold(&mut self, guard: MultiGuard) {
+    fn hold(&mut self, guard: Guards) {
         tracing::Span::current().record("decision", "locked");
         self.locked = true;
         if let (Some(held), Some(req)) = (HeldLock::new(&guard), self.req.as_mut()) {
@@ -439,9 +439,9 @@ fn acquire(core: &Core, owner: &Owner, fresh: bool, keys: Keys, method: &Method)
                 Acting::As(owner.clone())
             };
             return match begin_acquire(lock(key), acting, deadline, lease) {
-                Acquisition::Now(outcome) => Acquisition::Now(outcome.map(MultiGuard::one)),
+                Acquisition::Now(outcome) => Acquisition::Now(outcome.map(Guards::One)),
                 Acquisition::Later(waiting) => {
-                    Acquisition::Later(Box::pin(async move { waiting.await.map(MultiGuard::one) }))
+                    Acquisition::Later(Box::pin(async move { waiting.await.map(Guards::One) }))
                 }
             };
         }
@@ -456,7 +456,7 @@ fn acquire(core: &Core, owner: &Owner, fresh: bool, keys: Keys, method: &Method)
 }
 
 /// A request's locks, taken on the spot or still to wait for.
-type Locking = Acquisition<MultiGuard, BoxFuture<'static, Result<MultiGuard>>>;
+type Locking = Acquisition<Guards, BoxFuture<'static, Result<Guards>>>;
 
 /// `response` with the locks in its body, which releases them before its last byte.
 fn with_locks_in_body<ResB: Body>(

@@ -117,7 +117,7 @@ impl<K: KeyExtractor> LockLayer<K> {
     pub fn new(client: impl Into<LockClient>, keys: K) -> Self {
         let client = client.into();
         let config = Config {
-            lease: client.request_lease(),
+            lease: super::config::request_lease(&client),
             ..Config::default()
         };
         LockLayer::from_parts(client, keys, config)
@@ -430,7 +430,7 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
         let mut config = self.config;
         config.mode = self.mode?;
         if !self.lease_set {
-            config.lease = self.client.request_lease();
+            config.lease = super::config::request_lease(&self.client);
         }
         config.validate()?;
         Ok(LockLayer::from_parts(self.client, self.keys, config))

@@ -7,8 +7,7 @@ use std::task::{Context, Poll, ready};
 
 use crate::error::Error;
 use crate::key::LockKey;
-use crate::kinds::MultiGuard;
-use crate::lock::{FinishOnDrop, LockClient, Unlocking};
+use crate::lock::{FinishOnDrop, Guards, LockClient, Unlocking};
 
 /// The locks a request holds, on their way out.
 ///
@@ -24,7 +23,7 @@ enum State {
     /// Nothing held (an unlocked request, or released already).
     Empty,
     Holding {
-        guard: MultiGuard,
+        guard: Guards,
         client: LockClient,
     },
     /// Under way, driven by `poll_released`; finished in a task if dropped. The key is
@@ -43,7 +42,7 @@ impl RequestLocks {
         }
     }
 
-    pub(crate) fn new(guard: MultiGuard, client: LockClient) -> Self {
+    pub(crate) fn new(guard: Guards, client: LockClient) -> Self {
         RequestLocks {
             state: State::Holding { guard, client },
         }
@@ -66,7 +65,7 @@ impl RequestLocks {
     pub(crate) fn start(&mut self) {
         match std::mem::replace(&mut self.state, State::Empty) {
             State::Holding { guard, client } => {
-                let key = guard.guards().first().map(|g| g.key().clone());
+                let key = guard.as_slice().first().map(|g| g.key().clone());
                 match guard.start_unlock() {
                     // Released on the spot (an in-process store): nothing to drive.
                     Unlocking::Done(outcome) => report(outcome, key.as_ref(), &client),

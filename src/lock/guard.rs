@@ -15,9 +15,9 @@ use super::unlocking::{FinishOnDrop, Unlocking};
 use super::{LockClient, LockEvent};
 use bytes::Bytes;
 
+use super::HeldLock;
 use crate::backend::{FencingToken, LockMode, LockRequest, Release, Stored};
 use crate::error::{Error, Result};
-use crate::extract::HeldLock;
 use crate::hold_id::HoldId;
 use crate::key::LockKey;
 use crate::owner::Owner;
@@ -277,12 +277,6 @@ impl LockGuard {
     /// and for driving a [`LockBackend`](crate::backend::LockBackend) directly.
     pub fn hold_id(&self) -> &HoldId {
         &self.held().hold.store.hold_id
-    }
-
-    /// The old name of [`hold_id`](Self::hold_id).
-    #[deprecated(note = "renamed to `hold_id`; it returns a `HoldId`, not an `Owner`")]
-    pub fn holder(&self) -> &HoldId {
-        self.hold_id()
     }
 
     /// How the lock is held.

@@ -73,16 +73,15 @@ use std::time::Duration;
 
 use crate::backend::{LockBackend, LockMode, LockState};
 use crate::error::{Error, Result};
-use crate::extract::HeldLock;
 use crate::hold_id::HoldId;
 use crate::key::{IntoLockKey, LockKey};
-use crate::kinds::ReadWriteLock;
 use crate::owner::Owner;
 
 pub(crate) mod acquire;
 mod cleanup;
 mod guard;
 mod health;
+mod held;
 mod observer;
 mod registry;
 mod unlocking;
@@ -90,6 +89,8 @@ mod watchdog;
 
 pub(crate) use acquire::{Acquisition, Acting, begin_acquire};
 pub use guard::{LockGuard, LostSignal};
+pub(crate) use held::Guards;
+pub use held::HeldLock;
 pub(crate) use observer::Hooks;
 pub use observer::{LayerEvent, LayerOutcome, LockEvent, LockObserver};
 use registry::Registry;
@@ -262,15 +263,6 @@ impl LockClient {
     /// [`Error::InvalidKey`] when `key` is not a valid [`LockKey`].
     pub fn get_fair_lock(&self, key: impl IntoLockKey) -> Result<Lock> {
         self.lock_in_mode(key, LockMode::Fair)
-    }
-
-    /// The read-write lock named `key` (Redisson `getReadWriteLock`).
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidKey`] when `key` is not a valid [`LockKey`].
-    pub fn get_read_write_lock(&self, key: impl IntoLockKey) -> Result<ReadWriteLock> {
-        Ok(ReadWriteLock::new(self.clone(), key.into_lock_key()?))
     }
 
     /// At most `max` holders of `key` at once, each with its own leased permit (like
@@ -560,19 +552,6 @@ impl LockClient {
     pub fn outage(&self) -> Option<Duration> {
         let since = self.registry().inner.health.failing_since()?;
         Some(tokio::time::Instant::now().saturating_duration_since(since))
-    }
-
-    /// The lease a request's lock is held with by default, in [`LockLayer`] and
-    /// [`IdempotencyLayer`](crate::IdempotencyLayer): renewed by the watchdog, with
-    /// [`DEFAULT_REQUEST_LEASE`](crate::layer::DEFAULT_REQUEST_LEASE), or the client's
-    /// watchdog lease if that is shorter.
-    pub(crate) fn request_lease(&self) -> Lease {
-        let lease = crate::layer::DEFAULT_REQUEST_LEASE;
-        if self.watchdog_lease() <= lease {
-            Lease::Watchdog
-        } else {
-            Lease::Renewed(lease)
-        }
     }
 
     /// How long an outage lasts before lock calls that begin in it stop riding it out
