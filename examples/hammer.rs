@@ -325,7 +325,7 @@ async fn client(args: &Args) -> Result<LockClient, String> {
     client_on(backend, args)
 }
 
-fn lock_of(client: &LockClient, args: &Args) -> Result<Lock, tower_lock::Error> {
+fn lock_of(client: &LockClient, args: &Args) -> Result<Lock, tower_lock::ConfigError> {
     let name = args.name.as_str();
     match args.kind {
         Kind::Lock | Kind::RedLock => client.get_lock(name),

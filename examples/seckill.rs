@@ -260,7 +260,7 @@ fn client_on(
         .observer(tower_lock::metrics::MetricsObserver::new())
         .build()
         .map_err(|e| match e {
-            tower_lock::Error::InvalidConfig {
+            tower_lock::ConfigError::InvalidSetting {
                 name: "watchdog_lease",
                 ..
             } => format!("--lease-ms: {e}"),

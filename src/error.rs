@@ -1,9 +1,15 @@
-//! The crate's one error type.
+//! The crate's errors, by phase.
 //!
-//! Every fallible operation returns [`Result<T>`](Result), whose error is [`Error`]. The
-//! variants keep the cases a caller handles differently apart: the lock was busy (try
-//! again later), the lock was lost while held (the critical section is compromised), the
-//! input was invalid (fix the caller), the store failed ([`Error::Store`]).
+//! - [`ConfigError`]: a mistake in what the caller asked for, found without I/O —
+//!   `get_lock`, `LockKey::new`, the layers' and the client's builders.
+//! - [`SetupError`]: building a backend that connects — a setting, or a store it could
+//!   not reach or use.
+//! - [`Error`]: at run time, every lock call. The variants keep the cases a caller
+//!   handles differently apart: the lock was busy (try again later), the lock was lost
+//!   while held (the critical section is compromised), the client was shut down, the
+//!   store failed ([`Error::Store`]).
+//!
+//! `?` converts the first two into [`Error`], so one `Result` type can carry all three.
 //!
 //! # Store failures by kind
 //!
@@ -49,28 +55,16 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Everything that can go wrong when taking, holding or releasing a lock.
+/// What can go wrong with a lock at run time: taking, holding, releasing or inspecting
+/// it. A caller matches on the variants — [`Busy`](Error::Busy) (try again later),
+/// [`Lost`](Error::Lost) (the critical section is compromised),
+/// [`Shutdown`](Error::Shutdown), [`Store`](Error::Store) (by its
+/// [kind](StoreError::kind)) — or asks [`is_retryable`](Error::is_retryable).
+/// [`Config`](Error::Config) is a mistake of the caller's found at run time (a lease out
+/// of range); setup calls return [`ConfigError`] or [`SetupError`] alone.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The lock key is empty, too long, contains control characters or malformed
-    /// hash-tag braces. See [`LockKey`](crate::LockKey) for the rules.
-    #[error("invalid lock key: {reason}")]
-    InvalidKey {
-        /// What is wrong with the key.
-        reason: String,
-    },
-
-    /// A configuration value is out of range (a zero lease, a wait that cannot be
-    /// represented, ...). The message names the setting and the value.
-    #[error("invalid configuration: `{name}` {reason}")]
-    InvalidConfig {
-        /// The setting, e.g. `lease`.
-        name: &'static str,
-        /// What is wrong with it, including the value given.
-        reason: String,
-    },
-
     /// The lock is held by another owner and the wait (if any) ran out.
     #[error("lock is busy{}", fmt_ttl(*.holder_ttl))]
     Busy {
@@ -85,15 +79,6 @@ pub enum Error {
     #[error("lock was lost while held (lease expired or lock removed)")]
     Lost,
 
-    /// The backend does not implement this lock mode.
-    #[error("the {backend} backend does not support {mode} locks")]
-    Unsupported {
-        /// The backend's name.
-        backend: &'static str,
-        /// The mode asked for.
-        mode: crate::LockMode,
-    },
-
     /// The lock client was shut down ([`LockClient::shutdown`](crate::LockClient::shutdown)):
     /// it takes no more locks, and an acquisition that was waiting or in flight when it
     /// shut down gave up. Not a store failure and not retryable: a layer on a shut-down
@@ -103,29 +88,124 @@ pub enum Error {
     #[error("the lock client was shut down")]
     Shutdown,
 
-    /// The key exists in the store but does not hold a lock of the expected shape (for
-    /// Redis: a string where a lock hash should be).
-    #[error("the store holds data of another type at the lock key")]
-    WrongType,
-
-    /// A quorum-based lock (RedLock) could not reach a majority of its nodes.
-    #[error("no quorum: {acquired} of {total} nodes answered, {needed} needed")]
-    NoQuorum {
-        /// Nodes that granted the lock (or answered).
-        acquired: usize,
-        /// Nodes needed.
-        needed: usize,
-        /// Nodes in all.
-        total: usize,
-    },
-
     /// The lock store failed: it could not be reached, refused the operation, or
     /// answered something this crate does not understand. Its
     /// [kind](StoreError::kind) says which, and decides what the crate does about it;
-    /// the store driver's own error (redis-rs, sqlx, I/O) is its
-    /// [`source`](std::error::Error::source).
+    /// the store driver's own error (redis-rs, sqlx, I/O), or a store-specific
+    /// condition ([`NoQuorum`](crate::backend::redlock::NoQuorum), Redis's
+    /// `WrongType`), is its [`source`](std::error::Error::source).
     #[error(transparent)]
     Store(#[from] StoreError),
+
+    /// The call was given something it cannot use: an invalid key or setting, or a mode
+    /// the backend does not implement. Retrying will not help; fix the caller.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+}
+
+/// A mistake in what a caller asked for, found before anything reaches a store: an
+/// invalid key, a setting out of range, a lock kind the backend does not implement.
+/// Returned by the calls that set things up without I/O (`get_lock`, `LockKey::new`,
+/// the layers' and the client's builders); at run time it is [`Error::Config`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The lock key is empty, too long, contains control characters or malformed
+    /// hash-tag braces. See [`LockKey`](crate::LockKey) for the rules.
+    #[error("invalid lock key: {reason}")]
+    InvalidKey {
+        /// What is wrong with the key.
+        reason: String,
+    },
+
+    /// A setting is out of range (a zero lease, a wait that cannot be represented, a
+    /// pool too small, ...). The message names the setting and the value.
+    #[error("invalid configuration: `{name}` {reason}")]
+    InvalidSetting {
+        /// The setting, e.g. `lease`.
+        name: &'static str,
+        /// What is wrong with it, including the value given.
+        reason: String,
+    },
+
+    /// The backend does not implement what was asked of it: a lock mode, or an
+    /// extension such as administration.
+    #[error("the {backend} backend does not support {what}")]
+    Unsupported {
+        /// The backend's name.
+        backend: &'static str,
+        /// What was asked for, e.g. `fair locks`.
+        what: String,
+    },
+}
+
+/// What can go wrong building a backend that connects to its store: a setting it cannot
+/// use, or a store it cannot reach or use (a refused connection, a missing table, a
+/// server of another kind).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SetupError {
+    /// A setting or URL the backend cannot use.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The store could not be reached or used; see [`StoreError::kind`].
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl SetupError {
+    /// What kind of store failure this is, `None` for a setting.
+    pub fn store_kind(&self) -> Option<StoreErrorKind> {
+        match self {
+            SetupError::Store(error) => Some(error.kind()),
+            SetupError::Config(_) => None,
+        }
+    }
+
+    /// Whether the store could not be reached (an outage: trying again later may
+    /// work), as opposed to a setting or a store that refused.
+    pub fn is_unavailable(&self) -> bool {
+        self.store_kind() == Some(StoreErrorKind::Unavailable)
+    }
+}
+
+impl From<SetupError> for Error {
+    fn from(error: SetupError) -> Self {
+        match error {
+            SetupError::Config(error) => Error::Config(error),
+            SetupError::Store(error) => Error::Store(error),
+        }
+    }
+}
+
+/// A runtime error where setup was expected: a builder's validation shared with the lock
+/// path returns the setting, and a store failure at setup stays one.
+impl From<Error> for SetupError {
+    fn from(error: Error) -> Self {
+        match error {
+            Error::Config(error) => SetupError::Config(error),
+            Error::Store(error) => SetupError::Store(error),
+            other => SetupError::Store(StoreError::msg(
+                StoreErrorKind::Unexpected,
+                other.to_string(),
+            )),
+        }
+    }
+}
+
+impl ConfigError {
+    pub(crate) fn invalid_key(reason: impl Into<String>) -> Self {
+        ConfigError::InvalidKey {
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn invalid_setting(name: &'static str, reason: impl Into<String>) -> Self {
+        ConfigError::InvalidSetting {
+            name,
+            reason: reason.into(),
+        }
+    }
 }
 
 fn fmt_ttl(ttl: Option<Duration>) -> String {
@@ -136,22 +216,12 @@ fn fmt_ttl(ttl: Option<Duration>) -> String {
 }
 
 impl Error {
-    /// What kind of store failure this is: [`Error::Store`]'s kind, and the two store
-    /// failures with variants of their own — [`Error::NoQuorum`] (unavailable: too few
-    /// nodes answered) and [`Error::WrongType`] (misconfigured: the key holds other
-    /// data). `None` for an error that is not the store's (the lock's state, the
-    /// caller's input).
+    /// What kind of store failure this is: [`Error::Store`]'s kind; `None` for an error
+    /// that is not the store's (the lock's state, the caller's input).
     pub fn store_kind(&self) -> Option<StoreErrorKind> {
         match self {
             Error::Store(error) => Some(error.kind()),
-            Error::NoQuorum { .. } => Some(StoreErrorKind::Unavailable),
-            Error::WrongType => Some(StoreErrorKind::Misconfigured),
-            Error::InvalidKey { .. }
-            | Error::InvalidConfig { .. }
-            | Error::Busy { .. }
-            | Error::Lost
-            | Error::Shutdown
-            | Error::Unsupported { .. } => None,
+            Error::Busy { .. } | Error::Lost | Error::Shutdown | Error::Config(_) => None,
         }
     }
 
@@ -173,6 +243,27 @@ impl Error {
         self.store_kind() == Some(StoreErrorKind::Unavailable)
     }
 
+    /// The typed condition behind a store failure, if it is an `E`: a store-specific
+    /// one ([`NoQuorum`](crate::backend::redlock::NoQuorum) for RedLock, Redis's
+    /// `WrongType`) or the driver's error (a `redis::RedisError`, a `sqlx::Error`).
+    /// `None` for another error, or another type.
+    ///
+    /// ```
+    /// use tower_lock::{Error, StoreError, StoreErrorKind};
+    ///
+    /// let io = std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out");
+    /// let error = Error::from(StoreError::new(StoreErrorKind::Unavailable, io));
+    /// let io = error.store_source::<std::io::Error>().unwrap();
+    /// assert_eq!(io.kind(), std::io::ErrorKind::TimedOut);
+    /// assert!(Error::Lost.store_source::<std::io::Error>().is_none());
+    /// ```
+    pub fn store_source<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        match self {
+            Error::Store(error) => error.downcast_ref::<E>(),
+            _ => None,
+        }
+    }
+
     /// Whether this is [`Error::Busy`]: another owner holds the lock.
     pub fn is_busy(&self) -> bool {
         matches!(self, Error::Busy { .. })
@@ -187,6 +278,7 @@ impl Error {
 
     /// Whether the store's connection broke under the operation: see
     /// [`StoreError::is_connection_lost`].
+    #[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
     pub(crate) fn is_connection_lost(&self) -> bool {
         matches!(self, Error::Store(error) if error.is_connection_lost())
     }
@@ -212,30 +304,16 @@ impl Error {
     /// The same error again, for each of several operations that failed together (a
     /// batch of renewals): every variant's data is cloneable, a store error's source
     /// shared.
+    #[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
     pub(crate) fn duplicate(&self) -> Error {
         match self {
-            Error::InvalidKey { reason } => Error::invalid_key(reason.clone()),
-            Error::InvalidConfig { name, reason } => Error::invalid_config(name, reason.clone()),
             Error::Busy { holder_ttl } => Error::Busy {
                 holder_ttl: *holder_ttl,
             },
             Error::Lost => Error::Lost,
             Error::Shutdown => Error::Shutdown,
-            Error::Unsupported { backend, mode } => Error::Unsupported {
-                backend,
-                mode: *mode,
-            },
-            Error::WrongType => Error::WrongType,
-            Error::NoQuorum {
-                acquired,
-                needed,
-                total,
-            } => Error::NoQuorum {
-                acquired: *acquired,
-                needed: *needed,
-                total: *total,
-            },
             Error::Store(error) => Error::Store(error.clone()),
+            Error::Config(error) => Error::Config(error.clone()),
         }
     }
 
@@ -244,17 +322,8 @@ impl Error {
         Error::Store(StoreError::msg(kind, message))
     }
 
-    pub(crate) fn invalid_key(reason: impl Into<String>) -> Self {
-        Error::InvalidKey {
-            reason: reason.into(),
-        }
-    }
-
     pub(crate) fn invalid_config(name: &'static str, reason: impl Into<String>) -> Self {
-        Error::InvalidConfig {
-            name,
-            reason: reason.into(),
-        }
+        Error::Config(ConfigError::invalid_setting(name, reason))
     }
 }
 
@@ -501,7 +570,7 @@ mod tests {
     #[test]
     fn display_is_lowercase_without_period() {
         let errors = [
-            Error::invalid_key("is empty"),
+            Error::Config(ConfigError::invalid_key("is empty")),
             Error::invalid_config("lease", "must be at least 1 ms (got 0 ns)"),
             Error::Busy {
                 holder_ttl: Some(Duration::from_millis(1500)),
@@ -509,13 +578,11 @@ mod tests {
             Error::Busy { holder_ttl: None },
             Error::Lost,
             Error::Shutdown,
-            Error::WrongType,
             Error::store(StoreErrorKind::Unavailable, "connection refused"),
-            Error::NoQuorum {
-                acquired: 2,
-                needed: 3,
-                total: 5,
-            },
+            Error::Config(ConfigError::Unsupported {
+                backend: "memory",
+                what: "fair locks".to_owned(),
+            }),
         ];
         for e in errors {
             let s = e.to_string();
@@ -538,7 +605,8 @@ mod tests {
         assert!(!Error::Busy { holder_ttl: None }.is_backend());
         assert!(!Error::Lost.is_retryable());
         assert!(!Error::Lost.is_backend());
-        assert!(!Error::invalid_key("x").is_retryable());
+        assert!(!Error::from(ConfigError::invalid_key("x")).is_retryable());
+        assert!(!Error::from(ConfigError::invalid_key("x")).is_backend());
 
         let down = Error::store(StoreErrorKind::Unavailable, "down");
         assert!(down.is_retryable() && down.is_unavailable() && down.is_backend());
@@ -546,18 +614,20 @@ mod tests {
         for fails_closed in [
             Error::store(StoreErrorKind::Misconfigured, "no such table"),
             Error::store(StoreErrorKind::Unexpected, "a reply of another shape"),
-            Error::WrongType,
         ] {
             assert!(fails_closed.is_backend(), "{fails_closed}");
             assert!(!fails_closed.is_retryable(), "{fails_closed}");
             assert!(!fails_closed.is_unavailable(), "{fails_closed}");
         }
-        let no_quorum = Error::NoQuorum {
-            acquired: 1,
-            needed: 2,
-            total: 3,
-        };
-        assert_eq!(no_quorum.store_kind(), Some(StoreErrorKind::Unavailable));
+        let setup = SetupError::from(StoreError::msg(StoreErrorKind::Unavailable, "refused"));
+        assert_eq!(setup.store_kind(), Some(StoreErrorKind::Unavailable));
+        assert!(Error::from(setup).is_unavailable());
+        let setup = SetupError::from(ConfigError::invalid_setting("url", "is not one"));
+        assert_eq!(setup.store_kind(), None);
+        assert!(matches!(
+            Error::from(setup),
+            Error::Config(ConfigError::InvalidSetting { name: "url", .. })
+        ));
         assert_eq!(Error::Lost.store_kind(), None);
         assert_eq!(Error::Shutdown.store_kind(), None);
         assert!(!Error::Shutdown.is_retryable());

@@ -62,7 +62,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::backend::LockMode;
-use crate::error::Result;
+use crate::error::{ConfigError, Result};
 use crate::key::IntoLockKey;
 pub use crate::lock::HeldLock;
 use crate::lock::{Lease, Lock, LockClient, LockGuard};
@@ -141,8 +141,8 @@ impl Locks {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidKey`](crate::Error::InvalidKey) for a bad key.
-    pub fn get_lock(&self, key: impl IntoLockKey) -> Result<Lock> {
+    /// [`ConfigError::InvalidKey`] for a bad key.
+    pub fn get_lock(&self, key: impl IntoLockKey) -> Result<Lock, ConfigError> {
         Ok(self.client.get_lock(key)?.with_owner(self.owner.clone()))
     }
 
@@ -150,8 +150,12 @@ impl Locks {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidKey`](crate::Error::InvalidKey) for a bad key.
-    pub fn get_lock_in_mode(&self, key: impl IntoLockKey, mode: LockMode) -> Result<Lock> {
+    /// [`ConfigError::InvalidKey`] for a bad key.
+    pub fn get_lock_in_mode(
+        &self,
+        key: impl IntoLockKey,
+        mode: LockMode,
+    ) -> Result<Lock, ConfigError> {
         Ok(self
             .client
             .lock_in_mode(key, mode)?

@@ -38,7 +38,9 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::error::Result;
+use crate::error::ConfigError;
+
+type Result<T, E = ConfigError> = std::result::Result<T, E>;
 use crate::owner::{Owner, validate_identity};
 
 /// One hold's identity in the store: `<client uuid>:<n>`, used by no other hold.
@@ -70,7 +72,7 @@ impl HoldId {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`](crate::Error::InvalidConfig) naming `hold_id` when `raw`
+    /// [`ConfigError::InvalidSetting`](crate::ConfigError::InvalidSetting) naming `hold_id` when `raw`
     /// is empty, longer than [`MAX_OWNER_LEN`](crate::MAX_OWNER_LEN) bytes, contains
     /// control characters, or ends in `:read` or `:write` (the suffixes a read-write
     /// lock's queue entries and write holds carry).
@@ -107,7 +109,7 @@ impl AsRef<str> for HoldId {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::Error;
+    use crate::error::ConfigError;
 
     #[test]
     fn the_rules_are_an_owners() {
@@ -124,7 +126,7 @@ mod tests {
             assert!(
                 matches!(
                     HoldId::from_raw(&bad),
-                    Err(Error::InvalidConfig {
+                    Err(ConfigError::InvalidSetting {
                         name: "hold_id",
                         ..
                     })

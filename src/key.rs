@@ -32,14 +32,16 @@
 //!
 //! # Errors
 //!
-//! Every constructor returns [`Error::InvalidKey`](crate::Error::InvalidKey) with the
+//! Every constructor returns [`ConfigError::InvalidKey`](crate::ConfigError::InvalidKey) with the
 //! reason; nothing here panics on any input.
 
 use std::borrow::Borrow;
 use std::fmt;
 use std::sync::Arc;
 
-use crate::error::{Error, Result};
+use crate::error::ConfigError;
+
+type Result<T, E = ConfigError> = std::result::Result<T, E>;
 use crate::namespace::Namespace;
 
 /// The longest key accepted, in bytes (1 KiB). Redis allows far longer keys, but every
@@ -86,7 +88,7 @@ impl LockKey {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidKey`] when the key is empty, longer than [`MAX_KEY_LEN`] bytes,
+    /// [`ConfigError::InvalidKey`](crate::ConfigError::InvalidKey) when the key is empty, longer than [`MAX_KEY_LEN`] bytes,
     /// contains a control character, has braces other than one non-empty `{tag}`, or
     /// starts like a companion key ([`RESERVED_PREFIXES`]).
     pub fn new(key: impl AsRef<str>) -> Result<Self> {
@@ -106,13 +108,13 @@ impl LockKey {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidKey`] when `namespace` breaks the [`Namespace`] rule (longer than
+    /// [`ConfigError::InvalidKey`](crate::ConfigError::InvalidKey) when `namespace` breaks the [`Namespace`] rule (longer than
     /// [`MAX_NAMESPACE_LEN`](crate::MAX_NAMESPACE_LEN) bytes, braces, control
     /// characters, a `:` at either end or two in a row), `part` is empty, or the result
     /// is longer than [`MAX_KEY_LEN`] bytes.
     pub fn namespaced(namespace: &str, part: &str) -> Result<Self> {
         crate::namespace::check(namespace)
-            .map_err(|reason| Error::invalid_key(format!("namespace {reason}")))?;
+            .map_err(|reason| ConfigError::invalid_key(format!("namespace {reason}")))?;
         Self::build_namespaced(namespace, part)
     }
 
@@ -123,7 +125,7 @@ impl LockKey {
 
     fn build_namespaced(namespace: &str, part: &str) -> Result<Self> {
         if part.is_empty() {
-            return Err(Error::invalid_key("key part is empty"));
+            return Err(ConfigError::invalid_key("key part is empty"));
         }
         let key = crate::scratch::arc_str(|key| {
             if !namespace.is_empty() {
@@ -137,7 +139,7 @@ impl LockKey {
         // Valid by construction (one non-empty tag, no control characters: the namespace
         // was checked and the part escaped); only the length is left to check.
         if key.len() > MAX_KEY_LEN {
-            return Err(Error::invalid_key(format!(
+            return Err(ConfigError::invalid_key(format!(
                 "key is {} bytes long, the limit is {MAX_KEY_LEN}",
                 key.len()
             )));
@@ -187,17 +189,17 @@ impl LockKey {
 
 fn validate(key: &str) -> Result<()> {
     if key.is_empty() {
-        return Err(Error::invalid_key("key is empty"));
+        return Err(ConfigError::invalid_key("key is empty"));
     }
-    check_not_reserved(key).map_err(Error::invalid_key)?;
+    check_not_reserved(key).map_err(ConfigError::invalid_key)?;
     if key.len() > MAX_KEY_LEN {
-        return Err(Error::invalid_key(format!(
+        return Err(ConfigError::invalid_key(format!(
             "key is {} bytes long, the limit is {MAX_KEY_LEN}",
             key.len()
         )));
     }
     if let Some(c) = key.chars().find(|c| c.is_control()) {
-        return Err(Error::invalid_key(format!(
+        return Err(ConfigError::invalid_key(format!(
             "key contains the control character {c:?}"
         )));
     }
@@ -209,14 +211,14 @@ fn validate(key: &str) -> Result<()> {
             let open = key.find('{').unwrap_or(0);
             let close = key.find('}').unwrap_or(0);
             if close < open {
-                Err(Error::invalid_key("`}` comes before `{`"))
+                Err(ConfigError::invalid_key("`}` comes before `{`"))
             } else if close == open + 1 {
-                Err(Error::invalid_key("hash tag `{}` is empty"))
+                Err(ConfigError::invalid_key("hash tag `{}` is empty"))
             } else {
                 Ok(())
             }
         }
-        _ => Err(Error::invalid_key(
+        _ => Err(ConfigError::invalid_key(
             "a key may hold at most one hash tag `{...}`; escape user input with LockKey::namespaced",
         )),
     }
@@ -269,21 +271,21 @@ impl Borrow<str> for LockKey {
 }
 
 impl TryFrom<&str> for LockKey {
-    type Error = Error;
+    type Error = ConfigError;
     fn try_from(value: &str) -> Result<Self> {
         LockKey::new(value)
     }
 }
 
 impl TryFrom<String> for LockKey {
-    type Error = Error;
+    type Error = ConfigError;
     fn try_from(value: String) -> Result<Self> {
         LockKey::new(value)
     }
 }
 
 impl std::str::FromStr for LockKey {
-    type Err = Error;
+    type Err = ConfigError;
     fn from_str(s: &str) -> Result<Self> {
         LockKey::new(s)
     }
@@ -295,7 +297,7 @@ pub trait IntoLockKey {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidKey`] for text that is not a valid key.
+    /// [`ConfigError::InvalidKey`](crate::ConfigError::InvalidKey) for text that is not a valid key.
     fn into_lock_key(self) -> Result<LockKey>;
 }
 
@@ -368,7 +370,7 @@ mod tests {
         ];
         for (key, why) in cases {
             match LockKey::new(key) {
-                Err(Error::InvalidKey { reason }) => {
+                Err(ConfigError::InvalidKey { reason }) => {
                     assert!(reason.contains(why), "{key:?}: {reason}")
                 }
                 other => panic!("{key:?}: {other:?}"),
@@ -376,7 +378,7 @@ mod tests {
         }
         assert!(matches!(
             LockKey::new("x".repeat(MAX_KEY_LEN + 1)),
-            Err(Error::InvalidKey { .. })
+            Err(ConfigError::InvalidKey { .. })
         ));
     }
 
@@ -456,7 +458,7 @@ mod tests {
         let long = "n".repeat(crate::MAX_NAMESPACE_LEN + 1);
         assert!(matches!(
             LockKey::namespaced(&long, "a"),
-            Err(Error::InvalidKey { reason }) if reason.starts_with("namespace must be at most")
+            Err(ConfigError::InvalidKey { reason }) if reason.starts_with("namespace must be at most")
         ));
         assert!(LockKey::namespaced("ns", &"}".repeat(400)).is_err());
     }

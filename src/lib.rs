@@ -195,7 +195,7 @@ pub use backend::postgres::PostgresBackend;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use backend::redis::RedisBackend;
 pub use backend::{FencingToken, HoldInfo, LockMode, LockState, WaiterScope, Waiters};
-pub use error::{BoxError, Error, Result, StoreError, StoreErrorKind};
+pub use error::{BoxError, ConfigError, Error, Result, SetupError, StoreError, StoreErrorKind};
 pub use hold_id::HoldId;
 pub use idempotency::IdempotencyLayer;
 pub use key::{IntoLockKey, LockKey, MAX_KEY_LEN, RESERVED_PREFIXES};

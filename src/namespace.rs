@@ -3,7 +3,9 @@
 use std::borrow::Cow;
 use std::fmt;
 
-use crate::error::{Error, Result};
+use crate::error::ConfigError;
+
+type Result<T, E = ConfigError> = std::result::Result<T, E>;
 use crate::key::MAX_KEY_LEN;
 
 /// The longest namespace or key prefix, in bytes: half of [`MAX_KEY_LEN`], so that a
@@ -39,7 +41,7 @@ pub const MAX_NAMESPACE_LEN: usize = MAX_KEY_LEN / 2;
 /// assert!(Namespace::new("").is_ok(), "none");
 /// assert!(matches!(
 ///     Namespace::new("a{b"),
-///     Err(Error::InvalidConfig { name: "namespace", .. })
+///     Err(ConfigError::InvalidSetting { name: "namespace", .. })
 /// ));
 /// // The joining `:` is the crate's: a namespace neither ends nor starts with one.
 /// let err = Namespace::new("lock:").unwrap_err();
@@ -54,7 +56,7 @@ impl Namespace {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] naming `namespace` when it is longer than
+    /// [`ConfigError::InvalidSetting`](crate::ConfigError::InvalidSetting) naming `namespace` when it is longer than
     /// [`MAX_NAMESPACE_LEN`] bytes, contains braces or control characters, or starts or
     /// ends with `:` or has two in a row.
     pub fn new(namespace: impl Into<Cow<'static, str>>) -> Result<Self> {
@@ -69,7 +71,7 @@ impl Namespace {
         let namespace = namespace.into();
         match check(&namespace) {
             Ok(()) => Ok(Namespace(namespace)),
-            Err(reason) => Err(Error::invalid_config(setting, reason)),
+            Err(reason) => Err(ConfigError::invalid_setting(setting, reason)),
         }
     }
 
@@ -164,7 +166,7 @@ mod tests {
         let long = "n".repeat(MAX_NAMESPACE_LEN + 1);
         for bad in ["a{b", "x}", "tab\t", "nl\n", "\u{85}", long.as_str()] {
             match Namespace::for_setting("key_prefix", bad.to_owned()) {
-                Err(Error::InvalidConfig {
+                Err(ConfigError::InvalidSetting {
                     name: "key_prefix",
                     reason,
                 }) => assert!(reason.starts_with("must be at most 512 bytes"), "{reason}"),
@@ -173,7 +175,7 @@ mod tests {
         }
         for (bad, fix) in [("app:", "app"), (":app", "app"), ("a::b", "a:b"), (":", "")] {
             match Namespace::for_setting("key_prefix", bad.to_owned()) {
-                Err(Error::InvalidConfig {
+                Err(ConfigError::InvalidSetting {
                     name: "key_prefix",
                     reason,
                 }) => assert!(

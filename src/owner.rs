@@ -51,7 +51,9 @@ use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 
-use crate::error::{Error, Result};
+use crate::error::ConfigError;
+
+type Result<T, E = ConfigError> = std::result::Result<T, E>;
 
 /// The longest raw owner accepted by [`Owner::from_raw`], in bytes; the same for a
 /// [`HoldId`](crate::HoldId).
@@ -86,7 +88,7 @@ impl Owner {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] naming `owner` when `raw` is empty, longer than
+    /// [`ConfigError::InvalidSetting`](crate::ConfigError::InvalidSetting) naming `owner` when `raw` is empty, longer than
     /// [`MAX_OWNER_LEN`] bytes, contains control characters, or ends in `:read` or
     /// `:write` (the suffixes a read-write lock's queue entries and write holds carry).
     pub fn from_raw(raw: impl AsRef<str>) -> Result<Self> {
@@ -129,7 +131,7 @@ impl Owner {
 /// The rules an owner and a hold identity share, the error naming `setting`.
 pub(crate) fn validate_identity(setting: &'static str, raw: &str) -> Result<()> {
     if raw.is_empty() || raw.len() > MAX_OWNER_LEN || raw.chars().any(char::is_control) {
-        return Err(Error::invalid_config(
+        return Err(ConfigError::invalid_setting(
             setting,
             format!(
                 "must be 1 to {MAX_OWNER_LEN} bytes without control characters (got {} bytes)",
@@ -138,7 +140,7 @@ pub(crate) fn validate_identity(setting: &'static str, raw: &str) -> Result<()> 
         ));
     }
     if raw.ends_with(":read") || raw.ends_with(":write") {
-        return Err(Error::invalid_config(
+        return Err(ConfigError::invalid_setting(
             setting,
             format!(
                 "must not end in `:read` or `:write`, which read-write locks use as suffixes (got {raw:?})"

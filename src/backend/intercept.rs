@@ -4,7 +4,7 @@
 
 use super::{
     Acquire, BoxFuture, ClientNames, LocalStore, LockBackend, LockMode, LockRequest, LockState,
-    Release, ReplayStore, StoreProfile, Subscription,
+    Release, ReplayStore, StoreAdmin, StoreProfile, Subscription, admin_of,
 };
 use crate::error::Result;
 use crate::key::LockKey;
@@ -139,39 +139,48 @@ pub trait Intercept<B: LockBackend>: Send + Sync + 'static {
         inner.cancel_wait(req)
     }
 
-    /// [`LockBackend::force_release`].
-    fn force_release<'a>(
-        &'a self,
-        inner: &'a B,
-        key: &'a LockKey,
-        mode: LockMode,
-    ) -> BoxFuture<'a, Result<bool>> {
-        inner.force_release(key, mode)
-    }
-
-    /// [`LockBackend::inspect`].
+    /// [`StoreAdmin::inspect`], when `inner` has [administration](LockBackend::admin).
     fn inspect<'a>(
         &'a self,
         inner: &'a B,
         key: &'a LockKey,
         mode: LockMode,
     ) -> BoxFuture<'a, Result<LockState>> {
-        inner.inspect(key, mode)
+        match admin_of(inner) {
+            Ok(admin) => admin.inspect(key, mode),
+            Err(error) => Box::pin(std::future::ready(Err(error))),
+        }
     }
 
-    /// [`LockBackend::clients`].
+    /// [`StoreAdmin::force_release`], when `inner` has administration.
+    fn force_release<'a>(
+        &'a self,
+        inner: &'a B,
+        key: &'a LockKey,
+        mode: LockMode,
+    ) -> BoxFuture<'a, Result<bool>> {
+        match admin_of(inner) {
+            Ok(admin) => admin.force_release(key, mode),
+            Err(error) => Box::pin(std::future::ready(Err(error))),
+        }
+    }
+
+    /// [`StoreAdmin::ping`], when `inner` has administration.
+    fn ping<'a>(&'a self, inner: &'a B) -> BoxFuture<'a, Result<()>> {
+        match admin_of(inner) {
+            Ok(admin) => admin.ping(),
+            Err(error) => Box::pin(std::future::ready(Err(error))),
+        }
+    }
+
+    /// [`StoreAdmin::clients`], when `inner` has administration.
     fn clients<'a>(&'a self, inner: &'a B) -> Option<&'a dyn ClientNames> {
-        inner.clients()
+        inner.admin()?.clients()
     }
 
     /// [`LockBackend::replays`].
     fn replays<'a>(&'a self, inner: &'a B) -> Option<&'a dyn ReplayStore> {
         inner.replays()
-    }
-
-    /// [`LockBackend::ping`].
-    fn ping<'a>(&'a self, inner: &'a B) -> BoxFuture<'a, Result<()>> {
-        inner.ping()
     }
 }
 
@@ -249,6 +258,27 @@ impl<B: LockBackend, I: Intercept<B>> LockBackend for Intercepted<B, I> {
         self.intercept.cancel_wait(&self.inner, req)
     }
 
+    fn local(&self) -> Option<&dyn LocalStore> {
+        self.inner.local()?;
+        Some(self)
+    }
+
+    fn admin(&self) -> Option<&dyn StoreAdmin> {
+        self.inner.admin()?;
+        Some(self)
+    }
+
+    fn replays(&self) -> Option<&dyn ReplayStore> {
+        self.intercept.replays(&self.inner)
+    }
+}
+
+/// Offered exactly when `B` has administration.
+impl<B: LockBackend, I: Intercept<B>> StoreAdmin for Intercepted<B, I> {
+    fn inspect<'a>(&'a self, key: &'a LockKey, mode: LockMode) -> BoxFuture<'a, Result<LockState>> {
+        self.intercept.inspect(&self.inner, key, mode)
+    }
+
     fn force_release<'a>(
         &'a self,
         key: &'a LockKey,
@@ -257,25 +287,12 @@ impl<B: LockBackend, I: Intercept<B>> LockBackend for Intercepted<B, I> {
         self.intercept.force_release(&self.inner, key, mode)
     }
 
-    fn inspect<'a>(&'a self, key: &'a LockKey, mode: LockMode) -> BoxFuture<'a, Result<LockState>> {
-        self.intercept.inspect(&self.inner, key, mode)
-    }
-
-    fn local(&self) -> Option<&dyn LocalStore> {
-        self.inner.local()?;
-        Some(self)
+    fn ping(&self) -> BoxFuture<'_, Result<()>> {
+        self.intercept.ping(&self.inner)
     }
 
     fn clients(&self) -> Option<&dyn ClientNames> {
         self.intercept.clients(&self.inner)
-    }
-
-    fn replays(&self) -> Option<&dyn ReplayStore> {
-        self.intercept.replays(&self.inner)
-    }
-
-    fn ping(&self) -> BoxFuture<'_, Result<()>> {
-        self.intercept.ping(&self.inner)
     }
 }
 
@@ -291,3 +308,111 @@ impl<B: LockBackend, I: Intercept<B>> LocalStore for Intercepted<B, I> {
 
 /// The intercept that changes nothing.
 impl<B: LockBackend> Intercept<B> for () {}
+
+/// The method list of the contract is written in several places: the traits, the
+/// `Arc`/`Box` forwarding, [`Intercept`] and [`Intercepted`]. A method added to one and
+/// forgotten in another would silently skip the wrapper, so this test reads the
+/// sources and fails when they drift apart.
+#[cfg(test)]
+mod drift {
+    use std::collections::BTreeSet;
+
+    const BACKEND: &str = include_str!("mod.rs");
+    const ADMIN: &str = include_str!("admin.rs");
+    const INTERCEPT: &str = include_str!("intercept.rs");
+
+    /// The names of the `fn`s in the block that starts at the first line `header`
+    /// begins, up to its matching closing brace.
+    fn methods(source: &str, header: &str) -> BTreeSet<String> {
+        let start = source
+            .find(header)
+            .unwrap_or_else(|| panic!("no `{header}` in the source"));
+        let open = start + source[start..].find('{').expect("a block");
+        let mut depth = 0usize;
+        let mut end = open;
+        for (i, c) in source[open..].char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        end = open + i;
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        source[open..end]
+            .split("fn ")
+            .skip(1)
+            .filter_map(|rest| {
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_')
+                    .collect();
+                (!name.is_empty()).then_some(name)
+            })
+            .collect()
+    }
+
+    fn set(names: &[&str]) -> BTreeSet<String> {
+        names.iter().map(|n| (*n).to_owned()).collect()
+    }
+
+    #[test]
+    fn every_place_that_lists_the_contract_lists_all_of_it() {
+        let backend = methods(BACKEND, "pub trait LockBackend");
+        let admin = methods(ADMIN, "pub trait StoreAdmin");
+        let local = methods(BACKEND, "pub trait LocalStore");
+        assert_eq!(backend.len(), 12, "LockBackend changed: {backend:?}");
+        assert_eq!(
+            methods(BACKEND, "macro_rules! forward_backend"),
+            backend,
+            "the Arc/Box forwarding drifted from LockBackend"
+        );
+        assert_eq!(
+            methods(
+                INTERCEPT,
+                "impl<B: LockBackend, I: Intercept<B>> LockBackend for"
+            ),
+            backend,
+            "Intercepted drifted from LockBackend"
+        );
+        assert_eq!(
+            methods(
+                INTERCEPT,
+                "impl<B: LockBackend, I: Intercept<B>> StoreAdmin for"
+            ),
+            admin,
+            "Intercepted drifted from StoreAdmin"
+        );
+        assert_eq!(
+            methods(
+                INTERCEPT,
+                "impl<B: LockBackend, I: Intercept<B>> LocalStore for"
+            ),
+            local,
+            "Intercepted drifted from LocalStore"
+        );
+        // An intercept sees every call: the operations, the fast path and the
+        // administration; `local` and `admin` are how Intercepted offers the last two.
+        let mut expected: BTreeSet<String> = backend
+            .difference(&set(&["local", "admin"]))
+            .cloned()
+            .collect();
+        expected.extend(local);
+        expected.extend(admin);
+        assert_eq!(
+            methods(INTERCEPT, "pub trait Intercept<B: LockBackend>"),
+            expected,
+            "Intercept drifted from the contract"
+        );
+    }
+
+    #[test]
+    fn the_reader_finds_what_it_should() {
+        let names = methods("trait T { fn a(&self); fn b_c() {} }", "trait T");
+        assert_eq!(names, set(&["a", "b_c"]));
+    }
+}

@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use crate::error::{Error, Result};
+use crate::error::ConfigError;
+
+type Result<T, E = ConfigError> = std::result::Result<T, E>;
 
 /// The watchdog lease when none is configured: 30 s, as Redisson's
 /// `lockWatchdogTimeout`. Held locks are renewed every 10 s; a crashed holder's lock is
@@ -35,13 +37,13 @@ pub const MIN_WAITER_TIMEOUT: Duration = Duration::from_millis(3);
 /// down to whole milliseconds.
 pub(crate) fn validate_lease(name: &'static str, lease: Duration) -> Result<Duration> {
     if lease < MIN_LEASE {
-        return Err(Error::invalid_config(
+        return Err(ConfigError::invalid_setting(
             name,
             format!("must be at least 1 ms (got {lease:?})"),
         ));
     }
     if lease > MAX_LEASE {
-        return Err(Error::invalid_config(
+        return Err(ConfigError::invalid_setting(
             name,
             format!(
                 "must be at most 365 days (got {lease:?}); use the watchdog to hold a lock indefinitely"
@@ -64,7 +66,7 @@ pub(crate) fn validate_watchdog_lease(lease: Duration) -> Result<Duration> {
 /// [`MIN_WATCHDOG_LEASE`], and a valid lease.
 pub(crate) fn validate_renewed_lease(name: &'static str, lease: Duration) -> Result<Duration> {
     if lease < MIN_WATCHDOG_LEASE {
-        return Err(Error::invalid_config(
+        return Err(ConfigError::invalid_setting(
             name,
             format!("must be at least 30 ms when the watchdog renews it (got {lease:?})"),
         ));
@@ -75,7 +77,7 @@ pub(crate) fn validate_renewed_lease(name: &'static str, lease: Duration) -> Res
 /// Checks a backend's waiter timeout: between [`MIN_WAITER_TIMEOUT`] and [`MAX_LEASE`].
 pub(crate) fn validate_waiter_timeout(timeout: Duration) -> Result<()> {
     if timeout < MIN_WAITER_TIMEOUT || timeout > MAX_LEASE {
-        return Err(Error::invalid_config(
+        return Err(ConfigError::invalid_setting(
             "waiter_timeout",
             format!("must be between 3 ms and 365 days (got {timeout:?})"),
         ));

@@ -51,7 +51,7 @@
 //! # Errors
 //!
 //! Operations do not fail; [`MemoryBackendBuilder::build`] rejects an out-of-range
-//! waiter timeout with [`Error::InvalidConfig`](crate::Error::InvalidConfig).
+//! waiter timeout with [`ConfigError::InvalidSetting`](crate::ConfigError::InvalidSetting).
 //!
 //! # Cancel safety
 //!
@@ -69,8 +69,8 @@ use bytes::Bytes;
 
 use super::{
     Acquire, BoxFuture, ClientNames, FencingToken, Grant, HoldInfo, LocalStore, LockBackend,
-    LockMode, LockRequest, LockState, QUEUED_MODES, Release, ReplayStore, Signal, StoreProfile,
-    Stored, Subscription, WaiterScope, Waiters, Wake, queued,
+    LockMode, LockRequest, LockState, QUEUED_MODES, Release, ReplayStore, Signal, StoreAdmin,
+    StoreProfile, Stored, Subscription, WaiterScope, Waiters, Wake, queued,
 };
 use crate::error::Result;
 use crate::hold_id::HoldId;
@@ -97,15 +97,14 @@ struct Shared {
 impl Shared {
     /// A store whose identity is its own address: one store per backend and its clones,
     /// in this process only.
-    fn new(watchdog_lease: Option<Duration>, waiter_timeout: Duration) -> Arc<Shared> {
+    fn new(waiter_timeout: Duration) -> Arc<Shared> {
         Arc::new_cyclic(|this| Shared {
             table: Mutex::default(),
             clients: Mutex::default(),
             fence: AtomicU64::new(0),
             profile: StoreProfile::new("memory")
                 .with_store_id(format!("memory:{:p}", this.as_ptr()))
-                .with_queued_modes(QUEUED_MODES)
-                .with_watchdog_lease(watchdog_lease),
+                .with_queued_modes(QUEUED_MODES),
             waiter_timeout,
         })
     }
@@ -114,7 +113,7 @@ impl Shared {
 impl Default for MemoryBackend {
     fn default() -> Self {
         MemoryBackend {
-            shared: Shared::new(None, DEFAULT_WAITER_TIMEOUT),
+            shared: Shared::new(DEFAULT_WAITER_TIMEOUT),
         }
     }
 }
@@ -127,27 +126,18 @@ impl Default for MemoryBackend {
 ///
 /// let backend = MemoryBackend::builder()
 ///     .waiter_timeout(Duration::from_millis(500))
-///     .watchdog_lease(Duration::from_secs(3))
 ///     .build()?;
 /// # let _ = backend;
 /// assert!(MemoryBackend::builder().waiter_timeout(Duration::ZERO).build().is_err());
-/// # Ok::<(), tower_lock::Error>(())
+/// # Ok::<(), tower_lock::ConfigError>(())
 /// ```
 #[derive(Clone, Debug)]
 #[must_use]
 pub struct MemoryBackendBuilder {
-    watchdog_lease: Option<Duration>,
     waiter_timeout: Duration,
 }
 
 impl MemoryBackendBuilder {
-    /// The watchdog lease clients of this backend use unless told otherwise. Default:
-    /// none, i.e. [`DEFAULT_WATCHDOG_LEASE`](crate::DEFAULT_WATCHDOG_LEASE).
-    pub fn watchdog_lease(mut self, lease: Duration) -> Self {
-        self.watchdog_lease = Some(lease);
-        self
-    }
-
     /// How long a queued waiter of a fair or read-write lock may go without polling
     /// before it is evicted from the queue (Redisson's `threadWaitTime`). Default
     /// [`DEFAULT_WAITER_TIMEOUT`]; at least [`MIN_WAITER_TIMEOUT`]. Waiters are told to
@@ -162,15 +152,13 @@ impl MemoryBackendBuilder {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`](crate::Error::InvalidConfig) naming `waiter_timeout` when it is shorter than
-    /// [`MIN_WAITER_TIMEOUT`] or longer than [`MAX_LEASE`](crate::MAX_LEASE).
-    pub fn build(self) -> Result<MemoryBackend> {
-        if let Some(lease) = self.watchdog_lease {
-            super::limits::validate_watchdog_lease(lease)?;
-        }
+    /// [`ConfigError::InvalidSetting`](crate::ConfigError::InvalidSetting) naming
+    /// `waiter_timeout` when it is shorter than [`MIN_WAITER_TIMEOUT`] or longer than
+    /// [`MAX_LEASE`](crate::MAX_LEASE).
+    pub fn build(self) -> std::result::Result<MemoryBackend, crate::ConfigError> {
         super::limits::validate_waiter_timeout(self.waiter_timeout)?;
         Ok(MemoryBackend {
-            shared: Shared::new(self.watchdog_lease, self.waiter_timeout),
+            shared: Shared::new(self.waiter_timeout),
         })
     }
 }
@@ -708,7 +696,6 @@ impl MemoryBackend {
     /// Configures a store: see [`MemoryBackendBuilder`].
     pub fn builder() -> MemoryBackendBuilder {
         MemoryBackendBuilder {
-            watchdog_lease: None,
             waiter_timeout: DEFAULT_WAITER_TIMEOUT,
         }
     }
@@ -770,13 +757,13 @@ impl MemoryBackend {
     }
 
     /// Every live hold of `key`, in no particular order: what the store has right now,
-    /// without changing it. For diagnostics and tests; [`LockBackend::inspect`] says
+    /// without changing it. For diagnostics and tests; [`StoreAdmin::inspect`] says
     /// more.
     pub fn holders(&self, key: &LockKey) -> Vec<HoldInfo> {
         self.state_of(key, LockMode::Exclusive).holders
     }
 
-    /// What [`inspect`](LockBackend::inspect) answers, on the spot.
+    /// What [`inspect`](StoreAdmin::inspect) answers, on the spot.
     fn state_of(&self, key: &LockKey, mode: LockMode) -> LockState {
         let now = Instant::now();
         let table = self.table();
@@ -1137,6 +1124,20 @@ impl LockBackend for MemoryBackend {
         })
     }
 
+    fn local(&self) -> Option<&dyn LocalStore> {
+        Some(self)
+    }
+
+    fn replays(&self) -> Option<&dyn ReplayStore> {
+        Some(self)
+    }
+
+    fn admin(&self) -> Option<&dyn StoreAdmin> {
+        Some(self)
+    }
+}
+
+impl StoreAdmin for MemoryBackend {
     fn force_release<'a>(
         &'a self,
         key: &'a LockKey,
@@ -1168,15 +1169,7 @@ impl LockBackend for MemoryBackend {
         Box::pin(async move { Ok(self.state_of(key, mode)) })
     }
 
-    fn local(&self) -> Option<&dyn LocalStore> {
-        Some(self)
-    }
-
     fn clients(&self) -> Option<&dyn ClientNames> {
-        Some(self)
-    }
-
-    fn replays(&self) -> Option<&dyn ReplayStore> {
         Some(self)
     }
 }

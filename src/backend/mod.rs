@@ -25,9 +25,9 @@
 //! `tower_lock::testing`.
 //!
 //! The contract is [`LockBackend`]: the operations and a [`StoreProfile`], all
-//! required, plus an optional in-process fast path ([`LocalStore`]), an optional
-//! record of client names ([`ClientNames`]) and optional records of responses for
-//! replay ([`ReplayStore`]).
+//! required, plus three optional extensions: an in-process fast path ([`LocalStore`]),
+//! administration ([`StoreAdmin`]: inspection, forced release, readiness, client names)
+//! and records of responses for replay ([`ReplayStore`]).
 //!
 //! A store that fails reports a [`StoreError`](crate::StoreError) with the driver's
 //! error as its source, and picks its [kind](crate::StoreErrorKind): what the lock core
@@ -86,6 +86,7 @@ use crate::error::Result;
 use crate::hold_id::HoldId;
 use crate::key::LockKey;
 
+mod admin;
 #[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) mod clock;
 mod intercept;
@@ -103,6 +104,8 @@ pub mod redlock;
 mod replay;
 mod wake;
 
+pub use admin::{ClientNames, PING_KEY, StoreAdmin};
+pub(crate) use admin::{admin_of, clients_of};
 pub use intercept::{Intercept, Intercepted};
 pub use limits::{DEFAULT_WAITER_TIMEOUT, MIN_WAITER_TIMEOUT};
 pub use mode::LockMode;
@@ -290,7 +293,7 @@ impl Grant {
 
 /// One hold as a store has it: who, in which mode, how many times, for how long.
 ///
-/// The store's part is filled by [`LockBackend::inspect`]; [`Lock::inspect`](crate::Lock::inspect)
+/// The store's part is filled by [`StoreAdmin::inspect`]; [`Lock::inspect`](crate::Lock::inspect)
 /// adds what the inspecting client knows (`client`, and for its own holds `since` and
 /// `guards`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -390,7 +393,7 @@ impl fmt::Display for WaiterScope {
     }
 }
 
-/// What a store holds for one lock name right now. Returned by [`LockBackend::inspect`].
+/// What a store holds for one lock name right now. Returned by [`StoreAdmin::inspect`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct LockState {
@@ -489,13 +492,17 @@ pub enum Release {
 /// state: nobody renews or releases a hold of another identity. Every method that changes state is atomic in the store.
 /// Implementations must be cheap to call concurrently from many tasks.
 ///
-/// Nine methods are required — the operations, and the [`StoreProfile`] — because each
-/// carries a rule a default could not keep for every store. The five provided ones
-/// ([`renew_many`](LockBackend::renew_many),
-/// [`has_local_waiters`](LockBackend::has_local_waiters), [`local`](LockBackend::local),
-/// [`clients`](LockBackend::clients), [`ping`](LockBackend::ping)) are right for any
-/// store, only slower or less informative. A backend that wraps another one should not implement this trait by
-/// hand but with [`Intercepted`], which forwards everything it does not change.
+/// Seven methods are required — the [`StoreProfile`] and the six operations a lock
+/// needs (acquire, renew, release, abandon, subscribe, cancel a wait) — because each
+/// carries a rule a default could not keep for every store. The five provided ones are
+/// right for any store, only slower or less capable:
+/// [`renew_many`](LockBackend::renew_many) (renews one by one),
+/// [`has_local_waiters`](LockBackend::has_local_waiters) (lets a new acquirer barge),
+/// and the three extensions a store may offer — [`local`](LockBackend::local) (an
+/// in-process fast path), [`admin`](LockBackend::admin) (inspection, forced release,
+/// readiness, client names) and [`replays`](LockBackend::replays) (stored responses).
+/// A backend that wraps another one should not implement this trait by hand but with
+/// [`Intercepted`], which forwards everything it does not change.
 pub trait LockBackend: Send + Sync + 'static {
     /// What the store is: its name and identity, the modes it queues waiters in, its
     /// watchdog lease and its clock-drift allowance. The same value on every call (the
@@ -612,19 +619,6 @@ pub trait LockBackend: Send + Sync + 'static {
     /// store evicts it.
     fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>>;
 
-    /// Removes every hold on `key` in `mode` whatever its identity, and wakes waiters;
-    /// returns whether anything was held. An administrative escape hatch (Redisson's
-    /// `forceUnlock`): the holders are not told until their next renewal or release.
-    fn force_release<'a>(&'a self, key: &'a LockKey, mode: LockMode)
-    -> BoxFuture<'a, Result<bool>>;
-
-    /// What the store holds for `key` right now, read without changing anything: every
-    /// live hold of the name (whatever its kind), the name's newest fencing token, and
-    /// who waits — counted by the store for modes it queues (fair, read, write), else by
-    /// this backend instance (see [`WaiterScope`]). `mode` says which waiters to count,
-    /// and fills in the `max` of permit holds.
-    fn inspect<'a>(&'a self, key: &'a LockKey, mode: LockMode) -> BoxFuture<'a, Result<LockState>>;
-
     /// The in-process fast path, for a store that answers without I/O (a store in this
     /// process): the lock core then takes a free lock and releases a hold without a
     /// boxed future or a task. The default is `None`: every call goes through the async
@@ -633,9 +627,11 @@ pub trait LockBackend: Send + Sync + 'static {
         None
     }
 
-    /// The store's record of client names, if it keeps one; see [`ClientNames`]. The
-    /// default is `None`: inspections show no names of other processes' clients.
-    fn clients(&self) -> Option<&dyn ClientNames> {
+    /// The store's administration (inspection, forced release, a readiness probe,
+    /// client names), if it has one; see [`StoreAdmin`]. The default is `None`:
+    /// [`Lock::inspect`](crate::Lock::inspect), [`LockClient::ping`](crate::LockClient::ping)
+    /// and the like then answer [`ConfigError::Unsupported`](crate::ConfigError::Unsupported).
+    fn admin(&self) -> Option<&dyn StoreAdmin> {
         None
     }
 
@@ -645,26 +641,7 @@ pub trait LockBackend: Send + Sync + 'static {
     fn replays(&self) -> Option<&dyn ReplayStore> {
         None
     }
-
-    /// One round trip to the store, changing nothing: `Ok` when it answered, for
-    /// readiness probes ([`LockClient::ping`](crate::LockClient::ping)). An error of
-    /// kind [unavailable](crate::StoreErrorKind::Unavailable) when it did not.
-    ///
-    /// The default [inspects](LockBackend::inspect) the lock [`PING_KEY`], which
-    /// nobody takes: a real round trip on any store, also through a wrapper that
-    /// forgets this method. Stores with a cheaper no-op override it (Redis `PING`,
-    /// PostgreSQL `SELECT 1`, RedLock: a quorum of nodes answering theirs).
-    fn ping(&self) -> BoxFuture<'_, Result<()>> {
-        Box::pin(async move {
-            let key = LockKey::new(PING_KEY)?;
-            self.inspect(&key, LockMode::Exclusive).await.map(drop)
-        })
-    }
 }
-
-/// The lock [`LockBackend::ping`]'s default inspects: `tower_lock:ping`, a name no
-/// lock of the crate's takes.
-pub const PING_KEY: &str = "tower_lock:ping";
 
 /// A store in this process that answers on the spot: the fast path of a
 /// [`LockBackend`], from [`LockBackend::local`].
@@ -678,33 +655,6 @@ pub trait LocalStore: Send + Sync {
 
     /// [`LockBackend::release`], on the spot.
     fn release_now(&self, req: &LockRequest) -> Option<Result<Release>>;
-}
-
-/// The client names a store records, so that any process inspecting a lock can say
-/// which process holds it ([`LockClientBuilder::name`](crate::LockClientBuilder::name)).
-/// An extension of [`LockBackend`], found through [`LockBackend::clients`]: a store that
-/// keeps no names does not implement it.
-pub trait ClientNames: Send + Sync {
-    /// Records in the store that the client `id` (the UUID part of its owners) is named
-    /// `name`, for `ttl`.
-    fn register<'a>(
-        &'a self,
-        id: &'a str,
-        name: &'a str,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<()>>;
-
-    /// The names registered for client `ids`, in the same order (`None`: none
-    /// registered, or expired).
-    fn names<'a>(&'a self, ids: &'a [&'a str]) -> BoxFuture<'a, Result<Vec<Option<String>>>>;
-
-    /// Removes the name of the client `id`, which is shutting down
-    /// ([`LockClient::shutdown`](crate::LockClient::shutdown)). The default removes
-    /// nothing: the record then ends with its TTL.
-    fn unregister<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<()>> {
-        let _ = id;
-        Box::pin(async { Ok(()) })
-    }
 }
 
 macro_rules! forward_backend {
@@ -737,23 +687,14 @@ macro_rules! forward_backend {
             fn cancel_wait<'a>(&'a self, req: &'a LockRequest) -> BoxFuture<'a, Result<()>> {
                 (**self).cancel_wait(req)
             }
-            fn force_release<'a>(&'a self, key: &'a LockKey, mode: LockMode) -> BoxFuture<'a, Result<bool>> {
-                (**self).force_release(key, mode)
-            }
-            fn inspect<'a>(&'a self, key: &'a LockKey, mode: LockMode) -> BoxFuture<'a, Result<LockState>> {
-                (**self).inspect(key, mode)
-            }
             fn local(&self) -> Option<&dyn LocalStore> {
                 (**self).local()
             }
-            fn clients(&self) -> Option<&dyn ClientNames> {
-                (**self).clients()
+            fn admin(&self) -> Option<&dyn StoreAdmin> {
+                (**self).admin()
             }
             fn replays(&self) -> Option<&dyn ReplayStore> {
                 (**self).replays()
-            }
-            fn ping(&self) -> BoxFuture<'_, Result<()>> {
-                (**self).ping()
             }
         }
     )*};

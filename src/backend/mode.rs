@@ -4,7 +4,7 @@ use std::fmt;
 use std::num::NonZeroU32;
 
 /// How a lock is held. Backends return
-/// [`Error::Unsupported`](crate::Error::Unsupported) for modes they do not implement.
+/// [`ConfigError::Unsupported`](crate::ConfigError::Unsupported) for modes they do not implement.
 ///
 /// # Rules
 ///

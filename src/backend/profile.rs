@@ -1,5 +1,5 @@
 //! [`StoreProfile`]: what the lock core needs to know about a store besides its
-//! operations — which modes it queues waiters in, its watchdog lease, how much of a lease
+//! operations — which modes it queues waiters in, how much of a lease
 //! it cannot promise, and which store it is.
 
 use std::borrow::Cow;
@@ -23,7 +23,6 @@ use super::LockMode;
 /// let profile = StoreProfile::new("my-store")
 ///     .with_store_id("my-store://db.internal:7000")
 ///     .with_queued_modes([LockMode::Fair])
-///     .with_watchdog_lease(Some(Duration::from_secs(10)))
 ///     .with_clock_drift(ClockDrift::new(10_000, Duration::from_millis(2)));
 /// assert!(profile.queues_waiters(LockMode::Fair));
 /// assert!(!profile.queues_waiters(LockMode::Exclusive));
@@ -35,20 +34,17 @@ pub struct StoreProfile {
     name: &'static str,
     store_id: Cow<'static, str>,
     queued: ModeBits,
-    watchdog_lease: Option<Duration>,
     clock_drift: ClockDrift,
 }
 
 impl StoreProfile {
     /// A store named `name` (for messages, traces and metrics: `"memory"`, `"redis"`),
-    /// whose identity is its name, that queues no waiters, has no watchdog lease of its
-    /// own and no clock drift.
+    /// whose identity is its name, that queues no waiters and has no clock drift.
     pub const fn new(name: &'static str) -> Self {
         StoreProfile {
             name,
             store_id: Cow::Borrowed(name),
             queued: ModeBits::NONE,
-            watchdog_lease: None,
             clock_drift: ClockDrift::NONE,
         }
     }
@@ -81,15 +77,6 @@ impl StoreProfile {
         self
     }
 
-    /// The same profile with the watchdog lease the backend was configured with, if any:
-    /// a [`LockClient`](crate::LockClient) built on this backend uses it unless told
-    /// otherwise.
-    #[must_use]
-    pub fn with_watchdog_lease(mut self, lease: Option<Duration>) -> Self {
-        self.watchdog_lease = lease;
-        self
-    }
-
     /// The same profile with the store's clock-drift allowance; see
     /// [`clock_drift`](StoreProfile::clock_drift).
     #[must_use]
@@ -112,12 +99,6 @@ impl StoreProfile {
     /// [`with_queued_modes`](StoreProfile::with_queued_modes).
     pub fn queues_waiters(&self, mode: LockMode) -> bool {
         self.queued.contains(mode)
-    }
-
-    /// The watchdog lease the backend was configured with; see
-    /// [`with_watchdog_lease`](StoreProfile::with_watchdog_lease).
-    pub fn watchdog_lease(&self) -> Option<Duration> {
-        self.watchdog_lease
     }
 
     /// How much of a `lease` granted or renewed the client must not count on: the

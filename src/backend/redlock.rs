@@ -18,7 +18,7 @@
 //!   validity only ([`Grant::with_valid_for`]). Otherwise the attempt is undone on
 //!   *every* node — those that failed or timed out too, since they may have taken it
 //!   without answering — and:
-//!   - fewer than a quorum of nodes answered at all → [`Error::NoQuorum`] at once
+//!   - fewer than a quorum of nodes answered at all → an [unavailable](crate::StoreErrorKind::Unavailable) store error whose source is [`NoQuorum`] at once
 //!     (nodes down is not "busy"; the caller does not sleep out its wait);
 //!   - a quorum of nodes is held by someone else → [`Acquire::Busy`] with the time
 //!     until enough of them could be free;
@@ -108,10 +108,10 @@
 //! # Errors
 //!
 //! [`RedLock::new`] and [`RedLockBuilder::build`] reject an empty node list and zero
-//! timeouts with [`Error::InvalidConfig`]. Acquiring fails with [`Error::NoQuorum`]
-//! when too few nodes answer, and with [`Error::InvalidConfig`] for a lease no longer
+//! timeouts with [`ConfigError::InvalidSetting`]. Acquiring fails with [`NoQuorum`]
+//! when too few nodes answer, and with [`ConfigError::InvalidSetting`] for a lease no longer
 //! than the drift allowance (it could never leave validity). Renewal and release fail
-//! with [`Error::NoQuorum`] when too few nodes answer to tell.
+//! with [`NoQuorum`] when too few nodes answer to tell.
 //!
 //! # Cancel safety
 //!
@@ -132,11 +132,27 @@ use tokio::time::Instant;
 
 use crate::backend::{
     Acquire, BoxFuture, ClientNames, ClockDrift, Grant, HoldInfo, LockBackend, LockMode,
-    LockRequest, LockState, Release, StoreProfile, Subscription, WaiterScope, Waiters, Wake,
+    LockRequest, LockState, Release, StoreAdmin, StoreProfile, Subscription, WaiterScope, Waiters,
+    Wake, admin_of, clients_of,
 };
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result, StoreError, StoreErrorKind};
 use crate::hold_id::HoldId;
 use crate::key::LockKey;
+
+/// The source of an [unavailable](crate::StoreErrorKind::Unavailable) store error when
+/// fewer than a quorum of RedLock's nodes answered or granted: downcast the error's
+/// source to read the counts, `store_error.downcast_ref::<NoQuorum>()`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("no quorum: {acquired} of {total} nodes answered, {needed} needed")]
+#[non_exhaustive]
+pub struct NoQuorum {
+    /// Nodes that granted the lock (or answered).
+    pub acquired: usize,
+    /// Nodes needed.
+    pub needed: usize,
+    /// Nodes in all.
+    pub total: usize,
+}
 
 /// How long one node may take to answer one call before it counts as failed: 250 ms.
 /// Far below usual leases, so a dead node costs little validity, and far above a
@@ -222,7 +238,6 @@ pub struct RedLockBuilder {
     quorum: Quorum,
     node_timeout: Duration,
     retry_jitter: Duration,
-    watchdog_lease: Option<Duration>,
 }
 
 impl RedLockBuilder {
@@ -264,32 +279,22 @@ impl RedLockBuilder {
         self
     }
 
-    /// The watchdog lease clients of this backend use unless told otherwise. Default:
-    /// none, i.e. [`DEFAULT_WATCHDOG_LEASE`](crate::DEFAULT_WATCHDOG_LEASE).
-    pub fn watchdog_lease(mut self, lease: Duration) -> Self {
-        self.watchdog_lease = Some(lease);
-        self
-    }
-
     /// Builds the backend.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] naming `nodes` when there are none, `node_timeout` when
+    /// [`ConfigError::InvalidSetting`] naming `nodes` when there are none, `node_timeout` when
     /// it is zero.
-    pub fn build(self) -> Result<RedLock> {
-        if let Some(lease) = self.watchdog_lease {
-            super::limits::validate_watchdog_lease(lease)?;
-        }
+    pub fn build(self) -> Result<RedLock, ConfigError> {
         let total = self.nodes.len();
         if total == 0 {
-            return Err(Error::invalid_config(
+            return Err(ConfigError::invalid_setting(
                 "nodes",
                 "must name at least one backend (got none)",
             ));
         }
         if self.node_timeout.is_zero() {
-            return Err(Error::invalid_config(
+            return Err(ConfigError::invalid_setting(
                 "node_timeout",
                 "must be greater than zero (got 0 ns)",
             ));
@@ -302,7 +307,6 @@ impl RedLockBuilder {
         let profile = self.nodes.iter().fold(
             StoreProfile::new(name)
                 .with_store_id(format!("{name}({})", ids.join(",")))
-                .with_watchdog_lease(self.watchdog_lease)
                 .with_clock_drift(DRIFT),
             |profile, node| profile.queueing_as_well_as(node.profile()),
         );
@@ -324,8 +328,8 @@ impl RedLock {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] when `nodes` is empty.
-    pub fn new<B: LockBackend>(nodes: impl IntoIterator<Item = B>) -> Result<Self> {
+    /// [`ConfigError::InvalidSetting`] when `nodes` is empty.
+    pub fn new<B: LockBackend>(nodes: impl IntoIterator<Item = B>) -> Result<Self, ConfigError> {
         Self::builder().nodes(nodes).build()
     }
 
@@ -334,8 +338,8 @@ impl RedLock {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] when `nodes` is empty.
-    pub fn all_of<B: LockBackend>(nodes: impl IntoIterator<Item = B>) -> Result<Self> {
+    /// [`ConfigError::InvalidSetting`] when `nodes` is empty.
+    pub fn all_of<B: LockBackend>(nodes: impl IntoIterator<Item = B>) -> Result<Self, ConfigError> {
         Self::builder().nodes(nodes).quorum(Quorum::All).build()
     }
 
@@ -346,7 +350,6 @@ impl RedLock {
             quorum: Quorum::Majority,
             node_timeout: DEFAULT_NODE_TIMEOUT,
             retry_jitter: DEFAULT_RETRY_JITTER,
-            watchdog_lease: None,
         }
     }
 
@@ -499,11 +502,12 @@ impl Inner {
     }
 
     fn no_quorum(&self, acquired: usize, needed: usize) -> Error {
-        Error::NoQuorum {
+        let no_quorum = NoQuorum {
             acquired,
             needed,
             total: self.nodes.len(),
-        }
+        };
+        Error::Store(StoreError::new(StoreErrorKind::Unavailable, no_quorum))
     }
 
     /// Whether `trues` answers confirm a hold in `mode`, given `falses` denials.
@@ -873,6 +877,12 @@ impl LockBackend for RedLock {
         })
     }
 
+    fn admin(&self) -> Option<&dyn StoreAdmin> {
+        Some(self)
+    }
+}
+
+impl StoreAdmin for RedLock {
     fn force_release<'a>(
         &'a self,
         key: &'a LockKey,
@@ -881,7 +891,9 @@ impl LockBackend for RedLock {
         Box::pin(async move {
             let votes = self
                 .inner
-                .on_all("force-release", |node| node.force_release(key, mode))
+                .on_all("force-release", |node| {
+                    Box::pin(async move { admin_of(node)?.force_release(key, mode).await })
+                })
                 .await;
             let answered = votes
                 .iter()
@@ -897,13 +909,15 @@ impl LockBackend for RedLock {
     /// Every node's state, merged: a holder is reported when a quorum of the nodes
     /// that answered has it (its ttl is the time until fewer than a quorum still do),
     /// the fencing token is the newest any node has, and waiters are the most any node
-    /// counts. Fewer answers than a quorum: [`Error::NoQuorum`].
+    /// counts. Fewer answers than a quorum: [`NoQuorum`].
     fn inspect<'a>(&'a self, key: &'a LockKey, mode: LockMode) -> BoxFuture<'a, Result<LockState>> {
         Box::pin(async move {
             let quorum = self.inner.quorum_for(mode);
             let states: Vec<LockState> = self
                 .inner
-                .on_all("inspect", |node| node.inspect(key, mode))
+                .on_all("inspect", |node| {
+                    Box::pin(async move { admin_of(node)?.inspect(key, mode).await })
+                })
                 .await
                 .into_iter()
                 .filter_map(|vote| match vote {
@@ -923,12 +937,14 @@ impl LockBackend for RedLock {
     }
 
     /// Every node's ping; `Ok` when a quorum ([`quorum`](RedLock::quorum)) answered,
-    /// else [`Error::NoQuorum`].
+    /// else [`NoQuorum`].
     fn ping(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(async move {
             let answered = self
                 .inner
-                .on_all("ping", |node| node.ping())
+                .on_all("ping", |node| {
+                    Box::pin(async move { admin_of(node)?.ping().await })
+                })
                 .await
                 .iter()
                 .filter(|vote| matches!(vote, Vote::Answer(())))
@@ -1000,7 +1016,7 @@ impl ClientNames for RedLock {
 
 /// A node's record of client names; a node without one records nothing and knows none.
 fn node_names(node: &dyn LockBackend) -> &dyn ClientNames {
-    node.clients().unwrap_or(&NoNames)
+    clients_of(node).unwrap_or(&NoNames)
 }
 
 /// The record of a store that keeps no client names.
@@ -1183,14 +1199,14 @@ mod tests {
         assert_eq!(RedLock::all_of(nodes(5)).unwrap().quorum(), 5);
         assert!(matches!(
             RedLock::new(nodes(0)),
-            Err(Error::InvalidConfig { name: "nodes", .. })
+            Err(ConfigError::InvalidSetting { name: "nodes", .. })
         ));
         assert!(matches!(
             RedLock::builder()
                 .nodes(nodes(3))
                 .node_timeout(Duration::ZERO)
                 .build(),
-            Err(Error::InvalidConfig {
+            Err(ConfigError::InvalidSetting {
                 name: "node_timeout",
                 ..
             })
@@ -1251,7 +1267,10 @@ mod tests {
         );
         assert!(matches!(
             lock.acquire(&req).await,
-            Err(Error::InvalidConfig { name: "lease", .. })
+            Err(Error::Config(ConfigError::InvalidSetting {
+                name: "lease",
+                ..
+            }))
         ));
     }
 }

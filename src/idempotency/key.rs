@@ -5,7 +5,7 @@ use std::borrow::Cow;
 use http::request::Parts;
 use http::{HeaderMap, HeaderName};
 
-use crate::error::Result;
+use crate::error::{ConfigError, Result};
 use crate::key::LockKey;
 use crate::namespace::Namespace;
 
@@ -116,7 +116,7 @@ pub(crate) fn lock_key(
     scope: &[LockKey],
     parts: &Parts,
     key: &str,
-) -> Result<LockKey> {
+) -> Result<LockKey, ConfigError> {
     let mut part = String::with_capacity(64 + key.len());
     for s in scope {
         part.push_str(s.as_str());

@@ -12,7 +12,7 @@ use tower::Layer;
 use super::record::Fingerprint;
 use super::rejection::{IdempotencyRejection, OnIdempotencyRejection, ProblemJson};
 use super::service::IdempotencyService;
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Result};
 use crate::key::LockKey;
 use crate::layer::config::{check_layer_name, check_retry_after};
 use crate::layer::rejection::{keep_retry_after, retry_after_secs};
@@ -94,7 +94,7 @@ pub(crate) struct Quotas {
 }
 
 impl Quotas {
-    fn under(prefix: &Namespace, max_records: u32) -> Result<Self> {
+    fn under(prefix: &Namespace, max_records: u32) -> Result<Self, ConfigError> {
         let name = |suffix: &str| match prefix.as_str() {
             "" => suffix.to_owned(),
             prefix => format!("{prefix}:{suffix}"),
@@ -106,7 +106,7 @@ impl Quotas {
                 let key = LockKey::namespaced(&name("quota-total"), &format!("records-{i}"))?;
                 Ok((key, share))
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<Result<Vec<_>, ConfigError>>()?;
         Ok(Quotas {
             scope: Namespace::for_setting("key_prefix", name("quota"))?,
             total,
@@ -176,8 +176,8 @@ impl Config {
         self.name.as_deref().unwrap_or(self.prefix.as_str())
     }
 
-    fn validate(&self) -> Result<()> {
-        let bad = |name: &'static str, why: String| Err(Error::invalid_config(name, why));
+    fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |name: &'static str, why: String| Err(ConfigError::invalid_setting(name, why));
         if self.ttl < Duration::from_millis(1) || self.ttl > MAX_TTL {
             return bad(
                 "ttl",
@@ -291,7 +291,7 @@ impl<K: KeyExtractor> IdempotencyLayer<K> {
     /// # Errors
     ///
     /// As [`IdempotencyLayerBuilder::build`]: the client's store keeps no responses.
-    pub fn new(client: LockClient, scope: K) -> Result<Self> {
+    pub fn new(client: LockClient, scope: K) -> Result<Self, ConfigError> {
         Self::builder(client, scope).build()
     }
 
@@ -346,7 +346,7 @@ pub struct IdempotencyLayerBuilder<K> {
     scope: K,
     config: Config,
     /// The first setter's error, reported by `build`.
-    error: Option<Error>,
+    error: Option<ConfigError>,
     /// Whether [`lease`](Self::lease) was set: else the client's request lease.
     lease_set: bool,
 }
@@ -528,14 +528,14 @@ impl<K: KeyExtractor> IdempotencyLayerBuilder<K> {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] naming the first bad setting: `client` when its store
-    /// keeps no responses (a store without a
-    /// [`ReplayStore`](crate::backend::ReplayStore): RedLock, a custom backend),
+    /// [`ConfigError::Unsupported`] when the client's store keeps no responses (a store
+    /// without a [`ReplayStore`](crate::backend::ReplayStore): RedLock, a custom
+    /// backend); [`ConfigError::InvalidSetting`] naming the first bad setting:
     /// `key_prefix` empty or breaking the namespace rule, `ttl` outside 1 ms..=
     /// [`MAX_TTL`], `max_key_len` outside 1..=512, `max_body` zero, `methods` empty,
     /// `max_wait` over [`MAX_WAIT`], a retry-after zero or over an hour, `name`
     /// empty, too long or with control characters, `lease` out of range.
-    pub fn build(mut self) -> Result<IdempotencyLayer<K>> {
+    pub fn build(mut self) -> Result<IdempotencyLayer<K>, ConfigError> {
         if let Some(error) = self.error {
             return Err(error);
         }
@@ -544,13 +544,10 @@ impl<K: KeyExtractor> IdempotencyLayerBuilder<K> {
         }
         self.config.quotas = Some(Quotas::under(&self.config.prefix, self.config.max_records)?);
         if self.client.backend().replays().is_none() {
-            return Err(Error::invalid_config(
-                "client",
-                format!(
-                    "its {} store keeps no responses for replay",
-                    self.client.backend().profile().name()
-                ),
-            ));
+            return Err(ConfigError::Unsupported {
+                backend: self.client.backend().profile().name(),
+                what: "records of responses for replay (an IdempotencyLayer)".to_owned(),
+            });
         }
         self.config.validate()?;
         Ok(IdempotencyLayer {

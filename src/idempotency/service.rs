@@ -259,7 +259,7 @@ impl<K> Covered<'_, K> {
         let (owner, _) = Locks::attach(&mut parts.extensions, &self.shared.client);
         let lock = match self.shared.client.get_fenced_lock(self.key.clone()) {
             Ok(lock) => lock.with_owner(owner.clone()),
-            Err(e) => return Ok(self.reject(IdempotencyRejection::Misconfigured(e))),
+            Err(e) => return Ok(self.reject(IdempotencyRejection::Misconfigured(e.into()))),
         };
         let guard = match lock.try_lock_for(config.wait, config.lease).await {
             Ok(guard) => guard,
@@ -347,7 +347,7 @@ impl<K> Covered<'_, K> {
             error => self.failure(error),
         };
         let caller_key = LockKey::in_namespace(&quotas.scope, &scope)
-            .map_err(IdempotencyRejection::Misconfigured)?;
+            .map_err(|e| IdempotencyRejection::Misconfigured(e.into()))?;
         let caller = take(caller_key, config.max_records_per_scope)
             .await
             .map_err(|e| {

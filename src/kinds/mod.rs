@@ -14,7 +14,7 @@
 //!
 //! Backends implement the modes — both built-in backends, memory and Redis, implement
 //! every one; a backend that does not answers
-//! [`Error::Unsupported`](crate::Error::Unsupported). The modes' exact semantics — queue
+//! [`ConfigError::Unsupported`](crate::ConfigError::Unsupported). The modes' exact semantics — queue
 //! order, the read-write starvation policy, permits' leases — are described with
 //! [`LockMode`](crate::LockMode#rules); every backend implements the same rules.
 

@@ -1,7 +1,7 @@
 //! The read-write lock handle.
 
 use crate::backend::LockMode;
-use crate::error::Result;
+use crate::error::ConfigError;
 use crate::key::{IntoLockKey, LockKey};
 use crate::lock::{Lock, LockClient};
 
@@ -10,9 +10,8 @@ impl LockClient {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidKey`](crate::Error::InvalidKey) when `key` is not a valid
-    /// [`LockKey`].
-    pub fn get_read_write_lock(&self, key: impl IntoLockKey) -> Result<ReadWriteLock> {
+    /// [`ConfigError::InvalidKey`] when `key` is not a valid [`LockKey`].
+    pub fn get_read_write_lock(&self, key: impl IntoLockKey) -> Result<ReadWriteLock, ConfigError> {
         Ok(ReadWriteLock::new(self.clone(), key.into_lock_key()?))
     }
 }

@@ -15,7 +15,7 @@ use super::rejection::{
     DefaultRejection, MAX_RETRY_AFTER, OnRejection, Rejection,
 };
 use crate::backend::LockMode;
-use crate::error::Error;
+use crate::error::{ConfigError, Error};
 use crate::lock::Lease;
 
 /// How long a request waits for a busy lock by default: 5 s. Long enough for the
@@ -168,7 +168,9 @@ impl Config {
                 holder_ttl,
                 retry_after: self.busy_retry_after(holder_ttl),
             },
-            Error::InvalidKey { .. } => Rejection::BadKey(KeyError::from(error)),
+            Error::Config(ConfigError::InvalidKey { .. }) => {
+                Rejection::BadKey(KeyError::from(error))
+            }
             error if error.is_unavailable() => Rejection::Unavailable {
                 error,
                 retry_after: self.unavailable_retry_after,
@@ -187,16 +189,16 @@ impl Config {
     }
 
     /// Checks every setting, in the builder's order; the error names the first bad one.
-    pub(crate) fn validate(&self) -> Result<(), Error> {
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         if self.wait > MAX_WAIT {
-            return Err(Error::invalid_config(
+            return Err(ConfigError::invalid_setting(
                 "max_wait",
                 format!("must be at most {MAX_WAIT:?} (got {:?})", self.wait),
             ));
         }
         crate::lock::validate_lease_setting("lease", self.lease)?;
         if !(self.busy_status.is_client_error() || self.busy_status.is_server_error()) {
-            return Err(Error::invalid_config(
+            return Err(ConfigError::invalid_setting(
                 "busy_status",
                 format!(
                     "must be a 4xx or 5xx status (got {})",
@@ -207,7 +209,7 @@ impl Config {
         check_retry_after("busy_retry_after", self.busy_retry_after)?;
         check_retry_after("unavailable_retry_after", self.unavailable_retry_after)?;
         if self.methods.as_ref().is_some_and(Vec::is_empty) {
-            return Err(Error::invalid_config(
+            return Err(ConfigError::invalid_setting(
                 "methods",
                 "must name at least one method (got none); to lock nothing, do not add the layer",
             ));
@@ -224,9 +226,9 @@ impl Config {
 
 /// The layer's name: not empty, at most [`MAX_LAYER_NAME_LEN`] bytes, no control
 /// characters (it goes into log lines and metric labels).
-pub(crate) fn check_layer_name(name: &str) -> Result<(), Error> {
+pub(crate) fn check_layer_name(name: &str) -> Result<(), ConfigError> {
     if name.is_empty() || name.len() > MAX_LAYER_NAME_LEN || name.chars().any(char::is_control) {
-        return Err(Error::invalid_config(
+        return Err(ConfigError::invalid_setting(
             "name",
             format!(
                 "must be 1 to {MAX_LAYER_NAME_LEN} bytes without control characters (got {} bytes: {:?})",
@@ -239,9 +241,12 @@ pub(crate) fn check_layer_name(name: &str) -> Result<(), Error> {
 }
 
 /// A `Retry-After` setting: more than zero, at most [`MAX_RETRY_AFTER`].
-pub(crate) fn check_retry_after(name: &'static str, retry_after: Duration) -> Result<(), Error> {
+pub(crate) fn check_retry_after(
+    name: &'static str,
+    retry_after: Duration,
+) -> Result<(), ConfigError> {
     if retry_after.is_zero() || retry_after > MAX_RETRY_AFTER {
-        return Err(Error::invalid_config(
+        return Err(ConfigError::invalid_setting(
             name,
             format!("must be between 1 ns and {MAX_RETRY_AFTER:?} (got {retry_after:?})"),
         ));
@@ -252,9 +257,9 @@ pub(crate) fn check_retry_after(name: &'static str, retry_after: Duration) -> Re
 /// The key prefix: a [`Namespace`](crate::Namespace), and not empty (the layer adds
 /// the `:` itself, so an empty prefix would start every key with one; leave it unset
 /// for none).
-fn check_key_prefix(prefix: &str) -> Result<(), Error> {
+fn check_key_prefix(prefix: &str) -> Result<(), ConfigError> {
     if prefix.is_empty() {
-        return Err(Error::invalid_config(
+        return Err(ConfigError::invalid_setting(
             "key_prefix",
             "must not be empty; leave it unset for no prefix (got \"\")",
         ));
@@ -282,7 +287,7 @@ impl fmt::Debug for Config {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::StoreErrorKind;
+    use crate::{StoreError, StoreErrorKind};
 
     #[test]
     fn busy_retry_after_uses_the_holders_lease_only_when_fixed_and_sooner() {
@@ -313,13 +318,12 @@ mod tests {
             ..Config::default()
         };
         for misconfigured in [
-            Error::WrongType,
             Error::store(StoreErrorKind::Unexpected, "?"),
             Error::store(StoreErrorKind::Misconfigured, "permission denied"),
-            Error::Unsupported {
+            Error::Config(ConfigError::Unsupported {
                 backend: "x",
-                mode: LockMode::Fair,
-            },
+                what: "fair locks".to_owned(),
+            }),
         ] {
             assert!(matches!(
                 p.rejection_for(misconfigured),
@@ -334,11 +338,14 @@ mod tests {
             Rejection::Unavailable { .. }
         ));
         assert!(matches!(
-            p.rejection_for(Error::NoQuorum {
-                acquired: 1,
-                needed: 3,
-                total: 5
-            }),
+            p.rejection_for(Error::Store(StoreError::new(
+                StoreErrorKind::Unavailable,
+                crate::backend::redlock::NoQuorum {
+                    acquired: 1,
+                    needed: 3,
+                    total: 5
+                }
+            ))),
             Rejection::Unavailable { .. }
         ));
     }

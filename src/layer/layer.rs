@@ -14,7 +14,7 @@ use super::rejection::{OnRejection, Rejection, RejectionBody, keep_retry_after};
 use super::report::Report;
 use super::service::LockService;
 use crate::backend::LockMode;
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Result};
 use crate::key::LockKey;
 use crate::lock::{LayerEvent, LayerOutcome, Lease, LockClient};
 
@@ -214,7 +214,7 @@ pub struct LockLayerBuilder<K> {
     client: LockClient,
     keys: K,
     config: Config,
-    mode: Result<ModeSelect>,
+    mode: Result<ModeSelect, ConfigError>,
     /// The setter that chose the mode, to name both when another one conflicts.
     mode_setter: Option<&'static str>,
     /// Whether [`lease`](Self::lease) was set: else the client's request lease.
@@ -394,21 +394,23 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
     pub fn permits(self, max: u32) -> Self {
         let mode = NonZeroU32::new(max)
             .map(|max| ModeSelect::Fixed(LockMode::Permits { max }))
-            .ok_or_else(|| Error::invalid_config("permits", "must be at least 1 (got 0)"));
+            .ok_or_else(|| ConfigError::invalid_setting("permits", "must be at least 1 (got 0)"));
         self.select_mode("permits", mode)
     }
 
     /// Records the kind of lock; a second setter choosing another kind (or the same
     /// kind with another `max`) is an error at `build`, never a silent overwrite.
-    fn select_mode(mut self, setter: &'static str, mode: Result<ModeSelect>) -> Self {
+    fn select_mode(mut self, setter: &'static str, mode: Result<ModeSelect, ConfigError>) -> Self {
         self.mode = match (self.mode, self.mode_setter, mode) {
             (Err(first_error), _, _) => Err(first_error),
-            (Ok(current), Some(first), Ok(new)) if current != new => Err(Error::invalid_config(
-                "mode",
-                format!(
-                    "is set twice, by `{first}` and `{setter}`; a layer takes one kind of lock"
-                ),
-            )),
+            (Ok(current), Some(first), Ok(new)) if current != new => {
+                Err(ConfigError::invalid_setting(
+                    "mode",
+                    format!(
+                        "is set twice, by `{first}` and `{setter}`; a layer takes one kind of lock"
+                    ),
+                ))
+            }
             (_, _, mode) => mode,
         };
         self.mode_setter = Some(setter);
@@ -419,14 +421,14 @@ impl<K: KeyExtractor> LockLayerBuilder<K> {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] naming the first bad setting: `max_wait` over
+    /// [`ConfigError::InvalidSetting`] naming the first bad setting: `max_wait` over
     /// [`MAX_WAIT`](super::MAX_WAIT), `lease` outside
     /// [`MIN_LEASE`](crate::MIN_LEASE)..=[`MAX_LEASE`](crate::MAX_LEASE), `busy_status`
     /// not 4xx/5xx, `busy_retry_after` or `unavailable_retry_after` zero or over
     /// [`MAX_RETRY_AFTER`](super::MAX_RETRY_AFTER), `methods` empty, `key_prefix` empty
     /// or with braces or control characters, `name` empty, too long or with control
     /// characters, `permits` zero, `mode` set twice.
-    pub fn build(self) -> Result<LockLayer<K>> {
+    pub fn build(self) -> Result<LockLayer<K>, ConfigError> {
         let mut config = self.config;
         config.mode = self.mode?;
         if !self.lease_set {

@@ -125,7 +125,7 @@
 //! # Errors
 //!
 //! [`LockLayerBuilder::build`] rejects bad configuration with
-//! [`Error::InvalidConfig`](crate::Error::InvalidConfig) naming the setting, and so do
+//! [`ConfigError::InvalidSetting`](crate::ConfigError::InvalidSetting) naming the setting, and so do
 //! the ready-made extractors' `namespace` setters. At run time nothing is an error of
 //! the service: every lock outcome is a response (see the table above), and the inner
 //! service's errors pass through unchanged.

@@ -1118,7 +1118,7 @@ mod tests {
     use std::future::Future;
     use std::task::{Context, Poll, Waker};
 
-    use crate::{Error, LockClient, MemoryBackend};
+    use crate::{ConfigError, Error, LockClient, MemoryBackend};
 
     /// Polled outside a tokio runtime (which would run its releases and renewals), an
     /// acquisition says so instead of panicking.
@@ -1129,9 +1129,10 @@ mod tests {
         let mut acquire = std::pin::pin!(lock.try_lock());
         let mut cx = Context::from_waker(Waker::noop());
         match acquire.as_mut().poll(&mut cx) {
-            Poll::Ready(Err(Error::InvalidConfig {
-                name: "runtime", ..
-            })) => {}
+            Poll::Ready(Err(Error::Config(ConfigError::InvalidSetting {
+                name: "runtime",
+                ..
+            }))) => {}
             other => panic!("expected a `runtime` configuration error, got {other:?}"),
         }
     }

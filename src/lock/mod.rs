@@ -39,7 +39,7 @@
 //! # Errors
 //!
 //! Acquisition fails with [`Error::Busy`] when the wait runs out (with the holder's
-//! remaining lease, for a `Retry-After`), [`Error::InvalidConfig`] for a zero or absurd
+//! remaining lease, for a `Retry-After`), [`ConfigError::InvalidSetting`] for a zero or absurd
 //! lease, and backend errors as they come. [`LockGuard::unlock`] fails with
 //! [`Error::Lost`] when the lock was no longer held.
 //!
@@ -71,8 +71,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use crate::backend::{LockBackend, LockMode, LockState};
-use crate::error::{Error, Result};
+use crate::backend::{LockBackend, LockMode, LockState, admin_of, clients_of};
+use crate::error::{ConfigError, Error, Result};
 use crate::hold_id::HoldId;
 use crate::key::{IntoLockKey, LockKey};
 use crate::owner::Owner;
@@ -103,7 +103,7 @@ pub(crate) use crate::backend::limits::{
 
 /// Checks a lease setting `name` of a layer: a fixed lease in range, a renewed one no
 /// shorter than the watchdog allows.
-pub(crate) fn validate_lease_setting(name: &'static str, lease: Lease) -> Result<()> {
+pub(crate) fn validate_lease_setting(name: &'static str, lease: Lease) -> Result<(), ConfigError> {
     match lease {
         Lease::Watchdog => Ok(()),
         Lease::Renewed(lease) => validate_renewed_lease(name, lease).map(drop),
@@ -177,23 +177,18 @@ struct ClientInner {
 }
 
 impl LockClient {
-    /// A client on `backend`, with the backend's configured watchdog lease or
-    /// [`DEFAULT_WATCHDOG_LEASE`].
+    /// A client on `backend` with the default settings: the watchdog lease
+    /// [`DEFAULT_WATCHDOG_LEASE`], no name, no observer. [`builder`](Self::builder)
+    /// sets them.
     pub fn new(backend: impl LockBackend) -> Self {
         let backend: Arc<dyn LockBackend> = Arc::new(backend);
-        let lease = match backend
-            .profile()
-            .watchdog_lease()
-            .map(validate_watchdog_lease)
-        {
-            Some(Ok(lease)) => lease,
-            Some(Err(error)) => {
-                tracing::warn!(%error, backend = backend.profile().name(), "ignoring the backend's watchdog lease");
-                DEFAULT_WATCHDOG_LEASE
-            }
-            None => DEFAULT_WATCHDOG_LEASE,
-        };
-        Self::with_parts(backend, lease, Hooks::default(), None, DEFAULT_OUTAGE_GRACE)
+        Self::with_parts(
+            backend,
+            DEFAULT_WATCHDOG_LEASE,
+            Hooks::default(),
+            None,
+            DEFAULT_OUTAGE_GRACE,
+        )
     }
 
     /// Configures a client: see [`LockClientBuilder`].
@@ -245,8 +240,8 @@ impl LockClient {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidKey`] when `key` is not a valid [`LockKey`].
-    pub fn get_lock(&self, key: impl IntoLockKey) -> Result<Lock> {
+    /// [`ConfigError::InvalidKey`] when `key` is not a valid [`LockKey`].
+    pub fn get_lock(&self, key: impl IntoLockKey) -> Result<Lock, ConfigError> {
         self.lock_in_mode(key, LockMode::Exclusive)
     }
 
@@ -260,8 +255,8 @@ impl LockClient {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidKey`] when `key` is not a valid [`LockKey`].
-    pub fn get_fair_lock(&self, key: impl IntoLockKey) -> Result<Lock> {
+    /// [`ConfigError::InvalidKey`] when `key` is not a valid [`LockKey`].
+    pub fn get_fair_lock(&self, key: impl IntoLockKey) -> Result<Lock, ConfigError> {
         self.lock_in_mode(key, LockMode::Fair)
     }
 
@@ -271,10 +266,10 @@ impl LockClient {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidKey`] for a bad key, [`Error::InvalidConfig`] for `max == 0`.
-    pub fn get_permits(&self, key: impl IntoLockKey, max: u32) -> Result<Lock> {
+    /// [`ConfigError::InvalidKey`] for a bad key, [`ConfigError::InvalidSetting`] for `max == 0`.
+    pub fn get_permits(&self, key: impl IntoLockKey, max: u32) -> Result<Lock, ConfigError> {
         let max = NonZeroU32::new(max)
-            .ok_or_else(|| Error::invalid_config("permits", "must be at least 1 (got 0)"))?;
+            .ok_or_else(|| ConfigError::invalid_setting("permits", "must be at least 1 (got 0)"))?;
         self.lock_in_mode(key, LockMode::Permits { max })
     }
 
@@ -282,8 +277,8 @@ impl LockClient {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidKey`] when `key` is not a valid [`LockKey`].
-    pub fn lock_in_mode(&self, key: impl IntoLockKey, mode: LockMode) -> Result<Lock> {
+    /// [`ConfigError::InvalidKey`] when `key` is not a valid [`LockKey`].
+    pub fn lock_in_mode(&self, key: impl IntoLockKey, mode: LockMode) -> Result<Lock, ConfigError> {
         Ok(self.lock_on(key.into_lock_key()?, mode))
     }
 
@@ -324,8 +319,8 @@ impl LockClient {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidKey`] when `key` is not a valid [`LockKey`].
-    pub fn get_fenced_lock(&self, key: impl IntoLockKey) -> Result<Lock> {
+    /// [`ConfigError::InvalidKey`] when `key` is not a valid [`LockKey`].
+    pub fn get_fenced_lock(&self, key: impl IntoLockKey) -> Result<Lock, ConfigError> {
         Ok(self.get_lock(key)?.fenced())
     }
 
@@ -368,7 +363,7 @@ impl LockClient {
             return Ok(());
         };
         self.mark_name_registered();
-        match self.backend().clients() {
+        match clients_of(self.backend().as_ref()) {
             Some(clients) => clients.register(self.id(), &name, CLIENT_NAME_TTL).await,
             None => Ok(()),
         }
@@ -422,7 +417,7 @@ impl LockClient {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidKey`] for a bad key, and the errors of [`Lock::with_lock`].
+    /// [`ConfigError::InvalidKey`] for a bad key, and the errors of [`Lock::with_lock`].
     pub async fn with_lock<T, F, Fut>(&self, key: impl IntoLockKey, work: F) -> Result<T>
     where
         F: FnOnce(HeldLock) -> Fut,
@@ -491,7 +486,7 @@ impl LockClient {
         self.registry().settle().await;
         let mut first_error = released.into_iter().find_map(Result::err);
         if self.name().is_some()
-            && let Some(clients) = self.backend().clients()
+            && let Some(clients) = clients_of(self.backend().as_ref())
             && let Err(error) = clients.unregister(self.id()).await
         {
             first_error.get_or_insert(error);
@@ -511,7 +506,7 @@ impl LockClient {
         self.registry().is_closed()
     }
 
-    /// One round trip to the store ([`LockBackend::ping`]), for a readiness probe:
+    /// One round trip to the store ([`StoreAdmin::ping`](crate::backend::StoreAdmin::ping)), for a readiness probe:
     /// `Ok` when the store answered.
     ///
     /// ```
@@ -530,13 +525,16 @@ impl LockClient {
     /// # Errors
     ///
     /// The store's error — of kind [unavailable](crate::StoreErrorKind::Unavailable)
-    /// when it is down or did not answer in time ([`Error::NoQuorum`] for RedLock) — or
+    /// when it is down or did not answer in time (with [`NoQuorum`](crate::backend::redlock::NoQuorum) as its source for RedLock) — or
     /// [`Error::Shutdown`] after [`shutdown`](Self::shutdown).
     pub async fn ping(&self) -> Result<()> {
         if self.is_shut_down() {
             return Err(Error::Shutdown);
         }
-        let answered = self.backend().ping().await;
+        let answered = match admin_of(self.backend().as_ref()) {
+            Ok(admin) => admin.ping().await,
+            Err(error) => Err(error),
+        };
         self.registry().inner.health.note(&answered);
         answered
     }
@@ -601,7 +599,7 @@ impl LockClient {
         if others.is_empty() {
             return;
         }
-        let Some(clients) = self.backend().clients() else {
+        let Some(clients) = clients_of(self.backend().as_ref()) else {
             return;
         };
         let names = match clients.names(&others).await {
@@ -782,13 +780,10 @@ impl LockClientBuilder {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] naming `watchdog_lease` when it is out of range, or
+    /// [`ConfigError::InvalidSetting`] naming `watchdog_lease` when it is out of range, or
     /// `name` when the name is empty, too long, or has whitespace or control characters.
-    pub fn build(self) -> Result<LockClient> {
-        let lease = self
-            .watchdog_lease
-            .or_else(|| self.backend.profile().watchdog_lease())
-            .unwrap_or(DEFAULT_WATCHDOG_LEASE);
+    pub fn build(self) -> Result<LockClient, ConfigError> {
+        let lease = self.watchdog_lease.unwrap_or(DEFAULT_WATCHDOG_LEASE);
         let lease = validate_watchdog_lease(lease)?;
         let name = self.name.as_deref().map(validate_name).transpose()?;
         Ok(LockClient::with_parts(
@@ -801,12 +796,12 @@ impl LockClientBuilder {
     }
 }
 
-fn validate_name(name: &str) -> Result<Arc<str>> {
+fn validate_name(name: &str) -> Result<Arc<str>, ConfigError> {
     if name.is_empty()
         || name.len() > MAX_CLIENT_NAME_LEN
         || name.chars().any(|c| c.is_whitespace() || c.is_control())
     {
-        return Err(Error::invalid_config(
+        return Err(ConfigError::invalid_setting(
             "name",
             format!(
                 "must be 1 to {MAX_CLIENT_NAME_LEN} bytes without whitespace or control characters (got {name:?})"
@@ -897,7 +892,7 @@ impl Lock {
     ///
     /// # Errors
     ///
-    /// [`Error::Busy`] when the wait runs out, [`Error::InvalidConfig`] for a lease
+    /// [`Error::Busy`] when the wait runs out, [`ConfigError::InvalidSetting`] for a lease
     /// outside [`MIN_LEASE`](crate::MIN_LEASE)..=[`MAX_LEASE`](crate::MAX_LEASE). A
     /// store outage (a failover, a restart, no quorum) is ridden out within `wait`,
     /// trying again with backoff; when the wait runs out during one, the error is the
@@ -918,8 +913,7 @@ impl Lock {
     ///
     /// Backend errors.
     pub async fn force_unlock(&self) -> Result<bool> {
-        self.client
-            .backend()
+        admin_of(self.client.backend().as_ref())?
             .force_release(&self.key, self.mode)
             .await
     }
@@ -953,7 +947,7 @@ impl Lock {
     ///
     /// Backend errors. A client name that cannot be read is left out, not an error.
     pub async fn inspect(&self) -> Result<LockState> {
-        let mut state = self.client.backend().inspect(&self.key, self.mode).await?;
+        let mut state = self.raw_state().await?;
         self.client.annotate(&self.key, &mut state).await;
         Ok(state)
     }
@@ -1100,7 +1094,9 @@ impl Lock {
     }
 
     async fn raw_state(&self) -> Result<LockState> {
-        self.client.backend().inspect(&self.key, self.mode).await
+        admin_of(self.client.backend().as_ref())?
+            .inspect(&self.key, self.mode)
+            .await
     }
 }
 

@@ -35,7 +35,7 @@ use tokio::time::Instant;
 use super::{Fixture, spawn_acquire, wait_until};
 use crate::backend::{Acquire, LockMode, LockRequest, Release};
 use crate::kinds::MultiLock;
-use crate::{Error, HoldId, Lease, LockClient, LockKey};
+use crate::{ConfigError, Error, HoldId, Lease, LockClient, LockKey};
 
 const LONG: Duration = Duration::from_secs(30);
 
@@ -355,19 +355,22 @@ pub async fn dropped_guard_releases(f: &impl Fixture) {
 /// Bad input gets typed errors, never a panic.
 pub async fn bad_input_is_rejected(f: &impl Fixture) {
     let client = f.client(LONG);
-    assert!(matches!(client.get_lock(""), Err(Error::InvalidKey { .. })));
+    assert!(matches!(
+        client.get_lock(""),
+        Err(ConfigError::InvalidKey { .. })
+    ));
     assert!(matches!(
         client.get_lock("a\u{0}b"),
-        Err(Error::InvalidKey { .. })
+        Err(ConfigError::InvalidKey { .. })
     ));
     assert!(matches!(
         client.get_lock("x".repeat(2000)),
-        Err(Error::InvalidKey { .. })
+        Err(ConfigError::InvalidKey { .. })
     ));
     let lock = client.get_lock(key("bad-input")).unwrap();
     for lease in [Duration::ZERO, Duration::from_micros(999), Duration::MAX] {
         match lock.try_lock_for(Duration::ZERO, lease).await {
-            Err(Error::InvalidConfig { name: "lease", .. }) => {}
+            Err(Error::Config(ConfigError::InvalidSetting { name: "lease", .. })) => {}
             other => panic!("lease {lease:?}: {other:?}"),
         }
     }
@@ -752,7 +755,10 @@ pub async fn a_shorter_renewal_never_shortens_the_lease(f: &impl Fixture) {
             "{how}: a hold was not renewed: {renewed:?}"
         );
         for req in &reqs {
-            let state = backend.inspect(&req.key, req.mode).await.unwrap();
+            let admin = backend
+                .admin()
+                .expect("a backend under test has administration");
+            let state = admin.inspect(&req.key, req.mode).await.unwrap();
             let ttl = state.holders.first().and_then(|h| h.ttl);
             let kept = ttl.is_some_and(|ttl| ttl > long - Duration::from_secs(10));
             if !kept {

@@ -101,11 +101,7 @@ async fn store(
 
 /// Whether the store shows nobody holding `k`.
 async fn free(client: &LockClient, k: &LockKey) -> bool {
-    let state = client
-        .backend()
-        .inspect(k, LockMode::Exclusive)
-        .await
-        .unwrap();
+    let state = client.get_lock(k.clone()).unwrap().inspect().await.unwrap();
     state.holders.is_empty()
 }
 

@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use tower_lock::backend::{LockBackend, LockMode};
+use tower_lock::backend::LockMode;
+use tower_lock::backend::StoreAdmin as _;
 use tower_lock::testing::Fixture;
 use tower_lock::{LockClient, LockKey, MemoryBackend};
 

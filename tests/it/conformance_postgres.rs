@@ -133,10 +133,7 @@ async fn bad_configuration_is_refused_by_name() {
             .build()
             .await
             .unwrap_err();
-        assert!(
-            matches!(err, tower_lock::Error::InvalidConfig { .. }),
-            "{err}"
-        );
+        assert!(matches!(err, tower_lock::SetupError::Config(_)), "{err}");
     }
     let err = PostgresBackend::builder(pool.clone())
         .waiter_timeout(Duration::ZERO)

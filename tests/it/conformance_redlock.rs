@@ -6,7 +6,8 @@ use crate::{common, kind_tests};
 use std::time::Duration;
 
 use common::kinds::KindFixture;
-use tower_lock::backend::{LockBackend, LockMode};
+use tower_lock::backend::LockMode;
+use tower_lock::backend::StoreAdmin as _;
 use tower_lock::kinds::RedLock;
 use tower_lock::testing::Fixture;
 use tower_lock::{LockClient, LockKey, MemoryBackend};

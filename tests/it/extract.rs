@@ -12,7 +12,7 @@ use http_body_util::BodyExt;
 use tower::ServiceExt;
 use tower_lock::extract::{HeldLock, Locks};
 use tower_lock::layer::{ExtensionKey, HeaderKey, LockLayer, PathParamKey};
-use tower_lock::{Lease, LockClient, LockKey, MemoryBackend, Owner};
+use tower_lock::{ConfigError, Lease, LockClient, LockKey, MemoryBackend, Owner};
 
 const USER: HeaderName = HeaderName::from_static("x-user-id");
 
@@ -272,14 +272,12 @@ async fn extension_keys_come_from_auth_middleware_and_nested_layers_share_the_ow
 /// added by the crate — and refuses a `:` at either end by name.
 #[test]
 fn one_prefix_rule_refuses_a_doubled_separator_by_name() {
-    use tower_lock::Error;
-
     let layer = LockLayer::builder(
         LockClient::new(MemoryBackend::new()),
         HeaderKey::new(HeaderName::from_static("x-user-id")),
     );
     match layer.key_prefix("lock:").build() {
-        Err(Error::InvalidConfig {
+        Err(ConfigError::InvalidSetting {
             name: "key_prefix",
             reason,
         }) => assert!(reason.contains("write \"lock\""), "{reason}"),
@@ -288,21 +286,21 @@ fn one_prefix_rule_refuses_a_doubled_separator_by_name() {
     for bad in ["order:", ":order", "lock::order"] {
         assert!(matches!(
             HeaderKey::new(HeaderName::from_static("x-user-id")).namespace(bad),
-            Err(Error::InvalidConfig {
+            Err(ConfigError::InvalidSetting {
                 name: "namespace",
                 ..
             })
         ));
         assert!(matches!(
             PathParamKey::new("id").namespace(bad),
-            Err(Error::InvalidConfig {
+            Err(ConfigError::InvalidSetting {
                 name: "namespace",
                 ..
             })
         ));
         assert!(matches!(
             LockKey::namespaced(bad, "42"),
-            Err(Error::InvalidKey { .. })
+            Err(ConfigError::InvalidKey { .. })
         ));
     }
     // The one spelling: the `:` is added once.

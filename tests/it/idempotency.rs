@@ -979,7 +979,7 @@ async fn a_store_without_replays_is_refused_at_build() {
     .unwrap();
     let err = IdempotencyLayer::new(LockClient::new(redlock), scope()).unwrap_err();
     assert!(
-        matches!(err, tower_lock::Error::InvalidConfig { name: "client", .. }),
+        matches!(err, tower_lock::ConfigError::Unsupported { .. }),
         "{err}"
     );
     let err = builder(LockClient::new(MemoryBackend::new()))
@@ -989,7 +989,7 @@ async fn a_store_without_replays_is_refused_at_build() {
     assert!(
         matches!(
             err,
-            tower_lock::Error::InvalidConfig {
+            tower_lock::ConfigError::InvalidSetting {
                 name: "key_prefix",
                 ..
             }
@@ -1001,7 +1001,10 @@ async fn a_store_without_replays_is_refused_at_build() {
         .build()
         .unwrap_err();
     assert!(
-        matches!(err, tower_lock::Error::InvalidConfig { name: "ttl", .. }),
+        matches!(
+            err,
+            tower_lock::ConfigError::InvalidSetting { name: "ttl", .. }
+        ),
         "{err}"
     );
 }

@@ -5,7 +5,8 @@ use crate::{common, kind_tests};
 use std::time::Duration;
 
 use common::kinds::KindFixture;
-use tower_lock::backend::{LockBackend, LockMode};
+use tower_lock::backend::LockMode;
+use tower_lock::backend::StoreAdmin as _;
 use tower_lock::{LockClient, LockKey, MemoryBackend};
 
 struct Memory(MemoryBackend);

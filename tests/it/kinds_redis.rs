@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use common::kinds::KindFixture;
 use common::redis_server::RedisServer;
-use tower_lock::backend::{LockBackend, LockMode};
+use tower_lock::backend::LockMode;
+use tower_lock::backend::StoreAdmin as _;
 use tower_lock::{LockClient, LockKey, RedisBackend};
 
 /// A waiter timeout far above every handoff bound in the suite, so a test that passes

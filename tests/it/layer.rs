@@ -460,10 +460,11 @@ impl ModeCheck {
         self.modes.lock().unwrap().push(req.mode);
         match req.mode {
             LockMode::Exclusive => Ok(()),
-            mode => Err(Error::Unsupported {
+            mode => Err(tower_lock::ConfigError::Unsupported {
                 backend: "exclusive-only",
-                mode,
-            }),
+                what: format!("{mode} locks"),
+            }
+            .into()),
         }
     }
 }
@@ -594,11 +595,11 @@ fn the_builder_names_bad_values() {
     ];
     for (result, name) in cases {
         match result {
-            Err(Error::InvalidConfig { .. }) => {
+            Err(tower_lock::ConfigError::InvalidSetting { .. }) => {
                 let text = result.unwrap_err().to_string();
                 assert!(text.contains(name), "{text}");
             }
-            other => panic!("{name}: expected InvalidConfig, got {other:?}"),
+            other => panic!("{name}: expected InvalidSetting, got {other:?}"),
         }
     }
     assert!(b().max_wait(Duration::ZERO).build().is_ok());

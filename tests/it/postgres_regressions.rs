@@ -8,6 +8,7 @@ use std::time::Duration;
 use common::postgres::{PgDatabase, take};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::time::Instant;
+use tower_lock::backend::StoreAdmin as _;
 use tower_lock::backend::{Acquire, ClientNames, LockBackend, LockMode, LockRequest, Release};
 use tower_lock::{HoldId, LockClient, LockKey, PostgresBackend};
 

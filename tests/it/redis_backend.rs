@@ -12,7 +12,9 @@ use common::wait_until;
 use futures_util::StreamExt;
 use redis::aio::MultiplexedConnection;
 use tokio::time::Instant;
+use tower_lock::backend::redis::WrongType;
 use tower_lock::backend::{Acquire, LockBackend, LockMode, LockRequest, Release};
+use tower_lock::{ConfigError, SetupError};
 use tower_lock::{Error, HoldId, Lease, LockClient, LockKey, RedisBackend, StoreErrorKind};
 
 /// Redisson 3.x `RedissonLock.tryLockInnerAsync`, verbatim in behaviour: nil when
@@ -562,10 +564,12 @@ async fn wrong_type_and_script_errors_are_typed() {
         .unwrap();
     let lock = client.get_lock("stringly").unwrap();
     match lock.try_lock().await {
-        Err(Error::WrongType) => {}
+        Err(error) if error.store_source::<WrongType>().is_some() => {
+            assert_eq!(error.store_kind(), Some(StoreErrorKind::Misconfigured));
+            assert!(!error.is_retryable());
+        }
         other => panic!("expected WrongType, got {other:?}"),
     }
-    assert!(!Error::WrongType.is_retryable());
     // The string is untouched.
     let value: String = redis::cmd("GET")
         .arg("stringly")
@@ -582,7 +586,7 @@ async fn connection_refused_is_a_typed_error() {
     drop(server);
     let started = Instant::now();
     match RedisBackend::connect(url.as_str()).await {
-        Err(Error::Store(e)) => {
+        Err(SetupError::Store(e)) => {
             assert_eq!(e.kind(), StoreErrorKind::Unavailable, "{e}");
             let e = e
                 .downcast_ref::<redis::RedisError>()
@@ -633,7 +637,7 @@ async fn password_in_url_and_prefix() {
 
     let wrong = format!("redis://:nope@127.0.0.1:{}", server.port());
     match RedisBackend::connect(wrong.as_str()).await {
-        Err(Error::Store(e)) => {
+        Err(SetupError::Store(e)) => {
             assert_eq!(e.kind(), StoreErrorKind::Misconfigured, "{e}: fails closed");
             let e = e
                 .downcast_ref::<redis::RedisError>()
@@ -650,9 +654,9 @@ async fn password_in_url_and_prefix() {
             .build()
             .await
         {
-            Err(Error::InvalidConfig {
+            Err(SetupError::Config(ConfigError::InvalidSetting {
                 name: "key_prefix", ..
-            }) => {}
+            })) => {}
             other => panic!("prefix {bad:?}: {other:?}"),
         }
     }
@@ -690,7 +694,7 @@ async fn tls_with_a_private_ca() {
     // Without the CA, the server's certificate is refused.
     let untrusted = RedisBackend::connect(server.url().as_str()).await;
     assert!(
-        matches!(&untrusted, Err(Error::Store(e)) if e.downcast_ref::<redis::RedisError>().is_some()),
+        matches!(&untrusted, Err(SetupError::Store(e)) if e.downcast_ref::<redis::RedisError>().is_some()),
         "{untrusted:?}"
     );
 }
@@ -883,7 +887,10 @@ async fn a_wrong_type_key_fails_alone_in_a_batch() {
     );
     for (i, a) in acquired.iter().enumerate() {
         if i == 7 {
-            assert!(matches!(a, Err(Error::WrongType)), "the string key: {a:?}");
+            assert!(
+                matches!(a, Err(e) if e.store_source::<WrongType>().is_some()),
+                "the string key: {a:?}"
+            );
         } else {
             assert!(
                 matches!(a, Ok(Acquire::Acquired(_))),
@@ -894,7 +901,10 @@ async fn a_wrong_type_key_fails_alone_in_a_batch() {
     let released = futures_util::future::join_all(reqs.iter().map(|r| backend.release(r))).await;
     for (i, r) in released.iter().enumerate() {
         if i == 7 {
-            assert!(matches!(r, Err(Error::WrongType)), "the string key: {r:?}");
+            assert!(
+                matches!(r, Err(e) if e.store_source::<WrongType>().is_some()),
+                "the string key: {r:?}"
+            );
         } else {
             assert!(matches!(r, Ok(Release::Released)), "release {i}: {r:?}");
         }

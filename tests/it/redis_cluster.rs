@@ -12,6 +12,7 @@ use std::time::Duration;
 use common::kinds::{self, Kind, KindFixture};
 use common::redis_server::{RedisCluster, command_calls};
 use redis::cluster_async::ClusterConnection;
+use tower_lock::backend::StoreAdmin as _;
 use tower_lock::backend::{Acquire, LockBackend, LockMode, LockRequest, Release};
 use tower_lock::testing::Fixture;
 use tower_lock::{HoldId, LockClient, LockKey, RedisBackend};

@@ -241,7 +241,7 @@ async fn sharded_pubsub_on_is_refused_for_a_single_server() {
         .await
         .unwrap_err();
     assert!(
-        matches!(&error, Error::InvalidConfig { name, .. } if *name == "sharded_pubsub"),
+        matches!(&error, tower_lock::SetupError::Config(tower_lock::ConfigError::InvalidSetting { name, .. }) if *name == "sharded_pubsub"),
         "{error:?}"
     );
 }

@@ -2,6 +2,8 @@
 //! take it down (every call fails), stall it (no call answers), or restart it empty.
 
 use crate::common;
+use tower_lock::backend::StoreAdmin;
+use tower_lock::backend::redlock::NoQuorum;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
@@ -116,6 +118,12 @@ impl LockBackend for Node {
         Box::pin(async move { self.reach().await?.abandon(req).await })
     }
 
+    fn admin(&self) -> Option<&dyn StoreAdmin> {
+        Some(self)
+    }
+}
+
+impl StoreAdmin for Node {
     fn force_release<'a>(
         &'a self,
         key: &'a LockKey,
@@ -260,12 +268,13 @@ async fn three_nodes_down_is_a_clean_quorum_error_when_the_wait_ends() {
         let started = Instant::now();
         let err = lock.try_lock_for(wait, Lease::Watchdog).await.unwrap_err();
         let took = started.elapsed();
-        match err {
-            Error::NoQuorum {
+        match err.store_source::<NoQuorum>() {
+            Some(NoQuorum {
                 acquired: 2,
                 needed: 3,
                 total: 5,
-            } => {}
+                ..
+            }) => {}
             other => {
                 panic!("{fault:?}: expected no quorum (2 of 3 needed, 5 nodes), got {other:?}")
             }
@@ -284,7 +293,7 @@ async fn three_nodes_down_is_a_clean_quorum_error_when_the_wait_ends() {
             .await
             .expect("lock() hung without a quorum")
             .unwrap_err();
-        assert!(matches!(err, Error::NoQuorum { .. }), "{err:?}");
+        assert!(err.store_source::<NoQuorum>().is_some(), "{err:?}");
         assert!(err.is_retryable());
     }
 }
@@ -508,12 +517,13 @@ async fn all_of_needs_every_node() {
     let err = client.get_lock(&k).unwrap().try_lock().await.unwrap_err();
     assert!(
         matches!(
-            err,
-            Error::NoQuorum {
+            err.store_source::<NoQuorum>(),
+            Some(NoQuorum {
                 acquired: 2,
                 needed: 3,
-                total: 3
-            }
+                total: 3,
+                ..
+            })
         ),
         "{err:?}"
     );
@@ -553,12 +563,13 @@ async fn read_write_and_permits_work_over_redlock() {
     let err = permits.try_lock().await.unwrap_err();
     assert!(
         matches!(
-            err,
-            Error::NoQuorum {
+            err.store_source::<NoQuorum>(),
+            Some(NoQuorum {
                 acquired: 3,
                 needed: 4,
-                total: 5
-            }
+                total: 5,
+                ..
+            })
         ),
         "{err:?}"
     );
@@ -610,13 +621,19 @@ async fn ping_needs_a_quorum_of_nodes() {
         client.ping().await.expect("3 of 5 answer");
         nodes[2].set(fault);
         match client.ping().await {
-            Err(
-                err @ Error::NoQuorum {
-                    acquired: 2,
-                    needed: 3,
-                    total: 5,
-                },
-            ) => assert!(err.is_unavailable()),
+            Err(err)
+                if matches!(
+                    err.store_source::<NoQuorum>(),
+                    Some(NoQuorum {
+                        acquired: 2,
+                        needed: 3,
+                        total: 5,
+                        ..
+                    })
+                ) =>
+            {
+                assert!(err.is_unavailable())
+            }
             other => panic!("{fault:?}: expected no quorum, got {other:?}"),
         }
     }

@@ -4,12 +4,14 @@
 //! killed — are in `tests/redis_processes.rs`.)
 
 use crate::common;
+use tower_lock::backend::redlock::NoQuorum;
 
 use std::time::Duration;
 
 use common::redis_server::RedisServer;
 use tokio::time::Instant;
-use tower_lock::backend::{LockBackend, LockMode};
+use tower_lock::backend::LockMode;
+use tower_lock::backend::StoreAdmin as _;
 use tower_lock::kinds::RedLock;
 use tower_lock::testing::Fixture;
 use tower_lock::{Error, Lease, LockClient, LockKey, RedisBackend};
@@ -155,12 +157,13 @@ async fn three_nodes_killed_is_a_clean_quorum_error_when_the_wait_ends() {
     let took = started.elapsed();
     assert!(
         matches!(
-            err,
-            Error::NoQuorum {
+            err.store_source::<NoQuorum>(),
+            Some(NoQuorum {
                 acquired: 2,
                 needed: 3,
-                total: 5
-            }
+                total: 5,
+                ..
+            })
         ),
         "expected no quorum (2 of 3 needed, 5 nodes), got {err:?}"
     );
@@ -295,7 +298,7 @@ async fn rolling_restarts_of_every_node_keep_a_watched_lock() {
             match other.try_lock().await {
                 Ok(guard) => panic!("a second owner got in after restarting node {i}: {guard:?}"),
                 Err(err) => assert!(
-                    err.is_busy() || matches!(err, Error::NoQuorum { .. }),
+                    err.is_busy() || err.store_source::<NoQuorum>().is_some(),
                     "{err:?}"
                 ),
             }

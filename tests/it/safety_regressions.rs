@@ -12,6 +12,7 @@
 //! failures around it; nothing is mocked.
 
 use crate::common;
+use tower_lock::backend::StoreAdmin as _;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -1628,8 +1629,8 @@ fn renewals_outlive_the_runtime_that_took_a_hold_another_reentered_redis() {
 fn owner_from_raw_rejects_owners_ending_in_read_or_write() {
     for raw in ["client:read", "client:write", "a:b:read", ":write"] {
         match Owner::from_raw(raw) {
-            Err(Error::InvalidConfig { .. }) => {}
-            other => panic!("Owner::from_raw({raw:?}) gave {other:?}, not InvalidConfig"),
+            Err(tower_lock::ConfigError::InvalidSetting { .. }) => {}
+            other => panic!("Owner::from_raw({raw:?}) gave {other:?}, not InvalidSetting"),
         }
     }
     // Only the exact suffixes are reserved.
@@ -2172,6 +2173,8 @@ async fn a_hold_the_watchdog_gave_up(faulty: &Faulty, store: &dyn LockBackend) {
         "the lost hold taken back in the store",
         || async {
             store
+                .admin()
+                .unwrap()
                 .inspect(&key, LockMode::Exclusive)
                 .await
                 .unwrap()

@@ -2,6 +2,7 @@
 //! shuts down, or a user's observer panics.
 
 use std::time::Duration;
+use tower_lock::backend::StoreAdmin as _;
 
 use tokio::time::Instant;
 use tower_lock::backend::{LockBackend, LockMode};

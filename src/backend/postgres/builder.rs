@@ -17,7 +17,7 @@ use super::{
 };
 use crate::backend::clock::StoreClock;
 use crate::backend::{QUEUED_MODES, StoreProfile};
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, SetupError};
 use crate::key::LockKey;
 
 /// Configures a [`PostgresBackend`].
@@ -28,7 +28,6 @@ pub struct PostgresBackendBuilder {
     table: String,
     waiter_timeout: Duration,
     response_timeout: Duration,
-    watchdog_lease: Option<Duration>,
     fast_grants: Option<Duration>,
     kept_connections: usize,
     hand_over: bool,
@@ -45,7 +44,6 @@ impl PostgresBackendBuilder {
             table: DEFAULT_TABLE.to_owned(),
             waiter_timeout: DEFAULT_WAITER_TIMEOUT,
             response_timeout: DEFAULT_RESPONSE_TIMEOUT,
-            watchdog_lease: None,
             fast_grants: None,
             kept_connections: DEFAULT_KEPT_CONNECTIONS,
             hand_over: false,
@@ -102,12 +100,6 @@ impl PostgresBackendBuilder {
         self
     }
 
-    /// The watchdog lease clients of this backend use unless told otherwise.
-    pub fn watchdog_lease(mut self, lease: Duration) -> Self {
-        self.watchdog_lease = Some(lease);
-        self
-    }
-
     /// Opt-in fast mode: an exclusive grant whose lease is at most `max_lease` commits
     /// without waiting for the disk (`synchronous_commit = off` for its transaction),
     /// which saves the grant's `fdatasync` — most of an uncontended lock's time on
@@ -128,13 +120,16 @@ impl PostgresBackendBuilder {
     /// crash costs. At least 1 ms.
     ///
     /// ```no_run
-    /// # async fn demo(pool: sqlx::PgPool) -> tower_lock::Result<()> {
+    /// # async fn demo(pool: sqlx::PgPool) -> Result<(), tower_lock::Error> {
     /// use std::time::Duration;
     /// let backend = tower_lock::PostgresBackend::builder(pool)
-    ///     .watchdog_lease(Duration::from_secs(10))
     ///     .fast_grants(Duration::from_secs(10)) // after a crash: no grants for 10 s
     ///     .build()
     ///     .await?;
+    /// // Watchdog holds within the fast grants' bound:
+    /// let client = tower_lock::LockClient::builder(backend)
+    ///     .watchdog_lease(Duration::from_secs(10))
+    ///     .build()?;
     /// # Ok(())
     /// # }
     /// ```
@@ -203,9 +198,9 @@ impl PostgresBackendBuilder {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] naming the bad setting; backend errors when the server
-    /// cannot be reached.
-    pub async fn build(self) -> Result<PostgresBackend> {
+    /// [`SetupError::Config`] naming the bad setting; [`SetupError::Store`] when the
+    /// server cannot be reached or used.
+    pub async fn build(self) -> Result<PostgresBackend, SetupError> {
         self.validate()?;
         if self.migrate {
             PostgresBackend::migrate(&self.pool, &self.schema, &self.table).await?;
@@ -256,8 +251,7 @@ impl PostgresBackendBuilder {
                 clock: StoreClock::default(),
                 profile: StoreProfile::new("postgres")
                     .with_store_id(self.store_id())
-                    .with_queued_modes(QUEUED_MODES)
-                    .with_watchdog_lease(self.watchdog_lease),
+                    .with_queued_modes(QUEUED_MODES),
                 pool: self.pool,
                 waiter_timeout: self.waiter_timeout,
                 response_timeout: self.response_timeout,
@@ -281,22 +275,19 @@ impl PostgresBackendBuilder {
     }
 
     /// Checks every setting, in the order of their errors.
-    fn validate(&self) -> Result<()> {
+    fn validate(&self) -> Result<(), ConfigError> {
         validate_identifier("schema", &self.schema)?;
         validate_identifier("table", &self.table)?;
         crate::backend::limits::validate_waiter_timeout(self.waiter_timeout)?;
         if self.response_timeout.is_zero() {
-            return Err(Error::invalid_config(
+            return Err(ConfigError::invalid_setting(
                 "response_timeout",
                 "must be positive (got 0)",
             ));
         }
-        if let Some(lease) = self.watchdog_lease {
-            crate::backend::limits::validate_watchdog_lease(lease)?;
-        }
         if self.token_retention < Duration::from_secs(1) || self.token_retention > crate::MAX_LEASE
         {
-            return Err(Error::invalid_config(
+            return Err(ConfigError::invalid_setting(
                 "token_retention",
                 format!(
                     "must be between 1 s and 365 days (got {:?})",
@@ -308,7 +299,7 @@ impl PostgresBackendBuilder {
             .fast_grants
             .is_some_and(|max| max < Duration::from_millis(1))
         {
-            return Err(Error::invalid_config(
+            return Err(ConfigError::invalid_setting(
                 "fast_grants",
                 "the longest fast lease must be at least 1 ms",
             ));

@@ -12,7 +12,7 @@
 //!   mode, holds, expires_at, token)` of `<table>`. The database's clock
 //!   (`clock_timestamp()`) sets and checks every `expires_at`, never the client's. A crashed or paused holder's lock ends with its
 //!   lease, whatever becomes of its connections, and any session can release it
-//!   ([`force_release`](LockBackend::force_release)). No session-bound advisory lock
+//!   ([`force_release`](StoreAdmin::force_release)). No session-bound advisory lock
 //!   holds a lock.
 //! - **One statement per operation.** An exclusive acquisition or release is one plain
 //!   SQL statement on the name's row (`sql/lock_x.sql`, `sql/unlock_x.sql`), whose row
@@ -126,10 +126,10 @@ use bytes::Bytes;
 
 use super::{
     Acquire, BoxFuture, ClientNames, FencingToken, LockBackend, LockMode, LockRequest, LockState,
-    Release, ReplayStore, Signal, StoreProfile, Stored, Subscription, queued,
+    Release, ReplayStore, Signal, StoreAdmin, StoreProfile, Stored, Subscription, queued,
 };
 use crate::backend::clock::StoreClock;
-use crate::error::{Error, Result, StoreError, StoreErrorKind};
+use crate::error::{ConfigError, Error, Result, SetupError, StoreError, StoreErrorKind};
 use crate::key::LockKey;
 
 mod batch;
@@ -212,20 +212,21 @@ impl PostgresBackend {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] for a URL that is not one; an
-    /// [unavailable](crate::StoreErrorKind::Unavailable) [`Error::Store`] when the server
-    /// cannot be reached.
-    pub async fn connect(url: &str) -> Result<Self> {
+    /// [`SetupError::Config`] for a URL that is not one; an
+    /// [unavailable](crate::StoreErrorKind::Unavailable) [`SetupError::Store`] when the
+    /// server cannot be reached.
+    pub async fn connect(url: &str) -> Result<Self, SetupError> {
         let pool = PgPoolOptions::new()
             .max_connections(10)
             .acquire_timeout(DEFAULT_RESPONSE_TIMEOUT)
             .connect(url)
             .await
             .map_err(|e| match e {
-                sqlx::Error::Configuration(e) => {
-                    Error::invalid_config("url", format!("is not a PostgreSQL URL: {e}"))
-                }
-                e => map_error(e),
+                sqlx::Error::Configuration(e) => SetupError::Config(ConfigError::invalid_setting(
+                    "url",
+                    format!("is not a PostgreSQL URL: {e}"),
+                )),
+                e => map_error(e).into(),
             })?;
         Self::builder(pool).build().await
     }
@@ -241,9 +242,9 @@ impl PostgresBackend {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] for a schema or table name that is not a plain
-    /// identifier; backend errors.
-    pub async fn migrate(pool: &PgPool, schema: &str, table: &str) -> Result<()> {
+    /// [`SetupError::Config`] for a schema or table name that is not a plain
+    /// identifier; [`SetupError::Store`] when the database refuses or cannot be reached.
+    pub async fn migrate(pool: &PgPool, schema: &str, table: &str) -> Result<(), SetupError> {
         validate_identifier("schema", schema)?;
         validate_identifier("table", table)?;
         // One script, one implicit transaction, behind a transaction-scoped advisory
@@ -413,6 +414,16 @@ impl LockBackend for PostgresBackend {
         })
     }
 
+    fn replays(&self) -> Option<&dyn ReplayStore> {
+        Some(self)
+    }
+
+    fn admin(&self) -> Option<&dyn StoreAdmin> {
+        Some(self)
+    }
+}
+
+impl StoreAdmin for PostgresBackend {
     fn force_release<'a>(
         &'a self,
         key: &'a LockKey,
@@ -436,10 +447,6 @@ impl LockBackend for PostgresBackend {
     }
 
     fn clients(&self) -> Option<&dyn ClientNames> {
-        Some(self)
-    }
-
-    fn replays(&self) -> Option<&dyn ReplayStore> {
         Some(self)
     }
 
@@ -562,7 +569,7 @@ impl fmt::Debug for PostgresBackend {
     }
 }
 
-fn validate_identifier(name: &'static str, value: &str) -> Result<()> {
+fn validate_identifier(name: &'static str, value: &str) -> Result<(), ConfigError> {
     let ok = !value.is_empty()
         && value.len() <= 40
         && value
@@ -572,7 +579,7 @@ fn validate_identifier(name: &'static str, value: &str) -> Result<()> {
     if ok {
         Ok(())
     } else {
-        Err(Error::invalid_config(
+        Err(ConfigError::invalid_setting(
             name,
             format!(
                 "must be a plain identifier: 1 to 40 of a-z, 0-9 and _, not starting with a digit (got {value:?})"

@@ -114,7 +114,8 @@
 //! server answered (a wrong password, `NOPERM`, a script error) is
 //! [misconfigured](crate::StoreErrorKind::Misconfigured), and a reply this crate does not
 //! understand [unexpected](crate::StoreErrorKind::Unexpected): both fail closed. A key
-//! that holds another type (a string at `NAME`) is [`Error::WrongType`].
+//! that holds another type (a string at `NAME`) is a misconfigured store whose source is
+//! [`WrongType`].
 //!
 //! # Cancel safety
 //!
@@ -140,11 +141,11 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{
     Acquire, BoxFuture, ClientNames, FencingToken, Grant, HoldInfo, LockBackend, LockMode,
-    LockRequest, LockState, QUEUED_MODES, Release, ReplayStore, StoreProfile, Subscription,
-    WaiterScope, Waiters, queued,
+    LockRequest, LockState, QUEUED_MODES, Release, ReplayStore, StoreAdmin, StoreProfile,
+    Subscription, WaiterScope, Waiters, queued,
 };
 use crate::backend::clock::{ArrivedLate, COMPENSATION_MARGIN, StoreClock};
-use crate::error::{Error, Result, StoreError, StoreErrorKind};
+use crate::error::{Error, Result, SetupError, StoreError, StoreErrorKind};
 use crate::hold_id::HoldId;
 use crate::key::LockKey;
 
@@ -162,6 +163,15 @@ mod switches;
 #[cfg(feature = "sentinel")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sentinel")))]
 pub use sentinel_url::SentinelUrl;
+
+/// The source of a [misconfigured](crate::StoreErrorKind::Misconfigured) store error
+/// when a lock's key holds data of another type (a string where a lock hash should be):
+/// something else writes under the lock's name. Downcast the error's source to tell it
+/// apart: `store_error.downcast_ref::<WrongType>()`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("the store holds data of another type at the lock key")]
+#[non_exhaustive]
+pub struct WrongType;
 
 /// The scheme of the URLs that name a primary by its Sentinels
 /// ([`RedisBackend::from_url`]).
@@ -1165,7 +1175,6 @@ impl Inner {
 pub struct RedisBackendBuilder {
     target: Target,
     key_prefix: String,
-    watchdog_lease: Option<Duration>,
     waiter_timeout: Duration,
     response_timeout: Duration,
     connection_timeout: Duration,
@@ -1277,10 +1286,10 @@ impl RedisBackend {
     ///
     /// # Errors
     ///
-    /// [`Error::Store`]: [misconfigured](crate::StoreErrorKind::Misconfigured) when the
+    /// [`SetupError::Store`]: [misconfigured](crate::StoreErrorKind::Misconfigured) when the
     /// URL is invalid or the server refuses the credentials,
     /// [unavailable](crate::StoreErrorKind::Unavailable) when it cannot be reached.
-    pub async fn connect(url: impl IntoConnectionInfo) -> Result<Self> {
+    pub async fn connect(url: impl IntoConnectionInfo) -> Result<Self, SetupError> {
         Self::builder(url).build().await
     }
 
@@ -1423,7 +1432,6 @@ impl RedisBackend {
         RedisBackendBuilder {
             target,
             key_prefix: String::new(),
-            watchdog_lease: None,
             waiter_timeout: DEFAULT_WAITER_TIMEOUT,
             response_timeout: DEFAULT_RESPONSE_TIMEOUT,
             connection_timeout: DEFAULT_CONNECTION_TIMEOUT,
@@ -1794,7 +1802,7 @@ fn unexpected(op: &str, reply: &[i64]) -> Error {
     )
 }
 
-/// redis-rs's error → the crate's: a key of another type is [`Error::WrongType`], any
+/// redis-rs's error → the crate's: a key of another type is [`WrongType`], any
 /// other failure a [`StoreError`] of its kind.
 /// `error`, from connecting to `addr` (`host:port`, never with the password the URL may
 /// carry), saying where: an operator reading "connection refused" at startup needs to
@@ -1814,7 +1822,10 @@ fn map_error(error: RedisError) -> Error {
         || error.detail().is_some_and(|d| d.contains("WRONGTYPE"))
         || error.to_string().contains("WRONGTYPE");
     if wrong_type {
-        Error::WrongType
+        let message = format!("{WrongType}: {error}");
+        Error::Store(
+            StoreError::new(StoreErrorKind::Misconfigured, WrongType).with_message(message),
+        )
     } else {
         Error::Store(store_error(error))
     }
@@ -2175,14 +2186,6 @@ impl RedisBackendBuilder {
         self
     }
 
-    /// The watchdog lease clients of this backend use by default (else
-    /// [`DEFAULT_WATCHDOG_LEASE`](crate::DEFAULT_WATCHDOG_LEASE), like Redisson's
-    /// `lockWatchdogTimeout`).
-    pub fn watchdog_lease(mut self, lease: Duration) -> Self {
-        self.watchdog_lease = Some(lease);
-        self
-    }
-
     /// How long a queued waiter of a fair or read-write lock may go without polling
     /// before it loses its place (Redisson's `threadWaitTime`, which defaults to 5
     /// minutes there). Default [`DEFAULT_WAITER_TIMEOUT`] (5 s); at least
@@ -2323,10 +2326,10 @@ impl RedisBackendBuilder {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] naming the bad setting; [`Error::Store`] when the URL is
-    /// invalid or (unless [lazy](Self::lazy_connect)) the server cannot be reached (see
-    /// [`RedisBackend::connect`]).
-    pub async fn build(mut self) -> Result<RedisBackend> {
+    /// [`SetupError::Config`] naming the bad setting; [`SetupError::Store`] when the URL
+    /// is invalid or (unless [lazy](Self::lazy_connect)) the server cannot be reached
+    /// (see [`RedisBackend::connect`]).
+    pub async fn build(mut self) -> Result<RedisBackend, SetupError> {
         self.validate()?;
         // From here on the prefix is as keys start with it: the segments and the `:`
         // that joins them to the lock's name (`myapp` → `myapp:NAME`).
@@ -2347,8 +2350,7 @@ impl RedisBackendBuilder {
                 conn,
                 profile: StoreProfile::new("redis")
                     .with_store_id(store_id)
-                    .with_queued_modes(QUEUED_MODES)
-                    .with_watchdog_lease(self.watchdog_lease),
+                    .with_queued_modes(QUEUED_MODES),
                 prefix: self.key_prefix,
                 hub,
                 waiter_timeout: self.waiter_timeout,
@@ -2452,9 +2454,6 @@ impl RedisBackendBuilder {
                     self.pubsub_keepalive
                 ),
             ));
-        }
-        if let Some(lease) = self.watchdog_lease {
-            crate::backend::limits::validate_watchdog_lease(lease)?;
         }
         Ok(())
     }
@@ -2738,6 +2737,17 @@ impl LockBackend for RedisBackend {
         })
     }
 
+    /// Records beside the exclusive locks; see `replay.rs`.
+    fn replays(&self) -> Option<&dyn ReplayStore> {
+        Some(self)
+    }
+
+    fn admin(&self) -> Option<&dyn StoreAdmin> {
+        Some(self)
+    }
+}
+
+impl StoreAdmin for RedisBackend {
     fn force_release<'a>(
         &'a self,
         key: &'a LockKey,
@@ -2756,11 +2766,6 @@ impl LockBackend for RedisBackend {
     }
 
     fn clients(&self) -> Option<&dyn ClientNames> {
-        Some(self)
-    }
-
-    /// Records beside the exclusive locks; see `replay.rs`.
-    fn replays(&self) -> Option<&dyn ReplayStore> {
         Some(self)
     }
 
@@ -2931,7 +2936,8 @@ mod tests {
         ] {
             assert!(!in_doubt(message), "{message}");
         }
-        assert!(redis_error_of(&Error::WrongType).is_none());
+        let wrong = Error::Store(StoreError::new(StoreErrorKind::Misconfigured, WrongType));
+        assert!(redis_error_of(&wrong).is_none());
     }
 
     /// Issue 49: no lock key can be another lock's companion key. Every companion the

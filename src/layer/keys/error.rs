@@ -5,7 +5,7 @@ use std::fmt;
 
 use http::{Response, StatusCode};
 
-use crate::error::Error;
+use crate::error::{ConfigError, Error};
 use crate::layer::rejection::RejectionBody;
 
 /// Why no key could be derived from a request. The layer answers it through the
@@ -105,12 +105,25 @@ impl fmt::Display for KeyError {
 
 impl std::error::Error for KeyError {}
 
+impl From<ConfigError> for KeyError {
+    /// [`ConfigError::InvalidKey`] (the request's value makes no valid key) is a 400
+    /// saying why; any other error is the server's: a 500 whose text is logged, not sent.
+    fn from(error: ConfigError) -> Self {
+        match error {
+            ConfigError::InvalidKey { reason } => {
+                KeyError::new(format!("invalid lock key: {reason}"))
+            }
+            other => KeyError::server(other.to_string()),
+        }
+    }
+}
+
 impl From<Error> for KeyError {
-    /// [`Error::InvalidKey`] (the request's value makes no valid key) is a 400 saying
-    /// why; any other error is the server's: a 500 whose text is logged, not sent.
+    /// A [`ConfigError`] as above; any other error is the server's: a 500 whose text is
+    /// logged, not sent.
     fn from(error: Error) -> Self {
         match error {
-            Error::InvalidKey { reason } => KeyError::new(format!("invalid lock key: {reason}")),
+            Error::Config(error) => KeyError::from(error),
             other => KeyError::server(other.to_string()),
         }
     }

@@ -10,7 +10,7 @@ use std::marker::PhantomData;
 use http::request::Parts;
 
 use super::{Extracted, KeyError, KeyExtractor, Keys, namespaced};
-use crate::error::Error;
+use crate::error::ConfigError;
 use crate::namespace::Namespace;
 
 /// Keys a request by a value that earlier middleware put in the request extensions —
@@ -64,7 +64,10 @@ where
     /// # Errors
     ///
     /// As [`HeaderKey::namespace`](super::HeaderKey::namespace).
-    pub fn namespace(mut self, namespace: impl Into<Cow<'static, str>>) -> Result<Self, Error> {
+    pub fn namespace(
+        mut self,
+        namespace: impl Into<Cow<'static, str>>,
+    ) -> Result<Self, ConfigError> {
         self.namespace = Namespace::new(namespace)?;
         Ok(self)
     }

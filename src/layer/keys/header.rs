@@ -7,7 +7,7 @@ use http::HeaderName;
 use http::request::Parts;
 
 use super::{Extracted, KeyError, KeyExtractor, Keys, namespaced};
-use crate::error::Error;
+use crate::error::ConfigError;
 use crate::namespace::Namespace;
 
 /// Keys a request by one header's value: `<namespace>:{<value>}`, escaped with
@@ -53,11 +53,14 @@ impl HeaderKey {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] naming `namespace` when it breaks the
+    /// [`ConfigError::InvalidSetting`](crate::ConfigError::InvalidSetting) naming `namespace` when it breaks the
     /// [`Namespace`] rule: braces or control characters, a `:` at either end (the
     /// joining `:` is added) or two in a row, or longer than
     /// [`MAX_NAMESPACE_LEN`](crate::MAX_NAMESPACE_LEN) bytes.
-    pub fn namespace(mut self, namespace: impl Into<Cow<'static, str>>) -> Result<Self, Error> {
+    pub fn namespace(
+        mut self,
+        namespace: impl Into<Cow<'static, str>>,
+    ) -> Result<Self, ConfigError> {
         self.namespace = Namespace::new(namespace)?;
         Ok(self)
     }

@@ -8,7 +8,7 @@ use std::future::{Future, Ready, ready};
 
 use http::request::Parts;
 
-use crate::error::Error;
+use crate::error::ConfigError;
 use crate::key::LockKey;
 use crate::namespace::Namespace;
 
@@ -110,7 +110,7 @@ fn namespaced(
     value: &str,
 ) -> Result<LockKey, KeyError> {
     LockKey::in_namespace(namespace, value).map_err(|e| match e {
-        Error::InvalidKey { reason } => KeyError::new(format!("{what}: {reason}")),
+        ConfigError::InvalidKey { reason } => KeyError::new(format!("{what}: {reason}")),
         other => KeyError::from(other),
     })
 }
@@ -143,7 +143,7 @@ mod tests {
             assert!(
                 matches!(
                     err,
-                    Error::InvalidConfig {
+                    ConfigError::InvalidSetting {
                         name: "namespace",
                         ..
                     }

@@ -7,7 +7,7 @@ use http::request::Parts;
 
 use super::{Extracted, KeyError, KeyExtractor, Keys, namespaced};
 use crate::backend::BoxFuture;
-use crate::error::Error;
+use crate::error::ConfigError;
 use crate::namespace::Namespace;
 
 /// Keys a request by an axum path parameter (`/vouchers/{id}` → `id`):
@@ -57,7 +57,10 @@ impl PathParamKey {
     /// # Errors
     ///
     /// As [`HeaderKey::namespace`](super::HeaderKey::namespace).
-    pub fn namespace(mut self, namespace: impl Into<Cow<'static, str>>) -> Result<Self, Error> {
+    pub fn namespace(
+        mut self,
+        namespace: impl Into<Cow<'static, str>>,
+    ) -> Result<Self, ConfigError> {
         self.namespace = Namespace::new(namespace)?;
         Ok(self)
     }

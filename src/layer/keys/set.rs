@@ -238,7 +238,7 @@ mod tests {
         let fails = run(|p| key_fn(|_| Err::<LockKey, _>("no user"))(p).into_keys()).unwrap_err();
         assert_eq!(fails.message(), "no user");
         // Any other error than an invalid key is the server's, and not shown.
-        let internal = KeyError::from(Error::WrongType);
+        let internal = KeyError::from(Error::Lost);
         assert!(internal.is_server_error());
     }
 }

@@ -125,6 +125,12 @@ impl tower_lock::backend::LockBackend for DownBackend {
     ) -> tower_lock::backend::BoxFuture<'a, tower_lock::Result<()>> {
         Box::pin(async { Err(down()) })
     }
+    fn admin(&self) -> Option<&dyn tower_lock::backend::StoreAdmin> {
+        Some(self)
+    }
+}
+
+impl tower_lock::backend::StoreAdmin for DownBackend {
     fn force_release<'a>(
         &'a self,
         _: &'a tower_lock::LockKey,
