@@ -3,7 +3,7 @@
 //! Web services run as many replicas, and some requests must not run at the same time:
 //! two flash-sale orders of one user, two edits of one document, two transfers from one
 //! account. `tower-lock` serializes them across every replica with leased, reentrant,
-//! fenced locks, on Redis (wire-compatible with Redisson) or in memory.
+//! fenced locks, on Redis (wire-compatible with Redisson), PostgreSQL or in memory.
 //!
 //! # Quick start
 //!
@@ -39,6 +39,23 @@
 //!   handlers their lock ([`HeldLock`]) and more
 //!   ([`Locks`](extract::Locks)).
 //! - A [`LockObserver`] on the client feeds your metrics.
+//!
+//! # The crate, in three layers
+//!
+//! Each layer uses only the ones above it.
+//!
+//! 1. **The lock core**, at the root: [`LockClient`], [`Lock`], [`LockGuard`],
+//!    [`HeldLock`], [`Lease`], keys ([`LockKey`], [`Namespace`]) and owners
+//!    ([`Owner`], [`HoldId`]); the lock kinds built on it in [`kinds`] (read-write,
+//!    MultiLock); the errors by phase: [`ConfigError`] (setting up), [`SetupError`]
+//!    (connecting a store), [`Error`] (at run time).
+//! 2. **The stores**, in [`backend`]: the [`LockBackend`](backend::LockBackend) contract
+//!    and its extensions, then [`MemoryBackend`], [`RedisBackend`],
+//!    [`PostgresBackend`](backend::postgres::PostgresBackend) and
+//!    [`RedLock`](backend::redlock::RedLock); `tower_lock::testing` holds the
+//!    conformance suite a store passes (feature `testing`).
+//! 3. **The HTTP layers**: [`layer`] ([`LockLayer`]), [`extract`] (the axum
+//!    extractors) and [`idempotency`] ([`IdempotencyLayer`]).
 //!
 //! # The one rule
 //!
