@@ -34,7 +34,7 @@
 //! While a slot migrates, Redis runs a call on the source when every key it names is
 //! there. An operation that deletes a lock there (its last release) leaves the ones
 //! behind it in the same call looking at a key that is the target's now, and Redis
-//! refuses their first look at it ([`super::moved_away`]). Each operation's first
+//! refuses their first look at it ([`moved_away`]). Each operation's first
 //! command reads its lock, so a refused one changed nothing, and neither did those of
 //! the same key behind it (all refused alike): they go first in the next batch, in
 //! their order, which Redis sends to the target. [`MAX_RESENDS`] bounds that.
@@ -44,7 +44,13 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use redis::Value;
 use tokio::sync::{Notify, oneshot};
 
-use super::{Companion, Inner, LockName, Names, UNLOCK_MESSAGE, lease_ms, ttl_of};
+use super::UNLOCK_MESSAGE;
+use super::conn::Conn;
+use super::errors::{map_error, moved_away};
+use super::inner::Inner;
+use super::names::{Companion, LockName, Names};
+use super::scripts::{arrived_late, lease_ms, ttl_of};
+use super::synced::Replicated;
 use crate::backend::{Acquire, FencingToken, Grant, LockRequest, Release};
 use crate::error::{Error, Result, StoreError, StoreErrorKind};
 use crate::hold_id::HoldId;
@@ -53,7 +59,7 @@ use crate::key::LockKey;
 /// The most operations one batch call carries.
 pub(super) const MAX_BATCH: usize = 128;
 
-/// How many times an operation refused as [moved away](super::moved_away) is sent
+/// How many times an operation refused as [moved away](moved_away) is sent
 /// again before it is answered as an outage (which its lock core retries while it may).
 const MAX_RESENDS: u8 = 3;
 
@@ -268,9 +274,9 @@ async fn drain(mut drainer: Drainer) {
 /// it on a single server, one group per hash slot on a cluster.
 fn by_slot(inner: &Inner, batch: Vec<Queued>) -> Vec<Vec<Queued>> {
     match &inner.conn {
-        super::Conn::Single(_) => vec![batch],
+        Conn::Single(_) => vec![batch],
         #[cfg(feature = "cluster")]
-        super::Conn::Cluster(_) => {
+        Conn::Cluster(_) => {
             let mut groups: Vec<(redis::cluster_routing::Slot, Vec<Queued>)> = Vec::new();
             for q in batch {
                 let name = Names::lock(&inner.prefix, &q.key);
@@ -352,7 +358,7 @@ async fn send_many(inner: &Inner, batch: Vec<Queued>, deadline: u64) -> Vec<Queu
     }
     // With replica acknowledgement the batch waits once; a grant of it that too few
     // replicas acknowledged is an outage (its lock core gives it up, which releases it).
-    let reply: Result<(Vec<Value>, super::Replicated)> = inner.write(&invocation).await;
+    let reply: Result<(Vec<Value>, Replicated)> = inner.write(&invocation).await;
     let mut again = Vec::new();
     match reply {
         Ok((values, replicated)) if values.len() == 3 * batch.len() => {
@@ -387,13 +393,13 @@ async fn send_many(inner: &Inner, batch: Vec<Queued>, deadline: u64) -> Vec<Queu
 }
 
 /// Whether one operation's three values are its refusal as
-/// [moved away](super::moved_away).
+/// [moved away](moved_away).
 fn refused_as_moved(triple: &[Value]) -> bool {
     match (triple.first().and_then(int), triple.get(1)) {
         (Some(3), Some(Value::BulkString(message))) => {
-            super::moved_away(&String::from_utf8_lossy(message))
+            moved_away(&String::from_utf8_lossy(message))
         }
-        (Some(3), Some(Value::SimpleString(message))) => super::moved_away(message),
+        (Some(3), Some(Value::SimpleString(message))) => moved_away(message),
         _ => false,
     }
 }
@@ -434,7 +440,7 @@ fn parse(op: Op, triple: &[Value]) -> Result<OpReply> {
             ))))
         }
         (Op::Acquire, 0, Some(ttl)) => Ok(OpReply::Acquire(Acquire::Busy { ttl: ttl_of(ttl) })),
-        (Op::Acquire, -1, now) => Err(super::arrived_late(now)),
+        (Op::Acquire, -1, now) => Err(arrived_late(now)),
         (Op::Release, 2, Some(n)) => Ok(OpReply::Release(match n {
             -1 => Release::NotHeld,
             0 => Release::Released,
@@ -446,7 +452,7 @@ fn parse(op: Op, triple: &[Value]) -> Result<OpReply> {
                 Value::SimpleString(s) => s.clone(),
                 other => format!("{other:?}"),
             };
-            Err(super::map_error(redis::RedisError::from((
+            Err(map_error(redis::RedisError::from((
                 redis::ErrorKind::Extension,
                 "lock script error",
                 message,

@@ -12,7 +12,8 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use tokio_util::sync::CancellationToken;
 
-use super::{Conn, Inner};
+use super::conn::Conn;
+use super::inner::Inner;
 
 /// The pause before subscribing again on a Sentinel whose connection failed.
 const RESUBSCRIBE_AFTER: Duration = Duration::from_secs(1);

@@ -45,7 +45,8 @@ use redis::{RedisResult, Value};
 
 use super::{Drainer, Job, MAX_BATCH, Op, OpReply, Queued, fail, parse, start_drainer};
 use crate::backend::Release;
-use crate::backend::redis::{Inner, parse_acquire};
+use crate::backend::redis::inner::Inner;
+use crate::backend::redis::scripts::parse_acquire;
 use crate::error::{Error, Result, StoreError, StoreErrorKind};
 
 /// The most batches on the wire at once.
