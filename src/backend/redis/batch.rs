@@ -48,7 +48,8 @@ use super::UNLOCK_MESSAGE;
 use super::conn::Conn;
 use super::errors::{map_error, moved_away};
 use super::inner::Inner;
-use super::names::{Companion, LockName, Names};
+#[cfg(feature = "cluster")]
+use super::names::Names;
 use super::scripts::{arrived_late, lease_ms, ttl_of};
 use super::synced::Replicated;
 use crate::backend::{Acquire, FencingToken, Grant, LockRequest, Release};
@@ -105,20 +106,10 @@ impl std::ops::Deref for Queued {
     }
 }
 
-impl Job {
-    /// The lock hash's name, under `prefix`.
-    fn lock<'a>(&'a self, prefix: &'a str) -> LockName<'a> {
-        Names::lock_of(prefix, &self.key)
-    }
-
-    /// The operation's second key, a fenced acquisition's only: its fencing counter.
-    /// Nothing else sends one (a release's script writes its channel's name itself).
-    fn fence<'a>(&'a self, prefix: &'a str) -> Option<Companion<'a>> {
-        (self.op == Op::Acquire && self.fenced).then(|| Names::fence_of(prefix, &self.key))
-    }
-}
-
+mod encode;
 mod pipeline;
+
+use encode::Encoder;
 
 /// The queue and whether a call is in flight.
 #[derive(Default)]
@@ -319,19 +310,16 @@ async fn send(inner: &Inner, mut batch: Vec<Queued>) -> Vec<Queued> {
     send_many(inner, batch, deadline).await
 }
 
-/// One operation alone: its single-key script.
+/// One operation alone: its single-key script (`lua/lock_release.lua` publishes on the
+/// lock's channel).
 async fn send_one(inner: &Inner, q: Queued, deadline: u64) {
-    let prefix = &inner.prefix;
-    let (lock, owner) = (q.lock(prefix), q.hold_id.as_str());
+    let invocation = Encoder::new(inner, deadline).one(&q);
     let reply = match q.op {
-        Op::Acquire => inner
-            .acquire_one(lock, q.fence(prefix), q.lease_ms, owner, deadline)
-            .await
-            .map(OpReply::Acquire),
+        Op::Acquire => inner.write_grant(&invocation).await.map(OpReply::Acquire),
         Op::Release => inner
-            .release_one(lock, q.lease_ms, owner)
+            .write_waited(&invocation)
             .await
-            .map(OpReply::Release),
+            .map(|reply| OpReply::Release(released(reply))),
     };
     let _ = q.reply.send(reply);
 }
@@ -339,23 +327,7 @@ async fn send_one(inner: &Inner, q: Queued, deadline: u64) {
 /// Several operations: one `lock_batch.lua` call, three values per operation. Returns
 /// the operations to send again.
 async fn send_many(inner: &Inner, batch: Vec<Queued>, deadline: u64) -> Vec<Queued> {
-    let mut invocation = inner.publish.scripts().batch.prepare_invoke();
-    invocation.arg(deadline).arg(inner.token_retention.as_str());
-    let prefix = &inner.prefix;
-    for q in &batch {
-        invocation.key(q.lock(prefix));
-        if let Some(fence) = q.fence(prefix) {
-            invocation.key(fence);
-        }
-    }
-    for q in &batch {
-        let tag = match (q.op, q.fenced) {
-            (Op::Release, _) => "r",
-            (Op::Acquire, true) => "f",
-            (Op::Acquire, false) => "a",
-        };
-        invocation.arg(tag).arg(q.lease_ms).arg(q.hold_id.as_str());
-    }
+    let invocation = Encoder::new(inner, deadline).many(&batch);
     // With replica acknowledgement the batch waits once; a grant of it that too few
     // replicas acknowledged is an outage (its lock core gives it up, which releases it).
     let reply: Result<(Vec<Value>, Replicated)> = inner.write(&invocation).await;
@@ -441,11 +413,7 @@ fn parse(op: Op, triple: &[Value]) -> Result<OpReply> {
         }
         (Op::Acquire, 0, Some(ttl)) => Ok(OpReply::Acquire(Acquire::Busy { ttl: ttl_of(ttl) })),
         (Op::Acquire, -1, now) => Err(arrived_late(now)),
-        (Op::Release, 2, Some(n)) => Ok(OpReply::Release(match n {
-            -1 => Release::NotHeld,
-            0 => Release::Released,
-            n => Release::Decremented { holds: holds(n) },
-        })),
+        (Op::Release, 2, Some(n)) => Ok(OpReply::Release(released(n))),
         (_, 3, _) => {
             let message = match second {
                 Value::BulkString(bytes) => String::from_utf8_lossy(bytes).into_owned(),
@@ -459,6 +427,18 @@ fn parse(op: Op, triple: &[Value]) -> Result<OpReply> {
             ))))
         }
         _ => Err(unexpected()),
+    }
+}
+
+/// A release's reply (its single-key script's, or its value in a batch's) → its
+/// outcome: `-1` not held, `0` released, else the holds left.
+fn released(reply: i64) -> Release {
+    match reply {
+        -1 => Release::NotHeld,
+        0 => Release::Released,
+        holds => Release::Decremented {
+            holds: u32::try_from(holds).unwrap_or(u32::MAX),
+        },
     }
 }
 

@@ -17,7 +17,7 @@ use super::scripts::{Publish, parse_acquire};
 use super::synced::{Replicated, Synced, replicas_of_role};
 use super::{batch, pubsub};
 use crate::backend::clock::{ArrivedLate, StoreClock};
-use crate::backend::{Acquire, LockRequest, Release, StoreProfile};
+use crate::backend::{Acquire, LockRequest, StoreProfile};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 
@@ -324,61 +324,5 @@ impl Inner {
             self.attempt_window,
             self.primary_moves(),
         )
-    }
-
-    /// One exclusive acquisition, alone (`lua/lock_acquire.lua`), of the hash `lock`;
-    /// fenced with the counter `fence`, when there is one.
-    pub(super) async fn acquire_one(
-        &self,
-        lock: impl redis::ToRedisArgs,
-        fence: Option<impl redis::ToRedisArgs>,
-        lease_ms: u64,
-        owner: &str,
-        deadline: u64,
-    ) -> Result<Acquire> {
-        let mut invocation = self.publish.scripts().acquire.key(lock);
-        let fenced = fence.is_some();
-        if let Some(fence) = fence {
-            invocation.key(fence);
-        }
-        self.write_grant(
-            invocation
-                .arg(lease_ms)
-                .arg(owner)
-                .arg(if fenced {
-                    self.token_retention.as_str()
-                } else {
-                    "0"
-                })
-                .arg(deadline),
-        )
-        .await
-    }
-
-    /// One exclusive release, alone (`lua/lock_release.lua`, which publishes on the
-    /// lock's channel), of the hash `lock`.
-    pub(super) async fn release_one(
-        &self,
-        lock: impl redis::ToRedisArgs,
-        lease_ms: u64,
-        owner: &str,
-    ) -> Result<Release> {
-        let reply: i64 = self
-            .write_waited(
-                self.publish
-                    .scripts()
-                    .release
-                    .key(lock)
-                    .arg(lease_ms)
-                    .arg(owner),
-            )
-            .await?;
-        Ok(match reply {
-            -1 => Release::NotHeld,
-            0 => Release::Released,
-            holds => Release::Decremented {
-                holds: u32::try_from(holds).unwrap_or(u32::MAX),
-            },
-        })
     }
 }
