@@ -86,13 +86,15 @@ impl Signal {
     }
 }
 
-/// A registered interest in releases of one key, from [`LockBackend::subscribe`].
+/// A registered interest in releases of one key, from
+/// [`LockBackend::subscribe`](super::LockBackend::subscribe).
 ///
 /// Dropping it unregisters; a backend must not keep anything per waiter after that.
 pub trait Subscription: Send {
     /// Waits until a release of the key is signalled or `deadline` passes, whichever
-    /// comes first. A release signalled after [`LockBackend::subscribe`] returned and
-    /// before this call must not be lost: it makes this call return at once.
+    /// comes first. A release signalled after
+    /// [`LockBackend::subscribe`](super::LockBackend::subscribe) returned and before
+    /// this call must not be lost: it makes this call return at once.
     ///
     /// It does not fail: when the backend cannot deliver notifications (a dropped
     /// pub/sub connection) it returns `Notified` so the caller retries, or sleeps to the
@@ -109,8 +111,9 @@ pub trait Subscription: Send {
     /// Releases signalled so far no longer end the next [`wait`](Self::wait): only a
     /// later one, or a wake-up handed on by another waiter, does. Called by a new
     /// acquirer lining up behind the waiters already here (see
-    /// [`LockBackend::has_local_waiters`]): a release that landed just before it joined
-    /// the line is theirs, and taking it would let the acquirer barge past them.
+    /// [`LockBackend::has_local_waiters`](super::LockBackend::has_local_waiters)): a
+    /// release that landed just before it joined the line is theirs, and taking it
+    /// would let the acquirer barge past them.
     ///
     /// The default does nothing: the acquirer may then take such a release, which costs
     /// fairness within the process, never safety.
@@ -118,10 +121,10 @@ pub trait Subscription: Send {
 
     /// The caller stops waiting at `deadline` if it has not acquired by then (it then
     /// makes one last attempt). Called once, right after
-    /// [`LockBackend::subscribe`], by an acquisition with a deadline. A store that
-    /// hands a released lock to a waiter itself (PostgreSQL) hands none to this one
-    /// past it: the waiter may be gone before its leaving reaches the store. The
-    /// default does nothing.
+    /// [`LockBackend::subscribe`](super::LockBackend::subscribe), by an acquisition
+    /// with a deadline. A store that hands a released lock to a waiter itself
+    /// (PostgreSQL) hands none to this one past it: the waiter may be gone before its
+    /// leaving reaches the store. The default does nothing.
     fn gives_up_at(&mut self, deadline: Instant) {
         let _ = deadline;
     }

@@ -208,7 +208,7 @@ impl HeldLock {
         }
     }
 
-    /// The request's owner: the same one [`Locks`] acquires as.
+    /// The request's owner: the same one [`Locks`](crate::extract::Locks) acquires as.
     pub fn owner(&self) -> &Owner {
         match &self.repr {
             Repr::One { owner, .. } => owner,

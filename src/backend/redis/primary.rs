@@ -177,7 +177,10 @@ impl Primary {
     /// promoted one from the moment it is chosen. Always true for a fixed server.
     pub(super) async fn named_by_majority(&self, addr: &str, within: std::time::Duration) -> bool {
         match self {
-            Primary::Fixed(_) => true,
+            Primary::Fixed(_) => {
+                let _ = (addr, within);
+                true
+            }
             #[cfg(feature = "sentinel")]
             Primary::Sentinel(sentinels) => {
                 let ask = |node: &redis::ConnectionInfo| {
