@@ -51,7 +51,7 @@
 //!    (connecting a store), [`Error`] (at run time).
 //! 2. **The stores**, in [`backend`]: the [`LockBackend`](backend::LockBackend) contract
 //!    and its extensions, then [`MemoryBackend`], [`RedisBackend`],
-//!    [`PostgresBackend`](backend::postgres::PostgresBackend) and
+//!    [`PostgresBackend`] and
 //!    [`RedLock`](backend::redlock::RedLock); `tower_lock::testing` holds the
 //!    conformance suite a store passes (feature `testing`).
 //! 3. **The HTTP layers**: [`layer`] ([`LockLayer`]), [`extract`] (the axum

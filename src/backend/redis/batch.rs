@@ -34,7 +34,7 @@
 //! While a slot migrates, Redis runs a call on the source when every key it names is
 //! there. An operation that deletes a lock there (its last release) leaves the ones
 //! behind it in the same call looking at a key that is the target's now, and Redis
-//! refuses their first look at it ([`super::moved_away`]). Each operation's first
+//! refuses their first look at it ([`moved_away`]). Each operation's first
 //! command reads its lock, so a refused one changed nothing, and neither did those of
 //! the same key behind it (all refused alike): they go first in the next batch, in
 //! their order, which Redis sends to the target. [`MAX_RESENDS`] bounds that.
@@ -44,7 +44,14 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use redis::Value;
 use tokio::sync::{Notify, oneshot};
 
-use super::{Companion, Inner, LockName, Names, UNLOCK_MESSAGE, lease_ms, ttl_of};
+use super::UNLOCK_MESSAGE;
+use super::conn::Conn;
+use super::errors::{map_error, moved_away};
+use super::inner::Inner;
+#[cfg(feature = "cluster")]
+use super::names::Names;
+use super::scripts::{arrived_late, lease_ms, ttl_of};
+use super::synced::Replicated;
 use crate::backend::{Acquire, FencingToken, Grant, LockRequest, Release};
 use crate::error::{Error, Result, StoreError, StoreErrorKind};
 use crate::hold_id::HoldId;
@@ -53,7 +60,7 @@ use crate::key::LockKey;
 /// The most operations one batch call carries.
 pub(super) const MAX_BATCH: usize = 128;
 
-/// How many times an operation refused as [moved away](super::moved_away) is sent
+/// How many times an operation refused as [moved away](moved_away) is sent
 /// again before it is answered as an outage (which its lock core retries while it may).
 const MAX_RESENDS: u8 = 3;
 
@@ -99,20 +106,10 @@ impl std::ops::Deref for Queued {
     }
 }
 
-impl Job {
-    /// The lock hash's name, under `prefix`.
-    fn lock<'a>(&'a self, prefix: &'a str) -> LockName<'a> {
-        Names::lock_of(prefix, &self.key)
-    }
-
-    /// The operation's second key, a fenced acquisition's only: its fencing counter.
-    /// Nothing else sends one (a release's script writes its channel's name itself).
-    fn fence<'a>(&'a self, prefix: &'a str) -> Option<Companion<'a>> {
-        (self.op == Op::Acquire && self.fenced).then(|| Names::fence_of(prefix, &self.key))
-    }
-}
-
+mod encode;
 mod pipeline;
+
+use encode::Encoder;
 
 /// The queue and whether a call is in flight.
 #[derive(Default)]
@@ -268,9 +265,9 @@ async fn drain(mut drainer: Drainer) {
 /// it on a single server, one group per hash slot on a cluster.
 fn by_slot(inner: &Inner, batch: Vec<Queued>) -> Vec<Vec<Queued>> {
     match &inner.conn {
-        super::Conn::Single(_) => vec![batch],
+        Conn::Single(_) => vec![batch],
         #[cfg(feature = "cluster")]
-        super::Conn::Cluster(_) => {
+        Conn::Cluster(_) => {
             let mut groups: Vec<(redis::cluster_routing::Slot, Vec<Queued>)> = Vec::new();
             for q in batch {
                 let name = Names::lock(&inner.prefix, &q.key);
@@ -313,19 +310,16 @@ async fn send(inner: &Inner, mut batch: Vec<Queued>) -> Vec<Queued> {
     send_many(inner, batch, deadline).await
 }
 
-/// One operation alone: its single-key script.
+/// One operation alone: its single-key script (`lua/lock_release.lua` publishes on the
+/// lock's channel).
 async fn send_one(inner: &Inner, q: Queued, deadline: u64) {
-    let prefix = &inner.prefix;
-    let (lock, owner) = (q.lock(prefix), q.hold_id.as_str());
+    let invocation = Encoder::new(inner, deadline).one(&q);
     let reply = match q.op {
-        Op::Acquire => inner
-            .acquire_one(lock, q.fence(prefix), q.lease_ms, owner, deadline)
-            .await
-            .map(OpReply::Acquire),
+        Op::Acquire => inner.write_grant(&invocation).await.map(OpReply::Acquire),
         Op::Release => inner
-            .release_one(lock, q.lease_ms, owner)
+            .write_waited(&invocation)
             .await
-            .map(OpReply::Release),
+            .map(|reply| OpReply::Release(released(reply))),
     };
     let _ = q.reply.send(reply);
 }
@@ -333,26 +327,10 @@ async fn send_one(inner: &Inner, q: Queued, deadline: u64) {
 /// Several operations: one `lock_batch.lua` call, three values per operation. Returns
 /// the operations to send again.
 async fn send_many(inner: &Inner, batch: Vec<Queued>, deadline: u64) -> Vec<Queued> {
-    let mut invocation = inner.publish.scripts().batch.prepare_invoke();
-    invocation.arg(deadline).arg(inner.token_retention.as_str());
-    let prefix = &inner.prefix;
-    for q in &batch {
-        invocation.key(q.lock(prefix));
-        if let Some(fence) = q.fence(prefix) {
-            invocation.key(fence);
-        }
-    }
-    for q in &batch {
-        let tag = match (q.op, q.fenced) {
-            (Op::Release, _) => "r",
-            (Op::Acquire, true) => "f",
-            (Op::Acquire, false) => "a",
-        };
-        invocation.arg(tag).arg(q.lease_ms).arg(q.hold_id.as_str());
-    }
+    let invocation = Encoder::new(inner, deadline).many(&batch);
     // With replica acknowledgement the batch waits once; a grant of it that too few
     // replicas acknowledged is an outage (its lock core gives it up, which releases it).
-    let reply: Result<(Vec<Value>, super::Replicated)> = inner.write(&invocation).await;
+    let reply: Result<(Vec<Value>, Replicated)> = inner.write(&invocation).await;
     let mut again = Vec::new();
     match reply {
         Ok((values, replicated)) if values.len() == 3 * batch.len() => {
@@ -387,13 +365,13 @@ async fn send_many(inner: &Inner, batch: Vec<Queued>, deadline: u64) -> Vec<Queu
 }
 
 /// Whether one operation's three values are its refusal as
-/// [moved away](super::moved_away).
+/// [moved away](moved_away).
 fn refused_as_moved(triple: &[Value]) -> bool {
     match (triple.first().and_then(int), triple.get(1)) {
         (Some(3), Some(Value::BulkString(message))) => {
-            super::moved_away(&String::from_utf8_lossy(message))
+            moved_away(&String::from_utf8_lossy(message))
         }
-        (Some(3), Some(Value::SimpleString(message))) => super::moved_away(message),
+        (Some(3), Some(Value::SimpleString(message))) => moved_away(message),
         _ => false,
     }
 }
@@ -434,25 +412,33 @@ fn parse(op: Op, triple: &[Value]) -> Result<OpReply> {
             ))))
         }
         (Op::Acquire, 0, Some(ttl)) => Ok(OpReply::Acquire(Acquire::Busy { ttl: ttl_of(ttl) })),
-        (Op::Acquire, -1, now) => Err(super::arrived_late(now)),
-        (Op::Release, 2, Some(n)) => Ok(OpReply::Release(match n {
-            -1 => Release::NotHeld,
-            0 => Release::Released,
-            n => Release::Decremented { holds: holds(n) },
-        })),
+        (Op::Acquire, -1, now) => Err(arrived_late(now)),
+        (Op::Release, 2, Some(n)) => Ok(OpReply::Release(released(n))),
         (_, 3, _) => {
             let message = match second {
                 Value::BulkString(bytes) => String::from_utf8_lossy(bytes).into_owned(),
                 Value::SimpleString(s) => s.clone(),
                 other => format!("{other:?}"),
             };
-            Err(super::map_error(redis::RedisError::from((
+            Err(map_error(redis::RedisError::from((
                 redis::ErrorKind::Extension,
                 "lock script error",
                 message,
             ))))
         }
         _ => Err(unexpected()),
+    }
+}
+
+/// A release's reply (its single-key script's, or its value in a batch's) → its
+/// outcome: `-1` not held, `0` released, else the holds left.
+fn released(reply: i64) -> Release {
+    match reply {
+        -1 => Release::NotHeld,
+        0 => Release::Released,
+        holds => Release::Decremented {
+            holds: u32::try_from(holds).unwrap_or(u32::MAX),
+        },
     }
 }
 

@@ -22,7 +22,9 @@ use std::sync::LazyLock;
 
 use redis::Script;
 
-use super::{Names, Publish, RedisBackend, lease_ms};
+use super::RedisBackend;
+use super::names::Names;
+use super::scripts::{Publish, lease_ms};
 use crate::backend::{Acquire, LockMode, LockRequest, Release};
 use crate::error::Result;
 use crate::key::LockKey;

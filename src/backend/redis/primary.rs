@@ -176,10 +176,11 @@ impl Primary {
     /// `ROLE` as a primary once it is back from a pause; the majority names the
     /// promoted one from the moment it is chosen. Always true for a fixed server.
     pub(super) async fn named_by_majority(&self, addr: &str, within: std::time::Duration) -> bool {
-        #[cfg(not(feature = "sentinel"))]
-        let _ = (addr, within);
         match self {
-            Primary::Fixed(_) => true,
+            Primary::Fixed(_) => {
+                let _ = (addr, within);
+                true
+            }
             #[cfg(feature = "sentinel")]
             Primary::Sentinel(sentinels) => {
                 let ask = |node: &redis::ConnectionInfo| {

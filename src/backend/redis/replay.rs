@@ -6,8 +6,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+use super::RedisBackend;
 use super::modes::parse_release;
-use super::{Names, RedisBackend, lease_ms, unexpected};
+use super::names::Names;
+use super::scripts::{lease_ms, unexpected};
 use crate::backend::{BoxFuture, FencingToken, LockMode, LockRequest, ReplayStore, Stored};
 use crate::error::{Error, Result, StoreErrorKind};
 use crate::key::LockKey;

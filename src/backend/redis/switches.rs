@@ -12,7 +12,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use tokio_util::sync::CancellationToken;
 
-use super::{Conn, Inner};
+use super::inner::Inner;
 
 /// The pause before subscribing again on a Sentinel whose connection failed.
 const RESUBSCRIBE_AFTER: Duration = Duration::from_secs(1);
@@ -75,7 +75,7 @@ async fn subscribed(
         let Some(inner) = inner.upgrade() else {
             return Ok(());
         };
-        if let Conn::Single(single) = &inner.conn {
+        if let Some(single) = inner.conn.single() {
             tracing::debug!(%payload, "the Sentinels switched the primary");
             single.follow_primary().await;
         }

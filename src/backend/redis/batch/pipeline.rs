@@ -43,9 +43,10 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use redis::aio::MultiplexedConnection;
 use redis::{RedisResult, Value};
 
-use super::{Drainer, Job, MAX_BATCH, Op, OpReply, Queued, fail, parse, start_drainer};
-use crate::backend::Release;
-use crate::backend::redis::{Inner, parse_acquire};
+use super::encode::Encoder;
+use super::{Drainer, Job, MAX_BATCH, Op, OpReply, Queued, fail, parse, released, start_drainer};
+use crate::backend::redis::inner::Inner;
+use crate::backend::redis::scripts::parse_acquire;
 use crate::error::{Error, Result, StoreError, StoreErrorKind};
 
 /// The most batches on the wire at once.
@@ -254,7 +255,7 @@ pub(super) async fn direct(
     };
     let in_flight = InFlight(inner);
     let claimed = Claimed(inner);
-    let cmd = command_one(inner, &job, deadline);
+    let cmd = Encoder::new(inner, deadline).evalsha_one(&job);
     let mut sending = std::pin::pin!(cmd.query_async::<Value>(&mut conn));
     // One poll: the command is in the connection's queue now, ahead of any later one.
     let early = std::future::poll_fn(|cx| {
@@ -361,7 +362,7 @@ async fn issue(
     } else {
         0
     };
-    let cmd = command(inner, &batch, deadline);
+    let cmd = Encoder::new(inner, deadline).evalsha(&batch);
     let (inner, broken, reload) = (
         Arc::clone(inner),
         Arc::clone(&line.broken),
@@ -375,73 +376,6 @@ async fn issue(
     let answered =
         std::future::poll_fn(|cx| Poll::Ready(sending.as_mut().poll(cx).is_ready())).await;
     (!answered).then_some(sending)
-}
-
-/// The bare `EVALSHA` of `batch`: the single-key script for one operation,
-/// `lua/lock_batch.lua` for more.
-fn command(inner: &Inner, batch: &[Queued], deadline: u64) -> redis::Cmd {
-    if let [q] = batch {
-        return command_one(inner, q, deadline);
-    }
-    let prefix = &inner.prefix;
-    let mut cmd = redis::cmd("EVALSHA");
-    let fenced = batch.iter().filter(|q| q.fence(prefix).is_some()).count();
-    cmd.arg(inner.publish.scripts().batch.get_hash())
-        .arg(batch.len() + fenced);
-    for q in batch {
-        cmd.arg(q.lock(prefix));
-        if let Some(fence) = q.fence(prefix) {
-            cmd.arg(fence);
-        }
-    }
-    cmd.arg(deadline).arg(inner.token_retention.as_str());
-    for q in batch {
-        let tag = match (q.op, q.fenced) {
-            (Op::Release, _) => "r",
-            (Op::Acquire, true) => "f",
-            (Op::Acquire, false) => "a",
-        };
-        cmd.arg(tag).arg(q.lease_ms).arg(q.hold_id.as_str());
-    }
-    cmd
-}
-
-/// The bare `EVALSHA` of one operation's single-key script, written into buffers sized
-/// for it up front (grown argument by argument, they cost a few reallocations a call).
-fn command_one(inner: &Inner, job: &Job, deadline: u64) -> redis::Cmd {
-    let scripts = inner.publish.scripts();
-    let prefix = &inner.prefix;
-    // EVALSHA, the hash, the key count, one or two names, two to four values.
-    let size = 192 + 2 * (prefix.len() + job.key.as_str().len()) + job.hold_id.as_str().len();
-    let mut cmd = redis::Cmd::with_capacity(9, size);
-    cmd.arg("EVALSHA");
-    match job.op {
-        Op::Acquire => {
-            let fence = job.fence(prefix);
-            cmd.arg(scripts.acquire.get_hash())
-                .arg(1 + usize::from(fence.is_some()))
-                .arg(job.lock(prefix));
-            if let Some(fence) = fence {
-                cmd.arg(fence);
-            }
-            cmd.arg(job.lease_ms)
-                .arg(job.hold_id.as_str())
-                .arg(if job.fenced {
-                    inner.token_retention.as_str()
-                } else {
-                    "0"
-                })
-                .arg(deadline);
-        }
-        Op::Release => {
-            cmd.arg(scripts.release.get_hash())
-                .arg(1)
-                .arg(job.lock(prefix))
-                .arg(job.lease_ms)
-                .arg(job.hold_id.as_str());
-        }
-    }
-    cmd
 }
 
 /// Answers every operation of `batch` from `reply`.
@@ -533,13 +467,7 @@ fn single_reply(op: Op, value: Value) -> Result<OpReply> {
         }
         Op::Release => {
             let reply: i64 = redis::from_redis_value_ref(&value).map_err(|_| unexpected(&value))?;
-            Ok(OpReply::Release(match reply {
-                -1 => Release::NotHeld,
-                0 => Release::Released,
-                holds => Release::Decremented {
-                    holds: u32::try_from(holds).unwrap_or(u32::MAX),
-                },
-            }))
+            Ok(OpReply::Release(released(reply)))
         }
     }
 }
