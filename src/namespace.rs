@@ -34,7 +34,7 @@ pub const MAX_NAMESPACE_LEN: usize = MAX_KEY_LEN / 2;
 /// # Example
 ///
 /// ```
-/// use tower_lock::{Error, Namespace};
+/// use tower_lock::{ConfigError, Namespace};
 ///
 /// let ns = Namespace::new("lock:order")?;
 /// assert_eq!(ns.as_str(), "lock:order");

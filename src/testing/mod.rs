@@ -25,7 +25,7 @@
 //! // tests/conformance.rs
 //! use std::time::Duration;
 //!
-//! use tower_lock::backend::LockBackend;
+//! use tower_lock::backend::StoreAdmin;
 //! use tower_lock::testing::Fixture;
 //! use tower_lock::{LockClient, LockKey, LockMode, MemoryBackend};
 //!
