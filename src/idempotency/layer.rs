@@ -57,6 +57,20 @@ pub const DEFAULT_MAX_RECORDS: u32 = 100_000;
 /// The `Prefix` of every key: `idempotency`.
 pub const DEFAULT_KEY_PREFIX: &str = "idempotency";
 
+/// The statuses never stored for replay, whatever
+/// [`store_if`](IdempotencyLayerBuilder::store_if) says: `408 Request Timeout`,
+/// `425 Too Early`, `429 Too Many Requests` and `503 Service Unavailable` each mean
+/// "not now", and a retry must run the request rather than be told "not now" again for
+/// the record's TTL. So is any response a [`LockLayer`](crate::LockLayer) marked
+/// [`Transient`](crate::layer::Transient) (busy, store unavailable, lock lost),
+/// whatever its status.
+pub const NEVER_STORED: [StatusCode; 4] = [
+    StatusCode::REQUEST_TIMEOUT,
+    StatusCode::TOO_EARLY,
+    StatusCode::TOO_MANY_REQUESTS,
+    StatusCode::SERVICE_UNAVAILABLE,
+];
+
 /// `Retry-After` for a request whose first is still in flight: 1 s.
 pub const DEFAULT_IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(1);
 
@@ -440,8 +454,11 @@ impl<K: KeyExtractor> IdempotencyLayerBuilder<K> {
         self
     }
 
-    /// Whether a covered request without a usable key is refused (`400`) rather than
-    /// passed through unprotected. Default: `false`.
+    /// Whether a covered request without the key header is refused (`400`) rather than
+    /// passed through unprotected. Default: `false`. A key that is present but unusable
+    /// (empty, too long, sent twice, not a valid string) is refused with `400` either
+    /// way: the client meant the request to be idempotent, and running it unprotected
+    /// could run it twice.
     pub fn required(mut self, required: bool) -> Self {
         self.config.required = required;
         self
@@ -502,7 +519,9 @@ impl<K: KeyExtractor> IdempotencyLayerBuilder<K> {
     }
 
     /// Which responses are final, and stored: default, every status below 500 (a 5xx
-    /// stores nothing, and the retry runs again).
+    /// stores nothing, and the retry runs again). Whatever it says, the statuses in
+    /// [`NEVER_STORED`] and the answers a [`LockLayer`](crate::LockLayer) marks
+    /// [`Transient`](crate::layer::Transient) are never stored.
     pub fn store_if(mut self, store: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
         self.config.store_if = Arc::new(store);
         self

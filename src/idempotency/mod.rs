@@ -95,7 +95,7 @@ pub use layer::{
     DEFAULT_IN_FLIGHT_RETRY_AFTER, DEFAULT_KEY_PREFIX, DEFAULT_MAX_BODY, DEFAULT_MAX_KEY_LEN,
     DEFAULT_MAX_RECORDS, DEFAULT_MAX_RECORDS_PER_SCOPE, DEFAULT_MAX_STORED_BODY,
     DEFAULT_STORED_HEADERS, DEFAULT_TTL, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyLayer,
-    IdempotencyLayerBuilder, MAX_TTL,
+    IdempotencyLayerBuilder, MAX_TTL, NEVER_STORED,
 };
 pub use record::Fingerprint;
 pub use rejection::{IdempotencyRejection, OnIdempotencyRejection, ProblemJson};

@@ -17,7 +17,7 @@ use tracing::Instrument;
 
 use super::body::IdempotencyBody;
 use super::key::{self, BadKey};
-use super::layer::Shared;
+use super::layer::{NEVER_STORED, Shared};
 use super::record::{Fingerprint, Record};
 use super::rejection::IdempotencyRejection;
 use crate::StoreErrorKind;
@@ -25,7 +25,7 @@ use crate::backend::ReplayStore;
 use crate::error::{BoxError, Error};
 use crate::extract::{HeldLock, Locks};
 use crate::key::LockKey;
-use crate::layer::KeyExtractor;
+use crate::layer::{KeyExtractor, Transient};
 use crate::lock::{LayerOutcome, LockGuard};
 use crate::owner::Owner;
 
@@ -134,22 +134,17 @@ where
     }
     let idem = match key::parse(req.headers(), &config.header, config.max_key_len) {
         Ok(idem) => idem.into_owned(),
-        Err(bad) if config.required => {
+        // A present key the layer cannot use is refused whatever `required` says: the
+        // client meant the request to run once, and running it unprotected could run
+        // it twice.
+        Err(BadKey::Missing) if !config.required => return pass(svc, req).await,
+        Err(bad) => {
             let detail = bad.detail(&config.header, config.max_key_len);
             return Ok(rejected(
                 &shared,
                 IdempotencyRejection::BadKey { detail },
                 None,
             ));
-        }
-        Err(bad) => {
-            if bad != BadKey::Missing {
-                tracing::debug!(
-                    reason = bad.detail(&config.header, config.max_key_len),
-                    "unusable idempotency key; passed through"
-                );
-            }
-            return pass(svc, req).await;
         }
     };
     let (parts, body) = req.into_parts();
@@ -433,7 +428,9 @@ impl<K> Covered<'_, K> {
             .size_hint()
             .exact()
             .is_some_and(|len| len <= config.max_stored_body as u64);
-        if !(config.store_if)(head.status) || !fits {
+        let transient =
+            head.extensions.get::<Transient>().is_some() || NEVER_STORED.contains(&head.status);
+        if transient || !(config.store_if)(head.status) || !fits {
             let _ = guard.unlock().await;
             places.free().await;
             self.shared

@@ -36,8 +36,12 @@ impl Core {
     ) -> Response<RejectionBody> {
         self.outcome(key, rejection.outcome());
         let retry_after = rejection.retry_after_secs();
+        let transient = rejection.transient();
         let mut response = self.config.on_rejection.on_rejection(rejection);
         keep_retry_after(&mut response, retry_after);
+        if let Some(transient) = transient {
+            response.extensions_mut().insert(transient);
+        }
         response
     }
 

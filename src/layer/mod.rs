@@ -170,7 +170,7 @@ pub use layer::{LockLayer, LockLayerBuilder};
 pub use rejection::{
     DEFAULT_BUSY_RETRY_AFTER, DEFAULT_BUSY_STATUS, DEFAULT_UNAVAILABLE_RETRY_AFTER,
     DefaultRejection, IntoRejectionResponse, MAX_RETRY_AFTER, OnRejection, Rejection,
-    RejectionBody,
+    RejectionBody, Transient,
 };
 pub use report::OUTAGE_LOG_INTERVAL;
 pub use service::LockService;

@@ -102,7 +102,36 @@ pub enum Rejection {
     },
 }
 
+/// A response extension on every answer of a [`LockLayer`](super::LockLayer) that says
+/// "not now" rather than "no": the lock was busy, the store unavailable, or the lock
+/// lost while the request worked. The request never ran to its end, so its answer must
+/// not stand for it: an [`IdempotencyLayer`](crate::IdempotencyLayer) outside the lock
+/// layer never stores a response that carries it, whatever its `store_if` says, and a
+/// retry with the same key runs the handler once the lock is free. The layer adds it
+/// after [`OnRejection`] made the response, so a custom handler keeps it too.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Transient {
+    /// [`Rejection::Busy`].
+    Busy,
+    /// [`Rejection::Unavailable`].
+    Unavailable,
+    /// [`Rejection::Lost`].
+    Lost,
+}
+
 impl Rejection {
+    /// What makes this rejection [`Transient`], if it is one: busy, unavailable and
+    /// lost are; a bad key and a misconfiguration are answers of their own.
+    pub fn transient(&self) -> Option<Transient> {
+        match self {
+            Rejection::Busy { .. } => Some(Transient::Busy),
+            Rejection::Unavailable { .. } => Some(Transient::Unavailable),
+            Rejection::Lost { .. } => Some(Transient::Lost),
+            Rejection::BadKey(_) | Rejection::Misconfigured(_) => None,
+        }
+    }
+
     /// The status the default handler answers with.
     pub fn status(&self) -> StatusCode {
         match self {

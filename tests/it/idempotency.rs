@@ -106,6 +106,10 @@ async fn order(
                 .push(Bytes::from(text.clone()));
         }
     }
+    if let Some(status) = headers.get("x-status") {
+        let status: u16 = status.to_str().unwrap().parse().unwrap();
+        return (StatusCode::from_u16(status).unwrap(), "not now").into_response();
+    }
     match behave {
         "fail" => (StatusCode::INTERNAL_SERVER_ERROR, "boom").into_response(),
         "taken" => (StatusCode::CONFLICT, "sold out").into_response(),
@@ -606,83 +610,158 @@ async fn keys_are_scoped_to_caller_method_and_route(store: &impl Store) {
     assert_eq!(app.runs(), 5, "no caller: not covered");
 }
 
-/// Without a key, or with a malformed one, a request passes through (it runs every
-/// time); with `required`, it is `400` with a problem body saying what is wrong.
-async fn missing_or_malformed_keys_pass_through_or_are_400_when_required(store: &impl Store) {
-    let app = app(builder(store.client().await).build().unwrap()).await;
+/// Issue 46, finding 2. Without a key a request passes through (it runs every time);
+/// with `required`, it is `400`. A key that is present but unusable (malformed, too
+/// long, empty, sent twice) is `400` with a problem body saying what is wrong, whether or
+/// not the key is required: before, without `required` it passed through unprotected,
+/// and a 256-byte key sent twice made two orders.
+async fn a_missing_key_passes_and_an_unusable_one_is_400_even_when_not_required(
+    store: &impl Store,
+) {
+    let lenient = app(builder(store.client().await).build().unwrap()).await;
+    let strict = app_required(store).await;
     let none = Req {
         method: Method::POST,
         path: "/vouchers/1/orders",
         headers: vec![("x-user", "alice".into())],
         body: "",
     };
-    let long = "k".repeat(300);
-    let bad = [
-        ("idempotency-key", "a b"),
-        ("idempotency-key", "\"open"),
-        ("idempotency-key", &long),
-    ];
     for _ in 0..2 {
-        assert_eq!(
-            send(app.addr(), Proto::Http1, &none).await.status,
-            StatusCode::CREATED
-        );
-        for (name, value) in bad {
-            let req = Req {
-                headers: vec![("x-user", "alice".into()), (name, value.into())],
-                ..none.clone_req()
-            };
-            assert_eq!(
-                send(app.addr(), Proto::Http1, &req).await.status,
-                StatusCode::CREATED
-            );
-        }
+        let got = send(lenient.addr(), Proto::Http1, &none).await;
+        assert_eq!(got.status, StatusCode::CREATED, "{got:?}");
     }
-    assert_eq!(app.runs(), 8);
+    assert_eq!(lenient.runs(), 2, "no key: passed through, run every time");
+    let got = send(strict.addr(), Proto::Http1, &none).await;
+    assert_eq!(got.status, StatusCode::BAD_REQUEST, "{got:?}");
 
-    let strict = app_required(store).await;
-    for req in [
-        none.clone_req(),
-        Req {
-            headers: vec![
-                ("x-user", "alice".into()),
-                ("idempotency-key", "a b".into()),
-            ],
-            ..none.clone_req()
-        },
-        Req {
-            headers: vec![
-                ("x-user", "alice".into()),
-                ("idempotency-key", "\"\"".into()),
-            ],
-            ..none.clone_req()
-        },
-        Req {
-            headers: vec![
-                ("x-user", "alice".into()),
-                ("idempotency-key", long.clone()),
-            ],
-            ..none.clone_req()
-        },
-    ] {
-        for proto in PROTOS {
-            let got = send(strict.addr(), proto, &req).await;
-            assert_eq!(got.status, StatusCode::BAD_REQUEST, "{got:?}");
-            let problem = got.problem();
-            assert!(
-                problem["detail"]
-                    .as_str()
-                    .unwrap()
-                    .contains("idempotency-key"),
-                "{problem}"
-            );
+    let long = "k".repeat(256);
+    let with_keys = |keys: &[&str]| Req {
+        headers: std::iter::once(("x-user", "alice".to_owned()))
+            .chain(keys.iter().map(|k| ("idempotency-key", (*k).to_owned())))
+            .collect(),
+        ..none.clone_req()
+    };
+    let unusable = [
+        with_keys(&["a b"]),
+        with_keys(&["\"open"]),
+        with_keys(&["\"\""]),
+        with_keys(&[long.as_str()]),
+        with_keys(&["same", "same"]),
+        with_keys(&[long.as_str(), long.as_str()]),
+    ];
+    for app in [&lenient, &strict] {
+        let runs = app.runs();
+        for req in &unusable {
+            for proto in PROTOS {
+                let got = send(app.addr(), proto, req).await;
+                assert_eq!(got.status, StatusCode::BAD_REQUEST, "{got:?}");
+                let problem = got.problem();
+                assert!(
+                    problem["detail"]
+                        .as_str()
+                        .unwrap()
+                        .contains("idempotency-key"),
+                    "{problem}"
+                );
+            }
         }
+        assert_eq!(app.runs(), runs, "an unusable key ran the handler");
     }
-    assert_eq!(strict.runs(), 0);
     // A quoted structured-field string and the same bare token are one key.
     let quoted = send(strict.addr(), Proto::Http2, &post_as("alice", "\"abc\"")).await;
     let bare = send(strict.addr(), Proto::Http2, &post_as("alice", "abc")).await;
     assert!(bare.replayed() && bare.body == quoted.body);
+}
+
+/// Issue 46, finding 1. The natural order: a per-user `LockLayer` inside the
+/// `IdempotencyLayer` (`post(h).route_layer(per_user).route_layer(idempotency)`), with
+/// the idempotency layer's defaults. A request that finds the user's lock busy gets the
+/// lock layer's "busy, retry later"; that answer must not become the key's outcome.
+/// Before, the default `store_if` (below 500) stored the 429, and every retry with the
+/// key was answered the stored 429 for 24 hours: the order could never be placed. With
+/// the busy status set to 409 (not one of `NEVER_STORED`) only the layer's `Transient`
+/// mark keeps it out. And in the other order, the lock layer answers before the
+/// idempotency layer sees the request.
+async fn a_lock_layers_busy_answer_is_never_stored_and_its_retry_runs(store: &impl Store) {
+    for (i, (busy_status, lock_outside)) in [
+        (StatusCode::TOO_MANY_REQUESTS, false),
+        (StatusCode::CONFLICT, false),
+        (StatusCode::TOO_MANY_REQUESTS, true),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        // A caller of its own per case: the store is shared, and so would the keys be.
+        let user = format!("alice-{i}");
+        let client = store.client().await;
+        let per_user = tower_lock::LockLayer::builder(client.clone(), scope())
+            .max_wait(Duration::ZERO)
+            .busy_status(busy_status)
+            .build()
+            .unwrap();
+        let idempotency = IdempotencyLayer::new(client, scope()).unwrap();
+        let orders = Arc::new(Orders::default());
+        let route = if lock_outside {
+            post(order).route_layer(idempotency).route_layer(per_user)
+        } else {
+            post(order).route_layer(per_user).route_layer(idempotency)
+        };
+        let router = Router::new()
+            .route("/vouchers/{voucher}/orders", route)
+            .with_state(Arc::clone(&orders));
+        let app = App {
+            server: serve(router).await,
+            orders,
+        };
+        let case = format!("busy {busy_status}, lock layer outside: {lock_outside}");
+
+        let first = spawn_send(
+            app.addr(),
+            Proto::Http1,
+            post_as(&user, "first").with("x-behave", "slow"),
+        );
+        app.wait_entered(1).await;
+        for proto in PROTOS {
+            let busy = send(app.addr(), proto, &post_as(&user, "second")).await;
+            assert_eq!(busy.status, busy_status, "{case}: {busy:?}");
+            assert!(!busy.replayed(), "{case}: {busy:?}");
+        }
+        app.release_one();
+        assert_eq!(first.await.unwrap().status, StatusCode::CREATED, "{case}");
+
+        let retried = send(app.addr(), Proto::Http2, &post_as(&user, "second")).await;
+        assert_eq!(retried.status, StatusCode::CREATED, "{case}: {retried:?}");
+        assert!(!retried.replayed(), "{case}: the busy answer was stored");
+        assert_eq!(app.runs(), 2, "{case}: the retry did not run the handler");
+        let again = send(app.addr(), Proto::Http1, &post_as(&user, "second")).await;
+        assert!(again.replayed(), "{case}: {again:?}");
+        assert_eq!(again.body, retried.body, "{case}");
+        assert_eq!(app.runs(), 2, "{case}");
+    }
+}
+
+/// Issue 46, finding 1: the statuses that mean "not now" are never stored, whatever
+/// `store_if` says, even when a handler answers them itself.
+async fn transient_statuses_are_never_stored_whatever_store_if_says(store: &impl Store) {
+    let app = app(builder(store.client().await)
+        .store_if(|_| true)
+        .build()
+        .unwrap())
+    .await;
+    for (i, status) in tower_lock::idempotency::NEVER_STORED.iter().enumerate() {
+        let key = format!("not-now-{i}");
+        let req = post_as("alice", &key).with("x-status", status.as_str());
+        let got = send(app.addr(), Proto::Http1, &req).await;
+        assert_eq!(got.status, *status, "{got:?}");
+        let again = send(app.addr(), Proto::Http1, &req).await;
+        assert_eq!(again.status, *status, "{again:?}");
+        assert!(!again.replayed(), "{status} was stored: {again:?}");
+    }
+    assert_eq!(app.runs(), 8, "every not-now answer ran again");
+    // Any other status the hook accepts is stored, 5xx included.
+    let req = post_as("alice", "boom").with("x-behave", "fail");
+    send(app.addr(), Proto::Http1, &req).await;
+    assert!(send(app.addr(), Proto::Http1, &req).await.replayed());
 }
 
 async fn app_required(store: &impl Store) -> App {
@@ -1276,7 +1355,9 @@ macro_rules! idempotency_tests {
             with_max_wait_retries_in_flight_wait_and_replay,
             a_key_reused_for_another_request_is_422,
             keys_are_scoped_to_caller_method_and_route,
-            missing_or_malformed_keys_pass_through_or_are_400_when_required,
+            a_missing_key_passes_and_an_unusable_one_is_400_even_when_not_required,
+            a_lock_layers_busy_answer_is_never_stored_and_its_retry_runs,
+            transient_statuses_are_never_stored_whatever_store_if_says,
             a_5xx_stores_nothing_and_a_4xx_is_replayed,
             streamed_or_large_responses_pass_through_unstored,
             a_cancelled_request_stores_nothing_and_its_retry_runs,
