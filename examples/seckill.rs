@@ -513,11 +513,9 @@ async fn run(args: Args) -> Result<ExitCode, String> {
             "  curl -i -X POST http://{addr}/vouchers/{VOUCHER}/orders                    # 400: no x-user-id"
         );
         println!("  curl -i http://{addr}/vouchers/2                                       # 404");
-        println!("stop with Ctrl-C");
+        println!("stop with Ctrl-C (or SIGTERM)");
         axum::serve(listener, app)
-            .with_graceful_shutdown(async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
+            .with_graceful_shutdown(stop_requested())
             .await
             .map_err(|e| format!("server failed: {e}"))?;
         admin_server.abort();
@@ -577,5 +575,32 @@ async fn run(args: Args) -> Result<ExitCode, String> {
     } else {
         println!("\ninvariants BROKEN");
         Ok(ExitCode::FAILURE)
+    }
+}
+
+/// Ctrl-C, or SIGTERM as Kubernetes, systemd and `docker stop` send: the server then
+/// stops taking connections, finishes the requests in flight, and the lock client is
+/// shut down.
+async fn stop_requested() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut terminate) => {
+                terminate.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = terminate => {}
     }
 }

@@ -276,6 +276,56 @@ async fn an_order_whose_process_is_killed_runs_again_once_its_lease_ends(shared:
     assert_eq!(orders[0].user_id, 7);
 }
 
+/// Issue 46: SIGTERM, as Kubernetes, systemd and `docker stop` send it, drains the
+/// server and shuts its lock client down. An order in flight when the signal arrives is
+/// answered (`201`), the process exits successfully and says so, and it leaves no lock
+/// and no client name in the store. Before, only Ctrl-C did: SIGTERM killed the process
+/// with its locks held until their leases ended.
+#[cfg(feature = "redis")]
+async fn sigterm_drains_the_orders_in_flight_and_leaves_nothing_in_the_store(
+    server: &crate::common::redis_server::RedisServer,
+) {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    let process = Seckill::start(
+        &[("REDIS_URL", server.url().as_str())],
+        &[
+            "--stock",
+            "5",
+            "--name",
+            "seckill-term",
+            "--work-ms",
+            "1000",
+        ],
+    )
+    .await;
+    let client = http_client();
+    let in_flight = tokio::spawn({
+        let (client, addr) = (client.clone(), process.addr);
+        async move { post(&client, addr, 7, "term-1").await }
+    });
+    crate::common::wait_until(
+        Duration::from_secs(10),
+        "the order holds its lock",
+        || async { !server.keys("seckill:lock:*").await.is_empty() },
+    )
+    .await;
+    let (exited_ok, said) = process.terminate(Duration::from_secs(20)).await;
+    let answer = in_flight.await.unwrap();
+    assert_eq!(answer.status, StatusCode::CREATED, "drained: {answer:?}");
+    assert!(exited_ok, "seckill did not exit successfully: {said:?}");
+    assert!(
+        said.iter().any(|line| line.contains("shut down")),
+        "no shutdown said: {said:?}"
+    );
+    let left: Vec<String> = server
+        .keys("*")
+        .await
+        .into_iter()
+        .filter(|k| k.starts_with("seckill:lock:") || k.contains("tower_lock_client"))
+        .collect();
+    assert!(left.is_empty(), "left in the store: {left:?}");
+}
+
 #[cfg(feature = "redis")]
 mod on_redis {
     use super::*;
@@ -292,6 +342,12 @@ mod on_redis {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_order_whose_process_is_killed_runs_again_once_its_lease_ends() {
         super::an_order_whose_process_is_killed_runs_again_once_its_lease_ends(redis().await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sigterm_drains_the_orders_in_flight_and_leaves_nothing_in_the_store() {
+        let server = crate::common::redis_server::RedisServer::start().await;
+        super::sigterm_drains_the_orders_in_flight_and_leaves_nothing_in_the_store(&server).await;
     }
 }
 

@@ -76,6 +76,32 @@ impl Seckill {
         self.child.id()
     }
 
+    /// Sends SIGTERM and waits (up to `within`) for the process to exit: whether it
+    /// exited successfully, and every line it printed after it started serving.
+    pub async fn terminate(mut self, within: Duration) -> (bool, Vec<String>) {
+        let pid = i32::try_from(self.child.id()).expect("a pid");
+        // SAFETY: kill(2) on our own child, which has not been reaped yet.
+        let sent = unsafe { libc::kill(pid, libc::SIGTERM) };
+        assert_eq!(sent, 0, "SIGTERM seckill");
+        let mut lines = self.output.take().expect("its output");
+        let mut said = Vec::new();
+        let deadline = tokio::time::Instant::now() + within;
+        while let Ok(Some(line)) = tokio::time::timeout_at(deadline, lines.recv()).await {
+            said.push(line);
+        }
+        let started = tokio::time::Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().expect("seckill's status") {
+                return (status.success(), said);
+            }
+            assert!(
+                started.elapsed() < within,
+                "seckill did not exit within {within:?} of SIGTERM: {said:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// SIGKILLs the process and reaps it.
     pub fn kill(&mut self) {
         // `Child::kill` is SIGKILL.
