@@ -39,8 +39,9 @@
 //! # Errors
 //!
 //! Acquisition fails with [`Error::Busy`] when the wait runs out (with the holder's
-//! remaining lease, for a `Retry-After`), [`ConfigError::InvalidSetting`] for a zero or absurd
-//! lease, and backend errors as they come. [`LockGuard::unlock`] fails with
+//! remaining lease, for a `Retry-After`), [`Error::Config`] (an
+//! [`InvalidSetting`](ConfigError::InvalidSetting)) for a zero or absurd lease, and
+//! backend errors as they come. [`LockGuard::unlock`] fails with
 //! [`Error::Lost`] when the lock was no longer held.
 //!
 //! # Holds and re-entry
