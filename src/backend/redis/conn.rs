@@ -162,13 +162,7 @@ impl SingleConn {
         if holds() {
             return true;
         }
-        let (generation, here) = {
-            let current = self
-                .current
-                .read()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            (current.0, current.2.clone())
-        };
+        let (generation, here) = self.serving();
         let asked_at = std::time::Instant::now();
         if !self
             .primary
@@ -198,6 +192,15 @@ impl SingleConn {
         if confirmed.is_some_and(|(_, n, _)| n != replicas) {
             *confirmed = None;
         }
+    }
+
+    /// The current connection's generation and the server (`host:port`) it is to.
+    fn serving(&self) -> (u64, String) {
+        let current = self
+            .current
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        (current.0, current.2.clone())
     }
 
     /// The current connection and its generation.
@@ -337,13 +340,7 @@ impl SingleConn {
         if !self.primary.follows_failovers() {
             return;
         }
-        let (generation, here) = {
-            let current = self
-                .current
-                .read()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            (current.0, current.2.clone())
-        };
+        let (generation, here) = self.serving();
         let Some(client) = self.primary_now().await else {
             return;
         };
