@@ -23,29 +23,26 @@ const AT_ONCE: usize = 64;
 /// what stays in the store, not latency).
 const RIDE_OUT: Duration = Duration::from_secs(10);
 
+/// Takes `lock` and releases it.
+async fn cycle(lock: tower_lock::Lock) {
+    let guard = lock.try_lock_for(RIDE_OUT, Lease::Watchdog).await.unwrap();
+    guard.unlock().await.unwrap();
+}
+
 /// The three kinds of keys, `KEYS` each: a plain lock, a fenced lock, and a request
 /// through an idempotency layer whose records live `ttl`, spread over 100 callers.
 async fn every_kind(client: &LockClient, ttl: Duration, round: &str) {
     let plain = futures_util::stream::iter(0..KEYS).for_each_concurrent(AT_ONCE, |i| async move {
-        let lock = client.get_lock(format!("{round}:plain:{i}")).unwrap();
-        lock.try_lock_for(RIDE_OUT, Lease::Watchdog)
-            .await
-            .unwrap()
-            .unlock()
-            .await
-            .unwrap();
+        cycle(client.get_lock(format!("{round}:plain:{i}")).unwrap()).await;
     });
     plain.await;
     let fenced = futures_util::stream::iter(0..KEYS).for_each_concurrent(AT_ONCE, |i| async move {
-        let lock = client
-            .get_fenced_lock(format!("{round}:fenced:{i}"))
-            .unwrap();
-        lock.try_lock_for(RIDE_OUT, Lease::Watchdog)
-            .await
-            .unwrap()
-            .unlock()
-            .await
-            .unwrap();
+        cycle(
+            client
+                .get_fenced_lock(format!("{round}:fenced:{i}"))
+                .unwrap(),
+        )
+        .await;
     });
     fenced.await;
     let layer = IdempotencyLayer::builder(

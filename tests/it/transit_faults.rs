@@ -439,12 +439,7 @@ async fn a_wait_that_runs_out_after_an_unanswered_attempt(
         trap,
         "the unanswered attempt took the lock after the wait ran out",
         || async {
-            let state = store
-                .admin()
-                .unwrap()
-                .inspect(&lock_key, LockMode::Exclusive)
-                .await
-                .unwrap();
+            let state = state_of(store, &lock_key).await;
             state.holders.is_empty()
         },
     )
@@ -570,13 +565,7 @@ async fn a_timed_out_acquisition_that_lands_after_its_record_takes_nothing_postg
         trap,
         "the late acquisition took the lock",
         || async {
-            let state = pg
-                .direct
-                .admin()
-                .unwrap()
-                .inspect(&key, LockMode::Exclusive)
-                .await
-                .unwrap();
+            let state = state_of(&pg.direct, &key).await;
             state.holders.is_empty()
         },
     )
@@ -629,12 +618,7 @@ async fn a_store_and_release_that_lands_after_the_lease(
         Duration::from_secs(5),
         "the late hold's lease ran out",
         || async {
-            let state = direct
-                .admin()
-                .unwrap()
-                .inspect(&key, LockMode::Exclusive)
-                .await
-                .unwrap();
+            let state = state_of(direct, &key).await;
             state.holders.is_empty()
         },
     )
@@ -654,12 +638,7 @@ async fn a_store_and_release_that_lands_after_the_lease(
         trap,
         "the late store and release wrote its record or released the next hold",
         || async {
-            let state = direct
-                .admin()
-                .unwrap()
-                .inspect(&key, LockMode::Exclusive)
-                .await
-                .unwrap();
+            let state = state_of(direct, &key).await;
             let holders: Vec<&str> = state.holders.iter().map(|h| h.hold_id.as_str()).collect();
             records.load(&key).await.unwrap().is_none() && holders == ["next:1"]
         },
@@ -952,14 +931,15 @@ async fn operations_arriving_while_one_is_in_flight_share_one_call_redis() {
 
 /// How many hold the exclusive lock `key` in `store`.
 async fn holders_of(store: &dyn LockBackend, key: &LockKey) -> usize {
-    store
+    state_of(store, key).await.holders.len()
+}
+
+/// What `store` holds for the exclusive lock `key`, read through its administration.
+async fn state_of<B: LockBackend + ?Sized>(store: &B, key: &LockKey) -> tower_lock::LockState {
+    let admin = store
         .admin()
-        .unwrap()
-        .inspect(key, LockMode::Exclusive)
-        .await
-        .unwrap()
-        .holders
-        .len()
+        .expect("every store under test has administration");
+    admin.inspect(key, LockMode::Exclusive).await.unwrap()
 }
 
 /// Waits (5 s at most) until nobody holds the exclusive lock `key` in `store`: what a
@@ -1076,12 +1056,7 @@ async fn a_hold_the_watchdog_gave_up(
 /// renewal reached the store.
 async fn renewal_lands(store: &dyn LockBackend, key: &LockKey, what: &str) {
     let ttl = || async {
-        let state = store
-            .admin()
-            .unwrap()
-            .inspect(key, LockMode::Exclusive)
-            .await
-            .unwrap();
+        let state = state_of(store, key).await;
         state
             .holders
             .first()
