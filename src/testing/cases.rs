@@ -610,8 +610,10 @@ pub async fn multi_lock_fixed_lease_outlasts_the_wait(f: &impl Fixture) {
         after_held >= lease - Duration::from_millis(20),
         "freed before the lease: {after_held:?}"
     );
+    // The slack is for a loaded machine (a PostgreSQL run under the full suite took
+    // 1.65 s); a hold kept by the watchdog instead of its fixed lease would take 30 s.
     assert!(
-        after_start < wait + lease + Duration::from_millis(300),
+        after_start < wait + lease + Duration::from_secs(1),
         "held past the lease plus the wait: {after_start:?}"
     );
     again.unlock().await.unwrap();
