@@ -218,9 +218,9 @@ pub use idempotency::IdempotencyLayer;
 pub use key::{IntoLockKey, LockKey, MAX_KEY_LEN, RESERVED_PREFIXES};
 pub use layer::LockLayer;
 pub use lock::{
-    CLIENT_NAME_TTL, DEFAULT_OUTAGE_GRACE, HeldLock, LayerEvent, LayerOutcome, Lease, Lock,
-    LockClient, LockClientBuilder, LockEvent, LockGuard, LockObserver, LostSignal,
-    MAX_CLIENT_NAME_LEN,
+    CLIENT_NAME_TTL, DEFAULT_OUTAGE_GRACE, HeldLock, LayerEvent, LayerKind, LayerOutcome, Lease,
+    Lock, LockClient, LockClientBuilder, LockEvent, LockGuard, LockObserver, LostSignal,
+    MAX_CLIENT_NAME_LEN, NotStoredReason,
 };
 pub use namespace::{MAX_NAMESPACE_LEN, Namespace};
 pub use owner::{MAX_OWNER_LEN, Owner};

@@ -32,6 +32,7 @@
 //! | `tower_lock_lost_total` | counter | `kind`, `backend`, `namespace` | holds found lost |
 //! | `tower_lock_backend_errors_total` | counter | `kind`, `backend`, `namespace`, `op` (`acquire`, `renew`, `release`) | failed acquisitions (the store failed, or refused the request), renewals and releases |
 //! | `tower_lock_layer_outcomes_total` | counter | `layer`, `namespace`, `outcome` (see below) | what [`LockLayer`](crate::LockLayer) did with each request it locks |
+//! | `tower_lock_idempotency_outcomes_total` | counter | `layer`, `namespace`, `outcome`, `reason` (see below) | what [`IdempotencyLayer`](crate::idempotency::IdempotencyLayer) did with each request it covers |
 //!
 //! The outcomes of `tower_lock_layer_outcomes_total` ([`LayerOutcome`]), by the layer's
 //! [`name`](crate::layer::LockLayerBuilder::name) (by default its key prefix, or `""`):
@@ -46,16 +47,18 @@
 //! | `misconfigured` | 500 | the server's wiring or the store's setup is wrong (a missing request extension, an unsupported mode, a key of another type) |
 //! | `lost` | 503 | the lock was lost while the handler ran; the handler was cancelled |
 //!
-//! An [`IdempotencyLayer`](crate::idempotency::IdempotencyLayer) counts under its own
-//! name, with `bad_key`, `unavailable`, `misconfigured` and `lost` as above, and:
+//! An [`IdempotencyLayer`](crate::idempotency::IdempotencyLayer) counts in
+//! `tower_lock_idempotency_outcomes_total`, under its own name, with `bad_key`,
+//! `unavailable`, `misconfigured` and `lost` as above, and:
 //!
 //! | `outcome` | status | what |
 //! |---|---|---|
 //! | `stored` | the handler's | the handler ran and its response was stored for replay |
-//! | `not_stored` | the handler's | the handler ran; nothing stored (a 5xx, a streamed or too large body, the lock lost before the store) |
+//! | `not_stored` | the handler's | the handler ran; nothing stored, for the `reason` ([`NotStoredReason`]: `declined`, `transient`, `too_large`, `too_slow`, `trailers`, `store_failed`); `reason` is `""` for every other outcome |
 //! | `replayed` | the stored one | a retry answered with the stored response; the handler did not run |
 //! | `in_flight` | 409 | the first request with the key was still running |
 //! | `mismatch` | 422 | the key was used for another request |
+//! | `over_quota` | 429, 503 | the caller, or everyone together, has as many stored responses as allowed |
 //!
 //! Requests the layer passes through unlocked (no key, a method it does not lock) are
 //! not counted. The lock metrics above come from the client, which does not know the
@@ -120,7 +123,7 @@ use std::time::Duration;
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
 
 use crate::error::Error;
-use crate::lock::{LayerEvent, LayerOutcome, LockEvent, LockObserver};
+use crate::lock::{LayerEvent, LayerKind, LayerOutcome, LockEvent, LockObserver, NotStoredReason};
 
 /// Bucket boundaries in seconds for `tower_lock_acquire_wait_seconds` and
 /// `tower_lock_hold_seconds`, for exporters that need them to export histograms that
@@ -169,6 +172,11 @@ impl MetricsObserver {
         describe_counter!(
             "tower_lock_layer_outcomes_total",
             "Requests LockLayer locks, by layer and outcome (served, busy, unavailable, ...)."
+        );
+        describe_counter!(
+            "tower_lock_idempotency_outcomes_total",
+            "Requests IdempotencyLayer covers, by layer and outcome (stored, replayed, \
+             in_flight, not_stored with its reason, ...)."
         );
         MetricsObserver
     }
@@ -263,16 +271,25 @@ impl LockObserver for MetricsObserver {
     }
 
     fn layer_outcome(&self, event: LayerEvent<'_>, outcome: LayerOutcome) {
-        let namespace = event
-            .key
-            .map_or_else(String::new, |k| k.namespace().to_owned());
-        counter!(
-            "tower_lock_layer_outcomes_total",
-            "layer" => event.layer.to_owned(),
-            "namespace" => namespace,
-            "outcome" => outcome.as_str()
-        )
-        .increment(1);
+        let layer = event.layer.to_owned();
+        let namespace = event.namespace.to_owned();
+        match event.kind {
+            LayerKind::Idempotency => counter!(
+                "tower_lock_idempotency_outcomes_total",
+                "layer" => layer,
+                "namespace" => namespace,
+                "outcome" => outcome.as_str(),
+                "reason" => event.not_stored.map_or("", NotStoredReason::as_str)
+            )
+            .increment(1),
+            _ => counter!(
+                "tower_lock_layer_outcomes_total",
+                "layer" => layer,
+                "namespace" => namespace,
+                "outcome" => outcome.as_str()
+            )
+            .increment(1),
+        }
     }
 }
 

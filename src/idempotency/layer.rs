@@ -17,7 +17,7 @@ use crate::key::LockKey;
 use crate::layer::config::{check_layer_name, check_retry_after};
 use crate::layer::rejection::{keep_retry_after, retry_after_secs};
 use crate::layer::{KeyExtractor, MAX_WAIT};
-use crate::lock::{LayerEvent, LayerOutcome, Lease, LockClient};
+use crate::lock::{LayerEvent, LayerKind, LayerOutcome, Lease, LockClient, NotStoredReason};
 use crate::namespace::Namespace;
 
 /// The request header carrying the key: `Idempotency-Key`.
@@ -45,6 +45,12 @@ pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
 /// idempotency key guards (an order, a payment) are a few hundred bytes; a larger one
 /// is passed through unstored.
 pub const DEFAULT_MAX_STORED_BODY: usize = 16 * 1024;
+
+/// How long a response's body is read to store it, by default, before it is passed on
+/// as it comes, unstored: 1 s ([`IdempotencyLayerBuilder::max_stored_body_wait`]). The
+/// answers an idempotency key guards are made at once; a body still coming after a
+/// second is a stream, and holding it back longer would only delay its client.
+pub const DEFAULT_MAX_STORED_BODY_WAIT: Duration = Duration::from_secs(1);
 
 /// How many stored responses one caller (one scope) may have at once by default:
 /// 1,000 ([`IdempotencyLayerBuilder::max_records_per_scope`]).
@@ -136,6 +142,7 @@ pub(crate) struct Config {
     pub(crate) max_key_len: usize,
     pub(crate) max_body: usize,
     pub(crate) max_stored_body: usize,
+    pub(crate) max_stored_body_wait: Duration,
     pub(crate) max_records_per_scope: u32,
     pub(crate) max_records: u32,
     /// Where the quotas' permits live: `<prefix>:quota` (a caller's, in the hash tag of
@@ -165,6 +172,7 @@ impl Config {
             max_key_len: DEFAULT_MAX_KEY_LEN,
             max_body: DEFAULT_MAX_BODY,
             max_stored_body: DEFAULT_MAX_STORED_BODY,
+            max_stored_body_wait: DEFAULT_MAX_STORED_BODY_WAIT,
             max_records_per_scope: DEFAULT_MAX_RECORDS_PER_SCOPE,
             max_records: DEFAULT_MAX_RECORDS,
             quotas: None,
@@ -210,6 +218,15 @@ impl Config {
         if self.max_stored_body == 0 {
             return bad("max_stored_body", "must be at least 1 byte".into());
         }
+        if self.max_stored_body_wait.is_zero() || self.max_stored_body_wait > MAX_WAIT {
+            return bad(
+                "max_stored_body_wait",
+                format!(
+                    "must be more than zero and at most {MAX_WAIT:?} (got {:?})",
+                    self.max_stored_body_wait
+                ),
+            );
+        }
         if self.max_records_per_scope == 0 {
             return bad("max_records_per_scope", "must be at least 1".into());
         }
@@ -249,12 +266,39 @@ pub(crate) struct Shared<K> {
 impl<K> Shared<K> {
     /// Tells the observer, and the request's span, what the layer did.
     pub(crate) fn outcome(&self, key: Option<&LockKey>, outcome: LayerOutcome) {
+        self.observe(key, outcome, None);
+    }
+
+    /// Tells the observer and the span that nothing was stored, and why; and the log,
+    /// once per cause and period, for the causes a server's operator can act on.
+    pub(crate) fn not_stored(&self, key: &LockKey, reason: NotStoredReason) {
+        match reason {
+            NotStoredReason::TooLarge | NotStoredReason::TooSlow | NotStoredReason::Trailers => {
+                self.report.not_stored(self.config.name(), reason)
+            }
+            NotStoredReason::Declined
+            | NotStoredReason::Transient
+            | NotStoredReason::StoreFailed => {}
+        }
+        tracing::Span::current().record("not_stored", reason.as_str());
+        self.observe(Some(key), LayerOutcome::NotStored, Some(reason));
+    }
+
+    fn observe(
+        &self,
+        key: Option<&LockKey>,
+        outcome: LayerOutcome,
+        not_stored: Option<NotStoredReason>,
+    ) {
         tracing::Span::current().record("idempotency", outcome.as_str());
         if let Some(observer) = self.client.hooks().observer() {
             observer.layer_outcome(
                 LayerEvent {
+                    kind: LayerKind::Idempotency,
                     layer: self.config.name(),
+                    namespace: key.map_or(self.config.prefix.as_str(), |k| k.namespace()),
                     key,
+                    not_stored,
                 },
                 outcome,
             );
@@ -410,12 +454,24 @@ impl<K: KeyExtractor> IdempotencyLayerBuilder<K> {
         self
     }
 
-    /// The largest response body stored for replay, in bytes; a larger one (or one of
-    /// unknown length) is passed through unstored. Default:
-    /// [`DEFAULT_MAX_STORED_BODY`]. The most a store keeps for the layer is
-    /// [`max_records`](Self::max_records) times this (and the headers kept with it).
+    /// The largest response body stored for replay, in bytes. A body of unknown length
+    /// (streamed, chunked) is read up to this and stored when it ends within it, as a
+    /// sized one is; a larger one is passed through unstored, with what was read of it
+    /// ([`NotStoredReason::TooLarge`]). Default: [`DEFAULT_MAX_STORED_BODY`]. The most a
+    /// store keeps for the layer is [`max_records`](Self::max_records) times this (and
+    /// the headers kept with it).
     pub fn max_stored_body(mut self, bytes: usize) -> Self {
         self.config.max_stored_body = bytes;
+        self
+    }
+
+    /// How long the layer reads a response's body to store it before it gives up and
+    /// passes the body on as it comes ([`NotStoredReason::TooSlow`]): a stream of
+    /// events, or a slow producer, is held back at most this long. The key's lock is
+    /// held meanwhile. Default: [`DEFAULT_MAX_STORED_BODY_WAIT`]; at most
+    /// [`MAX_WAIT`](crate::layer::MAX_WAIT).
+    pub fn max_stored_body_wait(mut self, wait: Duration) -> Self {
+        self.config.max_stored_body_wait = wait;
         self
     }
 

@@ -9,12 +9,13 @@
 //!
 //! | case | answer |
 //! |---|---|
-//! | first request with the key | the handler runs under the key's lock; its response is stored (a final status — below 500 by default — and a body of known length up to [`max_stored_body`](IdempotencyLayerBuilder::max_stored_body)), then the lock is released; past the caller's [quota](IdempotencyLayerBuilder::max_records_per_scope) of stored responses, `429` |
+//! | first request with the key | the handler runs under the key's lock; its response is stored (a final status — below 500 by default, never a "not now" one ([`NEVER_STORED`]) — and a body, sized or streamed, that ends within [`max_stored_body`](IdempotencyLayerBuilder::max_stored_body) and [`max_stored_body_wait`](IdempotencyLayerBuilder::max_stored_body_wait)), then the lock is released; past the caller's [quota](IdempotencyLayerBuilder::max_records_per_scope) of stored responses, `429` |
 //! | retry after the first finished, same request | the stored response, byte for byte, with `Idempotent-Replayed: true`; the handler does not run |
 //! | retry while the first is in flight | `409 Conflict` + `Retry-After`; or, with [`max_wait`](IdempotencyLayerBuilder::max_wait), wait for the first and replay its response |
 //! | the key used before for another request (method, path, query, body) | `422 Unprocessable Content` |
-//! | no key, or a malformed one | passed through unprotected; `400` with [`required`](IdempotencyLayerBuilder::required) |
-//! | the first answered 5xx, its handler was cancelled, or its lock was lost | nothing stored: the retry runs the handler again |
+//! | no key | passed through unprotected; `400` with [`required`](IdempotencyLayerBuilder::required) |
+//! | a key it cannot use (empty, too long, not visible ASCII, sent twice) | `400`, naming what is wrong, whatever `required` says |
+//! | the first answered 5xx (see [`store_if`](IdempotencyLayerBuilder::store_if)) or "not now", its body did not fit, its handler was cancelled, or its lock was lost | nothing stored: the retry runs the handler again |
 //! | the lock store cannot answer | `503` + `Retry-After` |
 //!
 //! Every error is `application/problem+json` (RFC 9457), or what your
@@ -94,8 +95,8 @@ pub use body::IdempotencyBody;
 pub use layer::{
     DEFAULT_IN_FLIGHT_RETRY_AFTER, DEFAULT_KEY_PREFIX, DEFAULT_MAX_BODY, DEFAULT_MAX_KEY_LEN,
     DEFAULT_MAX_RECORDS, DEFAULT_MAX_RECORDS_PER_SCOPE, DEFAULT_MAX_STORED_BODY,
-    DEFAULT_STORED_HEADERS, DEFAULT_TTL, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyLayer,
-    IdempotencyLayerBuilder, MAX_TTL, NEVER_STORED,
+    DEFAULT_MAX_STORED_BODY_WAIT, DEFAULT_STORED_HEADERS, DEFAULT_TTL, IDEMPOTENCY_KEY,
+    IDEMPOTENT_REPLAYED, IdempotencyLayer, IdempotencyLayerBuilder, MAX_TTL, NEVER_STORED,
 };
 pub use record::Fingerprint;
 pub use rejection::{IdempotencyRejection, OnIdempotencyRejection, ProblemJson};

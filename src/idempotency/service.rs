@@ -1,23 +1,25 @@
 //! [`IdempotencyService`]: the middleware made by
 //! [`IdempotencyLayer`](super::IdempotencyLayer), and the steps of one request.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::future::poll_fn;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures_util::future::BoxFuture;
 use http::request::Parts;
 use http::{HeaderValue, Request, Response};
-use http_body::Body;
+use http_body::{Body, Frame};
 use http_body_util::{BodyExt, Limited};
 use tower::Service;
 use tracing::Instrument;
 
 use super::body::IdempotencyBody;
 use super::key::{self, BadKey};
-use super::layer::{NEVER_STORED, Shared};
+use super::layer::{Config, NEVER_STORED, Shared};
 use super::record::{Fingerprint, Record};
 use super::rejection::IdempotencyRejection;
 use crate::StoreErrorKind;
@@ -26,7 +28,7 @@ use crate::error::{BoxError, Error};
 use crate::extract::{HeldLock, Locks};
 use crate::key::LockKey;
 use crate::layer::{KeyExtractor, Transient};
-use crate::lock::{LayerOutcome, LockGuard};
+use crate::lock::{LayerOutcome, LockGuard, NotStoredReason};
 use crate::owner::Owner;
 
 /// Runs a retried request once and replays its response. Made by
@@ -107,6 +109,7 @@ where
             "tower_lock.idempotency",
             layer = shared.config.name(),
             idempotency = tracing::field::Empty,
+            not_stored = tracing::field::Empty,
         );
         Box::pin(handle(shared, svc, req).instrument(span))
     }
@@ -410,8 +413,10 @@ impl<K> Covered<'_, K> {
         response
     }
 
-    /// Stores a final response whose body fits (read whole first), releasing the lock
-    /// in the same step; passes anything else through unstored, the lock released.
+    /// Stores a final response whose body fits, read whole first (of a known length or
+    /// streamed), releasing the lock in the same step. Anything else passes through
+    /// unstored, the lock released first: a status that is not stored, or a body too
+    /// large, too slow or with trailers, passed on with what was read of it.
     async fn store<ResB>(
         &self,
         response: Response<ResB>,
@@ -424,27 +429,27 @@ impl<K> Covered<'_, K> {
     {
         let config = &self.shared.config;
         let (head, body) = response.into_parts();
-        let fits = body
-            .size_hint()
-            .exact()
-            .is_some_and(|len| len <= config.max_stored_body as u64);
         let transient =
             head.extensions.get::<Transient>().is_some() || NEVER_STORED.contains(&head.status);
-        if transient || !(config.store_if)(head.status) || !fits {
+        let unstored = if transient {
+            Some(NotStoredReason::Transient)
+        } else if !(config.store_if)(head.status) {
+            Some(NotStoredReason::Declined)
+        } else if body.size_hint().lower() > config.max_stored_body as u64 {
+            Some(NotStoredReason::TooLarge)
+        } else {
+            None
+        };
+        if let Some(reason) = unstored {
             let _ = guard.unlock().await;
             places.free().await;
-            self.shared
-                .outcome(Some(&self.key), LayerOutcome::NotStored);
+            self.shared.not_stored(&self.key, reason);
             return Response::from_parts(head, IdempotencyBody::inner(body));
         }
-        // The body's error as text at once: it need not be `Send` across the release.
-        let collected = body.collect().await;
-        let collected = collected
-            .map(|c| c.to_bytes())
-            .map_err(|e| e.into().to_string());
-        let bytes = match collected {
-            Ok(bytes) => bytes,
-            Err(e) => {
+        let mut body = Box::pin(body);
+        let bytes = match read_to_store(body.as_mut(), config).await {
+            Read::Whole(bytes) => bytes,
+            Read::Failed(e) => {
                 let error = Error::store(
                     StoreErrorKind::Unexpected,
                     format!("the handler's response body failed: {e}"),
@@ -452,6 +457,12 @@ impl<K> Covered<'_, K> {
                 let _ = guard.unlock().await;
                 places.free().await;
                 return self.reject(IdempotencyRejection::Misconfigured(error));
+            }
+            Read::Unfit(read, reason) => {
+                let _ = guard.unlock().await;
+                places.free().await;
+                self.shared.not_stored(&self.key, reason);
+                return Response::from_parts(head, IdempotencyBody::prefixed(read, body));
             }
         };
         let record = Record::new(
@@ -461,22 +472,23 @@ impl<K> Covered<'_, K> {
             &config.stored_headers,
             bytes.clone(),
         );
-        let outcome = match guard.unlock_storing(record.encode(), config.ttl).await {
+        match guard.unlock_storing(record.encode(), config.ttl).await {
             Ok(true) => {
                 places.keep();
-                LayerOutcome::Stored
+                self.shared.outcome(Some(&self.key), LayerOutcome::Stored);
             }
             Ok(false) => {
                 places.free().await;
-                LayerOutcome::NotStored
+                self.shared
+                    .not_stored(&self.key, NotStoredReason::StoreFailed);
             }
             Err(error) => {
                 tracing::warn!(%error, key = %self.shared.client.display_key(&self.key), "response not stored for replay; a retry will run the handler again");
                 places.free().await;
-                LayerOutcome::NotStored
+                self.shared
+                    .not_stored(&self.key, NotStoredReason::StoreFailed);
             }
-        };
-        self.shared.outcome(Some(&self.key), outcome);
+        }
         Response::from_parts(head, IdempotencyBody::whole(bytes))
     }
 
@@ -516,6 +528,60 @@ where
     poll_fn(|cx| svc.poll_ready(cx)).await?;
     let response = svc.call(req).await?;
     Ok(response.map(IdempotencyBody::inner))
+}
+
+/// What [`read_to_store`] made of a response's body.
+enum Read {
+    /// It ended, all data, within the limits: these bytes.
+    Whole(Bytes),
+    /// It will not be stored, for this reason; these frames were read from it.
+    Unfit(VecDeque<Frame<Bytes>>, NotStoredReason),
+    /// It failed, with this error (as text: it need not be `Send` across the release).
+    Failed(String),
+}
+
+/// Reads a response's body to store it: to its end, unless it grows past
+/// `max_stored_body`, does not end within `max_stored_body_wait` (a stream of events
+/// would be held back forever) or ends with trailers.
+async fn read_to_store<B>(mut body: Pin<&mut B>, config: &Config) -> Read
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let deadline = tokio::time::Instant::now() + config.max_stored_body_wait;
+    let mut read = VecDeque::new();
+    let mut len = 0usize;
+    loop {
+        let frame = tokio::time::timeout_at(deadline, poll_fn(|cx| body.as_mut().poll_frame(cx)));
+        match frame.await {
+            Err(_elapsed) => return Read::Unfit(read, NotStoredReason::TooSlow),
+            Ok(None) => break,
+            Ok(Some(Err(e))) => return Read::Failed(e.into().to_string()),
+            Ok(Some(Ok(frame))) => {
+                let trailers = !frame.is_data();
+                len = len.saturating_add(frame.data_ref().map_or(0, Bytes::len));
+                read.push_back(frame);
+                if trailers {
+                    return Read::Unfit(read, NotStoredReason::Trailers);
+                }
+                if len > config.max_stored_body {
+                    return Read::Unfit(read, NotStoredReason::TooLarge);
+                }
+            }
+        }
+    }
+    if read.len() == 1
+        && let Some(Ok(data)) = read.pop_front().map(Frame::into_data)
+    {
+        return Read::Whole(data);
+    }
+    let mut whole = BytesMut::with_capacity(len);
+    for frame in read {
+        if let Ok(data) = frame.into_data() {
+            whole.extend_from_slice(&data);
+        }
+    }
+    Read::Whole(whole.freeze())
 }
 
 enum Handled<T> {

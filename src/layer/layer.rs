@@ -16,7 +16,7 @@ use super::service::LockService;
 use crate::backend::LockMode;
 use crate::error::{ConfigError, Result};
 use crate::key::LockKey;
-use crate::lock::{LayerEvent, LayerOutcome, Lease, LockClient};
+use crate::lock::{LayerEvent, LayerKind, LayerOutcome, Lease, LockClient};
 
 /// What every clone of a layer, its services and their futures share.
 pub(crate) struct Core {
@@ -54,8 +54,13 @@ impl Core {
         }
         if let Some(observer) = self.client.hooks().observer() {
             let event = LayerEvent {
+                kind: LayerKind::Lock,
                 layer: self.name(),
+                // Without a key, none: the extractor's namespace is not the layer's to
+                // know, and its prefix alone would name a series no key is counted in.
+                namespace: key.map_or("", |k| k.namespace()),
                 key,
+                not_stored: None,
             };
             observer.layer_outcome(event, outcome);
         }

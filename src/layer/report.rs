@@ -81,6 +81,23 @@ impl Report {
             tracing::debug!(layer, %cause, "request rejected with 500: the lock is misconfigured");
         }
     }
+
+    /// An idempotency layer stored nothing for a response, for `reason` (a body too
+    /// large or too slow to store): WARN once per reason and layer, then DEBUG. The
+    /// operator can act on it (raise a limit, or leave the route out of the layer); a
+    /// line per request would say nothing more.
+    pub(crate) fn not_stored(&self, layer: &str, reason: crate::lock::NotStoredReason) {
+        let what = "response not stored for replay; a retry with its key runs the handler again";
+        if self.causes.first(&format!("not_stored:{reason}")) {
+            tracing::warn!(
+                layer,
+                %reason,
+                "{what} (logged once per reason; further responses at DEBUG)"
+            );
+        } else {
+            tracing::debug!(layer, %reason, "{what}");
+        }
+    }
 }
 
 /// Remembers which causes were logged, to log each once.

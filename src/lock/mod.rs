@@ -93,7 +93,7 @@ pub use guard::{LockGuard, LostSignal};
 pub(crate) use held::Guards;
 pub use held::HeldLock;
 pub(crate) use observer::Hooks;
-pub use observer::{LayerEvent, LayerOutcome, LockEvent, LockObserver};
+pub use observer::{LayerEvent, LayerKind, LayerOutcome, LockEvent, LockObserver, NotStoredReason};
 use registry::Registry;
 pub(crate) use unlocking::{FinishOnDrop, Unlocking};
 

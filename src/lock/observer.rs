@@ -153,11 +153,90 @@ pub trait LockObserver: Send + Sync + 'static {
 #[derive(Clone, Copy, Debug)]
 #[non_exhaustive]
 pub struct LayerEvent<'a> {
-    /// The layer's [`name`](crate::layer::LockLayerBuilder::name): by default its key
-    /// prefix, or `""` without one. Tells two layers of a process apart.
+    /// Which kind of layer decided.
+    pub kind: LayerKind,
+    /// The layer's name ([`LockLayerBuilder::name`](crate::layer::LockLayerBuilder::name),
+    /// [`IdempotencyLayerBuilder::name`](crate::idempotency::IdempotencyLayerBuilder::name)):
+    /// by default its key prefix, or `""` without one. Tells two layers of a process
+    /// apart.
     pub layer: &'a str,
+    /// The namespace of the request's (first) key. When no key was derived (a bad
+    /// key): an [`IdempotencyLayer`](crate::idempotency::IdempotencyLayer)'s own (its
+    /// keys all live under its prefix), `""` for a [`LockLayer`](crate::LockLayer)
+    /// (its keys' namespaces are its extractor's).
+    pub namespace: &'a str,
     /// The request's (first) key, when one was derived.
     pub key: Option<&'a LockKey>,
+    /// Why nothing was stored, with [`LayerOutcome::NotStored`]; else `None`.
+    pub not_stored: Option<NotStoredReason>,
+}
+
+/// The kind of layer a [`LayerEvent`] comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LayerKind {
+    /// [`LockLayer`](crate::LockLayer).
+    Lock,
+    /// [`IdempotencyLayer`](crate::idempotency::IdempotencyLayer).
+    Idempotency,
+}
+
+impl LayerKind {
+    /// `lock` or `idempotency`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LayerKind::Lock => "lock",
+            LayerKind::Idempotency => "idempotency",
+        }
+    }
+}
+
+/// Why [`IdempotencyLayer`](crate::idempotency::IdempotencyLayer) stored nothing for a
+/// response the handler made ([`LayerOutcome::NotStored`]): a retry with its key runs
+/// the handler again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum NotStoredReason {
+    /// [`store_if`](crate::idempotency::IdempotencyLayerBuilder::store_if) declined its
+    /// status (by default, a 5xx).
+    Declined,
+    /// A "not now" answer: a status in
+    /// [`NEVER_STORED`](crate::idempotency::NEVER_STORED), or a rejection a
+    /// [`LockLayer`](crate::LockLayer) marked [`Transient`](crate::layer::Transient).
+    Transient,
+    /// The body is larger than
+    /// [`max_stored_body`](crate::idempotency::IdempotencyLayerBuilder::max_stored_body).
+    TooLarge,
+    /// The body did not end within
+    /// [`max_stored_body_wait`](crate::idempotency::IdempotencyLayerBuilder::max_stored_body_wait)
+    /// (a stream of events, a slow producer): it was passed on as it came.
+    TooSlow,
+    /// The body ends with trailers, which are not stored.
+    Trailers,
+    /// The store could not take the response (unreachable, timed out), or the lock was
+    /// no longer held when it was stored.
+    StoreFailed,
+}
+
+impl NotStoredReason {
+    /// A short lowercase name, for labels and logs: `declined`, `transient`,
+    /// `too_large`, `too_slow`, `trailers`, `store_failed`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NotStoredReason::Declined => "declined",
+            NotStoredReason::Transient => "transient",
+            NotStoredReason::TooLarge => "too_large",
+            NotStoredReason::TooSlow => "too_slow",
+            NotStoredReason::Trailers => "trailers",
+            NotStoredReason::StoreFailed => "store_failed",
+        }
+    }
+}
+
+impl fmt::Display for NotStoredReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// What [`LockLayer`](crate::LockLayer) did with a request it locks: see
@@ -195,8 +274,8 @@ pub enum LayerOutcome {
     Mismatch,
     /// `IdempotencyLayer`: served, and the response stored for replay.
     Stored,
-    /// `IdempotencyLayer`: served, and nothing stored (a 5xx, a body too large or
-    /// streamed, a lock lost before the store): a retry runs the handler again.
+    /// `IdempotencyLayer`: served, and nothing stored: a retry runs the handler again.
+    /// [`LayerEvent::not_stored`] says why.
     NotStored,
     /// `IdempotencyLayer`: rejected before the handler ran: the caller, or the layer,
     /// has as many stored responses as it may (`429`, `503`).

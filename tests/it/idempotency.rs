@@ -25,7 +25,7 @@ use tokio::sync::Semaphore;
 use tower_lock::extract::HeldLock;
 use tower_lock::idempotency::{IdempotencyLayer, IdempotencyLayerBuilder, IdempotencyRejection};
 use tower_lock::layer::{KeyError, key_fn};
-use tower_lock::{LayerOutcome, LockClient, LockKey, MemoryBackend};
+use tower_lock::{LayerOutcome, LockClient, LockKey, MemoryBackend, NotStoredReason};
 
 const DEADLINE: Duration = Duration::from_secs(20);
 
@@ -113,9 +113,33 @@ async fn order(
     match behave {
         "fail" => (StatusCode::INTERNAL_SERVER_ERROR, "boom").into_response(),
         "taken" => (StatusCode::CONFLICT, "sold out").into_response(),
+        // Chunked, of unknown length: the text in three pieces.
         "stream" => {
-            let chunks = futures_util::stream::iter([Ok::<_, std::io::Error>(Bytes::from(text))]);
-            Body::from_stream(chunks).into_response()
+            let (a, rest) = text.split_at(text.len() / 3);
+            let (b, c) = rest.split_at(rest.len() / 2);
+            let chunks =
+                [a, b, c].map(|part| Ok::<_, std::io::Error>(Bytes::from(part.to_owned())));
+            let body = Body::from_stream(futures_util::stream::iter(chunks));
+            (StatusCode::CREATED, body).into_response()
+        }
+        // Chunked, 3 × 600 bytes: over the tests' 1,024-byte `max_stored_body`.
+        "big-stream" => {
+            let chunks =
+                ["a", "b", "c"].map(|c| Ok::<_, std::io::Error>(Bytes::from(c.repeat(600))));
+            let body = Body::from_stream(futures_util::stream::iter(chunks));
+            (StatusCode::CREATED, body).into_response()
+        }
+        // Chunked: `first`, then `last` once a test gives the gate a permit.
+        "slow-stream" => {
+            use futures_util::StreamExt;
+            let first = futures_util::stream::once(async {
+                Ok::<_, std::io::Error>(Bytes::from("first;"))
+            });
+            let last = futures_util::stream::once(async move {
+                orders.gate.acquire().await.unwrap().forget();
+                Ok(Bytes::from("last"))
+            });
+            (StatusCode::CREATED, Body::from_stream(first.chain(last))).into_response()
         }
         "big" => "x".repeat(4096).into_response(),
         _ => (
@@ -305,33 +329,15 @@ impl<'a> Req<'a> {
 
 /// Sends `req` on a fresh connection and reads the whole response.
 async fn send(addr: SocketAddr, proto: Proto, req: &Req<'_>) -> Got {
-    let req = req.build(addr, proto);
-    let exchange = async {
-        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let res = match proto {
-            Proto::Http1 => {
-                let (mut sender, conn) = http1::handshake(TokioIo::new(tcp)).await.unwrap();
-                tokio::spawn(conn);
-                sender.send_request(req).await.unwrap()
-            }
-            Proto::Http2 => {
-                let (mut sender, conn) = http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
-                    .await
-                    .unwrap();
-                tokio::spawn(conn);
-                sender.send_request(req).await.unwrap()
-            }
-        };
-        let (head, body) = res.into_parts();
-        Got {
-            status: head.status,
-            headers: head.headers,
-            body: body.collect().await.unwrap().to_bytes(),
-        }
-    };
-    tokio::time::timeout(DEADLINE, exchange)
+    let (head, body) = open(addr, proto, req).await;
+    let body = tokio::time::timeout(DEADLINE, body.collect())
         .await
-        .expect("no whole response in time")
+        .expect("no whole response in time");
+    Got {
+        status: head.status,
+        headers: head.headers,
+        body: body.unwrap().to_bytes(),
+    }
 }
 
 /// A request sent in a task: for one that waits on a slow handler.
@@ -342,11 +348,23 @@ fn spawn_send(addr: SocketAddr, proto: Proto, req: Req<'static>) -> tokio::task:
 /// Observes the layer's outcomes, and counts the keys' locks taken (not the quotas'
 /// permits).
 #[derive(Default)]
-struct Outcomes(Mutex<Vec<LayerOutcome>>, AtomicUsize);
+struct Outcomes(
+    Mutex<Vec<LayerOutcome>>,
+    AtomicUsize,
+    Mutex<Vec<NotStoredReason>>,
+);
 
 impl tower_lock::LockObserver for Outcomes {
-    fn layer_outcome(&self, _event: tower_lock::LayerEvent<'_>, outcome: LayerOutcome) {
+    fn layer_outcome(&self, event: tower_lock::LayerEvent<'_>, outcome: LayerOutcome) {
+        assert_eq!(event.kind, tower_lock::LayerKind::Idempotency);
+        assert_eq!(event.namespace, "idempotency", "{event:?} {outcome}");
+        assert_eq!(
+            event.not_stored.is_some(),
+            outcome == LayerOutcome::NotStored,
+            "{event:?} {outcome}"
+        );
         self.0.lock().unwrap().push(outcome);
+        self.2.lock().unwrap().extend(event.not_stored);
     }
 
     fn acquired(&self, event: tower_lock::LockEvent<'_>, _waited: Duration) {
@@ -357,6 +375,11 @@ impl tower_lock::LockObserver for Outcomes {
 }
 
 impl Outcomes {
+    /// Why nothing was stored, in order.
+    fn not_stored(&self) -> Vec<NotStoredReason> {
+        self.2.lock().unwrap().clone()
+    }
+
     fn count(&self, outcome: LayerOutcome) -> usize {
         self.0
             .lock()
@@ -618,7 +641,9 @@ async fn keys_are_scoped_to_caller_method_and_route(store: &impl Store) {
 async fn a_missing_key_passes_and_an_unusable_one_is_400_even_when_not_required(
     store: &impl Store,
 ) {
-    let lenient = app(builder(store.client().await).build().unwrap()).await;
+    let observed = Arc::new(Outcomes::default());
+    let client = with_observer(store, Arc::clone(&observed)).await;
+    let lenient = app(builder(client).build().unwrap()).await;
     let strict = app_required(store).await;
     let none = Req {
         method: Method::POST,
@@ -667,6 +692,12 @@ async fn a_missing_key_passes_and_an_unusable_one_is_400_even_when_not_required(
         }
         assert_eq!(app.runs(), runs, "an unusable key ran the handler");
     }
+    // Counted as the layer's, in its namespace (the observer checks that): once per
+    // unusable request sent to the lenient app.
+    assert_eq!(
+        observed.count(LayerOutcome::BadKey),
+        unusable.len() * PROTOS.len()
+    );
     // A quoted structured-field string and the same bare token are one key.
     let quoted = send(strict.addr(), Proto::Http2, &post_as("alice", "\"abc\"")).await;
     let bare = send(strict.addr(), Proto::Http2, &post_as("alice", "abc")).await;
@@ -820,31 +851,50 @@ async fn a_5xx_stores_nothing_and_a_4xx_is_replayed(store: &impl Store) {
     assert_eq!(observed.count(LayerOutcome::Stored), 2);
 }
 
-/// A streamed body and one over the size limit pass through whole, unstored: a retry
-/// runs again. A request body over the limit is `413`.
-async fn streamed_or_large_responses_pass_through_unstored(store: &impl Store) {
-    let app = app(builder(store.client().await).build().unwrap()).await;
-    for behave in ["stream", "big"] {
+/// Issue 46, finding 3: a handler's `201` with a chunked body of a few bytes (unknown
+/// length) was passed through unstored, and the retry placed the order again. It is
+/// read up to `max_stored_body`, stored, and replayed byte for byte.
+async fn a_streamed_response_that_fits_is_stored_and_replayed(store: &impl Store) {
+    let observed = Arc::new(Outcomes::default());
+    let client = with_observer(store, Arc::clone(&observed)).await;
+    let app = app(builder(client).build().unwrap()).await;
+    for proto in PROTOS {
+        let key = format!("stream-{proto:?}");
+        let req = post_as("alice", &key).with("x-behave", "stream");
+        let first = send(app.addr(), proto, &req).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+        assert!(!first.replayed());
+        let second = send(app.addr(), proto, &req).await;
+        assert!(second.replayed(), "{second:?}");
+        assert_eq!(second.status, StatusCode::CREATED);
+        assert_eq!(second.body, first.body);
+    }
+    assert_eq!(app.runs(), 2, "a retry ran the handler again");
+    assert_eq!(observed.count(LayerOutcome::Stored), 2);
+    assert_eq!(observed.count(LayerOutcome::Replayed), 2);
+}
+
+/// A body over `max_stored_body`, sized or streamed, reaches the client whole and is not
+/// stored (a retry runs again), counted `not_stored` with `too_large`. A request body
+/// over `max_body` is `413`.
+async fn a_response_too_large_passes_through_whole_unstored(store: &impl Store) {
+    let observed = Arc::new(Outcomes::default());
+    let client = with_observer(store, Arc::clone(&observed)).await;
+    let app = app(builder(client).build().unwrap()).await;
+    for (behave, len) in [("big", 4096), ("big-stream", 1800)] {
         for proto in PROTOS {
             let key = format!("{behave}-{proto:?}");
-            let first = send(
-                app.addr(),
-                proto,
-                &post_as("alice", &key).with("x-behave", behave),
-            )
-            .await;
-            assert_eq!(first.status, StatusCode::OK, "{first:?}");
-            let second = send(
-                app.addr(),
-                proto,
-                &post_as("alice", &key).with("x-behave", behave),
-            )
-            .await;
+            let req = post_as("alice", &key).with("x-behave", behave);
+            let first = send(app.addr(), proto, &req).await;
+            assert!(first.status.is_success(), "{first:?}");
+            assert_eq!(first.body.len(), len);
+            let second = send(app.addr(), proto, &req).await;
             assert!(!second.replayed());
-            assert_eq!(first.body.len(), second.body.len());
+            assert_eq!(second.body, first.body);
         }
     }
     assert_eq!(app.runs(), 8);
+    assert_eq!(observed.not_stored(), vec![NotStoredReason::TooLarge; 8]);
     let big = "y".repeat(2000);
     let got = send(
         app.addr(),
@@ -855,6 +905,74 @@ async fn streamed_or_large_responses_pass_through_unstored(store: &impl Store) {
     assert_eq!(got.status, StatusCode::PAYLOAD_TOO_LARGE);
     got.problem();
     assert_eq!(app.runs(), 8);
+}
+
+/// A stream still coming after `max_stored_body_wait` is not held back to its end: the
+/// client reads its first chunk while the handler has yet to make the last, and nothing
+/// is stored (`too_slow`); the key's lock is free meanwhile.
+async fn a_slow_stream_is_passed_on_as_it_comes_and_not_stored(store: &impl Store) {
+    let observed = Arc::new(Outcomes::default());
+    let client = with_observer(store, Arc::clone(&observed)).await;
+    let layer = builder(client)
+        .max_stored_body_wait(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let app = app(layer).await;
+    for proto in PROTOS {
+        let key = format!("slow-{proto:?}");
+        let req = post_as("alice", &key).with("x-behave", "slow-stream");
+        let (head, mut body) = open(app.addr(), proto, &req).await;
+        assert_eq!(head.status, StatusCode::CREATED);
+        let first = tokio::time::timeout(DEADLINE, body.frame())
+            .await
+            .expect("the first chunk was held back")
+            .unwrap()
+            .unwrap();
+        assert_eq!(first.into_data().unwrap(), "first;");
+        wait_until(DEADLINE, "the lock released unstored", || async {
+            observed.not_stored().len() == app.runs()
+        })
+        .await;
+        app.release_one();
+        let rest = tokio::time::timeout(DEADLINE, body.collect())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(rest.to_bytes(), "last");
+    }
+    assert_eq!(observed.not_stored(), vec![NotStoredReason::TooSlow; 2]);
+    assert_eq!(observed.count(LayerOutcome::Stored), 0);
+}
+
+/// Sends `req` on a fresh connection and returns the response's head and its body,
+/// unread.
+async fn open(
+    addr: SocketAddr,
+    proto: Proto,
+    req: &Req<'_>,
+) -> (http::response::Parts, hyper::body::Incoming) {
+    let req = req.build(addr, proto);
+    let exchange = async {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        match proto {
+            Proto::Http1 => {
+                let (mut sender, conn) = http1::handshake(TokioIo::new(tcp)).await.unwrap();
+                tokio::spawn(conn);
+                sender.send_request(req).await.unwrap()
+            }
+            Proto::Http2 => {
+                let (mut sender, conn) = http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
+                    .await
+                    .unwrap();
+                tokio::spawn(conn);
+                sender.send_request(req).await.unwrap()
+            }
+        }
+    };
+    tokio::time::timeout(DEADLINE, exchange)
+        .await
+        .expect("no response head in time")
+        .into_parts()
 }
 
 /// A client that goes away mid-handler cancels it: nothing is stored, the lock is free
@@ -1359,7 +1477,9 @@ macro_rules! idempotency_tests {
             a_lock_layers_busy_answer_is_never_stored_and_its_retry_runs,
             transient_statuses_are_never_stored_whatever_store_if_says,
             a_5xx_stores_nothing_and_a_4xx_is_replayed,
-            streamed_or_large_responses_pass_through_unstored,
+            a_streamed_response_that_fits_is_stored_and_replayed,
+            a_response_too_large_passes_through_whole_unstored,
+            a_slow_stream_is_passed_on_as_it_comes_and_not_stored,
             a_cancelled_request_stores_nothing_and_its_retry_runs,
             a_lost_lock_cancels_the_handler_and_stores_nothing,
             uncovered_methods_pass_and_rejections_can_be_customized,

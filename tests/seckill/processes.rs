@@ -130,7 +130,7 @@ async fn replays(process: &Seckill) -> u64 {
     let outcome = "outcome=\"replayed\"";
     let layer = "layer=\"order-replays\"";
     process
-        .metric("tower_lock_layer_outcomes_total", &[layer, outcome])
+        .metric("tower_lock_idempotency_outcomes_total", &[layer, outcome])
         .await
 }
 
