@@ -96,6 +96,52 @@ pub const DEFAULT_STORED_HEADERS: [HeaderName; 8] = [
 
 type FingerprintFn = dyn Fn(&Parts, &Bytes) -> Fingerprint + Send + Sync;
 type StoreIf = dyn Fn(StatusCode) -> bool + Send + Sync;
+type OnReplay = dyn Fn(&mut http::response::Parts, &Replay) + Send + Sync;
+
+/// The default of [`store_if`](IdempotencyLayerBuilder::store_if): every status below
+/// 500 is final and stored; a 5xx is not, and a retry runs the handler again.
+///
+/// Why: a 5xx from a handler most often means its work did not happen (a database
+/// error rolled the transaction back, a dependency timed out before the write), and the
+/// retry is the client's way to get it done. Replaying the 5xx for a day would turn a
+/// blip into a lost order. This departs from the IETF draft and from Stripe, which
+/// store 5xx too; [`stripe`] is their behaviour.
+pub fn below_500(status: StatusCode) -> bool {
+    !status.is_server_error()
+}
+
+/// A [`store_if`](IdempotencyLayerBuilder::store_if) preset: every status is stored,
+/// 5xx included, as Stripe and the IETF draft do; "not now" answers
+/// ([`NEVER_STORED`], [`Transient`](crate::layer::Transient)) are still never stored.
+/// For handlers whose 5xx may come after their effect (a charge made, then a failure
+/// to answer), where running the retry could do it twice.
+///
+/// ```
+/// use tower_lock::idempotency::{self, IdempotencyLayer};
+/// # use tower_lock::{LockClient, MemoryBackend};
+/// # let client = LockClient::new(MemoryBackend::new());
+/// # let scope = tower_lock::layer::HeaderKey::new(http::HeaderName::from_static("x-user"));
+/// let layer = IdempotencyLayer::builder(client, scope)
+///     .store_if(idempotency::stripe)
+///     .build()?;
+/// # Ok::<(), tower_lock::ConfigError>(())
+/// ```
+pub fn stripe(status: StatusCode) -> bool {
+    let _ = status;
+    true
+}
+
+/// What a [`on_replay`](IdempotencyLayerBuilder::on_replay) hook is told about the
+/// stored response it answers with.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct Replay {
+    /// When the response was stored, by the storing replica's clock.
+    pub stored_at: std::time::SystemTime,
+    /// When it stops being replayed: `stored_at` plus this layer's
+    /// [`ttl`](IdempotencyLayerBuilder::ttl).
+    pub expires_at: std::time::SystemTime,
+}
 
 /// At most this many parts hold everyone's quota of stored responses.
 const MAX_TOTAL_PARTS: u32 = 16;
@@ -157,6 +203,7 @@ pub(crate) struct Config {
     pub(crate) replay_header: HeaderName,
     pub(crate) stored_headers: Vec<HeaderName>,
     pub(crate) store_if: Arc<StoreIf>,
+    pub(crate) on_replay: Option<Arc<OnReplay>>,
     pub(crate) fingerprint: Arc<FingerprintFn>,
     pub(crate) on_rejection: Arc<dyn OnIdempotencyRejection>,
 }
@@ -184,9 +231,10 @@ impl Config {
             unavailable_retry_after: crate::layer::DEFAULT_UNAVAILABLE_RETRY_AFTER,
             replay_header: IDEMPOTENT_REPLAYED,
             stored_headers: DEFAULT_STORED_HEADERS.to_vec(),
-            store_if: Arc::new(|status: StatusCode| !status.is_server_error()),
+            store_if: Arc::new(below_500),
+            on_replay: None,
             fingerprint: Arc::new(|parts: &Parts, body: &Bytes| Fingerprint::of(parts, body)),
-            on_rejection: Arc::new(ProblemJson),
+            on_rejection: Arc::new(ProblemJson::default()),
         }
     }
 
@@ -344,19 +392,37 @@ pub struct IdempotencyLayer<K> {
 
 impl<K: KeyExtractor> IdempotencyLayer<K> {
     /// The layer with every default, keys scoped by `scope` (the caller: a user id
-    /// authentication established, never a header the client fills in).
+    /// authentication established, never a header the client fills in). Cannot fail,
+    /// as [`LockLayer::new`](crate::LockLayer::new) cannot: the defaults are valid.
     ///
-    /// # Errors
-    ///
-    /// As [`IdempotencyLayerBuilder::build`]: the client's store keeps no responses.
-    pub fn new(client: LockClient, scope: K) -> Result<Self, ConfigError> {
-        Self::builder(client, scope).build()
+    /// On a store that keeps no responses (RedLock, a custom backend without a
+    /// [`ReplayStore`](crate::backend::ReplayStore)), every request the layer covers is
+    /// answered `500` and the cause logged as an ERROR once;
+    /// [`builder`](Self::builder)`(..).build()` refuses such a store at startup.
+    pub fn new(client: impl Into<LockClient>, scope: K) -> Self {
+        let builder = Self::builder(client, scope);
+        let mut config = builder.config;
+        config.lease = crate::layer::config::request_lease(&builder.client);
+        // The default prefix is valid: `None` cannot happen, and would answer 500.
+        config.quotas = Quotas::under(&config.prefix, config.max_records).ok();
+        Self::assemble(builder.client, config, builder.scope)
     }
 
-    /// A builder, to change the defaults.
-    pub fn builder(client: LockClient, scope: K) -> IdempotencyLayerBuilder<K> {
+    fn assemble(client: LockClient, config: Config, scope: K) -> Self {
+        IdempotencyLayer {
+            shared: Arc::new(Shared {
+                client,
+                config,
+                scope,
+                report: crate::layer::report::Report::new(),
+            }),
+        }
+    }
+
+    /// A builder, to change the defaults. `client` as for [`new`](Self::new).
+    pub fn builder(client: impl Into<LockClient>, scope: K) -> IdempotencyLayerBuilder<K> {
         IdempotencyLayerBuilder {
-            client,
+            client: client.into(),
             scope,
             config: Config::new(),
             error: None,
@@ -574,12 +640,54 @@ impl<K: KeyExtractor> IdempotencyLayerBuilder<K> {
         self
     }
 
-    /// Which responses are final, and stored: default, every status below 500 (a 5xx
-    /// stores nothing, and the retry runs again). Whatever it says, the statuses in
-    /// [`NEVER_STORED`] and the answers a [`LockLayer`](crate::LockLayer) marks
+    /// Which responses are final, and stored. Default: [`below_500`] (a 5xx stores
+    /// nothing, and the retry runs again; its docs say why). [`stripe`] stores every
+    /// status, 5xx included. Whatever it says, the statuses in [`NEVER_STORED`] and the
+    /// answers a [`LockLayer`](crate::LockLayer) marks
     /// [`Transient`](crate::layer::Transient) are never stored.
     pub fn store_if(mut self, store: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
         self.config.store_if = Arc::new(store);
+        self
+    }
+
+    /// Runs `hook` on every replayed response before it is sent, with when it was
+    /// stored and when it expires: to add a header (how long the key is kept, say), as
+    /// AWS Powertools' response hook does. The replay header is already set.
+    ///
+    /// ```
+    /// use http::HeaderValue;
+    /// use tower_lock::idempotency::IdempotencyLayer;
+    /// # use tower_lock::{LockClient, MemoryBackend};
+    /// # let client = LockClient::new(MemoryBackend::new());
+    /// # let scope = tower_lock::layer::HeaderKey::new(http::HeaderName::from_static("x-user"));
+    /// let layer = IdempotencyLayer::builder(client, scope)
+    ///     .on_replay(|head, replay| {
+    ///         let left = replay.expires_at.duration_since(std::time::SystemTime::now());
+    ///         let secs = left.map_or(0, |left| left.as_secs());
+    ///         head.headers.insert("idempotency-expires-in", HeaderValue::from(secs));
+    ///     })
+    ///     .build()?;
+    /// # Ok::<(), tower_lock::ConfigError>(())
+    /// ```
+    pub fn on_replay(
+        mut self,
+        hook: impl Fn(&mut http::response::Parts, &Replay) + Send + Sync + 'static,
+    ) -> Self {
+        self.config.on_replay = Some(Arc::new(hook));
+        self
+    }
+
+    /// Where the `type` links of the default `application/problem+json` rejections
+    /// point: each is this followed by `#` and the problem's name (`#in-flight`,
+    /// `#mismatch`, ...). Default: [`DEFAULT_PROBLEM_TYPE_BASE`](super::DEFAULT_PROBLEM_TYPE_BASE), this crate's page on
+    /// idempotency. Point it at your API's own docs; the anchors must exist there.
+    /// Ignored with [`on_rejection`](Self::on_rejection).
+    pub fn problem_type_base(mut self, base: impl Into<String>) -> Self {
+        let base = base.into();
+        match ProblemJson::with_type_base(base) {
+            Ok(problems) => self.config.on_rejection = Arc::new(problems),
+            Err(error) => self.error = self.error.or(Some(error)),
+        }
         self
     }
 
@@ -625,14 +733,11 @@ impl<K: KeyExtractor> IdempotencyLayerBuilder<K> {
             });
         }
         self.config.validate()?;
-        Ok(IdempotencyLayer {
-            shared: Arc::new(Shared {
-                client: self.client,
-                config: self.config,
-                scope: self.scope,
-                report: crate::layer::report::Report::new(),
-            }),
-        })
+        Ok(IdempotencyLayer::assemble(
+            self.client,
+            self.config,
+            self.scope,
+        ))
     }
 }
 

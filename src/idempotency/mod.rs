@@ -53,7 +53,7 @@
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let client = LockClient::new(MemoryBackend::new());
 //! // Keys are per user: one user can never replay another's response.
-//! let idempotent = IdempotencyLayer::new(client, ExtensionKey::new(|u: &User| u.0.to_string()))?;
+//! let idempotent = IdempotencyLayer::new(client, ExtensionKey::new(|u: &User| u.0.to_string()));
 //! let app: Router = Router::new().route(
 //!     "/orders",
 //!     post(|| async { (http::StatusCode::CREATED, "order 1") }).route_layer(idempotent),
@@ -96,8 +96,11 @@ pub use layer::{
     DEFAULT_IN_FLIGHT_RETRY_AFTER, DEFAULT_KEY_PREFIX, DEFAULT_MAX_BODY, DEFAULT_MAX_KEY_LEN,
     DEFAULT_MAX_RECORDS, DEFAULT_MAX_RECORDS_PER_SCOPE, DEFAULT_MAX_STORED_BODY,
     DEFAULT_MAX_STORED_BODY_WAIT, DEFAULT_STORED_HEADERS, DEFAULT_TTL, IDEMPOTENCY_KEY,
-    IDEMPOTENT_REPLAYED, IdempotencyLayer, IdempotencyLayerBuilder, MAX_TTL, NEVER_STORED,
+    IDEMPOTENT_REPLAYED, IdempotencyLayer, IdempotencyLayerBuilder, MAX_TTL, NEVER_STORED, Replay,
+    below_500, stripe,
 };
 pub use record::Fingerprint;
-pub use rejection::{IdempotencyRejection, OnIdempotencyRejection, ProblemJson};
+pub use rejection::{
+    DEFAULT_PROBLEM_TYPE_BASE, IdempotencyRejection, OnIdempotencyRejection, ProblemJson,
+};
 pub use service::IdempotencyService;

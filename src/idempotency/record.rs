@@ -4,6 +4,7 @@
 
 use std::fmt;
 use std::hash::Hasher;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http::request::Parts;
@@ -72,6 +73,8 @@ impl fmt::Debug for Fingerprint {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Record {
     pub(crate) fingerprint: Fingerprint,
+    /// When it was stored, by the storing replica's clock, to the millisecond.
+    pub(crate) stored_at: SystemTime,
     pub(crate) status: StatusCode,
     pub(crate) headers: Vec<(HeaderName, HeaderValue)>,
     pub(crate) body: Bytes,
@@ -79,7 +82,7 @@ pub(crate) struct Record {
 
 /// The first byte of every record: the layout below. A record of another version is
 /// not replayed (it reads as corrupt).
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 
 /// Why a stored record could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -104,25 +107,38 @@ impl Record {
                     .map(move |value| (name.clone(), value.clone()))
             })
             .collect();
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_millis();
+        let stored_at = UNIX_EPOCH + Duration::from_millis(u64::try_from(now).unwrap_or(u64::MAX));
         Record {
             fingerprint,
+            stored_at,
             status,
             headers,
             body,
         }
     }
 
-    /// `version | fingerprint (16) | status (u16) | header count (u16) | per header:
-    /// name length (u16), name, value length (u32), value | body`, integers big-endian.
+    /// `version | fingerprint (16) | stored at (u64, ms since the Unix epoch) | status
+    /// (u16) | header count (u16) | per header: name length (u16), name, value length
+    /// (u32), value | body`, integers big-endian.
     pub(crate) fn encode(&self) -> Bytes {
         let head: usize = self
             .headers
             .iter()
             .map(|(n, v)| 6 + n.as_str().len() + v.len())
             .sum();
-        let mut out = BytesMut::with_capacity(1 + 16 + 2 + 2 + head + self.body.len());
+        let mut out = BytesMut::with_capacity(1 + 16 + 8 + 2 + 2 + head + self.body.len());
         out.put_u8(VERSION);
         out.put_slice(self.fingerprint.as_bytes());
+        let stored_at = self
+            .stored_at
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_millis();
+        out.put_u64(u64::try_from(stored_at).unwrap_or(u64::MAX));
         out.put_u16(self.status.as_u16());
         // Header names are at most 64 KiB by construction of the allowlist; values are
         // bounded by what hyper accepts. Counts beyond u16 cannot come from `new`.
@@ -147,6 +163,9 @@ impl Record {
         }
         let mut fingerprint = [0; 16];
         fingerprint.copy_from_slice(r.take(16)?);
+        let stored_at = UNIX_EPOCH
+            .checked_add(Duration::from_millis(r.u64()?))
+            .ok_or(Corrupt("time out of range"))?;
         let status = StatusCode::from_u16(r.u16()?).map_err(|_| Corrupt("status out of range"))?;
         let count = r.u16()?;
         let mut headers = Vec::with_capacity(usize::from(count));
@@ -161,6 +180,7 @@ impl Record {
         }
         Ok(Record {
             fingerprint: Fingerprint(fingerprint),
+            stored_at,
             status,
             headers,
             body: bytes.slice(r.at..),
@@ -189,6 +209,12 @@ impl Reader<'_> {
     fn u32(&mut self) -> Result<u32, Corrupt> {
         let b = self.take(4)?;
         Ok(u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    fn u64(&mut self) -> Result<u64, Corrupt> {
+        let mut b = [0; 8];
+        b.copy_from_slice(self.take(8)?);
+        Ok(u64::from_be_bytes(b))
     }
 }
 
@@ -270,5 +296,8 @@ mod tests {
         }
         assert!(Record::decode(&Bytes::new()).is_err());
         assert!(Record::decode(&Bytes::from_static(&[2])).is_err());
+        let mut v1 = record.to_vec();
+        v1[0] = 1;
+        assert!(Record::decode(&Bytes::from(v1)).is_err(), "an old layout");
     }
 }

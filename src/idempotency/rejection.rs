@@ -8,14 +8,20 @@ use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 use http_body_util::Full;
 
-use crate::error::Error;
+use crate::error::{ConfigError, Error};
 use crate::layer::KeyError;
 use crate::layer::rejection::retry_after_secs;
 use crate::layer::{IntoRejectionResponse, RejectionBody};
 use crate::lock::LayerOutcome;
 
-/// Where each problem `type` is explained: this crate's idempotency page.
-const TYPE_BASE: &str = "https://github.com/tower-lock/tower-lock/blob/main/docs/idempotency.md";
+/// Where each problem `type` is explained by default: this crate's page on idempotency,
+/// whose anchors are the problems' names (`#in-flight`, `#mismatch`, ...). Set another
+/// with [`problem_type_base`](super::IdempotencyLayerBuilder::problem_type_base).
+pub const DEFAULT_PROBLEM_TYPE_BASE: &str =
+    "https://github.com/tower-lock/tower-lock/blob/main/docs/idempotency.md";
+
+/// The longest problem type base accepted.
+const MAX_TYPE_BASE_LEN: usize = 2048;
 
 /// Why the idempotency layer answered itself.
 #[derive(Debug)]
@@ -212,7 +218,12 @@ impl IdempotencyRejection {
     /// `status` and `detail`, and `Retry-After` where [`retry_after`](Self::retry_after)
     /// gives one. A scope extractor's own rejection (an axum extractor's response) is
     /// answered as it is.
-    pub fn into_problem(mut self) -> Response<RejectionBody> {
+    pub fn into_problem(self) -> Response<RejectionBody> {
+        self.problem(DEFAULT_PROBLEM_TYPE_BASE)
+    }
+
+    /// [`into_problem`](Self::into_problem) with `type` links under `base`.
+    fn problem(mut self, base: &str) -> Response<RejectionBody> {
         if let IdempotencyRejection::Scope(e) = &mut self
             && let Some(response) = e.take_response()
         {
@@ -220,8 +231,8 @@ impl IdempotencyRejection {
         }
         let status = self.status();
         let body = format!(
-            "{{\"type\":\"{TYPE_BASE}{}\",\"title\":{},\"status\":{},\"detail\":{}}}",
-            self.problem_type(),
+            "{{\"type\":{},\"title\":{},\"status\":{},\"detail\":{}}}",
+            json_string(&format!("{base}{}", self.problem_type())),
             json_string(self.title()),
             status.as_u16(),
             json_string(&self.detail()),
@@ -277,13 +288,53 @@ where
     }
 }
 
-/// The default handler: [`IdempotencyRejection::into_problem`].
-#[derive(Clone, Copy, Debug, Default)]
-pub struct ProblemJson;
+/// The default handler: [`IdempotencyRejection::into_problem`], with `type` links under
+/// [`DEFAULT_PROBLEM_TYPE_BASE`] or a base of your own
+/// ([`with_type_base`](Self::with_type_base)).
+#[derive(Clone, Debug)]
+pub struct ProblemJson {
+    base: std::sync::Arc<str>,
+}
+
+impl Default for ProblemJson {
+    fn default() -> Self {
+        ProblemJson {
+            base: DEFAULT_PROBLEM_TYPE_BASE.into(),
+        }
+    }
+}
+
+impl ProblemJson {
+    /// Problems whose `type` is `base` followed by `#` and the problem's name.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::InvalidSetting`] (`problem_type_base`) when `base` is empty,
+    /// longer than 2,048 bytes, or holds whitespace, a control character, `"` or `#`.
+    pub fn with_type_base(base: impl Into<String>) -> Result<Self, ConfigError> {
+        let base = base.into();
+        let bad = |why: &str| {
+            Err(ConfigError::invalid_setting(
+                "problem_type_base",
+                format!("{why} (got {} bytes)", base.len()),
+            ))
+        };
+        if base.is_empty() || base.len() > MAX_TYPE_BASE_LEN {
+            return bad("must be 1..=2048 bytes");
+        }
+        if base
+            .chars()
+            .any(|c| c.is_whitespace() || c.is_control() || c == '"' || c == '#')
+        {
+            return bad("must be a URI without whitespace, control characters, `\"` or `#`");
+        }
+        Ok(ProblemJson { base: base.into() })
+    }
+}
 
 impl OnIdempotencyRejection for ProblemJson {
     fn on_rejection(&self, rejection: IdempotencyRejection) -> Response<RejectionBody> {
-        rejection.into_problem()
+        rejection.problem(&self.base)
     }
 }
 

@@ -19,7 +19,7 @@ use tracing::Instrument;
 
 use super::body::IdempotencyBody;
 use super::key::{self, BadKey};
-use super::layer::{Config, NEVER_STORED, Shared};
+use super::layer::{Config, NEVER_STORED, Replay, Shared};
 use super::record::{Fingerprint, Record};
 use super::rejection::IdempotencyRejection;
 use crate::StoreErrorKind;
@@ -399,16 +399,25 @@ impl<K> Covered<'_, K> {
         if record.fingerprint != self.fingerprint {
             return self.reject(IdempotencyRejection::Mismatch);
         }
-        let mut response = Response::new(IdempotencyBody::whole(record.body));
+        let mut response = Response::new(IdempotencyBody::whole(record.body.clone()));
         *response.status_mut() = record.status;
         let headers = response.headers_mut();
-        for (name, value) in record.headers {
+        for (name, value) in record.headers.iter().cloned() {
             headers.append(name, value);
         }
         headers.insert(
             self.shared.config.replay_header.clone(),
             HeaderValue::from_static("true"),
         );
+        if let Some(hook) = &self.shared.config.on_replay {
+            let (mut head, body) = response.into_parts();
+            let replay = Replay {
+                stored_at: record.stored_at,
+                expires_at: record.stored_at + self.shared.config.ttl,
+            };
+            hook(&mut head, &replay);
+            response = Response::from_parts(head, body);
+        }
         self.shared.outcome(Some(&self.key), LayerOutcome::Replayed);
         response
     }

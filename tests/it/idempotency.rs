@@ -730,7 +730,7 @@ async fn a_lock_layers_busy_answer_is_never_stored_and_its_retry_runs(store: &im
             .busy_status(busy_status)
             .build()
             .unwrap();
-        let idempotency = IdempotencyLayer::new(client, scope()).unwrap();
+        let idempotency = IdempotencyLayer::new(client, scope());
         let orders = Arc::new(Orders::default());
         let route = if lock_outside {
             post(order).route_layer(idempotency).route_layer(per_user)
@@ -975,6 +975,74 @@ async fn open(
         .into_parts()
 }
 
+/// Issue 46, finding 4: Stripe's behaviour in one line. With `store_if(stripe)` a 5xx
+/// is stored and replayed (the handler runs once), while "not now" answers (503, 429)
+/// are still never stored. With the default a 5xx is not (see
+/// `a_5xx_stores_nothing_and_a_4xx_is_replayed`).
+async fn the_stripe_preset_replays_a_5xx_but_never_a_not_now(store: &impl Store) {
+    let layer = builder(store.client().await)
+        .store_if(tower_lock::idempotency::stripe)
+        .build()
+        .unwrap();
+    let app = app(layer).await;
+    for proto in PROTOS {
+        let key = format!("fail-{proto:?}");
+        let req = post_as("alice", &key).with("x-behave", "fail");
+        let first = send(app.addr(), proto, &req).await;
+        assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR);
+        let second = send(app.addr(), proto, &req).await;
+        assert!(second.replayed(), "{second:?}");
+        assert_eq!(second.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(second.body, first.body);
+    }
+    assert_eq!(app.runs(), 2);
+    for status in ["503", "429"] {
+        let key = format!("not-now-{status}");
+        let req = post_as("alice", &key).with("x-status", status);
+        for _ in 0..2 {
+            let got = send(app.addr(), Proto::Http1, &req).await;
+            assert_eq!(got.status.as_str(), status);
+            assert!(!got.replayed());
+        }
+    }
+    assert_eq!(app.runs(), 6, "a \"not now\" was stored");
+}
+
+/// A replay runs the `on_replay` hook, told when the response was stored and when it
+/// expires; a first answer does not. The problem `type` links follow
+/// `problem_type_base`.
+async fn a_replay_runs_the_response_hook_and_problems_link_where_told(store: &impl Store) {
+    let ttl = Duration::from_secs(600);
+    let layer = builder(store.client().await)
+        .ttl(ttl)
+        .problem_type_base("https://api.example.com/problems")
+        .on_replay(|head, replay| {
+            let kept = replay.expires_at.duration_since(replay.stored_at).unwrap();
+            let left = replay
+                .expires_at
+                .duration_since(std::time::SystemTime::now())
+                .unwrap();
+            head.headers.insert("x-kept", kept.as_secs().into());
+            head.headers.insert("x-expires-in", left.as_secs().into());
+        })
+        .build()
+        .unwrap();
+    let app = app(layer).await;
+    let req = post_as("alice", "hooked");
+    let first = send(app.addr(), Proto::Http2, &req).await;
+    assert_eq!(first.header("x-kept"), None);
+    let second = send(app.addr(), Proto::Http1, &req).await;
+    assert!(second.replayed());
+    assert_eq!(second.header("x-kept"), Some("600"));
+    let left: u64 = second.header("x-expires-in").unwrap().parse().unwrap();
+    assert!((590..=600).contains(&left), "{left}");
+    let mismatch = send(app.addr(), Proto::Http1, &req.clone_req().body("other")).await;
+    assert_eq!(mismatch.status, StatusCode::UNPROCESSABLE_ENTITY);
+    let json: serde_json::Value = serde_json::from_slice(&mismatch.body).unwrap();
+    assert_eq!(json["type"], "https://api.example.com/problems#mismatch");
+    assert_eq!(mismatch.header("x-kept"), None);
+}
+
 /// A client that goes away mid-handler cancels it: nothing is stored, the lock is free
 /// at once (no lease to wait out), and the retry runs.
 async fn a_cancelled_request_stores_nothing_and_its_retry_runs(store: &impl Store) {
@@ -1174,9 +1242,33 @@ async fn a_store_without_replays_is_refused_at_build() {
         MemoryBackend::new(),
     ])
     .unwrap();
-    let err = IdempotencyLayer::new(LockClient::new(redlock), scope()).unwrap_err();
+    let client = LockClient::new(redlock);
+    let err = IdempotencyLayer::builder(client.clone(), scope())
+        .build()
+        .unwrap_err();
     assert!(
         matches!(err, tower_lock::ConfigError::Unsupported { .. }),
+        "{err}"
+    );
+    // `new` cannot fail, as `LockLayer::new` cannot: the layer answers 500, and runs
+    // nothing, where `build` refused.
+    let app = app(IdempotencyLayer::new(client, scope())).await;
+    let got = send(app.addr(), Proto::Http1, &post_as("alice", "k")).await;
+    assert_eq!(got.status, StatusCode::INTERNAL_SERVER_ERROR, "{got:?}");
+    got.problem();
+    assert_eq!(app.runs(), 0);
+    let err = builder(LockClient::new(MemoryBackend::new()))
+        .problem_type_base("https://example.com/a b")
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            tower_lock::ConfigError::InvalidSetting {
+                name: "problem_type_base",
+                ..
+            }
+        ),
         "{err}"
     );
     let err = builder(LockClient::new(MemoryBackend::new()))
@@ -1477,6 +1569,8 @@ macro_rules! idempotency_tests {
             a_lock_layers_busy_answer_is_never_stored_and_its_retry_runs,
             transient_statuses_are_never_stored_whatever_store_if_says,
             a_5xx_stores_nothing_and_a_4xx_is_replayed,
+            the_stripe_preset_replays_a_5xx_but_never_a_not_now,
+            a_replay_runs_the_response_hook_and_problems_link_where_told,
             a_streamed_response_that_fits_is_stored_and_replayed,
             a_response_too_large_passes_through_whole_unstored,
             a_slow_stream_is_passed_on_as_it_comes_and_not_stored,
