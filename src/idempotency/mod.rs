@@ -87,6 +87,7 @@
 mod body;
 mod key;
 mod layer;
+mod once;
 mod record;
 mod rejection;
 mod service;
@@ -99,6 +100,9 @@ pub use layer::{
     IDEMPOTENT_REPLAYED, IdempotencyLayer, IdempotencyLayerBuilder, MAX_TTL, NEVER_STORED, Replay,
     below_500, stripe,
 };
+#[cfg(feature = "serde")]
+pub use once::Json;
+pub use once::{DEFAULT_MAX_RESULT, DEFAULT_RESULT_TTL, Done, Idempotent, IdempotentError, Stored};
 pub use record::Fingerprint;
 pub use rejection::{
     DEFAULT_PROBLEM_TYPE_BASE, IdempotencyRejection, OnIdempotencyRejection, ProblemJson,

@@ -395,7 +395,7 @@ impl Outcomes {
 // ---------------------------------------------------------------------------------------
 
 /// A store every client of a test shares, as replicas share theirs.
-trait Store: Send + Sync {
+pub(crate) trait Store: Send + Sync {
     /// A client of the store, as a replica would have (its own backend where the store
     /// has connections).
     async fn client(&self) -> LockClient;
@@ -409,7 +409,7 @@ fn replica(backend: impl tower_lock::backend::LockBackend) -> LockClient {
         .unwrap()
 }
 
-struct Memory(MemoryBackend);
+pub(crate) struct Memory(MemoryBackend);
 
 impl Store for Memory {
     async fn client(&self) -> LockClient {
@@ -417,13 +417,13 @@ impl Store for Memory {
     }
 }
 
-async fn memory() -> Memory {
+pub(crate) async fn memory() -> Memory {
     Memory(MemoryBackend::new())
 }
 
 /// A redis-server of the test's own; each client its own connections.
 #[cfg(feature = "redis")]
-struct Redis(common::redis_server::RedisServer);
+pub(crate) struct Redis(common::redis_server::RedisServer);
 
 #[cfg(feature = "redis")]
 impl Store for Redis {
@@ -437,13 +437,13 @@ impl Store for Redis {
 }
 
 #[cfg(feature = "redis")]
-async fn redis() -> Redis {
+pub(crate) async fn redis() -> Redis {
     Redis(common::redis_server::RedisServer::start().await)
 }
 
 /// A database of the test's own; each client its own pool.
 #[cfg(feature = "postgres")]
-struct Postgres(common::postgres::PgDatabase);
+pub(crate) struct Postgres(common::postgres::PgDatabase);
 
 #[cfg(feature = "postgres")]
 impl Store for Postgres {
@@ -457,7 +457,7 @@ impl Store for Postgres {
 }
 
 #[cfg(feature = "postgres")]
-async fn postgres() -> Postgres {
+pub(crate) async fn postgres() -> Postgres {
     Postgres(common::postgres::PgDatabase::create().await)
 }
 
