@@ -303,18 +303,6 @@ fn user_scope(parts: &Parts) -> Option<LockKey> {
     LockKey::namespaced("user", &user.to_string()).ok()
 }
 
-/// Which answers are an order's outcome, stored and replayed to its key's retries:
-/// all but a 5xx (the lock or the store failed) and the order lock's `429 busy` (the
-/// user's other order held the lock: not an answer to this one, so its retry runs).
-///
-/// A `409 stale_token` (a newer holder took the user's lock over) is stored only if
-/// this request's idempotency lock outlived that takeover: the layer stores nothing for
-/// a request whose own lock was lost, and a pause or an outage long enough to lose the
-/// user's lock loses the idempotency lock, renewed by the same watchdog, too.
-fn final_answer(status: StatusCode) -> bool {
-    status != StatusCode::TOO_MANY_REQUESTS && !status.is_server_error()
-}
-
 /// The layer's rejections in the app's one JSON error shape, with their status and
 /// `Retry-After`.
 fn json_rejection(rejection: Rejection) -> Response {
@@ -387,12 +375,15 @@ pub fn app(
     //   idempotency key's, so two requests never wait for each other in a cycle.
     // - The handler still fences with the order lock's token: the inner `LockLayer`
     //   puts its `HeldLock` over the idempotency layer's.
-    // The price of outside: the order lock's own answers reach the idempotency layer as
-    // the handler's would, so `final_answer` keeps its `429 busy` from being stored.
+    // The order lock's own answers reach the idempotency layer as the handler's would;
+    // its `429 busy` (and its 503s) are marked transient, and never stored. A `409
+    // stale_token` (a newer holder took the user's lock over) is stored only if this
+    // request's idempotency lock outlived that takeover: a pause or an outage long
+    // enough to lose the user's lock loses the idempotency lock, renewed by the same
+    // watchdog, too, and nothing is stored for a request whose own lock was lost.
     let replays = IdempotencyLayer::builder(client, user_scope)
         .name("order-replays")
         .max_wait(settings.wait_first)
-        .store_if(final_answer)
         .on_rejection(json_replay_rejection)
         .build()?;
     order = order.route_layer(replays);
