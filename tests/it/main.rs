@@ -32,6 +32,7 @@ mod http;
 mod http_contract;
 #[cfg(feature = "axum")]
 mod idempotency;
+#[cfg(feature = "axum")]
 mod idempotent_runs;
 mod kinds_memory;
 #[cfg(feature = "postgres")]

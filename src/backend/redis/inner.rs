@@ -24,9 +24,10 @@ use crate::key::LockKey;
 /// Which server a clock sample is of: the one server, or on a cluster the master
 /// serving a slot.
 #[cfg(feature = "cluster")]
-type Node = Option<redis::cluster_routing::Slot>;
+pub(super) type Node = Option<redis::cluster_routing::Slot>;
 #[cfg(not(feature = "cluster"))]
-type Node = ();
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub(super) struct Node;
 
 pub(super) struct Inner {
     pub(super) conn: Conn,
@@ -258,7 +259,11 @@ impl Inner {
         match &self.conn {
             Conn::Single(_) => {
                 let _ = key;
-                Node::default()
+                #[cfg(feature = "cluster")]
+                let node = None;
+                #[cfg(not(feature = "cluster"))]
+                let node = Node;
+                node
             }
             #[cfg(feature = "cluster")]
             Conn::Cluster(_) => Some(redis::cluster_routing::Slot::for_key(
