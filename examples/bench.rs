@@ -8,6 +8,9 @@
 //!     [--lease-ms L]
 //! cargo run --release --example bench -- --url postgres://root@127.0.0.1:5432/bench \
 //!     --seconds 10 --workload pg
+//! cargo run --release --example bench -- --workload w5 --backend memory --impl baseline
+//! cargo run --release --example bench -- --url redis://127.0.0.1:6379 --workload w6 \
+//!     --backend redis [--connections 64]
 //! ```
 //!
 //! The backend follows `--url`: a `postgres://` (or `postgresql://`) URL measures
@@ -48,13 +51,40 @@
 //! - `w5`: an axum hello-world with 64 keep-alive connections, each request with its own
 //!   key, with `--backend none` (no layer), `noop` (a tower layer that does nothing: what
 //!   axum costs for any route layer), `memory` or `redis`: requests/s and latency.
+//!   `--impl baseline` (with `memory` or `redis`) runs the peer an adopter writes instead
+//!   of `LockLayer`: an `axum::middleware::from_fn_with_state` that locks the request's
+//!   key, waits for it as long as `LockLayer`'s default `max_wait` (5 s) and then answers
+//!   `429 Too Many Requests` with `Retry-After: 1`, as `LockLayer` does by default, and
+//!   releases before handing the response on. In memory the lock is a per-key
+//!   `tokio::sync::Mutex` in a `std::sync::Mutex<HashMap>`, each entry removed once
+//!   nobody holds or waits for it (`"peer":"mutex-map-baseline"`); on Redis it is the
+//!   w1 baseline, `SET key owner NX PX` and the Lua compare-and-delete on one multiplexed
+//!   connection, polled every 50 ms while busy (`"peer":"redis-setnx-baseline"`).
+//! - `w6`: an `IdempotencyLayer` on `POST /orders/{id}` (a handler that reads the body
+//!   and answers `201`), `--connections` (default 64) keep-alive connections, one
+//!   caller, with `--backend memory` or `redis`, beside the same route without the layer
+//!   in the same run (`--backend none` runs only that): two cases, one line each.
+//!   `first`: every request a new `Idempotency-Key` (the handler runs and its response
+//!   is stored; the layer's record quotas are raised so that none is refused). `replay`:
+//!   1,000 keys stored by a warm-up, then requests cycling through them, each answered
+//!   from the store (an answer without `Idempotent-Replayed: true` is an error).
+//!   `round_trips_per_request`: in memory the calls that reach the store, counted
+//!   through `backend::Intercepted`; on Redis the client-issued commands from
+//!   `INFO commandstats` deltas, plus the replay reads (`HGET`, a name scripts also
+//!   call, so the commandstats count leaves it out) counted through the same intercept.
+//!   Records live 10 minutes, under a key prefix of the run's own.
 //!
 //! - `all`: the whole suite in one run, one JSON line per measurement: redis-benchmark's
 //!   ceilings for tower-lock's own acquire and release scripts (`-c 1 -P 1` and
 //!   `-c 32 -P 16`, when `redis-benchmark` is on `PATH`), w1 with 1 and 32 workers for
 //!   tower-lock, the baseline and the safe baseline, w2 for the plain and the fair
-//!   lock, w2h, w3 at 20 and 200 waiters, w4, and w5 for each layer at 64 connections
-//!   and at 1. `--chart F.svg` draws the handoff-latency distributions of w2 and w2h.
+//!   lock, w2h, w3 at 20 and 200 waiters, w4, w5 for each layer at 64 connections and
+//!   at 1 (with the peer beside `memory` and `redis`), and w6 for both cases in memory
+//!   and on Redis. The `ratios` line then has, for each, `w5x64_memory_req_per_s`
+//!   (`LockLayer` ÷ no layer), `w5x64_memory_req_per_s_vs_peer` (`LockLayer` ÷ the
+//!   peer), `w5x64_memory_peer_req_per_s` (the peer ÷ no layer), and
+//!   `w6_memory_first_req_per_s` (÷ no layer) and `w6_memory_first_round_trips_per_request`.
+//!   `--chart F.svg` draws the handoff-latency distributions of w2 and w2h.
 //! - `pg`: the PostgreSQL suite in one run (`--url postgres://...`): w1 with 1 and 32
 //!   workers (and again with fast grants, `--fast-grants-ms`, default 30 s), w2 and w2h
 //!   with 8 (and again with `--hand-over`), each for tower-lock and the advisory-lock
@@ -75,6 +105,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use clap::{CommandFactory, Parser, ValueEnum};
 use hdrhistogram::Histogram;
 use redis::AsyncCommands;
@@ -83,8 +114,15 @@ use serde::Serialize;
 use serde::ser::{SerializeMap, Serializer};
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 use sqlx::{Connection, Row};
-use tower_lock::backend::{BoxFuture, Intercept, Intercepted, LockBackend, LockRequest};
-use tower_lock::{Lease, LockClient, LockKey, MemoryBackend, PostgresBackend, RedisBackend};
+use tower_lock::backend::{
+    Acquire, BoxFuture, Intercept, Intercepted, LockBackend, LockRequest, Release, ReplayStore,
+    Stored, Subscription,
+};
+use tower_lock::idempotency::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+use tower_lock::{
+    FencingToken, IdempotencyLayer, Lease, LockClient, LockKey, MemoryBackend, PostgresBackend,
+    RedisBackend,
+};
 
 /// Counts heap allocations (and reallocations) of the whole process, for
 /// `allocs_per_request` in w5.
@@ -167,6 +205,7 @@ enum Workload {
     W3,
     W4,
     W5,
+    W6,
     All,
     /// The PostgreSQL suite.
     Pg,
@@ -209,7 +248,7 @@ struct Args {
     /// Concurrent workers (w1, w2).
     #[arg(long, value_name = "W", default_value_t = 8)]
     workers: usize,
-    /// How long each run lasts (w1, w2, w5).
+    /// How long each run lasts (w1, w2, w5, w6).
     #[arg(long, value_name = "S", default_value_t = 5.0)]
     seconds: f64,
     /// What to measure.
@@ -218,7 +257,7 @@ struct Args {
     /// w2: after releasing, sit out until another worker has acquired.
     #[arg(long)]
     handoff: bool,
-    /// Where the locks live (default: what `--url` is); `none` (w5 only) runs without
+    /// Where the locks live (default: what `--url` is); `none` (w5, w6) runs without
     /// the layer, `noop` (w5 only) with a layer that does nothing.
     #[arg(long = "backend", value_name = "BACKEND", value_enum)]
     backend_flag: Option<BackendKind>,
@@ -229,8 +268,9 @@ struct Args {
     #[arg(long, value_enum, default_value_t = LockKind::Lock)]
     kind: LockKind,
     /// `baseline` runs the hand-rolled reference: SET NX PX (w1) on Redis, advisory
-    /// locks (w1, w2) on PostgreSQL; `safe-baseline` the Redis one with its SET refused
-    /// past a deadline (w1).
+    /// locks (w1, w2) on PostgreSQL, a middleware of its own instead of `LockLayer`
+    /// (w5, memory or Redis); `safe-baseline` the Redis one with its SET refused past a
+    /// deadline (w1).
     #[arg(long = "impl", value_name = "IMPL", value_enum, default_value_t = Impl::TowerLock)]
     implementation: Impl,
     /// A fixed lease in milliseconds (default: the watchdog).
@@ -248,7 +288,7 @@ struct Args {
     /// w4: the watchdog lease in milliseconds.
     #[arg(long = "watchdog-ms", value_name = "L", value_parser = millis, default_value = "3000")]
     watchdog: Duration,
-    /// w5: keep-alive connections.
+    /// w5, w6: keep-alive connections.
     #[arg(long, value_name = "N", default_value_t = 64)]
     connections: usize,
     /// With `--workload all`: draw the handoff-latency distributions of w2 and w2h here.
@@ -305,8 +345,21 @@ fn check(a: &Args) -> Result<(), &'static str> {
         // w2 counts overlaps: shared kinds overlap by design.
         return Err("--kind read, write and permits go with --workload w1");
     }
-    if a.implementation == Impl::Baseline && !postgres && a.workload != Workload::W1 {
-        return Err("--impl baseline exists for w1 only on Redis (w1 and w2 on PostgreSQL)");
+    let w5_peer =
+        a.workload == Workload::W5 && matches!(a.backend, BackendKind::Memory | BackendKind::Redis);
+    if a.implementation == Impl::Baseline && !postgres && a.workload != Workload::W1 && !w5_peer {
+        return Err(
+            "--impl baseline exists for w1 on Redis, w5 with --backend memory or redis \
+             (w1 and w2 on PostgreSQL)",
+        );
+    }
+    if a.workload == Workload::W6
+        && !matches!(
+            a.backend,
+            BackendKind::Memory | BackendKind::Redis | BackendKind::None
+        )
+    {
+        return Err("--workload w6 runs with --backend memory, redis or none");
     }
     if a.implementation == Impl::SafeBaseline && (postgres || a.workload != Workload::W1) {
         return Err("--impl safe-baseline exists for w1 on Redis only");
@@ -344,6 +397,7 @@ async fn main() -> ExitCode {
         Workload::W3 => w3(&args).await.and_then(|l| say(&l)),
         Workload::W4 => w4(&args).await.and_then(|l| say(&l)),
         Workload::W5 => w5(&args).await.and_then(|l| say(&l)),
+        Workload::W6 => w6(&args).await,
         Workload::All => all(&args).await,
         Workload::Pg => pg_suite(&args).await,
     };
@@ -367,6 +421,8 @@ fn say(line: &impl Serialize) -> Result<(), String> {
 fn peer(args: &Args) -> &'static str {
     match (args.implementation, args.kind) {
         (Impl::Baseline, _) if is_postgres(&args.url) => "pg-advisory-baseline",
+        // w5's peer in memory.
+        (Impl::Baseline, _) if args.backend == BackendKind::Memory => "mutex-map-baseline",
         (Impl::Baseline, _) => "redis-setnx-baseline",
         (Impl::SafeBaseline, _) => "redis-setnx-deadline-baseline",
         (Impl::TowerLock, LockKind::Fair) => "tower-lock-fair",
@@ -1244,9 +1300,15 @@ impl Locker {
 }
 
 /// Commands as `INFO commandstats` counts them: `(client-issued, all)`. Commands our
-/// scripts call internally are counted by Redis too; "client-issued" leaves them out.
+/// scripts call internally are counted by Redis too; "client-issued" leaves them out,
+/// by name: every command a script in `lua/` calls, so a client-issued command of the
+/// same name (the replay read's `HGET`) is left out too.
 async fn command_counts(conn: &mut MultiplexedConnection) -> Result<(u64, u64), String> {
     const INSIDE_SCRIPTS: &[&str] = &[
+        "decr",
+        "hgetall",
+        "type",
+        "zrangebyscore",
         "exists",
         "hexists",
         "hincrby",
@@ -1548,41 +1610,145 @@ struct W5Line {
 }
 
 async fn w5(args: &Args) -> Result<W5Line, String> {
-    use axum::Router;
+    let (addr, server) = serve(w5_app(args).await?).await?;
+    let deadline = Instant::now() + Duration::from_secs_f64(args.seconds);
+    let allocations_before = ALLOCATIONS.load(Ordering::Relaxed);
+    let started = Instant::now();
+    let driven = drive(
+        addr,
+        args.connections,
+        deadline,
+        |id| {
+            http::Request::get(format!("/hello/{id}"))
+                .header(http::header::HOST, "bench")
+                .body(http_body_util::Empty::<bytes::Bytes>::new())
+                .ok()
+        },
+        |head| head.status.is_success(),
+    )
+    .await;
+    let elapsed = started.elapsed().as_secs_f64();
+    let allocations = ALLOCATIONS.load(Ordering::Relaxed) - allocations_before;
+    server.abort();
+    let Driven { samples, errors } = driven?;
+    let requests = samples.len();
+    // Client and server share the process: the layer's own allocations are the
+    // difference from the `none` run (`all` prints it as `layer_allocs_per_request`).
+    let allocs_per_request = if requests > 0 {
+        (allocations as f64 / requests as f64 * 10.0).round() / 10.0
+    } else {
+        0.0
+    };
+    Ok(W5Line {
+        peer: peer(args),
+        lang: "rust",
+        workload: "w5",
+        layer: args.backend.name(),
+        connections: args.connections,
+        elapsed_s: (elapsed * 1000.0).round() / 1000.0,
+        requests,
+        req_per_s: (requests as f64 / elapsed).round(),
+        p50_us: pct(&samples, 50.0),
+        p99_us: pct(&samples, 99.0),
+        allocs_per_request,
+        errors,
+    })
+}
+
+/// w5's route, under the layer `--backend` and `--impl` name.
+async fn w5_app(args: &Args) -> Result<axum::Router, String> {
+    use axum::middleware::from_fn_with_state;
     use axum::routing::get;
     use tower_lock::layer::LockLayer;
 
-    let mut app = Router::new().route("/hello/{id}", get(|| async { "hello" }));
-    let layered = args.backend != BackendKind::None;
-    if args.backend == BackendKind::Noop {
-        app = app.layer(tower::layer::util::Identity::new());
-    } else if layered {
-        let client = client(args).await?;
-        let layer = LockLayer::builder(
-            client,
-            tower_lock::layer::key_fn(|parts| {
-                // Every request has its own key: the cost of the layer, not of contention.
-                LockKey::namespaced("bench:w5", parts.uri.path())
-            }),
-        )
-        .build()
-        .map_err(|e| e.to_string())?;
-        app = app.layer(layer);
-    }
+    let app = axum::Router::new().route("/hello/{id}", get(|| async { "hello" }));
+    Ok(match (args.backend, args.implementation) {
+        (BackendKind::None, _) => app,
+        (BackendKind::Noop, _) => app.layer(tower::layer::util::Identity::new()),
+        (BackendKind::Memory, Impl::Baseline) => {
+            app.layer(from_fn_with_state(MutexMap::default(), mutex_map_peer))
+        }
+        (BackendKind::Redis, Impl::Baseline) => {
+            let peer = RedisPeer {
+                conn: redis_conn(&args.url).await?,
+                unlock: Arc::new(redis::Script::new(include_str!(
+                    "../lua/bench_baseline_unlock.lua"
+                ))),
+            };
+            app.layer(from_fn_with_state(peer, redis_setnx_peer))
+        }
+        _ => {
+            let layer = LockLayer::builder(
+                client(args).await?,
+                tower_lock::layer::key_fn(|parts| {
+                    // Every request has its own key: the cost of the layer, not of
+                    // contention.
+                    LockKey::namespaced("bench:w5", parts.uri.path())
+                }),
+            )
+            .build()
+            .map_err(|e| e.to_string())?;
+            app.layer(layer)
+        }
+    })
+}
+
+/// Serves `app` on a port of its own on loopback: the address, and the task to abort
+/// when the run is over.
+async fn serve(
+    app: axum::Router,
+) -> Result<
+    (
+        std::net::SocketAddr,
+        tokio::task::JoinHandle<std::io::Result<()>>,
+    ),
+    String,
+> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .map_err(|e| e.to_string())?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
-    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    Ok((
+        addr,
+        tokio::spawn(async move { axum::serve(listener, app).await }),
+    ))
+}
 
-    let deadline = Instant::now() + Duration::from_secs_f64(args.seconds);
-    let allocations_before = ALLOCATIONS.load(Ordering::Relaxed);
+/// What [`drive`] measured.
+struct Driven {
+    /// The latencies of the requests whose answers were accepted.
+    samples: Latencies,
+    /// Connections that failed, requests that could not be sent, and answers refused
+    /// or cut off.
+    errors: u64,
+}
+
+/// Sends requests to `addr` on `connections` keep-alive HTTP/1 connections, one at a
+/// time on each, until `deadline` or until `request` has none for the next number
+/// (numbers count from 0 across the connections). A request is timed from its sending
+/// to the end of its answer's body, and counted only if `accept` takes the answer's
+/// head.
+async fn drive<B, R, A>(
+    addr: std::net::SocketAddr,
+    connections: usize,
+    deadline: Instant,
+    request: R,
+    accept: A,
+) -> Result<Driven, String>
+where
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    R: Fn(u64) -> Option<http::Request<B>> + Clone + Send + 'static,
+    A: Fn(&http::response::Parts) -> bool + Clone + Send + 'static,
+{
+    use http_body_util::BodyExt;
+
     let next_id = Arc::new(AtomicU64::new(0));
     let errors = Arc::new(AtomicU64::new(0));
-    let started = Instant::now();
     let mut tasks = Vec::new();
-    for _ in 0..args.connections {
+    for _ in 0..connections {
         let (next_id, errors) = (next_id.clone(), errors.clone());
+        let (request, accept) = (request.clone(), accept.clone());
         let mut samples = latencies()?;
         tasks.push(tokio::spawn(async move {
             let Ok(stream) = tokio::net::TcpStream::connect(addr).await else {
@@ -1597,52 +1763,605 @@ async fn w5(args: &Args) -> Result<W5Line, String> {
             };
             tokio::spawn(conn);
             while Instant::now() < deadline {
-                let id = next_id.fetch_add(1, Ordering::Relaxed);
-                let req = http::Request::get(format!("/hello/{id}"))
-                    .header(http::header::HOST, "bench")
-                    .body(http_body_util::Empty::<bytes::Bytes>::new());
-                let Ok(req) = req else { break };
+                let Some(req) = request(next_id.fetch_add(1, Ordering::Relaxed)) else {
+                    break;
+                };
                 let t0 = Instant::now();
-                match sender.send_request(req).await {
-                    Ok(resp) if resp.status().is_success() => {
-                        use http_body_util::BodyExt;
-                        let _ = resp.into_body().collect().await;
-                        samples.saturating_record(micros(t0.elapsed()));
+                let answered = match sender.send_request(req).await {
+                    Ok(resp) => {
+                        let (head, body) = resp.into_parts();
+                        let read = body.collect().await.is_ok();
+                        read && accept(&head)
                     }
-                    _ => {
-                        errors.fetch_add(1, Ordering::Relaxed);
-                    }
+                    Err(_) => false,
+                };
+                if answered {
+                    samples.saturating_record(micros(t0.elapsed()));
+                } else {
+                    errors.fetch_add(1, Ordering::Relaxed);
                 }
             }
             samples
         }));
     }
     let samples = join_samples(tasks).await?;
-    let elapsed = started.elapsed().as_secs_f64();
-    let allocations = ALLOCATIONS.load(Ordering::Relaxed) - allocations_before;
-    server.abort();
-    let requests = samples.len();
-    // Client and server share the process: the layer's own allocations are the
-    // difference from the `none` run (`all` prints it as `layer_allocs_per_request`).
-    let allocs_per_request = if requests > 0 {
-        (allocations as f64 / requests as f64 * 10.0).round() / 10.0
-    } else {
-        0.0
-    };
-    Ok(W5Line {
-        peer: peer(args),
-        lang: "rust",
-        workload: "w5",
-        layer: if layered { args.backend.name() } else { "none" },
-        connections: args.connections,
-        elapsed_s: (elapsed * 1000.0).round() / 1000.0,
-        requests,
-        req_per_s: (requests as f64 / elapsed).round(),
-        p50_us: pct(&samples, 50.0),
-        p99_us: pct(&samples, 99.0),
-        allocs_per_request,
+    Ok(Driven {
+        samples,
         errors: errors.load(Ordering::Relaxed),
     })
+}
+
+/// The answer of w5's peers when the key stays busy for the whole wait, as `LockLayer`
+/// answers by default (`DEFAULT_BUSY_STATUS`, `DEFAULT_BUSY_RETRY_AFTER`), or `503`
+/// when the store cannot answer, as `LockLayer` fails closed.
+fn peer_refusal(status: http::StatusCode) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    (status, [(http::header::RETRY_AFTER, "1")]).into_response()
+}
+
+/// w5's in-memory peer: the per-key mutexes an adopter keeps instead of `LockLayer`,
+/// one `tokio::sync::Mutex` per key in a map behind a `std::sync::Mutex`.
+#[derive(Clone, Default)]
+struct MutexMap {
+    locks: Arc<std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>>,
+}
+
+impl MutexMap {
+    fn table(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<tokio::sync::Mutex<()>>>> {
+        // Nothing panics while holding it; if something did, the map is still whole.
+        self.locks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The mutex of `key`, made if nobody has it.
+    fn enter(&self, key: String) -> MapEntry {
+        let mutex = self.table().entry(key.clone()).or_default().clone();
+        MapEntry {
+            map: self.clone(),
+            key,
+            mutex,
+        }
+    }
+}
+
+/// A request's use of a key's mutex in a [`MutexMap`]. Dropped, it removes the key
+/// from the map when nobody else holds or waits for it: every w5 request has a key of
+/// its own, and a map that kept them would grow without bound.
+struct MapEntry {
+    map: MutexMap,
+    key: String,
+    mutex: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl Drop for MapEntry {
+    fn drop(&mut self) {
+        let mut table = self.map.table();
+        // The map's reference and this one: no other request holds or waits for the
+        // key, and none can take another reference while the map is locked here.
+        if Arc::strong_count(&self.mutex) == 2 {
+            table.remove(&self.key);
+        }
+    }
+}
+
+/// w5's in-memory peer as an axum middleware: waits for the request's key as long as
+/// `LockLayer` does by default, runs the handler holding it, releases it before the
+/// response is handed on.
+async fn mutex_map_peer(
+    axum::extract::State(map): axum::extract::State<MutexMap>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let entry = map.enter(format!("bench:w5:{}", req.uri().path()));
+    let wait = tower_lock::layer::DEFAULT_WAIT;
+    let Ok(_held) = tokio::time::timeout(wait, entry.mutex.lock()).await else {
+        return peer_refusal(tower_lock::layer::DEFAULT_BUSY_STATUS);
+    };
+    // Declared after `entry`, `_held` is dropped first: the mutex is released, then
+    // the entry leaves the map.
+    next.run(req).await
+}
+
+/// w5's Redis peer: the w1 baseline's `SET NX PX` and compare-and-delete, on one
+/// multiplexed connection.
+#[derive(Clone)]
+struct RedisPeer {
+    conn: MultiplexedConnection,
+    unlock: Arc<redis::Script>,
+}
+
+/// How often w5's Redis peer tries a busy key again: what a hand-rolled lock without
+/// pub/sub does.
+const PEER_POLL: Duration = Duration::from_millis(50);
+
+/// w5's Redis peer as an axum middleware: `SET key owner NX PX` with a random owner and
+/// `LockLayer`'s default request lease (10 s, not renewed), tried again every
+/// [`PEER_POLL`] for as long as `LockLayer` waits by default, the handler run holding
+/// the key, then the compare-and-delete awaited before the response is handed on (as
+/// `LockLayer` releases with the response). A request dropped while holding the key
+/// leaves it to its lease.
+async fn redis_setnx_peer(
+    axum::extract::State(peer): axum::extract::State<RedisPeer>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let key = format!("bench:w5peer:{}", req.uri().path());
+    let owner = uuid::Uuid::new_v4().to_string();
+    let lease_ms = tower_lock::layer::DEFAULT_REQUEST_LEASE.as_millis() as u64;
+    let give_up = Instant::now() + tower_lock::layer::DEFAULT_WAIT;
+    let mut conn = peer.conn.clone();
+    loop {
+        let set: redis::RedisResult<Option<String>> = redis::cmd("SET")
+            .arg(&key)
+            .arg(&owner)
+            .arg("NX")
+            .arg("PX")
+            .arg(lease_ms)
+            .query_async(&mut conn)
+            .await;
+        match set {
+            Ok(Some(_)) => break,
+            Ok(None) if Instant::now() + PEER_POLL < give_up => {
+                tokio::time::sleep(PEER_POLL).await;
+            }
+            Ok(None) => return peer_refusal(tower_lock::layer::DEFAULT_BUSY_STATUS),
+            Err(_) => return peer_refusal(http::StatusCode::SERVICE_UNAVAILABLE),
+        }
+    }
+    let response = next.run(req).await;
+    let _: redis::RedisResult<i64> = peer
+        .unlock
+        .key(&key)
+        .arg(&owner)
+        .invoke_async(&mut conn)
+        .await;
+    response
+}
+
+/// w6's two cases.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum W6Case {
+    /// Every request with a new key: the handler runs and its response is stored.
+    First,
+    /// Requests cycling through keys stored beforehand: each answered from the store.
+    Replay,
+}
+
+impl W6Case {
+    const ALL: [W6Case; 2] = [W6Case::First, W6Case::Replay];
+
+    /// The name the JSON lines carry.
+    fn name(self) -> &'static str {
+        match self {
+            W6Case::First => "first",
+            W6Case::Replay => "replay",
+        }
+    }
+}
+
+/// w6: the keys a replay run cycles through, each stored by one request of its warm-up.
+const W6_REPLAY_KEYS: u64 = 1_000;
+
+/// w6: requests with keys of their own sent before a `first` run is measured, so that
+/// the run does not pay for loading the store's scripts.
+const W6_WARMUP: u64 = 100;
+
+/// w6: the layer's record quotas, per caller and in total. The defaults (1,000 per
+/// caller, 100,000 in all) would refuse most of a `first` run from its one caller.
+const W6_MAX_RECORDS: u32 = 50_000_000;
+
+/// w6: how long stored responses (and their places in the quotas) live: long past any
+/// run, short enough that a run on a shared Redis leaves nothing for a day. What a
+/// request costs does not depend on it.
+const W6_TTL: Duration = Duration::from_secs(10 * 60);
+
+/// w6: the body of every request.
+const W6_BODY: &str = r#"{"sku":"bench","quantity":1}"#;
+
+/// A w6 line.
+#[derive(Serialize)]
+struct W6Line {
+    peer: &'static str,
+    lang: &'static str,
+    workload: &'static str,
+    /// The layer's backend, or `none` without the layer.
+    layer: &'static str,
+    /// `first` or `replay`.
+    case: &'static str,
+    connections: usize,
+    requests: u64,
+    req_per_s: f64,
+    p50_us: u64,
+    p99_us: u64,
+    /// Calls into the store (memory) or commands sent to it (Redis) per request; 0
+    /// without the layer.
+    round_trips_per_request: Option<f64>,
+    /// req/s against the no-layer run of the same case in the same run (1 on that line
+    /// itself).
+    ratio_to_no_layer: Option<f64>,
+    /// Failed requests and answers not as the case expects (`201`, replayed or not).
+    errors: u64,
+}
+
+/// w6: each case without the layer, then with it unless `--backend none`; one line
+/// each.
+async fn w6(args: &Args) -> Result<(), String> {
+    let mut none_args = args.clone();
+    none_args.backend = BackendKind::None;
+    for case in W6Case::ALL {
+        let none = w6_run(&none_args, case).await?;
+        say(&none)?;
+        if args.backend != BackendKind::None {
+            let mut line = w6_run(args, case).await?;
+            line.ratio_to_no_layer = ratio(Some(line.req_per_s), Some(none.req_per_s));
+            say(&line)?;
+        }
+    }
+    Ok(())
+}
+
+/// Counts the calls that reach a store (w6): every acquisition, renewal, release,
+/// abandonment, subscription and cancelled wait, by both routes, and the records'
+/// reads and writes. The replay reads are also counted on their own.
+struct StoreCalls<B> {
+    /// The store wrapped, again: [`Intercept::replays`] must hand out a [`ReplayStore`]
+    /// that outlives the call, so the intercept keeps a handle of its own (a clone of
+    /// the same store).
+    store: B,
+    calls: AtomicU64,
+    loads: AtomicU64,
+}
+
+impl<B> StoreCalls<B> {
+    fn new(store: B) -> Self {
+        StoreCalls {
+            store,
+            calls: AtomicU64::new(0),
+            loads: AtomicU64::new(0),
+        }
+    }
+
+    fn count(&self) {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl<B: LockBackend> Intercept<B> for StoreCalls<B> {
+    fn acquire<'a>(
+        &'a self,
+        inner: &'a B,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, tower_lock::Result<Acquire>> {
+        self.count();
+        inner.acquire(req)
+    }
+
+    fn acquire_now(&self, inner: &B, req: &LockRequest) -> Option<tower_lock::Result<Acquire>> {
+        let answer = inner.local()?.acquire_now(req)?;
+        self.count();
+        Some(answer)
+    }
+
+    fn renew<'a>(
+        &'a self,
+        inner: &'a B,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, tower_lock::Result<bool>> {
+        self.count();
+        inner.renew(req)
+    }
+
+    fn renew_many<'a>(
+        &'a self,
+        inner: &'a B,
+        reqs: &'a [LockRequest],
+    ) -> BoxFuture<'a, Vec<tower_lock::Result<bool>>> {
+        self.count();
+        inner.renew_many(reqs)
+    }
+
+    fn release<'a>(
+        &'a self,
+        inner: &'a B,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, tower_lock::Result<Release>> {
+        self.count();
+        inner.release(req)
+    }
+
+    fn release_now(&self, inner: &B, req: &LockRequest) -> Option<tower_lock::Result<Release>> {
+        let answer = inner.local()?.release_now(req)?;
+        self.count();
+        Some(answer)
+    }
+
+    fn abandon<'a>(
+        &'a self,
+        inner: &'a B,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, tower_lock::Result<()>> {
+        self.count();
+        inner.abandon(req)
+    }
+
+    fn subscribe<'a>(
+        &'a self,
+        inner: &'a B,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, tower_lock::Result<Box<dyn Subscription>>> {
+        self.count();
+        inner.subscribe(req)
+    }
+
+    fn cancel_wait<'a>(
+        &'a self,
+        inner: &'a B,
+        req: &'a LockRequest,
+    ) -> BoxFuture<'a, tower_lock::Result<()>> {
+        self.count();
+        inner.cancel_wait(req)
+    }
+
+    fn replays<'a>(&'a self, inner: &'a B) -> Option<&'a dyn ReplayStore> {
+        inner.replays()?;
+        Some(self)
+    }
+}
+
+/// Offered exactly when the store keeps records (see [`StoreCalls::store`]).
+impl<B: LockBackend> ReplayStore for StoreCalls<B> {
+    fn load<'a>(&'a self, key: &'a LockKey) -> BoxFuture<'a, tower_lock::Result<Option<Bytes>>> {
+        self.count();
+        self.loads.fetch_add(1, Ordering::Relaxed);
+        match self.store.replays() {
+            Some(records) => records.load(key),
+            None => Box::pin(std::future::ready(Err(no_records()))),
+        }
+    }
+
+    fn store_and_release<'a>(
+        &'a self,
+        req: &'a LockRequest,
+        token: FencingToken,
+        record: Bytes,
+        ttl: Duration,
+    ) -> BoxFuture<'a, tower_lock::Result<Stored>> {
+        self.count();
+        match self.store.replays() {
+            Some(records) => records.store_and_release(req, token, record, ttl),
+            None => Box::pin(std::future::ready(Err(no_records()))),
+        }
+    }
+}
+
+/// What [`StoreCalls`] answers if asked for records the store does not keep (it is
+/// not: it offers them only when the store does).
+fn no_records() -> tower_lock::Error {
+    tower_lock::StoreError::msg(
+        tower_lock::StoreErrorKind::Misconfigured,
+        "the store keeps no records for replay",
+    )
+    .into()
+}
+
+/// A store counted by [`StoreCalls`].
+type Counted<B> = Arc<Intercepted<B, StoreCalls<B>>>;
+
+fn counted<B: LockBackend + Clone>(store: B) -> Counted<B> {
+    Arc::new(Intercepted::new(store.clone(), StoreCalls::new(store)))
+}
+
+/// Where w6 counts the store's round trips.
+enum W6Meter {
+    None,
+    Memory(Counted<MemoryBackend>),
+    /// The layer's store, and a connection of the bench's own for `INFO`.
+    Redis(Counted<RedisBackend>, MultiplexedConnection),
+}
+
+impl W6Meter {
+    /// The round trips so far: calls into the memory store; on Redis the commands
+    /// `command_counts` takes as client-issued, plus the replay reads (`HGET`, which
+    /// scripts also call, so `command_counts` leaves every one out). Reading costs
+    /// Redis one client command (the `INFO`), which the next reading counts.
+    async fn read(&mut self) -> Result<u64, String> {
+        match self {
+            W6Meter::None => Ok(0),
+            W6Meter::Memory(store) => Ok(store.intercept().calls.load(Ordering::Relaxed)),
+            W6Meter::Redis(store, conn) => {
+                let (client, _) = command_counts(conn).await?;
+                Ok(client + store.intercept().loads.load(Ordering::Relaxed))
+            }
+        }
+    }
+
+    /// The round trips between two readings, without the first reading's own `INFO`.
+    fn between(&self, before: u64, after: u64) -> u64 {
+        let own = u64::from(matches!(self, W6Meter::Redis(..)));
+        after.saturating_sub(before).saturating_sub(own)
+    }
+}
+
+/// w6's layer: one caller, the quotas raised to [`W6_MAX_RECORDS`], records living
+/// [`W6_TTL`], under a key prefix of the run's own (`bench-w6-<nonce>`), so that nothing
+/// an earlier run stored, its records or their places in the quotas, is in this one's
+/// way.
+fn w6_layer(
+    client: LockClient,
+    nonce: &str,
+) -> Result<IdempotencyLayer<impl tower_lock::layer::KeyExtractor>, String> {
+    IdempotencyLayer::builder(
+        client,
+        // Made per request, as an extractor of the authenticated user does.
+        tower_lock::layer::key_fn(|_parts| LockKey::namespaced("user", "bench")),
+    )
+    .key_prefix(format!("bench-w6-{nonce}"))
+    .max_records_per_scope(W6_MAX_RECORDS)
+    .max_records(W6_MAX_RECORDS)
+    .ttl(W6_TTL)
+    .build()
+    .map_err(|e| e.to_string())
+}
+
+/// w6's route, under the layer `--backend` names, and how to count its store's round
+/// trips.
+async fn w6_app(args: &Args, nonce: &str) -> Result<(axum::Router, W6Meter), String> {
+    use axum::routing::post;
+
+    // An order handler: reads the body, answers `201` with a small one.
+    let route = post(|order: Bytes| async move {
+        let created = !order.is_empty();
+        (
+            http::StatusCode::CREATED,
+            [(http::header::CONTENT_TYPE, "application/json")],
+            if created {
+                r#"{"order":"created"}"#
+            } else {
+                r#"{"order":"empty"}"#
+            },
+        )
+    });
+    let (route, meter) = match args.backend {
+        BackendKind::None => (route, W6Meter::None),
+        BackendKind::Memory => {
+            let store = counted(MemoryBackend::new());
+            let layer = w6_layer(LockClient::new(store.clone()), nonce)?;
+            (route.route_layer(layer), W6Meter::Memory(store))
+        }
+        BackendKind::Redis => {
+            let redis = RedisBackend::connect(args.url.as_str())
+                .await
+                .map_err(|e| format!("connecting to {}: {e}", shown(&args.url)))?;
+            let store = counted(redis);
+            let layer = w6_layer(LockClient::new(store.clone()), nonce)?;
+            let stats = redis_conn(&args.url).await?;
+            (route.route_layer(layer), W6Meter::Redis(store, stats))
+        }
+        other => return Err(format!("w6 has no layer on {}", other.name())),
+    };
+    Ok((axum::Router::new().route("/orders/{id}", route), meter))
+}
+
+/// w6's requests: number `n` is `POST /orders/<i>` with the `Idempotency-Key`
+/// `<tag>-<nonce>-<i>`, `i` being `n` modulo `cycle`; none from `limit` on.
+fn w6_requests(
+    nonce: &str,
+    tag: &'static str,
+    cycle: u64,
+    limit: u64,
+) -> impl Fn(u64) -> Option<http::Request<http_body_util::Full<Bytes>>> + Clone + Send + 'static {
+    let nonce = nonce.to_owned();
+    move |n| {
+        if n >= limit {
+            return None;
+        }
+        let i = n % cycle;
+        http::Request::post(format!("/orders/{i}"))
+            .header(http::header::HOST, "bench")
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .header(IDEMPOTENCY_KEY, format!("{tag}-{nonce}-{i}"))
+            .body(http_body_util::Full::new(Bytes::from_static(
+                W6_BODY.as_bytes(),
+            )))
+            .ok()
+    }
+}
+
+/// Whether a w6 answer is what its case expects: `201`, with `Idempotent-Replayed:
+/// true` or without it as `replayed` says (`None`: no layer, nothing to check).
+fn w6_accepts(head: &http::response::Parts, replayed: Option<bool>) -> bool {
+    let was_replayed = head
+        .headers
+        .get(IDEMPOTENT_REPLAYED)
+        .is_some_and(|v| v == "true");
+    head.status == http::StatusCode::CREATED && replayed.is_none_or(|want| was_replayed == want)
+}
+
+/// One w6 run: the route under `--backend`'s layer (or none), warmed up, then measured
+/// for `--seconds`. The line's `ratio_to_no_layer` is left for the caller, who has the
+/// no-layer run (1 on that run's own line).
+async fn w6_run(args: &Args, case: W6Case) -> Result<W6Line, String> {
+    // The run's own key prefix: nothing an earlier run stored answers it.
+    let nonce = format!("{:016x}", fastrand::u64(..));
+    let (app, mut meter) = w6_app(args, &nonce).await?;
+    let (addr, server) = serve(app).await?;
+    let layered = args.backend != BackendKind::None;
+    let measured = w6_measure(args, case, &nonce, addr, layered, &mut meter).await;
+    server.abort();
+    let (driven, elapsed, round_trips) = measured?;
+    let requests = driven.samples.len();
+    let per_request = |x: u64| {
+        if requests == 0 {
+            0.0
+        } else {
+            (x as f64 / requests as f64 * 100.0).round() / 100.0
+        }
+    };
+    Ok(W6Line {
+        peer: peer(args),
+        lang: "rust",
+        workload: "w6",
+        layer: args.backend.name(),
+        case: case.name(),
+        connections: args.connections,
+        requests,
+        req_per_s: (requests as f64 / elapsed).round(),
+        p50_us: pct(&driven.samples, 50.0),
+        p99_us: pct(&driven.samples, 99.0),
+        round_trips_per_request: Some(per_request(round_trips)),
+        ratio_to_no_layer: (!layered).then_some(1.0),
+        errors: driven.errors,
+    })
+}
+
+/// w6's warm-up and measured run against the server at `addr`: what was driven, the
+/// seconds it took, and the store's round trips.
+async fn w6_measure(
+    args: &Args,
+    case: W6Case,
+    nonce: &str,
+    addr: std::net::SocketAddr,
+    layered: bool,
+    meter: &mut W6Meter,
+) -> Result<(Driven, f64, u64), String> {
+    // `first`: keys of the warm-up's own; `replay`: the keys the run replays, stored.
+    let (tag, keys) = match case {
+        W6Case::First => ("w", W6_WARMUP),
+        W6Case::Replay => ("r", W6_REPLAY_KEYS),
+    };
+    let warm_up = drive(
+        addr,
+        args.connections,
+        Instant::now() + Duration::from_secs(60),
+        w6_requests(nonce, tag, u64::MAX, keys),
+        move |head| w6_accepts(head, layered.then_some(false)),
+    )
+    .await?;
+    if warm_up.errors > 0 || warm_up.samples.len() != keys {
+        return Err(format!(
+            "w6 {}: {} of the warm-up's {keys} requests failed",
+            case.name(),
+            keys - warm_up.samples.len().min(keys)
+        ));
+    }
+    let (requests, replayed) = match case {
+        W6Case::First => (w6_requests(nonce, "f", u64::MAX, u64::MAX), false),
+        W6Case::Replay => (w6_requests(nonce, "r", W6_REPLAY_KEYS, u64::MAX), true),
+    };
+    let before = meter.read().await?;
+    let started = Instant::now();
+    let driven = drive(
+        addr,
+        args.connections,
+        started + Duration::from_secs_f64(args.seconds),
+        requests,
+        move |head| w6_accepts(head, layered.then_some(replayed)),
+    )
+    .await?;
+    let elapsed = started.elapsed().as_secs_f64();
+    let after = meter.read().await?;
+    Ok((driven, elapsed, meter.between(before, after)))
 }
 
 /// Requests per second that `redis-benchmark` reaches for one command line.
@@ -1928,6 +2647,48 @@ async fn all(args: &Args) -> Result<(), String> {
                     ((line.allocs_per_request - none.allocs_per_request).max(0.0) * 10.0).round()
                         / 10.0,
                 ),
+            ));
+            if !matches!(backend, BackendKind::Memory | BackendKind::Redis) {
+                continue;
+            }
+            // The middleware an adopter writes instead, right after the layer.
+            let peer = w5(&with(&|a| {
+                a.connections = connections;
+                a.backend = backend;
+                a.workload = Workload::W5;
+                a.implementation = Impl::Baseline;
+            }))
+            .await?;
+            say(&peer)?;
+            ratios.push((
+                format!("w5x{connections}_{layer}_req_per_s_vs_peer"),
+                ratio(Some(line.req_per_s), Some(peer.req_per_s)),
+            ));
+            ratios.push((
+                format!("w5x{connections}_{layer}_peer_req_per_s"),
+                ratio(Some(peer.req_per_s), Some(none.req_per_s)),
+            ));
+        }
+    }
+    for case in W6Case::ALL {
+        let w6_with = |backend| {
+            with(&|a| {
+                a.connections = 64;
+                a.backend = backend;
+                a.workload = Workload::W6;
+            })
+        };
+        let none = w6_run(&w6_with(BackendKind::None), case).await?;
+        say(&none)?;
+        for backend in [BackendKind::Memory, BackendKind::Redis] {
+            let mut line = w6_run(&w6_with(backend), case).await?;
+            line.ratio_to_no_layer = ratio(Some(line.req_per_s), Some(none.req_per_s));
+            say(&line)?;
+            let name = format!("w6_{}_{}", backend.name(), case.name());
+            ratios.push((format!("{name}_req_per_s"), line.ratio_to_no_layer));
+            ratios.push((
+                format!("{name}_round_trips_per_request"),
+                line.round_trips_per_request,
             ));
         }
     }
