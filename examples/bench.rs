@@ -60,6 +60,8 @@
 //!   nobody holds or waits for it (`"peer":"mutex-map-baseline"`); on Redis it is the
 //!   w1 baseline, `SET key owner NX PX` and the Lua compare-and-delete on one multiplexed
 //!   connection, polled every 50 ms while busy (`"peer":"redis-setnx-baseline"`).
+//!   `--impl safe-baseline` sends that `SET` through `lua/bench_safe_acquire.lua`, with
+//!   tower-lock's late-write rule (`"peer":"redis-setnx-deadline-baseline"`).
 //! - `w6`: an `IdempotencyLayer` on `POST /orders/{id}` (a handler that reads the body
 //!   and answers `201`), `--connections` (default 64) keep-alive connections, one
 //!   caller, with `--backend memory` or `redis`, beside the same route without the layer
@@ -361,8 +363,10 @@ fn check(a: &Args) -> Result<(), &'static str> {
     {
         return Err("--workload w6 runs with --backend memory, redis or none");
     }
-    if a.implementation == Impl::SafeBaseline && (postgres || a.workload != Workload::W1) {
-        return Err("--impl safe-baseline exists for w1 on Redis only");
+    let safe_workload = a.workload == Workload::W1
+        || (a.workload == Workload::W5 && a.backend == BackendKind::Redis);
+    if a.implementation == Impl::SafeBaseline && (postgres || !safe_workload) {
+        return Err("--impl safe-baseline exists for w1 and w5 (--backend redis) on Redis only");
     }
     Ok(())
 }
@@ -1668,12 +1672,25 @@ async fn w5_app(args: &Args) -> Result<axum::Router, String> {
         (BackendKind::Memory, Impl::Baseline) => {
             app.layer(from_fn_with_state(MutexMap::default(), mutex_map_peer))
         }
-        (BackendKind::Redis, Impl::Baseline) => {
+        (BackendKind::Redis, Impl::Baseline | Impl::SafeBaseline) => {
+            let mut conn = redis_conn(&args.url).await?;
+            // The server's clock at a local instant, for the safe peer's deadlines.
+            let (secs, micros): (u64, u64) = redis::cmd("TIME")
+                .query_async(&mut conn)
+                .await
+                .map_err(|e| format!("reading the server's clock: {e}"))?;
             let peer = RedisPeer {
-                conn: redis_conn(&args.url).await?,
+                conn,
                 unlock: Arc::new(redis::Script::new(include_str!(
                     "../lua/bench_baseline_unlock.lua"
                 ))),
+                safe: (args.implementation == Impl::SafeBaseline).then(|| SafeAcquire {
+                    script: Arc::new(redis::Script::new(include_str!(
+                        "../lua/bench_safe_acquire.lua"
+                    ))),
+                    server_us: secs * 1_000_000 + micros,
+                    sampled: Instant::now(),
+                }),
             };
             app.layer(from_fn_with_state(peer, redis_setnx_peer))
         }
@@ -1869,6 +1886,17 @@ async fn mutex_map_peer(
 struct RedisPeer {
     conn: MultiplexedConnection,
     unlock: Arc<redis::Script>,
+    /// `--impl safe-baseline`: the `SET` through `lua/bench_safe_acquire.lua`, refused
+    /// past a deadline on the server's clock, as w1's safe baseline.
+    safe: Option<SafeAcquire>,
+}
+
+/// The safe peer's acquisition: the script, and the server's clock at a local instant.
+#[derive(Clone)]
+struct SafeAcquire {
+    script: Arc<redis::Script>,
+    server_us: u64,
+    sampled: Instant,
 }
 
 /// How often w5's Redis peer tries a busy key again: what a hand-rolled lock without
@@ -1892,20 +1920,37 @@ async fn redis_setnx_peer(
     let give_up = Instant::now() + tower_lock::layer::DEFAULT_WAIT;
     let mut conn = peer.conn.clone();
     loop {
-        let set: redis::RedisResult<Option<String>> = redis::cmd("SET")
-            .arg(&key)
-            .arg(&owner)
-            .arg("NX")
-            .arg("PX")
-            .arg(lease_ms)
-            .query_async(&mut conn)
-            .await;
+        let set: redis::RedisResult<bool> = match &peer.safe {
+            // Refused once the server's clock passes a second after it was sent.
+            Some(safe) => {
+                let sent = Instant::now().saturating_duration_since(safe.sampled);
+                let by = safe.server_us + micros(sent) + 1_000_000;
+                let taken: redis::RedisResult<i64> = safe
+                    .script
+                    .key(&key)
+                    .arg(&owner)
+                    .arg(lease_ms)
+                    .arg(by)
+                    .invoke_async(&mut conn)
+                    .await;
+                taken.map(|n| n == 1)
+            }
+            None => redis::cmd("SET")
+                .arg(&key)
+                .arg(&owner)
+                .arg("NX")
+                .arg("PX")
+                .arg(lease_ms)
+                .query_async::<Option<String>>(&mut conn)
+                .await
+                .map(|set| set.is_some()),
+        };
         match set {
-            Ok(Some(_)) => break,
-            Ok(None) if Instant::now() + PEER_POLL < give_up => {
+            Ok(true) => break,
+            Ok(false) if Instant::now() + PEER_POLL < give_up => {
                 tokio::time::sleep(PEER_POLL).await;
             }
-            Ok(None) => return peer_refusal(tower_lock::layer::DEFAULT_BUSY_STATUS),
+            Ok(false) => return peer_refusal(tower_lock::layer::DEFAULT_BUSY_STATUS),
             Err(_) => return peer_refusal(http::StatusCode::SERVICE_UNAVAILABLE),
         }
     }
@@ -2667,6 +2712,22 @@ async fn all(args: &Args) -> Result<(), String> {
             ratios.push((
                 format!("w5x{connections}_{layer}_peer_req_per_s"),
                 ratio(Some(peer.req_per_s), Some(none.req_per_s)),
+            ));
+            if backend != BackendKind::Redis {
+                continue;
+            }
+            // On Redis, the peer with tower-lock's late-write rule too.
+            let safe = w5(&with(&|a| {
+                a.connections = connections;
+                a.backend = backend;
+                a.workload = Workload::W5;
+                a.implementation = Impl::SafeBaseline;
+            }))
+            .await?;
+            say(&safe)?;
+            ratios.push((
+                format!("w5x{connections}_{layer}_req_per_s_vs_safe_peer"),
+                ratio(Some(line.req_per_s), Some(safe.req_per_s)),
             ));
         }
     }
