@@ -205,7 +205,10 @@ pub(crate) struct Config {
     pub(crate) store_if: Arc<StoreIf>,
     pub(crate) on_replay: Option<Arc<OnReplay>>,
     pub(crate) fingerprint: Arc<FingerprintFn>,
-    pub(crate) on_rejection: Arc<dyn OnIdempotencyRejection>,
+    /// The user's handler; `None`: `problems`.
+    pub(crate) on_rejection: Option<Arc<dyn OnIdempotencyRejection>>,
+    /// The default answers, with their `type` links.
+    pub(crate) problems: ProblemJson,
 }
 
 impl Config {
@@ -234,7 +237,8 @@ impl Config {
             store_if: Arc::new(below_500),
             on_replay: None,
             fingerprint: Arc::new(|parts: &Parts, body: &Bytes| Fingerprint::of(parts, body)),
-            on_rejection: Arc::new(ProblemJson::default()),
+            on_rejection: None,
+            problems: ProblemJson::default(),
         }
     }
 
@@ -375,7 +379,10 @@ impl<K> Shared<K> {
         }
         self.outcome(key, outcome);
         let retry_after = rejection.retry_after().map(retry_after_secs);
-        let mut response = self.config.on_rejection.on_rejection(rejection);
+        let mut response = match &self.config.on_rejection {
+            Some(handler) => handler.on_rejection(rejection),
+            None => self.config.problems.on_rejection(rejection),
+        };
         keep_retry_after(&mut response, retry_after);
         response
     }
@@ -681,11 +688,12 @@ impl<K: KeyExtractor> IdempotencyLayerBuilder<K> {
     /// point: each is this followed by `#` and the problem's name (`#in-flight`,
     /// `#mismatch`, ...). Default: [`DEFAULT_PROBLEM_TYPE_BASE`](super::DEFAULT_PROBLEM_TYPE_BASE), this crate's page on
     /// idempotency. Point it at your API's own docs; the anchors must exist there.
-    /// Ignored with [`on_rejection`](Self::on_rejection).
+    /// A handler set with [`on_rejection`](Self::on_rejection) answers instead, in
+    /// whichever order the two are called.
     pub fn problem_type_base(mut self, base: impl Into<String>) -> Self {
         let base = base.into();
         match ProblemJson::with_type_base(base) {
-            Ok(problems) => self.config.on_rejection = Arc::new(problems),
+            Ok(problems) => self.config.problems = problems,
             Err(error) => self.error = self.error.or(Some(error)),
         }
         self
@@ -703,7 +711,7 @@ impl<K: KeyExtractor> IdempotencyLayerBuilder<K> {
 
     /// Answers rejections with `handler` instead of `application/problem+json`.
     pub fn on_rejection(mut self, handler: impl OnIdempotencyRejection) -> Self {
-        self.config.on_rejection = Arc::new(handler);
+        self.config.on_rejection = Some(Arc::new(handler));
         self
     }
 

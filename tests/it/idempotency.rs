@@ -1106,10 +1106,13 @@ async fn a_lost_lock_cancels_the_handler_and_stores_nothing(store: &impl Store) 
 /// `GET` and `PUT` are not covered by default; a custom rejection handler answers every
 /// rejection, and still gets `Retry-After`.
 async fn uncovered_methods_pass_and_rejections_can_be_customized(store: &impl Store) {
+    // The handler answers, though `problem_type_base` (which sets the default answers'
+    // links) comes after it: it replaced the handler at first.
     let layer = builder(store.client().await)
         .on_rejection(|r: IdempotencyRejection| {
             (r.status(), format!("custom {}", r.status().as_u16()))
         })
+        .problem_type_base("https://api.example.com/problems")
         .build()
         .unwrap();
     let app = app(layer).await;
