@@ -37,13 +37,12 @@ use axum::extract::Path;
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use bytes::Bytes;
+use common::http::{Proto, exchange};
 use common::log::with_log;
 use common::{Server, serve, wait_until};
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Empty, Full};
 use hyper::body::Incoming;
-use hyper::client::conn::{http1, http2};
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::time::Instant;
 use tower::limit::ConcurrencyLimitLayer;
 use tower::{Layer, Service, ServiceExt, service_fn};
@@ -177,13 +176,6 @@ impl<B: LockBackend> Intercept<B> for Gate {
 // Servers and clients
 // ---------------------------------------------------------------------------------------
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Proto {
-    Http1,
-    /// HTTP/2 with prior knowledge (no upgrade).
-    Http2,
-}
-
 /// Sends one request on a fresh connection and returns the response as soon as its head
 /// has arrived; the body is still on its way.
 async fn send(
@@ -197,28 +189,10 @@ async fn send(
         let mut req = Request::builder()
             .method(method)
             .uri(format!("http://{addr}{path}"));
-        if proto == Proto::Http1 {
-            req = req.header(header::HOST, addr.to_string());
-        }
         for (name, value) in headers {
             req = req.header(*name, *value);
         }
-        let req = req.body(Empty::<Bytes>::new()).unwrap();
-        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-        match proto {
-            Proto::Http1 => {
-                let (mut sender, conn) = http1::handshake(TokioIo::new(tcp)).await.unwrap();
-                tokio::spawn(conn);
-                sender.send_request(req).await.unwrap()
-            }
-            Proto::Http2 => {
-                let (mut sender, conn) = http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
-                    .await
-                    .unwrap();
-                tokio::spawn(conn);
-                sender.send_request(req).await.unwrap()
-            }
-        }
+        exchange(addr, proto, req.body(Empty::<Bytes>::new()).unwrap()).await
     };
     tokio::time::timeout(DEADLINE, exchange)
         .await

@@ -16,11 +16,10 @@ use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use bytes::Bytes;
+use common::http::{PROTOS, Proto, exchange};
 use common::{Server, serve, wait_until};
 use http::{HeaderMap, Method, Request, StatusCode, header};
 use http_body_util::{BodyExt, Full};
-use hyper::client::conn::{http1, http2};
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::sync::Semaphore;
 use tower_lock::extract::HeldLock;
 use tower_lock::idempotency::{IdempotencyLayer, IdempotencyLayerBuilder, IdempotencyRejection};
@@ -219,14 +218,6 @@ impl App {
 // The client.
 // ---------------------------------------------------------------------------------------
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Proto {
-    Http1,
-    Http2,
-}
-
-const PROTOS: [Proto; 2] = [Proto::Http1, Proto::Http2];
-
 /// What the client received, whole.
 #[derive(Debug, Clone)]
 struct Got {
@@ -312,13 +303,10 @@ impl<'a> Req<'a> {
         self
     }
 
-    fn build(&self, addr: SocketAddr, proto: Proto) -> Request<Full<Bytes>> {
+    fn build(&self, addr: SocketAddr) -> Request<Full<Bytes>> {
         let mut req = Request::builder()
             .method(self.method.clone())
             .uri(format!("http://{addr}{}", self.path));
-        if proto == Proto::Http1 {
-            req = req.header(header::HOST, addr.to_string());
-        }
         for (name, value) in &self.headers {
             req = req.header(*name, value);
         }
@@ -951,25 +939,7 @@ async fn open(
     proto: Proto,
     req: &Req<'_>,
 ) -> (http::response::Parts, hyper::body::Incoming) {
-    let req = req.build(addr, proto);
-    let exchange = async {
-        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-        match proto {
-            Proto::Http1 => {
-                let (mut sender, conn) = http1::handshake(TokioIo::new(tcp)).await.unwrap();
-                tokio::spawn(conn);
-                sender.send_request(req).await.unwrap()
-            }
-            Proto::Http2 => {
-                let (mut sender, conn) = http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
-                    .await
-                    .unwrap();
-                tokio::spawn(conn);
-                sender.send_request(req).await.unwrap()
-            }
-        }
-    };
-    tokio::time::timeout(DEADLINE, exchange)
+    tokio::time::timeout(DEADLINE, exchange(addr, proto, req.build(addr)))
         .await
         .expect("no response head in time")
         .into_parts()

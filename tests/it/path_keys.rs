@@ -11,18 +11,11 @@ use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
-use hyper::client::conn::{http1, http2};
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use tower_lock::layer::{LockLayer, PathParamKey, key_from};
 use tower_lock::{LockClient, LockKey, MemoryBackend};
 
+use crate::common::http::{Proto, exchange};
 use crate::common::serve;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Proto {
-    Http1,
-    Http2,
-}
 
 /// One request on a fresh connection: the status, the `allow` header and the body.
 async fn send(
@@ -31,28 +24,11 @@ async fn send(
     method: Method,
     path: &str,
 ) -> (StatusCode, Option<String>, String) {
-    let mut req = Request::builder()
+    let req = Request::builder()
         .method(method)
         .uri(format!("http://{addr}{path}"));
-    if proto == Proto::Http1 {
-        req = req.header(header::HOST, addr.to_string());
-    }
     let req = req.body(Empty::<Bytes>::new()).unwrap();
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let res: Response<Incoming> = match proto {
-        Proto::Http1 => {
-            let (mut sender, conn) = http1::handshake(TokioIo::new(tcp)).await.unwrap();
-            tokio::spawn(conn);
-            sender.send_request(req).await.unwrap()
-        }
-        Proto::Http2 => {
-            let (mut sender, conn) = http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
-                .await
-                .unwrap();
-            tokio::spawn(conn);
-            sender.send_request(req).await.unwrap()
-        }
-    };
+    let res: Response<Incoming> = exchange(addr, proto, req).await;
     let status = res.status();
     let allow = res
         .headers()

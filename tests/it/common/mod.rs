@@ -9,6 +9,7 @@
 
 pub mod clock;
 pub mod history;
+pub mod http;
 pub mod kinds;
 pub mod log;
 pub mod nemesis;
