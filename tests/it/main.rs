@@ -40,8 +40,12 @@ mod kinds_postgres;
 #[cfg(feature = "redis")]
 mod kinds_redis;
 mod layer;
+#[cfg(feature = "mysql")]
+mod mariadb_server;
 #[cfg(all(feature = "metrics", feature = "axum"))]
 mod metrics;
+#[cfg(feature = "mysql")]
+mod mysql;
 mod observer;
 #[cfg(feature = "axum")]
 mod path_keys;

@@ -1,5 +1,5 @@
-//! Shared test support: the redis-server and PostgreSQL harnesses, the lock-kind suite
-//! and helpers. (The backend conformance suite is `tower_lock::testing`, behind the
+//! Shared test support: the redis-server, PostgreSQL and MariaDB harnesses, the lock-kind
+//! suite and helpers. (The backend conformance suite is `tower_lock::testing`, behind the
 //! `testing` feature, as a backend outside the crate reaches it.)
 //!
 //! Compiled once into the `it` test crate (`tests/it/main.rs`), and into the two test
@@ -12,6 +12,10 @@ pub mod history;
 pub mod http;
 pub mod kinds;
 pub mod log;
+#[cfg(feature = "mysql")]
+pub mod mariadb_server;
+#[cfg(feature = "mysql")]
+pub mod mysql;
 pub mod nemesis;
 #[cfg(feature = "postgres")]
 pub mod postgres;
