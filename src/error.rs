@@ -278,7 +278,10 @@ impl Error {
 
     /// Whether the store's connection broke under the operation: see
     /// [`StoreError::is_connection_lost`].
-    #[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
+    #[cfg_attr(
+        not(any(feature = "redis", feature = "postgres", feature = "mysql")),
+        allow(dead_code)
+    )]
     pub(crate) fn is_connection_lost(&self) -> bool {
         matches!(self, Error::Store(error) if error.is_connection_lost())
     }
@@ -304,7 +307,10 @@ impl Error {
     /// The same error again, for each of several operations that failed together (a
     /// batch of renewals): every variant's data is cloneable, a store error's source
     /// shared.
-    #[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
+    #[cfg_attr(
+        not(any(feature = "redis", feature = "postgres", feature = "mysql")),
+        allow(dead_code)
+    )]
     pub(crate) fn duplicate(&self) -> Error {
         match self {
             Error::Busy { holder_ttl } => Error::Busy {
@@ -509,7 +515,7 @@ impl StoreError {
 
     /// Marks the failure as one the store gave no answer to (a timeout, an I/O error),
     /// as opposed to a refusal it answered.
-    #[cfg(any(feature = "redis", feature = "postgres"))]
+    #[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
     pub(crate) fn and_unanswered(mut self) -> Self {
         self.unanswered = true;
         self
@@ -518,7 +524,7 @@ impl StoreError {
     /// Marks the failure as worth one more try at once, though no connection broke: a
     /// refusal that mended its own cause (an attempt refused as late, whose refusal
     /// brought the store's clock).
-    #[cfg(any(feature = "redis", feature = "postgres"))]
+    #[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
     pub(crate) fn and_again_at_once(mut self) -> Self {
         self.again_at_once = true;
         self

@@ -205,6 +205,9 @@ pub mod testing;
 
 pub use backend::limits::{DEFAULT_WATCHDOG_LEASE, MAX_LEASE, MIN_LEASE, MIN_WATCHDOG_LEASE};
 pub use backend::memory::MemoryBackend;
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub use backend::mysql::MySqlBackend;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use backend::postgres::PostgresBackend;

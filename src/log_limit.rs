@@ -105,7 +105,7 @@ macro_rules! warn_limited {
 /// What the stores' connections log of their faults (a connection lost, a primary not
 /// found), once per cause and interval in the whole process: every backend meets the
 /// same outage at once.
-#[cfg(any(feature = "redis", feature = "postgres"))]
+#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
 pub(crate) fn stores() -> &'static PerCause {
     static STORES: std::sync::LazyLock<PerCause> = std::sync::LazyLock::new(PerCause::default);
     &STORES

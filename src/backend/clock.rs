@@ -111,7 +111,7 @@ impl<N: Hash + Eq> StoreClock<N> {
 
     /// Forgets every sample (a reply timed out: the connection is replaced, and may
     /// reach another server): the next attempts take new ones.
-    #[cfg(any(feature = "redis", feature = "postgres"))]
+    #[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
     pub(crate) fn forget(&self) {
         self.samples().clear();
     }
@@ -143,7 +143,7 @@ impl<N: Hash + Eq> StoreClock<N> {
 /// An attempt the store refused because it arrived after its deadline, with the
 /// store's clock at the refusal (microseconds) when the store said it: the source of
 /// the attempt's error, where the backend finds the clock to sample.
-#[cfg(any(feature = "redis", feature = "postgres"))]
+#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
 #[derive(Debug)]
 pub(crate) struct ArrivedLate {
     pub(crate) store: &'static str,
@@ -152,7 +152,7 @@ pub(crate) struct ArrivedLate {
     pub(crate) now_us: Option<u64>,
 }
 
-#[cfg(any(feature = "redis", feature = "postgres"))]
+#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
 impl std::fmt::Display for ArrivedLate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
@@ -163,10 +163,10 @@ impl std::fmt::Display for ArrivedLate {
     }
 }
 
-#[cfg(any(feature = "redis", feature = "postgres"))]
+#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
 impl std::error::Error for ArrivedLate {}
 
-#[cfg(any(feature = "redis", feature = "postgres"))]
+#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
 impl ArrivedLate {
     /// The error of such an attempt: an outage (retryable, as the timeout it usually
     /// is) that changed nothing, and worth one more try at once, with a deadline on a
@@ -205,7 +205,7 @@ mod tests {
         assert!(deadline <= 6_000_000 + age + 1, "{deadline}");
     }
 
-    #[cfg(any(feature = "redis", feature = "postgres"))]
+    #[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
     #[test]
     fn a_forgotten_sample_gives_no_deadline() {
         let clock = StoreClock::<()>::default();

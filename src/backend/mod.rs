@@ -87,12 +87,15 @@ use crate::hold_id::HoldId;
 use crate::key::LockKey;
 
 mod admin;
-#[cfg(any(feature = "redis", feature = "postgres"))]
+#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
 pub(crate) mod clock;
 mod intercept;
 pub(crate) mod limits;
 pub mod memory;
 mod mode;
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub mod mysql;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;

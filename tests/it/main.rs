@@ -12,6 +12,8 @@ mod acquire_cancellation;
 #[cfg(feature = "redis")]
 mod clock_steps;
 mod conformance_memory;
+#[cfg(feature = "mysql")]
+mod conformance_mysql;
 #[cfg(feature = "postgres")]
 mod conformance_postgres;
 #[cfg(feature = "redis")]
