@@ -37,6 +37,8 @@ mod idempotency;
 #[cfg(feature = "axum")]
 mod idempotent_runs;
 mod kinds_memory;
+#[cfg(feature = "mysql")]
+mod kinds_mysql;
 #[cfg(feature = "postgres")]
 mod kinds_postgres;
 #[cfg(feature = "redis")]
@@ -48,6 +50,8 @@ mod mariadb_server;
 mod metrics;
 #[cfg(feature = "mysql")]
 mod mysql;
+#[cfg(feature = "mysql")]
+mod mysql_crashes;
 mod observer;
 #[cfg(feature = "axum")]
 mod path_keys;

@@ -214,11 +214,14 @@ impl MySqlBackendBuilder {
 /// - `= 0`: a crash of the server itself may lose the last second of grants, so two
 ///   owners could each be told they hold one lock. The backend refuses to start.
 async fn check_durability(pool: &MySqlPool) -> Result<(), SetupError> {
+    // On a connection of its own: a future over `&MySqlPool` as the executor is not
+    // `Send` for every lifetime, which a caller in a `Send` future needs.
+    let mut conn = pool.acquire().await.map_err(map_error)?;
     let row = sqlx::query(
         "SELECT CAST(@@innodb_flush_log_at_trx_commit AS SIGNED), CAST(@@log_bin AS SIGNED), \
                 CAST(@@sync_binlog AS SIGNED)",
     )
-    .fetch_one(pool)
+    .fetch_one(&mut *conn)
     .await
     .map_err(map_error)?;
     let flush: i64 = row.try_get(0).map_err(map_error)?;

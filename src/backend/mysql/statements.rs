@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use sqlx::Row;
-use sqlx::mysql::MySqlPool;
+use sqlx::mysql::{MySqlConnection, MySqlPool};
 
 use super::{MySqlBackend, map_error};
 use crate::backend::clock::ArrivedLate;
@@ -114,35 +114,37 @@ pub(super) async fn migrate(pool: &MySqlPool, table: &str) -> Result<(), SetupEr
         )
         .into());
     }
-    let migrated = async {
-        let version_sql = format!("SELECT version FROM `{table}_schema` WHERE id = 1");
-        let current: Option<i64> = match sqlx::query_scalar(&version_sql)
-            .fetch_optional(&mut *conn)
-            .await
-        {
-            Ok(version) => version,
-            // No such table yet (1146): a first migration.
-            Err(error) if super::error_number(&error) == Some(1146) => None,
-            Err(error) => return Err(map_error(error)),
-        };
-        if current == Some(SCHEMA_VERSION) {
-            return Ok(());
-        }
-        for statement in schema_statements(table) {
-            sqlx::raw_sql(&statement)
-                .execute(&mut *conn)
-                .await
-                .map_err(map_error)?;
-        }
-        Ok(())
-    }
-    .await;
+    let migrated = migrate_on(&mut conn, table).await;
     let released = sqlx::query("SELECT RELEASE_LOCK(CONCAT(DATABASE(), ' ', ?))")
         .bind(&lock_name)
         .execute(&mut *conn)
         .await;
     migrated?;
     released.map_err(map_error)?;
+    Ok(())
+}
+
+/// The migration proper, on the connection that holds the schema lock.
+async fn migrate_on(conn: &mut MySqlConnection, table: &str) -> Result<(), SetupError> {
+    let version_sql = format!("SELECT version FROM `{table}_schema` WHERE id = 1");
+    let current: Option<i64> = match sqlx::query_scalar(&version_sql)
+        .fetch_optional(&mut *conn)
+        .await
+    {
+        Ok(version) => version,
+        // No such table yet (1146): a first migration.
+        Err(error) if super::error_number(&error) == Some(1146) => None,
+        Err(error) => return Err(map_error(error).into()),
+    };
+    if current == Some(SCHEMA_VERSION) {
+        return Ok(());
+    }
+    for statement in schema_statements(table) {
+        // The text protocol: a procedure's definition cannot be a prepared statement.
+        sqlx::Executor::execute(&mut *conn, statement.as_str())
+            .await
+            .map_err(map_error)?;
+    }
     Ok(())
 }
 
