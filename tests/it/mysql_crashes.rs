@@ -63,17 +63,20 @@ async fn a_grant_the_client_heard_of_survives_kill9() {
     let other = second.get_fenced_lock("crash:held").unwrap();
     let err = other.try_lock().await.unwrap_err();
     assert!(err.is_busy(), "the grant was lost in the crash: {err}");
-    // The holder's pool still has connections that died with the server: a call on
-    // one fails as an outage (sqlx's pool does not test them before use here), and
-    // the pool replaces it. Once its pings go through, its release frees the lock.
-    let mut answered = false;
-    for _ in 0..5 {
-        match first_backend.ping().await {
-            Ok(()) => answered = true,
-            Err(error) => assert!(error.is_unavailable(), "{error}"),
+    // The holder's pool still has connections that died with the server (sqlx does
+    // not test them before use here). The first call meets one and fails as an
+    // outage; the backend then checks the idle ones, and the next call goes through.
+    let mut failed = 0;
+    for _ in 0..3 {
+        if let Err(error) = first_backend.ping().await {
+            assert!(error.is_unavailable(), "{error}");
+            failed += 1;
         }
     }
-    assert!(answered, "the holder never reached the restarted server");
+    assert!(
+        failed <= 1,
+        "{failed} calls met connections that died with the server"
+    );
     held.unlock().await.unwrap();
     let next = other
         .try_lock_for(Duration::from_secs(5), Lease::Watchdog)

@@ -150,6 +150,7 @@ impl MySqlBackendBuilder {
                 token_retention: self.token_retention,
                 waiters,
                 nudge,
+                checking: Arc::default(),
                 _stop: stop.clone().drop_guard(),
             }),
         };

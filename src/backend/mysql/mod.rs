@@ -150,6 +150,8 @@ struct Inner {
     waiters: Arc<Mutex<HashMap<LockKey, KeyWaiters>>>,
     /// Tells the listening task that a waiter's busy attempt saw a name's counter.
     nudge: Arc<tokio::sync::Notify>,
+    /// A check of the pool's idle connections is under way (see `check_idle`).
+    checking: Arc<AtomicBool>,
     _stop: DropGuard,
 }
 
@@ -243,12 +245,14 @@ impl MySqlBackend {
                 if connection_lost(&error) {
                     // The next connections may reach another server (a failover).
                     inner.clock.forget();
+                    self.check_idle();
                     return Err(StoreError::connection_lost(error).into());
                 }
                 Err(map_error(error))
             }
             Err(_) => {
                 inner.clock.forget();
+                self.check_idle();
                 let message = format!("MySQL did not answer within {:?}", inner.response_timeout);
                 let timed_out = std::io::Error::new(std::io::ErrorKind::TimedOut, message);
                 let error = match sent {
@@ -258,6 +262,46 @@ impl MySqlBackend {
                 Err(error.and_unanswered().into())
             }
         }
+    }
+
+    /// After a call met a dead connection (its end, or no answer within the response
+    /// timeout): takes every idle connection of the pool, so the next calls open fresh
+    /// ones, and gives back, from a task, those that answer a ping within the response
+    /// timeout, all pinged at once; closes the others. After a restart of the server,
+    /// the one call that found a dead connection fails, not one per pooled connection.
+    /// One check at a time.
+    fn check_idle(&self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.inner.checking.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        /// Ends the check however it ends.
+        struct Checking(Arc<AtomicBool>);
+        impl Drop for Checking {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::Release);
+            }
+        }
+        let checking = Checking(Arc::clone(&self.inner.checking));
+        let pool = &self.inner.pool;
+        // Bounded: the ones taken stay out of the pool until the task gives them back.
+        let idle: Vec<_> = (0..pool.num_idle())
+            .map_while(|_| pool.try_acquire())
+            .collect();
+        let within = self.inner.response_timeout;
+        runtime.spawn(async move {
+            futures_util::future::join_all(idle.into_iter().map(async |mut conn| {
+                let answered =
+                    tokio::time::timeout(within, sqlx::Connection::ping(&mut *conn)).await;
+                if !matches!(answered, Ok(Ok(()))) {
+                    drop(conn.detach());
+                }
+            }))
+            .await;
+            drop(checking);
+        });
     }
 
     /// This process's waiters of `key` hear a release now, not after the listener's
