@@ -25,6 +25,8 @@ mod extract;
 mod fault_costs;
 mod growth;
 mod history;
+#[cfg(feature = "mysql")]
+mod history_mysql;
 #[cfg(feature = "postgres")]
 mod history_postgres;
 #[cfg(feature = "redis")]
