@@ -81,3 +81,51 @@ mod replay {
 
     tower_lock::testing::replay_conformance_tests!(MySql::start());
 }
+
+/// Nothing a client sends grows the tables for good: a thousand distinct names locked
+/// once (fenced and not, released or left to expire) leave no row behind once they
+/// have been free for the token retention, and the sweep takes them in bounded steps.
+#[tokio::test]
+async fn names_free_for_the_retention_leave_no_rows() {
+    let db = MyDatabase::create().await;
+    let backend = MySqlBackend::builder(db.pool(4).await)
+        .token_retention(Duration::from_secs(1))
+        .build()
+        .await
+        .unwrap();
+    let client = LockClient::new(backend.clone());
+    let rows = async || -> i64 {
+        sqlx::query_scalar(
+            "SELECT CAST((SELECT COUNT(*) FROM tower_lock_names) + (SELECT COUNT(*) FROM tower_lock) AS SIGNED)",
+        )
+        .fetch_one(backend.pool())
+        .await
+        .unwrap()
+    };
+    for i in 0..1000 {
+        let name = format!("growth:{i}");
+        let guard = if i % 2 == 0 {
+            client.get_fenced_lock(&name).unwrap()
+        } else {
+            client.get_lock(&name).unwrap()
+        }
+        .try_lock_for(Duration::ZERO, Duration::from_secs(1))
+        .await
+        .unwrap();
+        if i == 0 {
+            assert!(rows().await > 0, "the name was written");
+        }
+        if i % 3 == 0 {
+            // Left to its lease.
+            std::mem::forget(guard);
+        } else {
+            guard.unlock().await.unwrap();
+        }
+    }
+    common::wait_until(
+        Duration::from_secs(20),
+        "the sweep emptied the tables",
+        || async { rows().await == 0 },
+    )
+    .await;
+}

@@ -24,8 +24,7 @@
 //! # The nemesis
 //!
 //! [`NEMESIS_WORKERS`] threads each have a private MariaDB server (`MariaDbServer`: a
-//! crash must not touch another worker's histories, nor the machine's server; with a
-//! `tmpdir` of its own, see [`TmpDir`]) and, per
+//! crash must not touch another worker's histories, nor the machine's server) and, per
 //! history, a fault proxy that every client's pool connects through (calls and the
 //! listening connection alike); the test's own pool goes to the server directly. Each
 //! client has a pool of its own. No client is relaxed: InnoDB's durability is
@@ -396,33 +395,6 @@ struct NemesisWorker {
     port: u16,
     id: u8,
     runs: u64,
-    /// Last: removed after the server is gone.
-    _tmpdir: TmpDir,
-}
-
-/// A directory of one server's own for its temporary files (`tmpdir`), removed when
-/// dropped. A server that starts removes every `#sql*` file in its `tmpdir`: in the
-/// shared `/tmp`, a start or a crash's restart would delete the temporary tables of the
-/// other workers' servers (and of `mariadb-install-db` running for another), failing
-/// their statements.
-struct TmpDir(std::path::PathBuf);
-
-impl TmpDir {
-    fn new(id: u8) -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "tower-lock-history-mysql-{}-{id}-{}",
-            std::process::id(),
-            fastrand::u32(..)
-        ));
-        std::fs::create_dir_all(&dir).expect("create the server's tmpdir");
-        TmpDir(dir)
-    }
-}
-
-impl Drop for TmpDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 impl NemesisWorker {
@@ -431,10 +403,8 @@ impl NemesisWorker {
             .enable_all()
             .build()
             .unwrap();
-        let tmpdir = TmpDir::new(id);
         let (server, url) = runtime.block_on(async {
-            let tmp = tmpdir.0.to_str().expect("a UTF-8 temporary directory");
-            let server = MariaDbServer::start(&[("tmpdir", tmp)]).await;
+            let server = MariaDbServer::start(&[]).await;
             let admin = connect_when_ready(server.url().parse().unwrap(), 1).await;
             sqlx::query("CREATE DATABASE IF NOT EXISTS history")
                 .execute(&admin)
@@ -450,7 +420,6 @@ impl NemesisWorker {
             server: Arc::new(tokio::sync::Mutex::new(server)),
             id,
             runs: 0,
-            _tmpdir: tmpdir,
         }
     }
 

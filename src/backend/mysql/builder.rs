@@ -298,8 +298,9 @@ async fn sweep_until(inner: Weak<Inner>, period: Duration, stop: CancellationTok
                 sqlx::query_scalar(sql)
                     .bind(retention)
                     .bind(SWEEP_BATCH)
-                    .fetch_one(conn)
+                    .fetch_all(conn)
                     .await
+                    .and_then(super::statements::first_row)
             })
             .await;
         pause = match swept {

@@ -232,9 +232,15 @@ impl MySqlBackend {
         let inner = &*self.inner;
         let sent = AtomicBool::new(false);
         let work = async {
-            let mut conn = inner.pool.acquire().await?;
+            let mut conn = InFlight(Some(inner.pool.acquire().await?));
             sent.store(true, Ordering::Relaxed);
-            run(&mut conn).await
+            let Some(c) = conn.0.as_mut() else {
+                return Err(sqlx::Error::PoolClosed);
+            };
+            let out = run(c).await;
+            // Answered: back to the pool as it is.
+            drop(conn.0.take());
+            out
         };
         let ran = tokio::time::timeout(inner.response_timeout, work).await;
         let sent = sent.load(Ordering::Relaxed);
@@ -310,6 +316,21 @@ impl MySqlBackend {
         if let Some(w) = waiters_of(&self.inner.waiters).get(key) {
             w.one.notify_one();
             w.all.notify_all();
+        }
+    }
+}
+
+/// A pool connection with a call in flight. Dropped before the call's answer was read
+/// whole (the caller gave up, or the response timeout did), it is closed rather than
+/// given back: the pool would read the rest of the answer when it takes it back, and
+/// sqlx's reading of a `CALL`'s answer cut short has panicked in that task (seen in the
+/// history runs, which cancel calls at every await point).
+struct InFlight(Option<sqlx::pool::PoolConnection<sqlx::MySql>>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if let Some(conn) = self.0.take() {
+            drop(conn.detach());
         }
     }
 }
@@ -456,8 +477,9 @@ impl StoreAdmin for MySqlBackend {
                         .bind(key.as_str())
                         .bind(mode_char(mode))
                         .bind(wait_s)
-                        .fetch_one(conn)
+                        .fetch_all(conn)
                         .await
+                        .and_then(statements::first_row)
                 })
                 .await?;
             Ok(freed != 0)

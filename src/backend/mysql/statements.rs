@@ -148,6 +148,13 @@ async fn migrate_on(conn: &mut MySqlConnection, table: &str) -> Result<(), Setup
     Ok(())
 }
 
+/// The first row of a `CALL`'s answer, read whole (`fetch_all`): `fetch_one` would
+/// leave the rest of the answer (the `CALL`'s own status) for the pool to read when it
+/// takes the connection back.
+pub(super) fn first_row<T>(rows: Vec<T>) -> Result<T, sqlx::Error> {
+    rows.into_iter().next().ok_or(sqlx::Error::RowNotFound)
+}
+
 /// `d` in whole milliseconds, as the procedures take it.
 pub(super) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
@@ -232,8 +239,9 @@ impl MySqlBackend {
                     .bind(millis(self.inner.waiter_timeout))
                     .bind(deadline)
                     .bind(statements.wait_s)
-                    .fetch_one(conn)
+                    .fetch_all(conn)
                     .await
+                    .and_then(first_row)
             })
             .await?;
         let int = |i: usize| -> Result<Option<i64>> {
@@ -270,8 +278,9 @@ impl MySqlBackend {
                     .bind(mode_char(req.mode))
                     .bind(millis(req.lease))
                     .bind(statements.wait_s)
-                    .fetch_one(conn)
+                    .fetch_all(conn)
                     .await
+                    .and_then(first_row)
             })
             .await?;
         Ok(self.released(&req.key, left))
@@ -317,8 +326,9 @@ impl MySqlBackend {
                     .bind(record)
                     .bind(millis(ttl))
                     .bind(statements.wait_s)
-                    .fetch_one(conn)
+                    .fetch_all(conn)
                     .await
+                    .and_then(first_row)
             })
             .await?;
         let stored: i64 = row.try_get(0).map_err(map_error)?;
