@@ -8,6 +8,8 @@
 //!     [--lease-ms L]
 //! cargo run --release --example bench -- --url postgres://root@127.0.0.1:5432/bench \
 //!     --seconds 10 --workload pg
+//! cargo run --release --example bench -- --url mysql://root@127.0.0.1:3306/test \
+//!     --seconds 4 --workload mysql [--wake-poll-ms 2]
 //! cargo run --release --example bench -- --workload w5 --backend memory --impl baseline
 //! cargo run --release --example bench -- --url redis://127.0.0.1:6379 --workload w6 \
 //!     --backend redis [--connections 64]
@@ -16,8 +18,15 @@
 //! The backend follows `--url`: a `postgres://` (or `postgresql://`) URL measures
 //! [`PostgresBackend`] (on a pool of one connection per worker, each kept by the
 //! backend between statements, plus two for the listener and the other statements,
-//! without `test_before_acquire`) and the lines carry `"backend":"postgres"`;
-//! `--backend memory` measures the in-process store.
+//! without `test_before_acquire`) and the lines carry `"backend":"postgres"`; a
+//! `mysql://` URL measures [`MySqlBackend`] (on a pool of one connection per worker and
+//! one more, without `test_before_acquire`, plus the backend's listening connection),
+//! `"backend":"mysql"`; `--backend memory` measures the in-process store.
+//!
+//! On MySQL/MariaDB every run works in a scratch database of its own,
+//! `tower_lock_bench_<pid>_<random>`, created on the server of `--url` (whose own
+//! database is left alone) and dropped when the run ends, failed or not (an interrupted
+//! run leaves it behind: drop it by that name).
 //!
 //! Workloads:
 //!
@@ -25,7 +34,10 @@
 //!   `--impl baseline` runs the hand-rolled reference instead: on Redis `SET key owner
 //!   NX PX` and a Lua compare-and-delete on a multiplexed connection; on PostgreSQL
 //!   `pg_advisory_lock(hashtext(key))` and `pg_advisory_unlock` (session advisory locks)
-//!   on a connection of each worker's own. `--impl safe-baseline` (Redis) sends the
+//!   on a connection of each worker's own; on MySQL `GET_LOCK(name, 30)` and
+//!   `RELEASE_LOCK(name)` (user locks, owned by the session) on a pooled connection of
+//!   each worker's own, names prefixed with the scratch database's (user locks are
+//!   server-wide). `--impl safe-baseline` (Redis) sends the
 //!   baseline's `SET` through `lua/bench_safe_acquire.lua`, which refuses it once the
 //!   server's clock has passed a deadline one second after it was sent: a rule
 //!   tower-lock keeps and the plain baseline does not (a `SET` delayed past its
@@ -33,7 +45,12 @@
 //!   server spent per cycle: `pg_cpu_us_per_cycle` (the CPU time of the local `postgres`
 //!   processes, from `/proc`; `null` when the server is not on this machine),
 //!   `pg_write_xacts_per_cycle` (transaction ids assigned: each is a commit that
-//!   writes) and `pg_wal_bytes_per_cycle`.
+//!   writes) and `pg_wal_bytes_per_cycle`. On MySQL they add, from `SHOW GLOBAL STATUS`
+//!   deltas over the run (server-wide: another client's work counts too),
+//!   `mysql_fsyncs_per_cycle` (`Innodb_data_fsyncs`: with
+//!   `innodb_flush_log_at_trx_commit = 1`, a commit's log flush, shared by the commits
+//!   of a group), `mysql_log_bytes_per_cycle` (`Innodb_os_log_written`), and
+//!   `mysql_cpu_us_per_cycle` (the local `mariadbd` or `mysqld` processes, from `/proc`).
 //! - `w2`: all workers on one key; each iteration acquires, does a non-atomic
 //!   `GET counter` + `SET counter+1` on a second connection, and releases. `--handoff`:
 //!   after releasing, a worker sits out until another worker has acquired, so every
@@ -43,7 +60,14 @@
 //!   `UPDATE` through a pool of its own (the field keeps its name, `redis_counter`), and
 //!   `--impl baseline` holds the advisory lock on each worker's own connection instead.
 //!   Every PostgreSQL run starts with a `VACUUM` of the database, so that no run pays
-//!   for the dead rows of the ones before it.
+//!   for the dead rows of the ones before it. On MySQL the counter is in the process:
+//!   read, a `yield_now` (so that another task holding the lock would run between the
+//!   read and the write), written (a row would add a commit, and its fsync, to every
+//!   hold); `--impl baseline` holds `GET_LOCK` on each worker's own connection; the
+//!   lines add `wake_poll_ms`. `--backend-per-worker`: each worker on a backend of its
+//!   own (its own pool and listener), as workers in separate processes are: a release
+//!   then reaches the next holder through the listener's poll (`--wake-poll-ms`), not
+//!   at once as within one backend.
 //! - `w3`: `--waiters` (default 200) tasks on one key until `--handoffs` (default 1,000)
 //!   handoffs: Redis commands per handoff (from `INFO commandstats` deltas) and client CPU.
 //! - `w4`: `--locks` (default 10,000) held locks with the watchdog for 3 renewal periods
@@ -87,6 +111,10 @@
 //!   peer), `w5x64_memory_peer_req_per_s` (the peer ÷ no layer), and
 //!   `w6_memory_first_req_per_s` (÷ no layer) and `w6_memory_first_round_trips_per_request`.
 //!   `--chart F.svg` draws the handoff-latency distributions of w2 and w2h.
+//! - `mysql`: the MySQL/MariaDB suite in one run (`--url mysql://...`): w1 with 1 and
+//!   32 workers, then w2 with 8 workers on one backend, beside the `GET_LOCK` baseline,
+//!   and w2 again with each worker on a backend of its own (`--backend-per-worker`), then
+//!   a `ratios` line (tower-lock / baseline).
 //! - `pg`: the PostgreSQL suite in one run (`--url postgres://...`): w1 with 1 and 32
 //!   workers (and again with fast grants, `--fast-grants-ms`, default 30 s), w2 and w2h
 //!   with 8 (and again with `--hand-over`), each for tower-lock and the advisory-lock
@@ -114,6 +142,8 @@ use redis::AsyncCommands;
 use redis::aio::MultiplexedConnection;
 use serde::Serialize;
 use serde::ser::{SerializeMap, Serializer};
+use sqlx::mysql::{MySql, MySqlConnection, MySqlPool, MySqlPoolOptions};
+use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 use sqlx::{Connection, Row};
 use tower_lock::backend::{
@@ -122,8 +152,8 @@ use tower_lock::backend::{
 };
 use tower_lock::idempotency::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 use tower_lock::{
-    FencingToken, IdempotencyLayer, Lease, LockClient, LockKey, MemoryBackend, PostgresBackend,
-    RedisBackend,
+    FencingToken, IdempotencyLayer, Lease, LockClient, LockKey, MemoryBackend, MySqlBackend,
+    PostgresBackend, RedisBackend,
 };
 
 /// Counts heap allocations (and reallocations) of the whole process, for
@@ -179,6 +209,7 @@ async fn redis_cpu_us(url: &str) -> Result<f64, String> {
 enum BackendKind {
     Redis,
     Postgres,
+    Mysql,
     Memory,
     None,
     /// w5 only: a tower layer that does nothing, on the same route: what axum itself
@@ -193,6 +224,7 @@ impl BackendKind {
         match self {
             BackendKind::Redis => "redis",
             BackendKind::Postgres => "postgres",
+            BackendKind::Mysql => "mysql",
             BackendKind::Memory => "memory",
             BackendKind::None => "none",
             BackendKind::Noop => "noop",
@@ -211,6 +243,8 @@ enum Workload {
     All,
     /// The PostgreSQL suite.
     Pg,
+    /// The MySQL/MariaDB suite.
+    Mysql,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
@@ -244,7 +278,8 @@ enum Impl {
     allow_negative_numbers = true
 )]
 struct Args {
-    /// The Redis server, or the PostgreSQL database (`postgres://...`).
+    /// The Redis server, the PostgreSQL database (`postgres://...`), or the MySQL server
+    /// (`mysql://...`; the run works in a scratch database of its own).
     #[arg(long, value_name = "URL", default_value = "redis://127.0.0.1:6379")]
     url: String,
     /// Concurrent workers (w1, w2).
@@ -304,14 +339,35 @@ struct Args {
     /// (`PostgresBackendBuilder::hand_over`).
     #[arg(long)]
     hand_over: bool,
+    /// MySQL: how often a backend's listener reads the release counters while anyone
+    /// waits (`MySqlBackendBuilder::wake_poll`; default the backend's, 2 ms).
+    #[arg(long = "wake-poll-ms", value_name = "MS", value_parser = fractional_millis)]
+    wake_poll: Option<Duration>,
+    /// w2: each worker on a backend of its own (its own pool and listener), as workers
+    /// in separate processes are.
+    #[arg(long)]
+    backend_per_worker: bool,
 }
 
 fn millis(value: &str) -> Result<Duration, std::num::ParseIntError> {
     value.parse().map(Duration::from_millis)
 }
 
+/// Milliseconds with a fraction (`0.5`), at least 1 µs.
+fn fractional_millis(value: &str) -> Result<Duration, String> {
+    let ms: f64 = value.parse().map_err(|e| format!("{e}"))?;
+    if !(0.001..=3_600_000.0).contains(&ms) {
+        return Err("between 0.001 and 3,600,000 ms".to_owned());
+    }
+    Ok(Duration::from_secs_f64(ms / 1000.0))
+}
+
 fn is_postgres(url: &str) -> bool {
     url.starts_with("postgres://") || url.starts_with("postgresql://")
+}
+
+fn is_mysql(url: &str) -> bool {
+    url.starts_with("mysql://") || url.starts_with("mariadb://")
 }
 
 /// The checks that span several flags (clap makes the others).
@@ -323,17 +379,39 @@ fn check(a: &Args) -> Result<(), &'static str> {
     if !postgres && a.backend == BackendKind::Postgres {
         return Err("--backend postgres needs a postgres:// --url");
     }
+    let mysql = is_mysql(&a.url);
+    if mysql && a.backend != BackendKind::Mysql {
+        return Err("a mysql:// --url goes with --backend mysql (the default for it)");
+    }
+    if !mysql && a.backend == BackendKind::Mysql {
+        return Err("--backend mysql needs a mysql:// --url");
+    }
     if a.workload == Workload::Pg && a.backend != BackendKind::Postgres {
         return Err("--workload pg needs a postgres:// --url");
+    }
+    if a.workload == Workload::Mysql && !mysql {
+        return Err("--workload mysql needs a mysql:// --url");
     }
     if a.workload == Workload::All && a.backend == BackendKind::Postgres {
         return Err("--workload all is the Redis suite; on PostgreSQL run --workload pg");
     }
+    if mysql && !matches!(a.workload, Workload::W1 | Workload::W2 | Workload::Mysql) {
+        return Err("on MySQL the workloads are w1, w2 and mysql (the suite)");
+    }
+    if a.wake_poll.is_some() && !mysql {
+        return Err("--wake-poll-ms goes with a mysql:// --url");
+    }
+    if a.backend_per_worker && a.workload != Workload::W2 {
+        return Err("--backend-per-worker goes with --workload w2");
+    }
+    if a.backend_per_worker && a.implementation != Impl::TowerLock {
+        return Err("--backend-per-worker measures tower-lock");
+    }
     if a.implementation == Impl::Baseline
-        && postgres
+        && (postgres || mysql)
         && !matches!(a.workload, Workload::W1 | Workload::W2)
     {
-        return Err("--impl baseline exists for w1 and w2 on PostgreSQL");
+        return Err("--impl baseline exists for w1 and w2 on PostgreSQL and MySQL");
     }
     if a.workers == 0 || a.seconds <= 0.0 || a.waiters == 0 || a.locks == 0 || a.connections == 0 {
         return Err("--workers, --seconds, --waiters, --locks and --connections must be positive");
@@ -349,10 +427,15 @@ fn check(a: &Args) -> Result<(), &'static str> {
     }
     let w5_peer =
         a.workload == Workload::W5 && matches!(a.backend, BackendKind::Memory | BackendKind::Redis);
-    if a.implementation == Impl::Baseline && !postgres && a.workload != Workload::W1 && !w5_peer {
+    if a.implementation == Impl::Baseline
+        && !postgres
+        && !mysql
+        && a.workload != Workload::W1
+        && !w5_peer
+    {
         return Err(
             "--impl baseline exists for w1 on Redis, w5 with --backend memory or redis \
-             (w1 and w2 on PostgreSQL)",
+             (w1 and w2 on PostgreSQL and MySQL)",
         );
     }
     if a.workload == Workload::W6
@@ -365,7 +448,7 @@ fn check(a: &Args) -> Result<(), &'static str> {
     }
     let safe_workload = a.workload == Workload::W1
         || (a.workload == Workload::W5 && a.backend == BackendKind::Redis);
-    if a.implementation == Impl::SafeBaseline && (postgres || !safe_workload) {
+    if a.implementation == Impl::SafeBaseline && (postgres || mysql || !safe_workload) {
         return Err("--impl safe-baseline exists for w1 and w5 (--backend redis) on Redis only");
     }
     Ok(())
@@ -376,6 +459,8 @@ async fn main() -> ExitCode {
     let mut args = Args::parse();
     args.backend = args.backend_flag.unwrap_or(if is_postgres(&args.url) {
         BackendKind::Postgres
+    } else if is_mysql(&args.url) {
+        BackendKind::Mysql
     } else {
         BackendKind::Redis
     });
@@ -385,25 +470,10 @@ async fn main() -> ExitCode {
             .error(clap::error::ErrorKind::ArgumentConflict, message)
             .exit();
     }
-    let result = match args.workload {
-        Workload::W1 if args.implementation == Impl::SafeBaseline => {
-            w1_baseline(&args).await.and_then(|l| say(&l))
-        }
-        Workload::W1 if args.implementation == Impl::Baseline => {
-            if is_postgres(&args.url) {
-                w1_pg_baseline(&args).await.and_then(|l| say(&l))
-            } else {
-                w1_baseline(&args).await.and_then(|l| say(&l))
-            }
-        }
-        Workload::W1 => w1(&args).await.and_then(|l| say(&l)),
-        Workload::W2 => w2(&args).await.and_then(|l| say(&l)),
-        Workload::W3 => w3(&args).await.and_then(|l| say(&l)),
-        Workload::W4 => w4(&args).await.and_then(|l| say(&l)),
-        Workload::W5 => w5(&args).await.and_then(|l| say(&l)),
-        Workload::W6 => w6(&args).await,
-        Workload::All => all(&args).await,
-        Workload::Pg => pg_suite(&args).await,
+    let result = if is_mysql(&args.url) {
+        in_scratch_database(&args).await
+    } else {
+        run(&args).await
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -411,6 +481,33 @@ async fn main() -> ExitCode {
             eprintln!("bench: {message}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Runs the workload `args` name.
+async fn run(args: &Args) -> Result<(), String> {
+    match args.workload {
+        Workload::W1 if args.implementation == Impl::SafeBaseline => {
+            w1_baseline(args).await.and_then(|l| say(&l))
+        }
+        Workload::W1 if args.implementation == Impl::Baseline => {
+            if is_postgres(&args.url) {
+                w1_pg_baseline(args).await.and_then(|l| say(&l))
+            } else if is_mysql(&args.url) {
+                w1_my_baseline(args).await.and_then(|l| say(&l))
+            } else {
+                w1_baseline(args).await.and_then(|l| say(&l))
+            }
+        }
+        Workload::W1 => w1(args).await.and_then(|l| say(&l)),
+        Workload::W2 => w2(args).await.and_then(|l| say(&l)),
+        Workload::W3 => w3(args).await.and_then(|l| say(&l)),
+        Workload::W4 => w4(args).await.and_then(|l| say(&l)),
+        Workload::W5 => w5(args).await.and_then(|l| say(&l)),
+        Workload::W6 => w6(args).await,
+        Workload::All => all(args).await,
+        Workload::Pg => pg_suite(args).await,
+        Workload::Mysql => my_suite(args).await,
     }
 }
 
@@ -425,6 +522,7 @@ fn say(line: &impl Serialize) -> Result<(), String> {
 fn peer(args: &Args) -> &'static str {
     match (args.implementation, args.kind) {
         (Impl::Baseline, _) if is_postgres(&args.url) => "pg-advisory-baseline",
+        (Impl::Baseline, _) if is_mysql(&args.url) => "mysql-get-lock-baseline",
         // w5's peer in memory.
         (Impl::Baseline, _) if args.backend == BackendKind::Memory => "mutex-map-baseline",
         (Impl::Baseline, _) => "redis-setnx-baseline",
@@ -472,6 +570,17 @@ async fn redis_conn(url: &str) -> Result<MultiplexedConnection, String> {
 }
 
 async fn client(args: &Args) -> Result<LockClient, String> {
+    // One connection per worker (per connection in w5).
+    let size = if args.workload == Workload::W5 {
+        args.connections
+    } else {
+        args.workers
+    };
+    client_for(args, size).await
+}
+
+/// A client on a backend of its own, with connections for `size` workers.
+async fn client_for(args: &Args, size: usize) -> Result<LockClient, String> {
     let backend: Arc<dyn LockBackend> = match args.backend {
         BackendKind::Redis => Arc::new(
             RedisBackend::connect(args.url.as_str())
@@ -479,12 +588,6 @@ async fn client(args: &Args) -> Result<LockClient, String> {
                 .map_err(|e| format!("connecting to {}: {e}", shown(&args.url)))?,
         ),
         BackendKind::Postgres => {
-            // One connection per worker (per connection in w5).
-            let size = if args.workload == Workload::W5 {
-                args.connections
-            } else {
-                args.workers
-            };
             // A pool of the benchmark's own: every worker may keep its connection, and
             // one more for the other statements (the listener's connection is its own,
             // outside the pool).
@@ -500,6 +603,20 @@ async fn client(args: &Args) -> Result<LockClient, String> {
                     .build()
                     .await
                     .map_err(|e| format!("PostgreSQL locks at {}: {e}", shown(&args.url)))?,
+            )
+        }
+        BackendKind::Mysql => {
+            // One more for the sweeps (the listener's connection is its own).
+            let pool = my_pool(&args.url, size + 1).await?;
+            let mut builder = MySqlBackend::builder(pool);
+            if let Some(every) = args.wake_poll {
+                builder = builder.wake_poll(every);
+            }
+            Arc::new(
+                builder
+                    .build()
+                    .await
+                    .map_err(|e| format!("MySQL locks at {}: {e}", shown(&args.url)))?,
             )
         }
         BackendKind::Memory | BackendKind::None | BackendKind::Noop => {
@@ -536,6 +653,11 @@ async fn w1(args: &Args) -> Result<W1Line, String> {
     };
     let meter = if args.backend == BackendKind::Postgres {
         Some(PgMeter::start(&args.url).await?)
+    } else {
+        None
+    };
+    let my_meter = if args.backend == BackendKind::Mysql {
+        Some(MyMeter::start(&args.url).await?)
     } else {
         None
     };
@@ -576,6 +698,10 @@ async fn w1(args: &Args) -> Result<W1Line, String> {
         Some(meter) => Some(meter.finish(samples.len()).await?),
         None => None,
     };
+    let my_cost = match my_meter {
+        Some(meter) => Some(meter.finish(samples.len()).await?),
+        None => None,
+    };
     let mut line = w1_line(
         args,
         elapsed,
@@ -584,6 +710,7 @@ async fn w1(args: &Args) -> Result<W1Line, String> {
         cpu,
     );
     line.pg = cost;
+    line.my = my_cost;
     Ok(line)
 }
 
@@ -622,6 +749,9 @@ struct W1Line {
     /// PostgreSQL only: the server's cost per cycle.
     #[serde(flatten)]
     pg: Option<PgCost>,
+    /// MySQL only: the server's cost per cycle.
+    #[serde(flatten)]
+    my: Option<MyCost>,
 }
 
 /// What the PostgreSQL server spent per cycle.
@@ -662,6 +792,7 @@ fn w1_line(
             .map_or("watchdog".to_owned(), |l| format!("{}ms", l.as_millis())),
         fast_grants_ms: args.fast_grants.map(|d| d.as_millis()),
         pg: None,
+        my: None,
     }
 }
 
@@ -827,7 +958,7 @@ impl PgMeter {
             .map_err(|e| format!("reading the server's counters: {e}"))?;
         Ok(PgMeter {
             cpu: if is_local(url) {
-                postgres_cpu_ticks()
+                server_cpu_ticks(POSTGRES_PROCESSES)
             } else {
                 None
             },
@@ -840,7 +971,9 @@ impl PgMeter {
     /// What the server spent per cycle since [`start`](Self::start).
     async fn finish(mut self, cycles: u64) -> Result<PgCost, String> {
         let cpu_us = match &self.cpu {
-            Some(before) => postgres_cpu_ticks().map(|after| cpu_used_us(before, &after)),
+            Some(before) => {
+                server_cpu_ticks(POSTGRES_PROCESSES).map(|after| cpu_used_us(before, &after))
+            }
             None => None,
         };
         let row = sqlx::query(
@@ -853,18 +986,21 @@ impl PgMeter {
         .map_err(|e| format!("reading the server's counters: {e}"))?;
         let next_xid: i64 = row.try_get(0).map_err(|e| e.to_string())?;
         let wal_bytes: f64 = row.try_get(1).map_err(|e| e.to_string())?;
-        let per = |x: f64| {
-            if cycles == 0 {
-                0.0
-            } else {
-                (x / cycles as f64 * 100.0).round() / 100.0
-            }
-        };
+        let per = |x: f64| per_cycle(x, cycles);
         Ok(PgCost {
             pg_cpu_us_per_cycle: cpu_us.map(per),
             pg_write_xacts_per_cycle: per((next_xid - self.next_xid) as f64),
             pg_wal_bytes_per_cycle: per(wal_bytes),
         })
+    }
+}
+
+/// `x / cycles` to two decimals (0 without cycles).
+fn per_cycle(x: f64, cycles: u64) -> f64 {
+    if cycles == 0 {
+        0.0
+    } else {
+        (x / cycles as f64 * 100.0).round() / 100.0
     }
 }
 
@@ -882,9 +1018,15 @@ fn is_local(url: &str) -> bool {
     matches!(host, "127.0.0.1" | "localhost" | "::1" | "")
 }
 
-/// The CPU time (user + system, in clock ticks) of every process named `postgres` on
-/// this machine, by pid; `None` when there is none to see.
-fn postgres_cpu_ticks() -> Option<HashMap<u32, u64>> {
+/// The PostgreSQL server's processes.
+const POSTGRES_PROCESSES: &[&str] = &["postgres"];
+
+/// The MySQL or MariaDB server's process (one, with a thread per connection).
+const MYSQL_PROCESSES: &[&str] = &["mariadbd", "mysqld"];
+
+/// The CPU time (user + system, in clock ticks) of every process with one of `names`
+/// on this machine, by pid; `None` when there is none to see.
+fn server_cpu_ticks(names: &[&str]) -> Option<HashMap<u32, u64>> {
     let mut cpu = HashMap::new();
     for entry in std::fs::read_dir("/proc").ok()?.flatten() {
         let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
@@ -897,7 +1039,7 @@ fn postgres_cpu_ticks() -> Option<HashMap<u32, u64>> {
         let Some((pid, comm)) = head.split_once(" (") else {
             continue;
         };
-        if comm != "postgres" {
+        if !names.contains(&comm) {
             continue;
         }
         let fields: Vec<&str> = rest.split_whitespace().collect();
@@ -982,6 +1124,260 @@ async fn w1_pg_baseline(args: &Args) -> Result<W1Line, String> {
     Ok(line)
 }
 
+/// The MySQL baseline's lock: a user lock, owned by the session that takes it; waits
+/// in the server up to 30 s.
+const GET_LOCK: &str = "SELECT GET_LOCK(?, 30)";
+const RELEASE_LOCK: &str = "SELECT RELEASE_LOCK(?)";
+
+/// `GET_LOCK(name, 30)`: `Err` unless granted (0 after 30 s, NULL on an error).
+async fn get_lock(conn: &mut MySqlConnection, name: &str) -> Result<(), ()> {
+    let granted: Option<i64> = sqlx::query_scalar(GET_LOCK)
+        .bind(name)
+        .fetch_one(conn)
+        .await
+        .map_err(drop)?;
+    if granted == Some(1) { Ok(()) } else { Err(()) }
+}
+
+/// `RELEASE_LOCK(name)`: `Err` when this session did not hold it.
+async fn release_lock(conn: &mut MySqlConnection, name: &str) -> Result<(), ()> {
+    let released: Option<i64> = sqlx::query_scalar(RELEASE_LOCK)
+        .bind(name)
+        .fetch_one(conn)
+        .await
+        .map_err(drop)?;
+    if released == Some(1) { Ok(()) } else { Err(()) }
+}
+
+/// A user-lock name for the baseline: user locks are server-wide, so the name starts
+/// with the run's scratch database (at most 64 characters in all).
+fn user_lock_name(url: &str, what: &str) -> String {
+    format!("{}:{what}", url_database(url).1)
+}
+
+/// `url` cut around its database: everything before the `/` that starts it, the
+/// database (empty when none is named), and the `?...` that follows (or nothing). The
+/// host starts after the last `@`, as in [`shown`].
+fn url_database(url: &str) -> (&str, &str, &str) {
+    let after_scheme = url.find("://").map_or(0, |i| i + "://".len());
+    let host = url[after_scheme..]
+        .rfind('@')
+        .map_or(after_scheme, |i| after_scheme + i + 1);
+    let query = url[host..].find('?').map_or(url.len(), |i| host + i);
+    let path = url[host..query].find('/').map_or(query, |i| host + i);
+    let database = url[path..query].trim_start_matches('/');
+    (&url[..path], database, &url[query..])
+}
+
+/// `url` with its database replaced by `database`.
+fn with_database(url: &str, database: &str) -> String {
+    let (head, _, query) = url_database(url);
+    format!("{head}/{database}{query}")
+}
+
+async fn my_conn(url: &str) -> Result<MySqlConnection, String> {
+    MySqlConnection::connect(url)
+        .await
+        .map_err(|e| format!("connecting to {}: {e}", shown(url)))
+}
+
+/// A pool of `size` connections, all of them opened before it is returned, without
+/// `test_before_acquire` (as `docs/mysql.md` recommends).
+async fn my_pool(url: &str, size: usize) -> Result<MySqlPool, String> {
+    let size = u32::try_from(size.max(1)).unwrap_or(u32::MAX);
+    let pool = MySqlPoolOptions::new()
+        .max_connections(size)
+        .acquire_timeout(Duration::from_secs(30))
+        .test_before_acquire(false)
+        .connect(url)
+        .await
+        .map_err(|e| format!("connecting to {}: {e}", shown(url)))?;
+    let opened = futures_util::future::join_all((0..size).map(|_| pool.acquire())).await;
+    for conn in opened {
+        conn.map_err(|e| format!("connecting to {}: {e}", shown(url)))?;
+    }
+    Ok(pool)
+}
+
+/// `size` connections of a pool of their own, each for one worker to keep.
+async fn my_connections(url: &str, size: usize) -> Result<Vec<PoolConnection<MySql>>, String> {
+    let pool = my_pool(url, size).await?;
+    let mut conns = Vec::with_capacity(size);
+    for _ in 0..size {
+        conns.push(
+            pool.acquire()
+                .await
+                .map_err(|e| format!("connecting to {}: {e}", shown(url)))?,
+        );
+    }
+    Ok(conns)
+}
+
+/// Runs the workload in a scratch database of its own on the server of `--url`, and
+/// drops the database afterwards, whatever the run's outcome.
+async fn in_scratch_database(args: &Args) -> Result<(), String> {
+    let name = format!(
+        "tower_lock_bench_{}_{:08x}",
+        std::process::id(),
+        fastrand::u32(..)
+    );
+    let mut admin = my_conn(&args.url).await?;
+    sqlx::raw_sql(&format!("CREATE DATABASE `{name}`"))
+        .execute(&mut admin)
+        .await
+        .map_err(|e| format!("creating the scratch database {name}: {e}"))?;
+    drop(admin);
+    let mut scratch = args.clone();
+    scratch.url = with_database(&args.url, &name);
+    let result = run(&scratch).await;
+    // A connection of its own: the run's may have failed with the server.
+    let dropped = match my_conn(&args.url).await {
+        Ok(mut admin) => sqlx::raw_sql(&format!("DROP DATABASE `{name}`"))
+            .execute(&mut admin)
+            .await
+            .map(drop)
+            .map_err(|e| e.to_string()),
+        Err(e) => Err(e),
+    };
+    match (result, dropped) {
+        (result, Ok(())) => result,
+        (Ok(()), Err(e)) => Err(format!("dropping the scratch database {name}: {e}")),
+        (Err(run), Err(e)) => Err(format!(
+            "{run}; then dropping the scratch database {name}: {e}"
+        )),
+    }
+}
+
+/// The MySQL server's counters at the start of a run (server-wide: the work of other
+/// clients counts too).
+struct MyMeter {
+    conn: MySqlConnection,
+    /// CPU ticks of the server's process; `None` when it is not on this machine.
+    cpu: Option<HashMap<u32, u64>>,
+    counters: MyCounters,
+}
+
+/// `SHOW GLOBAL STATUS` counters.
+struct MyCounters {
+    /// `Innodb_data_fsyncs`: every fsync of InnoDB's files, the redo log's included.
+    fsyncs: u64,
+    /// `Innodb_os_log_written`: redo log bytes.
+    log_bytes: u64,
+}
+
+/// What the MySQL server spent per cycle.
+#[derive(Serialize)]
+struct MyCost {
+    /// `null` when the server is not on this machine.
+    mysql_cpu_us_per_cycle: Option<f64>,
+    mysql_fsyncs_per_cycle: f64,
+    mysql_log_bytes_per_cycle: f64,
+}
+
+impl MyCounters {
+    async fn read(conn: &mut MySqlConnection) -> Result<Self, String> {
+        let rows = sqlx::raw_sql(
+            "SHOW GLOBAL STATUS WHERE Variable_name IN \
+             ('Innodb_data_fsyncs', 'Innodb_os_log_written')",
+        )
+        .fetch_all(conn)
+        .await
+        .map_err(|e| format!("reading the server's counters: {e}"))?;
+        let mut counters = MyCounters {
+            fsyncs: 0,
+            log_bytes: 0,
+        };
+        for row in rows {
+            let name: String = row.try_get(0).map_err(|e| e.to_string())?;
+            let value: String = row.try_get(1).map_err(|e| e.to_string())?;
+            let value = value.parse().map_err(|e| format!("{name}: {e}"))?;
+            match name.as_str() {
+                "Innodb_data_fsyncs" => counters.fsyncs = value,
+                "Innodb_os_log_written" => counters.log_bytes = value,
+                _ => {}
+            }
+        }
+        Ok(counters)
+    }
+}
+
+impl MyMeter {
+    async fn start(url: &str) -> Result<Self, String> {
+        let mut conn = my_conn(url).await?;
+        Ok(MyMeter {
+            counters: MyCounters::read(&mut conn).await?,
+            cpu: if is_local(url) {
+                server_cpu_ticks(MYSQL_PROCESSES)
+            } else {
+                None
+            },
+            conn,
+        })
+    }
+
+    /// What the server spent per cycle since [`start`](Self::start).
+    async fn finish(mut self, cycles: u64) -> Result<MyCost, String> {
+        let cpu_us = match &self.cpu {
+            Some(before) => {
+                server_cpu_ticks(MYSQL_PROCESSES).map(|after| cpu_used_us(before, &after))
+            }
+            None => None,
+        };
+        let now = MyCounters::read(&mut self.conn).await?;
+        let per = |x: f64| per_cycle(x, cycles);
+        Ok(MyCost {
+            mysql_cpu_us_per_cycle: cpu_us.map(per),
+            mysql_fsyncs_per_cycle: per(now.fsyncs.saturating_sub(self.counters.fsyncs) as f64),
+            mysql_log_bytes_per_cycle: per(
+                now.log_bytes.saturating_sub(self.counters.log_bytes) as f64
+            ),
+        })
+    }
+}
+
+/// The MySQL baseline: `GET_LOCK` and `RELEASE_LOCK` on a name of the worker's own, on
+/// a pooled connection the worker keeps for the run (a user lock belongs to the session
+/// that took it, so lock and release must go through one connection).
+async fn w1_my_baseline(args: &Args) -> Result<W1Line, String> {
+    let conns = my_connections(&args.url, args.workers).await?;
+    let meter = MyMeter::start(&args.url).await?;
+    let deadline = Instant::now() + Duration::from_secs_f64(args.seconds);
+    let failures = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for (w, mut conn) in conns.into_iter().enumerate() {
+        let failures = failures.clone();
+        let mut samples = latencies()?;
+        let name = user_lock_name(&args.url, &format!("w1:{w}"));
+        tasks.push(tokio::spawn(async move {
+            while Instant::now() < deadline {
+                let t0 = Instant::now();
+                if get_lock(&mut conn, &name).await.is_err() {
+                    failures.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                if release_lock(&mut conn, &name).await.is_err() {
+                    failures.fetch_add(1, Ordering::Relaxed);
+                }
+                samples.saturating_record(micros(t0.elapsed()));
+            }
+            samples
+        }));
+    }
+    let samples = join_samples(tasks).await?;
+    let elapsed = started.elapsed().as_secs_f64();
+    let cost = meter.finish(samples.len()).await?;
+    let mut line = w1_line(
+        args,
+        elapsed,
+        samples,
+        failures.load(Ordering::Relaxed),
+        None,
+    );
+    line.my = Some(cost);
+    Ok(line)
+}
+
 /// One hold of the w2 lock: who, and when it was acquired and released.
 struct Hold {
     worker: usize,
@@ -1022,6 +1418,12 @@ struct W2Line {
     /// PostgreSQL with `--hand-over`.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     hand_over: bool,
+    /// MySQL, tower-lock: the backend's wake poll, in ms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    wake_poll_ms: Option<f64>,
+    /// With `--backend-per-worker`.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    backend_per_worker: bool,
 }
 
 async fn w2(args: &Args) -> Result<W2Line, String> {
@@ -1034,16 +1436,7 @@ async fn w2_with_samples(args: &Args) -> Result<(W2Line, Latencies), String> {
         pg_vacuum(&args.url).await?;
     }
     let counter_conn = Counter::open(&args.url, args.workers).await?;
-    let mut lockers = Vec::with_capacity(args.workers);
-    if args.implementation == Impl::Baseline {
-        for _ in 0..args.workers {
-            lockers.push(Locker::Advisory(pg_conn(&args.url).await?));
-        }
-    } else {
-        let client = client(args).await?;
-        let lock = lock_for(&client, args, "bench:w2".into())?;
-        lockers.resize_with(args.workers, || Locker::Tower(lock.clone(), lease(args)));
-    }
+    let lockers = w2_lockers(args).await?;
     let deadline = Instant::now() + Duration::from_secs_f64(args.seconds);
     let inside = Arc::new(AtomicUsize::new(0));
     let overlaps = Arc::new(AtomicU64::new(0));
@@ -1169,17 +1562,55 @@ async fn w2_with_samples(args: &Args) -> Result<(W2Line, Latencies), String> {
         release_failures: failures.load(Ordering::Relaxed),
         backend: args.backend.name(),
         hand_over: args.hand_over,
+        wake_poll_ms: (args.backend == BackendKind::Mysql
+            && args.implementation == Impl::TowerLock)
+            .then(|| {
+                let every = args
+                    .wake_poll
+                    .unwrap_or(tower_lock::backend::mysql::DEFAULT_WAKE_POLL);
+                every.as_secs_f64() * 1000.0
+            }),
+        backend_per_worker: args.backend_per_worker,
     };
     Ok((line, handoffs))
 }
 
+/// Each w2 worker's lock on the one key: the baseline's on a connection of the worker's
+/// own, or tower-lock's, on one backend or (`--backend-per-worker`) one each.
+async fn w2_lockers(args: &Args) -> Result<Vec<Locker>, String> {
+    let mut lockers = Vec::with_capacity(args.workers);
+    if args.implementation == Impl::Baseline && is_mysql(&args.url) {
+        let name = user_lock_name(&args.url, "w2");
+        for conn in my_connections(&args.url, args.workers).await? {
+            lockers.push(Locker::UserLock(conn, name.clone()));
+        }
+    } else if args.implementation == Impl::Baseline {
+        for _ in 0..args.workers {
+            lockers.push(Locker::Advisory(pg_conn(&args.url).await?));
+        }
+    } else if args.backend_per_worker {
+        for _ in 0..args.workers {
+            let client = client_for(args, 1).await?;
+            let lock = lock_for(&client, args, "bench:w2".into())?;
+            lockers.push(Locker::Tower(lock, lease(args)));
+        }
+    } else {
+        let client = client(args).await?;
+        let lock = lock_for(&client, args, "bench:w2".into())?;
+        lockers.resize_with(args.workers, || Locker::Tower(lock.clone(), lease(args)));
+    }
+    Ok(lockers)
+}
+
 /// The counter w2 increments without atomicity (a read, then a write), where `--url`
-/// points.
+/// points (in the process on MySQL).
 #[derive(Clone)]
 enum Counter {
     Redis(MultiplexedConnection),
     /// The row `bench:w2:counter` of `bench_counter`.
     Postgres(PgPool),
+    /// A value in the process, with a `yield_now` between its read and its write.
+    Memory(Arc<AtomicU64>),
 }
 
 const COUNTER_KEY: &str = "bench:w2:counter";
@@ -1187,6 +1618,9 @@ const COUNTER_KEY: &str = "bench:w2:counter";
 impl Counter {
     /// The counter, reset to nothing; `workers` connections on PostgreSQL.
     async fn open(url: &str, workers: usize) -> Result<Self, String> {
+        if is_mysql(url) {
+            return Ok(Counter::Memory(Arc::default()));
+        }
         if !is_postgres(url) {
             let mut conn = redis_conn(url).await?;
             let _: () = conn.del(COUNTER_KEY).await.map_err(|e| e.to_string())?;
@@ -1223,6 +1657,11 @@ impl Counter {
                     .flatten()
                     .and_then(|v| u64::try_from(v).ok())
             }
+            Counter::Memory(value) => {
+                let read = value.load(Ordering::SeqCst);
+                tokio::task::yield_now().await;
+                Some(read)
+            }
         }
     }
 
@@ -1239,6 +1678,7 @@ impl Counter {
                     .execute(&*pool)
                     .await;
             }
+            Counter::Memory(counter) => counter.store(value, Ordering::SeqCst),
         }
     }
 
@@ -1258,21 +1698,25 @@ impl Counter {
                         .map_err(|e| format!("reading the counter: {e}"))?;
                 u64::try_from(value).map_err(|_| "a negative counter".to_owned())
             }
+            Counter::Memory(counter) => Ok(counter.load(Ordering::SeqCst)),
         }
     }
 }
 
-/// One w2 worker's lock: tower-lock's, or the advisory-lock baseline on the worker's
-/// own connection.
+/// One w2 worker's lock: tower-lock's, or the advisory-lock or user-lock baseline on
+/// the worker's own connection.
 enum Locker {
     Tower(tower_lock::Lock, Lease),
     Advisory(PgConnection),
+    /// `GET_LOCK` of the name.
+    UserLock(PoolConnection<MySql>, String),
 }
 
 /// A hold of a [`Locker`].
 enum Held {
     Tower(tower_lock::LockGuard),
     Advisory,
+    UserLock,
 }
 
 impl Locker {
@@ -1291,6 +1735,10 @@ impl Locker {
                     .map_err(drop)?;
                 Ok(Held::Advisory)
             }
+            Locker::UserLock(conn, name) => {
+                get_lock(conn, name).await?;
+                Ok(Held::UserLock)
+            }
         }
     }
 
@@ -1298,7 +1746,8 @@ impl Locker {
         match (self, held) {
             (_, Held::Tower(guard)) => guard.unlock().await.map_err(drop),
             (Locker::Advisory(conn), Held::Advisory) => advisory_unlock(conn, "bench:w2").await,
-            (Locker::Tower(..), Held::Advisory) => Err(()),
+            (Locker::UserLock(conn, name), Held::UserLock) => release_lock(conn, name).await,
+            (_, Held::Advisory | Held::UserLock) => Err(()),
         }
     }
 }
@@ -2548,8 +2997,8 @@ async fn ceilings(args: &Args) -> Result<Vec<CeilingLine>, String> {
     Ok(lines)
 }
 
-/// The `ratios` line: `"workload":"ratios"` (and `"backend":"postgres"` for the
-/// PostgreSQL suite), then each ratio in the order measured (`null` when a side is
+/// The `ratios` line: `"workload":"ratios"` (and `"backend":"postgres"` or `"mysql"`
+/// for the PostgreSQL and MySQL suites), then each ratio in the order measured (`null` when a side is
 /// missing). Its field names are made from the runs (`w1x32_cycles_per_s`,
 /// `w5x64_memory_req_per_s`, ...), so it is a map serialized in order rather than a
 /// struct.
@@ -2876,6 +3325,86 @@ async fn pg_suite(args: &Args) -> Result<(), String> {
     }
     say(&Ratios {
         backend: Some("postgres"),
+        ratios,
+    })
+}
+
+/// The MySQL/MariaDB suite: tower-lock next to the `GET_LOCK` baseline, each pair run
+/// back to back: w1 with 1 and 32 workers, w2 with 8 workers on one backend, then w2
+/// with a backend per worker (a release reaches the next holder through the
+/// listener's poll), against the same baseline; then the ratios (tower-lock /
+/// baseline).
+async fn my_suite(args: &Args) -> Result<(), String> {
+    let with = |f: &dyn Fn(&mut Args)| {
+        let mut a = args.clone();
+        f(&mut a);
+        a
+    };
+    let u = |v: u64| Some(v as f64);
+    let mut ratios = Vec::new();
+    for workers in [1, 32] {
+        let ours = w1(&with(&|a| {
+            a.workers = workers;
+            a.workload = Workload::W1;
+        }))
+        .await?;
+        say(&ours)?;
+        let base = w1_my_baseline(&with(&|a| {
+            a.workers = workers;
+            a.workload = Workload::W1;
+            a.implementation = Impl::Baseline;
+        }))
+        .await?;
+        say(&base)?;
+        let name = format!("w1x{workers}");
+        ratios.push((
+            format!("{name}_cycles_per_s"),
+            ratio(Some(ours.cycles_per_s), Some(base.cycles_per_s)),
+        ));
+        ratios.push((
+            format!("{name}_cycle_p50_us"),
+            ratio(u(ours.cycle_p50_us), u(base.cycle_p50_us)),
+        ));
+        ratios.push((
+            format!("{name}_cycle_p99_us"),
+            ratio(u(ours.cycle_p99_us), u(base.cycle_p99_us)),
+        ));
+        let cpu = |l: &W1Line| l.my.as_ref().and_then(|c| c.mysql_cpu_us_per_cycle);
+        ratios.push((
+            format!("{name}_mysql_cpu_per_cycle"),
+            ratio(cpu(&ours), cpu(&base)),
+        ));
+    }
+    let w2_with = |implementation, backend_per_worker| {
+        with(&|a| {
+            a.workers = 8;
+            a.workload = Workload::W2;
+            a.implementation = implementation;
+            a.backend_per_worker = backend_per_worker;
+        })
+    };
+    let ours = w2(&w2_with(Impl::TowerLock, false)).await?;
+    say(&ours)?;
+    let base = w2(&w2_with(Impl::Baseline, false)).await?;
+    say(&base)?;
+    let apart = w2(&w2_with(Impl::TowerLock, true)).await?;
+    say(&apart)?;
+    for (name, line) in [("w2", &ours), ("w2_backend_per_worker", &apart)] {
+        ratios.push((
+            format!("{name}_cycles_per_s"),
+            ratio(Some(line.cycles_per_s), Some(base.cycles_per_s)),
+        ));
+        ratios.push((
+            format!("{name}_handoff_p50_us"),
+            ratio(u(line.handoff_p50_us), u(base.handoff_p50_us)),
+        ));
+        ratios.push((
+            format!("{name}_handoff_p99_us"),
+            ratio(u(line.handoff_p99_us), u(base.handoff_p99_us)),
+        ));
+    }
+    say(&Ratios {
+        backend: Some("mysql"),
         ratios,
     })
 }
