@@ -98,16 +98,6 @@ BEGIN
     SET o_now = TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6));
 END
 //
-DROP PROCEDURE IF EXISTS `__T___next_token`
-//
--- The next fencing token of `p_name`, whose row the caller has locked: at least the
--- clock in microseconds (as every backend promises) and above the name's last token.
-CREATE PROCEDURE `__T___next_token`(IN p_name VARBINARY(1280), IN p_now BIGINT, OUT o_token BIGINT)
-BEGIN
-    UPDATE `__T___names` SET token = GREATEST(token + 1, p_now) WHERE name = p_name;
-    SELECT token INTO o_token FROM `__T___names` WHERE name = p_name;
-END
-//
 DROP PROCEDURE IF EXISTS `__T___freed`
 //
 -- A hold of `p_name` was freed (its row is locked): moves the release counter on,
@@ -125,6 +115,12 @@ DROP PROCEDURE IF EXISTS `__T___acquire`
 -- ran after `p_deadline_us`, the database clock in microseconds after which its sender
 -- gave up on it (0: none)), and the name's release counter, from which the process's
 -- listener tells a later release.
+--
+-- Kept short: each statement of a procedure costs the server tens of microseconds, the
+-- most of a lock's cost here (see docs/performance.md). The name's row is locked by
+-- the first statement; one statement then reads everything the attempt decides on.
+-- Expired holds count as absent wherever they are read (the sweep deletes them); a
+-- grant overwrites an expired row of its own hold.
 CREATE PROCEDURE `__T___acquire`(
     IN p_name VARBINARY(1280), IN p_owner VARBINARY(128), IN p_mode CHAR(1), IN p_max INT,
     IN p_lease_ms BIGINT, IN p_fenced BOOLEAN, IN p_writer VARBINARY(128),
@@ -134,13 +130,14 @@ BEGIN
     DECLARE v_acquired BOOLEAN DEFAULT FALSE;
     DECLARE v_holds INT DEFAULT 0;
     DECLARE v_token BIGINT DEFAULT NULL;
+    DECLARE v_last BIGINT;
     DECLARE v_ttl BIGINT DEFAULT -1;
     DECLARE v_block BIGINT DEFAULT NULL;
     DECLARE v_seq BIGINT DEFAULT NULL;
-    DECLARE v_blocked BOOLEAN DEFAULT FALSE;
+    DECLARE v_gone BOOLEAN;
+    DECLARE v_blocked BOOLEAN;
     DECLARE v_released BIGINT DEFAULT 0;
     DECLARE v_queued BOOLEAN DEFAULT p_mode IN ('f', 'r', 'w');
-    DECLARE v_lease BIGINT DEFAULT p_lease_ms * 1000;
     DECLARE v_wait INT DEFAULT @@innodb_lock_wait_timeout;
     DECLARE EXIT HANDLER FOR SQLEXCEPTION
     BEGIN
@@ -148,12 +145,12 @@ BEGIN
         SET innodb_lock_wait_timeout = v_wait;
         RESIGNAL;
     END;
-    IF p_wait_s > 0 THEN
-        SET innodb_lock_wait_timeout = p_wait_s;
-    END IF;
+    SET innodb_lock_wait_timeout = p_wait_s;
     SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
     START TRANSACTION;
-    CALL `__T___lock_name`(p_name, v_now);
+    INSERT INTO `__T___names` (name, released) VALUES (p_name, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)))
+    ON DUPLICATE KEY UPDATE name = name;
+    SET v_now = TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6));
     attempt: BEGIN
         -- Past its deadline (its sender gave up), or of an owner given up for good: a
         -- late attempt takes nothing and queues nowhere.
@@ -161,137 +158,140 @@ BEGIN
             SET v_ttl = -2;
             LEAVE attempt;
         END IF;
-        IF EXISTS (SELECT 1 FROM `__T___gone` g
-                    WHERE g.name = p_name AND g.owner = p_owner AND g.until_us > v_now) THEN
+        -- What the attempt decides on: the name's counter and last token, whether the
+        -- owner was given up, its own hold in this mode (re-entry), and until when the
+        -- other holds block it.
+        SELECT n.released, n.token,
+               EXISTS (SELECT 1 FROM `__T___gone` g
+                        WHERE g.name = p_name AND g.owner = p_owner AND g.until_us > v_now),
+               COALESCE((SELECT t.holds FROM `__T__` t
+                          WHERE t.name = p_name AND t.owner = p_owner AND t.mode = p_mode
+                            AND t.expires_us > v_now), 0),
+               CASE p_mode
+               WHEN 'r' THEN
+                   (SELECT MAX(t.expires_us) FROM `__T__` t
+                     WHERE t.name = p_name AND t.expires_us > v_now AND t.mode <> 'r'
+                       AND NOT (t.mode = 'w' AND t.owner = COALESCE(p_writer, p_owner)))
+               WHEN 'p' THEN
+                   COALESCE(
+                       (SELECT MAX(t.expires_us) FROM `__T__` t
+                         WHERE t.name = p_name AND t.expires_us > v_now AND t.mode <> 'p'),
+                       (SELECT IF(COUNT(*) >= p_max, MIN(t.expires_us), NULL) FROM `__T__` t
+                         WHERE t.name = p_name AND t.expires_us > v_now))
+               ELSE
+                   (SELECT MAX(t.expires_us) FROM `__T__` t
+                     WHERE t.name = p_name AND t.expires_us > v_now)
+               END
+          INTO v_released, v_last, v_gone, v_holds, v_block
+          FROM `__T___names` n WHERE n.name = p_name;
+        IF v_gone THEN
+            SET v_holds = 0;
             LEAVE attempt;
         END IF;
-        DELETE FROM `__T__` WHERE name = p_name AND expires_us <= v_now;
-        IF v_queued THEN
-            DELETE FROM `__T___queue` WHERE name = p_name AND evict_us <= v_now;
+        IF p_fenced THEN
+            SET v_token = GREATEST(v_last + 1, v_now);
         END IF;
 
-        -- Re-entry: the owner already holds it in this mode.
-        SELECT t.holds INTO v_holds FROM `__T__` t
-         WHERE t.name = p_name AND t.owner = p_owner AND t.mode = p_mode;
         IF v_holds > 0 THEN
-            IF p_fenced THEN
-                CALL `__T___next_token`(p_name, v_now, v_token);
-            END IF;
+            -- Re-entry: the owner already holds it in this mode.
             UPDATE `__T__` t
                SET t.holds = t.holds + 1,
-                   t.expires_us = GREATEST(t.expires_us, v_now + v_lease),
+                   t.expires_us = GREATEST(t.expires_us, v_now + p_lease_ms * 1000),
                    t.token = IF(p_fenced, v_token, t.token)
              WHERE t.name = p_name AND t.owner = p_owner AND t.mode = p_mode;
             SET v_holds = v_holds + 1;
-            IF v_queued THEN
-                DELETE FROM `__T___queue`
-                 WHERE name = p_name AND owner = p_owner AND mode = p_mode;
-            END IF;
-            SET v_acquired = TRUE;
-            LEAVE attempt;
-        END IF;
-        SET v_holds = 0;
-
-        -- What the holds allow.
-        IF p_mode = 'r' THEN
-            SELECT MAX(t.expires_us) INTO v_block FROM `__T__` t
-             WHERE t.name = p_name AND t.mode <> 'r'
-               AND NOT (t.mode = 'w' AND t.owner = COALESCE(p_writer, p_owner));
-        ELSEIF p_mode = 'p' THEN
-            SELECT MAX(t.expires_us) INTO v_block FROM `__T__` t
-             WHERE t.name = p_name AND t.mode <> 'p';
-            IF v_block IS NULL
-               AND (SELECT COUNT(*) FROM `__T__` t WHERE t.name = p_name) >= p_max THEN
-                SELECT MIN(t.expires_us) INTO v_block FROM `__T__` t WHERE t.name = p_name;
-            END IF;
         ELSE
-            SELECT MAX(t.expires_us) INTO v_block FROM `__T__` t WHERE t.name = p_name;
-        END IF;
-        SET v_blocked = v_block IS NOT NULL;
-
-        -- What the queue allows: nobody ahead (for readers: no writer or fair waiter
-        -- ahead). A reader let in past its own owner's write hold (downgrade) skips it.
-        IF v_queued AND NOT v_blocked
-           AND NOT (p_mode = 'r' AND EXISTS (
-               SELECT 1 FROM `__T__` t
-                WHERE t.name = p_name AND t.mode = 'w'
-                  AND t.owner = COALESCE(p_writer, p_owner))) THEN
-            SELECT q.seq INTO v_seq FROM `__T___queue` q
-             WHERE q.name = p_name AND q.owner = p_owner AND q.mode = p_mode;
-            SET v_blocked = EXISTS (
-                SELECT 1 FROM `__T___queue` q
-                 WHERE q.name = p_name
-                   AND (v_seq IS NULL OR q.seq < v_seq)
-                   AND (p_mode <> 'r' OR q.mode <> 'r'));
-        END IF;
-
-        IF NOT v_blocked THEN
-            IF p_fenced THEN
-                CALL `__T___next_token`(p_name, v_now, v_token);
+            SET v_blocked = v_block IS NOT NULL;
+            IF v_queued THEN
+                DELETE FROM `__T___queue` WHERE name = p_name AND evict_us <= v_now;
+            END IF;
+            -- What the queue allows: nobody ahead (for readers: no writer or fair
+            -- waiter ahead). A reader let in past its own owner's write hold
+            -- (downgrade) skips it.
+            IF v_queued AND NOT v_blocked THEN
+                IF NOT (p_mode = 'r' AND EXISTS (
+                       SELECT 1 FROM `__T__` t
+                        WHERE t.name = p_name AND t.mode = 'w' AND t.expires_us > v_now
+                          AND t.owner = COALESCE(p_writer, p_owner))) THEN
+                    SELECT q.seq INTO v_seq FROM `__T___queue` q
+                     WHERE q.name = p_name AND q.owner = p_owner AND q.mode = p_mode;
+                    SET v_blocked = EXISTS (
+                        SELECT 1 FROM `__T___queue` q
+                         WHERE q.name = p_name
+                           AND (v_seq IS NULL OR q.seq < v_seq)
+                           AND (p_mode <> 'r' OR q.mode <> 'r'));
+                END IF;
+            END IF;
+            IF v_blocked THEN
+                SET v_ttl = IF(v_block IS NULL, -1, GREATEST(0, CEIL((v_block - v_now) / 1000)));
+                IF v_queued THEN
+                    -- In line (or still in line), for another waiter timeout; come back
+                    -- within a third of it.
+                    INSERT INTO `__T___queue` (name, owner, mode, evict_us)
+                    VALUES (p_name, p_owner, p_mode, v_now + p_waiter_ms * 1000)
+                    ON DUPLICATE KEY UPDATE evict_us = VALUES(evict_us);
+                    IF v_ttl < 0 OR v_ttl > p_waiter_ms DIV 3 THEN
+                        SET v_ttl = GREATEST(1, p_waiter_ms DIV 3);
+                    END IF;
+                END IF;
+                LEAVE attempt;
             END IF;
             INSERT INTO `__T__` (name, owner, mode, holds, expires_us, token)
-            VALUES (p_name, p_owner, p_mode, 1, v_now + v_lease, v_token);
-            IF v_queued THEN
-                DELETE FROM `__T___queue`
-                 WHERE name = p_name AND owner = p_owner AND mode = p_mode;
-            END IF;
+            VALUES (p_name, p_owner, p_mode, 1, v_now + p_lease_ms * 1000, v_token)
+            ON DUPLICATE KEY UPDATE holds = 1, expires_us = VALUES(expires_us),
+                                    token = VALUES(token);
             SET v_holds = 1;
-            SET v_acquired = TRUE;
-            LEAVE attempt;
         END IF;
-
-        SET v_ttl = IF(v_block IS NULL, -1, GREATEST(0, CEIL((v_block - v_now) / 1000)));
+        SET v_acquired = TRUE;
+        IF p_fenced THEN
+            UPDATE `__T___names` SET token = v_token WHERE name = p_name;
+        END IF;
         IF v_queued THEN
-            -- In line (or still in line), for another waiter timeout; come back within
-            -- a third of it.
-            INSERT INTO `__T___queue` (name, owner, mode, evict_us)
-            VALUES (p_name, p_owner, p_mode, v_now + p_waiter_ms * 1000)
-            ON DUPLICATE KEY UPDATE evict_us = VALUES(evict_us);
-            IF v_ttl < 0 OR v_ttl > p_waiter_ms DIV 3 THEN
-                SET v_ttl = GREATEST(1, p_waiter_ms DIV 3);
-            END IF;
+            DELETE FROM `__T___queue` WHERE name = p_name AND owner = p_owner AND mode = p_mode;
         END IF;
     END attempt;
-    SELECT n.released INTO v_released FROM `__T___names` n WHERE n.name = p_name;
     COMMIT;
     SET innodb_lock_wait_timeout = v_wait;
     SELECT CAST(v_acquired AS SIGNED) AS acquired, CAST(v_holds AS SIGNED) AS holds,
-           CAST(IF(p_fenced, v_token, NULL) AS SIGNED) AS token, CAST(v_ttl AS SIGNED) AS ttl_ms,
-           CAST(v_released AS SIGNED) AS released;
+           CAST(IF(p_fenced AND v_acquired, v_token, NULL) AS SIGNED) AS token,
+           CAST(v_ttl AS SIGNED) AS ttl_ms, CAST(v_released AS SIGNED) AS released;
 END
 //
 DROP PROCEDURE IF EXISTS `__T___release_in`
 //
 -- Releases one hold of `p_owner` in `p_mode` inside the caller's transaction: -1 not
 -- held, 0 released, n holds left (a remaining hold's lease extended to `p_lease_ms`,
--- never shortened).
+-- never shortened). A release that frees a hold moves the name's counter on.
 CREATE PROCEDURE `__T___release_in`(
     IN p_name VARBINARY(1280), IN p_owner VARBINARY(128), IN p_mode CHAR(1),
     IN p_lease_ms BIGINT, OUT o_left INT)
 BEGIN
     DECLARE v_now BIGINT;
     DECLARE v_holds INT DEFAULT 0;
+    DECLARE v_locked INT DEFAULT 0;
     SET o_left = -1;
-    CALL `__T___lock_name`(p_name, v_now);
-    releasing: BEGIN
-        SELECT t.holds INTO v_holds FROM `__T__` t
-         WHERE t.name = p_name AND t.owner = p_owner AND t.mode = p_mode
-           AND t.expires_us > v_now;
-        IF v_holds > 1 THEN
-            UPDATE `__T__` t
-               SET t.holds = t.holds - 1,
-                   t.expires_us = GREATEST(t.expires_us, v_now + p_lease_ms * 1000)
-             WHERE t.name = p_name AND t.owner = p_owner AND t.mode = p_mode;
-            SET o_left = v_holds - 1;
-            LEAVE releasing;
-        END IF;
+    -- No row for the name: nothing of it is held.
+    SELECT 1 INTO v_locked FROM `__T___names` WHERE name = p_name FOR UPDATE;
+    SET v_now = TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6));
+    SELECT COALESCE((SELECT t.holds FROM `__T__` t
+                      WHERE t.name = p_name AND t.owner = p_owner AND t.mode = p_mode
+                        AND t.expires_us > v_now), 0)
+      INTO v_holds;
+    IF v_holds > 1 THEN
+        UPDATE `__T__` t
+           SET t.holds = t.holds - 1,
+               t.expires_us = GREATEST(t.expires_us, v_now + p_lease_ms * 1000)
+         WHERE t.name = p_name AND t.owner = p_owner AND t.mode = p_mode;
+        SET o_left = v_holds - 1;
+    ELSEIF v_locked = 1 THEN
         -- Held once, or not (any more): an expired row of it goes too.
         DELETE FROM `__T__` WHERE name = p_name AND owner = p_owner AND mode = p_mode;
         IF v_holds = 1 THEN
             SET o_left = 0;
-            CALL `__T___freed`(p_name, v_now);
+            UPDATE `__T___names` SET released = released + 1, idle_at = v_now
+             WHERE name = p_name;
         END IF;
-    END releasing;
+    END IF;
 END
 //
 DROP PROCEDURE IF EXISTS `__T___release`
