@@ -1,5 +1,6 @@
 //! Cross-process exclusion check: run several of these against one Redis (or one set of
-//! RedLock nodes, or one PostgreSQL database) and the counter must come out exact.
+//! RedLock nodes, or one PostgreSQL, MySQL or MariaDB database) and the counter must come
+//! out exact.
 //!
 //! ```sh
 //! cargo run --release --example hammer -- --url redis://127.0.0.1:6379 \
@@ -10,6 +11,8 @@
 //!     --url redis://127.0.0.1:7000,redis://127.0.0.1:7001 --counter-url postgres://... \
 //!     --name '{h}' --iters 1000 --counter-key h:counter
 //! cargo run --release --example hammer -- --url postgres://root@127.0.0.1:5432/app \
+//!     --name hammer --iters 1000 --counter-key hammer:counter
+//! cargo run --release --example hammer -- --url mysql://root@127.0.0.1:3306/test \
 //!     --name hammer --iters 1000 --counter-key hammer:counter
 //! ```
 //!
@@ -24,7 +27,8 @@
 //!   [`RedisBackend`] on the primary those Sentinels name (with the `sentinel` feature;
 //!   see [`RedisBackend::from_url`]), `postgres://` (or `postgresql://`) for [`PostgresBackend`] on a
 //!   pool of `--tasks` connections (and one more that listens for releases), with its
-//!   tables created if missing.
+//!   tables created if missing; `mysql://` (or `mariadb://`) for [`MySqlBackend`] the
+//!   same way.
 //! - `--cluster` (with the `cluster` feature): the `--url` list is the seed nodes of one
 //!   Redis Cluster, and the locks are taken there ([`RedisBackend::cluster`]); the
 //!   counter then needs a `--counter-url` of its own.
@@ -34,7 +38,10 @@
 //!   missing), read with a `SELECT` and written with an upsert; the same statement as
 //!   the write appends `(key, value, pid, at)` to `hammer_counter_writes`, so a check
 //!   can tell which process wrote which value and when (by the database's clock): with
-//!   exclusion, the values written are 1 to N, each once.
+//!   exclusion, the values written are 1 to N, each once. On MySQL or MariaDB the
+//!   same tables, with `at_us` (microseconds since the epoch, by the database's clock,
+//!   as the lock table's leases) where PostgreSQL has `at`, and the upsert and the log
+//!   written in one transaction.
 //! - `--kind` picks the lock: `lock` (the reentrant lock, the default), `fair`, `write`
 //!   (the write lock of a read-write lock), `redlock` (a reentrant lock held by a
 //!   majority of the Redis nodes given as a comma-separated `--url` list), or `permits`
@@ -58,10 +65,11 @@ use std::time::Duration;
 
 use clap::{CommandFactory, Parser, ValueEnum};
 use redis::AsyncCommands;
+use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use tower_lock::backend::LockBackend;
 use tower_lock::backend::redlock::RedLock;
-use tower_lock::{Lease, Lock, LockClient, PostgresBackend, RedisBackend};
+use tower_lock::{Lease, Lock, LockClient, MySqlBackend, PostgresBackend, RedisBackend};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Kind {
@@ -78,16 +86,16 @@ enum Kind {
     Permits,
 }
 
-/// Cross-process exclusion check: run several against one Redis or PostgreSQL and the
-/// counter must come out exact.
+/// Cross-process exclusion check: run several against one Redis, PostgreSQL or MySQL and
+/// the counter must come out exact.
 #[derive(Parser)]
 #[command(name = "hammer", args_override_self = true)]
 struct Cli {
-    /// The Redis server or PostgreSQL database, or a comma-separated list of RedLock
-    /// nodes (with `--kind redlock`).
+    /// The Redis server, PostgreSQL or MySQL/MariaDB database, or a comma-separated list
+    /// of RedLock nodes (with `--kind redlock`).
     #[arg(long, value_name = "URL[,URL...]")]
     url: String,
-    /// Where the counter lives, Redis or PostgreSQL (default: the first `--url`).
+    /// Where the counter lives, Redis, PostgreSQL or MySQL (default: the first `--url`).
     #[arg(long, value_name = "URL")]
     counter_url: Option<String>,
     /// The lock's name.
@@ -160,6 +168,15 @@ fn is_postgres(url: &str) -> bool {
     url.starts_with("postgres://") || url.starts_with("postgresql://")
 }
 
+fn is_mysql(url: &str) -> bool {
+    url.starts_with("mysql://") || url.starts_with("mariadb://")
+}
+
+/// Whether `url` is a database's, not a Redis server's.
+fn is_sql(url: &str) -> bool {
+    is_postgres(url) || is_mysql(url)
+}
+
 /// Whether `url` names a primary by its Sentinels (its commas separate Sentinels, not
 /// RedLock nodes).
 fn is_sentinel(url: &str) -> bool {
@@ -212,7 +229,7 @@ fn parse_args() -> Result<Args, String> {
         return Err("--url needs at least one URL".to_owned());
     }
     if cli.cluster {
-        if cli.kind == Kind::RedLock || urls.iter().any(|u| is_postgres(u) || is_sentinel(u)) {
+        if cli.kind == Kind::RedLock || urls.iter().any(|u| is_sql(u) || is_sentinel(u)) {
             return Err("--cluster takes the redis:// seed nodes of one cluster".to_owned());
         }
         if cli.counter_url.is_none() {
@@ -221,8 +238,8 @@ fn parse_args() -> Result<Args, String> {
     } else if cli.kind != Kind::RedLock && urls.len() > 1 {
         return Err("several --url values are RedLock nodes: use --kind redlock".to_owned());
     }
-    if cli.kind == Kind::RedLock && urls.iter().any(|u| is_postgres(u)) {
-        return Err("--kind redlock takes Redis nodes, not postgres:// URLs".to_owned());
+    if cli.kind == Kind::RedLock && urls.iter().any(|u| is_sql(u)) {
+        return Err("--kind redlock takes Redis nodes, not database URLs".to_owned());
     }
     let permits = match (cli.kind, cli.permits) {
         (Kind::Permits, Some(n)) if n > 0 => n,
@@ -256,6 +273,16 @@ fn parse_args() -> Result<Args, String> {
 /// A pool of `size` connections to the PostgreSQL database at `url`.
 async fn pg_pool(url: &str, size: u64) -> Result<PgPool, String> {
     PgPoolOptions::new()
+        .max_connections(u32::try_from(size).unwrap_or(u32::MAX))
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(url)
+        .await
+        .map_err(|e| format!("connecting to {}: {e}", shown(url)))
+}
+
+/// A pool of `size` connections to the MySQL or MariaDB database at `url`.
+async fn my_pool(url: &str, size: u64) -> Result<MySqlPool, String> {
+    MySqlPoolOptions::new()
         .max_connections(u32::try_from(size).unwrap_or(u32::MAX))
         .acquire_timeout(Duration::from_secs(10))
         .connect(url)
@@ -318,6 +345,18 @@ async fn client(args: &Args) -> Result<LockClient, String> {
             .map_err(|e| format!("PostgreSQL locks at {}: {e}", shown(url)))?;
         return client_on(backend, args);
     }
+    if is_mysql(url) {
+        if args.hand_over {
+            return Err("--hand-over is PostgreSQL's (MySqlBackend has no hand-over)".to_owned());
+        }
+        // One connection per task (the backend's listener makes its own).
+        let pool = my_pool(url, args.tasks.max(1)).await?;
+        let backend = MySqlBackend::builder(pool)
+            .build()
+            .await
+            .map_err(|e| format!("MySQL locks at {}: {e}", shown(url)))?;
+        return client_on(backend, args);
+    }
     let backend = RedisBackend::from_url(url)
         .build()
         .await
@@ -372,11 +411,92 @@ const PG_LEAVE: &str = "WITH d AS (
 INSERT INTO hammer_counter (key, value) VALUES ($2, 1)
 ON CONFLICT (key) DO UPDATE SET value = hammer_counter.value + 1";
 
+/// The MySQL counter's tables, as PostgreSQL's (`key` quoted: a reserved word there).
+/// A `CREATE TABLE IF NOT EXISTS` is atomic in InnoDB: processes starting together need
+/// no lock around them.
+const MY_SCHEMA: [&str; 2] = [
+    "CREATE TABLE IF NOT EXISTS hammer_counter (
+        `key` VARCHAR(255) NOT NULL PRIMARY KEY,
+        value BIGINT NOT NULL
+    ) ENGINE=InnoDB",
+    "CREATE TABLE IF NOT EXISTS hammer_counter_writes (
+        `key` VARCHAR(255) NOT NULL,
+        value BIGINT NOT NULL,
+        pid   INT NOT NULL,
+        at_us BIGINT NOT NULL
+    ) ENGINE=InnoDB",
+];
+
+const MY_READ: &str = "SELECT value FROM hammer_counter WHERE `key` = ?";
+
+/// Sets `?1` to `?2` (the first half of PostgreSQL's `PG_WRITE`).
+const MY_SET: &str = "INSERT INTO hammer_counter (`key`, value) VALUES (?, ?) \
+    ON DUPLICATE KEY UPDATE value = VALUES(value)";
+
+/// Logs the write (the second half), stamped by the database's clock.
+const MY_LOG: &str = "INSERT INTO hammer_counter_writes (`key`, value, pid, at_us) \
+    VALUES (?, ?, ?, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)))";
+
+/// Adds `?2` to `?1`, creating it at `?2`.
+const MY_ADD: &str = "INSERT INTO hammer_counter (`key`, value) VALUES (?, ?) \
+    ON DUPLICATE KEY UPDATE value = value + VALUES(value)";
+
+/// Raises `?1` (K:max) to the value of `?2` (K:inside).
+const MY_RAISE: &str = "INSERT INTO hammer_counter (`key`, value) \
+    SELECT ?, inside.value FROM hammer_counter inside WHERE inside.`key` = ? \
+    ON DUPLICATE KEY UPDATE value = GREATEST(hammer_counter.value, VALUES(value))";
+
 /// Where the counter lives.
 #[derive(Clone)]
 enum Counter {
     Redis(redis::aio::MultiplexedConnection),
     Postgres(PgPool),
+    MySql(MySqlPool),
+}
+
+/// Runs `statements` (each with its binds) in one transaction on `pool`, once more
+/// after a deadlock (permit holders enter and leave at once, and InnoDB may pick one of
+/// two upserts of one new row as a victim, which applied nothing).
+async fn my_transaction(
+    pool: &MySqlPool,
+    statements: &[(&str, &[MyValue<'_>])],
+) -> Result<(), sqlx::Error> {
+    let mut tries = 0;
+    loop {
+        let mut tx = pool.begin().await?;
+        let mut outcome = Ok(());
+        for (sql, binds) in statements {
+            let mut query = sqlx::query(sql);
+            for bind in *binds {
+                query = match *bind {
+                    MyValue::Text(text) => query.bind(text),
+                    MyValue::Int(n) => query.bind(n),
+                };
+            }
+            if let Err(e) = query.execute(&mut *tx).await {
+                outcome = Err(e);
+                break;
+            }
+        }
+        let outcome = match outcome {
+            Ok(()) => tx.commit().await,
+            Err(e) => Err(e),
+        };
+        // SQLSTATE 40001: a deadlock's victim (a lock wait that timed out is HY000).
+        let deadlock = matches!(&outcome, Err(sqlx::Error::Database(db))
+            if db.code().as_deref() == Some("40001"));
+        tries += 1;
+        if !deadlock || tries == 5 {
+            return outcome;
+        }
+    }
+}
+
+/// A bind of [`my_transaction`]'s statements.
+#[derive(Clone, Copy)]
+enum MyValue<'a> {
+    Text(&'a str),
+    Int(i64),
 }
 
 impl Counter {
@@ -388,6 +508,16 @@ impl Counter {
                 .await
                 .map_err(|e| format!("creating the counter table at {}: {e}", shown(url)))?;
             return Ok(Counter::Postgres(pool));
+        }
+        if is_mysql(url) {
+            let pool = my_pool(url, tasks).await?;
+            for statement in MY_SCHEMA {
+                sqlx::query(statement)
+                    .execute(&pool)
+                    .await
+                    .map_err(|e| format!("creating the counter table at {}: {e}", shown(url)))?;
+            }
+            return Ok(Counter::MySql(pool));
         }
         Ok(Counter::Redis(redis_conn(url).await?))
     }
@@ -401,6 +531,14 @@ impl Counter {
             }
             Counter::Postgres(pool) => {
                 let value: Option<i64> = sqlx::query_scalar(PG_READ)
+                    .bind(key)
+                    .fetch_optional(&*pool)
+                    .await
+                    .map_err(|e| format!("SELECT: {e}"))?;
+                u64::try_from(value.unwrap_or(0)).map_err(|_| "a negative counter".to_owned())
+            }
+            Counter::MySql(pool) => {
+                let value: Option<i64> = sqlx::query_scalar(MY_READ)
                     .bind(key)
                     .fetch_optional(&*pool)
                     .await
@@ -423,6 +561,20 @@ impl Counter {
                     .await
                     .map_err(|e| format!("UPDATE: {e}"))?;
                 Ok(())
+            }
+            Counter::MySql(pool) => {
+                let value = i64::try_from(value).map_err(|_| "the counter overflowed")?;
+                let pid = i64::from(std::process::id());
+                let (key, value) = (MyValue::Text(key), MyValue::Int(value));
+                my_transaction(
+                    pool,
+                    &[
+                        (MY_SET, &[key, value]),
+                        (MY_LOG, &[key, value, MyValue::Int(pid)]),
+                    ],
+                )
+                .await
+                .map_err(|e| format!("UPDATE: {e}"))
             }
         }
     }
@@ -447,6 +599,18 @@ impl Counter {
                     .await
                     .map_err(|e| format!("enter: {e}"))?;
             }
+            Counter::MySql(pool) => {
+                let (inside, most) = (MyValue::Text(inside), MyValue::Text(most));
+                my_transaction(
+                    pool,
+                    &[
+                        (MY_ADD, &[inside, MyValue::Int(1)]),
+                        (MY_RAISE, &[most, inside]),
+                    ],
+                )
+                .await
+                .map_err(|e| format!("enter: {e}"))?;
+            }
         }
         Ok(())
     }
@@ -469,6 +633,18 @@ impl Counter {
                     .await
                     .map_err(|e| format!("leave: {e}"))?;
                 Ok(())
+            }
+            Counter::MySql(pool) => {
+                let (inside, key) = (MyValue::Text(inside), MyValue::Text(key));
+                my_transaction(
+                    pool,
+                    &[
+                        (MY_ADD, &[inside, MyValue::Int(-1)]),
+                        (MY_ADD, &[key, MyValue::Int(1)]),
+                    ],
+                )
+                .await
+                .map_err(|e| format!("leave: {e}"))
             }
         }
     }

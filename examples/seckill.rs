@@ -13,6 +13,10 @@
 //! # Behind Sentinel (feature `sentinel`): the primary the Sentinels monitor as mymaster.
 //! REDIS_URL=redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/mymaster \
 //!     cargo run --features sentinel --example seckill -- --demo
+//!
+//! # Vouchers, orders and locks in one database, shared by every process on it:
+//! DATABASE_URL=postgres://root@127.0.0.1:5432/app cargo run --example seckill -- --demo
+//! DATABASE_URL=mysql://root@127.0.0.1:3306/test cargo run --example seckill -- --demo
 //! ```
 //!
 //! Each order runs "has this user ordered? → take stock → insert the order". The check
@@ -44,9 +48,11 @@
 //! With `DATABASE_URL=postgres://...` (or `--database-url`), vouchers, stock and orders
 //! are PostgreSQL tables (`seckill/pg_store.rs`, created at start), and the locks are
 //! `PostgresBackend` locks on the same database — or `RedisBackend` locks when
-//! `REDIS_URL` is set too. The order write carries the lock's fencing token and the
-//! database refuses a stale one (a holder that paused past its lease while a newer one
-//! took over): `409 stale_token`.
+//! `REDIS_URL` is set too. With `DATABASE_URL=mysql://...` (or `mariadb://`), the same
+//! with MySQL or MariaDB tables (`seckill/mysql_store.rs`) and `MySqlBackend` locks.
+//! The order write carries the lock's fencing token and the database refuses a stale
+//! one (a holder that paused past its lease while a newer one took over): `409
+//! stale_token`.
 //!
 //! The operator's side runs on a listener of its own, never on the public one
 //! (`--admin HOST:PORT`, default a free port on 127.0.0.1, printed at start; see
@@ -77,6 +83,8 @@
 mod admin;
 #[path = "seckill/app.rs"]
 mod app;
+#[path = "seckill/mysql_store.rs"]
+mod mysql_store;
 #[path = "seckill/pg_store.rs"]
 mod pg_store;
 #[cfg(feature = "redis")]
@@ -150,8 +158,9 @@ struct Cli {
     /// this process).
     #[arg(long, env = "REDIS_URL", value_name = "URL", hide_env_values = true)]
     redis_url: Option<String>,
-    /// Vouchers, stock and orders in this PostgreSQL database (tables created at start),
-    /// with the write fenced by the database; the locks too, unless `--redis-url` is set.
+    /// Vouchers, stock and orders in this PostgreSQL (`postgres://`) or MySQL/MariaDB
+    /// (`mysql://`) database (tables created at start), with the write fenced by the
+    /// database; the locks too, unless `--redis-url` is set.
     #[arg(long, env = "DATABASE_URL", value_name = "URL", hide_env_values = true)]
     database_url: Option<String>,
     /// Where the admin routes (`/metrics`, `/admin/...`) listen: never on `--addr`.
@@ -233,7 +242,11 @@ fn parse_args() -> Result<Args, String> {
 /// whatever they are: this is the one place to choose them.
 async fn backend_and_store(args: &Args) -> Result<(LockClient, Arc<dyn Store>), String> {
     if let Some(url) = &args.database_url {
-        return on_postgres(url, args).await;
+        return if is_mysql(url) {
+            on_mysql(url, args).await
+        } else {
+            on_postgres(url, args).await
+        };
     }
     match &args.redis_url {
         Some(url) => on_redis(url, args).await,
@@ -268,6 +281,14 @@ fn client_on(
         })
 }
 
+/// Whether `url` is a MySQL or MariaDB URL (else it is taken for PostgreSQL's).
+fn is_mysql(url: &str) -> bool {
+    ["mysql://", "mariadb://"].iter().any(|scheme| {
+        url.get(..scheme.len())
+            .is_some_and(|s| s.eq_ignore_ascii_case(scheme))
+    })
+}
+
 /// `PgStore` for the data, and `PostgresBackend` on the same pool for the locks (or
 /// `RedisBackend` when a Redis URL is given too).
 async fn on_postgres(url: &str, args: &Args) -> Result<(LockClient, Arc<dyn Store>), String> {
@@ -296,28 +317,13 @@ async fn on_postgres(url: &str, args: &Args) -> Result<(LockClient, Arc<dyn Stor
         .await
         .map_err(|e| format!("cannot reach PostgreSQL at {server}: {e}"))?;
     let store = PgStore::open(pool.clone()).await.map_err(|e| e.0)?;
-    if args.demo || args.reset {
-        store.reset(VOUCHER, args.stock).await.map_err(|e| e.0)?;
-        println!(
-            "voucher {VOUCHER}: sale started afresh with {} in stock",
-            args.stock
-        );
-    } else if store.seed(VOUCHER, args.stock).await.map_err(|e| e.0)? {
-        println!("voucher {VOUCHER}: seeded with {} in stock", args.stock);
-    } else {
-        println!(
-            "voucher {VOUCHER}: already in PostgreSQL; joining that sale (--stock not applied; --reset starts afresh)"
-        );
-    }
+    let (reset, seed) = (
+        store.reset(VOUCHER, args.stock),
+        store.seed(VOUCHER, args.stock),
+    );
+    open_sale(args, "PostgreSQL", reset, seed).await?;
     let client = match &args.redis_url {
-        Some(redis_url) => {
-            let backend = tower_lock::RedisBackend::from_url(redis_url)
-                .build()
-                .await
-                .map_err(|e| format!("cannot reach Redis for the locks: {e}"))?;
-            println!("store: postgresql at {server}; locks: redis");
-            client_on(backend, args)?
-        }
+        Some(redis_url) => redis_locks(redis_url, args, &format!("postgresql at {server}")).await?,
         None => {
             let backend = PostgresBackend::builder(pool)
                 .build()
@@ -331,6 +337,91 @@ async fn on_postgres(url: &str, args: &Args) -> Result<(LockClient, Arc<dyn Stor
         }
     };
     Ok((client, Arc::new(store)))
+}
+
+/// `MySqlStore` for the data, and `MySqlBackend` on the same pool for the locks (or
+/// `RedisBackend` when a Redis URL is given too).
+async fn on_mysql(url: &str, args: &Args) -> Result<(LockClient, Arc<dyn Store>), String> {
+    use mysql_store::MySqlStore;
+    use tower_lock::MySqlBackend;
+
+    // Where, without the password the URL may carry.
+    let server = url
+        .parse::<sqlx::mysql::MySqlConnectOptions>()
+        .map(|o| {
+            format!(
+                "{}:{}/{}",
+                o.get_host(),
+                o.get_port(),
+                o.get_database().unwrap_or("")
+            )
+        })
+        .map_err(|e| format!("DATABASE_URL is not a MySQL URL: {e}"))?;
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(20)
+        .acquire_timeout(Duration::from_secs(2))
+        // A lock call is a short round trip; pinging the connection first would double
+        // it (docs/mysql.md).
+        .test_before_acquire(false)
+        .connect(url)
+        .await
+        .map_err(|e| format!("cannot reach MySQL at {server}: {e}"))?;
+    let store = MySqlStore::open(pool.clone()).await.map_err(|e| e.0)?;
+    let (reset, seed) = (
+        store.reset(VOUCHER, args.stock),
+        store.seed(VOUCHER, args.stock),
+    );
+    open_sale(args, "MySQL", reset, seed).await?;
+    let client = match &args.redis_url {
+        Some(redis_url) => redis_locks(redis_url, args, &format!("mysql at {server}")).await?,
+        None => {
+            let backend = MySqlBackend::builder(pool)
+                .build()
+                .await
+                .map_err(|e| format!("cannot set up the MySQL locks at {server}: {e}"))?;
+            println!(
+                "store and locks: mysql at {server} (tables seckill_* and tower_lock*; \
+                 order writes fenced by the database)"
+            );
+            client_on(backend, args)?
+        }
+    };
+    Ok((client, Arc::new(store)))
+}
+
+/// Voucher 1 in a database store, as `--demo`, `--reset` and `--stock` ask: the sale
+/// started afresh (`reset`), or seeded (`seed`) unless `database` has it already, in
+/// which case this process joins that sale. Only the one chosen is awaited.
+async fn open_sale(
+    args: &Args,
+    database: &str,
+    reset: impl std::future::Future<Output = Result<(), app::StoreError>>,
+    seed: impl std::future::Future<Output = Result<bool, app::StoreError>>,
+) -> Result<(), String> {
+    let stock = args.stock;
+    if args.demo || args.reset {
+        reset.await.map_err(|e| e.0)?;
+        println!("voucher {VOUCHER}: sale started afresh with {stock} in stock");
+    } else if seed.await.map_err(|e| e.0)? {
+        println!("voucher {VOUCHER}: seeded with {stock} in stock");
+    } else {
+        println!(
+            "voucher {VOUCHER}: already in {database}; joining that sale (--stock not applied; \
+             --reset starts afresh)"
+        );
+    }
+    Ok(())
+}
+
+/// The lock client on `RedisBackend` at `redis_url`, for a store in a database
+/// (`store`, as printed).
+async fn redis_locks(redis_url: &str, args: &Args, store: &str) -> Result<LockClient, String> {
+    let backend = tower_lock::RedisBackend::from_url(redis_url)
+        .build()
+        .await
+        .map_err(|e| format!("cannot reach Redis for the locks: {e}"))?;
+    println!("store: {store}; locks: redis");
+    client_on(backend, args)
 }
 
 /// `RedisBackend` for the locks and `RedisStore` for the data, on the server at `url`.

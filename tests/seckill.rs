@@ -1,8 +1,8 @@
 //! The seckill example's app: its endpoints, retried orders replayed, and its invariants
 //! under the demo burst, on the memory backend with the memory store, on `RedisBackend`
-//! with the Redis store (a real redis-server per test) and on `PostgresBackend` with the
-//! PostgreSQL store (a database per test); and `seckill` processes of their own on one
-//! store (`seckill/processes.rs`).
+//! with the Redis store (a real redis-server per test), on `PostgresBackend` with the
+//! PostgreSQL store and on `MySqlBackend` with the MySQL store (a database per test);
+//! and `seckill` processes of their own on one store (`seckill/processes.rs`).
 #![cfg(feature = "axum")]
 
 #[path = "it/common/mod.rs"]
@@ -12,6 +12,9 @@ mod common;
 mod admin;
 #[path = "../examples/seckill/app.rs"]
 mod app;
+#[cfg(feature = "mysql")]
+#[path = "../examples/seckill/mysql_store.rs"]
+mod mysql_store;
 #[cfg(feature = "postgres")]
 #[path = "../examples/seckill/pg_store.rs"]
 mod pg_store;
@@ -19,7 +22,7 @@ mod pg_store;
 #[path = "../examples/seckill/redis_store.rs"]
 mod redis_store;
 
-#[cfg(any(feature = "redis", feature = "postgres"))]
+#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
 #[path = "seckill/processes.rs"]
 mod processes;
 
@@ -51,6 +54,8 @@ enum Locks {
     Redis(common::redis_server::RedisServer),
     #[cfg(feature = "postgres")]
     Postgres(tower_lock::PostgresBackend, common::postgres::PgDatabase),
+    #[cfg(feature = "mysql")]
+    MySql(tower_lock::MySqlBackend, common::mysql::MyDatabase),
 }
 
 /// As the example builds it with `DATABASE_URL` set and no `REDIS_URL`: the store in
@@ -74,6 +79,31 @@ async fn postgres(stock: i64, settings: Settings) -> Fixture {
         store,
         client,
         locks: Locks::Postgres(backend, db),
+        runs,
+    }
+}
+
+/// As the example builds it with `DATABASE_URL=mysql://...` and no `REDIS_URL`: the
+/// store in MySQL tables, `MySqlBackend` locks on the same pool, voucher 1 seeded.
+#[cfg(feature = "mysql")]
+async fn mysql(stock: i64, settings: Settings) -> Fixture {
+    let db = common::mysql::MyDatabase::create().await;
+    let pool = db.pool(20).await;
+    let my = mysql_store::MySqlStore::open(pool.clone()).await.unwrap();
+    assert!(my.seed(1, stock).await.unwrap());
+    let backend = tower_lock::MySqlBackend::builder(pool)
+        .build()
+        .await
+        .unwrap();
+    let client = client_on(backend.clone());
+    let store: Arc<dyn Store> = Arc::new(my);
+    let runs = HandlerRuns::default();
+    let app = app::app(client.clone(), store.clone(), settings, runs.clone()).unwrap();
+    Fixture {
+        app,
+        store,
+        client,
+        locks: Locks::MySql(backend, db),
         runs,
     }
 }
@@ -159,6 +189,24 @@ impl Fixture {
                                     AND name NOT LIKE '%:quota-total:%') \
                               + (SELECT count(*) FROM tower_lock_names \
                                   WHERE owner IS NOT NULL AND expires_at > clock_timestamp())",
+                    )
+                    .fetch_one(backend.pool())
+                    .await
+                    .unwrap();
+                    live == 0
+                })
+                .await;
+            }
+            #[cfg(feature = "mysql")]
+            Locks::MySql(backend, _) => {
+                wait_until(Duration::from_secs(5), "no lock row left", || async {
+                    let live: i64 = sqlx::query_scalar(
+                        "SELECT CAST((SELECT COUNT(*) FROM tower_lock \
+                                       WHERE expires_us > TIMESTAMPDIFF(MICROSECOND, \
+                                             '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) \
+                                         AND name NOT LIKE '%:quota:%' \
+                                         AND name NOT LIKE '%:quota-total:%') \
+                                   + (SELECT COUNT(*) FROM tower_lock_queue) AS SIGNED)",
                     )
                     .fetch_one(backend.pool())
                     .await
@@ -554,6 +602,13 @@ async fn the_demo_burst_keeps_the_invariants_on_memory() {
         .await;
 }
 
+/// The bursts on databases (PostgreSQL, MySQL) run one at a time: side by side on a
+/// 2-core machine, with the rest of the suite, a statement could wait past the 1 s
+/// response timeout and a request be answered `503` (seen once in `.ci/run`), which the
+/// bursts' exact tallies do not allow.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+static DB_BURSTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[cfg(feature = "postgres")]
 mod on_postgres {
     use super::*;
@@ -588,15 +643,9 @@ mod on_postgres {
             .await;
     }
 
-    /// The two bursts on PostgreSQL run one at a time: side by side on a 2-core machine,
-    /// with the rest of the suite, a statement could wait past the 1 s response timeout
-    /// and a request be answered `503` (seen once in `.ci/run`), which the bursts'
-    /// exact tallies do not allow.
-    static PG_BURSTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_demo_burst_keeps_the_invariants() {
-        let _one = PG_BURSTS.lock().await;
+        let _one = DB_BURSTS.lock().await;
         let fx = postgres(PG_STOCK, Settings::default()).await;
         super::the_demo_burst_keeps_the_invariants(fx, PG_BURST, PG_STOCK).await;
     }
@@ -612,7 +661,7 @@ mod on_postgres {
     /// and replayed to its retries, whichever server a user's requests reach.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn two_servers_on_one_database_keep_the_invariants() {
-        let _one = PG_BURSTS.lock().await;
+        let _one = DB_BURSTS.lock().await;
         let first = postgres(PG_STOCK, Settings::default()).await;
         let Locks::Postgres(_, db) = &first.locks else {
             unreachable!("a postgres fixture")
@@ -664,6 +713,152 @@ mod on_postgres {
     #[tokio::test]
     async fn a_paused_holders_late_write_is_refused() {
         let fx = postgres(10, Settings::default()).await;
+        let key = tower_lock::LockKey::namespaced("lock:order", "7").unwrap();
+        let lock = fx.client.get_fenced_lock(&key).unwrap();
+        let a = lock
+            .try_lock_for(Duration::ZERO, Duration::from_millis(200))
+            .await
+            .unwrap();
+        let ta = a.fencing_token().unwrap().get();
+        assert!(fx.store.fence(1, 7, ta).await.unwrap());
+        assert!(!fx.store.has_order(1, 7).await.unwrap());
+        // A pauses (a GC pause, a slow disk) past its lease.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(a.is_lost());
+        let b = lock
+            .try_lock_for(Duration::ZERO, Lease::Watchdog)
+            .await
+            .unwrap();
+        let tb = b.fencing_token().unwrap().get();
+        assert!(tb > ta);
+        assert!(fx.store.fence(1, 7, tb).await.unwrap());
+        assert!(!fx.store.has_order(1, 7).await.unwrap());
+        assert!(matches!(
+            fx.store.place_order(1, 7, tb).await.unwrap(),
+            app::Placed::Created(_)
+        ));
+        // A wakes and writes with its old token: refused by the database.
+        assert_eq!(
+            fx.store.place_order(1, 7, ta).await.unwrap(),
+            app::Placed::Stale
+        );
+        assert!(
+            !fx.store.fence(1, 7, ta).await.unwrap(),
+            "an older token never fences"
+        );
+        let orders = fx.store.orders(1).await.unwrap();
+        assert_eq!(orders.len(), 1);
+        assert_eq!(orders[0].fencing_token, tb);
+        assert_eq!(fx.store.voucher(1).await.unwrap().unwrap().stock, 9);
+        b.unlock().await.unwrap();
+        drop(a);
+        fx.assert_nothing_left().await;
+    }
+}
+
+#[cfg(feature = "mysql")]
+mod on_mysql {
+    use super::*;
+    use tower_lock::Lease;
+
+    /// The demo burst, scaled down as for PostgreSQL: every grant and every stored answer
+    /// is a durable InnoDB commit. Still more users than units, each user's orders racing
+    /// for their lock, and every order sent three times.
+    const MY_BURST: Burst = Burst {
+        users: 100,
+        per_user: 3,
+        retries: 2,
+        in_flight: 250,
+    };
+    const MY_STOCK: i64 = 40;
+
+    #[tokio::test]
+    async fn endpoints_answer_as_documented() {
+        super::endpoints_answer_as_documented(mysql(1, Settings::default()).await).await;
+    }
+
+    #[tokio::test]
+    async fn retried_orders_replay_their_first_answer() {
+        super::retried_orders_replay_their_first_answer(mysql(1, Settings::default()).await).await;
+    }
+
+    #[tokio::test]
+    async fn a_retry_in_flight_is_told_so_or_waits_for_the_first() {
+        super::a_retry_in_flight_is_told_so_or_waits_for_the_first(async |s| mysql(1, s).await)
+            .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_demo_burst_keeps_the_invariants() {
+        let _one = DB_BURSTS.lock().await;
+        let fx = mysql(MY_STOCK, Settings::default()).await;
+        super::the_demo_burst_keeps_the_invariants(fx, MY_BURST, MY_STOCK).await;
+    }
+
+    #[tokio::test]
+    async fn admin_answers_who_holds_and_exports_metrics() {
+        super::admin_answers_who_holds_and_exports_metrics(mysql(1, Settings::default()).await)
+            .await;
+    }
+
+    /// Two servers (own pools, own lock listeners, as two processes) on one database:
+    /// one order per user, stock + orders = the initial stock, and each order run once
+    /// and replayed to its retries, whichever server a user's requests reach.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_servers_on_one_database_keep_the_invariants() {
+        let _one = DB_BURSTS.lock().await;
+        let first = mysql(MY_STOCK, Settings::default()).await;
+        let Locks::MySql(_, db) = &first.locks else {
+            unreachable!("a mysql fixture")
+        };
+        let pool = db.pool(20).await;
+        let backend = tower_lock::MySqlBackend::builder(pool.clone())
+            .build()
+            .await
+            .unwrap();
+        let second_store: Arc<dyn Store> =
+            Arc::new(mysql_store::MySqlStore::open(pool).await.unwrap());
+        let second_runs = HandlerRuns::default();
+        let second = app::app(
+            client_on(backend),
+            second_store,
+            Settings::default(),
+            second_runs.clone(),
+        )
+        .unwrap();
+        let mut addrs = Vec::new();
+        let mut servers = Vec::new();
+        for app in [first.app.clone(), second] {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            addrs.push(listener.local_addr().unwrap());
+            servers.push(tokio::spawn(
+                async move { axum::serve(listener, app).await },
+            ));
+        }
+        let shape = Burst {
+            per_user: 2,
+            ..MY_BURST
+        };
+        let tally = app::burst(&addrs, 1, shape).await.unwrap();
+        for server in servers {
+            server.abort();
+        }
+        let runs = first.runs.count() + second_runs.count();
+        let verdict = app::verdict(first.store.as_ref(), 1, MY_STOCK, &tally, runs)
+            .await
+            .unwrap();
+        assert!(verdict.held(), "{verdict:?}\n{}", app::table(&tally));
+        assert_eq!((tally.stock_left, tally.orders), (0, MY_STOCK as u64));
+        assert_eq!((tally.keys, tally.replayed), (200, 400), "{tally:?}");
+    }
+
+    /// The database refuses a stale holder: A takes user 7's lock with a short fixed
+    /// lease, fences, checks, then pauses past its lease; B takes the lock (a newer
+    /// token), fences and orders. When A wakes, its order is refused, at the fence and
+    /// at the write: one order, one unit of stock.
+    #[tokio::test]
+    async fn a_paused_holders_late_write_is_refused() {
+        let fx = mysql(10, Settings::default()).await;
         let key = tower_lock::LockKey::namespaced("lock:order", "7").unwrap();
         let lock = fx.client.get_fenced_lock(&key).unwrap();
         let a = lock

@@ -54,6 +54,8 @@ mod metrics;
 mod mysql;
 #[cfg(feature = "mysql")]
 mod mysql_crashes;
+#[cfg(all(feature = "mysql", feature = "postgres", feature = "redis"))]
+mod mysql_processes;
 mod observer;
 #[cfg(feature = "axum")]
 mod path_keys;

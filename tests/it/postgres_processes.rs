@@ -415,6 +415,17 @@ pub(crate) async fn the_kill_cost_nothing(
 ) -> Writes {
     let counter = counter(pool, key).await;
     let writes = writes(pool, key).await;
+    kill_cost_nothing(counter, writes, lease_end_us, (victim, others), iters)
+}
+
+/// [`the_kill_cost_nothing`] on a counter and its log read from any store.
+pub(crate) fn kill_cost_nothing(
+    counter: i64,
+    writes: Writes,
+    lease_end_us: i64,
+    (victim, others): (u32, &[u32]),
+    iters: u64,
+) -> Writes {
     let first_after_end = writes.first_at_us - lease_end_us;
     println!(
         "first write {:.1} ms after the killed holder's lease ended; counter {counter}, {} \
@@ -459,12 +470,12 @@ pub(crate) async fn counter(pool: &PgPool, key: &str) -> i64 {
 /// What `hammer_counter_writes` says about one counter.
 pub(crate) struct Writes {
     pub(crate) count: i64,
-    distinct: i64,
-    min: i64,
-    max: i64,
+    pub(crate) distinct: i64,
+    pub(crate) min: i64,
+    pub(crate) max: i64,
     /// The first write, by the database's clock, in microseconds since the epoch.
     pub(crate) first_at_us: i64,
-    per_pid: Vec<(i32, i64)>,
+    pub(crate) per_pid: Vec<(i32, i64)>,
 }
 
 impl Writes {

@@ -1,8 +1,10 @@
-//! `seckill` server processes of their own (the example binary) on one store, Redis or
-//! PostgreSQL: retries of one order alternating between two processes run the handler
-//! once and get its answer replayed on either; and an order whose handler is SIGKILLed
-//! mid-request is `409 in_flight` on another process while the dead one's lock lease
-//! runs, runs there once it has ended, and is replayed after that.
+//! `seckill` server processes of their own (the example binary) on one store, Redis,
+//! PostgreSQL or MySQL: retries of one order alternating between two processes run the
+//! handler once and get its answer replayed on either; an order whose handler is
+//! SIGKILLed mid-request is `409 in_flight` on another process while the dead one's lock
+//! lease runs, runs there once it has ended, and is replayed after that; and on a
+//! database, the demo burst spread over two processes sells at most one order per user
+//! and never more than the stock.
 //!
 //! Each test starts its own redis-server or creates its own database (dropped
 //! afterwards), and kills every process it starts. They run one at a time: one bounds a
@@ -31,6 +33,8 @@ enum Shared {
     Redis(crate::common::redis_server::RedisServer),
     #[cfg(feature = "postgres")]
     Postgres(crate::common::postgres::PgDatabase),
+    #[cfg(feature = "mysql")]
+    MySql(crate::common::mysql::MyDatabase),
 }
 
 impl Shared {
@@ -41,6 +45,8 @@ impl Shared {
             Shared::Redis(server) => ("REDIS_URL", server.url()),
             #[cfg(feature = "postgres")]
             Shared::Postgres(db) => ("DATABASE_URL", db.url.clone()),
+            #[cfg(feature = "mysql")]
+            Shared::MySql(db) => ("DATABASE_URL", db.url().to_owned()),
         }
     }
 
@@ -63,6 +69,14 @@ impl Shared {
                 let pool = db.pool(1).await;
                 let store = crate::pg_store::PgStore::open(pool.clone()).await.unwrap();
                 let orders = store.orders(1).await.unwrap();
+                pool.close().await;
+                orders
+            }
+            #[cfg(feature = "mysql")]
+            Shared::MySql(db) => {
+                let pool = db.pool(1).await;
+                let store = crate::mysql_store::MySqlStore::open(pool.clone());
+                let orders = store.await.unwrap().orders(1).await.unwrap();
                 pool.close().await;
                 orders
             }
@@ -90,6 +104,21 @@ impl Shared {
                     "SELECT (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint \
                        FROM tower_lock_names \
                       WHERE name LIKE 'idempotency:%' AND owner IS NOT NULL",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+                pool.close().await;
+                ms
+            }
+            #[cfg(feature = "mysql")]
+            Shared::MySql(db) => {
+                let pool = db.pool(1).await;
+                let ms = sqlx::query_scalar(
+                    "SELECT CAST((expires_us - TIMESTAMPDIFF(MICROSECOND, \
+                                  '1970-01-01 00:00:00', UTC_TIMESTAMP(6))) DIV 1000 AS SIGNED) \
+                       FROM tower_lock \
+                      WHERE name LIKE 'idempotency:%' AND name NOT LIKE '%:quota%'",
                 )
                 .fetch_one(&pool)
                 .await
@@ -276,6 +305,67 @@ async fn an_order_whose_process_is_killed_runs_again_once_its_lease_ends(shared:
     assert_eq!(orders[0].user_id, 7);
 }
 
+/// Two processes on one database, the demo burst spread over both (each order's sends
+/// alternate between them): at most one order per user, stock + orders = the initial
+/// stock and never below zero, each order run once by either process's handler and
+/// replayed to its retries on both. The processes' own lock clients, pools and
+/// listeners: nothing is shared but the database.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+async fn two_processes_on_one_database_sell_once_per_user_and_never_oversell(shared: Shared) {
+    const STOCK: i64 = 40;
+    let _serial = ONE_AT_A_TIME.lock().await;
+    // A racing retry waits up to 10 s for its first, as above: a loaded machine must
+    // not turn it into `409 in_flight` sent again (the tally would still hold, slower).
+    let args = |name| ["--stock", "40", "--name", name, "--wait-first-ms", "10000"];
+    let a = shared.start(&args("seckill-a")).await;
+    let b = shared.start(&args("seckill-b")).await;
+    let shape = crate::app::Burst {
+        users: 100,
+        per_user: 2,
+        retries: 2,
+        in_flight: 250,
+    };
+    let started = Instant::now();
+    let tally = crate::app::burst(&[a.addr, b.addr], 1, shape)
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    let (runs_a, runs_b) = (a.handler_runs().await, b.handler_runs().await);
+    let orders = shared.orders().await;
+    println!(
+        "{}({} requests in {took:.2?}; handler runs {runs_a} + {runs_b}; {} orders for {} \
+         users)",
+        crate::app::table(&tally),
+        tally.requests,
+        orders.len(),
+        shape.users
+    );
+    let mut buyers: Vec<u64> = orders.iter().map(|o| o.user_id).collect();
+    buyers.sort_unstable();
+    buyers.dedup();
+    assert_eq!(
+        buyers.len(),
+        orders.len(),
+        "a user ordered twice: {orders:?}"
+    );
+    assert_eq!(
+        (orders.len() as u64, tally.stock_left, tally.orders),
+        (STOCK as u64, 0, STOCK as u64),
+        "more users than units: every unit sells once, never more"
+    );
+    assert_eq!(tally.created, STOCK as u64, "{tally:?}");
+    assert_eq!(tally.other, 0, "{tally:?}");
+    let keys = shape.users * shape.per_user;
+    assert_eq!(
+        (tally.keys, runs_a + runs_b),
+        (keys, keys),
+        "one run per key"
+    );
+    assert!(runs_a > 0 && runs_b > 0, "both processes ran orders");
+    assert_eq!(tally.replayed, keys * shape.retries, "{tally:?}");
+    assert_eq!(tally.keys_differ, 0, "{tally:?}");
+}
+
 /// Issue 46: SIGTERM, as Kubernetes, systemd and `docker stop` send it, drains the
 /// server and shuts its lock client down. An order in flight when the signal arrives is
 /// answered (`201`), the process exits successfully and says so, and it leaves no lock
@@ -367,6 +457,39 @@ mod on_postgres {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_order_whose_process_is_killed_runs_again_once_its_lease_ends() {
         super::an_order_whose_process_is_killed_runs_again_once_its_lease_ends(postgres().await)
+            .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_processes_on_one_database_sell_once_per_user_and_never_oversell() {
+        super::two_processes_on_one_database_sell_once_per_user_and_never_oversell(
+            postgres().await,
+        )
+        .await;
+    }
+}
+
+#[cfg(feature = "mysql")]
+mod on_mysql {
+    use super::*;
+
+    async fn mysql() -> Shared {
+        Shared::MySql(crate::common::mysql::MyDatabase::create().await)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn retries_alternating_between_two_processes_run_the_order_once() {
+        super::retries_alternating_between_two_processes_run_the_order_once(mysql().await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_order_whose_process_is_killed_runs_again_once_its_lease_ends() {
+        super::an_order_whose_process_is_killed_runs_again_once_its_lease_ends(mysql().await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_processes_on_one_database_sell_once_per_user_and_never_oversell() {
+        super::two_processes_on_one_database_sell_once_per_user_and_never_oversell(mysql().await)
             .await;
     }
 }

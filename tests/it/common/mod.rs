@@ -169,6 +169,7 @@ pub fn example_binary(name: &str) -> std::path::PathBuf {
             ("redis", cfg!(feature = "redis")),
             ("cluster", cfg!(feature = "cluster")),
             ("postgres", cfg!(feature = "postgres")),
+            ("mysql", cfg!(feature = "mysql")),
             ("tls", cfg!(feature = "tls")),
             ("axum", cfg!(feature = "axum")),
             ("metrics", cfg!(feature = "metrics")),
