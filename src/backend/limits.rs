@@ -84,3 +84,27 @@ pub(crate) fn validate_waiter_timeout(timeout: Duration) -> Result<()> {
     }
     Ok(())
 }
+
+/// Checks a name the SQL stores put in their statements (a schema, a table): a plain
+/// identifier, 1 to 40 of `a-z`, `0-9` and `_`, not starting with a digit, so that it
+/// needs no quoting and the objects named after it stay within the databases' limits
+/// (63 bytes on PostgreSQL, 64 on MySQL).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn validate_identifier(name: &'static str, value: &str) -> Result<()> {
+    let ok = !value.is_empty()
+        && value.len() <= 40
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        && !value.as_bytes()[0].is_ascii_digit();
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError::invalid_setting(
+            name,
+            format!(
+                "must be a plain identifier: 1 to 40 of a-z, 0-9 and _, not starting with a digit (got {value:?})"
+            ),
+        ))
+    }
+}

@@ -95,6 +95,7 @@ use super::{
     ReplayStore, StoreAdmin, StoreProfile, Stored, Subscription, queued,
 };
 use crate::backend::clock::StoreClock;
+use crate::backend::limits::validate_identifier;
 use crate::error::{ConfigError, Error, Result, SetupError, StoreError, StoreErrorKind};
 use crate::key::LockKey;
 
@@ -589,26 +590,6 @@ impl fmt::Debug for MySqlBackend {
             .field("store", &self.inner.profile.store_id())
             .field("waiter_timeout", &self.inner.waiter_timeout)
             .finish()
-    }
-}
-
-fn validate_identifier(name: &'static str, value: &str) -> Result<(), ConfigError> {
-    // Object names add up to 15 bytes (`_replay_store`) to MySQL's 64.
-    let ok = !value.is_empty()
-        && value.len() <= 40
-        && value
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
-        && !value.as_bytes()[0].is_ascii_digit();
-    if ok {
-        Ok(())
-    } else {
-        Err(ConfigError::invalid_setting(
-            name,
-            format!(
-                "must be a plain identifier: 1 to 40 of a-z, 0-9 and _, not starting with a digit (got {value:?})"
-            ),
-        ))
     }
 }
 
