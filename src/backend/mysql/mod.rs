@@ -40,7 +40,7 @@
 //!
 //! Tables (named after the configured table, default `tower_lock`, in the pool's
 //! database): `tower_lock` (holds), `tower_lock_names`, `tower_lock_queue`,
-//! `tower_lock_gone`, `tower_lock_wants`, `tower_lock_clients`, `tower_lock_replay`,
+//! `tower_lock_gone`, `tower_lock_clients`, `tower_lock_replay`,
 //! `tower_lock_schema`, and the procedures `tower_lock_*`. They are created when the
 //! backend is built (unless [`migrate(false)`](MySqlBackendBuilder::migrate)), or by
 //! [`MySqlBackend::migrate`]; creating them is idempotent and safe from several
@@ -205,7 +205,7 @@ impl MySqlBackend {
         &self.inner.pool
     }
 
-    /// The table of holds; its companions add `_names`, `_queue`, `_gone`, `_wants`,
+    /// The table of holds; its companions add `_names`, `_queue`, `_gone`,
     /// `_clients`, `_replay`, `_schema`.
     pub fn table(&self) -> &str {
         &self.inner.table
