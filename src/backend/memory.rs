@@ -70,7 +70,7 @@ use bytes::Bytes;
 use super::{
     Acquire, BoxFuture, ClientNames, FencingToken, Grant, HoldInfo, LocalStore, LockBackend,
     LockMode, LockRequest, LockState, QUEUED_MODES, Release, ReplayStore, Signal, StoreAdmin,
-    StoreProfile, Stored, Subscription, WaiterScope, Waiters, Wake, queued,
+    StoreProfile, Stored, Subscription, Ticket, WaiterScope, Waiters, Wake, queued,
 };
 use crate::error::Result;
 use crate::hold_id::HoldId;
@@ -1090,7 +1090,7 @@ impl LockBackend for MemoryBackend {
             let mut table = self.table();
             let entry = table.map.entry(req.key.clone()).or_insert_with(Entry::new);
             entry.subscribers += 1;
-            let (hold_id, notify) = if queued(req.mode) {
+            let (hold_id, signal) = if queued(req.mode) {
                 let sub = entry
                     .hold_subs
                     .entry((req.hold_id.clone(), req.mode))
@@ -1110,8 +1110,7 @@ impl LockBackend for MemoryBackend {
                 key: req.key.clone(),
                 mode: req.mode,
                 hold_id,
-                seen: notify.seen(),
-                notify,
+                ticket: signal.register(),
             });
             Ok(sub)
         })
@@ -1249,19 +1248,19 @@ struct MemorySubscription {
     mode: LockMode,
     /// Set for queued modes, whose waiters are woken one hold at a time.
     hold_id: Option<HoldId>,
-    notify: Arc<Signal>,
-    /// The release count last seen.
-    seen: u64,
+    /// Its place among the waiters woken one per release (of the key, or of its hold's
+    /// queue entry).
+    ticket: Ticket,
 }
 
 impl Subscription for MemorySubscription {
     fn wait(&mut self, deadline: Instant) -> BoxFuture<'_, Wake> {
-        self.notify.wait(&mut self.seen, deadline)
+        self.ticket.wait(deadline)
     }
 
     fn pass_on(&mut self) {
         match &self.hold_id {
-            None => self.notify.notify_one(),
+            None => self.ticket.pass_on(),
             Some(hold_id) => {
                 // The wake-up was for this hold's turn in the queue. It is leaving:
                 // give up the place so the next in line is woken now, not after the
@@ -1276,7 +1275,7 @@ impl Subscription for MemorySubscription {
         }
     }
     fn skip_signalled(&mut self) {
-        self.notify.skip(&mut self.seen);
+        self.ticket.skip();
     }
 }
 

@@ -115,7 +115,7 @@ pub use mode::LockMode;
 pub(crate) use mode::{QUEUED_MODES, queued};
 pub use profile::{ClockDrift, StoreProfile};
 pub use replay::{ReplayStore, Stored};
-pub(crate) use wake::Signal;
+pub(crate) use wake::{Signal, Ticket};
 pub use wake::{Subscription, Wake};
 
 /// A boxed, `Send` future: what every [`LockBackend`] method returns.

@@ -13,7 +13,7 @@ use futures_util::StreamExt;
 use redis::aio::MultiplexedConnection;
 use tokio::time::Instant;
 use tower_lock::backend::redis::WrongType;
-use tower_lock::backend::{Acquire, LockBackend, LockMode, LockRequest, Release};
+use tower_lock::backend::{Acquire, LockBackend, LockMode, LockRequest, Release, Wake};
 use tower_lock::{ConfigError, SetupError};
 use tower_lock::{Error, HoldId, Lease, LockClient, LockKey, RedisBackend, StoreErrorKind};
 
@@ -403,6 +403,62 @@ async fn one_release_wakes_one_waiter_per_process() {
         },
     )
     .await;
+}
+
+/// A release is the earliest local waiter's, parked or not. A Redis cluster run of
+/// `no_barging_past_local_waiters` saw the other way round: the waiter was registered
+/// and still busy with its attempt when the holder released; the releaser asked again,
+/// lined up behind it and parked before the release's message reached this process;
+/// the message then woke the only parked waiter, the releaser, which took the lock
+/// back. (On the current-thread runtime a spawned task runs exactly when this one
+/// yields, so the later waiter is parked when the message arrives.)
+#[tokio::test]
+async fn a_release_wakes_the_earliest_waiter_not_the_one_parked_behind_it() {
+    let server = RedisServer::start().await;
+    let raw = server.conn().await;
+    // No keepalive: a reconnect would rightly wake everyone.
+    let backend = RedisBackend::builder(server.url())
+        .pubsub_keepalive(Duration::from_secs(3600))
+        .build()
+        .await
+        .unwrap();
+    let key = LockKey::new("fifo").unwrap();
+    let holder = exclusive(&key, 0);
+    assert!(matches!(
+        backend.acquire(&holder).await.unwrap(),
+        Acquire::Acquired(_)
+    ));
+    // The channel subscribed on the server first, so that the waiters below find their
+    // subscription confirmed (an unconfirmed one wakes when it is).
+    let first = backend.subscribe(&exclusive(&key, 1)).await.unwrap();
+    let channel = backend.channel_name(&key);
+    wait_until(Duration::from_secs(5), "the channel is subscribed", || {
+        let (mut raw, channel) = (raw.clone(), channel.clone());
+        async move { numsub(&mut raw, &channel).await == 1 }
+    })
+    .await;
+    // Registered, between its attempt and its sleep.
+    let mut earlier = backend.subscribe(&exclusive(&key, 2)).await.unwrap();
+    // Lined up behind it, and parked.
+    let mut later = backend.subscribe(&exclusive(&key, 3)).await.unwrap();
+    drop(first);
+    later.skip_signalled();
+    let parked = tokio::spawn(async move {
+        let wake = later.wait(Instant::now() + Duration::from_secs(10)).await;
+        (wake, later)
+    });
+    tokio::task::yield_now().await;
+    assert_eq!(backend.release(&holder).await.unwrap(), Release::Released);
+    // The message has arrived once the earlier waiter has its wake-up.
+    let wake = earlier.wait(Instant::now() + Duration::from_secs(5)).await;
+    assert_eq!(wake, Wake::Notified);
+    // A wrongly woken waiter would be done at once; this one sleeps on.
+    let woke = tokio::time::timeout(Duration::from_millis(200), parked).await;
+    assert!(
+        woke.is_err(),
+        "the waiter lined up behind took the release: {:?}",
+        woke.map(|r| r.unwrap().0)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

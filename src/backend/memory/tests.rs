@@ -169,20 +169,64 @@ async fn release_wakes_one_waiter_and_entries_go_away() {
     assert_eq!(b.len(), 0);
 }
 
-/// A waiter that had not parked yet when a release came does not sleep through it.
+/// Waiters that had not parked yet when releases came do not sleep through them: two
+/// permits back wake both, once each.
 #[tokio::test]
 async fn a_release_before_parking_is_not_lost() {
     let b = MemoryBackend::new();
-    let a = req("k", "a:1", 10_000);
-    grant(b.acquire(&a).await.unwrap());
-    let mut s1 = b.subscribe(&req("k", "w:1", 10)).await.unwrap();
-    let mut s2 = b.subscribe(&req("k", "w:2", 10)).await.unwrap();
-    b.release(&a).await.unwrap();
-    let soon = Instant::now() + Duration::from_millis(50);
-    assert_eq!(s1.wait(soon).await, Wake::Notified);
-    assert_eq!(s2.wait(soon).await, Wake::Notified);
+    let holders = [
+        req_in(permits(2), "k", "a:1", 10_000),
+        req_in(permits(2), "k", "a:2", 10_000),
+    ];
+    for holder in &holders {
+        grant(b.acquire(holder).await.unwrap());
+    }
+    let mut s1 = b
+        .subscribe(&req_in(permits(2), "k", "w:1", 10))
+        .await
+        .unwrap();
+    let mut s2 = b
+        .subscribe(&req_in(permits(2), "k", "w:2", 10))
+        .await
+        .unwrap();
+    for holder in &holders {
+        b.release(holder).await.unwrap();
+    }
+    assert!(woken(&mut s2).await);
+    assert!(woken(&mut s1).await);
     // Counted once each: the next wait sleeps.
-    assert_eq!(s1.wait(soon).await, Wake::Deadline);
+    assert!(!woken(&mut s1).await);
+    assert!(!woken(&mut s2).await);
+}
+
+/// A release is the earliest waiter's, parked or not. A Redis cluster run of
+/// `no_barging_past_local_waiters` saw the other way: the waiter was registered and
+/// still busy with its attempt when the holder released; the releaser asked again,
+/// lined up behind it and parked before the release reached this process; the release
+/// then woke the only parked waiter, the releaser, which took the lock back.
+#[tokio::test(start_paused = true)]
+async fn a_release_wakes_the_earlier_waiter_not_the_parked_one_lined_up_behind_it() {
+    let b = MemoryBackend::new();
+    let holder = req("k", "h:1", 10_000);
+    grant(b.acquire(&holder).await.unwrap());
+    // Registered, between its attempt and its sleep.
+    let mut earlier = b.subscribe(&req("k", "w:1", 10_000)).await.unwrap();
+    // Lined up behind it, parked.
+    let mut later = b.subscribe(&req("k", "r:1", 10_000)).await.unwrap();
+    later.skip_signalled();
+    let parked = tokio::spawn(async move {
+        let wake = later.wait(Instant::now() + Duration::from_secs(1)).await;
+        (wake, later)
+    });
+    tokio::task::yield_now().await;
+    b.release(&holder).await.unwrap();
+    let (wake, _later) = parked.await.unwrap();
+    assert_eq!(
+        wake,
+        Wake::Deadline,
+        "the waiter lined up behind took the release"
+    );
+    assert!(woken(&mut earlier).await);
 }
 
 #[tokio::test]

@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::MySqlBackend;
 use super::statements::{json_array, json_string};
-use crate::backend::{BoxFuture, Signal, Subscription, Wake};
+use crate::backend::{BoxFuture, Signal, Subscription, Ticket, Wake};
 use crate::key::LockKey;
 
 /// How often an idle listening connection (nobody waits) is asked to answer, so that a
@@ -225,23 +225,23 @@ pub(super) struct MySqlSubscription {
     pub(super) waiters: Arc<Mutex<HashMap<LockKey, KeyWaiters>>>,
     pub(super) key: LockKey,
     pub(super) queued: bool,
-    pub(super) signal: Arc<Signal>,
-    pub(super) seen: u64,
+    /// Its place among the key's waiters (`KeyWaiters::one` or `all`).
+    pub(super) ticket: Ticket,
 }
 
 impl Subscription for MySqlSubscription {
     fn wait(&mut self, deadline: Instant) -> BoxFuture<'_, Wake> {
-        self.signal.wait(&mut self.seen, deadline)
+        self.ticket.wait(deadline)
     }
 
     fn pass_on(&mut self) {
         if !self.queued {
-            self.signal.notify_one();
+            self.ticket.pass_on();
         }
     }
 
     fn skip_signalled(&mut self) {
-        self.signal.skip(&mut self.seen);
+        self.ticket.skip();
     }
 }
 

@@ -384,21 +384,19 @@ impl LockBackend for MySqlBackend {
             let queued = queued(req.mode);
             let mut map = waiters_of(&self.inner.waiters);
             let w = map.entry(req.key.clone()).or_insert_with(KeyWaiters::new);
-            let signal = if queued {
+            let ticket = if queued {
                 w.alls += 1;
-                Arc::clone(&w.all)
+                w.all.register()
             } else {
                 w.ones += 1;
-                Arc::clone(&w.one)
+                w.one.register()
             };
-            let seen = signal.seen();
             drop(map);
             let sub: Box<dyn Subscription> = Box::new(MySqlSubscription {
                 waiters: Arc::clone(&self.inner.waiters),
                 key: req.key.clone(),
                 queued,
-                signal,
-                seen,
+                ticket,
             });
             Ok(sub)
         })

@@ -11,7 +11,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::PostgresBackend;
-use crate::backend::{BoxFuture, FencingToken, Grant, Signal, Subscription, Wake};
+use crate::backend::{BoxFuture, FencingToken, Grant, Signal, Subscription, Ticket, Wake};
 use crate::hold_id::HoldId;
 use crate::key::LockKey;
 
@@ -467,8 +467,8 @@ pub(super) struct PgSubscription {
     pub(super) waiters: Arc<Mutex<HashMap<LockKey, KeyWaiters>>>,
     pub(super) key: LockKey,
     pub(super) queued: bool,
-    pub(super) signal: Arc<Signal>,
-    pub(super) seen: u64,
+    /// Its place among the key's waiters (`KeyWaiters::one` or `all`).
+    pub(super) ticket: Ticket,
     /// An exclusive waiter's slot, and the backend that takes it out of the database
     /// when it leaves registered.
     pub(super) slot: Option<(Arc<Slot>, PostgresBackend)>,
@@ -477,10 +477,10 @@ pub(super) struct PgSubscription {
 impl Subscription for PgSubscription {
     fn wait(&mut self, deadline: Instant) -> BoxFuture<'_, Wake> {
         let Some((slot, _)) = &self.slot else {
-            return self.signal.wait(&mut self.seen, deadline);
+            return self.ticket.wait(deadline);
         };
         let slot = Arc::clone(slot);
-        let released = self.signal.wait(&mut self.seen, deadline);
+        let released = self.ticket.wait(deadline);
         Box::pin(async move {
             if slot.has_handed() {
                 return Wake::Notified;
@@ -494,11 +494,11 @@ impl Subscription for PgSubscription {
 
     fn pass_on(&mut self) {
         if !self.queued {
-            self.signal.notify_one();
+            self.ticket.pass_on();
         }
     }
     fn skip_signalled(&mut self) {
-        self.signal.skip(&mut self.seen);
+        self.ticket.skip();
     }
 
     fn gives_up_at(&mut self, deadline: Instant) {

@@ -347,21 +347,19 @@ impl LockBackend for PostgresBackend {
                 w.slots.push(Arc::clone(&slot));
                 (slot, self.clone())
             });
-            let signal = if queued {
+            let ticket = if queued {
                 w.alls += 1;
-                Arc::clone(&w.all)
+                w.all.register()
             } else {
                 w.ones += 1;
-                Arc::clone(&w.one)
+                w.one.register()
             };
-            let seen = signal.seen();
             drop(map);
             let sub: Box<dyn Subscription> = Box::new(PgSubscription {
                 waiters: Arc::clone(&self.inner.waiters),
                 key: req.key.clone(),
                 queued,
-                signal,
-                seen,
+                ticket,
                 slot,
             });
             Ok(sub)

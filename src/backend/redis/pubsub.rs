@@ -8,10 +8,12 @@
 //! unsubscribed while someone waits on it.
 //!
 //! A message on a channel wakes waiters of that channel in this process: `0` (an unlock)
-//! wakes one, `1` (a read unlock) wakes all. A message that finds nobody parked still
-//! moves the channel's release count, so a waiter between its attempt and its sleep does
-//! not sleep through it (and one that subscribes after it is not woken by it). After a reconnect every channel is subscribed again and every waiter is
-//! woken to retry, since messages may have been missed meanwhile.
+//! wakes one, `1` (a read unlock) wakes all. The one is the earliest registered waiter
+//! without a wake-up, parked or not: one between its attempt and its sleep keeps it for
+//! its next wait, and a waiter that subscribed later never takes it, not even by being
+//! the only one parked when the message arrives (see [`Signal`]). After a reconnect
+//! every channel is subscribed again and every waiter is woken to retry, since messages
+//! may have been missed meanwhile.
 //!
 //! On a cluster with sharded pub/sub the same registry is served by a cluster connection
 //! that subscribes each channel on its slot's node ([`sharded`]).
@@ -31,7 +33,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::primary::Primary;
-use crate::backend::{BoxFuture, Signal, Subscription, Wake};
+use crate::backend::{BoxFuture, Signal, Subscription, Ticket, Wake};
 
 /// How long a new waiter waits for its `SUBSCRIBE` to be confirmed, while the connection
 /// is up, before it goes on anyway. A subscription not confirmed yet makes its first wait
@@ -135,7 +137,7 @@ impl Hub {
     /// Registers a waiter on `channel` and waits (briefly) until the channel is
     /// subscribed.
     pub(super) async fn subscribe(&self, channel: String) -> Box<dyn Subscription> {
-        let (notify, mut confirmed, created) = {
+        let (ticket, mut confirmed, created) = {
             let mut state = self.shared.state();
             let mut created = false;
             let entry = state.channels.entry(channel.clone()).or_insert_with(|| {
@@ -149,7 +151,7 @@ impl Hub {
             entry.waiters += 1;
             self.shared.total_waiters.fetch_add(1, Ordering::Relaxed);
             let handles = (
-                Arc::clone(&entry.notify),
+                entry.notify.register(),
                 entry.confirmed.subscribe(),
                 created,
             );
@@ -165,8 +167,7 @@ impl Hub {
         let mut sub = Box::new(RedisSubscription {
             shared: Arc::clone(&self.shared),
             channel,
-            seen: notify.seen(),
-            notify,
+            ticket,
             unconfirmed: None,
         });
         let up = self.shared.connected.load(Ordering::Acquire);
@@ -211,9 +212,8 @@ impl Hub {
 struct RedisSubscription {
     shared: Arc<Shared>,
     channel: String,
-    notify: Arc<Signal>,
-    /// The release count last seen.
-    seen: u64,
+    /// Its place among the channel's waiters.
+    ticket: Ticket,
     /// Set while the server has not confirmed the subscription: releases published
     /// until then are not heard, so its confirmation itself counts as a wake-up.
     unconfirmed: Option<watch::Receiver<bool>>,
@@ -222,11 +222,11 @@ struct RedisSubscription {
 impl Subscription for RedisSubscription {
     fn wait(&mut self, deadline: Instant) -> BoxFuture<'_, Wake> {
         let Some(mut confirmed) = self.unconfirmed.take() else {
-            return self.notify.wait(&mut self.seen, deadline);
+            return self.ticket.wait(deadline);
         };
         Box::pin(async move {
             let wake = {
-                let released = self.notify.wait(&mut self.seen, deadline);
+                let released = self.ticket.wait(deadline);
                 tokio::select! {
                     wake = released => wake,
                     ok = async { confirmed.wait_for(|c| *c).await.is_ok() } => {
@@ -249,11 +249,11 @@ impl Subscription for RedisSubscription {
     }
 
     fn pass_on(&mut self) {
-        self.notify.notify_one();
+        self.ticket.pass_on();
     }
 
     fn skip_signalled(&mut self) {
-        self.notify.skip(&mut self.seen);
+        self.ticket.skip();
     }
 }
 
@@ -513,7 +513,9 @@ fn dispatch(shared: &Shared, channel: &str, payload: &[u8]) {
     if payload == b"1" {
         entry.notify.notify_all();
     } else {
-        // One parked waiter wakes; one not parked yet finds the release counted.
+        // The earliest waiter without a wake-up gets one, parked or not: a waiter that
+        // lined up after the release, parked while the message was on its way, does not
+        // take it from one still busy with its attempt.
         entry.notify.notify_one();
     }
 }
