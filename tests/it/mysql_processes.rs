@@ -243,7 +243,7 @@ async fn writes(pool: &MySqlPool, key: &str) -> Writes {
     }
 }
 
-/// The one hold of `name`, expired or not: its owner and the end of its lease (the
+/// The one unexpired hold of `name`: its owner and the end of its lease (the
 /// database's clock, in microseconds since the epoch). `None` before the first hammer
 /// has created the table.
 async fn hold(pool: &MySqlPool, name: &str) -> Option<(Vec<u8>, i64)> {
@@ -257,11 +257,16 @@ async fn hold(pool: &MySqlPool, name: &str) -> Option<(Vec<u8>, i64)> {
     if tables == 0 {
         return None;
     }
-    sqlx::query_as("SELECT owner, expires_us FROM tower_lock WHERE name = ?")
-        .bind(name)
-        .fetch_optional(pool)
-        .await
-        .unwrap()
+    // Unexpired on the database's clock: an expired row is no hold (the backend's
+    // sweep deletes it later).
+    sqlx::query_as(
+        "SELECT owner, expires_us FROM tower_lock WHERE name = ? \
+            AND expires_us > TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))",
+    )
+    .bind(name)
+    .fetch_optional(pool)
+    .await
+    .unwrap()
 }
 
 /// The ids of the other sessions on this database.
