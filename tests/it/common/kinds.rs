@@ -371,14 +371,19 @@ pub async fn try_lock_for_gives_up_on_time(f: &impl KindFixture, kind: Kind) {
         other => panic!("expected busy with a ttl, got {other:?}"),
     }
     assert!(took >= wait, "gave up early: {took:?}");
+    // Late is sleeping towards the holders' 30 s lease instead of giving up at the
+    // wait. The last attempt at the deadline is a store call: with the whole suite
+    // running (three SQL stores flushing their logs), a PostgreSQL permit call once
+    // took 226 ms past a 150 ms margin.
     assert!(
-        took < wait + Duration::from_millis(150),
+        took < wait + Duration::from_secs(1),
         "gave up late: {took:?}"
     );
     let started = Instant::now();
     assert!(lock.try_lock().await.unwrap_err().is_busy());
+    // One store call, not a wait (the same load as above).
     assert!(
-        started.elapsed() < Duration::from_millis(100),
+        started.elapsed() < Duration::from_secs(1),
         "try_lock waited"
     );
     assert_eq!(
