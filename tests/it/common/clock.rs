@@ -18,8 +18,10 @@ fn shim() -> &'static PathBuf {
     static SHIM: OnceLock<PathBuf> = OnceLock::new();
     SHIM.get_or_init(|| {
         let source = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/it/common/clockshift.c");
-        let out =
-            std::env::temp_dir().join(format!("tower-lock-clockshift-{}.so", std::process::id()));
+        // In Cargo's scratch directory for tests, not /tmp: every run built one there
+        // and left it behind.
+        let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("tower-lock-clockshift-{}.so", std::process::id()));
         let status = std::process::Command::new("gcc")
             .args(["-shared", "-fPIC", "-O2", "-o"])
             .arg(&out)
