@@ -16,6 +16,12 @@
 -- microseconds since the epoch; never the client's. Durability is the server's
 -- (innodb_flush_log_at_trx_commit), which the backend checks when it is built.
 --
+-- Every procedure that changes state has the same frame, which the backend fills in
+-- (`BEGIN` and `COMMIT` in `src/backend/mysql/statements.rs`, at the placeholders named
+-- after them): after the procedure's own declarations, the first bounds the row-lock
+-- waits to `p_wait_s` seconds, rolls back and restores the session's bound on any error,
+-- and starts the READ COMMITTED transaction; the second commits and restores the bound.
+--
 -- Modes, as one letter: 'x' exclusive, 'f' fair, 'r' read, 'w' write, 'p' permit.
 //
 -- What the procedures' versions are: a migration whose version is there already does
@@ -138,16 +144,7 @@ BEGIN
     DECLARE v_blocked BOOLEAN;
     DECLARE v_released BIGINT DEFAULT 0;
     DECLARE v_queued BOOLEAN DEFAULT p_mode IN ('f', 'r', 'w');
-    DECLARE v_wait INT DEFAULT @@innodb_lock_wait_timeout;
-    DECLARE EXIT HANDLER FOR SQLEXCEPTION
-    BEGIN
-        ROLLBACK;
-        SET innodb_lock_wait_timeout = v_wait;
-        RESIGNAL;
-    END;
-    SET innodb_lock_wait_timeout = p_wait_s;
-    SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
-    START TRANSACTION;
+    __BEGIN__
     INSERT INTO `__T___names` (name, released) VALUES (p_name, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)))
     ON DUPLICATE KEY UPDATE name = name;
     SET v_now = TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6));
@@ -250,8 +247,7 @@ BEGIN
             DELETE FROM `__T___queue` WHERE name = p_name AND owner = p_owner AND mode = p_mode;
         END IF;
     END attempt;
-    COMMIT;
-    SET innodb_lock_wait_timeout = v_wait;
+    __COMMIT__
     SELECT CAST(v_acquired AS SIGNED) AS acquired, CAST(v_holds AS SIGNED) AS holds,
            CAST(IF(p_fenced AND v_acquired, v_token, NULL) AS SIGNED) AS token,
            CAST(v_ttl AS SIGNED) AS ttl_ms, CAST(v_released AS SIGNED) AS released;
@@ -302,21 +298,9 @@ CREATE PROCEDURE `__T___release`(
     IN p_lease_ms BIGINT, IN p_wait_s INT)
 BEGIN
     DECLARE v_left INT;
-    DECLARE v_wait INT DEFAULT @@innodb_lock_wait_timeout;
-    DECLARE EXIT HANDLER FOR SQLEXCEPTION
-    BEGIN
-        ROLLBACK;
-        SET innodb_lock_wait_timeout = v_wait;
-        RESIGNAL;
-    END;
-    IF p_wait_s > 0 THEN
-        SET innodb_lock_wait_timeout = p_wait_s;
-    END IF;
-    SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
-    START TRANSACTION;
+    __BEGIN__
     CALL `__T___release_in`(p_name, p_owner, p_mode, p_lease_ms, v_left);
-    COMMIT;
-    SET innodb_lock_wait_timeout = v_wait;
+    __COMMIT__
     SELECT CAST(v_left AS SIGNED) AS holds_left;
 END
 //
@@ -335,18 +319,7 @@ BEGIN
     DECLARE v_left INT;
     DECLARE v_now BIGINT;
     DECLARE v_stored BOOLEAN DEFAULT FALSE;
-    DECLARE v_wait INT DEFAULT @@innodb_lock_wait_timeout;
-    DECLARE EXIT HANDLER FOR SQLEXCEPTION
-    BEGIN
-        ROLLBACK;
-        SET innodb_lock_wait_timeout = v_wait;
-        RESIGNAL;
-    END;
-    IF p_wait_s > 0 THEN
-        SET innodb_lock_wait_timeout = p_wait_s;
-    END IF;
-    SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
-    START TRANSACTION;
+    __BEGIN__
     CALL `__T___release_in`(p_name, p_owner, p_mode, p_lease_ms, v_left);
     SET v_now = TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6));
     IF v_left >= 0 AND NOT EXISTS (
@@ -358,8 +331,7 @@ BEGIN
                                 expires_us = VALUES(expires_us);
         SET v_stored = TRUE;
     END IF;
-    COMMIT;
-    SET innodb_lock_wait_timeout = v_wait;
+    __COMMIT__
     -- Expired records of any name, a few per store, never waiting for a row another
     -- transaction holds.
     DELETE FROM `__T___replay` WHERE expires_us <= v_now ORDER BY expires_us LIMIT 8;
@@ -374,18 +346,7 @@ DROP PROCEDURE IF EXISTS `__T___renew`
 CREATE PROCEDURE `__T___renew`(IN p_holds LONGTEXT, IN p_wait_s INT)
 BEGIN
     DECLARE v_now BIGINT;
-    DECLARE v_wait INT DEFAULT @@innodb_lock_wait_timeout;
-    DECLARE EXIT HANDLER FOR SQLEXCEPTION
-    BEGIN
-        ROLLBACK;
-        SET innodb_lock_wait_timeout = v_wait;
-        RESIGNAL;
-    END;
-    IF p_wait_s > 0 THEN
-        SET innodb_lock_wait_timeout = p_wait_s;
-    END IF;
-    SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
-    START TRANSACTION;
+    __BEGIN__
     SET v_now = TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6));
     UPDATE `__T__` t
       JOIN JSON_TABLE(p_holds, '$[*]' COLUMNS (
@@ -403,8 +364,7 @@ BEGIN
                mode VARCHAR(1) CHARACTER SET utf8mb4 PATH '$[2]')) r
       JOIN `__T__` t ON t.name = r.name AND t.owner = r.owner AND t.mode = r.mode
      WHERE t.expires_us > v_now;
-    COMMIT;
-    SET innodb_lock_wait_timeout = v_wait;
+    __COMMIT__
 END
 //
 DROP PROCEDURE IF EXISTS `__T___abandon`
@@ -417,18 +377,7 @@ CREATE PROCEDURE `__T___abandon`(
 BEGIN
     DECLARE v_now BIGINT;
     DECLARE v_freed INT DEFAULT 0;
-    DECLARE v_wait INT DEFAULT @@innodb_lock_wait_timeout;
-    DECLARE EXIT HANDLER FOR SQLEXCEPTION
-    BEGIN
-        ROLLBACK;
-        SET innodb_lock_wait_timeout = v_wait;
-        RESIGNAL;
-    END;
-    IF p_wait_s > 0 THEN
-        SET innodb_lock_wait_timeout = p_wait_s;
-    END IF;
-    SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
-    START TRANSACTION;
+    __BEGIN__
     CALL `__T___lock_name`(p_name, v_now);
     INSERT INTO `__T___gone` (name, owner, until_us)
     VALUES (p_name, p_owner, v_now + p_keep_ms * 1000)
@@ -441,8 +390,7 @@ BEGIN
     IF v_freed > 0 THEN
         CALL `__T___freed`(p_name, v_now);
     END IF;
-    COMMIT;
-    SET innodb_lock_wait_timeout = v_wait;
+    __COMMIT__
 END
 //
 DROP PROCEDURE IF EXISTS `__T___cancel`
@@ -452,25 +400,13 @@ CREATE PROCEDURE `__T___cancel`(
     IN p_name VARBINARY(1280), IN p_owner VARBINARY(128), IN p_mode CHAR(1), IN p_wait_s INT)
 BEGIN
     DECLARE v_now BIGINT;
-    DECLARE v_wait INT DEFAULT @@innodb_lock_wait_timeout;
-    DECLARE EXIT HANDLER FOR SQLEXCEPTION
-    BEGIN
-        ROLLBACK;
-        SET innodb_lock_wait_timeout = v_wait;
-        RESIGNAL;
-    END;
-    IF p_wait_s > 0 THEN
-        SET innodb_lock_wait_timeout = p_wait_s;
-    END IF;
-    SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
-    START TRANSACTION;
+    __BEGIN__
     CALL `__T___lock_name`(p_name, v_now);
     DELETE FROM `__T___queue` WHERE name = p_name AND owner = p_owner AND mode = p_mode;
     IF ROW_COUNT() > 0 THEN
         CALL `__T___freed`(p_name, v_now);
     END IF;
-    COMMIT;
-    SET innodb_lock_wait_timeout = v_wait;
+    __COMMIT__
 END
 //
 DROP PROCEDURE IF EXISTS `__T___force`
@@ -484,18 +420,7 @@ BEGIN
     DECLARE v_now BIGINT;
     DECLARE v_writer BOOLEAN;
     DECLARE v_freed INT DEFAULT 0;
-    DECLARE v_wait INT DEFAULT @@innodb_lock_wait_timeout;
-    DECLARE EXIT HANDLER FOR SQLEXCEPTION
-    BEGIN
-        ROLLBACK;
-        SET innodb_lock_wait_timeout = v_wait;
-        RESIGNAL;
-    END;
-    IF p_wait_s > 0 THEN
-        SET innodb_lock_wait_timeout = p_wait_s;
-    END IF;
-    SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
-    START TRANSACTION;
+    __BEGIN__
     CALL `__T___lock_name`(p_name, v_now);
     SET v_writer = EXISTS (SELECT 1 FROM `__T__` t
                             WHERE t.name = p_name AND t.mode = 'w' AND t.expires_us > v_now);
@@ -515,8 +440,7 @@ BEGIN
     IF v_freed > 0 THEN
         CALL `__T___freed`(p_name, v_now);
     END IF;
-    COMMIT;
-    SET innodb_lock_wait_timeout = v_wait;
+    __COMMIT__
     SELECT CAST(v_freed > 0 AS SIGNED) AS freed;
 END
 //

@@ -16,12 +16,31 @@ use crate::error::{Error, Result, SetupError, StoreErrorKind};
 use crate::hold_id::HoldId;
 use crate::key::LockKey;
 
-/// The schema, with `__T__` for the table and `__VERSION__` for [`SCHEMA_VERSION`].
+/// The schema, with `__T__` for the table, `__VERSION__` for [`SCHEMA_VERSION`], and
+/// `__BEGIN__`/`__COMMIT__` for [`BEGIN`]/[`COMMIT`].
 const SCHEMA: &str = include_str!("../../../sql/mysql.sql");
+
+/// The start of every state-changing procedure's transaction, after its own
+/// declarations: row-lock waits bounded to `p_wait_s` seconds, an error rolled back with
+/// the session's bound restored, a READ COMMITTED transaction begun.
+const BEGIN: &str = "DECLARE v_wait INT DEFAULT @@innodb_lock_wait_timeout;
+    DECLARE EXIT HANDLER FOR SQLEXCEPTION
+    BEGIN
+        ROLLBACK;
+        SET innodb_lock_wait_timeout = v_wait;
+        RESIGNAL;
+    END;
+    SET innodb_lock_wait_timeout = p_wait_s;
+    SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
+    START TRANSACTION;";
+
+/// The end of [`BEGIN`]'s transaction: committed, the session's bound restored.
+const COMMIT: &str = "COMMIT;
+    SET innodb_lock_wait_timeout = v_wait;";
 
 /// The version of `sql/mysql.sql` this build carries: a migration finding it in
 /// `<table>_schema` changes nothing. Raise it with every change of the file.
-const SCHEMA_VERSION: i64 = 2;
+const SCHEMA_VERSION: i64 = 3;
 
 /// The statements, for one table.
 pub(super) struct Statements {
@@ -88,6 +107,8 @@ pub(super) fn schema_statements(table: &str) -> Vec<String> {
     SCHEMA
         .replace("__T__", table)
         .replace("__VERSION__", &SCHEMA_VERSION.to_string())
+        .replace("__BEGIN__", BEGIN)
+        .replace("__COMMIT__", COMMIT)
         .split("\n//\n")
         .map(|s| s.trim().to_owned())
         .filter(|s| {
@@ -546,7 +567,9 @@ mod tests {
         let statements = schema_statements("t");
         assert!(statements.len() > 20, "{}", statements.len());
         for s in &statements {
-            assert!(!s.contains("__T__") && !s.contains("__VERSION__"), "{s}");
+            for placeholder in ["__T__", "__VERSION__", "__BEGIN__", "__COMMIT__"] {
+                assert!(!s.contains(placeholder), "{placeholder} in {s}");
+            }
         }
     }
 
