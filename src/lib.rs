@@ -214,6 +214,9 @@ pub use backend::postgres::PostgresBackend;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use backend::redis::RedisBackend;
+#[cfg(feature = "zookeeper")]
+#[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
+pub use backend::zookeeper::ZooKeeperBackend;
 pub use backend::{FencingToken, HoldInfo, LockMode, LockState, WaiterScope, Waiters};
 pub use error::{BoxError, ConfigError, Error, Result, SetupError, StoreError, StoreErrorKind};
 pub use hold_id::HoldId;

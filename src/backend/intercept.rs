@@ -271,6 +271,10 @@ impl<B: LockBackend, I: Intercept<B>> LockBackend for Intercepted<B, I> {
     fn replays(&self) -> Option<&dyn ReplayStore> {
         self.intercept.replays(&self.inner)
     }
+
+    fn loss_signal(&self, req: &LockRequest) -> Option<super::StoreLoss> {
+        self.inner.loss_signal(req)
+    }
 }
 
 /// Offered exactly when `B` has administration.

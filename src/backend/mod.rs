@@ -91,6 +91,7 @@ mod admin;
 pub(crate) mod clock;
 mod intercept;
 pub(crate) mod limits;
+mod loss;
 pub mod memory;
 mod mode;
 #[cfg(feature = "mysql")]
@@ -106,11 +107,15 @@ pub mod redis;
 pub mod redlock;
 mod replay;
 mod wake;
+#[cfg(feature = "zookeeper")]
+#[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
+pub mod zookeeper;
 
 pub use admin::{ClientNames, PING_KEY, StoreAdmin};
 pub(crate) use admin::{admin_of, clients_of};
 pub use intercept::{Intercept, Intercepted};
 pub use limits::{DEFAULT_WAITER_TIMEOUT, MIN_WAITER_TIMEOUT};
+pub use loss::StoreLoss;
 pub use mode::LockMode;
 pub(crate) use mode::{QUEUED_MODES, queued};
 pub use profile::{ClockDrift, StoreProfile};
@@ -644,6 +649,17 @@ pub trait LockBackend: Send + Sync + 'static {
     fn replays(&self) -> Option<&dyn ReplayStore> {
         None
     }
+
+    /// For a store that drops holds by itself (a ZooKeeper session that expired takes
+    /// its nodes along): the signal that fires when the hold `req` granted is gone so.
+    /// The lock core asks once per grant and marks the hold lost the moment it fires,
+    /// with its guards' lost signal, instead of at the next renewal. The default is
+    /// `None`: holds end only when the store says so to a renewal, or their lease runs
+    /// out.
+    fn loss_signal(&self, req: &LockRequest) -> Option<StoreLoss> {
+        let _ = req;
+        None
+    }
 }
 
 /// A store in this process that answers on the spot: the fast path of a
@@ -698,6 +714,9 @@ macro_rules! forward_backend {
             }
             fn replays(&self) -> Option<&dyn ReplayStore> {
                 (**self).replays()
+            }
+            fn loss_signal(&self, req: &LockRequest) -> Option<StoreLoss> {
+                (**self).loss_signal(req)
             }
         }
     )*};

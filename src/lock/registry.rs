@@ -55,7 +55,7 @@ use super::Hooks;
 use super::cleanup::Cleanups;
 use super::health::Health;
 use super::watchdog::Tasks;
-use crate::backend::{FencingToken, LockBackend, LockMode, LockRequest};
+use crate::backend::{FencingToken, LockBackend, LockMode, LockRequest, StoreLoss};
 use crate::hold_id::HoldId;
 use crate::key::LockKey;
 use crate::log_limit::PerCause;
@@ -168,7 +168,16 @@ pub(crate) struct Hold {
     /// `tower_lock.hold`, from the grant until the hold's last reference is gone (its
     /// release done).
     pub(crate) span: std::sync::OnceLock<tracing::Span>,
+    /// Cancelled when the hold is dropped: ends the task that waits for the store's
+    /// [`StoreLoss`], if any.
+    over: CancellationToken,
     state: Mutex<HoldState>,
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        self.over.cancel();
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -270,6 +279,7 @@ impl Hold {
             acquired: Notify::new(),
             loss_reported: std::sync::atomic::AtomicBool::new(false),
             span: std::sync::OnceLock::new(),
+            over: CancellationToken::new(),
             state: Mutex::new(HoldState {
                 phase: Phase::Acquiring,
                 token: None,
@@ -525,7 +535,43 @@ impl Registry {
         drop(hs);
         drop(state);
         hold.acquired.notify_waiters();
+        if let Some(loss) = self.inner.backend.loss_signal(&hold.store) {
+            self.lose_with(hold, loss, runtime);
+        }
         true
+    }
+
+    /// Marks `hold` lost the moment the store's `loss` fires (a session that expired
+    /// took it along), unless it ended before. The task holds neither the hold nor the
+    /// client: it ends with the hold.
+    fn lose_with(&self, hold: &Arc<Hold>, loss: StoreLoss, runtime: &Handle) {
+        let weak_hold = Arc::downgrade(hold);
+        let weak_inner = Arc::downgrade(&self.inner);
+        let over = hold.over.clone();
+        runtime.spawn(async move {
+            tokio::select! {
+                () = loss.fired() => {}
+                () = over.cancelled() => return,
+            }
+            let (Some(hold), Some(inner)) = (weak_hold.upgrade(), weak_inner.upgrade()) else {
+                return;
+            };
+            if hold.state().phase != Phase::Held {
+                return;
+            }
+            let shown = inner.hooks.key(&hold.slot.key);
+            tracing::error!(key = %shown, hold_id = %hold.store.hold_id, owner = %hold.slot.owner, "lock lost: the store dropped it (its session ended)");
+            inner.mark_lost(&hold);
+            if let Some(observer) = inner.hooks.observer()
+                && hold.claim_loss_report()
+            {
+                let event = inner.hooks.event(&hold.slot.key, hold.slot.mode, &hold.slot.owner);
+                // The observer is user code; a panic there ends only this task.
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    observer.lost(event);
+                }));
+            }
+        });
     }
 
     /// The acquisition of `hold` failed or was given up: the slot is free for the next.
