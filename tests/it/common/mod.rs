@@ -1,6 +1,7 @@
-//! Shared test support: the redis-server, PostgreSQL and MariaDB harnesses, the lock-kind
-//! suite and helpers. (The backend conformance suite is `tower_lock::testing`, behind the
-//! `testing` feature, as a backend outside the crate reaches it.)
+//! Shared test support: the redis-server, PostgreSQL, MariaDB and ZooKeeper harnesses,
+//! the lock-kind suite and helpers. (The backend conformance suite is
+//! `tower_lock::testing`, behind the `testing` feature, as a backend outside the crate
+//! reaches it.)
 //!
 //! Compiled once into the `it` test crate (`tests/it/main.rs`), and into the two test
 //! binaries of their own (`tests/seckill.rs`, `tests/redis_processes.rs`); each uses part
@@ -23,6 +24,8 @@ pub mod proxy;
 pub mod redis_server;
 pub mod seckill;
 pub mod sentinel;
+#[cfg(feature = "zookeeper")]
+pub mod zookeeper;
 
 use std::future::Future;
 use std::time::Duration;
