@@ -95,3 +95,5 @@ mod safety_regressions;
 #[cfg(feature = "redis")]
 mod transit_faults;
 mod watchdog;
+#[cfg(feature = "zookeeper")]
+mod zookeeper_servers;

@@ -19,7 +19,7 @@ use common::wait_until;
 use tokio::time::Instant;
 
 use crate::postgres_processes::{
-    Hammer, ONE_AT_A_TIME, activity, counter, db_clock_us, succeeded, the_kill_cost_nothing, writes,
+    Hammer, ONE_AT_A_TIME, activity, db_clock_us, succeeded, the_kill_cost_nothing,
 };
 
 const NAME: &str = "redis-killed";
@@ -183,6 +183,7 @@ async fn sigkilled_holder_frees_the_redis_lock_after_its_lease_and_the_count_sta
 #[cfg(feature = "cluster")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hammer_processes_on_a_cluster_keep_the_count_exact_through_a_slot_move() {
+    use crate::postgres_processes::{counter, writes};
     use common::redis_server::RedisCluster;
 
     const ITERS: u64 = 200;

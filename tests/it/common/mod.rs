@@ -1,6 +1,7 @@
-//! Shared test support: the redis-server, PostgreSQL and MariaDB harnesses, the lock-kind
-//! suite and helpers. (The backend conformance suite is `tower_lock::testing`, behind the
-//! `testing` feature, as a backend outside the crate reaches it.)
+//! Shared test support: the redis-server, PostgreSQL, MariaDB and ZooKeeper harnesses
+//! (with Curator clients as child processes), the lock-kind suite and helpers. (The
+//! backend conformance suite is `tower_lock::testing`, behind the `testing` feature, as
+//! a backend outside the crate reaches it.)
 //!
 //! Compiled once into the `it` test crate (`tests/it/main.rs`), and into the two test
 //! binaries of their own (`tests/seckill.rs`, `tests/redis_processes.rs`); each uses part
@@ -8,6 +9,8 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod clock;
+#[cfg(feature = "zookeeper")]
+pub mod curator;
 pub mod history;
 pub mod http;
 pub mod kinds;
@@ -23,6 +26,8 @@ pub mod proxy;
 pub mod redis_server;
 pub mod seckill;
 pub mod sentinel;
+#[cfg(feature = "zookeeper")]
+pub mod zookeeper;
 
 use std::future::Future;
 use std::time::Duration;

@@ -401,7 +401,8 @@ pub fn free_port() -> u16 {
         .expect("a free loopback port")
 }
 
-fn signal(pid: u32, sig: &str) {
+/// Sends signal `sig` (as `kill` takes it: `-STOP`, `-CONT`, `-KILL`) to process `pid`.
+pub fn signal(pid: u32, sig: &str) {
     let status = Command::new("kill")
         .args([sig, &pid.to_string()])
         .status()
