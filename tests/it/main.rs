@@ -19,6 +19,8 @@ mod conformance_postgres;
 #[cfg(feature = "redis")]
 mod conformance_redis;
 mod conformance_redlock;
+#[cfg(feature = "zookeeper")]
+mod conformance_zookeeper;
 #[cfg(feature = "axum")]
 mod extract;
 #[cfg(feature = "redis")]
@@ -45,6 +47,8 @@ mod kinds_mysql;
 mod kinds_postgres;
 #[cfg(feature = "redis")]
 mod kinds_redis;
+#[cfg(feature = "zookeeper")]
+mod kinds_zookeeper;
 mod layer;
 #[cfg(feature = "mysql")]
 mod mariadb_server;

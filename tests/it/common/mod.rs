@@ -175,6 +175,7 @@ pub fn example_binary(name: &str) -> std::path::PathBuf {
             ("cluster", cfg!(feature = "cluster")),
             ("postgres", cfg!(feature = "postgres")),
             ("mysql", cfg!(feature = "mysql")),
+            ("zookeeper", cfg!(feature = "zookeeper")),
             ("tls", cfg!(feature = "tls")),
             ("axum", cfg!(feature = "axum")),
             ("metrics", cfg!(feature = "metrics")),

@@ -613,3 +613,65 @@ fn distinct_free_ports(n: usize) -> Vec<u16> {
         .map(|l| l.local_addr().expect("a bound port").port())
         .collect()
 }
+
+/// A share of the test process's standalone server: tests that need a server but not
+/// one of their own (each works under a root path of its own) take one, and the server
+/// stops when the last share is dropped. A test that stops, pauses or restarts its
+/// server starts its own [`ZkServer`] instead.
+#[derive(Clone)]
+pub struct ZkLease(std::sync::Arc<ZkServer>);
+
+impl ZkLease {
+    pub fn connect_string(&self) -> String {
+        self.0.connect_string()
+    }
+
+    pub fn server(&self) -> &ZkServer {
+        &self.0
+    }
+}
+
+/// The shared server, started on first use (and again after the last share went).
+pub async fn shared() -> ZkLease {
+    static SHARED: tokio::sync::Mutex<std::sync::Weak<ZkServer>> =
+        tokio::sync::Mutex::const_new(std::sync::Weak::new());
+    let mut slot = SHARED.lock().await;
+    if let Some(server) = slot.upgrade() {
+        return ZkLease(server);
+    }
+    let server = std::sync::Arc::new(start_on_spawner().await);
+    *slot = std::sync::Arc::downgrade(&server);
+    ZkLease(server)
+}
+
+/// Starts a server from a thread that lives as long as the test process: the
+/// parent-death signal is tied to the thread that spawned the JVM, and a test's thread
+/// ends with the test, while the shared server outlives it.
+async fn start_on_spawner() -> ZkServer {
+    type Reply = tokio::sync::oneshot::Sender<ZkServer>;
+    static SPAWNER: std::sync::OnceLock<std::sync::Mutex<std::sync::mpsc::Sender<Reply>>> =
+        std::sync::OnceLock::new();
+    let spawner = SPAWNER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Reply>();
+        std::thread::Builder::new()
+            .name("zk-spawner".into())
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("a runtime for the spawner");
+                while let Ok(reply) = rx.recv() {
+                    let _ = reply.send(rt.block_on(ZkServer::start()));
+                }
+            })
+            .expect("the spawner thread");
+        std::sync::Mutex::new(tx)
+    });
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    spawner
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .send(reply)
+        .expect("the spawner lives");
+    answer.await.expect("the spawner started a server")
+}
