@@ -14,6 +14,9 @@
 //!     --name hammer --iters 1000 --counter-key hammer:counter
 //! cargo run --release --example hammer -- --url mysql://root@127.0.0.1:3306/test \
 //!     --name hammer --iters 1000 --counter-key hammer:counter
+//! cargo run --release --features zookeeper --example hammer -- \
+//!     --url zk://127.0.0.1:2181 --zk-root /locks --counter-url file:/tmp/counter \
+//!     --name hammer --iters 1000 --counter-key hammer --events
 //! ```
 //!
 //! Each iteration locks NAME (waiting as long as needed, or at most `--wait-ms`; watchdog
@@ -28,7 +31,9 @@
 //!   see [`RedisBackend::from_url`]), `postgres://` (or `postgresql://`) for [`PostgresBackend`] on a
 //!   pool of `--tasks` connections (and one more that listens for releases), with its
 //!   tables created if missing; `mysql://` (or `mariadb://`) for [`MySqlBackend`] the
-//!   same way.
+//!   same way; `zk://host:port[,host:port][/chroot]` for `ZooKeeperBackend` (with the
+//!   `zookeeper` feature), under `--zk-root` (the lock NAME is Curator's path
+//!   `<root>/NAME`), with `--session-ms`.
 //! - `--cluster` (with the `cluster` feature): the `--url` list is the seed nodes of one
 //!   Redis Cluster, and the locks are taken there ([`RedisBackend::cluster`]); the
 //!   counter then needs a `--counter-url` of its own.
@@ -41,7 +46,12 @@
 //!   exclusion, the values written are 1 to N, each once. On MySQL or MariaDB the
 //!   same tables, with `at_us` (microseconds since the epoch, by the database's clock,
 //!   as the lock table's leases) where PostgreSQL has `at`, and the upsert and the log
-//!   written in one transaction.
+//!   written in one transaction. `file:PATH` keeps it in a file (the decimal value),
+//!   as the Curator client of the interop tests does, so Java and Rust processes share
+//!   one counter (not with `--kind permits`).
+//! - `--events` prints `acquired <µs>` when a lock is taken and `released <µs> <µs>`
+//!   (before and after the unlock), in microseconds since the epoch, one line each, so
+//!   a check can tell that no two holds overlapped.
 //! - `--kind` picks the lock: `lock` (the reentrant lock, the default), `fair`, `write`
 //!   (the write lock of a read-write lock), `redlock` (a reentrant lock held by a
 //!   majority of the Redis nodes given as a comma-separated `--url` list), or `permits`
@@ -137,6 +147,15 @@ struct Cli {
     /// The `--url` list is the seed nodes of one Redis Cluster (`cluster` feature).
     #[arg(long)]
     cluster: bool,
+    /// ZooKeeper: the path lock names are put under.
+    #[arg(long, value_name = "PATH", default_value = "/tower-lock")]
+    zk_root: String,
+    /// ZooKeeper: the session timeout in milliseconds.
+    #[arg(long = "session-ms", value_name = "S", value_parser = millis)]
+    session: Option<Duration>,
+    /// Print `acquired` and `released` lines with their times.
+    #[arg(long)]
+    events: bool,
 }
 
 fn millis(value: &str) -> Result<Duration, std::num::ParseIntError> {
@@ -162,6 +181,13 @@ struct Args {
     hold: Duration,
     hand_over: bool,
     cluster: bool,
+    zk_root: String,
+    session: Option<Duration>,
+    events: bool,
+}
+
+fn is_zookeeper(url: &str) -> bool {
+    url.starts_with("zk://")
 }
 
 fn is_postgres(url: &str) -> bool {
@@ -238,6 +264,14 @@ fn parse_args() -> Result<Args, String> {
     } else if cli.kind != Kind::RedLock && urls.len() > 1 {
         return Err("several --url values are RedLock nodes: use --kind redlock".to_owned());
     }
+    if cli.kind == Kind::Permits
+        && cli
+            .counter_url
+            .as_deref()
+            .is_some_and(|u| u.starts_with("file:"))
+    {
+        return Err("a file: counter cannot count permit holders: use a server".to_owned());
+    }
     if cli.kind == Kind::RedLock && urls.iter().any(|u| is_sql(u)) {
         return Err("--kind redlock takes Redis nodes, not database URLs".to_owned());
     }
@@ -267,6 +301,9 @@ fn parse_args() -> Result<Args, String> {
         hold,
         hand_over: cli.hand_over,
         cluster: cli.cluster,
+        zk_root: cli.zk_root,
+        session: cli.session,
+        events: cli.events,
     })
 }
 
@@ -313,6 +350,25 @@ async fn cluster_client(_args: &Args) -> Result<LockClient, String> {
     Err("--cluster needs the `cluster` feature".to_owned())
 }
 
+#[cfg(feature = "zookeeper")]
+async fn zookeeper_client(url: &str, args: &Args) -> Result<LockClient, String> {
+    let mut builder = tower_lock::ZooKeeperBackend::builder(url.trim_start_matches("zk://"))
+        .root(args.zk_root.as_str());
+    if let Some(session) = args.session {
+        builder = builder.session_timeout(session);
+    }
+    let backend = builder
+        .build()
+        .await
+        .map_err(|e| format!("ZooKeeper locks at {}: {e}", shown(url)))?;
+    client_on(backend, args)
+}
+
+#[cfg(not(feature = "zookeeper"))]
+async fn zookeeper_client(_url: &str, _args: &Args) -> Result<LockClient, String> {
+    Err("zk:// URLs need the `zookeeper` feature".to_owned())
+}
+
 async fn client(args: &Args) -> Result<LockClient, String> {
     if args.cluster {
         return cluster_client(args).await;
@@ -344,6 +400,9 @@ async fn client(args: &Args) -> Result<LockClient, String> {
             .await
             .map_err(|e| format!("PostgreSQL locks at {}: {e}", shown(url)))?;
         return client_on(backend, args);
+    }
+    if is_zookeeper(url) {
+        return zookeeper_client(url, args).await;
     }
     if is_mysql(url) {
         if args.hand_over {
@@ -452,6 +511,8 @@ enum Counter {
     Redis(redis::aio::MultiplexedConnection),
     Postgres(PgPool),
     MySql(MySqlPool),
+    /// `file:PATH`: the value in a file (`--counter-key` is not used).
+    File(std::path::PathBuf),
 }
 
 /// Runs `statements` (each with its binds) in one transaction on `pool`, once more
@@ -501,6 +562,12 @@ enum MyValue<'a> {
 
 impl Counter {
     async fn connect(url: &str, tasks: u64) -> Result<Self, String> {
+        if let Some(path) = url.strip_prefix("file:") {
+            return Ok(Counter::File(path.into()));
+        }
+        if is_zookeeper(url) {
+            return Err("the counter cannot live in ZooKeeper: give --counter-url".to_owned());
+        }
         if is_postgres(url) {
             let pool = pg_pool(url, tasks).await?;
             sqlx::raw_sql(PG_SCHEMA)
@@ -545,6 +612,15 @@ impl Counter {
                     .map_err(|e| format!("SELECT: {e}"))?;
                 u64::try_from(value.unwrap_or(0)).map_err(|_| "a negative counter".to_owned())
             }
+            Counter::File(path) => match tokio::fs::read_to_string(&*path).await {
+                Ok(text) if text.trim().is_empty() => Ok(0),
+                Ok(text) => text
+                    .trim()
+                    .parse()
+                    .map_err(|e| format!("the counter file holds {text:?}: {e}")),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
+                Err(e) => Err(format!("reading {}: {e}", path.display())),
+            },
         }
     }
 
@@ -576,6 +652,9 @@ impl Counter {
                 .await
                 .map_err(|e| format!("UPDATE: {e}"))
             }
+            Counter::File(path) => tokio::fs::write(&*path, value.to_string())
+                .await
+                .map_err(|e| format!("writing {}: {e}", path.display())),
         }
     }
 
@@ -611,6 +690,7 @@ impl Counter {
                 .await
                 .map_err(|e| format!("enter: {e}"))?;
             }
+            Counter::File(_) => return Err("a file counter has no permit count".to_owned()),
         }
         Ok(())
     }
@@ -646,8 +726,16 @@ impl Counter {
                 .await
                 .map_err(|e| format!("leave: {e}"))
             }
+            Counter::File(_) => Err("a file counter has no permit count".to_owned()),
         }
     }
+}
+
+/// Microseconds since the epoch, for `--events`.
+fn epoch_micros() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros())
 }
 
 async fn work(lock: Lock, mut counter: Counter, args: &Args) -> Result<(), String> {
@@ -660,6 +748,9 @@ async fn work(lock: Lock, mut counter: Counter, args: &Args) -> Result<(), Strin
             .try_lock_for(wait, lease)
             .await
             .map_err(|e| format!("iteration {i}: lock: {e}"))?;
+        if args.events {
+            println!("acquired {}", epoch_micros());
+        }
         if args.kind == Kind::Permits {
             counter
                 .enter(&inside, &most)
@@ -681,10 +772,14 @@ async fn work(lock: Lock, mut counter: Counter, args: &Args) -> Result<(), Strin
                 .await
                 .map_err(|e| format!("iteration {i}: {e}"))?;
         }
+        let letting_go = epoch_micros();
         guard
             .unlock()
             .await
             .map_err(|e| format!("iteration {i}: unlock: {e}"))?;
+        if args.events {
+            println!("released {letting_go} {}", epoch_micros());
+        }
     }
     Ok(())
 }
