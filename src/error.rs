@@ -515,7 +515,12 @@ impl StoreError {
 
     /// Marks the failure as one the store gave no answer to (a timeout, an I/O error),
     /// as opposed to a refusal it answered.
-    #[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+    #[cfg(any(
+        feature = "redis",
+        feature = "postgres",
+        feature = "mysql",
+        feature = "zookeeper"
+    ))]
     pub(crate) fn and_unanswered(mut self) -> Self {
         self.unanswered = true;
         self
