@@ -81,3 +81,54 @@ impl Fixture for Zk {
 }
 
 tower_lock::testing::conformance_tests!(Zk::start());
+
+/// Nothing a client sends grows the store for good: a thousand distinct names locked
+/// once (fenced and not, released or leaked with a fixed lease) leave no node behind
+/// once their leases ran out: released ones at once, leaked ones by their own
+/// backend's sweep, and the emptied directories (container nodes) by the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_leave_no_nodes_behind() {
+    let zk = Zk::start().await;
+    let client = LockClient::new(zk.backends[0].clone());
+    for i in 0..1000 {
+        let name = format!("growth/{i}");
+        let guard = if i % 2 == 0 {
+            client.get_fenced_lock(&name).unwrap()
+        } else {
+            client.get_lock(&name).unwrap()
+        }
+        .try_lock_for(Duration::ZERO, Duration::from_secs(3))
+        .await
+        .unwrap();
+        if i % 3 == 0 {
+            // Left to its lease.
+            std::mem::forget(guard);
+        } else {
+            guard.unlock().await.unwrap();
+        }
+        if i == 30 {
+            let mut held = 0;
+            for j in 0..=30 {
+                held += zk
+                    .nodes(&LockKey::new(format!("growth/{j}")).unwrap())
+                    .await;
+            }
+            assert_eq!(held, 11, "the leaked holds are there");
+        }
+    }
+    let b = &zk.backends[0];
+    let root = b.root().to_owned();
+    let zk_client = b.client();
+    common::wait_until(Duration::from_secs(20), "the store emptied", || {
+        let zk_client = zk_client.clone();
+        let root = root.clone();
+        async move {
+            match zk_client.list_children(&root).await {
+                Err(zookeeper_client::Error::NoNode) => true,
+                Ok(children) => children.is_empty(),
+                Err(_) => false,
+            }
+        }
+    })
+    .await;
+}

@@ -160,6 +160,8 @@ struct Seen {
 /// One hold or queue place of this process.
 struct HoldEntry {
     state: tokio::sync::Mutex<Entry>,
+    /// The loss signal of the session the hold was granted in.
+    loss: Mutex<Option<StoreLoss>>,
     /// Woken when the node this one waits for changes, or the session was replaced.
     signal: Arc<Signal>,
 }
@@ -219,6 +221,55 @@ impl Drop for Entry {
     fn drop(&mut self) {
         if let Some(watch) = self.watch.take() {
             watch.abort();
+        }
+    }
+}
+
+/// How often a backend looks for holds of its own whose lease ran out.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// Deletes the nodes of this backend's holds whose lease ran out unrenewed (a guard
+/// leaked with a fixed lease, or whose watchdog stopped): their session would keep them
+/// for as long as the process lives. Runs until the backend is dropped.
+async fn sweep(me: std::sync::Weak<Inner>, closed: tokio_util::sync::CancellationToken) {
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(SWEEP_EVERY) => {}
+            () = closed.cancelled() => return,
+        }
+        let Some(inner) = me.upgrade() else {
+            return;
+        };
+        let now = Instant::now();
+        let entries: Vec<_> = lock(&inner.holds)
+            .iter()
+            .map(|(k, e)| (k.clone(), Arc::clone(e)))
+            .collect();
+        for (key, entry) in entries {
+            let Ok(mut e) = entry.state.try_lock() else {
+                continue;
+            };
+            if !(e.granted && e.lease_end.is_some_and(|end| end <= now)) {
+                continue;
+            }
+            let session = inner.sessions.current();
+            if e.generation == session.generation {
+                let mut failed = false;
+                for node in [e.node.clone(), e.gate.clone()].into_iter().flatten() {
+                    failed |= inner.delete_node(&session.client, &node).await.is_err();
+                }
+                if failed {
+                    // Tried again at the next sweep.
+                    continue;
+                }
+            }
+            tracing::debug!(key = %key.0, hold_id = %key.1, "ZooKeeper: deleted a hold of this process whose lease ran out");
+            e.forget_nodes();
+            drop(e);
+            let mut holds = lock(&inner.holds);
+            if holds.get(&key).is_some_and(|x| Arc::ptr_eq(x, &entry)) {
+                holds.remove(&key);
+            }
         }
     }
 }
@@ -319,6 +370,7 @@ impl Inner {
             .or_insert_with(|| {
                 Arc::new(HoldEntry {
                     state: tokio::sync::Mutex::new(Entry::new(uuid::Uuid::new_v4().to_string())),
+                    loss: Mutex::new(None),
                     signal: Arc::new(Signal::new()),
                 })
             });
@@ -576,14 +628,25 @@ impl Inner {
     /// that made the node (no other client can have seen it before this call began).
     async fn grant(
         &self,
-        client: &zk::Client,
+        session: &Session,
+        entry: &HoldEntry,
         e: &mut Entry,
         req: &LockRequest,
         made_now: bool,
     ) -> Result<Option<Acquire>> {
+        let client = &session.client;
         let Some(node) = e.node.clone() else {
             return Ok(None);
         };
+        if session.lost.is_fired() {
+            // Given up here (its connection was not back in time) though the
+            // ensemble still answered: a hold in it would be lost at once.
+            return Err(StoreError::msg(
+                StoreErrorKind::Unavailable,
+                "the ZooKeeper session was given up; waiting for a new one",
+            )
+            .into());
+        }
         let mut token = None;
         if req.fenced || !made_now || e.waiting_marked {
             let data = layout::encode(State::Holding, req.lease, req.hold_id.as_str());
@@ -605,6 +668,7 @@ impl Inner {
         e.granted = true;
         e.waiting_marked = false;
         e.holds = 1;
+        *lock(&entry.loss) = Some(session.lost.clone());
         e.lease_end = Instant::now().checked_add(req.lease);
         Ok(Some(Acquire::Acquired(Grant::new(
             1,
@@ -633,7 +697,16 @@ impl Inner {
         for _ in 0..8 {
             if let LockMode::Permits { max } = req.mode {
                 if let Some(answer) = self
-                    .permit(client, &entry, &mut e, req, &dir, max, &data, &mut made_now)
+                    .permit(
+                        &session,
+                        &entry,
+                        &mut e,
+                        req,
+                        &dir,
+                        max,
+                        &data,
+                        &mut made_now,
+                    )
                     .await?
                 {
                     return Ok(answer);
@@ -661,7 +734,7 @@ impl Inner {
                 _ => None,
             };
             match layout::blocker(&children, index, writer_node.as_deref()) {
-                None => match self.grant(client, &mut e, req, made_now).await? {
+                None => match self.grant(&session, &entry, &mut e, req, made_now).await? {
                     Some(answer) => return Ok(answer),
                     None => continue,
                 },
@@ -746,7 +819,7 @@ impl Inner {
     #[allow(clippy::too_many_arguments)]
     async fn permit(
         &self,
-        client: &zk::Client,
+        session: &Session,
         entry: &Arc<HoldEntry>,
         e: &mut Entry,
         req: &LockRequest,
@@ -755,6 +828,7 @@ impl Inner {
         data: &[u8],
         made_now: &mut bool,
     ) -> Result<Option<Acquire>> {
+        let client = &session.client;
         let gates = format!("{dir}/locks");
         let leases = format!("{dir}/leases");
         let uuid = e.uuid.clone();
@@ -807,7 +881,7 @@ impl Inner {
             return Ok(None);
         }
         if children.len() <= max.get() as usize {
-            return self.grant(client, e, req, *made_now).await;
+            return self.grant(session, entry, e, req, *made_now).await;
         }
         let others: Vec<&Child> = children.iter().filter(|c| c.name != mine).collect();
         let (deleted, ttl) = self.expire(client, &leases, &others).await?;
@@ -1131,7 +1205,7 @@ async fn register_in(
                 return Ok(());
             }
             Err(zk::Error::NoNode) => {
-                let parents = zk::CreateMode::Persistent.with_acls(acls);
+                let parents = zk::CreateMode::Container.with_acls(acls);
                 match client.mkdir(dir, &parents).await {
                     Ok(()) | Err(zk::Error::NodeExists) => continue,
                     Err(error) => return Err(error),
@@ -1257,9 +1331,8 @@ impl LockBackend for ZooKeeperBackend {
     }
 
     fn loss_signal(&self, req: &LockRequest) -> Option<StoreLoss> {
-        Some(self.inner.sessions.current().lost.clone()).filter(|_| {
-            lock(&self.inner.holds).contains_key(&(req.key.clone(), req.hold_id.clone()))
-        })
+        let entry = self.inner.existing(req)?;
+        lock(&entry.loss).clone()
     }
 }
 

@@ -393,6 +393,9 @@ impl ZkServer {
             ))
             .arg(format!("-Dlog4j.configuration=file:{}", log4j.display()))
             .arg("-Dzookeeper.jmx.log4j.disable=true")
+            // Empty container nodes (the lock directories) are reaped within a second
+            // rather than a minute, so a test can see the store shrink back.
+            .arg("-Dznode.container.checkIntervalMs=500")
             .args(["-cp", &classpath.join(":")])
             .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
             .arg(&cfg)
