@@ -51,8 +51,8 @@
 //!    (connecting a store), [`Error`] (at run time).
 //! 2. **The stores**, in [`backend`]: the [`LockBackend`](backend::LockBackend) contract
 //!    and its extensions, then [`MemoryBackend`], [`RedisBackend`],
-//!    [`PostgresBackend`] and
-//!    [`RedLock`](backend::redlock::RedLock); `tower_lock::testing` holds the
+//!    [`PostgresBackend`], [`MySqlBackend`], [`ZooKeeperBackend`] (shared with
+//!    Apache Curator) and [`RedLock`](backend::redlock::RedLock); `tower_lock::testing` holds the
 //!    conformance suite a store passes (feature `testing`).
 //! 3. **The HTTP layers**: [`layer`] ([`LockLayer`]), [`extract`] (the axum
 //!    extractors) and [`idempotency`] ([`IdempotencyLayer`]).
@@ -174,6 +174,11 @@
 //!   Sentinel) every grant a client saw had reached that many replicas; without it, a
 //!   grant is as durable as Redis' asynchronous replication. Fencing tokens still
 //!   increase across such a loss.
+//! - **ZooKeeper**: the ensemble acknowledges a write once a quorum logged it (synced
+//!   to disk with its default `forceSync=yes`), so a grant survives the crash of any
+//!   minority of servers. What ends a hold there is its session: when it expires (or
+//!   the client gives it up, a third of the session timeout after its connection
+//!   dropped), the holder's guards are lost at once. See `docs/zookeeper.md`.
 //! - **Memory**: the store is the process; it ends with its holders.
 //! - **RedLock**: a grant survives while a majority of nodes keep it; a node that
 //!   restarts without its grants should stay out for longer than the longest lease
