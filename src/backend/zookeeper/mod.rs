@@ -54,13 +54,13 @@
 //!
 //! # Errors
 //!
-//! Failures surface as [`Error::Store`](crate::Error::Store) with the client's
+//! Failures surface as [`Error::Store`] with the client's
 //! [`zookeeper_client::Error`] as their source. A lost connection, an expired session
 //! and no answer within the response timeout are
 //! [unavailable](crate::StoreErrorKind::Unavailable); refused credentials or ACLs are
 //! [misconfigured](crate::StoreErrorKind::Misconfigured). A key that makes no valid
 //! ZooKeeper path (an empty segment, `.` or `..`) is
-//! [`ConfigError::InvalidKey`](crate::ConfigError::InvalidKey).
+//! [`ConfigError::InvalidKey`].
 //!
 //! # Cancel safety
 //!
