@@ -100,4 +100,6 @@ mod safety_regressions;
 mod transit_faults;
 mod watchdog;
 #[cfg(feature = "zookeeper")]
+mod zookeeper_interop;
+#[cfg(feature = "zookeeper")]
 mod zookeeper_servers;

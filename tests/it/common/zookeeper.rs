@@ -268,6 +268,28 @@ impl ZkServer {
         paths
     }
 
+    /// The sessions that have a watch set on `path` (`wchp`, whose answer lists each
+    /// watched path followed by its sessions' ids, one a line). Tells one client's watch
+    /// from another's: a tower-lock backend's session is
+    /// `ZooKeeperBackend::session_id`. Like every four-letter watch report, it sees data
+    /// and exists watches only: a children watch (a semaphore waiter's on `leases`) is
+    /// in no report.
+    pub async fn watchers(&self, path: &str) -> Vec<i64> {
+        let wchp = self.four_letter("wchp").await.unwrap_or_default();
+        let mut sessions = Vec::new();
+        let mut in_path = false;
+        for line in wchp.lines() {
+            if line.starts_with('/') {
+                in_path = line == path;
+            } else if in_path && let Some(hex) = line.trim().strip_prefix("0x") {
+                let id = u64::from_str_radix(hex, 16)
+                    .unwrap_or_else(|_| panic!("a session id in `wchp`: {line:?}"));
+                sessions.push(id.cast_signed());
+            }
+        }
+        sessions
+    }
+
     /// The paths of every ephemeral node, sorted (`dump`, on a standalone server or a
     /// leader).
     pub async fn ephemerals(&self) -> Vec<String> {
