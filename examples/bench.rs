@@ -747,6 +747,9 @@ async fn w1(args: &Args) -> Result<W1Line, String> {
     } else {
         None
     };
+    // Fresh keys carry the run's own tag: no run finds another's keys (or their
+    // directories, on ZooKeeper) there already.
+    let run_tag = fastrand::u32(..);
     let deadline = Instant::now() + Duration::from_secs_f64(args.seconds);
     let failures = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
@@ -765,7 +768,7 @@ async fn w1(args: &Args) -> Result<W1Line, String> {
                 let fresh_lock;
                 let lock = if fresh {
                     n += 1;
-                    match lock_of(&client, kind, format!("bench:w1:{w}:{n}")) {
+                    match lock_of(&client, kind, format!("bench:w1:{w}:{run_tag:08x}:{n}")) {
                         Ok(lock) => fresh_lock = lock,
                         Err(_) => {
                             failures.fetch_add(1, Ordering::Relaxed);

@@ -246,6 +246,8 @@ mod with_client {
     pub async fn w1_baseline(args: &Args) -> Result<W1Line, String> {
         let sessions = sessions(args, args.workers).await?;
         let meter = super::Packets::start(&args.url).await;
+        // Fresh directories carry the run's own tag, as tower-lock's fresh keys do.
+        let run_tag = fastrand::u32(..);
         let deadline = Instant::now() + Duration::from_secs_f64(args.seconds);
         let failures = Arc::new(AtomicU64::new(0));
         let started = Instant::now();
@@ -257,13 +259,14 @@ mod with_client {
             let mut samples = latencies()?;
             tasks.push(tokio::spawn(async move {
                 let own = format!("{BASELINE_DIR}/w1:{w}");
+                let fresh_prefix = format!("{own}:{run_tag:08x}");
                 let mut n = 0u64;
                 while Instant::now() < deadline {
                     let t0 = Instant::now();
                     let fresh_dir;
                     let dir = if fresh {
                         n += 1;
-                        fresh_dir = format!("{own}:{n}");
+                        fresh_dir = format!("{fresh_prefix}:{n}");
                         &fresh_dir
                     } else {
                         &own
