@@ -10,6 +10,8 @@
 //!     --seconds 10 --workload pg
 //! cargo run --release --example bench -- --url mysql://root@127.0.0.1:3306/test \
 //!     --seconds 4 --workload mysql [--wake-poll-ms 2]
+//! cargo run --release --features zookeeper --example bench -- \
+//!     --url zk://127.0.0.1:2181 --seconds 4 --workload zk
 //! cargo run --release --example bench -- --workload w5 --backend memory --impl baseline
 //! cargo run --release --example bench -- --url redis://127.0.0.1:6379 --workload w6 \
 //!     --backend redis [--connections 64]
@@ -21,12 +23,18 @@
 //! without `test_before_acquire`) and the lines carry `"backend":"postgres"`; a
 //! `mysql://` URL measures [`MySqlBackend`] (on a pool of one connection per worker and
 //! one more, without `test_before_acquire`, plus the backend's listening connection),
-//! `"backend":"mysql"`; `--backend memory` measures the in-process store.
+//! `"backend":"mysql"`; a `zk://host:port[,host:port][/chroot]` URL (feature
+//! `zookeeper`) measures [`ZooKeeperBackend`](tower_lock::ZooKeeperBackend) (one
+//! session the workers share, or one each with `--backend-per-worker`),
+//! `"backend":"zookeeper"`; `--backend memory` measures the in-process store.
 //!
 //! On MySQL/MariaDB every run works in a scratch database of its own,
 //! `tower_lock_bench_<pid>_<random>`, created on the server of `--url` (whose own
 //! database is left alone) and dropped when the run ends, failed or not (an interrupted
 //! run leaves it behind: drop it by that name).
+//!
+//! On ZooKeeper every run works under a scratch node of its own, the same way
+//! (`examples/bench/zk.rs` says where, and how round trips are counted).
 //!
 //! Workloads:
 //!
@@ -51,6 +59,15 @@
 //!   `innodb_flush_log_at_trx_commit = 1`, a commit's log flush, shared by the commits
 //!   of a group), `mysql_log_bytes_per_cycle` (`Innodb_os_log_written`), and
 //!   `mysql_cpu_us_per_cycle` (the local `mariadbd` or `mysqld` processes, from `/proc`).
+//!   On ZooKeeper `--impl baseline` is a bare lock in Curator's layout on the
+//!   `zookeeper-client` crate: `Client::lock` with `LockPrefix::new_curator(dir,
+//!   "lock-")` (its directory made as a container node if missing), released by
+//!   `LockClient::delete` of its own node, awaited, then dropped (the drop sends one
+//!   more delete in the background, which finds nothing). The lines add
+//!   `zk_packets_per_cycle`: the requests the servers received per cycle (`mntr`'s
+//!   `zk_packets_received`). `--fresh-keys` (ZooKeeper): a new key every cycle, so each
+//!   cycle also makes its lock's directory. `--backend-per-worker`: each worker on a
+//!   backend (a session) of its own, for the baseline too on ZooKeeper.
 //! - `w2`: all workers on one key; each iteration acquires, does a non-atomic
 //!   `GET counter` + `SET counter+1` on a second connection, and releases. `--handoff`:
 //!   after releasing, a worker sits out until another worker has acquired, so every
@@ -64,10 +81,12 @@
 //!   read, a `yield_now` (so that another task holding the lock would run between the
 //!   read and the write), written (a row would add a commit, and its fsync, to every
 //!   hold); `--impl baseline` holds `GET_LOCK` on each worker's own connection; the
-//!   lines add `wake_poll_ms`. `--backend-per-worker`: each worker on a backend of its
-//!   own (its own pool and listener), as workers in separate processes are: a release
-//!   then reaches the next holder through the listener's poll (`--wake-poll-ms`), not
-//!   at once as within one backend.
+//!   lines add `wake_poll_ms`. On ZooKeeper the counter is in the process too, and
+//!   `--impl baseline` holds the bare Curator-layout lock, on one session the workers
+//!   share (or one each). `--backend-per-worker`: each worker on a backend of its
+//!   own (its own pool and listener; on ZooKeeper its own session), as workers in
+//!   separate processes are: a release then reaches the next holder through the
+//!   listener's poll (`--wake-poll-ms`), not at once as within one backend.
 //! - `w3`: `--waiters` (default 200) tasks on one key until `--handoffs` (default 1,000)
 //!   handoffs: Redis commands per handoff (from `INFO commandstats` deltas) and client CPU.
 //! - `w4`: `--locks` (default 10,000) held locks with the watchdog for 3 renewal periods
@@ -115,6 +134,12 @@
 //!   32 workers, then w2 with 8 workers on one backend, beside the `GET_LOCK` baseline,
 //!   and w2 again with each worker on a backend of its own (`--backend-per-worker`), then
 //!   a `ratios` line (tower-lock / baseline).
+//! - `zk`: the ZooKeeper suite in one run (`--url zk://...`, feature `zookeeper`), each
+//!   measurement for tower-lock and then the bare Curator-layout baseline: w1 with 1 and
+//!   32 workers on one session, with 32 on a session each, and with 1 and 32 on fresh
+//!   keys; w2 with 8 workers on one session, then on a session each; then a `ratios`
+//!   line (tower-lock / baseline, `zk_packets_per_cycle` included, and the machine's
+//!   1-minute load average before and after the suite).
 //! - `pg`: the PostgreSQL suite in one run (`--url postgres://...`): w1 with 1 and 32
 //!   workers (and again with fast grants, `--fast-grants-ms`, default 30 s), w2 and w2h
 //!   with 8 (and again with `--hand-over`), each for tower-lock and the advisory-lock
@@ -128,12 +153,15 @@
 
 #[path = "shared/shown.rs"]
 mod shown;
+#[path = "bench/zk.rs"]
+mod zk;
 use shown::shown;
 use std::collections::HashMap;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+use zk::is_zk;
 
 use bytes::Bytes;
 use clap::{CommandFactory, Parser, ValueEnum};
@@ -210,6 +238,7 @@ enum BackendKind {
     Redis,
     Postgres,
     Mysql,
+    Zookeeper,
     Memory,
     None,
     /// w5 only: a tower layer that does nothing, on the same route: what axum itself
@@ -225,6 +254,7 @@ impl BackendKind {
             BackendKind::Redis => "redis",
             BackendKind::Postgres => "postgres",
             BackendKind::Mysql => "mysql",
+            BackendKind::Zookeeper => "zookeeper",
             BackendKind::Memory => "memory",
             BackendKind::None => "none",
             BackendKind::Noop => "noop",
@@ -245,6 +275,8 @@ enum Workload {
     Pg,
     /// The MySQL/MariaDB suite.
     Mysql,
+    /// The ZooKeeper suite.
+    Zk,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
@@ -278,8 +310,10 @@ enum Impl {
     allow_negative_numbers = true
 )]
 struct Args {
-    /// The Redis server, the PostgreSQL database (`postgres://...`), or the MySQL server
-    /// (`mysql://...`; the run works in a scratch database of its own).
+    /// The Redis server, the PostgreSQL database (`postgres://...`), the MySQL server
+    /// (`mysql://...`; the run works in a scratch database of its own), or the ZooKeeper
+    /// ensemble (`zk://host:port[,host:port][/chroot]`; the run works under a scratch
+    /// node of its own).
     #[arg(long, value_name = "URL", default_value = "redis://127.0.0.1:6379")]
     url: String,
     /// Concurrent workers (w1, w2).
@@ -343,10 +377,15 @@ struct Args {
     /// waits (`MySqlBackendBuilder::wake_poll`; default the backend's, 2 ms).
     #[arg(long = "wake-poll-ms", value_name = "MS", value_parser = fractional_millis)]
     wake_poll: Option<Duration>,
-    /// w2: each worker on a backend of its own (its own pool and listener), as workers
-    /// in separate processes are.
+    /// w2 (and w1 on ZooKeeper): each worker on a backend of its own (its own pool and
+    /// listener; its own session on ZooKeeper, the baseline's too), as workers in
+    /// separate processes are.
     #[arg(long)]
     backend_per_worker: bool,
+    /// w1 on ZooKeeper: a new key every cycle, so each cycle also makes its lock's
+    /// directory.
+    #[arg(long)]
+    fresh_keys: bool,
 }
 
 fn millis(value: &str) -> Result<Duration, std::num::ParseIntError> {
@@ -392,6 +431,25 @@ fn check(a: &Args) -> Result<(), &'static str> {
     if a.workload == Workload::Mysql && !mysql {
         return Err("--workload mysql needs a mysql:// --url");
     }
+    let zk = is_zk(&a.url);
+    if zk && !cfg!(feature = "zookeeper") {
+        return Err("a zk:// --url needs the `zookeeper` feature (cargo run --features zookeeper)");
+    }
+    if zk && a.backend != BackendKind::Zookeeper {
+        return Err("a zk:// --url goes with --backend zookeeper (the default for it)");
+    }
+    if !zk && a.backend == BackendKind::Zookeeper {
+        return Err("--backend zookeeper needs a zk:// --url");
+    }
+    if a.workload == Workload::Zk && !zk {
+        return Err("--workload zk needs a zk:// --url");
+    }
+    if zk && !matches!(a.workload, Workload::W1 | Workload::W2 | Workload::Zk) {
+        return Err("on ZooKeeper the workloads are w1, w2 and zk (the suite)");
+    }
+    if a.fresh_keys && !(zk && a.workload == Workload::W1) {
+        return Err("--fresh-keys goes with --workload w1 on a zk:// --url");
+    }
     if a.workload == Workload::All && a.backend == BackendKind::Postgres {
         return Err("--workload all is the Redis suite; on PostgreSQL run --workload pg");
     }
@@ -401,17 +459,17 @@ fn check(a: &Args) -> Result<(), &'static str> {
     if a.wake_poll.is_some() && !mysql {
         return Err("--wake-poll-ms goes with a mysql:// --url");
     }
-    if a.backend_per_worker && a.workload != Workload::W2 {
-        return Err("--backend-per-worker goes with --workload w2");
+    if a.backend_per_worker && a.workload != Workload::W2 && !(zk && a.workload == Workload::W1) {
+        return Err("--backend-per-worker goes with --workload w2 (and w1 on ZooKeeper)");
     }
-    if a.backend_per_worker && a.implementation != Impl::TowerLock {
-        return Err("--backend-per-worker measures tower-lock");
+    if a.backend_per_worker && a.implementation != Impl::TowerLock && !zk {
+        return Err("--backend-per-worker measures tower-lock (and the baseline on ZooKeeper)");
     }
     if a.implementation == Impl::Baseline
-        && (postgres || mysql)
+        && (postgres || mysql || zk)
         && !matches!(a.workload, Workload::W1 | Workload::W2)
     {
-        return Err("--impl baseline exists for w1 and w2 on PostgreSQL and MySQL");
+        return Err("--impl baseline exists for w1 and w2 on PostgreSQL, MySQL and ZooKeeper");
     }
     if a.workers == 0 || a.seconds <= 0.0 || a.waiters == 0 || a.locks == 0 || a.connections == 0 {
         return Err("--workers, --seconds, --waiters, --locks and --connections must be positive");
@@ -430,12 +488,13 @@ fn check(a: &Args) -> Result<(), &'static str> {
     if a.implementation == Impl::Baseline
         && !postgres
         && !mysql
+        && !zk
         && a.workload != Workload::W1
         && !w5_peer
     {
         return Err(
             "--impl baseline exists for w1 on Redis, w5 with --backend memory or redis \
-             (w1 and w2 on PostgreSQL and MySQL)",
+             (w1 and w2 on PostgreSQL, MySQL and ZooKeeper)",
         );
     }
     if a.workload == Workload::W6
@@ -448,7 +507,7 @@ fn check(a: &Args) -> Result<(), &'static str> {
     }
     let safe_workload = a.workload == Workload::W1
         || (a.workload == Workload::W5 && a.backend == BackendKind::Redis);
-    if a.implementation == Impl::SafeBaseline && (postgres || mysql || !safe_workload) {
+    if a.implementation == Impl::SafeBaseline && (postgres || mysql || zk || !safe_workload) {
         return Err("--impl safe-baseline exists for w1 and w5 (--backend redis) on Redis only");
     }
     Ok(())
@@ -461,6 +520,8 @@ async fn main() -> ExitCode {
         BackendKind::Postgres
     } else if is_mysql(&args.url) {
         BackendKind::Mysql
+    } else if is_zk(&args.url) {
+        BackendKind::Zookeeper
     } else {
         BackendKind::Redis
     });
@@ -472,6 +533,8 @@ async fn main() -> ExitCode {
     }
     let result = if is_mysql(&args.url) {
         in_scratch_database(&args).await
+    } else if is_zk(&args.url) {
+        in_scratch_node(&args).await
     } else {
         run(&args).await
     };
@@ -495,6 +558,8 @@ async fn run(args: &Args) -> Result<(), String> {
                 w1_pg_baseline(args).await.and_then(|l| say(&l))
             } else if is_mysql(&args.url) {
                 w1_my_baseline(args).await.and_then(|l| say(&l))
+            } else if is_zk(&args.url) {
+                w1_zk_baseline(args).await.and_then(|l| say(&l))
             } else {
                 w1_baseline(args).await.and_then(|l| say(&l))
             }
@@ -508,6 +573,7 @@ async fn run(args: &Args) -> Result<(), String> {
         Workload::All => all(args).await,
         Workload::Pg => pg_suite(args).await,
         Workload::Mysql => my_suite(args).await,
+        Workload::Zk => zk_suite(args).await,
     }
 }
 
@@ -523,6 +589,7 @@ fn peer(args: &Args) -> &'static str {
     match (args.implementation, args.kind) {
         (Impl::Baseline, _) if is_postgres(&args.url) => "pg-advisory-baseline",
         (Impl::Baseline, _) if is_mysql(&args.url) => "mysql-get-lock-baseline",
+        (Impl::Baseline, _) if is_zk(&args.url) => "zk-curator-lock-baseline",
         // w5's peer in memory.
         (Impl::Baseline, _) if args.backend == BackendKind::Memory => "mutex-map-baseline",
         (Impl::Baseline, _) => "redis-setnx-baseline",
@@ -619,6 +686,10 @@ async fn client_for(args: &Args, size: usize) -> Result<LockClient, String> {
                     .map_err(|e| format!("MySQL locks at {}: {e}", shown(&args.url)))?,
             )
         }
+        #[cfg(feature = "zookeeper")]
+        BackendKind::Zookeeper => Arc::new(zk::backend(&args.url).await?),
+        #[cfg(not(feature = "zookeeper"))]
+        BackendKind::Zookeeper => return Err("ZooKeeper needs the `zookeeper` feature".into()),
         BackendKind::Memory | BackendKind::None | BackendKind::Noop => {
             Arc::new(MemoryBackend::new())
         }
@@ -627,7 +698,11 @@ async fn client_for(args: &Args, size: usize) -> Result<LockClient, String> {
 }
 
 fn lock_for(client: &LockClient, args: &Args, key: String) -> Result<tower_lock::Lock, String> {
-    let lock = match args.kind {
+    lock_of(client, args.kind, key)
+}
+
+fn lock_of(client: &LockClient, kind: LockKind, key: String) -> Result<tower_lock::Lock, String> {
+    let lock = match kind {
         LockKind::Lock => client.get_lock(key),
         LockKind::Fair => client.get_fair_lock(key),
         LockKind::Read => client.get_read_write_lock(key).map(|rw| rw.read_lock()),
@@ -645,7 +720,13 @@ async fn w1(args: &Args) -> Result<W1Line, String> {
     if args.backend == BackendKind::Postgres {
         pg_vacuum(&args.url).await?;
     }
-    let client = client(args).await?;
+    // One client the workers share, or (--backend-per-worker) one each.
+    let mut clients = vec![client(args).await?];
+    if args.backend_per_worker {
+        for _ in 1..args.workers {
+            clients.push(client_for(args, 1).await?);
+        }
+    }
     let cpu_before = if args.backend == BackendKind::Redis {
         Some(redis_cpu_us(&args.url).await?)
     } else {
@@ -661,18 +742,43 @@ async fn w1(args: &Args) -> Result<W1Line, String> {
     } else {
         None
     };
+    let zk_meter = if args.backend == BackendKind::Zookeeper {
+        Some(zk::Packets::start(&args.url).await)
+    } else {
+        None
+    };
+    // Fresh keys carry the run's own tag: no run finds another's keys (or their
+    // directories, on ZooKeeper) there already.
+    let run_tag = fastrand::u32(..);
     let deadline = Instant::now() + Duration::from_secs_f64(args.seconds);
     let failures = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
     let mut tasks = Vec::new();
     for w in 0..args.workers {
-        let lock = lock_for(&client, args, format!("bench:w1:{w}"))?;
+        let client = clients[w % clients.len()].clone();
+        let own = lock_for(&client, args, format!("bench:w1:{w}"))?;
+        let (kind, fresh) = (args.kind, args.fresh_keys);
         let lease = lease(args);
         let failures = failures.clone();
         let mut samples = latencies()?;
         tasks.push(tokio::spawn(async move {
+            let mut n = 0u64;
             while Instant::now() < deadline {
                 let t0 = Instant::now();
+                let fresh_lock;
+                let lock = if fresh {
+                    n += 1;
+                    match lock_of(&client, kind, format!("bench:w1:{w}:{run_tag:08x}:{n}")) {
+                        Ok(lock) => fresh_lock = lock,
+                        Err(_) => {
+                            failures.fetch_add(1, Ordering::Relaxed);
+                            continue;
+                        }
+                    }
+                    &fresh_lock
+                } else {
+                    &own
+                };
                 let guard = match lock.try_lock_for(Duration::MAX, lease).await {
                     Ok(g) => g,
                     Err(_) => {
@@ -702,6 +808,10 @@ async fn w1(args: &Args) -> Result<W1Line, String> {
         Some(meter) => Some(meter.finish(samples.len()).await?),
         None => None,
     };
+    let zk_cost = match zk_meter {
+        Some(meter) => Some(meter.finish(samples.len()).await),
+        None => None,
+    };
     let mut line = w1_line(
         args,
         elapsed,
@@ -711,6 +821,7 @@ async fn w1(args: &Args) -> Result<W1Line, String> {
     );
     line.pg = cost;
     line.my = my_cost;
+    line.zk = zk_cost;
     Ok(line)
 }
 
@@ -752,6 +863,15 @@ struct W1Line {
     /// MySQL only: the server's cost per cycle.
     #[serde(flatten)]
     my: Option<MyCost>,
+    /// ZooKeeper only: the requests the servers received per cycle.
+    #[serde(flatten)]
+    zk: Option<zk::ZkCost>,
+    /// With `--backend-per-worker`.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    backend_per_worker: bool,
+    /// With `--fresh-keys`.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    fresh_keys: bool,
 }
 
 /// What the PostgreSQL server spent per cycle.
@@ -793,6 +913,9 @@ fn w1_line(
         fast_grants_ms: args.fast_grants.map(|d| d.as_millis()),
         pg: None,
         my: None,
+        zk: None,
+        backend_per_worker: args.backend_per_worker,
+        fresh_keys: args.fresh_keys,
     }
 }
 
@@ -1248,6 +1371,38 @@ async fn in_scratch_database(args: &Args) -> Result<(), String> {
     }
 }
 
+/// Runs the workload under a scratch node of its own on the ensemble of `--url` (given
+/// to the run as its chroot), and deletes the node and everything below it afterwards,
+/// whatever the run's outcome.
+#[cfg(feature = "zookeeper")]
+async fn in_scratch_node(args: &Args) -> Result<(), String> {
+    let (name, url) = zk::make_scratch(&args.url).await?;
+    let mut scratch = args.clone();
+    scratch.url = url;
+    let result = run(&scratch).await;
+    match (result, zk::remove_scratch(&args.url, &name).await) {
+        (result, Ok(())) => result,
+        (Ok(()), Err(e)) => Err(e),
+        (Err(run), Err(e)) => Err(format!("{run}; then {e}")),
+    }
+}
+
+#[cfg(not(feature = "zookeeper"))]
+async fn in_scratch_node(_args: &Args) -> Result<(), String> {
+    Err("a zk:// --url needs the `zookeeper` feature".into())
+}
+
+/// The ZooKeeper baseline's w1 (`examples/bench/zk.rs`).
+async fn w1_zk_baseline(args: &Args) -> Result<W1Line, String> {
+    #[cfg(feature = "zookeeper")]
+    return zk::w1_baseline(args).await;
+    #[cfg(not(feature = "zookeeper"))]
+    return Err(format!(
+        "{}: needs the `zookeeper` feature",
+        shown(&args.url)
+    ));
+}
+
 /// The MySQL server's counters at the start of a run (server-wide: the work of other
 /// clients counts too).
 struct MyMeter {
@@ -1424,6 +1579,9 @@ struct W2Line {
     /// With `--backend-per-worker`.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     backend_per_worker: bool,
+    /// ZooKeeper only: the requests the servers received per cycle.
+    #[serde(flatten)]
+    zk: Option<zk::ZkCost>,
 }
 
 async fn w2(args: &Args) -> Result<W2Line, String> {
@@ -1437,6 +1595,11 @@ async fn w2_with_samples(args: &Args) -> Result<(W2Line, Latencies), String> {
     }
     let counter_conn = Counter::open(&args.url, args.workers).await?;
     let lockers = w2_lockers(args).await?;
+    let zk_meter = if args.backend == BackendKind::Zookeeper {
+        Some(zk::Packets::start(&args.url).await)
+    } else {
+        None
+    };
     let deadline = Instant::now() + Duration::from_secs_f64(args.seconds);
     let inside = Arc::new(AtomicUsize::new(0));
     let overlaps = Arc::new(AtomicU64::new(0));
@@ -1531,6 +1694,10 @@ async fn w2_with_samples(args: &Args) -> Result<(W2Line, Latencies), String> {
     }
     let counter = counter_conn.clone().value().await?;
     let cycles = holds.len() as u64;
+    let zk_cost = match zk_meter {
+        Some(meter) => Some(meter.finish(cycles).await),
+        None => None,
+    };
     let transitions = holds.len().saturating_sub(1) as f64;
     let line = W2Line {
         peer: peer(args),
@@ -1571,18 +1738,30 @@ async fn w2_with_samples(args: &Args) -> Result<(W2Line, Latencies), String> {
                 every.as_secs_f64() * 1000.0
             }),
         backend_per_worker: args.backend_per_worker,
+        zk: zk_cost,
     };
     Ok((line, handoffs))
 }
 
 /// Each w2 worker's lock on the one key: the baseline's on a connection of the worker's
-/// own, or tower-lock's, on one backend or (`--backend-per-worker`) one each.
+/// own (on ZooKeeper, on a session the workers share or one each), or tower-lock's, on
+/// one backend or (`--backend-per-worker`) one each.
 async fn w2_lockers(args: &Args) -> Result<Vec<Locker>, String> {
     let mut lockers = Vec::with_capacity(args.workers);
     if args.implementation == Impl::Baseline && is_mysql(&args.url) {
         let name = user_lock_name(&args.url, "w2");
         for conn in my_connections(&args.url, args.workers).await? {
             lockers.push(Locker::UserLock(conn, name.clone()));
+        }
+    } else if args.implementation == Impl::Baseline && is_zk(&args.url) {
+        // One session they share, or one each.
+        #[cfg(feature = "zookeeper")]
+        {
+            let sessions = zk::sessions(args, args.workers).await?;
+            for w in 0..args.workers {
+                let session = sessions[w % sessions.len()].clone();
+                lockers.push(Locker::Curator(zk::CuratorLock::new(session)));
+            }
         }
     } else if args.implementation == Impl::Baseline {
         for _ in 0..args.workers {
@@ -1603,7 +1782,7 @@ async fn w2_lockers(args: &Args) -> Result<Vec<Locker>, String> {
 }
 
 /// The counter w2 increments without atomicity (a read, then a write), where `--url`
-/// points (in the process on MySQL).
+/// points (in the process on MySQL and ZooKeeper).
 #[derive(Clone)]
 enum Counter {
     Redis(MultiplexedConnection),
@@ -1618,7 +1797,7 @@ const COUNTER_KEY: &str = "bench:w2:counter";
 impl Counter {
     /// The counter, reset to nothing; `workers` connections on PostgreSQL.
     async fn open(url: &str, workers: usize) -> Result<Self, String> {
-        if is_mysql(url) {
+        if is_mysql(url) || is_zk(url) {
             return Ok(Counter::Memory(Arc::default()));
         }
         if !is_postgres(url) {
@@ -1704,12 +1883,14 @@ impl Counter {
 }
 
 /// One w2 worker's lock: tower-lock's, or the advisory-lock or user-lock baseline on
-/// the worker's own connection.
+/// the worker's own connection, or the Curator-layout baseline on ZooKeeper.
 enum Locker {
     Tower(tower_lock::Lock, Lease),
     Advisory(PgConnection),
     /// `GET_LOCK` of the name.
     UserLock(PoolConnection<MySql>, String),
+    #[cfg(feature = "zookeeper")]
+    Curator(zk::CuratorLock),
 }
 
 /// A hold of a [`Locker`].
@@ -1717,6 +1898,8 @@ enum Held {
     Tower(tower_lock::LockGuard),
     Advisory,
     UserLock,
+    #[cfg(feature = "zookeeper")]
+    Curator(zk::CuratorHeld),
 }
 
 impl Locker {
@@ -1739,6 +1922,8 @@ impl Locker {
                 get_lock(conn, name).await?;
                 Ok(Held::UserLock)
             }
+            #[cfg(feature = "zookeeper")]
+            Locker::Curator(lock) => lock.lock().await.map(Held::Curator),
         }
     }
 
@@ -1747,6 +1932,10 @@ impl Locker {
             (_, Held::Tower(guard)) => guard.unlock().await.map_err(drop),
             (Locker::Advisory(conn), Held::Advisory) => advisory_unlock(conn, "bench:w2").await,
             (Locker::UserLock(conn, name), Held::UserLock) => release_lock(conn, name).await,
+            #[cfg(feature = "zookeeper")]
+            (Locker::Curator(lock), Held::Curator(held)) => lock.unlock(held).await,
+            #[cfg(feature = "zookeeper")]
+            (_, Held::Curator(_)) => Err(()),
             (_, Held::Advisory | Held::UserLock) => Err(()),
         }
     }
@@ -2997,8 +3186,8 @@ async fn ceilings(args: &Args) -> Result<Vec<CeilingLine>, String> {
     Ok(lines)
 }
 
-/// The `ratios` line: `"workload":"ratios"` (and `"backend":"postgres"` or `"mysql"`
-/// for the PostgreSQL and MySQL suites), then each ratio in the order measured (`null` when a side is
+/// The `ratios` line: `"workload":"ratios"` (and `"backend":"postgres"`, `"mysql"` or
+/// `"zookeeper"` for the PostgreSQL, MySQL and ZooKeeper suites), then each ratio in the order measured (`null` when a side is
 /// missing). Its field names are made from the runs (`w1x32_cycles_per_s`,
 /// `w5x64_memory_req_per_s`, ...), so it is a map serialized in order rather than a
 /// struct.
@@ -3407,6 +3596,102 @@ async fn my_suite(args: &Args) -> Result<(), String> {
         backend: Some("mysql"),
         ratios,
     })
+}
+
+/// The ZooKeeper suite: tower-lock next to the bare Curator-layout lock, each pair run
+/// back to back: w1 with 1 and 32 workers on one session, with 32 on a session each,
+/// and with 1 and 32 on a new key every cycle; w2 with 8 workers on one session, then
+/// on a session each; then the ratios (tower-lock / baseline) and the machine's load.
+async fn zk_suite(args: &Args) -> Result<(), String> {
+    let load_before = load_average();
+    let with = |f: &dyn Fn(&mut Args)| {
+        let mut a = args.clone();
+        f(&mut a);
+        a
+    };
+    let u = |v: u64| Some(v as f64);
+    let packets = |cost: &Option<zk::ZkCost>| cost.as_ref().and_then(|c| c.zk_packets_per_cycle);
+    let mut ratios = Vec::new();
+    let w1_cases = [
+        ("w1x1", 1, false, false),
+        ("w1x32", 32, false, false),
+        ("w1x32_backend_per_worker", 32, true, false),
+        ("w1x1_fresh_keys", 1, false, true),
+        ("w1x32_fresh_keys", 32, false, true),
+    ];
+    for (name, workers, apart, fresh) in w1_cases {
+        let w1_with = |implementation| {
+            with(&|a| {
+                a.workers = workers;
+                a.workload = Workload::W1;
+                a.implementation = implementation;
+                a.backend_per_worker = apart;
+                a.fresh_keys = fresh;
+            })
+        };
+        let ours = w1(&w1_with(Impl::TowerLock)).await?;
+        say(&ours)?;
+        let base = w1_zk_baseline(&w1_with(Impl::Baseline)).await?;
+        say(&base)?;
+        ratios.push((
+            format!("{name}_cycles_per_s"),
+            ratio(Some(ours.cycles_per_s), Some(base.cycles_per_s)),
+        ));
+        ratios.push((
+            format!("{name}_cycle_p50_us"),
+            ratio(u(ours.cycle_p50_us), u(base.cycle_p50_us)),
+        ));
+        ratios.push((
+            format!("{name}_cycle_p99_us"),
+            ratio(u(ours.cycle_p99_us), u(base.cycle_p99_us)),
+        ));
+        ratios.push((
+            format!("{name}_zk_packets_per_cycle"),
+            ratio(packets(&ours.zk), packets(&base.zk)),
+        ));
+    }
+    for (name, apart) in [("w2", false), ("w2_backend_per_worker", true)] {
+        let w2_with = |implementation| {
+            with(&|a| {
+                a.workers = 8;
+                a.workload = Workload::W2;
+                a.implementation = implementation;
+                a.backend_per_worker = apart;
+            })
+        };
+        let ours = w2(&w2_with(Impl::TowerLock)).await?;
+        say(&ours)?;
+        let base = w2(&w2_with(Impl::Baseline)).await?;
+        say(&base)?;
+        ratios.push((
+            format!("{name}_cycles_per_s"),
+            ratio(Some(ours.cycles_per_s), Some(base.cycles_per_s)),
+        ));
+        ratios.push((
+            format!("{name}_handoff_p50_us"),
+            ratio(u(ours.handoff_p50_us), u(base.handoff_p50_us)),
+        ));
+        ratios.push((
+            format!("{name}_handoff_p99_us"),
+            ratio(u(ours.handoff_p99_us), u(base.handoff_p99_us)),
+        ));
+        ratios.push((
+            format!("{name}_zk_packets_per_cycle"),
+            ratio(packets(&ours.zk), packets(&base.zk)),
+        ));
+    }
+    ratios.push(("load_avg_1m_before".to_owned(), load_before));
+    ratios.push(("load_avg_1m_after".to_owned(), load_average()));
+    say(&Ratios {
+        backend: Some("zookeeper"),
+        ratios,
+    })
+}
+
+/// The machine's 1-minute load average (`/proc/loadavg`), `None` where there is none.
+fn load_average() -> Option<f64> {
+    let loadavg = std::fs::read_to_string("/proc/loadavg").ok()?;
+    loadavg.split_whitespace().next()?.parse().ok()
 }
 
 /// Handoff latency distributions (share of handoffs at or below each latency), log scale.

@@ -17,6 +17,11 @@
 //! # Vouchers, orders and locks in one database, shared by every process on it:
 //! DATABASE_URL=postgres://root@127.0.0.1:5432/app cargo run --example seckill -- --demo
 //! DATABASE_URL=mysql://root@127.0.0.1:3306/test cargo run --example seckill -- --demo
+//!
+//! # The order locks on ZooKeeper (feature `zookeeper`), the data where it was:
+//! ZOOKEEPER_URL=zk://127.0.0.1:2181 cargo run --features zookeeper --example seckill -- --demo
+//! ZOOKEEPER_URL=zk://127.0.0.1:2181 REDIS_URL=redis://127.0.0.1:6379 \
+//!     cargo run --features zookeeper --example seckill -- --demo
 //! ```
 //!
 //! Each order runs "has this user ordered? → take stock → insert the order". The check
@@ -53,6 +58,17 @@
 //! The order write carries the lock's fencing token and the database refuses a stale
 //! one (a holder that paused past its lease while a newer one took over): `409
 //! stale_token`.
+//!
+//! With `ZOOKEEPER_URL=zk://host:port[,host:port][/chroot]` (or `--zookeeper-url`;
+//! feature `zookeeper`) the users' order locks are `ZooKeeperBackend` locks under
+//! `/seckill` (user 42's is the directory `/seckill/lock:order:{42}`, in Curator's
+//! `InterProcessMutex` layout), and the data stays where the other settings put it: in
+//! this process, in Redis or in the database. ZooKeeper keeps no stored responses, so
+//! the idempotency keys — their locks and the answers stored for replay — stay with the
+//! data too (in the process, in Redis, or in the database's `tower_lock*` tables; with
+//! both `DATABASE_URL` and `REDIS_URL`, in Redis). The order write is fenced with the
+//! ZooKeeper lock's token, a zxid. A process that dies holding an order lock loses it
+//! when ZooKeeper expires its session (10 s), or when its lease ends, whichever is first.
 //!
 //! The operator's side runs on a listener of its own, never on the public one
 //! (`--admin HOST:PORT`, default a free port on 127.0.0.1, printed at start; see
@@ -163,6 +179,16 @@ struct Cli {
     /// database; the locks too, unless `--redis-url` is set.
     #[arg(long, env = "DATABASE_URL", value_name = "URL", hide_env_values = true)]
     database_url: Option<String>,
+    /// The users' order locks on this ZooKeeper ensemble
+    /// (`zk://host:port[,host:port][/chroot]`, feature `zookeeper`), under `/seckill`;
+    /// the data, the stored answers and the idempotency keys stay where they are.
+    #[arg(
+        long,
+        env = "ZOOKEEPER_URL",
+        value_name = "URL",
+        hide_env_values = true
+    )]
+    zookeeper_url: Option<String>,
     /// Where the admin routes (`/metrics`, `/admin/...`) listen: never on `--addr`.
     #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:0")]
     admin: SocketAddr,
@@ -186,6 +212,7 @@ struct Args {
     settings: Settings,
     redis_url: Option<String>,
     database_url: Option<String>,
+    zookeeper_url: Option<String>,
     admin: SocketAddr,
     name: String,
 }
@@ -231,6 +258,7 @@ fn parse_args() -> Result<Args, String> {
         // Empty counts as unset, as it did when this read the variable itself.
         redis_url: cli.redis_url.filter(|url| !url.is_empty()),
         database_url: cli.database_url.filter(|url| !url.is_empty()),
+        zookeeper_url: cli.zookeeper_url.filter(|url| !url.is_empty()),
         admin: cli.admin,
         name: cli
             .name
@@ -251,9 +279,15 @@ async fn backend_and_store(args: &Args) -> Result<(LockClient, Arc<dyn Store>), 
     match &args.redis_url {
         Some(url) => on_redis(url, args).await,
         None => {
-            println!(
-                "backend: memory (locks and orders in this process; set REDIS_URL to share them)"
-            );
+            if args.zookeeper_url.is_some() {
+                println!(
+                    "store: memory (orders, stored answers and idempotency keys in this process)"
+                );
+            } else {
+                println!(
+                    "backend: memory (locks and orders in this process; set REDIS_URL to share them)"
+                );
+            }
             let client = client_on(MemoryBackend::new(), args)?;
             let store: Arc<dyn Store> = Arc::new(MemoryStore::with_voucher(VOUCHER, args.stock));
             Ok((client, store))
@@ -513,6 +547,79 @@ async fn on_redis(_url: &str, _args: &Args) -> Result<(LockClient, Arc<dyn Store
     Err("REDIS_URL is set, but this build has no Redis support (enable the `redis` feature)".into())
 }
 
+/// The root of the order locks on ZooKeeper: user 42's is `/seckill/lock:order:{42}`.
+#[cfg(feature = "zookeeper")]
+const ZOOKEEPER_ROOT: &str = "/seckill";
+
+/// The lock client for the order locks on the ZooKeeper ensemble at `url`
+/// (`zk://host:port[,host:port][/chroot]`, or the connect string alone).
+#[cfg(feature = "zookeeper")]
+async fn zookeeper_locks(url: &str, args: &Args) -> Result<LockClient, String> {
+    let hosts = url
+        .get(..5)
+        .filter(|scheme| scheme.eq_ignore_ascii_case("zk://"))
+        .map_or(url, |_| &url[5..]);
+    let backend = tower_lock::ZooKeeperBackend::builder(hosts)
+        .root(ZOOKEEPER_ROOT)
+        .build()
+        .await
+        .map_err(|e| format!("cannot set up the order locks on ZooKeeper at {hosts}: {e}"))?;
+    println!(
+        "order locks: zookeeper at {hosts} (under {ZOOKEEPER_ROOT}, Curator's \
+         InterProcessMutex layout; session {:#x}); the stored answers and their keys' locks \
+         stay with the store",
+        backend.session_id()
+    );
+    client_on(backend, args)
+}
+
+#[cfg(not(feature = "zookeeper"))]
+async fn zookeeper_locks(_url: &str, _args: &Args) -> Result<LockClient, String> {
+    Err(
+        "ZOOKEEPER_URL is set, but this build has no ZooKeeper support (enable the `zookeeper` \
+         feature)"
+            .into(),
+    )
+}
+
+/// The sale's lock clients: the order locks', and the idempotency keys' (the data
+/// store's) when the order locks are elsewhere (ZooKeeper).
+struct Clients {
+    orders: LockClient,
+    replays: Option<LockClient>,
+}
+
+impl Clients {
+    /// The idempotency keys' client: the data store's.
+    fn replays(&self) -> &LockClient {
+        self.replays.as_ref().unwrap_or(&self.orders)
+    }
+
+    fn all(&self) -> impl Iterator<Item = &LockClient> {
+        std::iter::once(&self.orders).chain(&self.replays)
+    }
+
+    /// Registers each client's name in its store (a failure is printed, not fatal).
+    async fn register_names(&self) {
+        for client in self.all() {
+            if let Err(error) = client.register_name().await {
+                eprintln!("seckill: could not register the client's name in the store: {error}");
+            }
+        }
+    }
+
+    /// Shuts every client down: its locks released at once, its name out of its store.
+    async fn shutdown(&self) -> Result<(), String> {
+        for client in self.all() {
+            client
+                .shutdown()
+                .await
+                .map_err(|e| format!("lock client shutdown: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     init_logging();
@@ -556,14 +663,26 @@ async fn run(args: Args) -> Result<ExitCode, String> {
     // Before the client is made: its observer describes the metrics to this recorder.
     let prometheus = admin::install_prometheus()?;
     let (client, store) = backend_and_store(&args).await?;
-    if let Err(error) = client.register_name().await {
-        eprintln!("seckill: could not register the client's name in the store: {error}");
-    }
+    let clients = match &args.zookeeper_url {
+        Some(url) => Clients {
+            orders: zookeeper_locks(url, &args).await?,
+            replays: Some(client),
+        },
+        None => Clients {
+            orders: client,
+            replays: None,
+        },
+    };
+    clients.register_names().await;
+    let client = clients.orders.clone();
     let admin_listener = tokio::net::TcpListener::bind(args.admin)
         .await
         .map_err(|e| format!("cannot listen on {} (--admin): {e}", args.admin))?;
     let admin_addr = admin_listener.local_addr().map_err(|e| e.to_string())?;
-    let admin_app = admin::admin(client.clone(), prometheus);
+    let admin_app = match &clients.replays {
+        Some(replays) => admin::admin_on(client.clone(), replays.clone(), prometheus),
+        None => admin::admin(client.clone(), prometheus),
+    };
     let admin_server = tokio::spawn(async move { axum::serve(admin_listener, admin_app).await });
     println!(
         "admin: http://{admin_addr}/metrics, http://{admin_addr}/ready and \
@@ -572,8 +691,14 @@ async fn run(args: Args) -> Result<ExitCode, String> {
         client.id()
     );
     let runs = HandlerRuns::default();
-    let app = app::app(client.clone(), store.clone(), args.settings, runs.clone())
-        .map_err(|e| e.to_string())?;
+    let app = app::app_on(
+        client.clone(),
+        clients.replays().clone(),
+        store.clone(),
+        args.settings,
+        runs.clone(),
+    )
+    .map_err(|e| e.to_string())?;
     let addr = if args.demo {
         SocketAddr::from(([127, 0, 0, 1], 0))
     } else {
@@ -612,10 +737,7 @@ async fn run(args: Args) -> Result<ExitCode, String> {
         admin_server.abort();
         // The orders in flight are done: free this process's locks now rather than
         // when their leases end, and take its name out of the store.
-        client
-            .shutdown()
-            .await
-            .map_err(|e| format!("lock client shutdown: {e}"))?;
+        clients.shutdown().await?;
         println!("seckill: stopped; lock client {} shut down", client.id());
         return Ok(ExitCode::SUCCESS);
     }
@@ -646,8 +768,8 @@ async fn run(args: Args) -> Result<ExitCode, String> {
     let elapsed = started.elapsed();
     server.abort();
     admin_server.abort();
-    if let Err(error) = client.shutdown().await {
-        eprintln!("seckill: lock client shutdown: {error}");
+    if let Err(error) = clients.shutdown().await {
+        eprintln!("seckill: {error}");
     }
     println!("\n{}", app::table(&tally));
     println!("({} requests in {:.2?})\n", tally.requests, elapsed);

@@ -1,8 +1,10 @@
 //! The seckill example's app: its endpoints, retried orders replayed, and its invariants
 //! under the demo burst, on the memory backend with the memory store, on `RedisBackend`
 //! with the Redis store (a real redis-server per test), on `PostgresBackend` with the
-//! PostgreSQL store and on `MySqlBackend` with the MySQL store (a database per test);
-//! and `seckill` processes of their own on one store (`seckill/processes.rs`).
+//! PostgreSQL store and on `MySqlBackend` with the MySQL store (a database per test),
+//! with the order locks on `ZooKeeperBackend` (a ZooKeeper server of this test process)
+//! and the rest in memory; and `seckill` processes of their own on one store
+//! (`seckill/processes.rs`).
 #![cfg(feature = "axum")]
 
 #[path = "it/common/mod.rs"]
@@ -56,6 +58,14 @@ enum Locks {
     Postgres(tower_lock::PostgresBackend, common::postgres::PgDatabase),
     #[cfg(feature = "mysql")]
     MySql(tower_lock::MySqlBackend, common::mysql::MyDatabase),
+    /// The order locks on ZooKeeper; the idempotency keys and stored answers in memory.
+    #[cfg(feature = "zookeeper")]
+    ZooKeeper {
+        backend: tower_lock::ZooKeeperBackend,
+        replays: MemoryBackend,
+        replay_client: LockClient,
+        _server: common::zookeeper::ZkLease,
+    },
 }
 
 /// As the example builds it with `DATABASE_URL` set and no `REDIS_URL`: the store in
@@ -106,6 +116,62 @@ async fn mysql(stock: i64, settings: Settings) -> Fixture {
         locks: Locks::MySql(backend, db),
         runs,
     }
+}
+
+/// As the example builds it with `ZOOKEEPER_URL` set and neither `REDIS_URL` nor
+/// `DATABASE_URL`: the order locks on ZooKeeper (under a root of the fixture's own, where
+/// the example uses `/seckill`), the store, the stored answers and the idempotency keys'
+/// locks in memory, voucher 1 seeded.
+#[cfg(feature = "zookeeper")]
+async fn zookeeper(stock: i64, settings: Settings) -> Fixture {
+    let server = common::zookeeper::shared().await;
+    let backend = tower_lock::ZooKeeperBackend::builder(server.connect_string())
+        .root(format!("/seckill-{}", uuid::Uuid::new_v4()))
+        .build()
+        .await
+        .unwrap();
+    let client = client_on(backend.clone());
+    let replays = MemoryBackend::new();
+    let replay_client = client_on(replays.clone());
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::with_voucher(1, stock));
+    let runs = HandlerRuns::default();
+    let app = app::app_on(
+        client.clone(),
+        replay_client.clone(),
+        store.clone(),
+        settings,
+        runs.clone(),
+    )
+    .unwrap();
+    Fixture {
+        app,
+        store,
+        client,
+        locks: Locks::ZooKeeper {
+            backend,
+            replays,
+            replay_client,
+            _server: server,
+        },
+        runs,
+    }
+}
+
+/// The lock nodes (holders and queue places) under `backend`'s root.
+#[cfg(feature = "zookeeper")]
+async fn zookeeper_lock_nodes(backend: &tower_lock::ZooKeeperBackend) -> usize {
+    let client = backend.client();
+    let root = backend.root();
+    let Ok(dirs) = client.list_children(root).await else {
+        return 0;
+    };
+    let mut nodes = 0;
+    for dir in dirs {
+        if let Ok(children) = client.list_children(&format!("{root}/{dir}")).await {
+            nodes += children.iter().filter(|c| c.starts_with("_c_")).count();
+        }
+    }
+    nodes
 }
 
 /// The client as the example builds it: named, with metrics.
@@ -227,6 +293,23 @@ impl Fixture {
                     server.active_channels().await.is_empty()
                 })
                 .await;
+            }
+            #[cfg(feature = "zookeeper")]
+            Locks::ZooKeeper {
+                backend,
+                replays,
+                replay_client,
+                ..
+            } => {
+                wait_until(Duration::from_secs(5), "no lock node left", || async {
+                    zookeeper_lock_nodes(backend).await == 0
+                })
+                .await;
+                wait_until(Duration::from_secs(5), "no lock entry left", || async {
+                    replays.keys().iter().all(is_quota)
+                })
+                .await;
+                assert_eq!(replay_client.watched_locks(), 0);
             }
         }
         assert_eq!(self.client.watched_locks(), 0);
@@ -926,6 +1009,30 @@ async fn ready_is_503_once_the_client_is_shut_down() {
         "{body}"
     );
     fx.assert_nothing_left().await;
+}
+
+/// The order locks on ZooKeeper, everything else in memory: the app as the example
+/// serves it with `ZOOKEEPER_URL` alone.
+#[cfg(feature = "zookeeper")]
+mod on_zookeeper {
+    use super::*;
+
+    /// Retries are replayed from the memory store while their order locks are on
+    /// ZooKeeper: the request's one owner holds both.
+    #[tokio::test]
+    async fn retried_orders_replay_their_first_answer() {
+        super::retried_orders_replay_their_first_answer(zookeeper(1, Settings::default()).await)
+            .await;
+    }
+
+    /// The demo's whole burst (300 users × 5 orders × 3 sends, 100 in stock), each
+    /// user's orders serialized by a lock on ZooKeeper: no oversell, one order per user,
+    /// each key run once, every retry replayed, and no lock node left.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_demo_burst_keeps_the_invariants() {
+        let fx = zookeeper(100, Settings::default()).await;
+        super::the_demo_burst_keeps_the_invariants(fx, Burst::default(), 100).await;
+    }
 }
 
 #[cfg(feature = "redis")]

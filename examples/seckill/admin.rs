@@ -3,6 +3,11 @@
 //! (200 while the lock store answers a ping, 503 otherwise), and
 //! `GET /admin/locks?key=...` (or `GET /admin/users/{id}/lock`) with who holds a lock,
 //! since when, and who waits.
+//!
+//! With the order locks on ZooKeeper, the idempotency keys and their stored answers are
+//! in another store ([`admin_on`]): `/ready` pings both, and a lock is looked up in the
+//! store that keeps it.
+#![allow(dead_code)] // each includer uses a different part
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -19,8 +24,22 @@ use crate::app::json_error;
 
 #[derive(Clone)]
 struct Admin {
+    /// The order locks' client.
     client: LockClient,
+    /// The idempotency keys' client, when it is another store's.
+    replays: Option<LockClient>,
     prometheus: PrometheusHandle,
+}
+
+impl Admin {
+    /// The client of the store that keeps `key`: the order locks' for the order lock
+    /// namespace, else the idempotency keys'.
+    fn client_of(&self, key: &LockKey) -> &LockClient {
+        match &self.replays {
+            Some(replays) if key.namespace() != "lock:order" => replays,
+            _ => &self.client,
+        }
+    }
 }
 
 /// Installs the process's Prometheus recorder, with `tower_lock`'s histogram buckets, so
@@ -40,12 +59,34 @@ pub fn install_prometheus() -> Result<PrometheusHandle, String> {
 /// The admin routes over `client` (whose locks are inspected) and `prometheus` (what
 /// `/metrics` renders).
 pub fn admin(client: LockClient, prometheus: PrometheusHandle) -> Router {
+    routes(Admin {
+        client,
+        replays: None,
+        prometheus,
+    })
+}
+
+/// The admin routes where the order locks (`order_locks`) and the idempotency keys
+/// (`replays`) are in two stores, as `app::app_on` serves them.
+pub fn admin_on(
+    order_locks: LockClient,
+    replays: LockClient,
+    prometheus: PrometheusHandle,
+) -> Router {
+    routes(Admin {
+        client: order_locks,
+        replays: Some(replays),
+        prometheus,
+    })
+}
+
+fn routes(admin: Admin) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
         .route("/ready", get(ready))
         .route("/admin/locks", get(lock_by_key))
         .route("/admin/users/{id}/lock", get(lock_of_user))
-        .with_state(Admin { client, prometheus })
+        .with_state(admin)
 }
 
 async fn metrics(State(admin): State<Admin>) -> Response {
@@ -56,11 +97,19 @@ async fn metrics(State(admin): State<Admin>) -> Response {
         .into_response()
 }
 
-/// `GET /ready`: 200 while the lock store answers a ping ([`LockClient::ping`]), else
-/// 503 with why (the store is down, or the client was shut down). Without the lock
-/// store every order would be refused, so a load balancer should stop sending them.
+/// `GET /ready`: 200 while the lock store answers a ping ([`LockClient::ping`]) — both
+/// stores, when the idempotency keys are in another — else 503 with why (a store is
+/// down, or a client was shut down). Without them every order would be refused, so a
+/// load balancer should stop sending them.
 async fn ready(State(admin): State<Admin>) -> Response {
-    match admin.client.ping().await {
+    let pinged = match &admin.replays {
+        Some(replays) => match admin.client.ping().await {
+            Ok(()) => replays.ping().await,
+            Err(error) => Err(error),
+        },
+        None => admin.client.ping().await,
+    };
+    match pinged {
         Ok(()) => (StatusCode::OK, "ready\n").into_response(),
         Err(error) => json_error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -92,7 +141,7 @@ async fn lock_by_key(State(admin): State<Admin>, Query(q): Query<LockQuery>) -> 
         }
     };
     match LockKey::new(&q.key) {
-        Ok(key) => inspect(&admin.client, key, mode).await,
+        Ok(key) => inspect(admin.client_of(&key), key, mode).await,
         Err(error) => json_error(StatusCode::BAD_REQUEST, "bad_request", &error.to_string()),
     }
 }

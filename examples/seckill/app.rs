@@ -347,6 +347,24 @@ pub fn app(
     settings: Settings,
     runs: HandlerRuns,
 ) -> Result<Router, tower_lock::Error> {
+    app_on(client.clone(), client, store, settings, runs)
+}
+
+/// The app with the users' order locks on `order_locks` and the idempotency keys
+/// (their locks and the stored answers) on `replays`: two stores, where the order
+/// locks' store keeps no responses (ZooKeeper). The request's one owner holds both its
+/// locks, in the same order as on one store.
+///
+/// # Errors
+///
+/// As [`app`]; `replays` must keep responses for replay.
+pub fn app_on(
+    order_locks: LockClient,
+    replays: LockClient,
+    store: Arc<dyn Store>,
+    settings: Settings,
+    runs: HandlerRuns,
+) -> Result<Router, tower_lock::Error> {
     let state = AppState {
         store,
         work: settings.work,
@@ -354,7 +372,7 @@ pub fn app(
     };
     let mut order = post(create_order);
     if !settings.no_lock {
-        let layer = LockLayer::builder(client.clone(), order_key)
+        let layer = LockLayer::builder(order_locks, order_key)
             .name("orders")
             .max_wait(settings.wait)
             .fenced(true)
@@ -381,7 +399,7 @@ pub fn app(
     // request's idempotency lock outlived that takeover: a pause or an outage long
     // enough to lose the user's lock loses the idempotency lock, renewed by the same
     // watchdog, too, and nothing is stored for a request whose own lock was lost.
-    let replays = IdempotencyLayer::builder(client, user_scope)
+    let replays = IdempotencyLayer::builder(replays, user_scope)
         .name("order-replays")
         .max_wait(settings.wait_first)
         .on_rejection(json_replay_rejection)
