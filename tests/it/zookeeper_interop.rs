@@ -696,13 +696,13 @@ async fn permits_of_both_sides_admit_two_holders_never_three() {
     let c1_from = c1.expect("acquired", CLIENT_START).await.micros();
     let (a_from, a_guard) = acquired(spawn_lock(&a.get_permits(key, 2).unwrap())).await;
 
-    // A third from tower-lock waits, holding the mutex: its lease node says so once the
-    // listing that set its watch on the leases has answered (a children watch is in no
-    // four-letter report, so the node's mark is the sign).
+    // A third from tower-lock waits, holding the mutex: it has subscribed once an
+    // attempt answered busy, and that attempt's listing set its watch on the leases (a
+    // children watch is in no four-letter report, so the subscription is the sign).
     let w = spawn_lock(&b.get_permits(key, 2).unwrap());
+    let pool = tower_lock::LockKey::new(key).unwrap();
     wait_until(CLIENT_START, "the tower-lock waiter queues", || async {
-        let marks = leases_data(&first, &leases).await;
-        marks.iter().any(|d| d.starts_with(b"tower-lock/1 w "))
+        second.local_waiters(&pool) == 1 && leases_data(&first, &leases).await.len() == 3
     })
     .await;
     assert_eq!(

@@ -155,6 +155,9 @@ impl Drop for Inner {
 struct Seen {
     version: i32,
     since: Instant,
+    /// How long the node lasts unchanged; `None`: it never expires so (Curator's, or a
+    /// waiter's).
+    lasts: Option<Duration>,
 }
 
 /// One hold or queue place of this process.
@@ -181,8 +184,6 @@ struct Entry {
     lease_end: Option<Instant>,
     /// The watch task of the node waited for.
     watch: Option<tokio::task::AbortHandle>,
-    /// Whether the node says it waits.
-    waiting_marked: bool,
     /// When an attempt last came for this hold: a waiter woken that does not come
     /// back within the waiter timeout vanished, and its nodes are deleted.
     last_attempt: Instant,
@@ -199,7 +200,6 @@ impl Entry {
             holds: 0,
             lease_end: None,
             watch: None,
-            waiting_marked: false,
             last_attempt: Instant::now(),
         }
     }
@@ -207,7 +207,6 @@ impl Entry {
     fn forget_nodes(&mut self) {
         self.node = None;
         self.gate = None;
-        self.waiting_marked = false;
         self.granted = false;
         self.holds = 0;
         self.lease_end = None;
@@ -467,71 +466,88 @@ impl Inner {
     }
 
     /// Looks at the nodes that hold `dir` now (`others`, not this hold's own): deletes
-    /// any tower-lock node seen unchanged for its whole lease, and answers whether one
+    /// any tower-lock holder seen unchanged for its whole lease, and answers whether one
     /// was deleted and how long until the next of them could be (`None` when a holder
-    /// has no lease: Curator's).
+    /// has no lease: Curator's, or a waiter's).
+    ///
+    /// A node is read only when this backend has not seen it yet or its lease, as last
+    /// seen, could have run out: a renewal since only moves its end later, and the
+    /// deletion is always checked against the version just read.
     async fn expire(
         &self,
         client: &zk::Client,
         dir: &str,
         others: &[&Child],
     ) -> Result<(bool, Option<Duration>)> {
-        if others.is_empty() {
-            return Ok((false, None));
-        }
-        let mut reader = client.new_multi_reader();
-        let paths: Vec<String> = others.iter().map(|c| format!("{dir}/{}", c.name)).collect();
-        for path in &paths {
-            reader.add_get_data(path).map_err(store_error)?;
-        }
-        let results = self.ok(reader.commit()).await?;
         let now = Instant::now();
+        let mut ttl: Option<Duration> = Some(Duration::MAX);
+        let mut to_read = Vec::new();
+        {
+            let seen = lock(&self.seen);
+            for c in others {
+                let path = format!("{dir}/{}", c.name);
+                match seen.get(&path) {
+                    Some(Seen { lasts: None, .. }) => ttl = None,
+                    Some(Seen {
+                        since,
+                        lasts: Some(lease),
+                        ..
+                    }) if *since + *lease > now => {
+                        let left = *since + *lease - now;
+                        ttl = ttl.map(|t| t.min(left));
+                    }
+                    _ => to_read.push(path),
+                }
+            }
+        }
         let mut deleted = false;
-        let mut ttl: Option<Duration> = Some(Duration::ZERO);
-        for (path, result) in paths.iter().zip(results) {
-            let zk::MultiReadResult::Data { data, stat } = result else {
-                // Gone already.
-                deleted = true;
-                continue;
-            };
-            let lease = match layout::decode(&data) {
-                Some((State::Holding, lease, _)) => lease,
-                // A waiter at the head claims it within a round trip, or its own
-                // backend deletes it (see `spawn_watch`); Curator's nodes end with
-                // their session.
-                _ => {
+        if !to_read.is_empty() {
+            let mut reader = client.new_multi_reader();
+            for path in &to_read {
+                reader.add_get_data(path).map_err(store_error)?;
+            }
+            let results = self.ok(reader.commit()).await?;
+            let now = Instant::now();
+            for (path, result) in to_read.iter().zip(results) {
+                let zk::MultiReadResult::Data { data, stat } = result else {
+                    // Gone already.
+                    deleted = true;
+                    continue;
+                };
+                let lasts = match layout::decode(&data) {
+                    Some((State::Holding, lease, _)) => Some(lease),
+                    // A waiter at the head claims it within a round trip, or its own
+                    // backend deletes it (see `spawn_watch`); Curator's nodes end with
+                    // their session.
+                    _ => None,
+                };
+                let seen = self.observe(path, stat.version, lasts, now);
+                let Some(lease) = seen.lasts else {
                     ttl = None;
                     continue;
+                };
+                let ends = seen.since + lease;
+                if ends > now {
+                    ttl = ttl.map(|t| t.min(ends - now));
+                    continue;
                 }
-            };
-            let seen = self.observe(path, stat.version, now);
-            let ends = seen.since + lease;
-            if ends <= now {
                 match self.call(client.delete(path, Some(stat.version))).await? {
                     Ok(()) => {
                         tracing::debug!(node = %path, "ZooKeeper: deleted a holder's node whose lease ran out");
-                        lock(&self.seen).remove(path);
                         deleted = true;
                     }
-                    Err(zk::Error::NoNode) => deleted = true,
-                    // Renewed meanwhile: it lives on.
-                    Err(zk::Error::BadVersion) => deleted = true,
+                    // Gone, or renewed meanwhile (it lives on): look again.
+                    Err(zk::Error::NoNode | zk::Error::BadVersion) => deleted = true,
                     Err(error) => return Err(store_error(error)),
                 }
-            } else if let Some(t) = ttl.as_mut() {
-                let left = ends - now;
-                *t = if *t == Duration::ZERO {
-                    left
-                } else {
-                    (*t).min(left)
-                };
+                lock(&self.seen).remove(path);
             }
         }
-        Ok((deleted, ttl.filter(|t| !t.is_zero())))
+        Ok((deleted, ttl.filter(|t| *t != Duration::MAX)))
     }
 
-    /// Since when `path` has been seen at `version`.
-    fn observe(&self, path: &str, version: i32, now: Instant) -> Seen {
+    /// Since when `path` has been seen at `version` (which lasts `lasts` unchanged).
+    fn observe(&self, path: &str, version: i32, lasts: Option<Duration>, now: Instant) -> Seen {
         let mut seen = lock(&self.seen);
         if seen.len() >= SEEN_CAP && !seen.contains_key(path) {
             // Old observations of nodes nobody looked at for long: forget them (a
@@ -542,15 +558,14 @@ impl Inner {
                 seen.clear();
             }
         }
-        let entry = seen.entry(path.to_owned()).or_insert(Seen {
+        let fresh = Seen {
             version,
             since: now,
-        });
+            lasts,
+        };
+        let entry = seen.entry(path.to_owned()).or_insert(fresh);
         if entry.version != version {
-            *entry = Seen {
-                version,
-                since: now,
-            };
+            *entry = fresh;
         }
         *entry
     }
@@ -570,8 +585,23 @@ impl Inner {
             Ok((None, _)) => return Ok(false),
             Err(error) => return Err(store_error(error)),
         };
+        // A change of the node's data (a renewal, its owner claiming it) leaves this
+        // waiter where it is: the watch is set again, and only the node's deletion (or
+        // the session's end) wakes the waiter.
+        let client = client.clone();
+        let path = path.to_owned();
         self.spawn_watch(entry, e, req, async move {
-            watcher.changed().await;
+            let mut watcher = watcher;
+            loop {
+                let event = watcher.changed().await;
+                if event.event_type != zk::EventType::NodeDataChanged {
+                    return;
+                }
+                match client.check_and_watch_stat(&path).await {
+                    Ok((Some(_), again)) => watcher = again,
+                    _ => return,
+                }
+            }
         });
         Ok(true)
     }
@@ -611,7 +641,6 @@ impl Inner {
             }
             // Not `forget_nodes`: that would abort this task.
             e.granted = false;
-            e.waiting_marked = false;
             drop(e);
             let mut holds = lock(&inner.holds);
             if holds.get(&key).is_some_and(|x| Arc::ptr_eq(x, &entry)) {
@@ -648,7 +677,7 @@ impl Inner {
             .into());
         }
         let mut token = None;
-        if req.fenced || !made_now || e.waiting_marked {
+        if req.fenced || !made_now {
             let data = layout::encode(State::Holding, req.lease, req.hold_id.as_str());
             match self.call(client.set_data(&node, &data, None)).await? {
                 Ok(stat) => token = Some(FencingToken::new(zxid(stat.mzxid))),
@@ -666,7 +695,6 @@ impl Inner {
             watch.abort();
         }
         e.granted = true;
-        e.waiting_marked = false;
         e.holds = 1;
         *lock(&entry.loss) = Some(session.lost.clone());
         e.lease_end = Instant::now().checked_add(req.lease);
@@ -716,7 +744,6 @@ impl Inner {
             if e.node.is_none() {
                 let uuid = e.uuid.clone();
                 e.node = Some(self.create_node(client, &dir, &uuid, kind, &data).await?);
-                e.waiting_marked = false;
                 made_now = true;
             }
             let children = self.children(client, &dir).await?;
@@ -750,9 +777,6 @@ impl Inner {
                     if deleted {
                         continue;
                     }
-                    if !self.mark_waiting(client, &mut e, req).await? {
-                        continue;
-                    }
                     if !self
                         .watch(client, &entry, &mut e, req, &blocker_path)
                         .await?
@@ -772,35 +796,6 @@ impl Inner {
     /// woken by its watch before).
     fn busy(&self, ttl: Option<Duration>) -> Acquire {
         Acquire::Busy { ttl }
-    }
-
-    /// Marks `e`'s node as waiting (it was made as a holder, for a grant in the same
-    /// call): at the head of the queue unclaimed for the waiter timeout, it is skipped.
-    /// `false`: the node is gone.
-    async fn mark_waiting(
-        &self,
-        client: &zk::Client,
-        e: &mut Entry,
-        req: &LockRequest,
-    ) -> Result<bool> {
-        if e.waiting_marked {
-            return Ok(true);
-        }
-        let Some(node) = e.node.clone() else {
-            return Ok(false);
-        };
-        let data = layout::encode(State::Waiting, self.waiter_timeout, req.hold_id.as_str());
-        match self.call(client.set_data(&node, &data, None)).await? {
-            Ok(_) => {
-                e.waiting_marked = true;
-                Ok(true)
-            }
-            Err(zk::Error::NoNode) => {
-                e.node = None;
-                Ok(false)
-            }
-            Err(error) => Err(store_error(error)),
-        }
     }
 
     /// The node of this process's write hold `writer` of `req.key`, for a read let in
@@ -863,7 +858,6 @@ impl Inner {
                 self.create_node(client, &leases, &uuid, NodeKind::Lease, data)
                     .await?,
             );
-            e.waiting_marked = false;
             *made_now = true;
         }
         let (names, watcher) = match self.call(client.list_and_watch_children(&leases)).await? {
@@ -886,9 +880,6 @@ impl Inner {
         let others: Vec<&Child> = children.iter().filter(|c| c.name != mine).collect();
         let (deleted, ttl) = self.expire(client, &leases, &others).await?;
         if deleted {
-            return Ok(None);
-        }
-        if !self.mark_waiting(client, e, req).await? {
             return Ok(None);
         }
         self.spawn_watch(entry, e, req, async move {
