@@ -169,6 +169,17 @@ struct HoldEntry {
     signal: Arc<Signal>,
 }
 
+/// See [`Entry::quiet`].
+struct Quiet {
+    /// Set when the watch fired.
+    fired: Arc<std::sync::atomic::AtomicBool>,
+    /// When to look again anyway: the waiter timeout at the latest.
+    recheck: Instant,
+    /// When the holder's lease could end, as the last look found it (`None`: it has
+    /// none).
+    ends: Option<Instant>,
+}
+
 struct Entry {
     /// The protected-mode uuid of this hold's nodes.
     uuid: String,
@@ -184,6 +195,11 @@ struct Entry {
     lease_end: Option<Instant>,
     /// The watch task of the node waited for.
     watch: Option<tokio::task::AbortHandle>,
+    /// Busy, with a watch set that has not fired: until the watch fires or the recheck
+    /// time comes, nothing this hold waits for changed, and an attempt answers busy
+    /// without asking the ensemble (the lock core attempts once more right after it
+    /// subscribes, and after a spurious wake-up).
+    quiet: Option<Quiet>,
     /// When an attempt last came for this hold: a waiter woken that does not come
     /// back within the waiter timeout vanished, and its nodes are deleted.
     last_attempt: Instant,
@@ -201,10 +217,12 @@ impl Entry {
             lease_end: None,
             watch: None,
             last_attempt: Instant::now(),
+            quiet: None,
         }
     }
 
     fn forget_nodes(&mut self) {
+        self.quiet = None;
         self.node = None;
         self.gate = None;
         self.granted = false;
@@ -622,8 +640,15 @@ impl Inner {
         let me = self.me.clone();
         let key = (req.key.clone(), req.hold_id.clone());
         let timeout = self.waiter_timeout;
+        let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        e.quiet = Some(Quiet {
+            fired: Arc::clone(&flag),
+            recheck: Instant::now() + timeout,
+            ends: None,
+        });
         let task = tokio::spawn(async move {
             fired.await;
+            flag.store(true, std::sync::atomic::Ordering::Release);
             signal.notify_all();
             let woken_at = Instant::now();
             tokio::time::sleep(timeout).await;
@@ -719,6 +744,14 @@ impl Inner {
         if e.granted {
             return self.reenter(client, &mut e, req).await;
         }
+        if let Some(quiet) = &e.quiet {
+            let now = Instant::now();
+            if !quiet.fired.load(std::sync::atomic::Ordering::Acquire) && quiet.recheck > now {
+                let ttl = quiet.ends.map(|at| at.saturating_duration_since(now));
+                return Ok(self.busy(ttl));
+            }
+        }
+        e.quiet = None;
         let kind = NodeKind::of(req.mode);
         let data = layout::encode(State::Holding, req.lease, req.hold_id.as_str());
         let mut made_now = false;
@@ -783,7 +816,7 @@ impl Inner {
                     {
                         continue;
                     }
-                    return Ok(self.busy(ttl));
+                    return Ok(self.quiet_busy(&mut e, ttl));
                 }
             }
         }
@@ -795,6 +828,18 @@ impl Inner {
     /// A busy answer: the waiter comes back when the holder's lease could end (or is
     /// woken by its watch before).
     fn busy(&self, ttl: Option<Duration>) -> Acquire {
+        Acquire::Busy { ttl }
+    }
+
+    /// A busy answer with the watch `spawn_watch` just set: attempts answer it again
+    /// without the ensemble until the watch fires, or `ttl` (a holder's lease that
+    /// could run out), or the waiter timeout at the latest, passes.
+    fn quiet_busy(&self, e: &mut Entry, ttl: Option<Duration>) -> Acquire {
+        let now = Instant::now();
+        if let Some(quiet) = e.quiet.as_mut() {
+            quiet.recheck = now + ttl.unwrap_or(self.waiter_timeout).min(self.waiter_timeout);
+            quiet.ends = ttl.and_then(|t| now.checked_add(t));
+        }
         Acquire::Busy { ttl }
     }
 
@@ -852,7 +897,7 @@ impl Inner {
                 if !self.watch(client, entry, e, req, &path).await? {
                     return Ok(None);
                 }
-                return Ok(Some(self.busy(ttl)));
+                return Ok(Some(self.quiet_busy(e, ttl)));
             }
             e.node = Some(
                 self.create_node(client, &leases, &uuid, NodeKind::Lease, data)
@@ -885,7 +930,7 @@ impl Inner {
         self.spawn_watch(entry, e, req, async move {
             watcher.changed().await;
         });
-        Ok(Some(self.busy(ttl)))
+        Ok(Some(self.quiet_busy(e, ttl)))
     }
 
     /// The hold `e` is granted already: one more count, its lease extended (never
