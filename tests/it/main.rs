@@ -100,4 +100,6 @@ mod safety_regressions;
 mod transit_faults;
 mod watchdog;
 #[cfg(feature = "zookeeper")]
+mod zookeeper_faults;
+#[cfg(feature = "zookeeper")]
 mod zookeeper_servers;
