@@ -162,6 +162,8 @@ struct HoldEntry {
     state: tokio::sync::Mutex<Entry>,
     /// Woken when the node this one waits for changes, or the session was replaced.
     signal: Arc<Signal>,
+    /// The loss of the session that granted the hold last.
+    loss: Mutex<Option<StoreLoss>>,
 }
 
 struct Entry {
@@ -320,6 +322,7 @@ impl Inner {
                 Arc::new(HoldEntry {
                     state: tokio::sync::Mutex::new(Entry::new(uuid::Uuid::new_v4().to_string())),
                     signal: Arc::new(Signal::new()),
+                    loss: Mutex::new(None),
                 })
             });
         Arc::clone(entry)
@@ -615,9 +618,38 @@ impl Inner {
     async fn acquire(&self, req: &LockRequest) -> Result<Acquire> {
         let dir = self.dir_of(&req.key)?;
         let session = self.sessions.current();
-        let client = &session.client;
         let entry = self.entry(req);
         let mut e = entry.state.lock().await;
+        let answer = self.attempt(req, &dir, &session, &entry, &mut e).await?;
+        if let Acquire::Acquired(_) = answer {
+            if session.lost.is_fired() || self.sessions.current().generation != session.generation {
+                // Answered by a session this backend has given up (its client came back
+                // after the grace, while the backend made a new one): its nodes end with
+                // it, so this grant is nobody's. The caller tries again in the new one.
+                e.forget_nodes();
+                return Err(StoreError::msg(
+                    StoreErrorKind::Unavailable,
+                    "the ZooKeeper session ended during the attempt",
+                )
+                .into());
+            }
+            // The hold ends with the session that granted it, whichever is current when
+            // the lock core asks.
+            *lock(&entry.loss) = Some(session.lost.clone());
+        }
+        Ok(answer)
+    }
+
+    /// One attempt of `req` in `session`, on its hold's entry `e`.
+    async fn attempt(
+        &self,
+        req: &LockRequest,
+        dir: &str,
+        session: &Session,
+        entry: &Arc<HoldEntry>,
+        e: &mut Entry,
+    ) -> Result<Acquire> {
+        let client = &session.client;
         e.last_attempt = Instant::now();
         if e.generation != session.generation {
             // Nodes of an ended session are gone with it.
@@ -625,7 +657,7 @@ impl Inner {
             e.generation = session.generation;
         }
         if e.granted {
-            return self.reenter(client, &mut e, req).await;
+            return self.reenter(client, e, req).await;
         }
         let kind = NodeKind::of(req.mode);
         let data = layout::encode(State::Holding, req.lease, req.hold_id.as_str());
@@ -633,7 +665,7 @@ impl Inner {
         for _ in 0..8 {
             if let LockMode::Permits { max } = req.mode {
                 if let Some(answer) = self
-                    .permit(client, &entry, &mut e, req, &dir, max, &data, &mut made_now)
+                    .permit(client, entry, e, req, dir, max, &data, &mut made_now)
                     .await?
                 {
                     return Ok(answer);
@@ -642,11 +674,11 @@ impl Inner {
             }
             if e.node.is_none() {
                 let uuid = e.uuid.clone();
-                e.node = Some(self.create_node(client, &dir, &uuid, kind, &data).await?);
+                e.node = Some(self.create_node(client, dir, &uuid, kind, &data).await?);
                 e.waiting_marked = false;
                 made_now = true;
             }
-            let children = self.children(client, &dir).await?;
+            let children = self.children(client, dir).await?;
             if e.node.is_none() {
                 continue;
             }
@@ -661,7 +693,7 @@ impl Inner {
                 _ => None,
             };
             match layout::blocker(&children, index, writer_node.as_deref()) {
-                None => match self.grant(client, &mut e, req, made_now).await? {
+                None => match self.grant(client, e, req, made_now).await? {
                     Some(answer) => return Ok(answer),
                     None => continue,
                 },
@@ -673,17 +705,14 @@ impl Inner {
                             c.name != mine && Some(format!("{dir}/{}", c.name)) != writer_node
                         })
                         .collect();
-                    let (deleted, ttl) = self.expire(client, &dir, &holders).await?;
+                    let (deleted, ttl) = self.expire(client, dir, &holders).await?;
                     if deleted {
                         continue;
                     }
-                    if !self.mark_waiting(client, &mut e, req).await? {
+                    if !self.mark_waiting(client, e, req).await? {
                         continue;
                     }
-                    if !self
-                        .watch(client, &entry, &mut e, req, &blocker_path)
-                        .await?
-                    {
+                    if !self.watch(client, entry, e, req, &blocker_path).await? {
                         continue;
                     }
                     return Ok(self.busy(ttl));
@@ -1256,10 +1285,12 @@ impl LockBackend for ZooKeeperBackend {
         Some(self)
     }
 
+    /// The loss of the session that granted the hold, not the current one: a grant
+    /// answered in a session replaced meanwhile is lost with it.
     fn loss_signal(&self, req: &LockRequest) -> Option<StoreLoss> {
-        Some(self.inner.sessions.current().lost.clone()).filter(|_| {
-            lock(&self.inner.holds).contains_key(&(req.key.clone(), req.hold_id.clone()))
-        })
+        let entry = self.inner.existing(req)?;
+        let loss = lock(&entry.loss).clone();
+        Some(loss.unwrap_or_else(|| self.inner.sessions.current().lost.clone()))
     }
 }
 
