@@ -258,10 +258,20 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Whether `error` is the connection's, not the call's: the request may or may not
+/// have been applied. The client fails the calls in flight with the error that ended
+/// the connection: `ConnectionLoss` for an end of stream, the I/O error itself (a
+/// reset: "connection reset by peer") or "no response from connection" otherwise.
+fn lost_in_transit(error: &zk::Error) -> bool {
+    matches!(error, zk::Error::ConnectionLoss | zk::Error::Custom(_))
+}
+
 /// A ZooKeeper error as the lock core needs it.
 fn store_error(error: zk::Error) -> Error {
+    if lost_in_transit(&error) {
+        return StoreError::connection_lost(error).into();
+    }
     let kind = match error {
-        zk::Error::ConnectionLoss => return StoreError::connection_lost(error).into(),
         zk::Error::NoHosts | zk::Error::ClientClosed => {
             return StoreError::not_applied(error).into();
         }
@@ -365,11 +375,11 @@ impl Inner {
                         Err(error) => return Err(store_error(error)),
                     }
                 }
-                Err(zk::Error::ConnectionLoss) => {
+                Err(error) if lost_in_transit(&error) => {
                     if let Some(found) = self.find_node(client, dir, uuid).await? {
                         return Ok(found);
                     }
-                    return Err(store_error(zk::Error::ConnectionLoss));
+                    return Err(store_error(error));
                 }
                 Err(error) => return Err(store_error(error)),
             }
