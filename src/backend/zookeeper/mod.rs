@@ -22,8 +22,11 @@
 //! - **The session is the lease.** A node lives as long as its session: a holder that
 //!   dies or is cut off loses its locks when the ensemble expires its session, and the
 //!   watchdog's renewals are what keeps a tower-lock lease going besides. When the
-//!   session expires, every hold granted in it is marked lost at once (its lost signal
-//!   fires), and the backend makes a new session.
+//!   session expires, or its connection is not back within a third of its timeout
+//!   (before the ensemble could expire it), every hold granted in it is marked lost at
+//!   once (its lost signal fires), and the backend makes a new session; a session it
+//!   gave up so is closed as soon as the ensemble answers, so that its nodes free their
+//!   locks then rather than a session timeout later.
 //! - **Leases as well.** tower-lock writes its lease into its nodes; a tower-lock
 //!   contender that sees a holder's node unchanged for that long (by its own clock,
 //!   from when it first saw that version) deletes it, checked against the version it
@@ -627,7 +630,12 @@ impl Inner {
 
     async fn acquire(&self, req: &LockRequest) -> Result<Acquire> {
         let dir = self.dir_of(&req.key)?;
-        let session = self.sessions.current();
+        let Some(session) = self.sessions.live(self.response_timeout).await else {
+            return Err(StoreError::not_applied(
+                "the ZooKeeper session was given up and no new one could be made yet",
+            )
+            .into());
+        };
         let entry = self.entry(req);
         let mut e = entry.state.lock().await;
         let answer = self.attempt(req, &dir, &session, &entry, &mut e).await?;
