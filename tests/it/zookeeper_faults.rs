@@ -942,3 +942,68 @@ async fn a_connection_reset_under_a_call_is_an_outage() {
     assert!(!guard.is_lost());
     guard.unlock().await.unwrap();
 }
+
+// ───────────────────────────── g: a permit given up while its lease node is made ─────────────────────────────
+
+/// A permit acquisition dropped while the creation of its lease node is on the wire
+/// leaves no lease behind: the lock core abandons the hold, and the abandon finds the
+/// node by its protected uuid (the session answers in order, so the creation is done
+/// when the search is), besides deleting the semaphore's gate node it knows. The
+/// creation is held in the proxy (a trap on the leases' path) until the acquisition has
+/// been dropped. Found by the history checker (seed 37): a lease node left for as long as
+/// its session, a permit taken for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_dropped_while_its_lease_is_made_leaves_no_lease() {
+    let server = common::zookeeper::shared().await;
+    let root = fresh_root("permit-dropped");
+    let proxy = FaultProxy::start(([127, 0, 0, 1], server.server().port()).into()).await;
+    let backend = ZooKeeperBackend::builder(format!("127.0.0.1:{}", proxy.port()))
+        .root(root.clone())
+        .session_timeout(Duration::from_secs(10))
+        .build()
+        .await
+        .unwrap();
+    let client = LockClient::new(backend.clone());
+    let key = tower_lock::LockKey::new("k").unwrap();
+    let leases = format!("{}/leases", backend.path_of(&key));
+
+    // A permit taken and returned first: the semaphore's directories exist, so the
+    // caught creation is the one that makes the lease node.
+    let permit = client.get_permits("k", 2).unwrap();
+    permit.try_lock().await.unwrap().unlock().await.unwrap();
+    let trap = proxy.trap(Direction::Up, format!("{leases}/").as_bytes());
+    let attempt = tokio::spawn(async move {
+        permit
+            .try_lock_for(Duration::from_secs(10), Lease::Watchdog)
+            .await
+    });
+    tokio::time::timeout(Duration::from_secs(10), trap.caught())
+        .await
+        .expect("the lease node's creation was caught");
+    attempt.abort();
+    assert!(attempt.await.unwrap_err().is_cancelled());
+    // The abandon's requests queue behind the held creation, on the same connection.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    trap.release();
+
+    let direct = ZooKeeperBackend::builder(server.connect_string())
+        .root(root.clone())
+        .build()
+        .await
+        .unwrap();
+    let reader = direct.client();
+    wait_until(Duration::from_secs(5), "no lease node is left", || async {
+        reader
+            .list_children(&leases)
+            .await
+            .unwrap_or_default()
+            .is_empty()
+    })
+    .await;
+    // Both permits are free.
+    let other = LockClient::new(direct.clone());
+    let first = other.get_permits("k", 2).unwrap().try_lock().await.unwrap();
+    let second = other.get_permits("k", 2).unwrap().try_lock().await.unwrap();
+    first.unlock().await.unwrap();
+    second.unlock().await.unwrap();
+}
