@@ -1000,25 +1000,33 @@ impl Inner {
         let session = self.sessions.current();
         let client = &session.client;
         let mut e = entry.state.lock().await;
-        if e.generation == session.generation && (e.node.is_some() || e.gate.is_some()) {
+        if e.generation == session.generation {
             // Known nodes: one delete each, in the session's order (before anything
-            // this process sends after).
-            for node in [e.node.clone(), e.gate.clone()].into_iter().flatten() {
-                self.delete_node(client, &node).await?;
-            }
-        } else if e.generation == session.generation {
-            // A creation whose answer never came: its node, if any, has the hold's uuid.
+            // this process sends after). A node whose creation's answer never came has
+            // the hold's uuid, and is looked for: the session answers in order, so that
+            // creation is done by the time the search is. A permit's lease node is made
+            // only once its gate's creation was answered: with the lease node known,
+            // there is no gate to look for.
             let dir = self.dir_of(&req.key)?;
-            let dirs: Vec<String> = match req.mode {
-                LockMode::Permits { .. } => vec![format!("{dir}/locks"), format!("{dir}/leases")],
-                _ => vec![dir],
+            let places: Vec<(Option<String>, Option<String>)> = match req.mode {
+                LockMode::Permits { .. } => vec![
+                    (e.node.clone(), Some(format!("{dir}/leases"))),
+                    (
+                        e.gate.clone(),
+                        e.node.is_none().then(|| format!("{dir}/locks")),
+                    ),
+                ],
+                _ => vec![(e.node.clone(), Some(dir))],
             };
-            for dir in &dirs {
-                let path = match self.find_node(client, dir, &e.uuid).await? {
-                    Some(path) => path,
-                    None => continue,
+            for (known, parent) in places {
+                let path = match (known, parent) {
+                    (Some(path), _) => Some(path),
+                    (None, Some(parent)) => self.find_node(client, &parent, &e.uuid).await?,
+                    (None, None) => None,
                 };
-                self.delete_node(client, &path).await?;
+                if let Some(path) = path {
+                    self.delete_node(client, &path).await?;
+                }
             }
         }
         e.forget_nodes();
