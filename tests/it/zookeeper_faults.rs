@@ -1007,3 +1007,149 @@ async fn a_permit_dropped_while_its_lease_is_made_leaves_no_lease() {
     first.unlock().await.unwrap();
     second.unlock().await.unwrap();
 }
+
+// ───────────────────────────── h: callers on runtimes that end ─────────────────────────────
+
+/// Runs `body` on a current-thread runtime of a thread of its own, which is shut down
+/// as soon as `body` returns: whatever it spawned and left never runs.
+fn on_a_runtime_that_ends(body: impl std::future::Future<Output = ()> + Send + 'static) {
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(body);
+    })
+    .join()
+    .unwrap();
+}
+
+/// A backend through a proxy, its client, and the lock directory of key `k`, made.
+async fn behind_a_proxy(
+    server: &common::zookeeper::ZkLease,
+    root: &str,
+) -> (FaultProxy, ZooKeeperBackend, LockClient, String) {
+    let proxy = FaultProxy::start(([127, 0, 0, 1], server.server().port()).into()).await;
+    let backend = ZooKeeperBackend::builder(format!("127.0.0.1:{}", proxy.port()))
+        .root(root)
+        .session_timeout(Duration::from_secs(10))
+        .waiter_timeout(Duration::from_millis(500))
+        .build()
+        .await
+        .unwrap();
+    let client = LockClient::new(backend.clone());
+    let dir = backend.path_of(&tower_lock::LockKey::new("k").unwrap());
+    client
+        .get_lock("k")
+        .unwrap()
+        .try_lock()
+        .await
+        .unwrap()
+        .unlock()
+        .await
+        .unwrap();
+    (proxy, backend, client, dir)
+}
+
+/// The lock nodes of `dir`, read straight from the server.
+async fn lock_nodes(reader: &zk::Client, dir: &str) -> Vec<String> {
+    let mut names = reader.list_children(dir).await.unwrap_or_default();
+    names.retain(|n| n.starts_with("_c_"));
+    names
+}
+
+/// An acquisition whose node creation is on the wire when its runtime shuts down leaves
+/// no node behind. The lock core takes such an attempt back in a task on the caller's
+/// runtime, which runs no more; a ZooKeeper node has no lease the server ends, so the
+/// node would stay for as long as the backend's session (tower-lock contenders delete
+/// it a lease after they first see it; Curator's never do). The creation is held in
+/// the proxy until the runtime is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquisition_on_a_runtime_that_ends_leaves_no_node() {
+    let server = common::zookeeper::shared().await;
+    let root = fresh_root("runtime-ends");
+    let (proxy, _backend, client, dir) = behind_a_proxy(&server, &root).await;
+    let reader = ZooKeeperBackend::builder(server.connect_string())
+        .build()
+        .await
+        .unwrap()
+        .client();
+
+    let trap = proxy.trap(Direction::Up, format!("{dir}/_c_").as_bytes());
+    let lock = client.get_lock("k").unwrap();
+    let caught = tokio::spawn(async move {
+        trap.caught().await;
+        trap
+    });
+    on_a_runtime_that_ends(async move {
+        // Given up while the creation is held: the runtime ends right after.
+        let _ = tokio::time::timeout(Duration::from_millis(300), lock.try_lock()).await;
+    });
+    let trap = tokio::time::timeout(Duration::from_secs(5), caught)
+        .await
+        .expect("the creation was caught")
+        .unwrap();
+    trap.release();
+    wait_until(Duration::from_secs(5), "no lock node is left", || async {
+        lock_nodes(&reader, &dir).await.is_empty()
+    })
+    .await;
+}
+
+/// A waiter queued from a runtime that then shuts down does not block the queue: its
+/// node reaches the head when the holder releases, and with nobody to claim it, the
+/// backend deletes it a waiter timeout later (from a task of its own, not the caller's
+/// runtime), so the next waiter gets the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_on_a_runtime_that_ends_does_not_block_the_queue() {
+    let server = common::zookeeper::shared().await;
+    let root = fresh_root("waiter-runtime-ends");
+    let (_proxy, backend, client, dir) = behind_a_proxy(&server, &root).await;
+    let reader = backend.client();
+    let holder = client.get_fair_lock("k").unwrap().lock().await.unwrap();
+
+    let lock = client.get_fair_lock("k").unwrap();
+    let queued = Arc::new(tokio::sync::Notify::new());
+    let leave = Arc::new(tokio::sync::Notify::new());
+    let (queued_tx, leave_rx) = (Arc::clone(&queued), Arc::clone(&leave));
+    let thread = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            let waiting = tokio::spawn(async move { lock.lock().await.map(drop) });
+            queued_tx.notify_one();
+            leave_rx.notified().await;
+            drop(waiting);
+        });
+    });
+    queued.notified().await;
+    let key = tower_lock::LockKey::new("k").unwrap();
+    wait_until(START, "the waiter is queued behind the holder", || async {
+        lock_nodes(&reader, &dir).await.len() == 2 && backend.local_waiters(&key) == 1
+    })
+    .await;
+    // Its attempt after subscribing ends within a few round trips; then it sleeps
+    // between attempts, where the runtime is shut down. (Shut down during an attempt,
+    // the acquisition's own take-back frees the node at once, which passes too.)
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    leave.notify_one();
+    thread.join().unwrap();
+
+    holder.unlock().await.unwrap();
+    let released = Instant::now();
+    let next = client
+        .get_fair_lock("k")
+        .unwrap()
+        .try_lock_for(Duration::from_secs(10), Lease::Watchdog)
+        .await;
+    println!(
+        "a waiter on a runtime that ended: the next waiter got the lock {:?} after the release",
+        released.elapsed()
+    );
+    next.expect("the lock, past the vanished waiter")
+        .unlock()
+        .await
+        .unwrap();
+}
