@@ -130,6 +130,9 @@ impl std::fmt::Debug for ZooKeeperBackend {
 struct Inner {
     /// This, for tasks that must not keep the backend alive.
     me: std::sync::Weak<Inner>,
+    /// The runtime the backend was built on, where its own tasks run: a caller's
+    /// runtime may end while what it started still needs finishing.
+    runtime: tokio::runtime::Handle,
     profile: StoreProfile,
     /// The root path, without a trailing `/` (empty for `/`).
     root: String,
@@ -267,6 +270,32 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// reset: "connection reset by peer") or "no response from connection" otherwise.
 fn lost_in_transit(error: &zk::Error) -> bool {
     matches!(error, zk::Error::ConnectionLoss | zk::Error::Custom(_))
+}
+
+/// Takes back, on the backend's runtime, the hold of a first acquisition dropped before
+/// its answer (its future cancelled, or its runtime shut down). The lock core does the
+/// same from a task on the caller's runtime, which may run no more; a node whose
+/// creation was on the wire would then stay as long as the session, as no store lease
+/// ends it. Taken back twice is no harm: the second finds nothing.
+struct Dropped<'a> {
+    inner: &'a Inner,
+    req: &'a LockRequest,
+    armed: bool,
+}
+
+impl Drop for Dropped<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let me = self.inner.me.clone();
+        let req = self.req.clone();
+        self.inner.runtime.spawn(async move {
+            if let Some(inner) = me.upgrade() {
+                let _ = inner.abandon(&req).await;
+            }
+        });
+    }
 }
 
 /// A ZooKeeper error as the lock core needs it.
@@ -556,7 +585,9 @@ impl Inner {
         let me = self.me.clone();
         let key = (req.key.clone(), req.hold_id.clone());
         let timeout = self.waiter_timeout;
-        let task = tokio::spawn(async move {
+        // On the backend's runtime: the waiter's may end, and with it whatever waits
+        // there, while its node stays queued.
+        let task = self.runtime.spawn(async move {
             fired.await;
             signal.notify_all();
             let woken_at = Instant::now();
@@ -638,7 +669,16 @@ impl Inner {
         };
         let entry = self.entry(req);
         let mut e = entry.state.lock().await;
-        let answer = self.attempt(req, &dir, &session, &entry, &mut e).await?;
+        // A first acquisition dropped from here on is taken back; a re-entry's hold is
+        // its guards'.
+        let mut dropped = Dropped {
+            inner: self,
+            req,
+            armed: !e.granted,
+        };
+        let answer = self.attempt(req, &dir, &session, &entry, &mut e).await;
+        dropped.armed = false;
+        let answer = answer?;
         if let Acquire::Acquired(_) = answer {
             if session.lost.is_fired() || self.sessions.current().generation != session.generation {
                 // Answered by a session this backend has given up (its client came back
