@@ -51,7 +51,16 @@
 //!   one counter (not with `--kind permits`).
 //! - `--events` prints `acquired <µs>` when a lock is taken and `released <µs> <µs>`
 //!   (before and after the unlock), in microseconds since the epoch, one line each, so
-//!   a check can tell that no two holds overlapped.
+//!   a check can tell that no two holds overlapped; and `lost <µs>` when the lock's lost
+//!   signal fires while it is held.
+//! - A lock lost while held (its lost signal fired: a lease that ran out, a ZooKeeper
+//!   session that expired while the process was frozen) ends the run before the counter
+//!   is written, as a careful holder stops: the read-modify-write is given up, and the
+//!   count stays exact (not with `--kind permits`, whose holder leaves its count as it
+//!   entered).
+//! - `--outage-ok`: an unlock the store could not answer (an outage; the release goes on
+//!   in the background, as `LockGuard::unlock` says) is reported on stderr and the run
+//!   goes on, for runs across a failover. Any other lock error still ends it.
 //! - `--kind` picks the lock: `lock` (the reentrant lock, the default), `fair`, `write`
 //!   (the write lock of a read-write lock), `redlock` (a reentrant lock held by a
 //!   majority of the Redis nodes given as a comma-separated `--url` list), or `permits`
@@ -153,9 +162,12 @@ struct Cli {
     /// ZooKeeper: the session timeout in milliseconds.
     #[arg(long = "session-ms", value_name = "S", value_parser = millis)]
     session: Option<Duration>,
-    /// Print `acquired` and `released` lines with their times.
+    /// Print `acquired`, `released` and `lost` lines with their times.
     #[arg(long)]
     events: bool,
+    /// Go on after an unlock the store could not answer (released in the background).
+    #[arg(long)]
+    outage_ok: bool,
 }
 
 fn millis(value: &str) -> Result<Duration, std::num::ParseIntError> {
@@ -184,6 +196,7 @@ struct Args {
     zk_root: String,
     session: Option<Duration>,
     events: bool,
+    outage_ok: bool,
 }
 
 fn is_zookeeper(url: &str) -> bool {
@@ -242,7 +255,8 @@ async fn sentinel_primary(_url: &str) -> Result<redis::Client, String> {
 /// The parsed command line, with the checks that span several flags.
 fn parse_args() -> Result<Args, String> {
     let cli = Cli::parse();
-    let urls: Vec<String> = if is_sentinel(&cli.url) {
+    // Sentinels, and a ZooKeeper ensemble's servers, are one store.
+    let urls: Vec<String> = if is_sentinel(&cli.url) || is_zookeeper(&cli.url) {
         vec![cli.url.clone()]
     } else {
         cli.url
@@ -304,6 +318,7 @@ fn parse_args() -> Result<Args, String> {
         zk_root: cli.zk_root,
         session: cli.session,
         events: cli.events,
+        outage_ok: cli.outage_ok,
     })
 }
 
@@ -766,17 +781,33 @@ async fn work(lock: Lock, mut counter: Counter, args: &Args) -> Result<(), Strin
                 .read(key)
                 .await
                 .map_err(|e| format!("iteration {i}: {e}"))?;
-            tokio::time::sleep(args.hold).await;
+            // The hold, cut short by the lost signal; and nothing written once it fired.
+            let lost = guard.lost();
+            let gone = tokio::select! {
+                () = tokio::time::sleep(args.hold) => lost.is_lost(),
+                () = lost.wait() => true,
+            };
+            if gone {
+                if args.events {
+                    println!("lost {}", epoch_micros());
+                }
+                return Err(format!(
+                    "iteration {i}: the lock was lost while held; the counter was not written"
+                ));
+            }
             counter
                 .write(key, value + 1)
                 .await
                 .map_err(|e| format!("iteration {i}: {e}"))?;
         }
         let letting_go = epoch_micros();
-        guard
-            .unlock()
-            .await
-            .map_err(|e| format!("iteration {i}: unlock: {e}"))?;
+        match guard.unlock().await {
+            Ok(()) => {}
+            Err(e) if args.outage_ok && e.is_unavailable() => {
+                eprintln!("hammer: iteration {i}: unlock: {e}; released in the background");
+            }
+            Err(e) => return Err(format!("iteration {i}: unlock: {e}")),
+        }
         if args.events {
             println!("released {letting_go} {}", epoch_micros());
         }

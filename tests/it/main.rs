@@ -100,6 +100,8 @@ mod safety_regressions;
 mod transit_faults;
 mod watchdog;
 #[cfg(feature = "zookeeper")]
+mod zookeeper_faults;
+#[cfg(feature = "zookeeper")]
 mod zookeeper_interop;
 #[cfg(feature = "zookeeper")]
 mod zookeeper_servers;

@@ -178,6 +178,7 @@ impl ZooKeeperBackendBuilder {
             .with_clock_drift(ClockDrift::new(10_000, Duration::from_millis(2)));
         let inner = Arc::new_cyclic(|me| Inner {
             me: me.clone(),
+            runtime: tokio::runtime::Handle::current(),
             profile,
             root,
             response_timeout: self.response_timeout,

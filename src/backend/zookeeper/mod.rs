@@ -22,8 +22,11 @@
 //! - **The session is the lease.** A node lives as long as its session: a holder that
 //!   dies or is cut off loses its locks when the ensemble expires its session, and the
 //!   watchdog's renewals are what keeps a tower-lock lease going besides. When the
-//!   session expires, every hold granted in it is marked lost at once (its lost signal
-//!   fires), and the backend makes a new session.
+//!   session expires, or its connection is not back within a third of its timeout
+//!   (before the ensemble could expire it), every hold granted in it is marked lost at
+//!   once (its lost signal fires), and the backend makes a new session; a session it
+//!   gave up so is closed as soon as the ensemble answers, so that its nodes free their
+//!   locks then rather than a session timeout later.
 //! - **Leases as well.** tower-lock writes its lease into its nodes; a tower-lock
 //!   contender that sees a holder's node unchanged for that long (by its own clock,
 //!   from when it first saw that version) deletes it, checked against the version it
@@ -127,6 +130,9 @@ impl std::fmt::Debug for ZooKeeperBackend {
 struct Inner {
     /// This, for tasks that must not keep the backend alive.
     me: std::sync::Weak<Inner>,
+    /// The runtime the backend was built on, where its own tasks run: a caller's
+    /// runtime may end while what it started still needs finishing.
+    runtime: tokio::runtime::Handle,
     profile: StoreProfile,
     /// The root path, without a trailing `/` (empty for `/`).
     root: String,
@@ -324,10 +330,46 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Whether `error` is the connection's, not the call's: the request may or may not
+/// have been applied. The client fails the calls in flight with the error that ended
+/// the connection: `ConnectionLoss` for an end of stream, the I/O error itself (a
+/// reset: "connection reset by peer") or "no response from connection" otherwise.
+fn lost_in_transit(error: &zk::Error) -> bool {
+    matches!(error, zk::Error::ConnectionLoss | zk::Error::Custom(_))
+}
+
+/// Takes back, on the backend's runtime, the hold of a first acquisition dropped before
+/// its answer (its future cancelled, or its runtime shut down). The lock core does the
+/// same from a task on the caller's runtime, which may run no more; a node whose
+/// creation was on the wire would then stay as long as the session, as no store lease
+/// ends it. Taken back twice is no harm: the second finds nothing.
+struct Dropped<'a> {
+    inner: &'a Inner,
+    req: &'a LockRequest,
+    armed: bool,
+}
+
+impl Drop for Dropped<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let me = self.inner.me.clone();
+        let req = self.req.clone();
+        self.inner.runtime.spawn(async move {
+            if let Some(inner) = me.upgrade() {
+                let _ = inner.abandon(&req).await;
+            }
+        });
+    }
+}
+
 /// A ZooKeeper error as the lock core needs it.
 fn store_error(error: zk::Error) -> Error {
+    if lost_in_transit(&error) {
+        return StoreError::connection_lost(error).into();
+    }
     let kind = match error {
-        zk::Error::ConnectionLoss => return StoreError::connection_lost(error).into(),
         zk::Error::NoHosts | zk::Error::ClientClosed => {
             return StoreError::not_applied(error).into();
         }
@@ -431,11 +473,11 @@ impl Inner {
                         Err(error) => return Err(store_error(error)),
                     }
                 }
-                Err(zk::Error::ConnectionLoss) => {
+                Err(error) if lost_in_transit(&error) => {
                     if let Some(found) = self.find_node(client, dir, uuid).await? {
                         return Ok(found);
                     }
-                    return Err(store_error(zk::Error::ConnectionLoss));
+                    return Err(store_error(error));
                 }
                 Err(error) => return Err(store_error(error)),
             }
@@ -641,12 +683,14 @@ impl Inner {
         let key = (req.key.clone(), req.hold_id.clone());
         let timeout = self.waiter_timeout;
         let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        // On the backend's runtime: the waiter's may end, and with it whatever waits
+        // there, while its node stays queued.
         e.quiet = Some(Quiet {
             fired: Arc::clone(&flag),
             recheck: Instant::now() + timeout,
             ends: None,
         });
-        let task = tokio::spawn(async move {
+        let task = self.runtime.spawn(async move {
             fired.await;
             flag.store(true, std::sync::atomic::Ordering::Release);
             signal.notify_all();
@@ -731,10 +775,50 @@ impl Inner {
 
     async fn acquire(&self, req: &LockRequest) -> Result<Acquire> {
         let dir = self.dir_of(&req.key)?;
-        let session = self.sessions.current();
-        let client = &session.client;
+        let Some(session) = self.sessions.live(self.response_timeout).await else {
+            return Err(StoreError::not_applied(
+                "the ZooKeeper session was given up and no new one could be made yet",
+            )
+            .into());
+        };
         let entry = self.entry(req);
         let mut e = entry.state.lock().await;
+        // A first acquisition dropped from here on is taken back; a re-entry's hold is
+        // its guards'.
+        let mut dropped = Dropped {
+            inner: self,
+            req,
+            armed: !e.granted,
+        };
+        let answer = self.attempt(req, &dir, &session, &entry, &mut e).await;
+        dropped.armed = false;
+        let answer = answer?;
+        if let Acquire::Acquired(_) = answer
+            && (session.lost.is_fired() || self.sessions.current().generation != session.generation)
+        {
+            // Answered by a session this backend has given up (its client came back
+            // after the grace, while the backend made a new one): its nodes end with
+            // it, so this grant is nobody's. The caller tries again in the new one.
+            e.forget_nodes();
+            return Err(StoreError::msg(
+                StoreErrorKind::Unavailable,
+                "the ZooKeeper session ended during the attempt",
+            )
+            .into());
+        }
+        Ok(answer)
+    }
+
+    /// One attempt of `req` in `session`, on its hold's entry `e`.
+    async fn attempt(
+        &self,
+        req: &LockRequest,
+        dir: &str,
+        session: &Session,
+        entry: &Arc<HoldEntry>,
+        e: &mut Entry,
+    ) -> Result<Acquire> {
+        let client = &session.client;
         e.last_attempt = Instant::now();
         if e.generation != session.generation {
             // Nodes of an ended session are gone with it.
@@ -742,7 +826,7 @@ impl Inner {
             e.generation = session.generation;
         }
         if e.granted {
-            return self.reenter(client, &mut e, req).await;
+            return self.reenter(client, e, req).await;
         }
         if let Some(quiet) = &e.quiet {
             let now = Instant::now();
@@ -758,16 +842,7 @@ impl Inner {
         for _ in 0..8 {
             if let LockMode::Permits { max } = req.mode {
                 if let Some(answer) = self
-                    .permit(
-                        &session,
-                        &entry,
-                        &mut e,
-                        req,
-                        &dir,
-                        max,
-                        &data,
-                        &mut made_now,
-                    )
+                    .permit(session, entry, e, req, dir, max, &data, &mut made_now)
                     .await?
                 {
                     return Ok(answer);
@@ -776,10 +851,10 @@ impl Inner {
             }
             if e.node.is_none() {
                 let uuid = e.uuid.clone();
-                e.node = Some(self.create_node(client, &dir, &uuid, kind, &data).await?);
+                e.node = Some(self.create_node(client, dir, &uuid, kind, &data).await?);
                 made_now = true;
             }
-            let children = self.children(client, &dir).await?;
+            let children = self.children(client, dir).await?;
             if e.node.is_none() {
                 continue;
             }
@@ -794,7 +869,7 @@ impl Inner {
                 _ => None,
             };
             match layout::blocker(&children, index, writer_node.as_deref()) {
-                None => match self.grant(&session, &entry, &mut e, req, made_now).await? {
+                None => match self.grant(session, entry, e, req, made_now).await? {
                     Some(answer) => return Ok(answer),
                     None => continue,
                 },
@@ -806,17 +881,14 @@ impl Inner {
                             c.name != mine && Some(format!("{dir}/{}", c.name)) != writer_node
                         })
                         .collect();
-                    let (deleted, ttl) = self.expire(client, &dir, &holders).await?;
+                    let (deleted, ttl) = self.expire(client, dir, &holders).await?;
                     if deleted {
                         continue;
                     }
-                    if !self
-                        .watch(client, &entry, &mut e, req, &blocker_path)
-                        .await?
-                    {
+                    if !self.watch(client, entry, e, req, &blocker_path).await? {
                         continue;
                     }
-                    return Ok(self.quiet_busy(&mut e, ttl));
+                    return Ok(self.quiet_busy(e, ttl));
                 }
             }
         }
@@ -1063,25 +1135,33 @@ impl Inner {
         let session = self.sessions.current();
         let client = &session.client;
         let mut e = entry.state.lock().await;
-        if e.generation == session.generation && (e.node.is_some() || e.gate.is_some()) {
+        if e.generation == session.generation {
             // Known nodes: one delete each, in the session's order (before anything
-            // this process sends after).
-            for node in [e.node.clone(), e.gate.clone()].into_iter().flatten() {
-                self.delete_node(client, &node).await?;
-            }
-        } else if e.generation == session.generation {
-            // A creation whose answer never came: its node, if any, has the hold's uuid.
+            // this process sends after). A node whose creation's answer never came has
+            // the hold's uuid, and is looked for: the session answers in order, so that
+            // creation is done by the time the search is. A permit's lease node is made
+            // only once its gate's creation was answered: with the lease node known,
+            // there is no gate to look for.
             let dir = self.dir_of(&req.key)?;
-            let dirs: Vec<String> = match req.mode {
-                LockMode::Permits { .. } => vec![format!("{dir}/locks"), format!("{dir}/leases")],
-                _ => vec![dir],
+            let places: Vec<(Option<String>, Option<String>)> = match req.mode {
+                LockMode::Permits { .. } => vec![
+                    (e.node.clone(), Some(format!("{dir}/leases"))),
+                    (
+                        e.gate.clone(),
+                        e.node.is_none().then(|| format!("{dir}/locks")),
+                    ),
+                ],
+                _ => vec![(e.node.clone(), Some(dir))],
             };
-            for dir in &dirs {
-                let path = match self.find_node(client, dir, &e.uuid).await? {
-                    Some(path) => path,
-                    None => continue,
+            for (known, parent) in places {
+                let path = match (known, parent) {
+                    (Some(path), _) => Some(path),
+                    (None, Some(parent)) => self.find_node(client, &parent, &e.uuid).await?,
+                    (None, None) => None,
                 };
-                self.delete_node(client, &path).await?;
+                if let Some(path) = path {
+                    self.delete_node(client, &path).await?;
+                }
             }
         }
         e.forget_nodes();
@@ -1366,9 +1446,12 @@ impl LockBackend for ZooKeeperBackend {
         Some(self)
     }
 
+    /// The loss of the session that granted the hold, not the current one: a grant
+    /// answered in a session replaced meanwhile is lost with it.
     fn loss_signal(&self, req: &LockRequest) -> Option<StoreLoss> {
         let entry = self.inner.existing(req)?;
-        lock(&entry.loss).clone()
+        let loss = lock(&entry.loss).clone();
+        Some(loss.unwrap_or_else(|| self.inner.sessions.current().lost.clone()))
     }
 }
 

@@ -1,13 +1,19 @@
-//! The backend's ZooKeeper session: made at build, replaced when it expires.
+//! The backend's ZooKeeper session: made at build, replaced when it ends.
 //!
 //! A session that expires has taken every ephemeral node of it along: each hold
-//! granted in it is lost. Its [`StoreLoss`] fires (the lock core marks those holds lost
-//! at once), a new session is made, with backoff while the ensemble cannot be reached,
-//! and every waiter of this backend is woken to queue again in the new one.
+//! granted in it is lost. A session whose connection is not back within a third of its
+//! timeout is given up the same way, before the ensemble could expire it and hand its
+//! nodes to anyone. Its [`StoreLoss`] fires (the lock core marks those holds lost at
+//! once), and a new session is made: one try of every server, then a short backoff,
+//! so that the first lock after an outage comes soon after the ensemble answers. A
+//! session given up is then closed on the ensemble if it still lives there: its nodes,
+//! whose holds are lost already, go at once, not a session timeout later. Every waiter
+//! of this backend is woken to queue again in the new session.
 
-use std::sync::{Arc, PoisonError, RwLock, Weak};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use zookeeper_client as zk;
 
@@ -15,7 +21,10 @@ use crate::backend::StoreLoss;
 
 /// The first pause before connecting again; doubled up to [`MAX_BACKOFF`].
 const MIN_BACKOFF: Duration = Duration::from_millis(50);
-const MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// The longest pause between two tries for a new session: a try costs a refused
+/// connection per server while the ensemble is down, and bounds how long after it
+/// answers again the first lock waits.
+const MAX_BACKOFF: Duration = Duration::from_millis(400);
 
 /// How the backend connects: kept to make a new session when one expires.
 #[derive(Clone)]
@@ -27,14 +36,49 @@ pub(super) struct Connect {
 }
 
 impl Connect {
-    pub(super) async fn connect(&self) -> Result<zk::Client, zk::Error> {
+    fn connector(&self) -> zk::Connector {
         let mut connector = zk::Client::connector()
             .with_session_timeout(self.session_timeout)
             .with_connection_timeout(self.connection_timeout);
         if let Some((scheme, auth)) = &self.auth {
             connector = connector.with_auth(scheme, auth);
         }
-        connector.connect(&self.hosts).await
+        connector
+    }
+
+    /// A new session, trying the servers for up to a session timeout.
+    pub(super) async fn connect(&self) -> Result<zk::Client, zk::Error> {
+        self.connector().connect(&self.hosts).await
+    }
+
+    /// A new session, one try of every server: the caller backs off itself.
+    async fn reconnect(&self) -> Result<zk::Client, zk::Error> {
+        self.connector()
+            .with_fail_eagerly()
+            .connect(&self.hosts)
+            .await
+    }
+
+    /// Closes `session` on the ensemble if it still lives there: a client takes it over
+    /// and ends it, and its nodes go with it.
+    async fn close(&self, session: zk::SessionInfo) {
+        let taken = self
+            .connector()
+            .with_session(session)
+            .with_fail_eagerly()
+            .connect(&self.hosts)
+            .await;
+        let Ok(client) = taken else {
+            // Expired already, or the ensemble cannot be reached: it expires it.
+            return;
+        };
+        let mut states = client.state_watcher();
+        // Dropped, the client closes the session from its own task.
+        drop(client);
+        let _ = tokio::time::timeout(self.session_timeout, async {
+            while !ended(states.changed().await) {}
+        })
+        .await;
     }
 }
 
@@ -49,7 +93,7 @@ pub(super) struct Session {
 
 /// The current session, replaced by [`supervise`] when it ends.
 pub(super) struct Sessions {
-    current: RwLock<Arc<Session>>,
+    current: watch::Sender<Arc<Session>>,
     pub(super) connect: Connect,
     /// Cancelled when the backend is dropped: the supervisor ends, and with it the
     /// session.
@@ -59,7 +103,7 @@ pub(super) struct Sessions {
 impl Sessions {
     pub(super) fn new(client: zk::Client, connect: Connect) -> Self {
         Sessions {
-            current: RwLock::new(Arc::new(Session {
+            current: watch::Sender::new(Arc::new(Session {
                 client,
                 generation: 1,
                 lost: StoreLoss::new(),
@@ -70,18 +114,39 @@ impl Sessions {
     }
 
     pub(super) fn current(&self) -> Arc<Session> {
-        Arc::clone(&self.current.read().unwrap_or_else(PoisonError::into_inner))
+        Arc::clone(&self.current.borrow())
+    }
+
+    /// The session to make calls in: the current one, or, while it is being replaced
+    /// (given up: its loss fired), the next one, waited for up to `within`. `None` when
+    /// none came: a call in a session given up would wait for an answer that cannot
+    /// come.
+    pub(super) async fn live(&self, within: Duration) -> Option<Arc<Session>> {
+        let mut sessions = self.current.subscribe();
+        let next = async {
+            loop {
+                let session = Arc::clone(&sessions.borrow_and_update());
+                if !session.lost.is_fired() {
+                    return Some(session);
+                }
+                sessions.changed().await.ok()?;
+            }
+        };
+        tokio::time::timeout(within, next).await.ok().flatten()
     }
 
     fn replace(&self, client: zk::Client) -> Arc<Session> {
-        let mut current = self.current.write().unwrap_or_else(PoisonError::into_inner);
-        let next = Arc::new(Session {
-            client,
-            generation: current.generation + 1,
-            lost: StoreLoss::new(),
+        let mut next = None;
+        self.current.send_modify(|current| {
+            let session = Arc::new(Session {
+                client,
+                generation: current.generation + 1,
+                lost: StoreLoss::new(),
+            });
+            next = Some(Arc::clone(&session));
+            *current = session;
         });
-        *current = Arc::clone(&next);
-        next
+        next.expect("send_modify runs its closure")
     }
 }
 
@@ -107,20 +172,22 @@ pub(super) async fn supervise<O: OnNewSession>(owner: Weak<O>, closed: Cancellat
             return;
         };
         let mut states = session.client.state_watcher();
-        loop {
+        // Whether the session was given up here (it may live on in the ensemble).
+        let given_up = loop {
             let state = tokio::select! {
                 state = states.changed() => state,
                 () = closed.cancelled() => return,
             };
             if ended(state) {
                 tracing::warn!(session = %session.client.session_id(), ?state, "ZooKeeper session ended; its locks are lost");
-                break;
+                break false;
             }
             if state == zk::SessionState::Disconnected {
                 // The ensemble may expire the session a session timeout after it last
-                // heard from this client, which the client noticed within a fifth of
-                // it (its ping timeout): past a third of it, the session is given up
-                // here, before the ensemble could have given its nodes to anyone.
+                // heard from this client, which the client noticed two fifths of it
+                // (and a tick, a twentieth) after it last heard from the ensemble:
+                // past a third of it more, the session is given up here, before the
+                // ensemble could have given its nodes to anyone.
                 let grace = session.client.session_timeout() / 3;
                 let back = tokio::time::timeout(grace, async {
                     loop {
@@ -140,10 +207,10 @@ pub(super) async fn supervise<O: OnNewSession>(owner: Weak<O>, closed: Cancellat
                 };
                 if !back {
                     tracing::warn!(session = %session.client.session_id(), grace_ms = grace.as_millis() as u64, "ZooKeeper connection not back in time; the session's locks are lost");
-                    break;
+                    break true;
                 }
             }
-        }
+        };
         session.lost.fire();
         drop(states);
         let mut backoff = MIN_BACKOFF;
@@ -152,7 +219,7 @@ pub(super) async fn supervise<O: OnNewSession>(owner: Weak<O>, closed: Cancellat
                 return;
             };
             let attempt = tokio::select! {
-                attempt = connect.connect() => attempt,
+                attempt = connect.reconnect() => attempt,
                 () = closed.cancelled() => return,
             };
             match attempt {
@@ -173,5 +240,10 @@ pub(super) async fn supervise<O: OnNewSession>(owner: Weak<O>, closed: Cancellat
         let next = owner.sessions().replace(client);
         tracing::info!(session = %next.client.session_id(), "ZooKeeper: new session");
         owner.new_session(&next);
+        if given_up {
+            let connect = owner.sessions().connect.clone();
+            let old = session.client.session().clone();
+            tokio::spawn(async move { connect.close(old).await });
+        }
     }
 }
