@@ -273,10 +273,13 @@ fn lost_in_transit(error: &zk::Error) -> bool {
 }
 
 /// Takes back, on the backend's runtime, the hold of a first acquisition dropped before
-/// its answer (its future cancelled, or its runtime shut down). The lock core does the
+/// its answer (its future cancelled, or its runtime shut down), or answered with an
+/// error that may have left a node (a call unanswered in time). The lock core does the
 /// same from a task on the caller's runtime, which may run no more; a node whose
 /// creation was on the wire would then stay as long as the session, as no store lease
-/// ends it. Taken back twice is no harm: the second finds nothing.
+/// ends it. So it is tried again, with backoff, until the ensemble answers (or the
+/// session is replaced: its nodes end with it). Taken back twice is no harm: the second
+/// finds nothing.
 struct Dropped<'a> {
     inner: &'a Inner,
     req: &'a LockRequest,
@@ -291,8 +294,18 @@ impl Drop for Dropped<'_> {
         let me = self.inner.me.clone();
         let req = self.req.clone();
         self.inner.runtime.spawn(async move {
-            if let Some(inner) = me.upgrade() {
-                let _ = inner.abandon(&req).await;
+            let mut backoff = Duration::from_millis(50);
+            loop {
+                let Some(inner) = me.upgrade() else {
+                    return;
+                };
+                match inner.abandon(&req).await {
+                    Err(error) if error.is_unavailable() => {}
+                    _ => return,
+                }
+                drop(inner);
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
             }
         });
     }
@@ -669,15 +682,16 @@ impl Inner {
         };
         let entry = self.entry(req);
         let mut e = entry.state.lock().await;
-        // A first acquisition dropped from here on is taken back; a re-entry's hold is
-        // its guards'.
+        // A first acquisition dropped from here on, or failed in a way that may have
+        // left a node, is taken back; a re-entry's hold is its guards'.
         let mut dropped = Dropped {
             inner: self,
             req,
             armed: !e.granted,
         };
         let answer = self.attempt(req, &dir, &session, &entry, &mut e).await;
-        dropped.armed = false;
+        dropped.armed &= matches!(&answer, Err(error) if !error.is_not_applied());
+        drop(dropped);
         let answer = answer?;
         if let Acquire::Acquired(_) = answer {
             if session.lost.is_fired() || self.sessions.current().generation != session.generation {
