@@ -1160,3 +1160,46 @@ async fn a_waiter_on_a_runtime_that_ends_does_not_block_the_queue() {
         .await
         .unwrap();
 }
+
+/// A guard taken on a runtime that then ends, and dropped afterwards, frees its lock at
+/// its lease's end, contender or not: its release is spawned on that runtime and never
+/// runs, its watchdog ran there too, and a ZooKeeper node has no lease the server ends;
+/// the backend ends it itself (the history checker's seed 30 with a nemesis).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guard_from_a_runtime_that_ended_frees_its_lock_at_its_lease() {
+    let lease = Duration::from_millis(600);
+    let server = common::zookeeper::shared().await;
+    let root = fresh_root("guard-runtime-ends");
+    let backend = ZooKeeperBackend::builder(server.connect_string())
+        .root(root.as_str())
+        .build()
+        .await
+        .unwrap();
+    let client = LockClient::builder(backend.clone())
+        .watchdog_lease(lease)
+        .build()
+        .unwrap();
+    let dir = backend.path_of(&tower_lock::LockKey::new("k").unwrap());
+    let reader = backend.client();
+
+    let lock = client.get_lock("k").unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    on_a_runtime_that_ends(async move {
+        tx.send(lock.lock().await.unwrap()).unwrap();
+    });
+    let guard = rx.recv().unwrap();
+    let taken = Instant::now();
+    drop(guard);
+    assert_eq!(lock_nodes(&reader, &dir).await.len(), 1, "the hold's node");
+    wait_until(
+        lease * 3 + Duration::from_secs(2),
+        "the node is gone",
+        || async { lock_nodes(&reader, &dir).await.is_empty() },
+    )
+    .await;
+    println!(
+        "a guard from a runtime that ended: its node went {:?} after the grant (lease {lease:?})",
+        taken.elapsed()
+    );
+    assert!(taken.elapsed() >= lease, "gone before its lease ended");
+}
