@@ -107,6 +107,9 @@ pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 const CLIENTS_DIR: &str = ".clients";
 /// How many lease observations are kept before old ones are dropped.
 const SEEN_CAP: usize = 10_000;
+/// How long after its lease's end a hold nobody renewed or released is ended by its
+/// own backend (a margin for a renewal in flight at the end).
+const LEASE_END_GRACE: Duration = Duration::from_millis(100);
 
 /// Locks on a ZooKeeper ensemble, shared with Apache Curator. See the [module
 /// docs](self).
@@ -187,6 +190,9 @@ struct Entry {
     lease_end: Option<Instant>,
     /// The watch task of the node waited for.
     watch: Option<tokio::task::AbortHandle>,
+    /// The task that ends the hold when its lease runs out unrenewed (see
+    /// [`Inner::end_at_lease`]).
+    lease_task: Option<tokio::task::AbortHandle>,
     /// Whether the node says it waits.
     waiting_marked: bool,
     /// When an attempt last came for this hold: a waiter woken that does not come
@@ -205,6 +211,7 @@ impl Entry {
             holds: 0,
             lease_end: None,
             watch: None,
+            lease_task: None,
             waiting_marked: false,
             last_attempt: Instant::now(),
         }
@@ -217,17 +224,22 @@ impl Entry {
         self.granted = false;
         self.holds = 0;
         self.lease_end = None;
-        if let Some(watch) = self.watch.take() {
-            watch.abort();
+        self.stop_tasks();
+    }
+
+    fn stop_tasks(&mut self) {
+        for task in [self.watch.take(), self.lease_task.take()]
+            .into_iter()
+            .flatten()
+        {
+            task.abort();
         }
     }
 }
 
 impl Drop for Entry {
     fn drop(&mut self) {
-        if let Some(watch) = self.watch.take() {
-            watch.abort();
-        }
+        self.stop_tasks();
     }
 }
 
@@ -708,8 +720,57 @@ impl Inner {
             // The hold ends with the session that granted it, whichever is current when
             // the lock core asks.
             *lock(&entry.loss) = Some(session.lost.clone());
+            self.end_at_lease(&entry, &mut e, req);
         }
         Ok(answer)
+    }
+
+    /// Ends `e`'s hold when its lease runs out with nobody renewing or releasing it, as
+    /// a store's lease would: its node goes, on the backend's runtime. A guard whose
+    /// runtime ended can neither renew its hold nor release it (its release is spawned
+    /// there), and a node has no lease the server ends; tower-lock contenders delete
+    /// such a node a lease after they first see it, Curator's never do. The lock core
+    /// counts the lease from before it sent the request, so its guard is lost by then.
+    /// Armed at each grant and renewal; a later one replaces it.
+    fn end_at_lease(&self, entry: &Arc<HoldEntry>, e: &mut Entry, req: &LockRequest) {
+        let Some(end) = e.lease_end else {
+            return;
+        };
+        let weak_entry = Arc::downgrade(entry);
+        let me = self.me.clone();
+        let key = (req.key.clone(), req.hold_id.clone());
+        let generation = e.generation;
+        let task = self.runtime.spawn(async move {
+            tokio::time::sleep_until(end + LEASE_END_GRACE).await;
+            let (Some(entry), Some(inner)) = (weak_entry.upgrade(), me.upgrade()) else {
+                return;
+            };
+            let mut e = entry.state.lock().await;
+            let renewed = e.lease_end.is_some_and(|later| later > end);
+            if !e.granted || e.generation != generation || renewed {
+                return;
+            }
+            tracing::debug!(key = %key.0, hold_id = %key.1, "ZooKeeper: a hold's lease ran out unrenewed and unreleased; deleting its node");
+            let session = inner.sessions.current();
+            if session.generation == generation {
+                for node in [e.node.take(), e.gate.take()].into_iter().flatten() {
+                    let _ = inner.delete_node(&session.client, &node).await;
+                }
+            }
+            // Not `forget_nodes`: that would abort this task.
+            e.granted = false;
+            e.holds = 0;
+            e.lease_end = None;
+            e.waiting_marked = false;
+            drop(e);
+            let mut holds = lock(&inner.holds);
+            if holds.get(&key).is_some_and(|x| Arc::ptr_eq(x, &entry)) {
+                holds.remove(&key);
+            }
+        });
+        if let Some(old) = e.lease_task.replace(task.abort_handle()) {
+            old.abort();
+        }
     }
 
     /// One attempt of `req` in `session`, on its hold's entry `e`.
@@ -1006,6 +1067,8 @@ impl Inner {
         let renewed = self.extend(&session.client, &mut e, req, true).await?;
         if renewed.is_none() {
             e.forget_nodes();
+        } else {
+            self.end_at_lease(&entry, &mut e, req);
         }
         Ok(renewed.is_some())
     }
@@ -1028,6 +1091,7 @@ impl Inner {
                 return Ok(Release::NotHeld);
             }
             e.holds -= 1;
+            self.end_at_lease(&entry, &mut e, req);
             return Ok(Release::Decremented { holds: e.holds });
         }
         let Some(node) = e.node.clone() else {
