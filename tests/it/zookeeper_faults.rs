@@ -1034,6 +1034,9 @@ fn on_a_runtime_that_ends(body: impl std::future::Future<Output = ()> + Send + '
     .unwrap();
 }
 
+/// The response timeout of [`behind_a_proxy`]'s backend.
+const RESPONSE_TIMEOUT: Duration = Duration::from_millis(300);
+
 /// A backend through a proxy, its client, and the lock directory of key `k`, made.
 async fn behind_a_proxy(
     server: &common::zookeeper::ZkLease,
@@ -1044,6 +1047,7 @@ async fn behind_a_proxy(
         .root(root)
         .session_timeout(Duration::from_secs(10))
         .waiter_timeout(Duration::from_millis(500))
+        .response_timeout(RESPONSE_TIMEOUT)
         .build()
         .await
         .unwrap();
@@ -1073,7 +1077,9 @@ async fn lock_nodes(reader: &zk::Client, dir: &str) -> Vec<String> {
 /// runtime, which runs no more; a ZooKeeper node has no lease the server ends, so the
 /// node would stay for as long as the backend's session (tower-lock contenders delete
 /// it a lease after they first see it; Curator's never do). The creation is held in
-/// the proxy until the runtime is gone.
+/// the proxy until the runtime is gone, and past the response timeout: the first tries
+/// to take the attempt back get no answer (the history checker's seed 19 with a
+/// nemesis: answers late).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_acquisition_on_a_runtime_that_ends_leaves_no_node() {
     let server = common::zookeeper::shared().await;
@@ -1099,6 +1105,7 @@ async fn an_acquisition_on_a_runtime_that_ends_leaves_no_node() {
         .await
         .expect("the creation was caught")
         .unwrap();
+    tokio::time::sleep(RESPONSE_TIMEOUT * 3).await;
     trap.release();
     wait_until(Duration::from_secs(5), "no lock node is left", || async {
         lock_nodes(&reader, &dir).await.is_empty()
@@ -1162,4 +1169,47 @@ async fn a_waiter_on_a_runtime_that_ends_does_not_block_the_queue() {
         .unlock()
         .await
         .unwrap();
+}
+
+/// A guard taken on a runtime that then ends, and dropped afterwards, frees its lock at
+/// its lease's end, contender or not: its release is spawned on that runtime and never
+/// runs, its watchdog ran there too, and a ZooKeeper node has no lease the server ends;
+/// the backend ends it itself (the history checker's seed 30 with a nemesis).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guard_from_a_runtime_that_ended_frees_its_lock_at_its_lease() {
+    let lease = Duration::from_millis(600);
+    let server = common::zookeeper::shared().await;
+    let root = fresh_root("guard-runtime-ends");
+    let backend = ZooKeeperBackend::builder(server.connect_string())
+        .root(root.as_str())
+        .build()
+        .await
+        .unwrap();
+    let client = LockClient::builder(backend.clone())
+        .watchdog_lease(lease)
+        .build()
+        .unwrap();
+    let dir = backend.path_of(&tower_lock::LockKey::new("k").unwrap());
+    let reader = backend.client();
+
+    let lock = client.get_lock("k").unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    on_a_runtime_that_ends(async move {
+        tx.send(lock.lock().await.unwrap()).unwrap();
+    });
+    let guard = rx.recv().unwrap();
+    let taken = Instant::now();
+    drop(guard);
+    assert_eq!(lock_nodes(&reader, &dir).await.len(), 1, "the hold's node");
+    wait_until(
+        lease * 3 + Duration::from_secs(2),
+        "the node is gone",
+        || async { lock_nodes(&reader, &dir).await.is_empty() },
+    )
+    .await;
+    println!(
+        "a guard from a runtime that ended: its node went {:?} after the grant (lease {lease:?})",
+        taken.elapsed()
+    );
+    assert!(taken.elapsed() >= lease, "gone before its lease ended");
 }

@@ -191,8 +191,7 @@ impl ZooKeeperBackendBuilder {
             names: Mutex::new(HashMap::new()),
         });
         let closed = inner.sessions.closed.clone();
-        tokio::spawn(supervise(Arc::downgrade(&inner), closed.clone()));
-        tokio::spawn(super::sweep(Arc::downgrade(&inner), closed));
+        tokio::spawn(supervise(Arc::downgrade(&inner), closed));
         Ok(ZooKeeperBackend { inner })
     }
 }

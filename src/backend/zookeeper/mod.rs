@@ -107,6 +107,9 @@ pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 const CLIENTS_DIR: &str = ".clients";
 /// How many lease observations are kept before old ones are dropped.
 const SEEN_CAP: usize = 10_000;
+/// How long after its lease's end a hold nobody renewed or released is ended by its
+/// own backend (a margin for a renewal in flight at the end).
+const LEASE_END_GRACE: Duration = Duration::from_millis(100);
 
 /// Locks on a ZooKeeper ensemble, shared with Apache Curator. See the [module
 /// docs](self).
@@ -201,6 +204,9 @@ struct Entry {
     lease_end: Option<Instant>,
     /// The watch task of the node waited for.
     watch: Option<tokio::task::AbortHandle>,
+    /// The task that ends the hold when its lease runs out unrenewed (see
+    /// [`Inner::end_at_lease`]).
+    lease_task: Option<tokio::task::AbortHandle>,
     /// Busy, with a watch set that has not fired: until the watch fires or the recheck
     /// time comes, nothing this hold waits for changed, and an attempt answers busy
     /// without asking the ensemble (the lock core attempts once more right after it
@@ -222,6 +228,7 @@ impl Entry {
             holds: 0,
             lease_end: None,
             watch: None,
+            lease_task: None,
             last_attempt: Instant::now(),
             quiet: None,
         }
@@ -234,66 +241,22 @@ impl Entry {
         self.granted = false;
         self.holds = 0;
         self.lease_end = None;
-        if let Some(watch) = self.watch.take() {
-            watch.abort();
+        self.stop_tasks();
+    }
+
+    fn stop_tasks(&mut self) {
+        for task in [self.watch.take(), self.lease_task.take()]
+            .into_iter()
+            .flatten()
+        {
+            task.abort();
         }
     }
 }
 
 impl Drop for Entry {
     fn drop(&mut self) {
-        if let Some(watch) = self.watch.take() {
-            watch.abort();
-        }
-    }
-}
-
-/// How often a backend looks for holds of its own whose lease ran out.
-const SWEEP_EVERY: Duration = Duration::from_secs(1);
-
-/// Deletes the nodes of this backend's holds whose lease ran out unrenewed (a guard
-/// leaked with a fixed lease, or whose watchdog stopped): their session would keep them
-/// for as long as the process lives. Runs until the backend is dropped.
-async fn sweep(me: std::sync::Weak<Inner>, closed: tokio_util::sync::CancellationToken) {
-    loop {
-        tokio::select! {
-            () = tokio::time::sleep(SWEEP_EVERY) => {}
-            () = closed.cancelled() => return,
-        }
-        let Some(inner) = me.upgrade() else {
-            return;
-        };
-        let now = Instant::now();
-        let entries: Vec<_> = lock(&inner.holds)
-            .iter()
-            .map(|(k, e)| (k.clone(), Arc::clone(e)))
-            .collect();
-        for (key, entry) in entries {
-            let Ok(mut e) = entry.state.try_lock() else {
-                continue;
-            };
-            if !(e.granted && e.lease_end.is_some_and(|end| end <= now)) {
-                continue;
-            }
-            let session = inner.sessions.current();
-            if e.generation == session.generation {
-                let mut failed = false;
-                for node in [e.node.clone(), e.gate.clone()].into_iter().flatten() {
-                    failed |= inner.delete_node(&session.client, &node).await.is_err();
-                }
-                if failed {
-                    // Tried again at the next sweep.
-                    continue;
-                }
-            }
-            tracing::debug!(key = %key.0, hold_id = %key.1, "ZooKeeper: deleted a hold of this process whose lease ran out");
-            e.forget_nodes();
-            drop(e);
-            let mut holds = lock(&inner.holds);
-            if holds.get(&key).is_some_and(|x| Arc::ptr_eq(x, &entry)) {
-                holds.remove(&key);
-            }
-        }
+        self.stop_tasks();
     }
 }
 
@@ -339,10 +302,13 @@ fn lost_in_transit(error: &zk::Error) -> bool {
 }
 
 /// Takes back, on the backend's runtime, the hold of a first acquisition dropped before
-/// its answer (its future cancelled, or its runtime shut down). The lock core does the
+/// its answer (its future cancelled, or its runtime shut down), or answered with an
+/// error that may have left a node (a call unanswered in time). The lock core does the
 /// same from a task on the caller's runtime, which may run no more; a node whose
 /// creation was on the wire would then stay as long as the session, as no store lease
-/// ends it. Taken back twice is no harm: the second finds nothing.
+/// ends it. So it is tried again, with backoff, until the ensemble answers (or the
+/// session is replaced: its nodes end with it). Taken back twice is no harm: the second
+/// finds nothing.
 struct Dropped<'a> {
     inner: &'a Inner,
     req: &'a LockRequest,
@@ -357,8 +323,18 @@ impl Drop for Dropped<'_> {
         let me = self.inner.me.clone();
         let req = self.req.clone();
         self.inner.runtime.spawn(async move {
-            if let Some(inner) = me.upgrade() {
-                let _ = inner.abandon(&req).await;
+            let mut backoff = Duration::from_millis(50);
+            loop {
+                let Some(inner) = me.upgrade() else {
+                    return;
+                };
+                match inner.abandon(&req).await {
+                    Err(error) if error.is_unavailable() => {}
+                    _ => return,
+                }
+                drop(inner);
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
             }
         });
     }
@@ -783,15 +759,16 @@ impl Inner {
         };
         let entry = self.entry(req);
         let mut e = entry.state.lock().await;
-        // A first acquisition dropped from here on is taken back; a re-entry's hold is
-        // its guards'.
+        // A first acquisition dropped from here on, or failed in a way that may have
+        // left a node, is taken back; a re-entry's hold is its guards'.
         let mut dropped = Dropped {
             inner: self,
             req,
             armed: !e.granted,
         };
         let answer = self.attempt(req, &dir, &session, &entry, &mut e).await;
-        dropped.armed = false;
+        dropped.armed &= matches!(&answer, Err(error) if !error.is_not_applied());
+        drop(dropped);
         let answer = answer?;
         if let Acquire::Acquired(_) = answer
             && (session.lost.is_fired() || self.sessions.current().generation != session.generation)
@@ -806,7 +783,59 @@ impl Inner {
             )
             .into());
         }
+        if let Acquire::Acquired(_) = answer {
+            self.end_at_lease(&entry, &mut e, req);
+        }
         Ok(answer)
+    }
+
+    /// Ends `e`'s hold when its lease runs out with nobody renewing or releasing it, as
+    /// a store's lease would: its node goes, on the backend's runtime. A guard whose
+    /// runtime ended can neither renew its hold nor release it (its release is spawned
+    /// there), a guard may be leaked, and a node has no lease the server ends;
+    /// tower-lock contenders delete such a node a lease after they first see it,
+    /// Curator's never do. The lock core counts the lease from before it sent the
+    /// request, so its guard is lost by then. Armed at each grant and renewal; a later
+    /// one replaces it.
+    fn end_at_lease(&self, entry: &Arc<HoldEntry>, e: &mut Entry, req: &LockRequest) {
+        let Some(end) = e.lease_end else {
+            return;
+        };
+        let weak_entry = Arc::downgrade(entry);
+        let me = self.me.clone();
+        let key = (req.key.clone(), req.hold_id.clone());
+        let generation = e.generation;
+        let task = self.runtime.spawn(async move {
+            tokio::time::sleep_until(end + LEASE_END_GRACE).await;
+            let (Some(entry), Some(inner)) = (weak_entry.upgrade(), me.upgrade()) else {
+                return;
+            };
+            let mut e = entry.state.lock().await;
+            let renewed = e.lease_end.is_some_and(|later| later > end);
+            if !e.granted || e.generation != generation || renewed {
+                return;
+            }
+            tracing::debug!(key = %key.0, hold_id = %key.1, "ZooKeeper: a hold's lease ran out unrenewed and unreleased; deleting its node");
+            let session = inner.sessions.current();
+            if session.generation == generation {
+                for node in [e.node.take(), e.gate.take()].into_iter().flatten() {
+                    let _ = inner.delete_node(&session.client, &node).await;
+                }
+            }
+            // Not `forget_nodes`: that would abort this task.
+            e.granted = false;
+            e.holds = 0;
+            e.lease_end = None;
+            e.quiet = None;
+            drop(e);
+            let mut holds = lock(&inner.holds);
+            if holds.get(&key).is_some_and(|x| Arc::ptr_eq(x, &entry)) {
+                holds.remove(&key);
+            }
+        });
+        if let Some(old) = e.lease_task.replace(task.abort_handle()) {
+            old.abort();
+        }
     }
 
     /// One attempt of `req` in `session`, on its hold's entry `e`.
@@ -1087,6 +1116,8 @@ impl Inner {
         let renewed = self.extend(&session.client, &mut e, req, true).await?;
         if renewed.is_none() {
             e.forget_nodes();
+        } else {
+            self.end_at_lease(&entry, &mut e, req);
         }
         Ok(renewed.is_some())
     }
@@ -1109,6 +1140,7 @@ impl Inner {
                 return Ok(Release::NotHeld);
             }
             e.holds -= 1;
+            self.end_at_lease(&entry, &mut e, req);
             return Ok(Release::Decremented { holds: e.holds });
         }
         let Some(node) = e.node.clone() else {
