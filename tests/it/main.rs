@@ -33,6 +33,8 @@ mod history_mysql;
 mod history_postgres;
 #[cfg(feature = "redis")]
 mod history_redis;
+#[cfg(feature = "zookeeper")]
+mod history_zookeeper;
 mod http;
 #[cfg(feature = "axum")]
 mod http_contract;

@@ -4,7 +4,10 @@
 //! grant answered in a session the backend had given up. Each asserts that two holders
 //! never believe they hold one lock (a shared counter that comes out exact and hold
 //! intervals that never overlap, or in-test guards checked against their lost signal),
-//! and prints what it measured (`--nocapture`).
+//! and prints what it measured (`--nocapture`). Then what a node needs that a store
+//! lease gives the other backends: nothing left behind by a call cut off, a permit
+//! dropped mid-creation, or callers on runtimes that end (the history checker's
+//! findings, `history_zookeeper.rs`).
 //!
 //! The backend's fault model (`src/backend/zookeeper/session.rs`): the session is the
 //! lease. The client declares its connection dead two fifths of the session timeout

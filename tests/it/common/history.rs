@@ -819,6 +819,16 @@ pub trait Fixture {
     fn residue(&self) -> impl Future<Output = Option<Vec<Vec<String>>>> {
         async { None }
     }
+
+    /// Whether the store keeps a key's permits apart from its other families: holds of
+    /// permits and of exclusive/fair or read/write on one key do not exclude each other
+    /// there (ZooKeeper in Curator's layouts: a semaphore's nodes live below its key,
+    /// apart from the mutex's and the read-write lock's), against [`LockMode`]'s rule
+    /// that another family makes the key busy. Check 1 then judges a key's permits apart
+    /// from its other holders; everything else stays. `false` for every other store.
+    fn permits_apart(&self) -> bool {
+        false
+    }
 }
 
 // ───────────────────────────── findings ─────────────────────────────
@@ -1734,8 +1744,9 @@ impl<F: Fixture> Driver<'_, F> {
                 }
             }
         }
+        let permits_apart = self.fx.permits_apart();
         for (key, holders) in &holders {
-            reports.extend(exclusion(&sh.names.key(key), holders));
+            reports.extend(exclusion(&sh.names.key(key), holders, permits_apart));
         }
         for (finding, detail) in reports {
             sh.report(finding, detail);
@@ -2104,8 +2115,23 @@ fn family(mode: LockMode) -> Family {
 
 /// Check 1 for one key: the rules over its believed holders (`guards` may name one
 /// holder several times: re-entries). A breach among holds of one owner only (an owner
-/// let in again in an incompatible mode) is [`Finding::OneOwnerTwoModes`].
-fn exclusion(key: &str, guards: &[(Holder, String)]) -> Vec<(Finding, String)> {
+/// let in again in an incompatible mode) is [`Finding::OneOwnerTwoModes`]. With
+/// `permits_apart` ([`Fixture::permits_apart`]), the key's permits are judged apart from
+/// its other holders.
+fn exclusion(
+    key: &str,
+    guards: &[(Holder, String)],
+    permits_apart: bool,
+) -> Vec<(Finding, String)> {
+    if permits_apart {
+        let (permits, others): (Vec<_>, Vec<_>) = guards
+            .iter()
+            .cloned()
+            .partition(|((_, m, _), _)| family(*m) == Family::Permits);
+        let mut breaches = exclusion(key, &permits, false);
+        breaches.extend(exclusion(key, &others, false));
+        return breaches;
+    }
     let mut holders: Vec<&Holder> = Vec::new();
     for (h, _) in guards {
         if !holders.contains(&h) {
