@@ -182,6 +182,11 @@ pub trait Intercept<B: LockBackend>: Send + Sync + 'static {
     fn replays<'a>(&'a self, inner: &'a B) -> Option<&'a dyn ReplayStore> {
         inner.replays()
     }
+
+    /// [`LockBackend::loss_signal`].
+    fn loss_signal(&self, inner: &B, req: &LockRequest) -> Option<super::StoreLoss> {
+        inner.loss_signal(req)
+    }
 }
 
 /// The backend `B` with the calls an [`Intercept`] `I` changes, changed, and every other
@@ -273,7 +278,7 @@ impl<B: LockBackend, I: Intercept<B>> LockBackend for Intercepted<B, I> {
     }
 
     fn loss_signal(&self, req: &LockRequest) -> Option<super::StoreLoss> {
-        self.inner.loss_signal(req)
+        self.intercept.loss_signal(&self.inner, req)
     }
 }
 
@@ -369,7 +374,7 @@ mod drift {
         let backend = methods(BACKEND, "pub trait LockBackend");
         let admin = methods(ADMIN, "pub trait StoreAdmin");
         let local = methods(BACKEND, "pub trait LocalStore");
-        assert_eq!(backend.len(), 12, "LockBackend changed: {backend:?}");
+        assert_eq!(backend.len(), 13, "LockBackend changed: {backend:?}");
         assert_eq!(
             methods(BACKEND, "macro_rules! forward_backend"),
             backend,
