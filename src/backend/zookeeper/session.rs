@@ -135,18 +135,15 @@ impl Sessions {
         tokio::time::timeout(within, next).await.ok().flatten()
     }
 
+    /// Installs a new session (the supervisor is the only one that does).
     fn replace(&self, client: zk::Client) -> Arc<Session> {
-        let mut next = None;
-        self.current.send_modify(|current| {
-            let session = Arc::new(Session {
-                client,
-                generation: current.generation + 1,
-                lost: StoreLoss::new(),
-            });
-            next = Some(Arc::clone(&session));
-            *current = session;
+        let next = Arc::new(Session {
+            client,
+            generation: self.current.borrow().generation + 1,
+            lost: StoreLoss::new(),
         });
-        next.expect("send_modify runs its closure")
+        self.current.send_replace(Arc::clone(&next));
+        next
     }
 }
 
