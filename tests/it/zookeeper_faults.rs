@@ -1278,3 +1278,66 @@ async fn a_lease_that_ends_in_an_outage_still_frees_the_lock() {
         cut.elapsed()
     );
 }
+
+/// A guard taken on a runtime that then ends is still lost at once when its session is
+/// given up. The lock core waits for the store's loss signal in a task on the runtime
+/// that took the hold; that runtime is gone, so the guard would go on being believed
+/// until its lease ends (30 s here), while its node ends with its session: the backend
+/// closes the session it gave up as soon as the ensemble answers, and another client
+/// takes the lock.
+///
+/// Fails: the fix belongs to the lock core (`src/lock/registry.rs`, `lose_with`): a
+/// hold could keep its `StoreLoss` and `is_lost` / the lost signal read it directly,
+/// with no task in between.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the lock core waits for a store's loss on the acquiring runtime (lose_with)"]
+async fn a_guard_from_a_runtime_that_ended_is_lost_with_its_session() {
+    let session = Duration::from_secs(6);
+    let server = common::zookeeper::shared().await;
+    let root = fresh_root("guard-session-lost");
+    let proxy = FaultProxy::start(([127, 0, 0, 1], server.server().port()).into()).await;
+    let backend = ZooKeeperBackend::builder(format!("127.0.0.1:{}", proxy.port()))
+        .root(root.as_str())
+        .session_timeout(session)
+        .build()
+        .await
+        .unwrap();
+    let client = LockClient::builder(backend.clone())
+        .watchdog_lease(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let other = LockClient::new(
+        ZooKeeperBackend::builder(server.connect_string())
+            .root(root.as_str())
+            .build()
+            .await
+            .unwrap(),
+    );
+
+    let lock = client.get_lock("k").unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    on_a_runtime_that_ends(async move {
+        tx.send(lock.lock().await.unwrap()).unwrap();
+    });
+    let guard = rx.recv().unwrap();
+    proxy.refuse(true);
+    proxy.cut();
+    let cut = Instant::now();
+    wait_until(session, "the guard is lost with its session", || async {
+        guard.is_lost()
+    })
+    .await;
+    println!(
+        "a guard from a runtime that ended: lost {:?} after the cut",
+        cut.elapsed()
+    );
+    proxy.refuse(false);
+    let taken = other
+        .get_lock("k")
+        .unwrap()
+        .try_lock_for(Duration::from_secs(10), Lease::Watchdog)
+        .await
+        .expect("the lock, once the given-up session is closed");
+    assert!(guard.is_lost(), "two holders");
+    taken.unlock().await.unwrap();
+}
