@@ -340,6 +340,30 @@ impl Drop for Dropped<'_> {
     }
 }
 
+/// Deletes `e`'s nodes, made in session `generation`, trying again with backoff while
+/// the ensemble does not answer (a delete cut off on the wire applied nothing): a node
+/// forgotten so would stay for as long as its session. Ends once they are gone, the
+/// session was replaced (its nodes end with it), or the backend is gone.
+async fn delete_until_answered(me: &std::sync::Weak<Inner>, e: &mut Entry, generation: u64) {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let Some(inner) = me.upgrade() else {
+            return;
+        };
+        let session = inner.sessions.current();
+        if session.generation != generation {
+            return;
+        }
+        match inner.delete_known(&session.client, e).await {
+            Err(error) if error.is_unavailable() => {}
+            _ => return,
+        }
+        drop(inner);
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(1));
+    }
+}
+
 /// A ZooKeeper error as the lock core needs it.
 fn store_error(error: zk::Error) -> Error {
     if lost_in_transit(&error) {
@@ -680,13 +704,17 @@ impl Inner {
                 return;
             }
             tracing::debug!(key = %key.0, hold_id = %key.1, "ZooKeeper: a woken waiter never came back; leaving its queue place");
-            let client = inner.sessions.current().client.clone();
-            for node in [e.node.take(), e.gate.take()].into_iter().flatten() {
-                let _ = inner.delete_node(&client, &node).await;
-            }
+            drop(inner);
+            let generation = e.generation;
+            delete_until_answered(&me, &mut e, generation).await;
             // Not `forget_nodes`: that would abort this task.
+            e.node = None;
+            e.gate = None;
             e.granted = false;
             drop(e);
+            let Some(inner) = me.upgrade() else {
+                return;
+            };
             let mut holds = lock(&inner.holds);
             if holds.get(&key).is_some_and(|x| Arc::ptr_eq(x, &entry)) {
                 holds.remove(&key);
@@ -807,7 +835,7 @@ impl Inner {
         let generation = e.generation;
         let task = self.runtime.spawn(async move {
             tokio::time::sleep_until(end + LEASE_END_GRACE).await;
-            let (Some(entry), Some(inner)) = (weak_entry.upgrade(), me.upgrade()) else {
+            let Some(entry) = weak_entry.upgrade() else {
                 return;
             };
             let mut e = entry.state.lock().await;
@@ -816,26 +844,38 @@ impl Inner {
                 return;
             }
             tracing::debug!(key = %key.0, hold_id = %key.1, "ZooKeeper: a hold's lease ran out unrenewed and unreleased; deleting its node");
-            let session = inner.sessions.current();
-            if session.generation == generation {
-                for node in [e.node.take(), e.gate.take()].into_iter().flatten() {
-                    let _ = inner.delete_node(&session.client, &node).await;
-                }
-            }
+            // Holding the entry: the lease is over, so no renewal can be due, and a
+            // release finds nothing left to do.
+            delete_until_answered(&me, &mut e, generation).await;
             // Not `forget_nodes`: that would abort this task.
+            e.node = None;
+            e.gate = None;
             e.granted = false;
             e.holds = 0;
             e.lease_end = None;
             e.quiet = None;
             drop(e);
-            let mut holds = lock(&inner.holds);
-            if holds.get(&key).is_some_and(|x| Arc::ptr_eq(x, &entry)) {
-                holds.remove(&key);
+            if let Some(inner) = me.upgrade() {
+                let mut holds = lock(&inner.holds);
+                if holds.get(&key).is_some_and(|x| Arc::ptr_eq(x, &entry)) {
+                    holds.remove(&key);
+                }
             }
         });
         if let Some(old) = e.lease_task.replace(task.abort_handle()) {
             old.abort();
         }
+    }
+
+    /// Deletes `e`'s nodes, each forgotten once it is gone.
+    async fn delete_known(&self, client: &zk::Client, e: &mut Entry) -> Result<()> {
+        for slot in [&mut e.node, &mut e.gate] {
+            if let Some(path) = slot.clone() {
+                self.delete_node(client, &path).await?;
+                *slot = None;
+            }
+        }
+        Ok(())
     }
 
     /// One attempt of `req` in `session`, on its hold's entry `e`.
