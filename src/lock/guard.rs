@@ -122,6 +122,10 @@ async fn wait_one(hold: Arc<Hold>) {
     while let Some(at) = hold.expiry.get() {
         tokio::select! {
             _ = hold.lost.wait() => return,
+            () = store_lost(&hold) => {
+                hold.lost.set();
+                return;
+            }
             _ = tokio::time::sleep_until(at) => {
                 if hold.is_lost_at(Instant::now()) {
                     return;
@@ -129,7 +133,21 @@ async fn wait_one(hold: Arc<Hold>) {
             }
         }
     }
-    hold.lost.wait().await;
+    tokio::select! {
+        _ = hold.lost.wait() => {}
+        () = store_lost(&hold) => hold.lost.set(),
+    }
+}
+
+/// Ready when the store dropped `hold` by itself (see [`StoreLoss`]); never for a
+/// store that does not.
+///
+/// [`StoreLoss`]: crate::backend::StoreLoss
+async fn store_lost(hold: &Hold) {
+    match hold.store_loss.get() {
+        Some(loss) => loss.fired().await,
+        None => std::future::pending().await,
+    }
 }
 
 fn wait_any(signals: Arc<[LostSignal]>) -> Pin<Box<dyn Future<Output = ()> + Send>> {

@@ -171,6 +171,10 @@ pub(crate) struct Hold {
     /// Cancelled when the hold is dropped: ends the task that waits for the store's
     /// [`StoreLoss`], if any.
     over: CancellationToken,
+    /// The store's signal that it dropped this hold by itself, if it has one: read by
+    /// [`Hold::is_lost_at`] and the lost signal directly, so a hold is lost with it even
+    /// when the task that marks it (on the runtime that took it) no longer runs.
+    pub(crate) store_loss: std::sync::OnceLock<StoreLoss>,
     state: Mutex<HoldState>,
 }
 
@@ -280,6 +284,7 @@ impl Hold {
             loss_reported: std::sync::atomic::AtomicBool::new(false),
             span: std::sync::OnceLock::new(),
             over: CancellationToken::new(),
+            store_loss: std::sync::OnceLock::new(),
             state: Mutex::new(HoldState {
                 phase: Phase::Acquiring,
                 token: None,
@@ -298,6 +303,10 @@ impl Hold {
     /// Whether the hold is lost at `now`; seeing it lost makes it so for good.
     pub(crate) fn is_lost_at(&self, now: Instant) -> bool {
         if self.lost.is_set() {
+            return true;
+        }
+        if self.store_loss.get().is_some_and(StoreLoss::is_fired) {
+            self.lost.set();
             return true;
         }
         if self.expiry.passed(now) {
@@ -536,6 +545,7 @@ impl Registry {
         drop(state);
         hold.acquired.notify_waiters();
         if let Some(loss) = self.inner.backend.loss_signal(&hold.store) {
+            let _ = hold.store_loss.set(loss.clone());
             self.lose_with(hold, loss, runtime);
         }
         true

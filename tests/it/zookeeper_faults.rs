@@ -1296,11 +1296,9 @@ async fn a_lease_that_ends_in_an_outage_still_frees_the_lock() {
 /// closes the session it gave up as soon as the ensemble answers, and another client
 /// takes the lock.
 ///
-/// Fails: the fix belongs to the lock core (`src/lock/registry.rs`, `lose_with`): a
-/// hold could keep its `StoreLoss` and `is_lost` / the lost signal read it directly,
-/// with no task in between.
+/// Failed before the lock core kept each hold's `StoreLoss` (`Hold::store_loss`) and
+/// `is_lost` and the lost signal read it directly, with no task in between.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "the lock core waits for a store's loss on the acquiring runtime (lose_with)"]
 async fn a_guard_from_a_runtime_that_ended_is_lost_with_its_session() {
     let session = Duration::from_secs(6);
     let server = common::zookeeper::shared().await;
